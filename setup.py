@@ -1,0 +1,48 @@
+"""tg_jax: targeted guidance on top of GRPO for multi-turn agentic RL, in JAX."""
+
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "jax>=0.10",
+    "flax>=0.12",
+    "optax",
+    "orbax-checkpoint",
+    "grain",
+    "ml-collections",
+    "tensorflow-datasets",
+    "array-record",
+    "absl-py",
+    "numpy",
+    "tokenizers",
+    "safetensors",
+    "tensorboardX",
+    "matplotlib",
+    "tqdm",
+]
+
+EXTRAS = {
+    # Reference stack used only by tests and benchmarks (CPU torch from local disk).
+    "test": [
+        "pytest",
+        "pytest-xdist",
+        "chex",
+        "ruff",
+        "torch==2.13.0",
+        "transformers",
+        "nbclient",
+        "nbformat",
+        "ipykernel",
+    ],
+    "tpu": ["jax[tpu]"],
+    "wandb": ["wandb"],
+}
+
+setup(
+    name="tg_jax",
+    version="0.1.0",
+    description="Targeted guidance (hinted self-distillation) on top of GRPO for agentic RL, in JAX.",
+    packages=find_packages(include=["tg_jax", "tg_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)
