@@ -1,0 +1,1 @@
+"""RL: advantages, policy and targeted-guidance losses, batch building, train step."""
