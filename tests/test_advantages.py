@@ -1,0 +1,73 @@
+"""GRPO / Dr. GRPO advantages against a plain numpy loop over groups."""
+
+import jax
+import numpy as np
+import pytest
+
+from tg_jax.rl import advantages as adv_lib
+
+
+def _numpy_advantages(rewards, group_ids, mode, eps, ddof, valid):
+    adv = np.zeros_like(rewards, dtype=np.float64)
+    zero_std = []
+    for g in np.unique(group_ids[valid]):
+        idx = np.where((group_ids == g) & valid)[0]
+        r = rewards[idx].astype(np.float64)
+        n = len(r)
+        std = np.sqrt(((r - r.mean()) ** 2).sum() / max(n - ddof, 1))
+        zero_std.append(np.all(r == r[0]))
+        if np.all(r == r[0]):
+            continue
+        adv[idx] = (r - r.mean()) / (std + eps) if mode == "grpo" else r - r.mean()
+    return adv, np.mean(zero_std)
+
+
+def test_hand_computed_group():
+    # One group of 4: rewards 1, 0, 0, 1 -> mean 0.5, population std 0.5 -> A = +-1.
+    # A second group of 2 with equal rewards -> A = 0 and counts as a zero-variance group.
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0], np.float32)
+    groups = np.array([7, 7, 7, 7, -2, -2])
+    adv, metrics = adv_lib.group_advantages(rewards, groups, eps=0.0)
+    np.testing.assert_allclose(adv, [1, -1, -1, 1, 0, 0], atol=1e-6)
+    assert float(metrics.num_groups) == 2
+    assert float(metrics.frac_zero_std_groups) == 0.5
+    adv, _ = adv_lib.group_advantages(rewards, groups, mode="dr_grpo")
+    np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, 0, 0], atol=1e-6)
+    # Unbiased std (ddof=1): sqrt(1/3) for the first group.
+    adv, _ = adv_lib.group_advantages(rewards, groups, eps=0.0, ddof=1)
+    np.testing.assert_allclose(adv[:4], np.array([1, -1, -1, 1]) * 0.5 / np.sqrt(1 / 3), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("ddof", [0, 1])
+def test_random_groups_vs_numpy(mode, ddof):
+    rng = np.random.default_rng(0)
+    batch = 23
+    groups = rng.choice([-5, 3, 11, 1000, 42], size=batch)  # uneven sizes, arbitrary ids
+    rewards = rng.integers(0, 3, size=batch).astype(np.float32) * 0.5
+    rewards[groups == 42] = 1.0  # a zero-variance group
+    valid = rng.random(batch) > 0.2
+    fn = jax.jit(adv_lib.group_advantages, static_argnames=("mode", "eps", "ddof"))
+    adv, metrics = fn(rewards, groups, mode=mode, eps=1e-4, ddof=ddof, valid_B=valid)
+    want, want_frac = _numpy_advantages(rewards, groups, mode, 1e-4, ddof, valid)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(adv)[~valid] == 0.0)
+    assert float(metrics.num_groups) == len(np.unique(groups[valid]))
+    np.testing.assert_allclose(float(metrics.frac_zero_std_groups), want_frac, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics.reward_mean), rewards[valid].mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics.reward_std), rewards[valid].std(), rtol=1e-5)
+
+
+def test_combined_rewards():
+    rewards = {
+        "task": np.array([1.0, 0.0, 1.0, 0.0], np.float32),
+        "markdown": np.array([0.0, 1.0, 1.0, 0.0], np.float32),
+        "logged_only": np.array([9.0, 9.0, 9.0, 9.0], np.float32),
+    }
+    weights = {"task": 1.0, "markdown": 0.5}
+    adv, total, _ = adv_lib.compute_advantages(rewards, weights, np.array([0, 0, 0, 0]), eps=0.0)
+    np.testing.assert_allclose(total, [1.0, 0.5, 1.5, 0.0])
+    r = np.array([1.0, 0.5, 1.5, 0.0])
+    np.testing.assert_allclose(adv, (r - r.mean()) / r.std(), rtol=1e-6)
+    with pytest.raises(KeyError):
+        adv_lib.combine_rewards(rewards, {"missing": 1.0})

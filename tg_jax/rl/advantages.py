@@ -1,0 +1,173 @@
+"""Group-normalised advantages for GRPO and Dr. GRPO.
+
+Each rollout i belongs to a group g(i) of rollouts of the same task. Its scalar reward is a
+weighted sum of reward components (task reward, requirement rewards, ...), and its advantage is
+
+    GRPO:     A_i = (r_i - mean_{j in g(i)} r_j) / (std_{j in g(i)} r_j + eps)
+    Dr. GRPO: A_i =  r_i - mean_{j in g(i)} r_j
+
+Group ids are arbitrary integers and groups may have any size; everything is computed with
+segment ops over the batch, so the functions jit with a fixed batch size and recompile for
+nothing else. The advantage is one number per rollout; broadcasting it over the rollout's
+tokens is the policy loss's job.
+"""
+
+from collections.abc import Mapping
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+AdvantageMode = Literal["grpo", "dr_grpo"]
+
+
+class AdvantageMetrics(NamedTuple):
+    """Batch statistics of the rewards behind the advantages (all scalars).
+
+    Attributes:
+      reward_mean: mean combined reward over valid rollouts.
+      reward_std: population std of the combined reward over valid rollouts.
+      num_groups: number of distinct groups among valid rollouts.
+      frac_zero_std_groups: fraction of those groups whose rewards are all equal (their
+        advantages are all 0, so they carry no GRPO signal; groups of size 1 count here).
+    """
+
+    reward_mean: jax.Array
+    reward_std: jax.Array
+    num_groups: jax.Array
+    frac_zero_std_groups: jax.Array
+
+
+def combine_rewards(rewards: Mapping[str, jax.Array], weights: Mapping[str, float]) -> jax.Array:
+    """Weighted sum of reward components.
+
+    Args:
+      rewards: name -> reward component, each [B].
+      weights: name -> weight. Every weighted name must be present in `rewards`; components
+        without a weight are ignored (they can still be logged), so a run turns a reward off by
+        dropping its weight or setting it to 0.
+
+    Returns:
+      rewards_B: float32 [B], sum_k weights[k] * rewards[k].
+    """
+    missing = sorted(set(weights) - set(rewards))
+    if missing:
+        raise KeyError(f"weights name reward components that are missing: {missing}")
+    if not weights:
+        raise ValueError("weights is empty: the combined reward would be identically zero")
+    total_B = None
+    for name in sorted(weights):  # fixed order, so the float sum is reproducible
+        term_B = jnp.asarray(rewards[name], jnp.float32) * weights[name]
+        total_B = term_B if total_B is None else total_B + term_B
+    return total_B
+
+
+def group_advantages(
+    rewards_B: jax.Array,
+    group_ids_B: jax.Array,
+    *,
+    mode: AdvantageMode = "grpo",
+    eps: float = 1e-6,
+    ddof: int = 0,
+    valid_B: jax.Array | None = None,
+) -> tuple[jax.Array, AdvantageMetrics]:
+    """Group-normalised advantages (GRPO or Dr. GRPO) over arbitrary integer group ids.
+
+    Steps:
+      1. Map the group ids to dense segment ids 0..G-1 (`jnp.unique` with a static size B).
+      2. Per group: count n_g, mean m_g and std s_g of the rewards of valid rollouts, with
+         s_g = sqrt(sum (r - m_g)^2 / max(n_g - ddof, 1)).
+      3. A_i = (r_i - m_g) / (s_g + eps) for "grpo", r_i - m_g for "dr_grpo"; 0 for invalid
+         rollouts. A group whose rewards are all equal gets A = 0 exactly in both modes.
+
+    Args:
+      rewards_B: [B] combined reward per rollout (see `combine_rewards`).
+      group_ids_B: [B] int, any values; rollouts with the same id form a group.
+      mode: "grpo" (divide by the group std) or "dr_grpo" (do not).
+      eps: added to the std before dividing.
+      ddof: 0 = population std (default; defined for groups of size 1), 1 = unbiased sample std
+        as in torch.std-based implementations.
+      valid_B: optional [B] bool; False marks padding rows, which get A = 0 and are left out
+        of every statistic.
+
+    Returns:
+      advantages_B: float32 [B].
+      metrics: `AdvantageMetrics`.
+    """
+    if mode not in ("grpo", "dr_grpo"):
+        raise ValueError(f"unknown advantage mode {mode!r}")
+    rewards_B = jnp.asarray(rewards_B, jnp.float32)
+    (batch,) = rewards_B.shape
+    valid_B = jnp.ones((batch,), bool) if valid_B is None else jnp.asarray(valid_B, bool)
+    w_B = valid_B.astype(jnp.float32)
+
+    # Padding rows share one sentinel id so they never make a group of valid rows look bigger;
+    # with at most B distinct ids, size=B keeps the shapes static.
+    sentinel = jnp.iinfo(jnp.int32).min
+    ids_B = jnp.where(valid_B, jnp.asarray(group_ids_B, jnp.int32), sentinel)
+    _, seg_B = jnp.unique(ids_B, return_inverse=True, size=batch, fill_value=sentinel)
+    seg_B = seg_B.reshape(batch)
+
+    def seg_sum(x_B: jax.Array) -> jax.Array:
+        return jax.ops.segment_sum(x_B, seg_B, num_segments=batch)
+
+    count_G = seg_sum(w_B)
+    mean_G = seg_sum(w_B * rewards_B) / jnp.maximum(count_G, 1.0)
+    centred_B = (rewards_B - mean_G[seg_B]) * w_B
+    var_G = seg_sum(centred_B**2) / jnp.maximum(count_G - ddof, 1.0)
+    std_G = jnp.sqrt(var_G)
+    # Equal rewards make the centred rewards exactly 0 only up to rounding of the mean; test
+    # equality on max/min instead, and zero those groups' advantages exactly.
+    big = jnp.finfo(jnp.float32).max
+    max_G = jax.ops.segment_max(jnp.where(valid_B, rewards_B, -big), seg_B, num_segments=batch)
+    min_G = jax.ops.segment_min(jnp.where(valid_B, rewards_B, big), seg_B, num_segments=batch)
+    present_G = count_G > 0
+    zero_std_G = present_G & (max_G == min_G)
+
+    if mode == "grpo":
+        adv_B = centred_B / (std_G[seg_B] + eps)
+    else:
+        adv_B = centred_B
+    adv_B = jnp.where(zero_std_G[seg_B] | ~valid_B, 0.0, adv_B)
+
+    num_valid = jnp.maximum(w_B.sum(), 1.0)
+    reward_mean = (w_B * rewards_B).sum() / num_valid
+    reward_std = jnp.sqrt((w_B * (rewards_B - reward_mean) ** 2).sum() / num_valid)
+    num_groups = present_G.sum()
+    metrics = AdvantageMetrics(
+        reward_mean=reward_mean,
+        reward_std=reward_std,
+        num_groups=num_groups,
+        frac_zero_std_groups=zero_std_G.sum() / jnp.maximum(num_groups, 1),
+    )
+    return adv_B, metrics
+
+
+def compute_advantages(
+    rewards: Mapping[str, jax.Array],
+    weights: Mapping[str, float],
+    group_ids_B: jax.Array,
+    *,
+    mode: AdvantageMode = "grpo",
+    eps: float = 1e-6,
+    ddof: int = 0,
+    valid_B: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, AdvantageMetrics]:
+    """`combine_rewards` then `group_advantages`.
+
+    Args:
+      rewards: name -> reward component [B].
+      weights: name -> weight.
+      group_ids_B: [B] int group ids.
+      mode, eps, ddof, valid_B: as in `group_advantages`.
+
+    Returns:
+      advantages_B: float32 [B].
+      rewards_B: float32 [B], the combined reward.
+      metrics: `AdvantageMetrics`.
+    """
+    rewards_B = combine_rewards(rewards, weights)
+    adv_B, metrics = group_advantages(
+        rewards_B, group_ids_B, mode=mode, eps=eps, ddof=ddof, valid_B=valid_B
+    )
+    return adv_B, rewards_B, metrics
