@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The README's two commands, on one machine (CPU by default):
+#   bash launch/local.sh demo   # the main job on the embedded default -> report in ./workdir
+#   bash launch/local.sh test   # ruff + the whole test suite (what CI runs)
+# Each creates or refreshes the virtual environment .venv itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$(pwd)"
+VENV="${TG_JAX_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+
+setup_env() {
+  if [[ ! -x "$PY" ]]; then
+    echo "[local.sh] creating virtual environment $VENV"
+    python3 -m venv "$VENV"
+  fi
+  # Reinstall only when setup.py changed since the last install (a stamp in the venv).
+  local stamp="$VENV/.tg_jax_setup_stamp"
+  local want
+  want="$(sha256sum setup.py | cut -d' ' -f1)"
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    echo "[local.sh] installing tg_jax and its dependencies into $VENV"
+    "$PY" -m pip install -q --upgrade pip
+    "$PY" -m pip install -q -e ".[test]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
+export TG_JAX_COMPILATION_CACHE="${TG_JAX_COMPILATION_CACHE:-$ROOT/.jax_cache}"
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+  demo)
+    setup_env
+    WORKDIR="${WORKDIR:-$ROOT/workdir}"
+    "$PY" -m tg_jax.main --config=configs/default.py --workdir="$WORKDIR" "$@"
+    ;;
+  test)
+    setup_env
+    echo "[local.sh] ruff"
+    "$VENV/bin/ruff" check tg_jax tests configs
+    "$VENV/bin/ruff" format --check tg_jax tests configs
+    echo "[local.sh] pytest"
+    "$PY" -m pytest -q -n 2 --dist loadfile tests "$@"
+    ;;
+  *)
+    echo "usage: bash launch/local.sh {demo|test} [extra args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,118 @@
+"""Typed model configuration built from the `config.model` ConfigDict."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3-family decoder (dense or mixture-of-experts).
+
+    Field names follow Hugging Face's `Qwen3Config` where one exists, so that
+    `ModelConfig.from_hf(hf_config_dict)` is a rename, not a translation.
+    """
+
+    vocab_size: int
+    d_model: int  # hidden_size
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # independent of d_model / num_heads, as in Qwen3
+    mlp_dim: int  # intermediate_size of the dense SwiGLU MLP
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype of activations and matmuls
+    remat_policy: str = "none"
+    max_seq_len: int = 4096
+    # Mixture of experts (Qwen3-MoE). num_experts == 0 means a dense MLP in every layer.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_mlp_dim: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(f"Invalid model config: {msg}")
+
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
+            need(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        need(
+            self.head_dim > 0 and self.head_dim % 2 == 0,
+            f"head_dim must be even, got {self.head_dim}",
+        )
+        need(
+            self.num_heads % self.num_kv_heads == 0,
+            f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}",
+        )
+        need(
+            self.param_dtype in _DTYPES, f"param_dtype {self.param_dtype!r} not in {list(_DTYPES)}"
+        )
+        need(self.dtype in _DTYPES, f"dtype {self.dtype!r} not in {list(_DTYPES)}")
+        need(
+            self.remat_policy in REMAT_POLICIES,
+            f"remat_policy {self.remat_policy!r} not in {REMAT_POLICIES}",
+        )
+        if self.num_experts:
+            need(
+                0 < self.experts_per_token <= self.num_experts,
+                "experts_per_token must be in [1, num_experts]",
+            )
+            need(self.moe_mlp_dim > 0, "moe_mlp_dim must be > 0 for a MoE model")
+        else:
+            need(self.mlp_dim > 0, "mlp_dim must be > 0 for a dense model")
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def jnp_param_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelConfig:
+        """From an ml_collections ConfigDict (or any mapping) with exactly these field names."""
+        d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"Unknown model config keys {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count (all experts counted)."""
+        d, h, kv, hd = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d + 2 * hd
+        if self.is_moe:
+            mlp = self.num_experts * 3 * d * self.moe_mlp_dim + d * self.num_experts
+        else:
+            mlp = 3 * d * self.mlp_dim
+        per_layer = attn + mlp + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + d + (emb if include_embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward matmul FLOPs per token (2 * active params + attention), the MFU convention."""
+        d, h, kv, hd = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+        attn_proj = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d)
+        attn_scores = 2 * 2 * h * hd * seq_len / 2  # causal: half the keys on average
+        if self.is_moe:
+            mlp = 2 * self.experts_per_token * 3 * d * self.moe_mlp_dim + 2 * d * self.num_experts
+        else:
+            mlp = 2 * 3 * d * self.mlp_dim
+        return self.num_layers * (attn_proj + attn_scores + mlp) + 2 * d * self.vocab_size

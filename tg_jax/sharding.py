@@ -1,0 +1,164 @@
+"""Meshes, logical-axis rules, and parameters created already sharded.
+
+Choice of sharding mode: meshes use `AxisType.Auto` on every axis. Parameters and key
+activations carry *logical* axis names ("batch", "embed", "heads", "mlp", "vocab", ...);
+the config maps them to mesh axes ("data", "fsdp", "tensor", "expert"). The compiler
+propagates shardings between the annotated points (GSPMD/Shardy auto mode), which is what
+Flax's logical partitioning and MaxText-style rules are designed for. Explicit ("sharding in
+types") mode would make every intermediate's sharding part of its type, which Flax linen's
+logical constraints do not drive; we therefore choose Auto deliberately.
+
+Typical use:
+
+    mesh = make_mesh(config.mesh)
+    rules = logical_rules(config.mesh)
+    params, shardings = create_sharded_params(model, rng, mesh, rules)
+    with activation_sharding(mesh, rules):
+        logits = jitted_forward(params, tokens)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+Rules = tuple[tuple[str, Any], ...]
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+    """Replaces one -1 entry by whatever makes the product equal `num_devices`."""
+    shape = [int(s) for s in shape]
+    if shape.count(-1) > 1:
+        raise ValueError(f"At most one mesh axis may be -1, got {shape}")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"Mesh axis sizes must be positive or -1, got {shape}")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"Mesh shape {shape} does not divide {num_devices} devices")
+        shape[shape.index(-1)] = num_devices // known
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"Mesh shape {tuple(shape)} needs {math.prod(shape)} devices, but {num_devices} "
+            "are in use (set one axis to -1 to take the rest)"
+        )
+    return tuple(shape)
+
+
+def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Mesh from `config.mesh` (fields `axes` and `shape`), every axis in Auto mode."""
+    devices = list(devices) if devices is not None else jax.devices()
+    axes = tuple(mesh_config.axes)
+    shape = resolve_mesh_shape(mesh_config.shape, len(devices))
+    if len(axes) != len(shape):
+        raise ValueError(f"mesh.axes {axes} and mesh.shape {shape} differ in length")
+    return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def logical_rules(mesh_config: Any) -> Rules:
+    """The logical->mesh axis rules from `config.mesh.rules` as a tuple of pairs."""
+    rules = []
+    for item in mesh_config.rules:
+        if len(item) != 2:
+            raise ValueError(f"Each logical axis rule is (logical_name, mesh_axes), got {item!r}")
+        name, target = item
+        if isinstance(target, list):
+            target = tuple(target)
+        rules.append((str(name), target))
+    return tuple(rules)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules):
+    """Context in which the model's logical activation constraints take effect."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        yield
+
+
+def logical_to_shardings(abstract_boxed: Any, mesh: Mesh, rules: Rules) -> Any:
+    """NamedShardings for a pytree of `nn.Partitioned` (or plain) abstract leaves."""
+    specs = nn.get_partition_spec(abstract_boxed)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def create_sharded_params(
+    model: nn.Module,
+    rng: jax.Array,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    example_tokens: jax.Array | None = None,
+    check: bool = True,
+) -> tuple[Any, Any]:
+    """Initialises params directly into their shardings (no full copy on one device).
+
+    eval_shape gives the abstract, logically-annotated tree; the rules turn it into
+    NamedShardings; a jitted init with those `out_shardings` materialises each shard where
+    it belongs. Returns (params, shardings), both without metadata boxes.
+    """
+    tokens = example_tokens if example_tokens is not None else jnp.zeros((1, 8), jnp.int32)
+
+    def init(key):
+        return model.init(key, tokens)["params"]
+
+    abstract = jax.eval_shape(init, rng)
+    shardings = logical_to_shardings(abstract, mesh, rules)
+    with activation_sharding(mesh, rules):
+        params = jax.jit(lambda k: nn.unbox(init(k)), out_shardings=shardings)(rng)
+    if check:
+        check_params_sharded(params, mesh)
+    return params, shardings
+
+
+def param_partition_specs(model: nn.Module, mesh: Mesh, rules: Rules) -> Any:
+    """Shardings of the model's params without initialising anything."""
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    abstract = jax.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
+    return logical_to_shardings(abstract, mesh, rules)
+
+
+def check_params_sharded(params: Any, mesh: Mesh, min_size: int = 2**20) -> None:
+    """Fails loudly when a large parameter is fully replicated on a multi-device mesh.
+
+    A param of at least `min_size` elements must be split along some mesh axis of size > 1
+    (when the mesh has any). Replicating large weights silently costs a full copy per chip.
+    """
+    if mesh.size == 1:
+        return
+    bad = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not hasattr(leaf, "sharding") or leaf.size < min_size:
+            continue
+        sharding = leaf.sharding
+        if isinstance(sharding, NamedSharding) and all(p is None for p in sharding.spec):
+            bad.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)}")
+        elif not isinstance(sharding, NamedSharding) and sharding.is_fully_replicated:
+            bad.append(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)}")
+    if bad:
+        raise ValueError(
+            "Large parameters are fully replicated on a mesh of "
+            f"{dict(mesh.shape)}: {bad}. Check config.mesh.rules covers their logical axes."
+        )
+
+
+def data_sharding(mesh: Mesh, rules: Rules, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, length, ...] input: batch over the rule for 'batch'."""
+    spec = nn.logical_to_mesh_axes(("batch",) + (None,) * (ndim - 1), rules)
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+
+def batch_divisor(mesh: Mesh, rules: Rules) -> int:
+    """How many ways the batch dimension is split: batch sizes must be multiples of this."""
+    spec = nn.logical_to_mesh_axes(("batch",), rules)[0]
+    if spec is None:
+        return 1
+    axes = (spec,) if isinstance(spec, str) else spec
+    return int(np.prod([mesh.shape[a] for a in axes]))
