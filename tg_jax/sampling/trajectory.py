@@ -1,0 +1,74 @@
+"""The record a multi-turn rollout produces and the trainer consumes.
+
+Token-in/token-out: `tokens` are exactly the ids the sampler saw and produced, in order
+(prompt, assistant turns, environment observations, template separators). The trainer
+never re-renders text. Hints are NOT in `tokens`: for each failed assistant turn the
+rollout records which requirements failed, and `hint_tokens` holds the rendered hint
+message per requirement, so the batch builder can insert it before that turn to make the
+teacher sequence (see tg_jax.rl.batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tg_jax.text.chat import Role  # PROMPT=0, THINK=1, ANSWER=2, ENV=3, HINT=4
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One episode.
+
+    Attributes:
+      tokens: [n] int32, the whole student sequence.
+      roles: [n] int8 `Role` codes (assistant header tokens are PROMPT; the closing
+        <|im_end|> of an assistant turn is ANSWER).
+      turn_ids: [n] int32, index of the assistant turn a token belongs to (thinking and
+        answer tokens), -1 for every other token.
+      turn_starts: [num_turns] int32, index in `tokens` of the first token of each
+        assistant turn's header ("<|im_start|>assistant\\n"): a hint message is inserted
+        right before it.
+      behaviour_logprobs: [n] float32, log-prob of each sampled token under the sampling
+        distribution (after temperature / top-k / top-p), 0 for tokens not sampled.
+      turn_verdicts: per assistant turn, {requirement name: passed}.
+      rewards: reward components, e.g. {"task": 1.0, "fence": 0.0}.
+      hint_tokens: {requirement name: token ids of the rendered hint message}.
+      group_id: rollouts of the same task in the same step share it (GRPO groups).
+      policy_version: version of the weights that sampled it.
+      task_id: the task's id.
+      info: free-form episode summary (actions taken, termination reason, ...).
+    """
+
+    tokens: np.ndarray
+    roles: np.ndarray
+    turn_ids: np.ndarray
+    turn_starts: np.ndarray
+    behaviour_logprobs: np.ndarray
+    turn_verdicts: list[dict[str, bool]]
+    rewards: dict[str, float]
+    hint_tokens: dict[str, list[int]]
+    group_id: int
+    policy_version: int
+    task_id: str
+    info: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        n = len(self.tokens)
+        for name in ("roles", "turn_ids", "behaviour_logprobs"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Trajectory.{name} has length {len(getattr(self, name))} != {n}")
+        if len(self.turn_starts) != len(self.turn_verdicts):
+            raise ValueError("one verdict dict per assistant turn is required")
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_verdicts)
+
+    def failed_requirements(self, turn: int) -> list[str]:
+        """Names of the requirements assistant turn `turn` broke (sorted, deterministic)."""
+        return sorted(name for name, ok in self.turn_verdicts[turn].items() if not ok)
+
+
+__all__ = ["Role", "Trajectory"]
