@@ -1,0 +1,530 @@
+"""Targeted guidance (TG): distil the hinted policy into the unhinted one on failed turns.
+
+A turn that breaks requirement r is a *failed turn*. The *teacher* is the same weights run on
+the context with the hint h_r inserted right before that turn, under stop-gradient; the
+*student* is the policy on the original context. Per student token t (the token the policy
+produced at that position) the loss compares the two next-token distributions over the full
+vocabulary:
+
+    D_t = KL( p_theta(. | s_k, y_<t) || sg p_theta(. | s_k + h_r, y_<t) )   (default: reverse)
+    L_TG = lambda_tg * sum_{t in M} D_t / max(|M|, 1)
+    L = L_GRPO + L_TG  (+ optional reference KL, see policy_loss.py)
+
+The algorithm, in the order the code below implements it:
+
+ 1. The caller runs the model on the student sequence -> final hidden states [B, T, D], and on
+    the hinted teacher sequence -> teacher hidden states, which it gathers to student positions
+    through the batch's student->teacher index map and stop-gradients. Both are aligned with
+    `targets_BxT`: index t holds the hidden state that predicts targets[t], the token the policy
+    produced. Every [B, T] array here (masks included) uses that alignment.
+ 2. `chunked_token_stats` walks over T in chunks of C positions. Per chunk it unembeds student
+    and teacher hidden states into fp32 logits [B, C, V], takes the student's log-prob of the
+    target (for the policy loss), its entropy, and D_t (`token_divergence`). The chunk body is
+    rematerialised, so neither pass ever holds [B, T, V]; only [B, C, V] and [B, T] outputs.
+ 3. `token_divergence` turns a pair of logits into D_t: reverse KL (default), forward KL or
+    JSD(beta); over the full vocabulary, as a single-sample estimate from the produced token
+    (with a score-function gradient), or over the student's top-k tokens plus one tail bucket.
+ 4. `tg_mask` builds M: the answer tokens of failed turns (optionally their thinking tokens
+    too; optionally every assistant turn). Prompt, environment and tool tokens never count.
+ 5. `tg_loss` averages D over M and scales by lambda_tg (`lambda_schedule`); it is exactly 0
+    when M is empty, so a batch without failed turns is plain GRPO.
+
+Suffix `_xV` below means any leading shape followed by the vocabulary axis.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+DivergenceKind = Literal["reverse", "forward", "jsd"]
+Estimator = Literal["full", "sampled"]
+Gate = Literal["failed_turns", "all_turns"]
+
+# Log-probs are floored at this finite value instead of -inf (a vocabulary entry masked with
+# -inf, or an empty top-k tail bucket): p = exp(floor) is exactly 0, so p * (log p - log q)
+# is 0 rather than 0 * inf = NaN, in the value and in the gradient.
+_LOG_FLOOR = -1e30
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 3: per-token divergences.
+# ---------------------------------------------------------------------------------------------
+
+
+def _log_probs(logits_xV: jax.Array) -> jax.Array:
+    """fp32 log-softmax over the last axis, floored at _LOG_FLOOR."""
+    return jnp.maximum(jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1), _LOG_FLOOR)
+
+
+def _kl(log_p_xV: jax.Array, log_q_xV: jax.Array) -> jax.Array:
+    """KL(p || q) = sum_v p (log p - log q) over the last axis, from floored log-probs."""
+    return jnp.sum(jnp.exp(log_p_xV) * (log_p_xV - log_q_xV), axis=-1)
+
+
+def _log_mixture(log_s: jax.Array, log_t: jax.Array, beta: float) -> jax.Array:
+    """log m for m = beta * p_teacher + (1 - beta) * p_student, computed stably."""
+    return jnp.logaddexp(log_t + math.log(beta), log_s + math.log1p(-beta))
+
+
+def _full_divergence(
+    log_s_xV: jax.Array, log_t_xV: jax.Array, kind: DivergenceKind, beta: float
+) -> jax.Array:
+    """Exact divergence between two (floored) log-prob vectors over the last axis."""
+    if kind == "reverse":
+        return _kl(log_s_xV, log_t_xV)
+    if kind == "forward":
+        return _kl(log_t_xV, log_s_xV)
+    log_m_xV = _log_mixture(log_s_xV, log_t_xV, beta)
+    return beta * _kl(log_t_xV, log_m_xV) + (1.0 - beta) * _kl(log_s_xV, log_m_xV)
+
+
+def _sampled_divergence(
+    log_s_xV: jax.Array,
+    log_t_xV: jax.Array,
+    token_x: jax.Array,
+    kind: DivergenceKind,
+    beta: float,
+) -> jax.Array:
+    """Single-sample estimate from the produced token y, with a score-function gradient.
+
+    With ls = log p_s(y), lt = log p_t(y), w = p_t(y) / p_s(y) and lm = log m(y):
+      kind     value v(y)                               score coefficient c(y)
+      reverse  ls - lt                                   ls - lt
+      forward  w (lt - ls)                               -w
+      jsd      beta w (lt - lm) + (1 - beta)(ls - lm)    (1 - beta)(ls - lm)
+    The returned D = sg(v) + sg(c) * (ls - sg(ls)) has value v and gradient c * grad log p_s(y).
+    For y ~ p_s, E[v] is the full divergence and E[c grad log p_s(y)] its full gradient, because
+    c(y) is the derivative of the divergence w.r.t. p_s(y) up to a constant, and
+    E[grad log p_s(y)] = 0. That same identity is why differentiating v itself would be wrong:
+    grad v = grad ls for reverse KL, whose expectation is 0.
+    """
+    ls_x = jnp.take_along_axis(log_s_xV, token_x[..., None], axis=-1)[..., 0]
+    lt_x = jnp.take_along_axis(log_t_xV, token_x[..., None], axis=-1)[..., 0]
+    ls_sg_x = jax.lax.stop_gradient(ls_x)
+    if kind == "reverse":
+        value_x = coef_x = ls_sg_x - lt_x
+    elif kind == "forward":
+        w_x = jnp.exp(lt_x - ls_sg_x)
+        value_x, coef_x = w_x * (lt_x - ls_sg_x), -w_x
+    else:
+        lm_x = _log_mixture(ls_sg_x, lt_x, beta)
+        w_x = jnp.exp(lt_x - ls_sg_x)
+        value_x = beta * w_x * (lt_x - lm_x) + (1.0 - beta) * (ls_sg_x - lm_x)
+        coef_x = (1.0 - beta) * (ls_sg_x - lm_x)
+    value_x, coef_x = jax.lax.stop_gradient(value_x), jax.lax.stop_gradient(coef_x)
+    return value_x + coef_x * (ls_x - ls_sg_x)
+
+
+def _top_k_buckets(log_s_xV: jax.Array, log_t_xV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Log-masses of both distributions on the student's top-k tokens plus one tail bucket.
+
+    Returns:
+      Two [..., k + 1] arrays; the last entry is the log of the mass outside the top k.
+    """
+    vocab = log_s_xV.shape[-1]
+    _, idx_xK = jax.lax.top_k(jax.lax.stop_gradient(log_s_xV), k)
+    top_s_xK = jnp.take_along_axis(log_s_xV, idx_xK, axis=-1)
+    top_t_xK = jnp.take_along_axis(log_t_xV, idx_xK, axis=-1)
+    # Scatter a top-k membership mask on a flattened copy of the leading axes (a threshold on
+    # the k-th logit would over-select on ties).
+    idx_NxK = idx_xK.reshape(-1, k)
+    rows_Nx1 = jnp.arange(idx_NxK.shape[0])[:, None]
+    in_top_NxV = jnp.zeros((idx_NxK.shape[0], vocab), bool).at[rows_Nx1, idx_NxK].set(True)
+    in_top_xV = in_top_NxV.reshape(log_s_xV.shape)
+    # Floored, not -inf, so that k = V (empty tail) stays finite in value and gradient.
+    tail_s_x = jax.nn.logsumexp(jnp.where(in_top_xV, _LOG_FLOOR, log_s_xV), axis=-1)
+    tail_t_x = jax.nn.logsumexp(jnp.where(in_top_xV, _LOG_FLOOR, log_t_xV), axis=-1)
+    buckets_s = jnp.concatenate([top_s_xK, jnp.maximum(tail_s_x, _LOG_FLOOR)[..., None]], -1)
+    buckets_t = jnp.concatenate([top_t_xK, jnp.maximum(tail_t_x, _LOG_FLOOR)[..., None]], -1)
+    return buckets_s, buckets_t
+
+
+def _divergence_from_log_probs(
+    log_s_xV: jax.Array,
+    log_t_xV: jax.Array,
+    *,
+    kind: DivergenceKind,
+    beta: float,
+    estimator: Estimator,
+    sampled_token: jax.Array | None,
+    top_k: int | None,
+) -> jax.Array:
+    """`token_divergence` on already computed (floored, fp32) log-probs; teacher already sg."""
+    if estimator == "sampled":
+        return _sampled_divergence(log_s_xV, log_t_xV, sampled_token, kind, beta)
+    if top_k is not None:
+        log_s_xV, log_t_xV = _top_k_buckets(log_s_xV, log_t_xV, top_k)
+    return _full_divergence(log_s_xV, log_t_xV, kind, beta)
+
+
+def _check_divergence_options(
+    kind: str, beta: float, estimator: str, top_k: int | None, vocab: int
+) -> None:
+    if kind not in ("reverse", "forward", "jsd"):
+        raise ValueError(f"unknown divergence kind {kind!r}")
+    if estimator not in ("full", "sampled"):
+        raise ValueError(f"unknown estimator {estimator!r}")
+    if kind == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd needs 0 < beta < 1 (use reverse/forward for the limits): {beta}")
+    if top_k is not None and estimator == "sampled":
+        raise ValueError("top_k applies to the full estimator only")
+    if top_k is not None and not 1 <= top_k <= vocab:
+        raise ValueError(f"top_k must be in [1, {vocab}], got {top_k}")
+
+
+def token_divergence(
+    student_logits_xV: jax.Array,
+    teacher_logits_xV: jax.Array,
+    *,
+    kind: DivergenceKind = "reverse",
+    beta: float = 0.5,
+    estimator: Estimator = "full",
+    sampled_token: jax.Array | None = None,
+    top_k: int | None = None,
+) -> jax.Array:
+    """Per-token divergence D between student and teacher next-token distributions, in fp32.
+
+    Kinds (p_s student, p_t teacher; the teacher logits are always stop-gradiented):
+      reverse: KL(p_s || p_t) = sum_v p_s (log p_s - log p_t). Mode-seeking; the default.
+      forward: KL(p_t || p_s) = sum_v p_t (log p_t - log p_s). Mass-covering.
+      jsd:     with the mixture m = beta p_t + (1 - beta) p_s,
+               JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m)
+               (the generalised JSD of GKD, Agarwal et al. 2024, same convention as TRL's GKD).
+               beta = 0.5 is the symmetric Jensen-Shannon divergence, bounded by log 2. Both
+               endpoints make it vanish (m becomes one of the two distributions), so beta must
+               lie strictly inside (0, 1); near them it approaches a scaled KL:
+               JSD_beta / beta -> forward KL as beta -> 0, and
+               JSD_beta / (1 - beta) -> reverse KL as beta -> 1.
+
+    Estimators:
+      full:    exact sum over the vocabulary.
+      full + top_k: the student's top-k tokens are kept exactly and the remaining mass of each
+               distribution is lumped into one tail bucket; the divergence is taken over these
+               k + 1 buckets. The student side chooses the tokens because the default reverse
+               KL is an expectation under p_s, so its large terms sit on the student's top
+               tokens. Coarse-graining can only lower an f-divergence, so this is a lower bound
+               on the full value, exact when k = V (or when both distributions agree on how
+               the tail mass splits). The top-k selection itself gets no gradient.
+      sampled: only the produced token y = `sampled_token` (drawn from the student, i.e. the
+               on-policy sample): for reverse KL the value is log p_s(y) - log p_t(y). The
+               gradient is the score-function (REINFORCE) term
+               c(y) grad log p_s(y), with c(y) = log p_s(y) - log p_t(y) for reverse KL
+               (other kinds: see `_sampled_divergence`), so that both the value and the
+               gradient are unbiased for the full divergence when y ~ p_s. Differentiating
+               the plain estimate would give grad log p_s(y), whose expectation is 0. Samples
+               from a stale or tempered behaviour policy make it biased (no importance
+               correction); forward and jsd carry an importance weight p_t(y) / p_s(y) and
+               have high variance.
+
+    Args:
+      student_logits_xV: [..., V] student logits (any float dtype; upcast to fp32).
+      teacher_logits_xV: [..., V] teacher logits for the same positions.
+      kind: "reverse", "forward" or "jsd".
+      beta: mixture weight of the teacher in jsd, in (0, 1).
+      estimator: "full" or "sampled".
+      sampled_token: [...] int token ids in [0, V), required by the sampled estimator.
+      top_k: keep the student's top-k tokens plus a tail bucket (full estimator only).
+
+    Returns:
+      D: [...] float32.
+    """
+    _check_divergence_options(kind, beta, estimator, top_k, student_logits_xV.shape[-1])
+    if estimator == "sampled" and sampled_token is None:
+        raise ValueError("the sampled estimator needs sampled_token")
+    log_s_xV = _log_probs(student_logits_xV)
+    log_t_xV = _log_probs(jax.lax.stop_gradient(teacher_logits_xV))
+    return _divergence_from_log_probs(
+        log_s_xV,
+        log_t_xV,
+        kind=kind,
+        beta=beta,
+        estimator=estimator,
+        sampled_token=sampled_token,
+        top_k=top_k,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 2: chunked logits -> per-token statistics.
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenStats(NamedTuple):
+    """Per-token outputs of `chunked_token_stats`, aligned with the targets.
+
+    Attributes:
+      logprob_BxT: float32 log p_s(targets[t]), differentiable (the policy loss's logp).
+      entropy_BxT: float32 entropy of p_s at t, differentiable.
+      divergence_BxT: float32 D_t vs the teacher, or None when no teacher was given.
+    """
+
+    logprob_BxT: jax.Array
+    entropy_BxT: jax.Array
+    divergence_BxT: jax.Array | None
+
+
+def chunked_token_stats(
+    student_hidden_BxTxD: jax.Array,
+    targets_BxT: jax.Array,
+    unembed_fn: Callable[[jax.Array], jax.Array],
+    *,
+    teacher_hidden_BxTxD: jax.Array | None = None,
+    chunk_size: int = 512,
+    kind: DivergenceKind = "reverse",
+    beta: float = 0.5,
+    estimator: Estimator = "full",
+    top_k: int | None = None,
+) -> TokenStats:
+    """Target log-probs, entropies and TG divergences without materialising [B, T, V].
+
+    T is padded to a multiple of C = min(chunk_size, T) and scanned chunk by chunk. The chunk
+    body is wrapped in `jax.checkpoint`, so the backward pass recomputes each chunk's logits
+    instead of keeping them: peak memory holds a few [B, C, V] fp32 arrays, not [B, T, V].
+    The sampled estimator uses `targets_BxT` as the produced tokens. Sampling temperature, if
+    the behaviour log-probs used one, belongs in `unembed_fn` (divide the logits by it).
+
+    Args:
+      student_hidden_BxTxD: [B, T, D] final hidden states of the student sequence.
+      targets_BxT: [B, T] int token ids in [0, V) predicted at each position.
+      unembed_fn: hidden_BxCxD -> logits_BxCxV (cast to fp32 here); the same function serves
+        the teacher, since the teacher is the same weights.
+      teacher_hidden_BxTxD: optional [B, T, D] teacher hidden states already gathered to
+        student positions; stop-gradiented here again, and so are the teacher logits, so the
+        unembedding gets no gradient through the teacher either.
+      chunk_size: positions per chunk.
+      kind, beta, estimator, top_k: see `token_divergence`.
+
+    Returns:
+      `TokenStats` with [B, T] arrays.
+    """
+    batch, length, _ = student_hidden_BxTxD.shape
+    chunk = min(chunk_size, length)
+    num_chunks = -(-length // chunk)
+    padded = num_chunks * chunk
+
+    def to_chunks(x_BxT_: jax.Array) -> jax.Array:
+        """[B, T, ...] -> [num_chunks, B, C, ...], zero-padded along T."""
+        pad = [(0, 0)] * x_BxT_.ndim
+        pad[1] = (0, padded - length)
+        x = jnp.pad(x_BxT_, pad).reshape(batch, num_chunks, chunk, *x_BxT_.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def from_chunks(x_NxBxC: jax.Array) -> jax.Array:
+        return jnp.moveaxis(x_NxBxC, 0, 1).reshape(batch, padded)[:, :length]
+
+    if teacher_hidden_BxTxD is not None:
+        # Check the static options once, outside the traced loop.
+        vocab = jax.eval_shape(unembed_fn, student_hidden_BxTxD[:, :1]).shape[-1]
+        _check_divergence_options(kind, beta, estimator, top_k, vocab)
+        teacher_hidden_BxTxD = jax.lax.stop_gradient(teacher_hidden_BxTxD)
+
+    def chunk_body(
+        hidden_BxCxD: jax.Array, targets_BxC: jax.Array, teacher_BxCxD: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        log_s_BxCxV = _log_probs(unembed_fn(hidden_BxCxD))
+        logprob_BxC = jnp.take_along_axis(log_s_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
+        entropy_BxC = -jnp.sum(jnp.exp(log_s_BxCxV) * log_s_BxCxV, axis=-1)
+        if teacher_BxCxD is None:
+            return logprob_BxC, entropy_BxC, None
+        teacher_logits_BxCxV = jax.lax.stop_gradient(unembed_fn(teacher_BxCxD))
+        divergence_BxC = _divergence_from_log_probs(
+            log_s_BxCxV,
+            _log_probs(teacher_logits_BxCxV),
+            kind=kind,
+            beta=beta,
+            estimator=estimator,
+            sampled_token=targets_BxC,
+            top_k=top_k,
+        )
+        return logprob_BxC, entropy_BxC, divergence_BxC
+
+    # prevent_cse=False: scan already keeps the recomputation from being CSE'd away.
+    body = jax.checkpoint(chunk_body, prevent_cse=False)
+    teacher_chunks = None if teacher_hidden_BxTxD is None else to_chunks(teacher_hidden_BxTxD)
+    xs = (to_chunks(student_hidden_BxTxD), to_chunks(targets_BxT), teacher_chunks)
+    _, (logprob, entropy, divergence) = jax.lax.scan(lambda c, x: (c, body(*x)), None, xs)
+    return TokenStats(
+        logprob_BxT=from_chunks(logprob),
+        entropy_BxT=from_chunks(entropy),
+        divergence_BxT=None if divergence is None else from_chunks(divergence),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 4: which tokens are distilled.
+# ---------------------------------------------------------------------------------------------
+
+
+def tg_mask(
+    distill_mask_BxT: jax.Array,
+    thinking_mask_BxT: jax.Array,
+    failed_turn_mask_BxT: jax.Array,
+    loss_mask_BxT: jax.Array,
+    *,
+    include_thinking: bool = False,
+    gate: Gate = "failed_turns",
+) -> jax.Array:
+    """The distillation mask M.
+
+    Inputs (all [B, T], aligned with the targets; bool or {0, 1}):
+      loss_mask_BxT: assistant tokens the policy produced (answer and thinking, end-of-turn
+        token included). Prompt, environment/tool observation and padding tokens are 0; hint
+        tokens never appear in the student sequence.
+      thinking_mask_BxT: the assistant tokens inside a `<think>...</think>` span (tags
+        included). Values outside `loss_mask_BxT` are ignored.
+      failed_turn_mask_BxT: every token of an assistant turn that broke at least one
+        requirement. Values outside `loss_mask_BxT` are ignored.
+      distill_mask_BxT: tokens that have a usable teacher counterpart: the index map points
+        to a teacher token whose context holds the hint (0 e.g. where the teacher sequence
+        was truncated). With gate="all_turns" the batch must give hinted contexts, and set
+        this mask, for every turn it wants distilled.
+
+    Rule:
+      answer   = loss_mask & ~thinking
+      eligible = loss_mask (answer + thinking) if include_thinking else answer
+      M        = eligible & failed_turn & distill   (gate="failed_turns", the method's default)
+      M        = eligible & distill                 (gate="all_turns": feedback on every turn)
+
+    Args:
+      distill_mask_BxT, thinking_mask_BxT, failed_turn_mask_BxT, loss_mask_BxT: see above.
+      include_thinking: also distil the thinking tokens of the selected turns.
+      gate: "failed_turns" or "all_turns".
+
+    Returns:
+      mask_BxT: bool [B, T].
+    """
+    if gate not in ("failed_turns", "all_turns"):
+        raise ValueError(f"unknown gate {gate!r}")
+    assistant_BxT = loss_mask_BxT.astype(bool)
+    eligible_BxT = assistant_BxT
+    if not include_thinking:
+        eligible_BxT = eligible_BxT & ~thinking_mask_BxT.astype(bool)
+    if gate == "failed_turns":
+        eligible_BxT = eligible_BxT & failed_turn_mask_BxT.astype(bool)
+    return eligible_BxT & distill_mask_BxT.astype(bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 5: the loss and its weight.
+# ---------------------------------------------------------------------------------------------
+
+
+class TGMetrics(NamedTuple):
+    """Diagnostics of the TG loss.
+
+    Attributes:
+      loss: lambda_tg * divergence_mean (scalar).
+      divergence_mean: mean D over distilled tokens, 0 if none (scalar).
+      distilled_fraction: |M| / |assistant tokens| (scalar).
+      num_distilled: |M| (scalar).
+      per_requirement_divergence: [R] mean D over distilled tokens of each requirement.
+      per_requirement_tokens: [R] number of distilled tokens of each requirement.
+    """
+
+    loss: jax.Array
+    divergence_mean: jax.Array
+    distilled_fraction: jax.Array
+    num_distilled: jax.Array
+    per_requirement_divergence: jax.Array
+    per_requirement_tokens: jax.Array
+
+
+def tg_loss(
+    divergence_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    lambda_tg: float | jax.Array,
+    *,
+    assistant_mask_BxT: jax.Array | None = None,
+    requirement_ids_BxT: jax.Array | None = None,
+    num_requirements: int = 0,
+) -> tuple[jax.Array, TGMetrics]:
+    """L_TG = lambda_tg * sum_{t in M} D_t / max(|M|, 1); exactly 0.0 when M is empty.
+
+    Args:
+      divergence_BxT: [B, T] D_t (from `chunked_token_stats`).
+      mask_BxT: [B, T] M (from `tg_mask`).
+      lambda_tg: weight (a float or a traced scalar from `lambda_schedule`).
+      assistant_mask_BxT: [B, T] assistant tokens, the denominator of `distilled_fraction`
+        (default: every position).
+      requirement_ids_BxT: [B, T] int, the requirement whose hint the teacher saw at each
+        token, -1 for none; ids >= num_requirements are ignored.
+      num_requirements: R, static.
+
+    Returns:
+      loss: scalar float32.
+      metrics: `TGMetrics`.
+    """
+    mask_BxT = mask_BxT.astype(bool)
+    # where, not multiply: garbage (inf/NaN) at unmasked positions must not reach the sum.
+    d_BxT = jnp.where(mask_BxT, divergence_BxT.astype(jnp.float32), 0.0)
+    num_distilled = mask_BxT.sum()
+    divergence_mean = d_BxT.sum() / jnp.maximum(num_distilled, 1).astype(jnp.float32)
+    loss = jnp.asarray(lambda_tg, jnp.float32) * divergence_mean
+
+    if assistant_mask_BxT is None:
+        num_assistant = jnp.asarray(mask_BxT.size, jnp.float32)
+    else:
+        num_assistant = jnp.maximum(assistant_mask_BxT.astype(bool).sum(), 1).astype(jnp.float32)
+    if requirement_ids_BxT is None or num_requirements == 0:
+        per_req_sum_R = per_req_count_R = jnp.zeros((num_requirements,), jnp.float32)
+    else:
+        # one_hot maps -1 (and out-of-range ids) to an all-zero row.
+        onehot_BxTxR = jax.nn.one_hot(requirement_ids_BxT, num_requirements, dtype=jnp.float32)
+        onehot_BxTxR = onehot_BxTxR * mask_BxT[..., None].astype(jnp.float32)
+        per_req_sum_R = jax.lax.stop_gradient(jnp.einsum("bt,btr->r", d_BxT, onehot_BxTxR))
+        per_req_count_R = onehot_BxTxR.sum(axis=(0, 1))
+    metrics = TGMetrics(
+        loss=loss,
+        divergence_mean=jax.lax.stop_gradient(divergence_mean),
+        distilled_fraction=num_distilled.astype(jnp.float32) / num_assistant,
+        num_distilled=num_distilled,
+        per_requirement_divergence=per_req_sum_R / jnp.maximum(per_req_count_R, 1.0),
+        per_requirement_tokens=per_req_count_R,
+    )
+    return loss, metrics
+
+
+def lambda_schedule(step: int | jax.Array, config: Any) -> jax.Array:
+    """lambda_tg at a training step; pure jnp, so `step` may be traced.
+
+    Config fields (an ml_collections.ConfigDict, a dict, or any object with attributes):
+      kind: "constant" | "linear_warmup" | "cosine".
+      value: the peak lambda_tg.
+      warmup_steps: linear ramp 0 -> value over steps [0, warmup_steps] (linear_warmup and
+        cosine; default 0 = no ramp). Step 0 gives 0 when there is a ramp.
+      decay_steps: cosine only: steps after the warmup over which lambda decays from value to
+        final_value; it stays at final_value afterwards.
+      final_value: cosine only, default 0.
+
+    Args:
+      step: the training step (int or int scalar array).
+      config: as above.
+
+    Returns:
+      Scalar float32 lambda_tg.
+    """
+
+    def get(name: str, default: Any = None) -> Any:
+        if hasattr(config, "get"):
+            return config.get(name, default)
+        return getattr(config, name, default)
+
+    kind = get("kind", "constant")
+    value = float(get("value"))
+    step = jnp.asarray(step, jnp.float32)
+    if kind == "constant":
+        return jnp.asarray(value, jnp.float32)
+    warmup = float(get("warmup_steps", 0))
+    ramp = jnp.clip(step / warmup, 0.0, 1.0) if warmup > 0 else jnp.asarray(1.0, jnp.float32)
+    if kind == "linear_warmup":
+        return value * ramp
+    if kind == "cosine":
+        decay = float(get("decay_steps"))
+        final = float(get("final_value", 0.0))
+        progress = jnp.clip((step - warmup) / decay, 0.0, 1.0)
+        cosine = final + (value - final) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(step < warmup, value * ramp, cosine)
+    raise ValueError(f"unknown lambda schedule kind {kind!r}")
