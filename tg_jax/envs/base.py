@@ -1,0 +1,164 @@
+"""The environment API: strings in, strings out.
+
+An episode is: `reset(task)` -> first user message; then repeatedly the policy writes an
+assistant message and `step(message)` returns the next observation (a "tool" message) until
+`done`. Every assistant turn is judged by the environment's requirements (machine-checkable
+format rules). A hint for requirement r is its own message (role HINT_ROLE) placed right
+before the turn it targets; the environment supplies the text, the renderer the tokens.
+
+Reward convention: every step returns a reward for every key in `reward_keys`; non-final
+steps return 0.0 everywhere, the final step returns the episode's values, so the sum over
+steps is the episode return.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+HINT_ROLE = "user"
+REQUIREMENT_REWARD_MODES = ("fraction", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirement:
+    """A machine-checkable rule for assistant turns.
+
+    Attributes:
+      name: reward key and id, e.g. "fence".
+      check: turn_text -> True iff the turn meets the requirement.
+      hint: the hint text shown before a turn that should meet it.
+      weight: weight of this requirement's reward in a weighted total.
+      applies: turn_text -> whether the requirement is judged on this turn at all
+        (e.g. "code is fenced" does not apply to a turn without code).
+    """
+
+    name: str
+    check: Callable[[str], bool]
+    hint: str
+    weight: float = 1.0
+    applies: Callable[[str], bool] = lambda turn_text: True
+
+    def verdict(self, turn_text: str) -> bool | None:
+        """True (met), False (failed turn) or None (not applicable)."""
+        if not self.applies(turn_text):
+            return None
+        return bool(self.check(turn_text))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one environment step returns.
+
+    Attributes:
+      observation: next message to the policy (role "tool"), None iff done.
+      done: the episode is over.
+      rewards: reward per key (0.0 on non-final steps).
+      info: per-step details (action, error, verdicts, ...); "summary" on the final step.
+    """
+
+    observation: str | None
+    done: bool
+    rewards: dict[str, float]
+    info: dict[str, Any]
+
+
+@dataclasses.dataclass
+class EpisodeSummary:
+    """Per-episode record for compliance and side-effect reporting.
+
+    Attributes:
+      verdicts: requirement name -> one verdict per assistant turn (True/False/None).
+      actions: action counts, e.g. {"run_tests": 2, "submit": 1, "malformed": 0}.
+      turns: number of assistant turns taken.
+      end_reason: "submit", "max_turns" or "" while running.
+    """
+
+    verdicts: dict[str, list[bool | None]]
+    actions: dict[str, int]
+    turns: int = 0
+    end_reason: str = ""
+
+    def failed_turns(self, name: str) -> list[int]:
+        """Indices of assistant turns that failed requirement `name` (the TG gate)."""
+        return [k for k, v in enumerate(self.verdicts[name]) if v is False]
+
+    def requirement_reward(self, name: str, mode: str = "fraction") -> float:
+        """Requirement reward of the episode.
+
+        Args:
+          name: requirement name.
+          mode: "fraction" = share of applicable turns that meet it; "all" = 1.0 iff every
+            applicable turn meets it. With no applicable turn at all (e.g. the policy never
+            wrote code) the reward is 0.0, so doing nothing never earns it.
+
+        Returns:
+          The reward in [0, 1].
+        """
+        judged = [v for v in self.verdicts[name] if v is not None]
+        if not judged:
+            return 0.0
+        if mode == "fraction":
+            return sum(judged) / len(judged)
+        if mode == "all":
+            return float(all(judged))
+        raise ValueError(f"mode must be one of {REQUIREMENT_REWARD_MODES}, got {mode!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def hint_text(requirements: Sequence[Requirement], names: Sequence[str]) -> str:
+    """Hint message text for the named requirements, one line each, in requirement order."""
+    unknown = set(names) - {r.name for r in requirements}
+    if unknown:
+        raise ValueError(f"unknown requirement(s) {sorted(unknown)}")
+    return "\n".join(r.hint for r in requirements if r.name in names)
+
+
+def weighted_total(
+    rewards: dict[str, float], requirements: Sequence[Requirement], task_weight: float = 1.0
+) -> float:
+    """task_weight * rewards["task"] + sum_r weight_r * rewards[r.name]."""
+    total = task_weight * rewards.get("task", 0.0)
+    return total + sum(r.weight * rewards.get(r.name, 0.0) for r in requirements)
+
+
+class Environment(abc.ABC):
+    """Multi-turn text environment. Subclasses set `requirements` and implement the rest.
+
+    A malformed assistant message (no parsable action, broken tool-call JSON, no code,
+    garbage bytes) must produce a clear observation and rewards, never an exception.
+    """
+
+    requirements: tuple[Requirement, ...] = ()
+
+    @property
+    def reward_keys(self) -> tuple[str, ...]:
+        return ("task", *(r.name for r in self.requirements))
+
+    @abc.abstractmethod
+    def reset(self, task: Any) -> str:
+        """Starts an episode; returns the first user message."""
+
+    @abc.abstractmethod
+    def step(self, assistant_message: str) -> StepResult:
+        """Consumes one assistant turn; returns the observation, done flag and rewards."""
+
+    @abc.abstractmethod
+    def summary(self) -> EpisodeSummary:
+        """The current episode's summary."""
+
+    def judge(self, turn_text: str) -> dict[str, bool | None]:
+        """Verdict of every requirement on one assistant turn."""
+        return {r.name: r.verdict(turn_text) for r in self.requirements}
+
+    def hint(self, names: Sequence[str]) -> str:
+        """Hint text for the named requirements (see `hint_text`)."""
+        return hint_text(self.requirements, names)
+
+    def hint_message(self, names: Sequence[str]) -> dict[str, str]:
+        """The hint as a chat message, to be placed right before the targeted turn."""
+        return {"role": HINT_ROLE, "content": self.hint(names)}

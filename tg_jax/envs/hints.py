@@ -1,0 +1,84 @@
+"""Imperfect feedback: pick a correct, an irrelevant or a wrong hint at set rates.
+
+Used to measure how sensitive targeted guidance is to feedback quality (DESIGN.md section 4).
+A wrong hint points at a different format (it would make the turn fail the requirement); an
+irrelevant hint is true-sounding advice that says nothing about the requirement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from tg_jax.envs.protocol import FENCE_HINT, TOOL_JSON_HINT
+
+HINT_KINDS = ("correct", "irrelevant", "wrong")
+
+CORRECT_HINTS: dict[str, str] = {"fence": FENCE_HINT, "tool_json": TOOL_JSON_HINT}
+IRRELEVANT_HINTS: tuple[str, ...] = (
+    "Reminder: keep your lines short.",
+    "Reminder: read the examples carefully.",
+    "Reminder: small steps are fine.",
+)
+WRONG_HINTS: dict[str, tuple[str, ...]] = {
+    "fence": ("Reminder: put code in a ```js block.", "Reminder: never use code fences."),
+    "tool_json": ("Reminder: use <tool>run_tests</tool>.", "Reminder: end with CALL submit."),
+}
+
+
+class Rng(Protocol):
+    """Anything with `.random() -> float in [0, 1)`: random.Random or numpy's Generator."""
+
+    def random(self) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedbackRates:
+    """Probabilities of each hint kind; they must sum to 1."""
+
+    correct: float = 1.0
+    irrelevant: float = 0.0
+    wrong: float = 0.0
+
+    def __post_init__(self):
+        rates = (self.correct, self.irrelevant, self.wrong)
+        if any(r < 0 for r in rates) or abs(sum(rates) - 1.0) > 1e-6:
+            raise ValueError(f"feedback rates must be >= 0 and sum to 1, got {rates}")
+
+
+def _choice(rng: Rng, options: Sequence[str]) -> str:
+    return options[min(int(rng.random() * len(options)), len(options) - 1)]
+
+
+def pick_hint(name: str, rng: Rng, rates: FeedbackRates = FeedbackRates()) -> tuple[str, str]:
+    """Picks the hint shown for a failed turn of requirement `name`.
+
+    Args:
+      name: requirement name ("fence" or "tool_json").
+      rng: random source; the same rng state gives the same pick.
+      rates: probabilities of a correct / irrelevant / wrong hint.
+
+    Returns:
+      (kind, text) with kind in HINT_KINDS.
+    """
+    if name not in CORRECT_HINTS:
+        raise ValueError(f"no hints for requirement {name!r}")
+    u = rng.random()
+    if u < rates.correct:
+        return "correct", CORRECT_HINTS[name]
+    if u < rates.correct + rates.irrelevant:
+        return "irrelevant", _choice(rng, IRRELEVANT_HINTS)
+    return "wrong", _choice(rng, WRONG_HINTS[name])
+
+
+def pick_hints(
+    names: Sequence[str], rng: Rng, rates: FeedbackRates = FeedbackRates()
+) -> tuple[list[str], str]:
+    """Picks one hint per requirement and joins them into one hint message.
+
+    Returns:
+      (kinds, text): the kind of each hint, in `names` order, and the message text.
+    """
+    picks = [pick_hint(n, rng, rates) for n in names]
+    return [k for k, _ in picks], "\n".join(t for _, t in picks)

@@ -1,0 +1,429 @@
+"""Run untrusted, model-written Python in a throwaway subprocess.
+
+One call = one short-lived interpreter (`python -I -S -B`, started in a new session) in a
+fresh temporary working directory that is deleted afterwards, with an empty environment.
+
+What is contained, and how:
+
+* Time: a wall-clock deadline enforced by the parent (kill of the whole process group) and
+  RLIMIT_CPU in the child.
+* Memory: RLIMIT_AS (a memory bomb raises MemoryError or dies; reported as "memory").
+* Output: stdout and stderr are read in chunks as they arrive; the child is killed as soon as
+  either exceeds `max_output_bytes` ("output_limit"). No deadlock on full pipes.
+* Processes: an audit hook refuses fork/exec/spawn/system/subprocess/kill, and RLIMIT_NPROC is
+  0 (the kernel ignores it for uid 0). The process group is always SIGKILLed at the end.
+* Files: the audit hook refuses writes, deletes, renames, chmods, links outside the working
+  directory, `dir_fd` tricks, opens of non-str paths (TOCTOU via `__fspath__`), and reads of
+  anything but the working dir, the interpreter's stdlib and a few /dev files (so neither
+  /proc/<parent>/environ nor home directories can be read). RLIMIT_FSIZE caps file sizes.
+* Network: sockets are refused by the audit hook; when `unshare` can create a network
+  namespace, the child also has no network interfaces at all.
+* Environment: the child gets an empty environment (`env={}`), so parent variables are absent.
+* Privileges: when the parent runs as root and the interpreter is reachable by `nobody`, the
+  child runs as uid/gid 65534.
+
+What is NOT contained: the audit hook is in-process Python, a speed bump for model-written
+code, not a security boundary against a determined attacker (e.g. an interpreter memory
+corruption bug). If the child runs as root (no uid drop possible), a process that escapes the
+hook, forks and calls setsid could outlive the run. Reads of directory listings are allowed.
+For adversarial workloads, run the whole trainer inside a container or VM.
+
+No `preexec_fn` is used: it is unsafe in a threaded parent (JAX runs many threads), so limits
+are set by a trusted prelude in the child before any user code runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
+_MEMORY_RC = 90  # exit code the prelude uses for an uncaught MemoryError
+_NOBODY = 65534
+_READ_CHUNK = 65536
+
+# Modules whose import would let code bypass the audit hook (raw memory, raw fork/exec,
+# object graph walking) or is never needed by a function-writing task.
+_BLOCKED_IMPORTS = (
+    "ctypes",
+    "_ctypes",
+    "_posixsubprocess",
+    "gc",
+    "_xxsubinterpreters",
+    "_testcapi",
+    "_testinternalcapi",
+    "_testbuffer",
+    "_testmultiphase",
+)
+
+# The trusted prelude, run with `-c` in the child's working dir. It sets rlimits, installs
+# the audit hook (all helpers bound at install time so user code cannot monkeypatch them),
+# then executes main.py. Parameters are substituted with repr() by the parent.
+_PRELUDE = r"""
+import posix as _p, sys as _s, _signal as _g, resource as _r
+def _setup(root, cpu_s, mem_b, fsize_b, nofile, blocked, audit):
+    R = _r
+    for lim, val in ((R.RLIMIT_CPU, (cpu_s, cpu_s + 1)), (R.RLIMIT_AS, (mem_b, mem_b)),
+                     (R.RLIMIT_FSIZE, (fsize_b, fsize_b)), (R.RLIMIT_NOFILE, (nofile, nofile)),
+                     (R.RLIMIT_NPROC, (0, 0)), (R.RLIMIT_CORE, (0, 0))):
+        try:
+            R.setrlimit(lim, val)
+        except (ValueError, OSError):
+            pass
+    _g.signal(_g.SIGXFSZ, _g.SIG_IGN)  # oversized writes raise OSError instead of killing
+    if not audit:
+        return
+    getcwd, lstat, readlink = _p.getcwd, _p.lstat, _p.readlink
+    str_, bytes_, int_, type_, tuple_, perm = str, bytes, int, type, tuple, PermissionError
+    w_flags = _p.O_WRONLY | _p.O_RDWR | _p.O_APPEND | _p.O_CREAT | _p.O_TRUNC
+
+    def real(path):
+        # realpath with captured primitives; None for non-str paths (refused by callers).
+        if type_(path) is bytes_:
+            path = path.decode("utf-8", "surrogateescape")
+        if type_(path) is not str_:
+            return None
+        todo = (path if path.startswith("/") else getcwd() + "/" + path).split("/")
+        todo.reverse()
+        parts, hops = [], 0
+        while todo:
+            c = todo.pop()
+            if c in ("", "."):
+                continue
+            if c == "..":
+                if parts:
+                    parts.pop()
+                continue
+            cand = "/" + "/".join(parts + [c])
+            try:
+                is_link = (lstat(cand).st_mode & 0o170000) == 0o120000
+            except OSError:
+                is_link = False
+            if is_link and hops < 40:
+                hops += 1
+                target = readlink(cand)
+                if target.startswith("/"):
+                    parts = []
+                rest = target.split("/")
+                rest.reverse()
+                todo.extend(rest)
+            else:
+                parts.append(c)
+        return "/" + "/".join(parts)
+
+    def under(p, prefixes):
+        return p is not None and any((p + "/").startswith(q.rstrip("/") + "/") for q in prefixes)
+
+    rroot = (real(root),)
+    readable = rroot + tuple_(real(x) for x in _s.path if x) + (
+        "/dev/null", "/dev/urandom", "/dev/random", "/dev/zero")
+    proc_events = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork",
+                   "os.forkpty", "os.kill", "os.killpg", "subprocess.Popen", "os.startfile",
+                   "signal.pthread_kill", "os.link", "os.symlink", "resource.setrlimit",
+                   "resource.prlimit")
+    path_events = {"os.remove": (1,), "os.rmdir": (1,), "os.rename": (2, 3), "os.mkdir": (2,),
+                   "os.chmod": (2,), "os.chown": (3,), "os.utime": (3,), "os.truncate": (),
+                   "os.chflags": (), "os.lchflags": (), "os.setxattr": (), "os.removexattr": (),
+                   "shutil.rmtree": (), "shutil.copyfile": (), "shutil.copytree": (),
+                   "shutil.move": (), "shutil.chown": (), "shutil.copymode": (),
+                   "shutil.copystat": (), "shutil.make_archive": (), "shutil.unpack_archive": ()}
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            if type_(path) is int_:
+                return
+            rp = real(path)
+            if rp is None:
+                raise perm("sandbox: open() needs a str path")
+            if mode is None or flags & w_flags:  # os.open (dir_fd unseen) or a write
+                if not under(rp, rroot):
+                    raise perm("sandbox: writing outside the working directory is blocked")
+            elif not under(rp, readable):
+                raise perm("sandbox: reading " + rp + " is blocked")
+        elif event == "import":
+            if args[0] in blocked or args[0].split(".")[0] in blocked:
+                raise perm("sandbox: import of " + args[0] + " is blocked")
+        elif event.startswith("socket.") or event.startswith("ctypes."):
+            raise perm("sandbox: network access is blocked")
+        elif event in proc_events:
+            raise perm("sandbox: " + event + " is blocked")
+        elif event in path_events:
+            for i in path_events[event]:
+                if i < len(args) and args[i] is not None and args[i] != -1:
+                    raise perm("sandbox: dir_fd arguments are blocked")
+            for a in args:
+                if type_(a) is str_ or type_(a) is bytes_:
+                    if not under(real(a), rroot):
+                        raise perm("sandbox: changing files outside the working dir is blocked")
+                elif not (a is None or type_(a) is int_ or type_(a) is tuple_):
+                    raise perm("sandbox: " + event + " needs str paths")
+        elif event == "object.__setattr__" and args[1] == "__code__":
+            raise perm("sandbox: replacing code objects is blocked")
+
+    _s.addaudithook(hook)
+
+def _report(e):
+    import traceback
+    tb = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == "main.py"]
+    text = ("Traceback (most recent call last):\n" + "".join(traceback.format_list(tb))
+            if tb else "")
+    _s.stderr.write(text + "".join(traceback.format_exception_only(type(e), e)))
+
+with open("main.py", "rb") as _f:
+    _src = _f.read()
+_setup(*PARAMS)
+try:
+    exec(compile(_src, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+except MemoryError:
+    _s.stderr.write("MemoryError: memory limit exceeded\n")
+    _s.stdout.flush(); _s.stderr.flush()
+    _p._exit(MEMORY_RC)
+except SystemExit:
+    raise
+except BaseException as _e:
+    _report(_e)
+    _s.stdout.flush(); _s.stderr.flush()
+    _p._exit(1)
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one sandboxed run.
+
+    Attributes:
+      status: one of STATUSES.
+      stdout: captured stdout (at most max_output_bytes, utf-8 with replacement).
+      stderr: captured stderr (same cap).
+      returncode: the child's exit status (negative = signal), None if never started.
+      wall_s: wall-clock seconds from spawn to reap.
+      message: one line saying what happened, e.g. "timeout: wall-clock limit 2.0 s".
+      pid: pid (= process group id) of the child, for leak checks.
+    """
+
+    status: str
+    stdout: str
+    stderr: str
+    returncode: int | None
+    wall_s: float
+    message: str
+    pid: int = -1
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launcher:
+    prefix: tuple[str, ...]  # e.g. ("unshare", "--net", "--")
+    drop_uid: bool  # child runs as uid/gid 65534
+    popen_user: bool  # drop via Popen(user=...) rather than unshare --setuid
+    network_namespace: bool
+
+
+def _candidates(isolate_network: bool, drop_privileges: bool) -> list[_Launcher]:
+    root = os.geteuid() == 0
+    have_unshare = isolate_network and shutil.which("unshare") is not None
+    out = []
+    if root:
+        if have_unshare and drop_privileges:
+            ids = ("--setgid", str(_NOBODY), "--setuid", str(_NOBODY))
+            out.append(_Launcher(("unshare", "--net", *ids, "--"), True, False, True))
+        if drop_privileges:
+            out.append(_Launcher((), True, True, False))
+        if have_unshare:
+            out.append(_Launcher(("unshare", "--net", "--"), False, False, True))
+    elif have_unshare:
+        out.append(_Launcher(("unshare", "--user", "--map-root-user", "--net", "--"), 0, 0, 1))
+    out.append(_Launcher((), False, False, False))
+    return out
+
+
+@functools.cache
+def _launcher(isolate_network: bool, drop_privileges: bool) -> _Launcher:
+    """Strongest launcher that can actually run the interpreter here (probed once)."""
+    for cand in _candidates(isolate_network, drop_privileges):
+        res = _run("print(6 * 7)", cand, 5.0, 2, 256, 4096, 1, 32, True)
+        if res.status == "ok" and res.stdout == "42\n":
+            return cand
+    return _Launcher((), False, False, False)
+
+
+def sandbox_info(isolate_network: bool = True, drop_privileges: bool = True) -> dict[str, bool]:
+    """Which OS-level isolation is in effect on this machine.
+
+    Returns:
+      {"network_namespace": bool, "uid_drop": bool}.
+    """
+    lau = _launcher(isolate_network, drop_privileges)
+    return {"network_namespace": bool(lau.network_namespace), "uid_drop": bool(lau.drop_uid)}
+
+
+def run_python(
+    code: str,
+    *,
+    timeout_s: float = 2.0,
+    cpu_s: int = 2,
+    memory_mb: int = 256,
+    max_output_bytes: int = 4096,
+    max_file_mb: int = 1,
+    max_open_files: int = 32,
+    isolate_network: bool = True,
+    drop_privileges: bool = True,
+    audit: bool = True,
+) -> SandboxResult:
+    """Runs `code` as a script in a sandboxed interpreter and returns what happened.
+
+    Args:
+      code: Python source, run as `__main__` from a file "main.py" in a fresh temp dir.
+      timeout_s: wall-clock limit in seconds (the process group is killed at the deadline).
+      cpu_s: RLIMIT_CPU in seconds.
+      memory_mb: RLIMIT_AS in MiB (includes the interpreter itself, ~20 MiB).
+      max_output_bytes: cap on each of stdout and stderr; exceeding it kills the child.
+      max_file_mb: RLIMIT_FSIZE in MiB.
+      max_open_files: RLIMIT_NOFILE.
+      isolate_network: also run in a fresh network namespace when `unshare` allows it.
+      drop_privileges: when running as root, run the child as uid 65534 if that works here.
+      audit: install the audit hook (only tests of the OS-level backstops turn it off).
+
+    Returns:
+      A SandboxResult; this function never raises for anything the code does.
+    """
+    lau = _launcher(isolate_network, drop_privileges)
+    return _run(
+        code, lau, timeout_s, cpu_s, memory_mb, max_output_bytes, max_file_mb, max_open_files, audit
+    )
+
+
+def _run(
+    code: str,
+    lau: _Launcher,
+    timeout_s: float,
+    cpu_s: int,
+    memory_mb: int,
+    max_output_bytes: int,
+    max_file_mb: int,
+    max_open_files: int,
+    audit: bool,
+) -> SandboxResult:
+    workdir = os.path.realpath(tempfile.mkdtemp(prefix="tg_sandbox_"))
+    try:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        if lau.drop_uid:
+            os.chown(workdir, _NOBODY, _NOBODY)
+            os.chown(os.path.join(workdir, "main.py"), _NOBODY, _NOBODY)
+        params = (
+            workdir,
+            max(1, int(cpu_s)),
+            int(memory_mb) << 20,
+            int(max_file_mb) << 20,
+            int(max_open_files),
+            _BLOCKED_IMPORTS,
+            audit,
+        )
+        prelude = _PRELUDE.replace("PARAMS", repr(params)).replace("MEMORY_RC", str(_MEMORY_RC))
+        argv = [*lau.prefix, sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", prelude]
+        extra = dict(user=_NOBODY, group=_NOBODY, extra_groups=[]) if lau.popen_user else {}
+        return _supervise(argv, workdir, extra, timeout_s, cpu_s, memory_mb, max_output_bytes)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(
+    argv: list[str],
+    workdir: str,
+    extra: dict,
+    timeout_s: float,
+    cpu_s: int,
+    memory_mb: int,
+    cap: int,
+) -> SandboxResult:
+    start = time.monotonic()
+    deadline = start + timeout_s
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=workdir,
+            env={},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+            **extra,
+        )
+    except OSError as e:
+        return SandboxResult("killed", "", str(e), None, 0.0, f"killed: could not start ({e})")
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    bufs = {out_fd: bytearray(), err_fd: bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    timed_out = flooded = False
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=left):
+                try:
+                    chunk = os.read(key.fd, _READ_CHUNK)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = bufs[key.fd]
+                buf += chunk[: cap + 1 - len(buf)]
+                if len(buf) > cap:
+                    flooded = True
+            if flooded:
+                break
+        if not (timed_out or flooded):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        sel.close()
+        # The group is killed before the final reap, on every path: nothing may survive.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    wall = time.monotonic() - start
+    rc = proc.returncode
+    stdout = bytes(bufs[out_fd][:cap]).decode("utf-8", "replace")
+    stderr = bytes(bufs[err_fd][:cap]).decode("utf-8", "replace")
+    if flooded:
+        status, msg = "output_limit", f"output_limit: output exceeded {cap} bytes"
+    elif timed_out:
+        status, msg = "timeout", f"timeout: wall-clock limit {timeout_s:g} s exceeded"
+    elif rc == -signal.SIGXCPU:
+        status, msg = "timeout", f"timeout: CPU time limit {cpu_s} s exceeded"
+    elif rc == _MEMORY_RC:
+        status, msg = "memory", f"memory: memory limit {memory_mb} MB exceeded"
+    elif rc is not None and rc < 0:
+        status, msg = "killed", f"killed: signal {signal.Signals(-rc).name}"
+    elif rc == 0:
+        status, msg = "ok", "ok"
+    else:
+        last = [ln for ln in stderr.splitlines() if ln.strip()]
+        status, msg = "error", "error: " + (last[-1].strip() if last else f"exit status {rc}")
+    return SandboxResult(status, stdout, stderr, rc, wall, msg, proc.pid)

@@ -1,0 +1,283 @@
+"""Procedurally generated coding tasks: find a hidden integer function from 3 examples.
+
+A task is a hidden function `f(x)` from one of a few families, shown through visible examples
+(by default x = 0, 1 and one random x, so the constant and slope can be read off directly and
+the third point tells families apart). Hidden tests are more inputs, including negative ones,
+so a guess that only fits the visible points (e.g. `x+1` for `abs(x)+1` seen at x >= 0) fails.
+
+Splits are disjoint by construction: every function (family + parameters) belongs to exactly
+one split, fixed by a stable hash, so no held-out function is ever seen in training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import zlib
+from collections.abc import Callable, Sequence
+
+SPLITS = ("train", "heldout")
+HELDOUT_FRACTION = 0.2
+_B = tuple(range(-9, 10))
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A family of hidden functions.
+
+    Attributes:
+      name: short name, also used as the family label in transcripts.
+      fn: (params, x) -> f(x).
+      code: params -> the canonical Python source defining f.
+      grid: every allowed parameter tuple.
+    """
+
+    name: str
+    fn: Callable[[tuple[int, ...], int], int]
+    code: Callable[[tuple[int, ...]], str]
+    grid: tuple[tuple[int, ...], ...]
+
+
+def _affine(a: int, term: str, b: int) -> str:
+    """Canonical short expression for a*term+b, e.g. 'x+3', '-2*x', '2*abs(x)-1'."""
+    head = {1: term, -1: "-" + term}.get(a, f"{a}*{term}")
+    if b == 0:
+        return head
+    return f"{head}{b:+d}"
+
+
+def _def(expr: str) -> str:
+    return f"def f(x): return {expr}"
+
+
+FAMILIES: dict[str, Family] = {
+    fam.name: fam
+    for fam in (
+        Family(
+            "lin",
+            lambda p, x: p[0] * x + p[1],
+            lambda p: _def(_affine(p[0], "x", p[1])),
+            tuple((a, b) for a in (-3, -2, -1, 1, 2, 3) for b in _B),
+        ),
+        Family(
+            "quad",
+            lambda p, x: p[0] * x * x + p[1],
+            lambda p: _def(_affine(p[0], "x*x", p[1])),
+            tuple((a, b) for a in (-2, -1, 1, 2) for b in _B),
+        ),
+        Family(
+            "abs",
+            lambda p, x: p[0] * abs(x) + p[1],
+            lambda p: _def(_affine(p[0], "abs(x)", p[1])),
+            tuple((a, b) for a in (-2, -1, 1, 2) for b in _B),
+        ),
+        Family(
+            "mod",
+            lambda p, x: x % p[0] + p[1],
+            lambda p: _def(_affine(1, f"x%{p[0]}", p[1])),
+            tuple((m, b) for m in (2, 3, 4) for b in _B),
+        ),
+        Family(
+            "max",
+            lambda p, x: max(x, p[0]),
+            lambda p: _def(f"max(x,{p[0]})"),
+            tuple((c,) for c in range(-3, 6)),
+        ),
+        Family(
+            "min",
+            lambda p, x: min(x, p[0]),
+            lambda p: _def(f"min(x,{p[0]})"),
+            tuple((c,) for c in range(-3, 6)),
+        ),
+    )
+}
+
+
+def split_of(family: str, params: Sequence[int]) -> str:
+    """The split a function belongs to, fixed forever by a stable hash of its identity.
+
+    Within each family the functions are ordered by hash and the first HELDOUT_FRACTION go to
+    "heldout", so every family has held-out functions and the split never changes.
+    """
+    return "heldout" if tuple(params) in _heldout_params(family) else "train"
+
+
+def _key_hash(family: str, params: Sequence[int]) -> int:
+    return zlib.crc32(f"{family}:{','.join(map(str, params))}".encode())
+
+
+_HELDOUT_CACHE: dict[str, frozenset] = {}
+
+
+def _heldout_params(family: str) -> frozenset:
+    if family not in _HELDOUT_CACHE:
+        grid = sorted(FAMILIES[family].grid, key=lambda p: _key_hash(family, p))
+        n = max(1, round(HELDOUT_FRACTION * len(grid)))
+        _HELDOUT_CACHE[family] = frozenset(grid[:n])
+    return _HELDOUT_CACHE[family]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One coding task.
+
+    Attributes:
+      task_id: unique id, e.g. "train/0/17".
+      split: "train" or "heldout".
+      family: key of FAMILIES.
+      params: the family's parameters.
+      visible: (x, f(x)) pairs shown in the prompt and used by run_tests.
+      hidden: (x, f(x)) pairs used by submit.
+    """
+
+    task_id: str
+    split: str
+    family: str
+    params: tuple[int, ...]
+    visible: tuple[tuple[int, int], ...]
+    hidden: tuple[tuple[int, int], ...]
+
+    @property
+    def prompt(self) -> str:
+        """First user message, e.g. 'f(0)=3 f(1)=5 f(-2)=-1. Write f(x); run_tests, submit.'"""
+        shown = " ".join(f"f({x})={y}" for x, y in self.visible)
+        return f"{shown}. Write f(x); run_tests, submit."
+
+    def fn(self, x: int) -> int:
+        """The hidden function."""
+        return FAMILIES[self.family].fn(self.params, x)
+
+    def solution(self) -> str:
+        """Canonical correct code, e.g. 'def f(x): return 2*x+3'."""
+        return FAMILIES[self.family].code(self.params)
+
+    def to_record(self) -> dict:
+        """JSON-serialisable dict; inverse of Task.from_record."""
+        return {
+            "task_id": self.task_id,
+            "split": self.split,
+            "family": self.family,
+            "params": list(self.params),
+            "visible": [list(p) for p in self.visible],
+            "hidden": [list(p) for p in self.hidden],
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> Task:
+        """Validates and loads a record.
+
+        Raises:
+          ValueError: naming the first bad field (missing, wrong type, unknown family, wrong
+            number of params, an example that disagrees with the function, wrong split).
+        """
+        if not isinstance(record, dict):
+            raise ValueError(f"task record must be a dict, got {type(record).__name__}")
+        for field in ("task_id", "split", "family", "params", "visible", "hidden"):
+            if field not in record:
+                raise ValueError(f"task record: missing field {field!r}")
+        if not isinstance(record["task_id"], str) or not record["task_id"]:
+            raise ValueError("task record: field 'task_id' must be a non-empty str")
+        if record["split"] not in SPLITS:
+            raise ValueError(f"task record: field 'split' must be one of {SPLITS}")
+        if record["family"] not in FAMILIES:
+            raise ValueError(f"task record: field 'family' must be one of {sorted(FAMILIES)}")
+        family = FAMILIES[record["family"]]
+        params = record["params"]
+        if not (isinstance(params, (list, tuple)) and all(_is_int(p) for p in params)):
+            raise ValueError("task record: field 'params' must be a list of ints")
+        params = tuple(params)
+        if params not in family.grid:
+            raise ValueError(
+                f"task record: field 'params' {list(params)} not valid for family {family.name!r}"
+            )
+        if split_of(family.name, params) != record["split"]:
+            raise ValueError("task record: field 'split' disagrees with the function's split")
+        pairs = {}
+        for field in ("visible", "hidden"):
+            val = record[field]
+            ok = isinstance(val, (list, tuple)) and len(val) > 0
+            ok = ok and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and all(_is_int(v) for v in p)
+                for p in val
+            )
+            if not ok:
+                raise ValueError(
+                    f"task record: field {field!r} must be a non-empty list of [x, y] int pairs"
+                )
+            for x, y in val:
+                if family.fn(params, x) != y:
+                    raise ValueError(
+                        f"task record: field {field!r} has f({x})={y} but the "
+                        f"function gives {family.fn(params, x)}"
+                    )
+            pairs[field] = tuple((int(x), int(y)) for x, y in val)
+        return cls(record["task_id"], record["split"], family.name, params, **pairs)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def make_task(
+    task_id: str,
+    family: str,
+    params: Sequence[int],
+    visible_xs: Sequence[int],
+    hidden_xs: Sequence[int],
+) -> Task:
+    """Builds a task from a function and inputs (outputs are computed)."""
+    fam = FAMILIES[family]
+    params = tuple(params)
+    pairs = lambda xs: tuple((x, fam.fn(params, x)) for x in xs)
+    return Task(
+        task_id, split_of(family, params), family, params, pairs(visible_xs), pairs(hidden_xs)
+    )
+
+
+def generate_tasks(
+    split: str,
+    n: int,
+    seed: int = 0,
+    *,
+    families: Sequence[str] = tuple(FAMILIES),
+    anchors: Sequence[int] = (0, 1),
+    n_visible: int = 3,
+    n_hidden: int = 8,
+    x_range: tuple[int, int] = (-3, 5),
+    hidden_range: tuple[int, int] = (-9, 9),
+) -> list[Task]:
+    """Deterministic list of tasks of one split.
+
+    Args:
+      split: "train" or "heldout"; only functions of that split are drawn.
+      n: number of tasks.
+      seed: same (split, n, seed, knobs) -> same tasks.
+      families: families to draw from (uniformly by family, then by parameters).
+      anchors: visible inputs always shown first (read-off points for a small model).
+      n_visible: total visible examples (anchors + random distinct xs from x_range).
+      n_hidden: hidden tests, distinct xs from hidden_range not among the visible xs.
+      x_range: inclusive range of the random visible xs.
+      hidden_range: inclusive range of the hidden xs.
+
+    Returns:
+      n Tasks with ids f"{split}/{seed}/{i}".
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    rng = random.Random(f"tg_jax.envs.tasks:{split}:{seed}")
+    pools = {}
+    for name in families:
+        pool = [p for p in FAMILIES[name].grid if split_of(name, p) == split]
+        if pool:
+            pools[name] = pool
+    names = sorted(pools)
+    tasks = []
+    for i in range(n):
+        family = rng.choice(names)
+        params = rng.choice(pools[family])
+        free = [x for x in range(x_range[0], x_range[1] + 1) if x not in anchors]
+        visible = list(anchors) + rng.sample(free, n_visible - len(anchors))
+        pool = [x for x in range(hidden_range[0], hidden_range[1] + 1) if x not in visible]
+        hidden = sorted(rng.sample(pool, n_hidden))
+        tasks.append(make_task(f"{split}/{seed}/{i}", family, params, visible, hidden))
+    return tasks
