@@ -76,6 +76,67 @@ def tiny_model_config() -> ml_collections.ConfigDict:
     )  # fmt: skip
 
 
+def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """GRPO: advantages, clipped surrogate, aggregation, reference KL, staleness, micro-batches."""
+    c = ml_collections.ConfigDict()
+    c.advantage_mode = "grpo"  # grpo (divide by the group std) | dr_grpo (do not)
+    c.adv_eps = 1e-6  # added to the group std before dividing
+    c.reward_weights = ml_collections.ConfigDict({"task": 1.0})  # reward component -> weight
+    c.clip_low = 0.2  # ratio clipped below at 1 - clip_low
+    c.clip_high = 0.28  # ratio clipped above at 1 + clip_high (clip-higher)
+    c.dual_clip = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
+    c.tis_cap = 0.0  # truncated IS cap on pi_trainer / pi_sampler (proximal = trainer); 0 = off
+    c.agg_mode = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    c.norm_length = 0  # L of seq_mean_token_sum_norm (max generation length); 0 = padded T
+    c.kl_coef = 0.0  # weight of the KL to a frozen reference policy; 0 = no reference forward
+    c.kl_estimator = "k3"  # k1 | k2 | k3 per-token estimator of KL(pi_theta || pi_ref)
+    c.temperature = 1.0  # sampling temperature: trainer logits are divided by it
+    c.max_staleness = 1  # rollouts more than this many policy versions old are refused
+    c.micro_batches = 1  # gradient accumulation steps inside one train step
+    c.update(overrides)
+    return c
+
+
+def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """Targeted guidance: divergence, estimator, gating, lambda schedule, teacher context."""
+    c = ml_collections.ConfigDict()
+    c.enabled = True  # False = the GRPO arm: no teacher forward, no TG term
+    c.kind = "reverse"  # reverse | forward | jsd (KL direction, student first)
+    c.beta = 0.5  # teacher weight of the JSD mixture
+    c.estimator = "full"  # full (whole vocabulary) | sampled (produced token only)
+    c.top_k = 0  # full estimator over the student's top-k tokens + a tail bucket; 0 = full vocab
+    c.gate = "failed_turns"  # failed_turns | all_turns: which turns get hints and distillation
+    c.include_thinking = False  # also distil the <think> tokens of the selected turns
+    c.teacher_mode = "per_trajectory"  # per_trajectory (hints before every failed turn) | per_turn
+    c.max_teacher_rows = 64  # per_turn: teacher rows per batch (static), extra turns dropped
+    c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
+    c.schedule = ml_collections.ConfigDict()
+    c.schedule.kind = "constant"  # lambda_tg schedule: constant | linear_warmup | cosine
+    c.schedule.value = 1.0  # peak lambda_tg
+    c.schedule.warmup_steps = 0  # linear ramp 0 -> value over these steps
+    c.schedule.decay_steps = 1000  # cosine: steps after warmup to decay to final_value
+    c.schedule.final_value = 0.0  # cosine: value after the decay
+    c.update(overrides)
+    return c
+
+
+def optim_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """AdamW with global-norm clipping and a learning-rate schedule."""
+    c = ml_collections.ConfigDict()
+    c.lr = 1e-5  # peak learning rate
+    c.b1 = 0.9  # Adam beta1
+    c.b2 = 0.999  # Adam beta2
+    c.eps = 1e-8  # Adam epsilon
+    c.weight_decay = 0.0  # decoupled weight decay (not applied to norm scales)
+    c.grad_clip_norm = 1.0  # clip gradients to this global norm; 0 = off
+    c.schedule = "constant"  # constant | warmup_cosine
+    c.warmup_steps = 0  # linear warmup 0 -> lr (both schedules)
+    c.total_steps = 1000  # warmup_cosine: warmup + cosine decay steps
+    c.end_lr_fraction = 0.1  # warmup_cosine: final lr = lr * end_lr_fraction
+    c.update(overrides)
+    return c
+
+
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
     """Imports `configs/NAME.py` and returns its locked `get_config(arg)`."""
     if not os.path.exists(path):

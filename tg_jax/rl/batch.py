@@ -1,0 +1,430 @@
+"""From rollouts to a padded, statically shaped training batch (host side, numpy).
+
+One student row per trajectory (no packing), padded to T; teacher rows hold the same tokens
+with hint messages inserted, padded to T_t.
+
+Alignment. `tokens_BxT`, `positions_BxT` and `segment_ids_BxT` are the model's inputs. Every
+other per-token array is aligned with `targets_BxT`: index t describes token t + 1, the token
+that the logits at position t predict (targets[b, t] = tokens[b, t + 1]; the last position
+predicts nothing). So `loss_mask_BxT[b, t]` says whether tokens[b, t + 1] was produced by the
+policy, and `behaviour_logprobs_BxT[b, t]` is the sampler's log-prob of tokens[b, t + 1].
+
+Teacher index map. For each student position t, (teacher_row_BxT[t], teacher_pos_BxT[t]) is
+the teacher position whose logits predict the teacher's copy of tokens[t + 1]: if token
+j = t + 1 sits at teacher index tj, then teacher_pos = tj - 1. Hence the teacher distribution
+compared with the student's prediction at t is the teacher's prediction of the same token, and
+    teacher_tokens[row, teacher_pos + 1] == targets[b, t]   wherever distill_mask_BxT is set.
+Positions outside the distilled turns point at some valid index (only masked ones matter).
+`teacher_row_BxT` is an index into the teacher rows of the row's *micro-batch* (see
+`split_microbatches`): with M micro-batches, student row b belongs to micro-batch b % M at
+local index b // M, and so does teacher row r.
+
+Teacher modes:
+  per_trajectory: teacher row b = trajectory b with the hints of the targeted requirements
+    inserted right before turn_starts[k] of every targeted turn k (B_t = B). One teacher
+    forward per trajectory; the teacher of turn k also sees the hints of earlier turns.
+  per_turn: one teacher row per targeted turn k: tokens[:turn_starts[k]] + hint +
+    tokens[turn_starts[k]:end of turn k] (what follows is dropped). Exact per-turn contexts;
+    B_t = `max_teacher_rows`, static; targeted turns beyond it are not distilled (warning).
+  none: no teacher (the GRPO arm): [B, 1] placeholder teacher arrays.
+A turn is *targeted* when it failed a requirement (gate="failed_turns"; its hint = the hint
+messages of its failed requirements, in sorted order) or, with gate="all_turns", whenever it
+has verdicts (hint = those of all its requirements). A targeted turn whose hint has no tokens
+(missing or empty `hint_tokens`) is not distilled, so an empty hint makes the TG term exactly 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import flax.struct
+import jax
+import numpy as np
+
+from tg_jax.sampling.trajectory import Role, Trajectory
+
+TeacherMode = Literal["per_trajectory", "per_turn", "none"]
+
+
+@flax.struct.dataclass
+class Batch:
+    """A training batch; B rows, T positions, B_t teacher rows of T_t positions.
+
+    Attributes:
+      tokens_BxT: int32 student tokens (0 = padding).
+      positions_BxT: int32 RoPE positions (0..T-1).
+      segment_ids_BxT: int32, 1 on real tokens, 0 on padding (attention ignores 0).
+      targets_BxT: int32 tokens[t + 1] (0 at the last position and on padding).
+      loss_mask_BxT: bool, the target was produced by the policy (THINK or ANSWER role).
+      answer_mask_BxT: bool, the target is an ANSWER token.
+      thinking_mask_BxT: bool, the target is a THINK token (<think>...</think>, tags included).
+      failed_turn_mask_BxT: bool, the target belongs to an assistant turn that broke at least
+        one requirement.
+      distill_mask_BxT: bool, the target has a hinted teacher counterpart (targeted turn,
+        non-empty hint, teacher row present).
+      requirement_ids_BxT: int32 index into `requirement_names` of the first targeted
+        requirement of the target's turn (sorted names), -1 for none.
+      turn_ids_BxT: int32 assistant-turn index of the target, -1 for non-assistant tokens.
+      behaviour_logprobs_BxT: float32 sampler log-prob of the target (0 where not sampled).
+      teacher_row_BxT: int32 teacher row (local to the micro-batch) for each position.
+      teacher_pos_BxT: int32 teacher position whose logits predict the teacher's copy of
+        the target.
+      teacher_tokens_BtxTt, teacher_positions_BtxTt, teacher_segment_ids_BtxTt: the teacher
+        sequences, same conventions as the student's.
+      rewards: reward component name -> float32 [B] (0 on padding rows).
+      group_ids_B: int32 GRPO group of each row.
+      policy_version_B: int32 policy version that sampled each row (-1 on padding rows).
+      valid_B: bool, False for padding rows.
+      requirement_names: static tuple of requirement names (the ids' meaning).
+    """
+
+    tokens_BxT: Any
+    positions_BxT: Any
+    segment_ids_BxT: Any
+    targets_BxT: Any
+    loss_mask_BxT: Any
+    answer_mask_BxT: Any
+    thinking_mask_BxT: Any
+    failed_turn_mask_BxT: Any
+    distill_mask_BxT: Any
+    requirement_ids_BxT: Any
+    turn_ids_BxT: Any
+    behaviour_logprobs_BxT: Any
+    teacher_row_BxT: Any
+    teacher_pos_BxT: Any
+    teacher_tokens_BtxTt: Any
+    teacher_positions_BtxTt: Any
+    teacher_segment_ids_BtxTt: Any
+    rewards: dict[str, Any]
+    group_ids_B: Any
+    policy_version_B: Any
+    valid_B: Any
+    requirement_names: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
+
+
+def bucket_length(length: int, max_len: int, multiple: int) -> int:
+    """Padded length: `length` rounded up to a multiple of `multiple`, capped at `max_len`.
+
+    multiple = 0 always pads to max_len (one shape for the whole run).
+    """
+    if multiple <= 0:
+        return max_len
+    return min(max_len, -(-length // multiple) * multiple)
+
+
+def _targeted_requirements(traj: Trajectory, turn: int, gate: str) -> list[str]:
+    if gate == "failed_turns":
+        return traj.failed_requirements(turn)
+    if gate == "all_turns":
+        return sorted(traj.turn_verdicts[turn])
+    raise ValueError(f"unknown gate {gate!r}")
+
+
+def _hint(traj: Trajectory, names: Sequence[str]) -> np.ndarray:
+    parts = [np.asarray(traj.hint_tokens.get(n, ()), np.int32) for n in names]
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+def _turn_end(traj: Trajectory, turn: int) -> int:
+    """One past the last token of assistant turn `turn`."""
+    (idx,) = np.nonzero(np.asarray(traj.turn_ids) == turn)
+    return int(idx[-1]) + 1 if idx.size else int(traj.turn_starts[turn]) + 1
+
+
+def _fill_row(dst: dict[str, np.ndarray], row: int, seq: np.ndarray, length: int) -> None:
+    n = len(seq)
+    dst["tokens"][row, :n] = seq
+    dst["positions"][row] = np.arange(length, dtype=np.int32)
+    dst["segments"][row, :n] = 1
+
+
+def _empty_seqs(rows: int, length: int) -> dict[str, np.ndarray]:
+    return {
+        "tokens": np.zeros((rows, length), np.int32),
+        "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+        "segments": np.zeros((rows, length), np.int32),
+    }
+
+
+def build_batch(
+    trajectories: Sequence[Trajectory],
+    *,
+    max_len: int,
+    teacher_max_len: int,
+    mode: TeacherMode = "per_trajectory",
+    gate: str = "failed_turns",
+    max_teacher_rows: int = 0,
+    requirement_names: Sequence[str] | None = None,
+    pad_to_multiple: int = 64,
+    batch_multiple: int = 1,
+    micro_batches: int = 1,
+) -> Batch:
+    """Pads trajectories into a `Batch` (see the module docstring for conventions).
+
+    Args:
+      trajectories: the rollouts, one row each, in order.
+      max_len: longest student sequence allowed (T <= max_len).
+      teacher_max_len: longest teacher sequence allowed (T_t <= teacher_max_len).
+      mode: "per_trajectory", "per_turn" or "none".
+      gate: "failed_turns" (hint and distil failed turns) or "all_turns" (every turn with
+        verdicts).
+      max_teacher_rows: B_t in per_turn mode (all micro-batches together); a multiple of
+        micro_batches * batch_multiple.
+      requirement_names: the run's requirement names (ids index this list); default: the
+        sorted names seen in the batch (for tests and notebooks: ids then vary by batch).
+      pad_to_multiple: T and T_t are rounded up to a multiple of this (capped at the maximum),
+        so that shapes rarely change; 0 = always pad to the maximum.
+      batch_multiple: rows per micro-batch are a multiple of this (the mesh's batch divisor);
+        padding rows are added (valid_B False, every mask 0).
+      micro_batches: number of micro-batches the train step will split the batch into.
+
+    Returns:
+      A `Batch` of numpy arrays.
+
+    Raises:
+      ValueError: a student sequence longer than max_len or a teacher sequence longer than
+        teacher_max_len (names the task), inconsistent reward names, bad sizes.
+    """
+    if not trajectories:
+        raise ValueError("build_batch needs at least one trajectory")
+    if mode not in ("per_trajectory", "per_turn", "none"):
+        raise ValueError(f"unknown teacher mode {mode!r}")
+    n = len(trajectories)
+    step = batch_multiple * micro_batches
+    rows = num_rows(n, batch_multiple, micro_batches)
+    if requirement_names is None:
+        requirement_names = sorted({r for t in trajectories for v in t.turn_verdicts for r in v})
+    req_index = {name: i for i, name in enumerate(requirement_names)}
+    reward_names = sorted(trajectories[0].rewards)
+
+    for traj in trajectories:
+        if len(traj.tokens) > max_len:
+            raise ValueError(
+                f"task {traj.task_id}: trajectory has {len(traj.tokens)} tokens > max_len {max_len}"
+            )
+        if sorted(traj.rewards) != reward_names:
+            raise ValueError(
+                f"task {traj.task_id}: reward names {sorted(traj.rewards)} differ from "
+                f"{reward_names}"
+            )
+    length = bucket_length(max(len(t.tokens) for t in trajectories), max_len, pad_to_multiple)
+
+    student = _empty_seqs(rows, length)
+    per_token = {
+        "targets": np.zeros((rows, length), np.int32),
+        "loss": np.zeros((rows, length), bool),
+        "answer": np.zeros((rows, length), bool),
+        "thinking": np.zeros((rows, length), bool),
+        "failed": np.zeros((rows, length), bool),
+        "distill": np.zeros((rows, length), bool),
+        "req": np.full((rows, length), -1, np.int32),
+        "turn": np.full((rows, length), -1, np.int32),
+        "behaviour": np.zeros((rows, length), np.float32),
+        "t_row": np.zeros((rows, length), np.int32),
+        "t_pos": np.zeros((rows, length), np.int32),
+    }
+    # Teacher sequences, built as lists first: their padded length depends on all of them.
+    teacher_seqs: list[np.ndarray | None] = []
+    teacher_global_rows = []  # per_turn: global teacher row of each appended sequence
+
+    per_micro_teacher = 0
+    if mode == "per_turn":
+        per_micro_teacher, rem = divmod(max_teacher_rows, micro_batches)
+        if max_teacher_rows <= 0 or rem or per_micro_teacher % batch_multiple:
+            raise ValueError(
+                f"max_teacher_rows={max_teacher_rows} must be a positive multiple of "
+                f"micro_batches * batch_multiple = {step}"
+            )
+    used_teacher = [0] * micro_batches
+    dropped = 0
+
+    for b, traj in enumerate(trajectories):
+        m, local = b % micro_batches, b // micro_batches
+        tokens = np.asarray(traj.tokens, np.int32)
+        roles = np.asarray(traj.roles)
+        turn_ids = np.asarray(traj.turn_ids, np.int32)
+        num = len(tokens)
+        _fill_row(student, b, tokens, length)
+        s = slice(0, num - 1)  # prediction positions t whose target t + 1 exists
+        nxt_roles, nxt_turns = roles[1:], turn_ids[1:]
+        per_token["targets"][b, s] = tokens[1:]
+        per_token["answer"][b, s] = nxt_roles == Role.ANSWER
+        per_token["thinking"][b, s] = nxt_roles == Role.THINK
+        per_token["loss"][b, s] = per_token["answer"][b, s] | per_token["thinking"][b, s]
+        per_token["turn"][b, s] = np.where(per_token["loss"][b, s], nxt_turns, -1)
+        per_token["behaviour"][b, s] = np.asarray(traj.behaviour_logprobs, np.float32)[1:]
+
+        # Targeted turns and their hints.
+        hints: dict[int, np.ndarray] = {}
+        for k in range(traj.num_turns):
+            failed = traj.failed_requirements(k)
+            in_turn = (nxt_turns == k) & per_token["loss"][b, s]
+            if failed:
+                per_token["failed"][b, s] |= in_turn
+            targeted = _targeted_requirements(traj, k, gate)
+            if not targeted:
+                continue
+            unknown = [r for r in targeted if r not in req_index]
+            if unknown:
+                raise ValueError(f"task {traj.task_id}: unknown requirement(s) {unknown}")
+            per_token["req"][b, s] = np.where(
+                in_turn, req_index[targeted[0]], per_token["req"][b, s]
+            )
+            hint = _hint(traj, targeted)
+            if hint.size:
+                hints[k] = hint
+
+        if mode == "per_trajectory":
+            # tpos[j]: teacher index of student token j (hints shift everything after them).
+            shift = np.zeros((num,), np.int64)
+            pieces, prev = [], 0
+            for k in sorted(hints):
+                start = int(traj.turn_starts[k])
+                pieces += [tokens[prev:start], hints[k]]
+                shift[start:] += len(hints[k])
+                prev = start
+                per_token["distill"][b, s] |= (nxt_turns == k) & per_token["loss"][b, s]
+            pieces.append(tokens[prev:])
+            seq = np.concatenate(pieces)
+            if len(seq) > teacher_max_len:
+                raise ValueError(
+                    f"task {traj.task_id}: teacher sequence with hints has {len(seq)} tokens > "
+                    f"teacher_max_len {teacher_max_len} (student {num})"
+                )
+            teacher_seqs.append(seq)
+            tpos = np.arange(num) + shift
+            per_token["t_row"][b] = local
+            per_token["t_pos"][b, s] = tpos[1:] - 1
+        elif mode == "per_turn":
+            for k in sorted(hints):
+                if used_teacher[m] == per_micro_teacher:
+                    dropped += 1
+                    continue
+                start, end = int(traj.turn_starts[k]), _turn_end(traj, k)
+                seq = np.concatenate([tokens[:start], hints[k], tokens[start:end]])
+                if len(seq) > teacher_max_len:
+                    raise ValueError(
+                        f"task {traj.task_id}: teacher sequence of turn {k} has {len(seq)} "
+                        f"tokens > teacher_max_len {teacher_max_len}"
+                    )
+                local_row = used_teacher[m]
+                used_teacher[m] += 1
+                teacher_seqs.append(seq)
+                teacher_global_rows.append(local_row * micro_batches + m)
+                sel = (nxt_turns == k) & per_token["loss"][b, s]
+                per_token["distill"][b, s] |= sel
+                # Student token j of turn k sits at teacher index j + len(hint).
+                tpos_pred = np.arange(1, num) + len(hints[k]) - 1
+                per_token["t_row"][b, s] = np.where(sel, local_row, per_token["t_row"][b, s])
+                per_token["t_pos"][b, s] = np.where(sel, tpos_pred, per_token["t_pos"][b, s])
+    if dropped:
+        logging.warning(
+            "build_batch: %d targeted turns exceed max_teacher_rows=%d and are not distilled",
+            dropped, max_teacher_rows,
+        )  # fmt: skip
+
+    if mode == "per_trajectory":
+        t_len = bucket_length(max(len(q) for q in teacher_seqs), teacher_max_len, pad_to_multiple)
+        teacher = _empty_seqs(rows, t_len)
+        for b, seq in enumerate(teacher_seqs):
+            _fill_row(teacher, b, seq, t_len)
+        # Padding rows point at their own (empty) teacher row.
+        for b in range(n, rows):
+            per_token["t_row"][b] = b // micro_batches
+    elif mode == "per_turn":
+        longest = max((len(q) for q in teacher_seqs), default=1)
+        t_len = bucket_length(longest, teacher_max_len, pad_to_multiple)
+        teacher = _empty_seqs(max_teacher_rows, t_len)
+        for row, seq in zip(teacher_global_rows, teacher_seqs, strict=True):
+            _fill_row(teacher, row, seq, t_len)
+    else:
+        teacher = _empty_seqs(rows, 1)
+
+    rewards = {name: np.zeros((rows,), np.float32) for name in reward_names}
+    for b, traj in enumerate(trajectories):
+        for name in reward_names:
+            rewards[name][b] = traj.rewards[name]
+    group_ids = np.zeros((rows,), np.int32)
+    group_ids[:n] = [t.group_id for t in trajectories]
+    versions = np.full((rows,), -1, np.int32)
+    versions[:n] = [t.policy_version for t in trajectories]
+    valid = np.arange(rows) < n
+
+    return Batch(
+        tokens_BxT=student["tokens"],
+        positions_BxT=student["positions"],
+        segment_ids_BxT=student["segments"],
+        targets_BxT=per_token["targets"],
+        loss_mask_BxT=per_token["loss"],
+        answer_mask_BxT=per_token["answer"],
+        thinking_mask_BxT=per_token["thinking"],
+        failed_turn_mask_BxT=per_token["failed"],
+        distill_mask_BxT=per_token["distill"],
+        requirement_ids_BxT=per_token["req"],
+        turn_ids_BxT=per_token["turn"],
+        behaviour_logprobs_BxT=per_token["behaviour"],
+        teacher_row_BxT=per_token["t_row"],
+        teacher_pos_BxT=per_token["t_pos"],
+        teacher_tokens_BtxTt=teacher["tokens"],
+        teacher_positions_BtxTt=teacher["positions"],
+        teacher_segment_ids_BtxTt=teacher["segments"],
+        rewards=rewards,
+        group_ids_B=group_ids,
+        policy_version_B=versions,
+        valid_B=valid,
+        requirement_names=tuple(requirement_names),
+    )
+
+
+def split_microbatches(batch: Batch, num: int) -> Batch:
+    """Stacks a batch into `num` micro-batches: every array gets a leading [num] axis.
+
+    Row b goes to micro-batch b % num at local index b // num (strided, not contiguous): a
+    batch axis sharded over devices in contiguous blocks keeps every micro-batch spread over
+    all devices. Works on numpy and jax arrays (inside jit too).
+
+    Args:
+      batch: a `Batch` whose B and B_t are multiples of num.
+      num: number of micro-batches.
+
+    Returns:
+      A `Batch` whose arrays are [num, B / num, ...] (teacher arrays [num, B_t / num, ...]).
+    """
+
+    def split(x):
+        if x.shape[0] % num:
+            raise ValueError(f"leading size {x.shape[0]} is not a multiple of {num}")
+        return x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
+
+    return _tree_map(split, batch)
+
+
+def split_batch(batch: Batch, num: int) -> list[Batch]:
+    """Host-side list of the `num` micro-batches of `split_microbatches`."""
+    stacked = split_microbatches(batch, num)
+    return [_tree_map(lambda x, i=i: x[i], stacked) for i in range(num)]
+
+
+def _tree_map(fn, batch: Batch) -> Batch:
+    return jax.tree.map(fn, batch)
+
+
+def filter_stale(
+    trajectories: Sequence[Trajectory], current_version: int, max_staleness: int
+) -> tuple[list[Trajectory], int]:
+    """Drops rollouts sampled more than `max_staleness` versions before `current_version`.
+
+    Returns:
+      (kept trajectories, number dropped).
+    """
+    kept = [t for t in trajectories if current_version - t.policy_version <= max_staleness]
+    return kept, len(trajectories) - len(kept)
+
+
+def num_rows(num_trajectories: int, batch_multiple: int, micro_batches: int) -> int:
+    """B that `build_batch` pads `num_trajectories` rows to."""
+    step = batch_multiple * micro_batches
+    return math.ceil(num_trajectories / step) * step
