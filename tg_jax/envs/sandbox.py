@@ -340,6 +340,44 @@ def _run(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _live_group_members(pgid: int) -> bool:
+    """Whether a non-zombie process is still in group `pgid` (zombies hold no resources)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != b"Z" and int(fields[2]) == pgid:
+                return True
+    return False
+
+
+def _await_group_exit(pgid: int, timeout_s: float = 2.0) -> None:
+    """Blocks until every process of the group is gone, so callers may rely on it.
+
+    Forked members are not our children, so SIGKILL reaches them asynchronously; one
+    `killpg(pgid, 0)` answers in the common case (no member ever forked)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if not os.path.isdir("/proc") or not _live_group_members(pgid):
+            return
+        _kill_group(pgid)
+        time.sleep(0.002)
+
+
 def _supervise(
     argv: list[str],
     workdir: str,
@@ -400,11 +438,9 @@ def _supervise(
     finally:
         sel.close()
         # The group is killed before the final reap, on every path: nothing may survive.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _kill_group(proc.pid)
         proc.wait()
+        _await_group_exit(proc.pid)
         proc.stdout.close()
         proc.stderr.close()
     wall = time.monotonic() - start

@@ -1,0 +1,236 @@
+"""Synthetic expert transcripts of the coding environment, for SFT of the base model.
+
+A transcript is a message list ({"role": "user" | "assistant" | "tool", "content": str}):
+the task prompt, then assistant turns, each followed by the tool observation unless the
+episode ended. A hint, when present, is its own "user" message right before the assistant
+turn it targets. Observations and rewards come from actually running CodingEnv on the turns
+(by default with the in-process "trusted" executor, since the code is ours; the sandbox gives
+the same text), so SFT and RL see identical observation strings.
+
+Knobs (TranscriptConfig) shape the base model: the share of wrong final answers caps its
+pass rate; hinted turns follow exactly the hinted requirements and unhinted turns never meet
+any requirement, so the base model follows a hint when one is in context and almost never
+meets a requirement without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+
+from tg_jax.envs.base import HINT_ROLE, StepResult
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+from tg_jax.envs.protocol import format_turn
+from tg_jax.envs.tasks import FAMILIES, Task
+
+Guess = tuple[str, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TranscriptConfig:
+    """Knobs of the synthetic expert.
+
+    Attributes:
+      p_correct: probability that the submitted function is the right one.
+      p_hinted: probability that a transcript is hinted (then every turn with an applicable
+        requirement gets a hint message).
+      p_hint_requirement: in a hinted turn, probability that each applicable requirement is
+        hinted (at least one always is).
+      p_multi_turn: probability of run_tests -> observation -> revise/submit (else one
+        submit turn).
+      p_fix: multi-turn only: probability that the first attempt is a wrong guess that
+        fails the visible tests and is revised after the observation.
+      p_retest: after a revision, probability of running the tests again before submitting
+        (when the turn limit allows).
+      p_think: probability that code turns open with a <think> block naming the family.
+      max_chars: transcripts whose message contents sum to more are redrawn (the model's
+        context must also hold the chat template's role markers).
+    """
+
+    p_correct: float = 0.7
+    p_hinted: float = 0.3
+    p_hint_requirement: float = 0.7
+    p_multi_turn: float = 0.7
+    p_fix: float = 0.3
+    p_retest: float = 0.5
+    p_think: float = 0.5
+    max_chars: int = 450
+
+
+@dataclasses.dataclass
+class Transcript:
+    """One synthetic episode.
+
+    Attributes:
+      task_id: the task's id.
+      messages: the chat messages (see module docstring).
+      rewards: the environment's final rewards for this episode.
+      correct: the submitted function is the right one.
+      hinted: the transcript contains hint messages.
+      summary: the environment's EpisodeSummary as a dict.
+    """
+
+    task_id: str
+    messages: list[dict[str, str]]
+    rewards: dict[str, float]
+    correct: bool
+    hinted: bool
+    summary: dict
+
+
+def guess_code(guess: Guess) -> str:
+    """Canonical code of a guessed function, e.g. ("lin", (2, 3)) -> 'def f(x): return 2*x+3'."""
+    return FAMILIES[guess[0]].code(guess[1])
+
+
+def _fits(guess: Guess, pairs: Sequence[tuple[int, int]]) -> bool:
+    fam, params = guess
+    return all(FAMILIES[fam].fn(params, x) == y for x, y in pairs)
+
+
+def wrong_guesses(task: Task) -> list[Guess]:
+    """Plausible wrong functions: other families read off the anchors f(0), f(1), and the true
+    family with one parameter off by one. Each fails at least one hidden test.
+
+    Returns:
+      Sorted, non-empty list of (family, params).
+    """
+    cands: set[Guess] = set()
+    vis = dict(task.visible)
+    if 0 in vis and 1 in vis:
+        b, a = vis[0], vis[1] - vis[0]
+        if a != 0:
+            cands.update((fam, (a, b)) for fam in ("lin", "quad", "abs"))
+        cands.update(("mod", (m, b)) for m in (2, 3, 4))
+        cands.update((fam, (vis[0],)) for fam in ("max", "min"))
+    for i in range(len(task.params)):
+        for d in (-1, 1):
+            p = list(task.params)
+            p[i] += d
+            cands.add((task.family, tuple(p)))
+    valid = lambda g: g[0] in ("max", "min") or (g[1][0] >= 2 if g[0] == "mod" else g[1][0] != 0)
+    out = sorted(g for g in cands if valid(g) and not _fits(g, task.hidden))
+    if not out:  # rare (e.g. a clamp shift no hidden input reaches): any other function
+        grid = ((fam.name, p) for fam in FAMILIES.values() for p in fam.grid)
+        out = [next(g for g in grid if not _fits(g, task.hidden))]
+    return out
+
+
+def make_transcript(
+    task: Task,
+    rng: random.Random,
+    config: TranscriptConfig = TranscriptConfig(),
+    env: CodingEnv | None = None,
+) -> Transcript:
+    """Generates one expert transcript by playing the episode in `env`.
+
+    Args:
+      task: the task.
+      rng: random source (the transcript is a deterministic function of its state).
+      config: the expert's knobs.
+      env: environment to play in; default CodingEnv(CodingEnvConfig(executor="trusted")).
+        Its requirements and max_turns shape the transcript.
+
+    Returns:
+      The Transcript.
+    """
+    env = env or CodingEnv(CodingEnvConfig(executor="trusted"))
+    for _ in range(1000):
+        tr = _draw(task, rng, config, env)
+        if sum(len(m["content"]) for m in tr.messages) <= config.max_chars:
+            return tr
+    raise ValueError(f"no transcript of task {task.task_id} fits max_chars={config.max_chars}")
+
+
+def _draw(task: Task, rng: random.Random, config: TranscriptConfig, env: CodingEnv) -> Transcript:
+    truth: Guess = (task.family, task.params)
+    wrong = wrong_guesses(task)
+    correct = rng.random() < config.p_correct
+    if correct:
+        final = truth
+    else:
+        # Prefer wrong answers that fit the visible examples: the mistake an expert makes.
+        plausible = [g for g in wrong if _fits(g, task.visible)]
+        final = rng.choice(plausible or wrong)
+    hinted = rng.random() < config.p_hinted
+    think = rng.random() < config.p_think
+    max_turns = env.config.max_turns
+    multi = max_turns >= 2 and rng.random() < config.p_multi_turn
+    failing = [g for g in wrong if not _fits(g, task.visible) and g != final]
+    first = rng.choice(failing) if multi and failing and rng.random() < config.p_fix else final
+
+    messages = [{"role": "user", "content": env.reset(task)}]
+    any_hint = False
+
+    def play(guess: Guess | None, tool: str) -> StepResult:
+        nonlocal any_hint
+        code = None if guess is None else guess_code(guess)
+        names = _hint_names(env, code, tool, rng, config) if hinted else []
+        if names:
+            messages.append({"role": HINT_ROLE, "content": env.hint(names)})
+            any_hint = True
+        text = format_turn(
+            code,
+            tool,
+            fence="fence" in names,
+            tool_json="tool_json" in names,
+            think=guess[0] if think and guess is not None else None,
+        )
+        messages.append({"role": "assistant", "content": text})
+        res = env.step(text)
+        if not res.done:
+            messages.append({"role": "tool", "content": res.observation})
+        return res
+
+    if not multi:
+        res = play(final, "submit")
+    else:
+        res = play(first, "run_tests")
+        if res.info.get("passed") == len(task.visible):
+            res = play(None, "submit")
+        elif max_turns >= 3 and _fits(final, task.visible) and rng.random() < config.p_retest:
+            res = play(final, "run_tests")
+            res = play(None, "submit")
+        else:
+            res = play(final, "submit")
+    if not res.done:
+        raise AssertionError("expert transcript did not end with a submission")
+    return Transcript(
+        task.task_id, messages, res.rewards, final == truth, any_hint, env.summary().to_dict()
+    )
+
+
+def _hint_names(
+    env: CodingEnv, code: str | None, tool: str, rng: random.Random, config: TranscriptConfig
+) -> list[str]:
+    """Requirements hinted (and so followed) in one turn of a hinted transcript."""
+    probe = format_turn(code, tool)
+    applicable = [r.name for r in env.requirements if r.applies(probe)]
+    names = [n for n in applicable if rng.random() < config.p_hint_requirement]
+    if applicable and not names:
+        names = [rng.choice(applicable)]
+    return names
+
+
+def make_transcripts(
+    tasks: Sequence[Task],
+    seed: int = 0,
+    config: TranscriptConfig = TranscriptConfig(),
+    env_config: CodingEnvConfig = CodingEnvConfig(executor="trusted"),
+) -> list[Transcript]:
+    """One transcript per task, deterministic in (tasks, seed, config, env_config)."""
+    rng = random.Random(f"tg_jax.envs.transcripts:{seed}")
+    env = CodingEnv(env_config)
+    return [make_transcript(t, rng, config, env) for t in tasks]
+
+
+def replay(task: Task, messages: Sequence[dict[str, str]], env: CodingEnv) -> list[StepResult]:
+    """Feeds a transcript's assistant turns through `env` (hints are not the env's business).
+
+    Returns:
+      The StepResult of every assistant turn, in order.
+    """
+    if env.reset(task) != messages[0]["content"]:
+        raise ValueError("transcript prompt does not match the task")
+    return [env.step(m["content"]) for m in messages if m["role"] == "assistant"]
