@@ -224,3 +224,51 @@ def test_closed_pipes_then_spin_does_not_deadlock():
 def test_limits_cannot_be_raised_from_inside():
     res = _run("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n")
     assert res.status == "error" and "resource.setrlimit is blocked" in res.message
+
+
+def test_audit_hook_cannot_be_disarmed_from_inside(tmp_path):
+    target = str(tmp_path / "escaped.txt")
+    attacks = [
+        # Rebind the path resolver reachable through the refused call's traceback.
+        f"""
+        try:
+            open({target!r}, "w")
+        except PermissionError as e:
+            tb = e.__traceback__
+            while tb.tb_next:
+                tb = tb.tb_next
+            loc = tb.tb_frame.f_locals
+            d = list(loc["real"].__defaults__)
+            d[2] = lambda p: loc["rroot"][0]
+            loc["real"].__defaults__ = tuple(d)
+        open({target!r}, "w")
+        """,
+        f"""
+        try:
+            open({target!r}, "w")
+        except PermissionError as e:
+            tb = e.__traceback__
+            while tb.tb_next:
+                tb = tb.tb_next
+            tb.tb_frame.f_locals["under"].__code__ = (lambda p, q: True).__code__
+        open({target!r}, "w")
+        """,
+        f"import builtins\nbuiltins.type = lambda x: int\nopen({target!r}, 'w')\n",
+        "import sys\nsys.settrace(lambda *a: None)\n",
+    ]
+    for code in attacks:
+        res = _run(code)
+        assert res.status == "error" and res.stdout == ""
+    assert not os.path.exists(target)
+    # Ordinary library code that sets __defaults__ still works.
+    res = _run("import collections\nprint(collections.namedtuple('P', 'a b', defaults=(1,))(0))")
+    assert res.stdout == "P(a=0, b=1)\n"
+
+
+def test_unaudited_root_primitives_are_removed():
+    res = _run("""
+        import os, signal
+        names = ["mknod", "mkfifo", "chroot", "pidfd_open", "setuid", "setgroups"]
+        print([n for n in names if hasattr(os, n)], hasattr(signal, "pidfd_send_signal"))
+    """)
+    assert res.stdout == "[] False\n"

@@ -13,9 +13,14 @@ What is contained, and how:
 * Processes: an audit hook refuses fork/exec/spawn/system/subprocess/kill, and RLIMIT_NPROC is
   0 (the kernel ignores it for uid 0). The process group is always SIGKILLed at the end.
 * Files: the audit hook refuses writes, deletes, renames, chmods, links outside the working
-  directory, `dir_fd` tricks, opens of non-str paths (TOCTOU via `__fspath__`), and reads of
+  directory, `dir_fd` tricks, opens of non-str paths, device nodes and fifos, and reads of
   anything but the working dir, the interpreter's stdlib and a few /dev files (so neither
   /proc/<parent>/environ nor home directories can be read). RLIMIT_FSIZE caps file sizes.
+  Calls that raise no audit event (mknod, mkfifo, chroot, set*id, pidfd_open,
+  pidfd_send_signal) are deleted from `posix`/`_signal` before user code runs.
+* The hook itself: no closures or mutable state, builtins bound at install time, `__code__`
+  and its helpers' `__defaults__` cannot be rebound, settrace/setprofile and imports of gc,
+  ctypes, _posixsubprocess etc. are refused, so it cannot be disarmed from user code.
 * Network: sockets are refused by the audit hook; when `unshare` can create a network
   namespace, the child also has no network interfaces at all.
 * Environment: the child gets an empty environment (`env={}`), so parent variables are absent.
@@ -23,10 +28,12 @@ What is contained, and how:
   child runs as uid/gid 65534.
 
 What is NOT contained: the audit hook is in-process Python, a speed bump for model-written
-code, not a security boundary against a determined attacker (e.g. an interpreter memory
-corruption bug). If the child runs as root (no uid drop possible), a process that escapes the
-hook, forks and calls setsid could outlive the run. Reads of directory listings are allowed.
-For adversarial workloads, run the whole trainer inside a container or VM.
+code, not a security boundary against a determined attacker (e.g. one who rebuilds `posix`
+through `_imp`, or exploits an interpreter bug). That matters most when the child runs as root
+(no uid drop possible, e.g. the interpreter lives under a 0700 home): then the kernel does not
+enforce RLIMIT_NPROC, and code that escapes the hook could write anywhere or fork and setsid
+to outlive the run. Directory listings outside the working dir are readable. For adversarial
+workloads, run the whole trainer inside a container or VM.
 
 No `preexec_fn` is used: it is unsafe in a threaded parent (JAX runs many threads), so limits
 are set by a trusted prelude in the child before any user code runs.
@@ -65,8 +72,7 @@ _BLOCKED_IMPORTS = (
 )
 
 # The trusted prelude, run with `-c` in the child's working dir. It sets rlimits, installs
-# the audit hook (all helpers bound at install time so user code cannot monkeypatch them),
-# then executes main.py. Parameters are substituted with repr() by the parent.
+# the audit hook, then executes main.py. Parameters are substituted with repr() by the parent.
 _PRELUDE = r"""
 import posix as _p, sys as _s, _signal as _g, resource as _r
 def _setup(root, cpu_s, mem_b, fsize_b, nofile, blocked, audit):
@@ -79,14 +85,23 @@ def _setup(root, cpu_s, mem_b, fsize_b, nofile, blocked, audit):
         except (ValueError, OSError):
             pass
     _g.signal(_g.SIGXFSZ, _g.SIG_IGN)  # oversized writes raise OSError instead of killing
+    # Calls that raise no audit event but matter when the child is root: device nodes,
+    # chroot, uid changes, signalling other processes through pidfds.
+    for mod, names in ((_p, ("mknod", "mkfifo", "chroot", "pidfd_open", "setuid", "setgid",
+                             "seteuid", "setegid", "setreuid", "setregid", "setresuid",
+                             "setresgid", "setgroups")), (_g, ("pidfd_send_signal",))):
+        for name in names:
+            if hasattr(mod, name):
+                delattr(mod, name)
     if not audit:
         return
-    getcwd, lstat, readlink = _p.getcwd, _p.lstat, _p.readlink
-    str_, bytes_, int_, type_, tuple_, perm = str, bytes, int, type, tuple, PermissionError
-    w_flags = _p.O_WRONLY | _p.O_RDWR | _p.O_APPEND | _p.O_CREAT | _p.O_TRUNC
+    # No closures and no mutable state: everything the hook uses is an immutable default
+    # argument (the helpers' __defaults__ and any __code__ cannot be rebound, see below), and
+    # builtins are bound here so that patching the builtins module cannot change the hook.
 
-    def real(path):
-        # realpath with captured primitives; None for non-str paths (refused by callers).
+    def real(path, getcwd=_p.getcwd, lstat=_p.lstat, readlink=_p.readlink, type_=type,
+             str_=str, bytes_=bytes, oserror=OSError):
+        # realpath from captured primitives; None for non-str paths (refused by callers).
         if type_(path) is bytes_:
             path = path.decode("utf-8", "surrogateescape")
         if type_(path) is not str_:
@@ -96,16 +111,16 @@ def _setup(root, cpu_s, mem_b, fsize_b, nofile, blocked, audit):
         parts, hops = [], 0
         while todo:
             c = todo.pop()
-            if c in ("", "."):
+            if c == "" or c == ".":
                 continue
             if c == "..":
                 if parts:
                     parts.pop()
                 continue
-            cand = "/" + "/".join(parts + [c])
+            cand = "/" + "/".join(parts) + ("/" if parts else "") + c
             try:
                 is_link = (lstat(cand).st_mode & 0o170000) == 0o120000
-            except OSError:
+            except oserror:
                 is_link = False
             if is_link and hops < 40:
                 hops += 1
@@ -120,23 +135,38 @@ def _setup(root, cpu_s, mem_b, fsize_b, nofile, blocked, audit):
         return "/" + "/".join(parts)
 
     def under(p, prefixes):
-        return p is not None and any((p + "/").startswith(q.rstrip("/") + "/") for q in prefixes)
+        if p is None:
+            return False
+        p = p + "/"
+        for q in prefixes:
+            if p.startswith(q):
+                return True
+        return False
 
-    rroot = (real(root),)
-    readable = rroot + tuple_(real(x) for x in _s.path if x) + (
-        "/dev/null", "/dev/urandom", "/dev/random", "/dev/zero")
+    rroot = (real(root) + "/",)
+    readable = rroot + tuple(real(x) + "/" for x in _s.path if x) + (
+        "/dev/null/", "/dev/urandom/", "/dev/random/", "/dev/zero/")
     proc_events = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork",
                    "os.forkpty", "os.kill", "os.killpg", "subprocess.Popen", "os.startfile",
                    "signal.pthread_kill", "os.link", "os.symlink", "resource.setrlimit",
-                   "resource.prlimit")
-    path_events = {"os.remove": (1,), "os.rmdir": (1,), "os.rename": (2, 3), "os.mkdir": (2,),
-                   "os.chmod": (2,), "os.chown": (3,), "os.utime": (3,), "os.truncate": (),
-                   "os.chflags": (), "os.lchflags": (), "os.setxattr": (), "os.removexattr": (),
-                   "shutil.rmtree": (), "shutil.copyfile": (), "shutil.copytree": (),
-                   "shutil.move": (), "shutil.chown": (), "shutil.copymode": (),
-                   "shutil.copystat": (), "shutil.make_archive": (), "shutil.unpack_archive": ()}
+                   "resource.prlimit", "sys.settrace", "sys.setprofile")
+    # Mutating events -> positions of their dir_fd arguments.
+    path_events = (("os.remove", (1,)), ("os.rmdir", (1,)), ("os.rename", (2, 3)),
+                   ("os.mkdir", (2,)), ("os.chmod", (2,)), ("os.chown", (3,)),
+                   ("os.utime", (3,)), ("os.truncate", ()), ("os.chflags", ()),
+                   ("os.lchflags", ()), ("os.setxattr", ()), ("os.removexattr", ()),
+                   ("shutil.rmtree", ()), ("shutil.copyfile", ()), ("shutil.copytree", ()),
+                   ("shutil.move", ()), ("shutil.chown", ()), ("shutil.copymode", ()),
+                   ("shutil.copystat", ()), ("shutil.make_archive", ()),
+                   ("shutil.unpack_archive", ()))
+    protected = (real, under)  # reachable from tracebacks through the hook's frame
+    w_flags = _p.O_WRONLY | _p.O_RDWR | _p.O_APPEND | _p.O_CREAT | _p.O_TRUNC
 
-    def hook(event, args):
+    def hook(event, args, real=real, under=under, rroot=rroot, readable=readable,
+             blocked=tuple(blocked), proc_events=proc_events, path_events=path_events,
+             protected=protected, w_flags=w_flags, perm=PermissionError, type_=type,
+             int_=int, str_=str, bytes_=bytes, tuple_=tuple, len_=len, lstat=_p.lstat,
+             oserror=OSError):
         if event == "open":
             path, mode, flags = args
             if type_(path) is int_:
@@ -144,6 +174,13 @@ def _setup(root, cpu_s, mem_b, fsize_b, nofile, blocked, audit):
             rp = real(path)
             if rp is None:
                 raise perm("sandbox: open() needs a str path")
+            if under(rp, rroot):
+                try:
+                    kind = lstat(rp).st_mode & 0o170000
+                except oserror:
+                    kind = 0o100000  # about to be created: a regular file
+                if kind != 0o100000 and kind != 0o040000:
+                    raise perm("sandbox: opening device nodes or fifos is blocked")
             if mode is None or flags & w_flags:  # os.open (dir_fd unseen) or a write
                 if not under(rp, rroot):
                     raise perm("sandbox: writing outside the working directory is blocked")
@@ -156,18 +193,23 @@ def _setup(root, cpu_s, mem_b, fsize_b, nofile, blocked, audit):
             raise perm("sandbox: network access is blocked")
         elif event in proc_events:
             raise perm("sandbox: " + event + " is blocked")
-        elif event in path_events:
-            for i in path_events[event]:
-                if i < len(args) and args[i] is not None and args[i] != -1:
-                    raise perm("sandbox: dir_fd arguments are blocked")
-            for a in args:
-                if type_(a) is str_ or type_(a) is bytes_:
-                    if not under(real(a), rroot):
-                        raise perm("sandbox: changing files outside the working dir is blocked")
-                elif not (a is None or type_(a) is int_ or type_(a) is tuple_):
-                    raise perm("sandbox: " + event + " needs str paths")
-        elif event == "object.__setattr__" and args[1] == "__code__":
-            raise perm("sandbox: replacing code objects is blocked")
+        elif event == "object.__setattr__":
+            if args[1] == "__code__" or (args[0] is protected[0] or args[0] is protected[1]):
+                raise perm("sandbox: replacing function internals is blocked")
+        else:
+            for name, fd_pos in path_events:
+                if name != event:
+                    continue
+                for i in fd_pos:
+                    if i < len_(args) and args[i] is not None and args[i] != -1:
+                        raise perm("sandbox: dir_fd arguments are blocked")
+                for a in args:
+                    if type_(a) is str_ or type_(a) is bytes_:
+                        if not under(real(a), rroot):
+                            raise perm("sandbox: changing files outside the working dir is "
+                                       "blocked")
+                    elif not (a is None or type_(a) is int_ or type_(a) is tuple_):
+                        raise perm("sandbox: " + event + " needs str paths")
 
     _s.addaudithook(hook)
 
