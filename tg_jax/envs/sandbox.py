@@ -498,7 +498,11 @@ def _supervise(
     elif rc == _MEMORY_RC:
         status, msg = "memory", f"memory: memory limit {memory_mb} MB exceeded"
     elif rc is not None and rc < 0:
-        status, msg = "killed", f"killed: signal {signal.Signals(-rc).name}"
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = str(-rc)
+        status, msg = "killed", f"killed: signal {name}"
     elif rc == 0:
         status, msg = "ok", "ok"
     else:
