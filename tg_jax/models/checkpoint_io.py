@@ -69,19 +69,17 @@ class _Entry:
     hf: str  # name, or suffix after "model.layers.{i}." for per-layer entries
     kind: str
     per_layer: bool = True
-    heads: int = 0  # N, for the *_heads kinds
     offset: int = 0  # row offset inside a fused tensor
 
 
 def _entries(cfg: ModelConfig, fused_experts: bool = False) -> list[_Entry]:
-    n, k = cfg.num_heads, cfg.num_kv_heads
     out = [
         _Entry(("embed",), "model.embed_tokens.weight", "plain", per_layer=False),
         _Entry(("final_norm", "scale"), "model.norm.weight", "plain", per_layer=False),
-        _Entry(("layers", "attn", "q_proj"), "self_attn.q_proj.weight", "in_heads", heads=n),
-        _Entry(("layers", "attn", "k_proj"), "self_attn.k_proj.weight", "in_heads", heads=k),
-        _Entry(("layers", "attn", "v_proj"), "self_attn.v_proj.weight", "in_heads", heads=k),
-        _Entry(("layers", "attn", "o_proj"), "self_attn.o_proj.weight", "out_heads", heads=n),
+        _Entry(("layers", "attn", "q_proj"), "self_attn.q_proj.weight", "in_heads"),
+        _Entry(("layers", "attn", "k_proj"), "self_attn.k_proj.weight", "in_heads"),
+        _Entry(("layers", "attn", "v_proj"), "self_attn.v_proj.weight", "in_heads"),
+        _Entry(("layers", "attn", "o_proj"), "self_attn.o_proj.weight", "out_heads"),
         _Entry(("layers", "attn", "q_norm", "scale"), "self_attn.q_norm.weight", "plain"),
         _Entry(("layers", "attn", "k_norm", "scale"), "self_attn.k_norm.weight", "plain"),
         _Entry(("layers", "attn_norm", "scale"), "input_layernorm.weight", "plain"),
@@ -378,7 +376,7 @@ def hf_tensors(
                 for j in range(per[0]):
                     yield (
                         _hf_name(e, i, j),
-                        _hf_shape(e, per[1:]),
+                        _hf_shape(e, per),
                         lambda e=e, i=i, j=j: np.ascontiguousarray(layer(e, i)[j].T),
                     )
             else:
