@@ -1,0 +1,159 @@
+"""Held-out statistics against numpy / scipy computed by hand."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from tg_jax.evaluation import stats
+
+
+def _rec(task, success, fence=True, cond="plain", sample=0, actions=None):
+    return stats.EpisodeRecord(
+        task_id=task,
+        condition=cond,
+        sample=sample,
+        task_success=success,
+        compliance={"fence": fence},
+        actions=actions or {"run_tests": 1, "submit": 1, "malformed": 0},
+        turns=2,
+    )
+
+
+def test_episode_compliance_and_joint():
+    comp = stats.episode_compliance({"fence": [True, None, True], "tool_json": [None, None]})
+    assert comp == {"fence": True, "tool_json": False}  # no judged turn never counts as met
+    assert stats.episode_compliance({"fence": [True, False]}) == {"fence": False}
+    r = _rec("a", True, fence=True)
+    assert r.compliant and r.joint
+    r = _rec("a", True, fence=False)
+    assert not r.compliant and not r.joint
+    assert stats.EpisodeRecord.from_dict(r.to_dict()) == r
+    with pytest.raises(ValueError, match="condition"):
+        _rec("a", True, cond="other")
+
+
+def test_task_means_average_samples_first():
+    # Task a: 3 samples (2 successes); task b: 1 sample (0 successes).
+    recs = [_rec("a", True, sample=0), _rec("a", True, sample=1), _rec("a", False, sample=2)]
+    recs += [_rec("b", False), _rec("b", True, cond="hinted")]
+    ids, table = stats.task_means(recs)
+    assert ids == ["a", "b"]
+    np.testing.assert_allclose(table["task_success"], [2 / 3, 0.0])
+    np.testing.assert_allclose(table["actions/run_tests"], [1.0, 1.0])
+    # Pooling seeds weighs each run equally, whatever its sample count.
+    other = [_rec("a", False), _rec("b", True)]
+    _, pooled = stats.pooled_task_means([recs, other])
+    np.testing.assert_allclose(pooled["task_success"], [(2 / 3 + 0) / 2, (0 + 1) / 2])
+    with pytest.raises(ValueError, match="same held-out tasks"):
+        stats.pooled_task_means([recs, [_rec("c", True)]])
+
+
+def test_bootstrap_matches_numpy_loop():
+    values = np.array([0.0, 1.0, 1.0, 0.5, 0.25, 1.0, 0.0])
+    ci = stats.bootstrap_ci(values, n_boot=2000, seed=3, level=0.9)
+    rng = np.random.default_rng(3)
+    idx = rng.integers(0, len(values), size=(2000, len(values)))
+    means = np.array([values[row].mean() for row in idx])
+    assert ci.mean == pytest.approx(values.mean())
+    assert ci.low == pytest.approx(np.quantile(means, 0.05))
+    assert ci.high == pytest.approx(np.quantile(means, 0.95))
+    assert ci.n == 7 and ci.level == 0.9
+    # Fixed seed: the same interval every time.
+    assert stats.bootstrap_ci(values, n_boot=2000, seed=3, level=0.9) == ci
+
+
+def test_paired_bootstrap_cancels_shared_item_variance():
+    rng = np.random.default_rng(0)
+    difficulty = rng.uniform(0, 1, size=200)  # shared between arms
+    a = difficulty + 0.02
+    b = difficulty
+    paired = stats.paired_bootstrap_ci(a, b, n_boot=500, seed=0)
+    assert paired.mean == pytest.approx(0.02)
+    assert paired.low == pytest.approx(0.02) and paired.high == pytest.approx(0.02)
+    # Unpaired resampling of each arm would give a wide interval around 0.02.
+    ia = stats.bootstrap_ci(a, n_boot=500, seed=0)
+    assert ia.high - ia.low > 0.05
+    with pytest.raises(ValueError, match="same items"):
+        stats.paired_bootstrap_ci(a, b[:-1])
+
+
+def test_seed_interval_is_student_t():
+    v = [0.31, 0.35, 0.28, 0.40]
+    out = stats.seed_interval(v, level=0.95)
+    m, s = np.mean(v), np.std(v, ddof=1)
+    half = scipy.stats.t.ppf(0.975, 3) * s / math.sqrt(4)
+    assert out["mean"] == pytest.approx(m) and out["std"] == pytest.approx(s)
+    assert out["low"] == pytest.approx(m - half) and out["high"] == pytest.approx(m + half)
+    one = stats.seed_interval([0.3])
+    assert one["mean"] == 0.3 and math.isnan(one["std"]) and math.isnan(one["low"])
+
+
+def test_noninferiority_verdicts():
+    diff = stats.Interval(mean=-0.01, low=-0.04, high=0.02, level=0.95, method="x", n=50)
+    assert stats.noninferiority(diff, -0.05)["verdict"] == "pass"
+    assert stats.noninferiority(diff, -0.04)["verdict"] == "pass"  # lower == margin passes
+    assert stats.noninferiority(diff, -0.03)["verdict"] == "fail"
+    nan = {"mean": 0.0, "low": float("nan"), "level": 0.95}
+    assert stats.noninferiority(nan, -0.05, interval="seed_t")["verdict"] == "undetermined"
+    with pytest.raises(ValueError, match="<= 0"):
+        stats.noninferiority(diff, 0.05)
+
+
+def _arm(success_by_seed, tasks=20):
+    """seed -> episodes where task i succeeds iff i < k (k per seed)."""
+    return {
+        s: [_rec(f"t{i:02d}", i < k, fence=True) for i in range(tasks)]
+        for s, k in success_by_seed.items()
+    }
+
+
+def test_compare_arms_paired_and_seed_t():
+    base = _arm({0: 10, 1: 12})  # success 0.50, 0.60
+    cand = _arm({0: 9, 1: 12})  # success 0.45, 0.60
+    out = stats.compare_arms(cand, base, margin=-0.05, n_boot=1000, seed=0)
+    ts = out["paired_bootstrap"]["task_success"]
+    assert ts["mean"] == pytest.approx(-0.025)
+    # Per-task differences: task t09 is -0.5 (one seed lost it), every other task 0.
+    d = np.zeros(20)
+    d[9] = -0.5
+    ref = stats.bootstrap_ci(d, n_boot=1000, seed=0)
+    assert ts["low"] == pytest.approx(ref.low) and ts["high"] == pytest.approx(ref.high)
+    ni = out["noninferiority"]
+    assert ni["interval"] == "paired_bootstrap" and ni["lower"] == pytest.approx(ref.low)
+    assert ni["verdict"] == ("pass" if ref.low >= -0.05 else "fail")
+    seed_t = out["seed_t"]["task_success"]
+    assert seed_t["mean"] == pytest.approx(-0.025)
+    assert seed_t["std"] == pytest.approx(np.std([-0.05, 0.0], ddof=1))
+    out_t = stats.compare_arms(cand, base, margin=-0.05, ni_interval="seed_t", n_boot=100)
+    assert out_t["noninferiority"]["lower"] == pytest.approx(seed_t["low"])
+    assert out_t["noninferiority"]["verdict"] == "fail"  # 2 seeds: a very wide t-interval
+    # A clear drop fails the paired bootstrap verdict.
+    worse = _arm({0: 5, 1: 6})
+    assert stats.compare_arms(worse, base, margin=-0.05)["noninferiority"]["verdict"] == "fail"
+
+
+def test_summarize_arm_diagnostic():
+    runs = {
+        0: [_rec(f"t{i}", i < 3, fence=False) for i in range(6)]
+        + [_rec(f"t{i}", i < 3, fence=True, cond="hinted") for i in range(6)]
+    }
+    out = stats.summarize_arm(runs, n_boot=200)
+    assert out["plain"]["bootstrap"]["compliance"]["mean"] == 0.0
+    assert out["hinted"]["bootstrap"]["compliance"]["mean"] == 1.0
+    assert out["plain"]["per_seed"]["0"]["task_success"] == pytest.approx(0.5)
+    diag = out["diagnostic"]["compliance"]
+    assert diag["mean"] == 1.0 and diag["low"] == 1.0
+    assert math.isnan(out["plain"]["seeds"]["task_success"]["std"])
+
+
+def test_last_k_mean_std_uses_last_record_per_step():
+    recs = [{"step": s, "stage": "train", "rollout/compliance": s / 10} for s in range(1, 11)]
+    recs.append({"step": 10, "stage": "train", "rollout/compliance": 0.0})  # re-logged after resume
+    recs.append({"step": 11, "stage": "eval", "rollout/compliance": 5.0})  # other stage
+    out = stats.last_k_mean_std(recs, "rollout/compliance", 3)
+    vals = [0.8, 0.9, 0.0]
+    assert out["mean"] == pytest.approx(np.mean(vals)) and out["std"] == pytest.approx(np.std(vals))
+    assert (out["n"], out["first_step"], out["last_step"]) == (3, 8, 10)
+    assert "not a CI" in out["label"]

@@ -1,0 +1,444 @@
+"""Held-out statistics: per-episode records -> rates, intervals and the non-inferiority verdict.
+
+DESIGN.md section 4. Three kinds of uncertainty are kept apart, and each number says which
+one it carries:
+
+* Test items (held-out tasks): percentile bootstrap over tasks, with a fixed seed. The unit
+  is the task, not the episode: the episodes of one task (several samples, several training
+  seeds) are averaged first, so a task sampled 8 times does not count as 8 independent items.
+  Arm differences use the *paired* bootstrap: both arms are evaluated on the same tasks and
+  every bootstrap replicate draws the same task indices for both, so the per-task difference
+  is resampled and the between-task variance that both arms share cancels.
+* Training seeds: one point estimate per seed; mean, sample std (ddof=1) and a Student-t
+  interval with n_seeds - 1 degrees of freedom. Never mixed into the bootstrap.
+* Training-time "Table 1 style" numbers: mean +- std over the last K training steps of one
+  run. That std measures step-to-step fluctuation of the training rollouts, it is NOT a
+  confidence interval, and results carry the label `TRAIN_STD_LABEL` to say so.
+
+Non-inferiority (the interval is fixed here and in `eval_config`, before any run):
+  d = task_success(candidate) - task_success(baseline), per held-out task, each arm's value
+  pooled over its training seeds and samples;
+  interval = two-sided `level` (default 95%) percentile paired bootstrap over tasks of mean(d);
+  verdict = "pass" iff the interval's LOWER bound >= margin (margin <= 0, e.g. -0.05).
+  A two-sided 95% interval's lower bound is a one-sided 97.5% bound, the usual convention of
+  non-inferiority trials. With `ni_interval="seed_t"` the verdict instead uses the t-interval
+  over training seeds of the per-seed differences (seeds paired by index); both intervals are
+  always reported, only the configured one decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import scipy.stats
+
+CONDITIONS = ("plain", "hinted")
+RATE_METRICS = ("compliance", "task_success", "joint")
+ACTION_METRICS = ("run_tests", "submit", "malformed")
+NI_INTERVALS = ("paired_bootstrap", "seed_t")
+TRAIN_STD_LABEL = "mean +- std over the last K training steps (step-to-step spread, not a CI)"
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeRecord:
+    """One held-out episode, as evaluation produces it and the statistics consume it.
+
+    Attributes:
+      task_id: the held-out task (the bootstrap unit).
+      condition: "plain" (the prompt as in training) or "hinted" (hints shown before every
+        assistant turn: "can do when reminded").
+      sample: index of this episode among the samples of the same task and condition.
+      task_success: the hidden tests all passed.
+      compliance: requirement name -> the episode met it: at least one assistant turn was
+        judged on it and every judged turn passed (the "all" requirement reward).
+      actions: action counts of the episode, e.g. {"run_tests": 2, "submit": 1, "malformed": 0}.
+      turns: assistant turns taken.
+    """
+
+    task_id: str
+    condition: str
+    sample: int
+    task_success: bool
+    compliance: dict[str, bool]
+    actions: dict[str, int]
+    turns: int
+
+    def __post_init__(self):
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"condition must be one of {CONDITIONS}, got {self.condition!r}")
+
+    @property
+    def compliant(self) -> bool:
+        """Every requirement met (False when there are no requirements)."""
+        return bool(self.compliance) and all(self.compliance.values())
+
+    @property
+    def joint(self) -> bool:
+        """The new behaviour and the old skill in the same episode."""
+        return self.compliant and self.task_success
+
+    def values(self) -> dict[str, float]:
+        """Every per-episode number: rates, per-requirement compliance, actions, turns."""
+        out = {
+            "compliance": float(self.compliant),
+            "task_success": float(self.task_success),
+            "joint": float(self.joint),
+            "turns": float(self.turns),
+        }
+        out.update({f"compliance/{k}": float(v) for k, v in sorted(self.compliance.items())})
+        out.update({f"actions/{k}": float(v) for k, v in sorted(self.actions.items())})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EpisodeRecord:
+        return cls(**d)
+
+
+def episode_compliance(verdicts: Mapping[str, Sequence[bool | None]]) -> dict[str, bool]:
+    """Per requirement: >= 1 judged turn and all judged turns passed (None = not judged)."""
+    out = {}
+    for name, vs in verdicts.items():
+        judged = [v for v in vs if v is not None]
+        out[name] = bool(judged) and all(judged)
+    return out
+
+
+# -- per-task table -------------------------------------------------------------------------
+
+
+def task_means(
+    records: Sequence[EpisodeRecord], condition: str = "plain"
+) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Averages every per-episode value over the episodes of each task.
+
+    Args:
+      records: episodes (any number per task: samples, training seeds).
+      condition: which condition to keep.
+
+    Returns:
+      (task_ids sorted, {metric: float64 [num_tasks]}). A metric missing from some episode
+      (e.g. an action one environment does not have) counts as 0 there.
+    """
+    by_task: dict[str, list[dict[str, float]]] = {}
+    for r in records:
+        if r.condition == condition:
+            by_task.setdefault(r.task_id, []).append(r.values())
+    task_ids = sorted(by_task)
+    names = sorted({k for vs in by_task.values() for v in vs for k in v})
+    table = {
+        name: np.array([np.mean([v.get(name, 0.0) for v in by_task[t]]) for t in task_ids])
+        for name in names
+    }
+    return task_ids, table
+
+
+def pooled_task_means(
+    runs: Sequence[Sequence[EpisodeRecord]], condition: str = "plain"
+) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Task means of several runs (training seeds of one arm), each run weighted equally.
+
+    Every run must cover the same tasks; the per-task value is the mean over runs of the
+    run's per-task mean (so a seed with more samples does not weigh more).
+    """
+    tables = [task_means(r, condition) for r in runs]
+    if not tables:
+        raise ValueError("no runs")
+    ids = tables[0][0]
+    for other, _ in tables[1:]:
+        if other != ids:
+            raise ValueError("runs of one arm must be evaluated on the same held-out tasks")
+    names = sorted(set.intersection(*(set(t) for _, t in tables)))
+    return ids, {n: np.mean([t[n] for _, t in tables], axis=0) for n in names}
+
+
+# -- bootstrap over test items --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """A point estimate with a two-sided interval and what the interval is."""
+
+    mean: float
+    low: float
+    high: float
+    level: float
+    method: str
+    n: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _percentile_interval(
+    values_N: np.ndarray, n_boot: int, seed: int, level: float, method: str
+) -> Interval:
+    values_N = np.asarray(values_N, np.float64)
+    n = values_N.shape[0]
+    if n == 0:
+        raise ValueError("cannot bootstrap zero items")
+    rng = np.random.default_rng(seed)
+    idx_RxN = rng.integers(0, n, size=(n_boot, n))
+    means_R = values_N[idx_RxN].mean(axis=1)
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(means_R, [alpha, 1.0 - alpha])
+    return Interval(float(values_N.mean()), float(low), float(high), level, method, n)
+
+
+def bootstrap_ci(
+    values_N: np.ndarray, *, n_boot: int = 10_000, seed: int = 0, level: float = 0.95
+) -> Interval:
+    """Percentile bootstrap interval of the mean over N test items (resampled with replacement).
+
+    Args:
+      values_N: one value per test item (e.g. a task's success rate).
+      n_boot: bootstrap replicates.
+      seed: numpy seed; the same seed and inputs give the same interval.
+      level: two-sided coverage, e.g. 0.95 -> the 2.5% and 97.5% quantiles.
+    """
+    return _percentile_interval(values_N, n_boot, seed, level, "bootstrap over test items")
+
+
+def paired_bootstrap_ci(
+    a_N: np.ndarray,
+    b_N: np.ndarray,
+    *,
+    n_boot: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> Interval:
+    """Paired percentile bootstrap interval of mean(a - b) over the same N test items.
+
+    Both arms are resampled with the same item indices, which is the same as bootstrapping
+    the per-item difference.
+    """
+    a_N, b_N = np.asarray(a_N, np.float64), np.asarray(b_N, np.float64)
+    if a_N.shape != b_N.shape:
+        raise ValueError(f"paired arms need the same items: shapes {a_N.shape} vs {b_N.shape}")
+    return _percentile_interval(a_N - b_N, n_boot, seed, level, "paired bootstrap over test items")
+
+
+# -- training seeds -------------------------------------------------------------------------
+
+
+def seed_interval(values_S: Sequence[float], *, level: float = 0.95) -> dict[str, Any]:
+    """Mean, std (ddof=1) and Student-t interval over training seeds.
+
+    Returns:
+      {"mean", "std", "n", "low", "high", "level", "method"}; with one seed std/low/high are
+      NaN (no spread can be estimated from one run).
+    """
+    v = np.asarray(values_S, np.float64)
+    n = int(v.size)
+    if n == 0:
+        raise ValueError("no seeds")
+    mean = float(v.mean())
+    if n < 2:
+        std = low = high = float("nan")
+    else:
+        std = float(v.std(ddof=1))
+        half = float(scipy.stats.t.ppf(0.5 + level / 2.0, df=n - 1)) * std / np.sqrt(n)
+        low, high = mean - half, mean + half
+    return {
+        "mean": mean,
+        "std": std,
+        "n": n,
+        "low": low,
+        "high": high,
+        "level": level,
+        "method": "t-interval over training seeds",
+    }
+
+
+# -- non-inferiority ------------------------------------------------------------------------
+
+
+def noninferiority(
+    diff: Interval | Mapping[str, Any], margin: float, *, interval: str = "paired_bootstrap"
+) -> dict[str, Any]:
+    """Verdict on candidate - baseline task success against a margin fixed before the run.
+
+    Args:
+      diff: the interval of the difference (an `Interval` or a `seed_interval` dict).
+      margin: the allowed drop, <= 0 (e.g. -0.05 = at most 5 points worse).
+      interval: the name of the interval `diff` is (recorded in the result).
+
+    Returns:
+      {"verdict": "pass" | "fail" | "undetermined", "lower", "margin", "interval", "level"}:
+      pass iff lower >= margin; "undetermined" when the lower bound is NaN (one seed under
+      interval="seed_t").
+    """
+    if margin > 0:
+        raise ValueError(f"a non-inferiority margin is an allowed drop, <= 0; got {margin}")
+    d = diff.to_dict() if isinstance(diff, Interval) else dict(diff)
+    lower = float(d["low"])
+    if np.isnan(lower):
+        verdict = "undetermined"
+    else:
+        verdict = "pass" if lower >= margin else "fail"
+    return {
+        "verdict": verdict,
+        "lower": lower,
+        "mean": float(d["mean"]),
+        "margin": float(margin),
+        "interval": interval,
+        "level": float(d["level"]),
+        "rule": "pass iff lower bound of the two-sided interval of (candidate - baseline) "
+        "task success >= margin",
+    }
+
+
+# -- training-time numbers ------------------------------------------------------------------
+
+
+def last_k_mean_std(
+    records: Sequence[Mapping[str, Any]], key: str, k: int, *, stage: str = "train"
+) -> dict[str, Any]:
+    """Mean +- std (ddof=0) of `key` over the last k logged steps (Table 1 style; NOT a CI).
+
+    Args:
+      records: metrics.jsonl records (`tg_jax.metrics.read_metrics`); after a resume the
+        last record of each step wins.
+      key: metric name.
+      k: how many of the last steps.
+      stage: which stage's records.
+
+    Returns:
+      {"mean", "std", "n", "first_step", "last_step", "label"}; NaN mean/std if no step has key.
+    """
+    latest: dict[int, float] = {}
+    for r in records:
+        if r.get("stage", stage) == stage and key in r:
+            latest[int(r["step"])] = float(r[key])
+    steps = sorted(latest)[-k:] if k > 0 else []
+    vals = np.array([latest[s] for s in steps], np.float64)
+    return {
+        "mean": float(vals.mean()) if vals.size else float("nan"),
+        "std": float(vals.std()) if vals.size else float("nan"),
+        "n": int(vals.size),
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "label": TRAIN_STD_LABEL,
+    }
+
+
+# -- everything for the report --------------------------------------------------------------
+
+
+def _seed_means(records: Sequence[EpisodeRecord], condition: str) -> dict[str, float]:
+    """One run's point estimates: the mean over tasks of the per-task means."""
+    _, table = task_means(records, condition)
+    return {k: float(v.mean()) for k, v in table.items()}
+
+
+def summarize_arm(
+    runs: Mapping[int, Sequence[EpisodeRecord]],
+    *,
+    n_boot: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict[str, Any]:
+    """Held-out summary of one arm over its training seeds.
+
+    Args:
+      runs: training seed -> that run's held-out episodes.
+
+    Returns:
+      {condition: {"bootstrap": {metric: Interval dict} (tasks, seeds pooled),
+                   "seeds": {metric: seed_interval dict}, "per_seed": {seed: {metric: v}},
+                   "num_tasks": n}}
+      and "diagnostic": {metric: paired bootstrap Interval dict of hinted - plain} when both
+      conditions were evaluated.
+    """
+    out: dict[str, Any] = {}
+    seeds = sorted(runs)
+    pooled = {}
+    for cond in CONDITIONS:
+        if not any(r.condition == cond for s in seeds for r in runs[s]):
+            continue
+        ids, table = pooled_task_means([runs[s] for s in seeds], cond)
+        pooled[cond] = (ids, table)
+        per_seed = {s: _seed_means(runs[s], cond) for s in seeds}
+        out[cond] = {
+            "num_tasks": len(ids),
+            "bootstrap": {
+                k: bootstrap_ci(v, n_boot=n_boot, seed=seed, level=level).to_dict()
+                for k, v in table.items()
+            },
+            "seeds": {
+                k: seed_interval([per_seed[s][k] for s in seeds], level=level) for k in table
+            },
+            "per_seed": {str(s): per_seed[s] for s in seeds},
+        }
+    if len(pooled) == 2:
+        (ids_p, plain), (ids_h, hinted) = pooled["plain"], pooled["hinted"]
+        if ids_p == ids_h:
+            out["diagnostic"] = {
+                k: paired_bootstrap_ci(
+                    hinted[k], plain[k], n_boot=n_boot, seed=seed, level=level
+                ).to_dict()
+                for k in RATE_METRICS
+            }
+    return out
+
+
+def compare_arms(
+    candidate: Mapping[int, Sequence[EpisodeRecord]],
+    baseline: Mapping[int, Sequence[EpisodeRecord]],
+    *,
+    margin: float,
+    ni_interval: str = "paired_bootstrap",
+    n_boot: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+    condition: str = "plain",
+) -> dict[str, Any]:
+    """Candidate - baseline on held-out tasks, with the non-inferiority verdict.
+
+    Args:
+      candidate, baseline: training seed -> held-out episodes, same tasks in every run.
+      margin: allowed drop in task success (<= 0), fixed in the config before the run.
+      ni_interval: which interval decides (see the module docstring): "paired_bootstrap"
+        (tasks, seeds pooled) or "seed_t" (t-interval over seeds of per-seed differences).
+
+    Returns:
+      {"paired_bootstrap": {metric: Interval dict}, "seed_t": {metric: seed_interval dict},
+       "paired_seeds": [seeds present in both], "noninferiority": verdict dict}.
+    """
+    if ni_interval not in NI_INTERVALS:
+        raise ValueError(f"ni_interval must be one of {NI_INTERVALS}, got {ni_interval!r}")
+    ids_c, cand = pooled_task_means([candidate[s] for s in sorted(candidate)], condition)
+    ids_b, base = pooled_task_means([baseline[s] for s in sorted(baseline)], condition)
+    if ids_c != ids_b:
+        raise ValueError("arms must be evaluated on the same held-out tasks to be paired")
+    metrics = sorted(set(cand) & set(base))
+    boot = {
+        k: paired_bootstrap_ci(cand[k], base[k], n_boot=n_boot, seed=seed, level=level).to_dict()
+        for k in metrics
+    }
+    common = sorted(set(candidate) & set(baseline))
+    seed_t = {}
+    if common:
+        c_means = {s: _seed_means(candidate[s], condition) for s in common}
+        b_means = {s: _seed_means(baseline[s], condition) for s in common}
+        seed_t = {
+            k: seed_interval([c_means[s][k] - b_means[s][k] for s in common], level=level)
+            for k in metrics
+        }
+    if ni_interval == "paired_bootstrap":
+        diff = boot["task_success"]
+    elif seed_t:
+        diff = seed_t["task_success"]
+    else:
+        diff = {"mean": float("nan"), "low": float("nan"), "level": level}
+    return {
+        "paired_bootstrap": boot,
+        "seed_t": seed_t,
+        "paired_seeds": common,
+        "noninferiority": noninferiority(diff, margin, interval=ni_interval),
+    }
