@@ -1,0 +1,1 @@
+"""Task datasets: TFDS builders (array_record, no TensorFlow) and grain pipelines."""
