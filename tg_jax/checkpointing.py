@@ -60,7 +60,6 @@ from orbax.checkpoint import checkpoint_managers as ocm
 
 _STATE = "state"
 _META = "meta"
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 class CheckpointError(RuntimeError):
