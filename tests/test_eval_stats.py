@@ -157,3 +157,13 @@ def test_last_k_mean_std_uses_last_record_per_step():
     assert out["mean"] == pytest.approx(np.mean(vals)) and out["std"] == pytest.approx(np.std(vals))
     assert (out["n"], out["first_step"], out["last_step"]) == (3, 8, 10)
     assert "not a CI" in out["label"]
+
+
+def test_last_k_pools_seeds():
+    a = [{"step": s, "stage": "train", "c": float(s)} for s in range(1, 6)]
+    b = [{"step": s, "stage": "train", "c": 10.0 * s} for s in range(1, 6)]
+    out = stats.last_k_mean_std([a, b], "c", 2)
+    vals = [4.0, 5.0, 40.0, 50.0]
+    assert out["mean"] == pytest.approx(np.mean(vals)) and out["std"] == pytest.approx(np.std(vals))
+    assert out["n"] == 4
+    assert math.isnan(stats.last_k_mean_std(a, "missing", 3)["mean"])

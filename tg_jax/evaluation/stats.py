@@ -296,33 +296,49 @@ def noninferiority(
 # -- training-time numbers ------------------------------------------------------------------
 
 
-def last_k_mean_std(
+def last_k_values(
     records: Sequence[Mapping[str, Any]], key: str, k: int, *, stage: str = "train"
-) -> dict[str, Any]:
-    """Mean +- std (ddof=0) of `key` over the last k logged steps (Table 1 style; NOT a CI).
-
-    Args:
-      records: metrics.jsonl records (`tg_jax.metrics.read_metrics`); after a resume the
-        last record of each step wins.
-      key: metric name.
-      k: how many of the last steps.
-      stage: which stage's records.
-
-    Returns:
-      {"mean", "std", "n", "first_step", "last_step", "label"}; NaN mean/std if no step has key.
-    """
+) -> tuple[list[int], np.ndarray]:
+    """The last k logged steps of `key` and their values (after a resume the last record of
+    each step wins)."""
     latest: dict[int, float] = {}
     for r in records:
         if r.get("stage", stage) == stage and key in r:
             latest[int(r["step"])] = float(r[key])
     steps = sorted(latest)[-k:] if k > 0 else []
-    vals = np.array([latest[s] for s in steps], np.float64)
+    return steps, np.array([latest[s] for s in steps], np.float64)
+
+
+def last_k_mean_std(
+    runs: Sequence[Sequence[Mapping[str, Any]]] | Sequence[Mapping[str, Any]],
+    key: str,
+    k: int,
+    *,
+    stage: str = "train",
+) -> dict[str, Any]:
+    """Mean +- std (ddof=0) of `key` over the last k logged steps (Table 1 style; NOT a CI).
+
+    Args:
+      runs: metrics.jsonl records of one run (`tg_jax.metrics.read_metrics`), or a list of
+        such lists (several training seeds: their last-k values are pooled).
+      key: metric name.
+      k: how many of the last steps of each run.
+      stage: which stage's records.
+
+    Returns:
+      {"mean", "std", "n", "first_step", "last_step", "label"}; NaN mean/std if no step has key.
+    """
+    if runs and isinstance(runs[0], Mapping):
+        runs = [runs]
+    parts = [last_k_values(r, key, k, stage=stage) for r in runs]
+    vals = np.concatenate([v for _, v in parts]) if parts else np.zeros(0)
+    steps = [s for st, _ in parts for s in st]
     return {
         "mean": float(vals.mean()) if vals.size else float("nan"),
         "std": float(vals.std()) if vals.size else float("nan"),
         "n": int(vals.size),
-        "first_step": steps[0] if steps else None,
-        "last_step": steps[-1] if steps else None,
+        "first_step": min(steps) if steps else None,
+        "last_step": max(steps) if steps else None,
         "label": TRAIN_STD_LABEL,
     }
 

@@ -1,0 +1,113 @@
+"""report.md / results.json / plots from synthetic run results."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tg_jax import report
+from tg_jax.evaluation import stats
+
+
+def _episodes(success_k, comply, tasks=20, hinted=True):
+    """Task i succeeds iff i < success_k; plain compliance `comply`, hinted always compliant."""
+    out = []
+    for i in range(tasks):
+        for cond in ("plain", "hinted") if hinted else ("plain",):
+            out.append(
+                stats.EpisodeRecord(
+                    task_id=f"t{i:02d}",
+                    condition=cond,
+                    sample=0,
+                    task_success=i < success_k,
+                    compliance={"fence": comply or cond == "hinted"},
+                    actions={"run_tests": i % 3, "submit": 1, "malformed": int(i == 0)},
+                    turns=1 + i % 3,
+                )
+            )
+    return out
+
+
+def _curves(seed, compliance_end, steps=40):
+    recs = []
+    for s in range(1, steps + 1):
+        c = compliance_end * s / steps
+        recs.append({"step": s, "stage": "train", "rollout/compliance": c + 0.01 * seed,
+                     "rollout/task_success": 0.33, "rollout/joint": 0.3 * c})  # fmt: skip
+        if s % 10 == 0:
+            recs.append({"step": s, "stage": "eval", "heldout/compliance": c,
+                         "heldout/task_success": 0.3})  # fmt: skip
+    return recs
+
+
+def _runs():
+    costs = {"wall_time_s": 10.0, "sampled_tokens": 1e6, "teacher_forward_flops": 0.0,
+             "peak_memory_bytes": 2e9}  # fmt: skip
+    runs = []
+    for seed in (0, 1):
+        runs.append(report.RunResult("grpo", seed, _episodes(10, False), _curves(seed, 0.0),
+                                     dict(costs, wall_time_s=10.0 + seed)))  # fmt: skip
+        runs.append(report.RunResult("tg", seed, _episodes(10 - seed, True), _curves(seed, 0.9),
+                                     dict(costs, teacher_forward_flops=5e12)))  # fmt: skip
+    runs.append(report.RunResult("tg_wrong", 0, _episodes(4, True, hinted=False),
+                                 _curves(0, 0.5), costs, group="stress",
+                                 description="50% wrong hints"))  # fmt: skip
+    return runs
+
+
+def test_write_report(tmp_path):
+    runs = _runs()
+    settings = report.ReportSettings(margin=-0.05, n_boot=500, last_k=8)
+    res = report.write_report(tmp_path, runs, settings)
+    for name in ("report.md", "results.json", "curve_compliance.png", "curve_task_success.png"):
+        assert os.path.getsize(tmp_path / name) > 0, name
+    with open(tmp_path / "results.json") as f:
+        loaded = json.load(f)
+    assert loaded == json.loads(json.dumps(res))
+    # Inputs round-trip exactly.
+    for run, stored in zip(runs, loaded["runs"], strict=True):
+        assert (stored["arm"], stored["seed"], stored["costs"]) == (run.arm, run.seed, run.costs)
+        assert [stats.EpisodeRecord.from_dict(e) for e in stored["heldout"]] == run.heldout
+        curve = stored["curves"]["train:rollout/compliance"]
+        assert curve == [[r["step"], r["rollout/compliance"]] for r in run.train_records
+                         if r["stage"] == "train"]  # fmt: skip
+    # Derived numbers equal the inputs.
+    tg = loaded["arms"]["tg"]
+    assert tg["heldout"]["plain"]["per_seed"]["1"]["task_success"] == pytest.approx(9 / 20)
+    assert tg["heldout"]["plain"]["bootstrap"]["task_success"]["mean"] == pytest.approx(9.5 / 20)
+    assert tg["heldout"]["plain"]["bootstrap"]["compliance"]["mean"] == 1.0
+    assert loaded["arms"]["grpo"]["heldout"]["diagnostic"]["compliance"]["mean"] == 1.0
+    last = [0.9 * s / 40 + 0.01 * seed for seed in (0, 1) for s in range(33, 41)]
+    assert tg["train_last_k"]["compliance"]["mean"] == pytest.approx(np.mean(last))
+    assert tg["train_last_k"]["compliance"]["std"] == pytest.approx(np.std(last))
+    assert loaded["arms"]["grpo"]["costs"]["wall_time_s"]["mean"] == pytest.approx(10.5)
+    # Verdict: TG - GRPO = -0.025 on task success; the paired interval decides.
+    ni = loaded["noninferiority"]
+    assert ni == loaded["comparisons"]["tg"]["noninferiority"]
+    pb = loaded["comparisons"]["tg"]["paired_bootstrap"]["task_success"]
+    assert ni["mean"] == pytest.approx(-0.025) and ni["lower"] == pb["low"]
+    assert ni["verdict"] == ("pass" if pb["low"] >= -0.05 else "fail")
+    assert loaded["comparisons"]["tg_wrong"]["noninferiority"]["verdict"] == "fail"
+    md = (tmp_path / "report.md").read_text()
+    assert f"success: {ni['verdict'].upper()}" in md
+    assert "not a confidence interval" in md and "Stress tests" in md and "50% wrong hints" in md
+    assert "Diagnostic: plain vs hinted" in md and "Side effects" in md
+
+
+def test_verdict_follows_margin(tmp_path):
+    runs = _runs()
+    strict = report.write_report(tmp_path / "a", runs, {"margin": -0.0, "n_boot": 200})
+    loose = report.write_report(tmp_path / "b", runs, {"margin": -0.5, "n_boot": 200})
+    assert strict["noninferiority"]["verdict"] == "fail"  # TG lost a task in one seed
+    assert loose["noninferiority"]["verdict"] == "pass"
+
+
+def test_errors():
+    runs = _runs()
+    with pytest.raises(ValueError, match="baseline arm"):
+        report.compute_results(runs, report.ReportSettings(baseline="nope"))
+    with pytest.raises(ValueError, match="duplicate seeds"):
+        report.compute_results(runs + [runs[0]], report.ReportSettings())
+    with pytest.raises(ValueError, match="group"):
+        report.RunResult("x", 0, [], [], {}, group="other")
