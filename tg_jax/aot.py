@@ -1,0 +1,321 @@
+"""Does a config fit a TPU slice? Compile its steps ahead of time on a CPU host and read memory.
+
+    PYTHONPATH=/path/to/libtpu_site python -m tg_jax.aot \
+        --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 [--config.a.b=v]
+
+libtpu describes any TPU topology without the hardware (`jax.experimental.topologies`); a mesh
+over those devices, abstract inputs (`jax.ShapeDtypeStruct` with their shardings) and
+`jax.jit(...).lower(...).compile()` give the real XLA:TPU executable, whose
+`memory_analysis()` is the per-chip HBM it needs: arguments + outputs - donated aliases +
+temporaries + code. Nothing runs and no weights exist; only libtpu must be importable (the
+`tpu` extra, or `pip install --target DIR libtpu==<jax's pin>` and DIR on PYTHONPATH).
+
+Two programs are compiled:
+* train: the real TG/GRPO train step (`tg_jax.rl.train_step.make_train_step`) on a batch of
+  `--train_rows` student rows of `--seq_len` tokens and as many teacher rows of
+  `--teacher_len` (per-trajectory hinted contexts), with `config.rl.micro_batches`; or, with
+  `--step=lm`, a next-token loss + AdamW step of the same shapes (no teacher), the baseline.
+* sample: one KV-cache decode step (`tg_jax.models.decode`) of `--decode_rows` rows with a
+  cache of `--cache_len` slots, on the same mesh and param shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from absl import app, flags
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from ml_collections import config_flags
+
+from tg_jax import sharding
+from tg_jax.models import ModelConfig, Transformer, decode, hidden_states
+
+HBM_GIB_PER_CHIP = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
+GIB = 2**30
+
+
+def topology_devices(topology: str) -> list[jax.Device]:
+    """The devices of a TPU topology such as "v5p:2x4x4" (libtpu, no hardware needed)."""
+    from jax.experimental import topologies  # noqa: PLC0415 (needs libtpu)
+
+    # Off a TPU VM libtpu cannot discover worker hostnames; AOT does not need them.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+
+
+def hbm_bytes_per_device(topology: str, num_devices: int) -> float:
+    """HBM of one JAX device: a chip's HBM, halved where devices are single TensorCores (v4)."""
+    kind, _, dims = topology.partition(":")
+    chips = math.prod(int(d) for d in dims.split("x"))
+    if kind not in HBM_GIB_PER_CHIP:
+        raise ValueError(f"Unknown TPU kind {kind!r}; known: {sorted(HBM_GIB_PER_CHIP)}")
+    return HBM_GIB_PER_CHIP[kind] * GIB * chips / num_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-device bytes of one compiled program (XLA's memory analysis)."""
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int  # outputs written in place of donated arguments (counted once)
+    temps: int
+    code: int
+    hbm: float
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temps + self.code
+
+    def format(self) -> str:
+        def g(x):
+            return f"{x / GIB:7.2f} GiB"
+
+        fits = "fits" if self.total <= self.hbm else "DOES NOT FIT"
+        return (
+            f"{self.name}: per device {g(self.total)} of {g(self.hbm)} HBM ({fits}; "
+            f"{100 * self.total / self.hbm:.0f}%)\n"
+            f"  arguments {g(self.arguments)}  outputs {g(self.outputs)}  "
+            f"aliased {g(self.aliased)}  temps {g(self.temps)}  code {g(self.code)}"
+        )
+
+
+def memory_report(compiled: Any, name: str, hbm: float) -> MemoryReport:
+    m = compiled.memory_analysis()
+    return MemoryReport(
+        name=name,
+        arguments=int(m.argument_size_in_bytes),
+        outputs=int(m.output_size_in_bytes),
+        aliased=int(m.alias_size_in_bytes),
+        temps=int(m.temp_size_in_bytes),
+        code=int(m.generated_code_size_in_bytes),
+        hbm=hbm,
+    )
+
+
+def _fit(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """Drops mesh axes that do not divide their dimension (e.g. 4 KV heads on tensor=8)."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        kept = []
+        for a in names:
+            if dim % (math.prod(mesh.shape[k] for k in kept) * mesh.shape[a]) == 0:
+                kept.append(a)
+        out.append(tuple(kept) if len(kept) > 1 else (kept[0] if kept else None))
+    return PartitionSpec(*out)
+
+
+def _abstract(shape, dtype, mesh: Mesh, spec: PartitionSpec) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _fit(spec, shape, mesh)))
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def abstract_params(model: Transformer, mesh: Mesh, rules: sharding.Rules) -> Any:
+    boxed = jax.eval_shape(
+        lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0)
+    )
+    return _with_shardings(nn.unbox(boxed), sharding.logical_to_shardings(boxed, mesh, rules))
+
+
+def _batch_spec(mesh: Mesh, rules: sharding.Rules, ndim: int) -> PartitionSpec:
+    return sharding.data_sharding(mesh, rules, ndim).spec
+
+
+def abstract_tg_batch(
+    rows: int, seq_len: int, teacher_len: int, mesh: Mesh, rules: sharding.Rules, reqs=("req",)
+) -> Any:
+    """An abstract `tg_jax.rl.batch.Batch`: `rows` student rows and as many teacher rows."""
+    from tg_jax.rl.batch import Batch  # noqa: PLC0415 (the real step only)
+
+    def a(shape, dtype):
+        return _abstract(shape, dtype, mesh, _batch_spec(mesh, rules, len(shape)))
+
+    s = functools.partial(a, (rows, seq_len))
+    t = functools.partial(a, (rows, teacher_len))
+    return Batch(
+        tokens_BxT=s(jnp.int32), positions_BxT=s(jnp.int32), segment_ids_BxT=s(jnp.int32),
+        targets_BxT=s(jnp.int32), loss_mask_BxT=s(jnp.bool_), answer_mask_BxT=s(jnp.bool_),
+        thinking_mask_BxT=s(jnp.bool_), failed_turn_mask_BxT=s(jnp.bool_),
+        distill_mask_BxT=s(jnp.bool_), requirement_ids_BxT=s(jnp.int32),
+        turn_ids_BxT=s(jnp.int32), behaviour_logprobs_BxT=s(jnp.float32),
+        teacher_row_BxT=s(jnp.int32), teacher_pos_BxT=s(jnp.int32),
+        teacher_tokens_BtxTt=t(jnp.int32), teacher_positions_BtxTt=t(jnp.int32),
+        teacher_segment_ids_BtxTt=t(jnp.int32),
+        rewards={name: a((rows,), jnp.float32) for name in ("task", *reqs)},
+        group_ids_B=a((rows,), jnp.int32), policy_version_B=a((rows,), jnp.int32),
+        valid_B=a((rows,), jnp.bool_), requirement_names=tuple(reqs),
+    )  # fmt: skip
+
+
+def compile_tg_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: int, teacher_len):
+    """The real train step (`make_train_step`), lowered on abstract state and batch."""
+    from tg_jax.rl import train_step as ts  # noqa: PLC0415
+
+    model = Transformer(ModelConfig.from_config(config.model))
+    step = ts.make_train_step(config, model, mesh, rules)
+    optimizer = ts.make_optimizer(config.optim)
+    state_sh = ts.train_state_shardings(model, optimizer, mesh, rules)
+    boxed = jax.eval_shape(
+        lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0)
+    )
+    state = ts.TrainState(
+        params=nn.unbox(boxed),
+        opt_state=nn.unbox(jax.eval_shape(optimizer.init, boxed)),
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        rng=jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    state = _with_shardings(state, state_sh)
+    batch = abstract_tg_batch(rows, seq_len, teacher_len, mesh, rules)
+    args = (state, batch)
+    if float(config.rl.kl_coef) > 0:
+        args += (state.params,)
+    with jax.set_mesh(mesh):
+        return step.jitted.lower(*args).compile()
+
+
+def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: int, chunk: int):
+    """Baseline step: next-token cross-entropy over [rows, seq_len] (logits in chunks of
+    `chunk` positions, rematerialised) + AdamW, state donated."""
+    model = Transformer(ModelConfig.from_config(config.model))
+    params = abstract_params(model, mesh, rules)
+    optimizer = optax.adamw(1e-5)
+    with jax.set_mesh(mesh):
+        init = jax.jit(optimizer.init).lower(params).compile()
+    opt_state = _with_shardings(jax.eval_shape(optimizer.init, params), init.output_shardings)
+    tokens = _abstract((rows, seq_len), jnp.int32, mesh, _batch_spec(mesh, rules, 2))
+
+    def loss_fn(p, tokens_BxT):
+        h_BxTxD = hidden_states(model, p, tokens_BxT)
+        b, t, d = h_BxTxD.shape
+        n = t // chunk
+        h_NxBxCxD = h_BxTxD.reshape(b, n, chunk, d).swapaxes(0, 1)
+        y_NxBxC = jnp.roll(tokens_BxT, -1, axis=1).reshape(b, n, chunk).swapaxes(0, 1)
+
+        @jax.checkpoint
+        def chunk_nll(h_BxCxD, y_BxC):
+            logits = model.apply({"params": p}, h_BxCxD, method=Transformer.unembed)
+            logp = jax.nn.log_softmax(logits)
+            return -jnp.take_along_axis(logp, y_BxC[..., None], axis=-1).sum()
+
+        def body(total, xs):
+            return total + chunk_nll(*xs), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NxBxCxD, y_NxBxC))
+        return total / (b * t)
+
+    def step(state, tokens_BxT):
+        p, o = state
+        with nn.logical_axis_rules(rules):
+            loss, grads = jax.value_and_grad(loss_fn)(p, tokens_BxT)
+        updates, o = optimizer.update(grads, o, p)
+        return (optax.apply_updates(p, updates), o), loss
+
+    state_sh = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    jitted = jax.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
+    with jax.set_mesh(mesh):
+        return jitted.lower((params, opt_state), tokens).compile()
+
+
+def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: int):
+    """One decode step (T = 1) with a [L, rows, cache_len, K, Dh] KV cache (donated)."""
+    cfg = ModelConfig.from_config(config.model)
+    model = Transformer(cfg)
+    params = abstract_params(model, mesh, rules)
+    # Cache: batch over the data axes, KV heads over the axis of "kv_heads" where it divides.
+    spec = nn.logical_to_mesh_axes(("layers", "batch", "length", "kv_heads", "head_dim"), rules)
+    shape = (cfg.num_layers, rows, cache_len, cfg.num_kv_heads, cfg.head_dim)
+    kv = _abstract(shape, cfg.jnp_dtype, mesh, PartitionSpec(*spec))
+    cache = {"k": kv, "v": kv}
+    tokens = _abstract((rows, 1), jnp.int32, mesh, _batch_spec(mesh, rules, 2))
+
+    def step(p, tokens_Bx1, positions_Bx1, c):
+        with nn.logical_axis_rules(rules):
+            logits, c = decode(model, p, tokens_Bx1, positions_Bx1, c)
+        return jnp.argmax(logits[:, -1], axis=-1), c
+
+    jitted = jax.jit(step, out_shardings=(None, jax.tree.map(lambda x: x.sharding, cache)),
+                     donate_argnums=3)  # fmt: skip
+    with jax.set_mesh(mesh):
+        return jitted.lower(params, tokens, tokens, cache).compile()
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology, e.g. v5p:2x4x4, v5e:4x4.")
+_WHAT = flags.DEFINE_list("what", ["train", "sample"], "Programs to compile: train, sample.")
+_STEP = flags.DEFINE_enum(
+    "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."
+)
+_ROWS = flags.DEFINE_integer("train_rows", 0, "Student rows per train step; 0 = from the config.")
+_SEQ = flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = config.model.max_seq_len.")
+_TEACHER = flags.DEFINE_integer("teacher_len", 0, "Teacher tokens per row; 0 = seq_len + 256.")
+_DROWS = flags.DEFINE_integer("decode_rows", 0, "Rows per decode step; 0 = the train rows.")
+_CACHE = flags.DEFINE_integer("cache_len", 0, "KV-cache slots; 0 = the student seq_len.")
+_CHUNK = flags.DEFINE_integer("chunk", 512, "Positions per logits chunk of the LM baseline.")
+
+
+def _config_rows(config: Any) -> int:
+    """Rows of one train step: groups x rollouts per group when the config says so."""
+    for section in ("sampling", "rl", "batch", "train"):
+        s = config.get(section)
+        if s is None:
+            continue
+        groups = s.get("groups_per_step") or s.get("num_groups") or s.get("groups")
+        per = s.get("rollouts_per_group") or s.get("group_size")
+        if groups and per:
+            return int(groups) * int(per)
+    raise ValueError("Cannot find groups x rollouts per group in the config: pass --train_rows")
+
+
+def main(argv: Sequence[str]) -> None:
+    del argv
+    config = _CONFIG.value
+    topology = _TOPOLOGY.value
+    if not re.fullmatch(r"v\w+:\d+(x\d+)*", topology):
+        raise app.UsageError(f"--topology must look like v5p:2x4x4, got {topology!r}")
+    devices = topology_devices(topology)
+    hbm = hbm_bytes_per_device(topology, len(devices))
+    mesh = sharding.make_mesh(config.mesh, devices)
+    rules = sharding.logical_rules(config.mesh)
+    rows = _ROWS.value or _config_rows(config)
+    seq_len = _SEQ.value or int(config.model.max_seq_len)
+    teacher_len = _TEACHER.value or seq_len + 256
+    print(f"topology {topology}: {len(devices)} devices {devices[0].device_kind}, mesh "
+          f"{dict(mesh.shape)}; train rows {rows} x {seq_len} (teacher {teacher_len})")  # fmt: skip
+    micro = int(config.rl.micro_batches) if "rl" in config else 1
+    for what in _WHAT.value:
+        if what == "train" and _STEP.value == "tg":
+            compiled = compile_tg_train_step(config, mesh, rules, rows, seq_len, teacher_len)
+            name = f"train step (TG, {micro} micro-batches of {rows // micro} rows)"
+        elif what == "train":
+            compiled = compile_lm_train_step(config, mesh, rules, rows, seq_len, _CHUNK.value)
+            name = f"train step (LM baseline, {rows} rows)"
+        elif what == "sample":
+            drows = _DROWS.value or rows
+            cache_len = _CACHE.value or seq_len
+            compiled = compile_sample_step(config, mesh, rules, drows, cache_len)
+            name = f"sample step ({drows} rows, cache {cache_len})"
+        else:
+            raise app.UsageError(f"--what: unknown program {what!r}")
+        print(memory_report(compiled, name, hbm).format(), flush=True)
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config"])
+    app.run(main)
