@@ -1,0 +1,183 @@
+"""The KV-cache sampler against full recomputation, Hugging Face `generate`, and by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.hf_reference import make_hf_qwen3
+from tg_jax.models import ModelConfig, Transformer, forward
+from tg_jax.sampling.sampler import (
+    Sampler,
+    batch_bucket,
+    filter_logits,
+    length_bucket,
+    logprob_mismatch,
+    sequence_logprobs,
+)
+
+PAD = 0
+CFG = ModelConfig(
+    vocab_size=96, d_model=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    mlp_dim=80, rope_theta=10_000.0, max_seq_len=128,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup():
+    hf_model, params = make_hf_qwen3(CFG, seed=3, std=0.2)
+    model = Transformer(CFG)
+    sampler = Sampler(model, pad_id=PAD, length_multiple=32)
+    return hf_model, model, jax.tree.map(jnp.asarray, params), sampler
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(1, CFG.vocab_size, n)) for n in lengths]
+
+
+WIDTH = 64  # Recomputations pad to one width (causal: padding after a token cannot change it).
+
+
+@jax.jit
+def _logits(params, tokens_BxW):
+    return forward(Transformer(CFG), params, tokens_BxW)
+
+
+def _padded(seq):
+    return jnp.asarray([list(seq) + [PAD] * (WIDTH - len(seq))], jnp.int32)
+
+
+def _greedy_by_recompute(params, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        logits = _logits(params, _padded(seq))
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+    return seq[len(prompt) :]
+
+
+def test_greedy_matches_full_recompute_and_hf(setup):
+    import torch
+
+    hf_model, model, params, sampler = setup
+    lengths = (5, 13, 1, 9)  # different prompt lengths share one right-padded block
+    prompts = _prompts(lengths)
+    out = sampler.sample(params, prompts, max_new_tokens=12, temperature=0.0, rng=jax.random.key(0))
+    for prompt, toks in zip(prompts, out.tokens, strict=True):
+        assert len(toks) == 12
+        assert list(toks) == _greedy_by_recompute(params, prompt, 12)
+        ids = torch.tensor([prompt])
+        ref = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+            do_sample=False, eos_token_id=None, pad_token_id=PAD,
+        )  # fmt: skip
+        assert list(toks) == ref[0, len(prompt) :].tolist()
+    assert all(np.all(lp == 0.0) for lp in out.logprobs)  # greedy: point mass
+
+
+def test_logprobs_match_trainer_recompute(setup):
+    _, model, params, sampler = setup
+    prompts = _prompts((7, 3, 12, 6), seed=1)
+    out = sampler.sample(params, prompts, max_new_tokens=20, rng=jax.random.key(1))
+    seqs = [list(p) + list(t) for p, t in zip(prompts, out.tokens, strict=True)]
+    width = max(map(len, seqs))
+    tokens = np.zeros((len(seqs), width), np.int32)
+    behaviour = np.zeros((len(seqs), width), np.float32)
+    mask = np.zeros((len(seqs), width), np.float32)
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        tokens[i, : len(s)] = s
+        behaviour[i, len(p) : len(s)] = out.logprobs[i]
+        mask[i, len(p) : len(s)] = 1
+        np.testing.assert_array_equal(out.logprobs[i], out.raw_logprobs[i])  # T = 1, no filter
+    trainer = np.asarray(jax.jit(sequence_logprobs, static_argnums=0)(model, params, tokens))
+    assert np.min(trainer * mask) < -1.0  # real, non-degenerate log-probs
+    gap = logprob_mismatch(behaviour, trainer, mask)
+    assert float(gap["max_abs"]) < 1e-5, gap
+    off = logprob_mismatch(behaviour + 0.5 * mask, trainer, mask)
+    np.testing.assert_allclose([off["mean_abs"], off["max_abs"]], [0.5, 0.5], atol=1e-5)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(setup):
+    _, _, params, sampler = setup
+    prompts = _prompts((4, 10, 2), seed=2)
+    kw = dict(max_new_tokens=10, rng=jax.random.key(5))
+    traces = sampler.num_traces
+    greedy = sampler.sample(params, prompts, temperature=0.0, **kw)
+    top1 = sampler.sample(params, prompts, temperature=1.3, top_k=1, **kw)
+    tiny_p = sampler.sample(params, prompts, temperature=0.7, top_p=1e-6, **kw)
+    for g, a, b in zip(greedy.tokens, top1.tokens, tiny_p.tokens, strict=True):
+        np.testing.assert_array_equal(g, a)
+        np.testing.assert_array_equal(g, b)
+    np.testing.assert_allclose(np.concatenate(top1.logprobs), 0.0, atol=1e-6)
+    assert sampler.num_traces <= traces + 1  # temperature / top-k / top-p are arrays
+
+
+def test_top_k_logprob_is_the_filtered_distribution(setup):
+    _, model, params, sampler = setup
+    prompts = _prompts((6, 6), seed=3)
+    t, k = 0.8, 5
+    out = sampler.sample(
+        params, prompts, max_new_tokens=8, temperature=t, top_k=k, rng=jax.random.key(9)
+    )
+    for p, toks, lps in zip(prompts, out.tokens, out.logprobs, strict=True):
+        seq = list(p) + list(toks)
+        logits = np.asarray(_logits(params, _padded(seq)))[0, len(p) - 1 : len(seq) - 1] / t
+        for row, tok, lp in zip(logits, toks, lps, strict=True):
+            top = np.sort(row)[-k:]
+            assert row[tok] >= top[0]  # drawn from the top k
+            expected = row[tok] - np.log(np.sum(np.exp(top - top.max()))) - top.max()
+            np.testing.assert_allclose(lp, expected, atol=1e-5)
+
+
+def test_filter_logits_by_hand():
+    logits = jnp.log(jnp.array([[0.5, 0.2, 0.2, 0.1], [0.1, 0.7, 0.15, 0.05]]))
+    ones = jnp.ones((2,))
+    # top-p 0.6: row 0 keeps {0.5, 0.2, 0.2} (0.5 < 0.6; ties at the cut-off kept), row 1 {0.7}.
+    out = np.asarray(filter_logits(logits, ones, jnp.zeros((2,), jnp.int32), 0.6 * ones))
+    assert (out > -1e29).tolist() == [[True, True, True, False], [False, True, False, False]]
+    # top-k 2 and top-p 1.
+    out = np.asarray(filter_logits(logits, ones, jnp.array([2, 2]), ones))
+    assert (out > -1e29).sum(axis=1).tolist() == [3, 2]  # row 0: the tie at 0.2 is kept
+    np.testing.assert_allclose(np.asarray(filter_logits(logits, 2 * ones, jnp.zeros(2, int), ones)),
+                               np.asarray(logits) / 2, rtol=1e-6)  # fmt: skip
+
+
+def test_stop_ids_and_max_new_per_row(setup):
+    _, _, params, sampler = setup
+    prompts = _prompts((5, 8, 3), seed=4)
+    kw = dict(temperature=0.0, rng=jax.random.key(0))
+    base = sampler.sample(params, prompts, max_new_tokens=16, **kw)
+    # Row 0 stops at the first occurrence of its 4th token; row 1 never sees its stop id; row 2
+    # has a budget of 3 tokens.
+    stop0 = int(base.tokens[0][3])
+    first0 = list(base.tokens[0]).index(stop0)
+    absent = next(t for t in range(1, CFG.vocab_size) if t not in base.tokens[1])
+    out = sampler.sample(
+        params, prompts, max_new_tokens=[16, 16, 3], stop_ids=[[stop0], [absent], []],
+        **kw,
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.tokens[0], base.tokens[0][: first0 + 1])
+    np.testing.assert_array_equal(out.tokens[1], base.tokens[1])
+    np.testing.assert_array_equal(out.tokens[2], base.tokens[2][:3])
+    assert out.stopped.tolist() == [True, False, False]
+
+
+def test_no_retrace_within_buckets():
+    model = Transformer(CFG)
+    params = jax.tree.map(jnp.asarray, make_hf_qwen3(CFG, seed=0)[1])
+    sampler = Sampler(model, pad_id=PAD, length_multiple=32)
+    for i, lengths in enumerate([(3, 17, 30), (32, 20, 5, 6), (19, 1, 2), (25, 1, 2, 4)]):
+        sampler.sample(
+            params, _prompts(lengths, seed=i), max_new_tokens=[5 + i] * len(lengths),
+            stop_ids=[7, 8], temperature=0.5 * i, top_k=i, rng=jax.random.key(i),
+        )  # fmt: skip
+    assert sampler.num_traces == 1
+    sampler.sample(params, _prompts((40,)), max_new_tokens=4, rng=jax.random.key(0))
+    assert sampler.num_traces == 2  # a longer prompt moves to the next bucket
+
+
+def test_buckets():
+    sizes = (1, 8, 9, 33, 64, 65, 200)
+    assert [length_bucket(n, 64) for n in sizes] == [8, 8, 16, 64, 64, 128, 256]
+    assert [batch_bucket(n, 1) for n in (1, 3, 8, 9)] == [1, 4, 8, 16]
+    assert batch_bucket(3, 8) == 8

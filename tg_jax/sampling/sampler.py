@@ -1,0 +1,437 @@
+"""Batched autoregressive sampling with a KV cache: jitted prefill, then a `lax.while_loop`.
+
+Shapes: B rows, a right-padded prompt block of P tokens (row b's prompt is `prompt[b, :L_b]`),
+N new-token slots, a KV cache of P + N slots (slot index == token position), V vocabulary.
+
+Row b's prompt fills positions 0..L_b-1. Its first new token is drawn from the logits at
+position L_b - 1 (prefill); generated token i is then fed back at position L_b + i, which writes
+cache slot L_b + i and yields the logits of token i + 1. Prompt padding written to slots >= L_b
+is harmless: attention is causal by position, and decode overwrites a slot before any query can
+see it. All rows draw their i-th token in loop iteration i, so the output column is shared.
+
+Which distribution a token is drawn from (and which log-prob is recorded as `logprobs`):
+
+  1. z = logits / temperature                       (row's temperature T > 0)
+  2. top-k: keep the k largest z (k = 0: keep all)
+  3. top-p: of those, keep the smallest prefix (by decreasing z) whose softmax mass >= p
+     (p = 1: keep all); ties at the cut-off logit are all kept
+  4. q = softmax(z over the kept tokens); token ~ q; `logprobs` = log q(token)
+
+With T == 0 the row is greedy: the token is argmax(logits) and q is the point mass on it, so
+`logprobs` = 0. `raw_logprobs` is always log_softmax(logits)(token), the temperature-1 log-prob
+of the unfiltered model, i.e. what the trainer's forward pass recomputes. For T = 1, k = 0,
+p = 1 the two agree. The trainer's importance ratio should use `logprobs` (the behaviour
+policy that actually drew the token).
+
+Everything that varies between calls within a bucket (prompt lengths, stop ids, max new tokens,
+temperature, top-k, top-p, rng) is an array, so only the bucketed shapes (B, P, N, stop width)
+trigger compilation. Multi-turn rollouts re-prefill the whole context each turn (see
+tg_jax.sampling.rollout): one batched forward, cheap next to the token-by-token decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tg_jax.models import Transformer, forward
+from tg_jax.sampling.decode_step import DecodeCache, decode_one, prefill
+
+Array = jax.Array
+_NEG_INF = -1e30  # finite, so that a fully masked row still gives a (harmless) softmax
+
+
+@flax.struct.dataclass
+class SamplingState:
+    """Carry of the decode loop.
+
+    Attributes:
+      step: [] int32, tokens drawn so far by every live row (= next output column).
+      tokens_BxN: [B, N] int32 drawn tokens, `pad_id` past a row's end.
+      logprobs_BxN: [B, N] f32 log-probs under the sampling distribution (module docstring).
+      raw_logprobs_BxN: [B, N] f32 temperature-1 log-probs of the same tokens.
+      lengths_B: [B] int32 tokens generated per row (stop token included).
+      stopped_B: [B] bool, the row ended on one of its stop ids.
+      done_B: [B] bool, the row draws no more tokens.
+      last_token_B: [B] int32, the token to feed at the next decode step.
+      cache: the decode cache (tg_jax.sampling.decode_step), P + N slots.
+      rng: PRNG key.
+    """
+
+    step: Array
+    tokens_BxN: Array
+    logprobs_BxN: Array
+    raw_logprobs_BxN: Array
+    lengths_B: Array
+    stopped_B: Array
+    done_B: Array
+    last_token_B: Array
+    cache: DecodeCache
+    rng: Array
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    """What `sample_tokens` returns (device arrays, padded to the buckets)."""
+
+    tokens_BxN: Array
+    logprobs_BxN: Array
+    raw_logprobs_BxN: Array
+    lengths_B: Array
+    stopped_B: Array
+
+
+def filter_logits(logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array) -> Array:
+    """Temperature-scaled logits with everything outside top-k / top-p set to a large negative.
+
+    Args:
+      logits_BxV: [B, V] fp32 model logits.
+      temperature_B: [B] f32, > 0 (greedy rows are handled by the caller).
+      top_k_B: [B] int32, 0 = no top-k.
+      top_p_B: [B] f32 in (0, 1], 1 = no top-p.
+    Returns:
+      [B, V] fp32 logits of the sampling distribution (softmax of them = q of the docstring).
+    """
+    z_BxV = logits_BxV / temperature_B[:, None]
+    vocab = z_BxV.shape[-1]
+    needs_filter = jnp.any((top_k_B > 0) & (top_k_B < vocab)) | jnp.any(top_p_B < 1.0)
+
+    def filtered(z):
+        sorted_BxV = -jnp.sort(-z, axis=-1)
+        k_B = jnp.where((top_k_B > 0) & (top_k_B < vocab), top_k_B, vocab)
+        rank_V = jnp.arange(vocab, dtype=jnp.int32)
+        in_top_k_BxV = rank_V[None, :] < k_B[:, None]
+        sorted_BxV = jnp.where(in_top_k_BxV, sorted_BxV, _NEG_INF)
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+        keep_BxV = in_top_k_BxV & ((mass_before_BxV < top_p_B[:, None]) | (rank_V[None, :] == 0))
+        n_keep_B = jnp.sum(keep_BxV, axis=-1)
+        cutoff_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)[:, 0]
+        return jnp.where(z >= cutoff_B[:, None], z, _NEG_INF)
+
+    # The RL default (plain temperature) skips the sort, which matters at V = 151,936.
+    return jax.lax.cond(needs_filter, filtered, lambda z: z, z_BxV)
+
+
+def draw(
+    rng: Array, logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array
+) -> tuple[Array, Array, Array]:
+    """Draws one token per row.
+
+    Returns:
+      (tokens [B] int32, log-prob under the sampling distribution [B], temperature-1 log-prob
+      [B]); greedy rows (temperature 0) take the argmax with sampling log-prob 0.
+    """
+    greedy_B = temperature_B <= 0.0
+    safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
+    z_BxV = filter_logits(logits_BxV, safe_t_B, top_k_B, top_p_B)
+    sampled_B = jax.random.categorical(rng, z_BxV, axis=-1).astype(jnp.int32)
+    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), sampled_B)
+    lp_BxV = jax.nn.log_softmax(z_BxV, axis=-1)
+    lp_B = jnp.take_along_axis(lp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    lp_B = jnp.where(greedy_B, 0.0, lp_B)
+    raw_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV, axis=-1), tokens_B[:, None], -1)
+    return tokens_B, lp_B, raw_B[:, 0]
+
+
+def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxS, max_new_B, pad_id):
+    """Writes the tokens drawn at column `state.step` and updates the per-row stop flags."""
+    live_B = ~state.done_B
+    tokens_B = jnp.where(live_B, tokens_B, pad_id)
+    col = state.step
+
+    def put(buf_BxN, val_B):
+        return jax.lax.dynamic_update_slice(buf_BxN, val_B[:, None].astype(buf_BxN.dtype), (0, col))
+
+    is_stop_B = jnp.any(tokens_B[:, None] == stop_ids_BxS, axis=-1) & live_B
+    lengths_B = state.lengths_B + live_B.astype(jnp.int32)
+    return state.replace(
+        step=col + 1,
+        tokens_BxN=put(state.tokens_BxN, tokens_B),
+        logprobs_BxN=put(state.logprobs_BxN, jnp.where(live_B, lp_B, 0.0)),
+        raw_logprobs_BxN=put(state.raw_logprobs_BxN, jnp.where(live_B, raw_B, 0.0)),
+        lengths_B=lengths_B,
+        stopped_B=state.stopped_B | is_stop_B,
+        done_B=state.done_B | is_stop_B | (lengths_B >= max_new_B),
+        last_token_B=tokens_B,
+    )
+
+
+def sample_tokens(
+    model: Transformer,
+    params: Any,
+    prompt_BxP: Array,
+    prompt_lengths_B: Array,
+    max_new_B: Array,
+    stop_ids_BxS: Array,
+    temperature_B: Array,
+    top_k_B: Array,
+    top_p_B: Array,
+    rng: Array,
+    *,
+    max_new_bucket: int,
+    pad_id: int,
+) -> SampleOutput:
+    """Prefill + decode loop (pure; jit it with `max_new_bucket` and `pad_id` static).
+
+    Args:
+      prompt_BxP: [B, P] int32 right-padded prompts.
+      prompt_lengths_B: [B] int32, 1 <= L_b <= P.
+      max_new_B: [B] int32, at most `max_new_bucket`; 0 makes the row a no-op (batch padding).
+      stop_ids_BxS: [B, S] int32 stop ids per row, padded with -1.
+      temperature_B, top_k_B, top_p_B: [B] sampling settings (module docstring).
+      rng: PRNG key.
+      max_new_bucket: N, the static number of output columns.
+    Returns:
+      SampleOutput with [B, N] tokens / log-probs and [B] lengths / stopped flags.
+    """
+    b = prompt_BxP.shape[0]
+    n = max_new_bucket
+    logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, n)
+    state = SamplingState(
+        step=jnp.zeros((), jnp.int32),
+        tokens_BxN=jnp.full((b, n), pad_id, jnp.int32),
+        logprobs_BxN=jnp.zeros((b, n), jnp.float32),
+        raw_logprobs_BxN=jnp.zeros((b, n), jnp.float32),
+        lengths_B=jnp.zeros((b,), jnp.int32),
+        stopped_B=jnp.zeros((b,), bool),
+        done_B=max_new_B <= 0,
+        last_token_B=jnp.full((b,), pad_id, jnp.int32),
+        cache=cache,
+        rng=rng,
+    )
+    settings = (temperature_B, top_k_B, top_p_B)
+    first = draw(jax.random.fold_in(rng, 0), logits_BxV, *settings)
+    state = _record(state, *first, stop_ids_BxS, max_new_B, pad_id)
+
+    def cond(s: SamplingState):
+        return (s.step < n) & ~jnp.all(s.done_B)
+
+    def body(s: SamplingState):
+        # Feeds the token drawn last (generated token step - 1) and draws the next one.
+        logits_BxV, cache = decode_one(model, params, s.last_token_B, s.step - 1, s.cache)
+        drawn = draw(jax.random.fold_in(s.rng, s.step), logits_BxV, *settings)
+        return _record(s.replace(cache=cache), *drawn, stop_ids_BxS, max_new_B, pad_id)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return SampleOutput(
+        tokens_BxN=state.tokens_BxN,
+        logprobs_BxN=state.logprobs_BxN,
+        raw_logprobs_BxN=state.raw_logprobs_BxN,
+        lengths_B=state.lengths_B,
+        stopped_B=state.stopped_B,
+    )
+
+
+def length_bucket(n: int, multiple: int = 64, minimum: int = 8) -> int:
+    """Padded size for a length n: powers of two up to `multiple`, then multiples of it.
+
+    Few buckets at short lengths (8, 16, 32, 64) and at most `multiple - 1` wasted slots above.
+    """
+    n = max(int(n), minimum)
+    if n <= multiple:
+        return 1 << (n - 1).bit_length()
+    return -(-n // multiple) * multiple
+
+
+def batch_bucket(n: int, divisor: int = 1) -> int:
+    """Padded batch size: the next power of two, rounded up to a multiple of `divisor`."""
+    b = 1 << (max(int(n), 1) - 1).bit_length()
+    return -(-b // divisor) * divisor
+
+
+@dataclasses.dataclass
+class SampleResult:
+    """Host-side (numpy) result of `Sampler.sample`, one entry per requested row.
+
+    Attributes:
+      tokens: per row, [n_b] int32 generated ids (stop token included when `stopped`).
+      logprobs: per row, [n_b] f32 log-probs under the sampling distribution.
+      raw_logprobs: per row, [n_b] f32 temperature-1 log-probs.
+      stopped: [B] bool, the row ended on a stop id (else it hit its max new tokens).
+    """
+
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    raw_logprobs: list[np.ndarray]
+    stopped: np.ndarray
+
+
+def _per_row(value, batch: int, dtype) -> np.ndarray:
+    arr = np.asarray(value, dtype)
+    return np.broadcast_to(arr, (batch,)).copy() if arr.ndim == 0 else arr
+
+
+class Sampler:
+    """Host-side driver: pads a batch of prompts to the buckets and runs the jitted sampler.
+
+    Compiles once per (batch bucket, prompt bucket, new-token bucket, stop width); everything
+    else is an argument. `num_traces` counts traces of the jitted function (for tests/logs).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        pad_id: int,
+        length_multiple: int = 64,
+        batch_divisor: int = 1,
+        stop_width: int = 4,
+        mesh: Any = None,
+        rules: Any = None,
+    ):
+        """Args:
+        pad_id: id written past each row's end (and in prompt padding).
+        length_multiple: see `length_bucket` (prompt block and new-token buckets).
+        batch_divisor: padded batches are multiples of it (the mesh's batch split).
+        stop_width: stop-id slots per row (rows with more stop ids widen it, and recompile).
+        mesh, rules: when given, the sampler runs under these activation shardings and
+          shards the batch (params must already live on that mesh).
+        """
+        self.model = model
+        self.pad_id = int(pad_id)
+        self.length_multiple = length_multiple
+        self.batch_divisor = batch_divisor
+        self.stop_width = stop_width
+        self.mesh, self.rules = mesh, rules
+        self.num_traces = 0
+        self._jitted = jax.jit(self._traced, static_argnames=("max_new_bucket",))
+
+    def _traced(self, params, *arrays, max_new_bucket: int):
+        self.num_traces += 1  # Runs only while tracing: counts compilations.
+        return sample_tokens(
+            self.model, params, *arrays, max_new_bucket=max_new_bucket, pad_id=self.pad_id
+        )
+
+    def sample(
+        self,
+        params: Any,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | Sequence[int],
+        stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
+        temperature: float | Sequence[float] = 1.0,
+        top_k: int | Sequence[int] = 0,
+        top_p: float | Sequence[float] = 1.0,
+        rng: Array,
+    ) -> SampleResult:
+        """Samples a continuation of every prompt.
+
+        Args:
+          params: model params (on the sampler's devices).
+          prompts: B token-id lists (each non-empty).
+          max_new_tokens: per row or shared.
+          stop_ids: one list shared by every row, or one list per row.
+          temperature, top_k, top_p: per row or shared (module docstring).
+          rng: PRNG key.
+        Returns:
+          SampleResult with B rows.
+        """
+        n_rows = len(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        if n_rows == 0 or lengths.min() < 1:
+            raise ValueError("sample() needs at least one row and non-empty prompts")
+        max_new = _per_row(max_new_tokens, n_rows, np.int32)
+        b = batch_bucket(n_rows, self.batch_divisor)
+        p = length_bucket(int(lengths.max()), self.length_multiple)
+        n = length_bucket(max(int(max_new.max()), 1), self.length_multiple)
+
+        prompt_BxP = np.full((b, p), self.pad_id, np.int32)
+        for i, ids in enumerate(prompts):
+            prompt_BxP[i, : len(ids)] = ids
+        rows_stop = (
+            [list(s) for s in stop_ids]
+            if len(stop_ids) and isinstance(stop_ids[0], Sequence | np.ndarray)
+            else [list(stop_ids)] * n_rows
+        )
+        width = max(self.stop_width, max(len(s) for s in rows_stop))
+        stop_BxS = np.full((b, width), -1, np.int32)
+        for i, s in enumerate(rows_stop):
+            stop_BxS[i, : len(s)] = s
+
+        def pad_rows(x, fill):
+            return np.concatenate([x, np.full((b - n_rows,), fill, x.dtype)])
+
+        args = (
+            prompt_BxP,
+            pad_rows(lengths, 1),
+            pad_rows(max_new, 0),
+            stop_BxS,
+            pad_rows(_per_row(temperature, n_rows, np.float32), 1.0),
+            pad_rows(_per_row(top_k, n_rows, np.int32), 0),
+            pad_rows(_per_row(top_p, n_rows, np.float32), 1.0),
+        )
+        out = self._run(params, args, rng, n)
+        out = jax.device_get(out)
+        ln = out.lengths_B
+        return SampleResult(
+            tokens=[out.tokens_BxN[i, : ln[i]] for i in range(n_rows)],
+            logprobs=[out.logprobs_BxN[i, : ln[i]] for i in range(n_rows)],
+            raw_logprobs=[out.raw_logprobs_BxN[i, : ln[i]] for i in range(n_rows)],
+            stopped=np.asarray(out.stopped_B[:n_rows]),
+        )
+
+    def _run(self, params, args, rng, n: int) -> SampleOutput:
+        if self.mesh is None:
+            return self._jitted(params, *args, rng, max_new_bucket=n)
+        from tg_jax import sharding  # noqa: PLC0415 (only the sharded path needs it)
+
+        with sharding.activation_sharding(self.mesh, self.rules):
+            placed = [
+                jax.device_put(a, sharding.data_sharding(self.mesh, self.rules, a.ndim))
+                for a in args
+            ]
+            return self._jitted(params, *placed, rng, max_new_bucket=n)
+
+
+def sequence_logprobs(
+    model: Transformer, params: Any, tokens_BxT: Array, temperature: float = 1.0
+) -> Array:
+    """log p(token_t | tokens_<t) from one full forward: [B, T] (column 0 is 0)."""
+    logits_BxTxV = forward(model, params, tokens_BxT)[:, :-1] / temperature
+    lp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+    lp_BxT1 = jnp.take_along_axis(lp_BxTxV, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(lp_BxT1, ((0, 0), (1, 0)))
+
+
+def logprob_mismatch(
+    behaviour_logprobs_BxT: Array | np.ndarray,
+    trainer_logprobs_BxT: Array | np.ndarray,
+    mask_BxT: Array | np.ndarray,
+) -> dict[str, Array]:
+    """Sampler vs trainer log-prob gap on the sampled tokens (a health metric to log).
+
+    Args:
+      behaviour_logprobs_BxT: [B, T] log-probs recorded by the sampler.
+      trainer_logprobs_BxT: [B, T] log-probs the trainer recomputes for the same tokens.
+      mask_BxT: [B, T] 1 on sampled tokens (where the comparison is meaningful).
+    Returns:
+      {"mean_abs": [], "max_abs": []} over masked tokens (0 when the mask is empty).
+    """
+    mask = jnp.asarray(mask_BxT, jnp.float32)
+    diff = jnp.abs(jnp.asarray(behaviour_logprobs_BxT) - jnp.asarray(trainer_logprobs_BxT)) * mask
+    return {
+        "mean_abs": jnp.sum(diff) / jnp.maximum(jnp.sum(mask), 1.0),
+        "max_abs": jnp.max(diff, initial=0.0),
+    }
+
+
+__all__ = [
+    "SampleOutput",
+    "SampleResult",
+    "Sampler",
+    "SamplingState",
+    "batch_bucket",
+    "draw",
+    "filter_logits",
+    "length_bucket",
+    "logprob_mismatch",
+    "sample_tokens",
+    "sequence_logprobs",
+]
