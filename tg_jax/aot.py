@@ -263,7 +263,7 @@ _STEP = flags.DEFINE_enum(
     "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."
 )
 _ROWS = flags.DEFINE_integer("train_rows", 0, "Student rows per train step; 0 = from the config.")
-_SEQ = flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = config.model.max_seq_len.")
+_SEQ = flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = from the config.")
 _TEACHER = flags.DEFINE_integer("teacher_len", 0, "Teacher tokens per row; 0 = seq_len + 256.")
 _DROWS = flags.DEFINE_integer("decode_rows", 0, "Rows per decode step; 0 = the train rows.")
 _CACHE = flags.DEFINE_integer("cache_len", 0, "KV-cache slots; 0 = the student seq_len.")
@@ -271,16 +271,21 @@ _CHUNK = flags.DEFINE_integer("chunk", 512, "Positions per logits chunk of the L
 
 
 def _config_rows(config: Any) -> int:
-    """Rows of one train step: groups x rollouts per group when the config says so."""
-    for section in ("sampling", "rl", "batch", "train"):
-        s = config.get(section)
-        if s is None:
-            continue
-        groups = s.get("groups_per_step") or s.get("num_groups") or s.get("groups")
-        per = s.get("rollouts_per_group") or s.get("group_size")
-        if groups and per:
-            return int(groups) * int(per)
-    raise ValueError("Cannot find groups x rollouts per group in the config: pass --train_rows")
+    """Rows of one train step: groups x rollouts per group, from whichever section has them."""
+    for name in config.keys():
+        s = config[name]
+        if hasattr(s, "get") and s.get("groups_per_step") and s.get("rollouts_per_group"):
+            return int(s.groups_per_step) * int(s.rollouts_per_group)
+    raise ValueError("No groups_per_step / rollouts_per_group in the config: pass --train_rows")
+
+
+def _config_seq_len(config: Any) -> int:
+    """The padded student length: a section's `seq_len` when set, else model.max_seq_len."""
+    for name in config.keys():
+        s = config[name]
+        if hasattr(s, "get") and s.get("seq_len"):
+            return int(s.seq_len)
+    return int(config.model.max_seq_len)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -294,7 +299,7 @@ def main(argv: Sequence[str]) -> None:
     mesh = sharding.make_mesh(config.mesh, devices)
     rules = sharding.logical_rules(config.mesh)
     rows = _ROWS.value or _config_rows(config)
-    seq_len = _SEQ.value or int(config.model.max_seq_len)
+    seq_len = _SEQ.value or _config_seq_len(config)
     teacher_len = _TEACHER.value or seq_len + 256
     print(f"topology {topology}: {len(devices)} devices {devices[0].device_kind}, mesh "
           f"{dict(mesh.shape)}; train rows {rows} x {seq_len} (teacher {teacher_len})")  # fmt: skip

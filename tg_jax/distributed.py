@@ -1,0 +1,77 @@
+"""Multi-host start-up: one JAX process per TPU VM worker, joined by `jax.distributed`.
+
+On a TPU pod slice every worker runs the same `python -m tg_jax.main ...` (launch/tpu.sh does
+this with `--worker=all`). Before any other JAX call, each process must join the others:
+
+    from tg_jax import distributed
+    distributed.initialize_from_env()   # first line of tg_jax.main.main()
+
+It calls `jax.distributed.initialize()` only when the environment asks for it, so single-host
+runs, tests and notebooks are unaffected:
+
+* TG_JAX_DISTRIBUTED=1 (set by launch/tpu.sh): on Cloud TPU, JAX discovers the coordinator,
+  process count and process id from the TPU metadata server, so no arguments are needed.
+* Elsewhere (e.g. a GPU cluster or a test of several local processes) also set
+  TG_JAX_COORDINATOR=host:port, TG_JAX_NUM_PROCESSES and TG_JAX_PROCESS_ID.
+
+After it, `jax.devices()` lists the devices of ALL hosts (the meshes in tg_jax span the whole
+slice) and `jax.local_devices()` those of this host. Only process 0 should write reports;
+checkpoints (orbax) and metrics writers coordinate across processes themselves.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV_FLAG = "TG_JAX_DISTRIBUTED"
+ENV_COORDINATOR = "TG_JAX_COORDINATOR"
+ENV_NUM_PROCESSES = "TG_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "TG_JAX_PROCESS_ID"
+
+_initialized = False
+
+
+def requested(environ: dict[str, str] | None = None) -> bool:
+    """Whether the environment asks for a multi-process run."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_FLAG, "").strip().lower() in ("1", "true", "yes")
+
+
+def initialize_kwargs(environ: dict[str, str] | None = None) -> dict[str, object]:
+    """Arguments for `jax.distributed.initialize` (empty = auto-detect, as on Cloud TPU)."""
+    env = os.environ if environ is None else environ
+    kwargs: dict[str, object] = {}
+    if env.get(ENV_COORDINATOR):
+        kwargs["coordinator_address"] = env[ENV_COORDINATOR]
+    if env.get(ENV_NUM_PROCESSES):
+        kwargs["num_processes"] = int(env[ENV_NUM_PROCESSES])
+    if env.get(ENV_PROCESS_ID):
+        kwargs["process_id"] = int(env[ENV_PROCESS_ID])
+    return kwargs
+
+
+def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
+    """Joins the other processes when `TG_JAX_DISTRIBUTED=1`; returns whether it did.
+
+    Idempotent. Must run before anything touches a JAX backend (no jax.devices() before it).
+    """
+    global _initialized
+    if _initialized or not requested(environ):
+        return _initialized
+    import jax  # noqa: PLC0415 (imported late so the environment check stays cheap)
+
+    jax.distributed.initialize(**initialize_kwargs(environ))
+    _initialized = True
+    print(
+        f"[tg_jax] process {jax.process_index()}/{jax.process_count()}: "
+        f"{jax.local_device_count()} local of {jax.device_count()} devices",
+        flush=True,
+    )
+    return True
+
+
+def is_primary() -> bool:
+    """True on the process that writes reports and logs (process 0)."""
+    import jax  # noqa: PLC0415
+
+    return jax.process_index() == 0
