@@ -1,19 +1,36 @@
-"""The embedded default: the CPU model (main job stages arrive with the training loops).
+"""The embedded default (DESIGN.md section 3): data -> SFT base model -> GRPO vs TG -> report.
 
-Run its forward pass:
-    python -m tg_jax.main --config=configs/tiny.py --workdir=./workdir --config.stage=forward
+Run the whole main job (about 15 minutes on a 2-core CPU):
+    python -m tg_jax.main --config=configs/default.py --workdir=./workdir
+
+One stage only (data | sft | pipeline | forward):
+    python -m tg_jax.main --config=configs/default.py --workdir=./workdir --config.stage=sft
+
+The pipeline caches: a workdir that holds the finished SFT checkpoint skips SFT, an unfinished
+one resumes it.
 """
 
 import ml_collections
 
 from tg_jax import config_lib
+from tg_jax.train import stage_configs
 
 
 def get_config(arg=None):
     del arg
     c = ml_collections.ConfigDict()
-    c.stage = "forward"  # which stage tg_jax.main runs
-    c.seed = 0  # global seed
-    c.model = config_lib.model_config()  # the Qwen3 architecture
+    c.stage = "pipeline"  # which stage tg_jax.main runs: data | sft | pipeline | forward
+    c.seed = 0  # global seed (model init, sampling)
+    # Byte-level Qwen3-style model. The context covers the longest SFT transcript (~520
+    # tokens) and the hinted teacher sequences of RL (up to ~600 tokens).
+    # 2 layers: on a 2-core CPU the SFT budget buys ~2x the steps of 4 layers, and steps matter
+    # more than depth for this task (see sft_eval.json).
+    c.model = config_lib.model_config(num_layers=2, max_seq_len=768)  # the Qwen3 architecture
     c.mesh = config_lib.mesh_config()  # device mesh and logical axis rules
+    c.tasks = stage_configs.tasks_config()  # train / held-out task sets (data stage)
+    c.env = stage_configs.env_config()  # the coding environment and its requirements
+    c.sft = stage_configs.sft_config()  # SFT of the base model and its evaluation
+    c.rl = config_lib.rl_config()  # GRPO (both arms)
+    c.tg = config_lib.tg_config()  # targeted guidance (the TG arm)
+    c.optim = config_lib.optim_config()  # RL optimizer
     return c

@@ -1,12 +1,14 @@
-"""Tiny model config for tests and quick smoke runs (compiles in about a second on CPU).
+"""Tiny config for tests and quick smoke runs (compiles in about a second on CPU).
 
-Run its forward pass:
+Run its forward pass, or a few SFT steps:
     python -m tg_jax.main --config=configs/tiny.py --workdir=/tmp/tg_tiny --config.stage=forward
+    python -m tg_jax.main --config=configs/tiny.py --workdir=/tmp/tg_tiny --config.stage=sft
 """
 
 import ml_collections
 
 from tg_jax import config_lib
+from tg_jax.train import stage_configs
 
 
 def get_config(arg=None):
@@ -15,5 +17,21 @@ def get_config(arg=None):
     c.stage = "forward"  # which stage tg_jax.main runs
     c.seed = 0  # global seed
     c.model = config_lib.tiny_model_config()  # the Qwen3 architecture
+    c.model.max_seq_len = 256  # room for hinted single-turn transcripts
     c.mesh = config_lib.mesh_config()  # device mesh and logical axis rules
+    c.tasks = stage_configs.tasks_config(num_train=32, num_heldout=16)  # task sets
+    # One requirement, single-turn episodes: short sequences.
+    c.env = stage_configs.env_config(requirements=("fence",), max_turns=1)  # environment
+    c.sft = stage_configs.sft_config(
+        steps=6,
+        batch_size=8,
+        seq_len=128,
+        num_transcripts=64,
+        checkpoint_every=3,
+        log_every=1,
+    )  # a few SFT steps on a few short transcripts
+    c.sft.optim.warmup_steps = 1  # reach the peak lr at once
+    c.sft.transcripts.max_chars = 200  # single-turn transcripts, hinted ones included
+    c.sft.eval.num_tasks = 4  # held-out tasks per evaluation mode
+    c.sft.eval.max_new_tokens = 16  # decode budget per turn
     return c

@@ -1,0 +1,57 @@
+"""The data stage: the default coding tasks as TFDS datasets in the workdir.
+
+`prepare_tasks(config, workdir)` writes `config.tasks.num_train` train-split and
+`config.tasks.num_heldout` held-out-split tasks (`tg_jax.envs.tasks.generate_tasks`) as a
+TFDS dataset under `workdir/tfds` (array_record; see `tg_jax.data.tfds_builders`). The
+dataset's name encodes everything that determines its content, so a prepared dataset is
+reused as is and a changed config builds a new one. The RL loop reads the train split
+through grain (`tg_jax.data.pipeline.TaskIterator`); evaluations read the held-out split.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from tg_jax.data import tfds_builders
+from tg_jax.envs.tasks import Task, generate_tasks
+
+TFDS_DIR = "tfds"
+
+
+def tasks_dataset_name(config: Any) -> str:
+    """The TFDS config name of `config.tasks`: it identifies the dataset's content."""
+    t = config.tasks
+    return f"coding_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
+
+
+def _generate(config: Any):
+    sizes = {"train": int(config.tasks.num_train), "heldout": int(config.tasks.num_heldout)}
+
+    def generate(split: str) -> Iterator[dict]:
+        for task in generate_tasks(split, sizes[split], seed=int(config.tasks.seed)):
+            yield task.to_record()
+
+    return generate
+
+
+def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
+    """Builds (or reuses) the task datasets; returns `{"train": source, "heldout": source}`.
+
+    Sources support `len` and `source[i]`; `tfds_builders.decode_example(source[i])` is the
+    task record (`Task.from_record` validates it).
+    """
+    return tfds_builders.prepare_task_dataset(
+        os.path.join(workdir, TFDS_DIR),
+        config_name=tasks_dataset_name(config),
+        generate=_generate(config),
+        validate_fn=Task.from_record,
+    )
+
+
+def load_tasks(sources: dict[str, Any], split: str, limit: int | None = None) -> list[Task]:
+    """The first `limit` (default: all) tasks of a split, in generation order."""
+    source = sources[split]
+    n = len(source) if limit is None else min(int(limit), len(source))
+    return [Task.from_record(tfds_builders.decode_example(source[i])) for i in range(n)]

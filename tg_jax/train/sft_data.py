@@ -1,0 +1,219 @@
+"""SFT data: expert transcripts -> token ids with role codes -> packed [B, T] batches.
+
+1. Transcripts (`tg_jax.envs.transcripts`) are played in the coding environment on tasks of
+   the TRAIN split only; held-out functions never appear in SFT data.
+2. Each transcript renders with `ChatRenderer.render_with_roles`, append-only, exactly as a
+   rollout builds its tokens. A hint is the transcript's own "user" message right before the
+   turn it targets; it is rendered as a `hint` message (Role.HINT) so that the hinted
+   sequences look like the teacher sequences of targeted guidance (hint right before the
+   assistant header) and the model learns to follow a hint when one is in context.
+3. Loss mask: the assistant tokens, i.e. THINK and ANSWER roles (the closing <|im_end|>
+   included); prompt, hint and tool-observation tokens never count.
+4. Packing: sequences are packed into rows of T tokens with per-sequence segment ids (1, 2,
+   ...; 0 = padding) and positions restarting at 0, so attention never crosses sequences and
+   every sequence sees the positions it would see alone. Inputs and targets are aligned per
+   row: target t is the sequence's next token; the last token of a sequence has no target.
+5. Batches are a pure function of (seed, step): batch `step` takes rows from the epoch's
+   permutation, so a resumed run sees exactly the batches an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tg_jax.envs.coding import CodingEnvConfig
+from tg_jax.envs.tasks import generate_tasks
+from tg_jax.envs.transcripts import Transcript, TranscriptConfig, make_transcripts
+from tg_jax.text import ChatRenderer, Message, Role
+
+LOSS_ROLES = (int(Role.THINK), int(Role.ANSWER))
+
+
+def transcript_messages(transcript: Transcript) -> list[Message]:
+    """The transcript's messages with its hint messages marked as role "hint".
+
+    In a transcript every "user" message after the first (the task prompt) is a hint placed
+    right before the turn it targets; the renderer then gives its tokens Role.HINT.
+    """
+    out: list[Message] = []
+    for i, m in enumerate(transcript.messages):
+        role = "hint" if (m["role"] == "user" and i > 0) else m["role"]
+        out.append({"role": role, "content": m["content"]})
+    return out
+
+
+def render_example(renderer: ChatRenderer, messages: Sequence[Message]) -> tuple[np.ndarray, ...]:
+    """Token ids [n] int32 and role codes [n] int8 of one conversation (append-only)."""
+    ids, roles = renderer.render_with_roles(messages)
+    return np.asarray(ids, np.int32), np.asarray(roles, np.int8)
+
+
+def loss_mask(roles: np.ndarray) -> np.ndarray:
+    """True on the tokens SFT learns to produce: assistant thinking and answer tokens."""
+    return np.isin(roles, LOSS_ROLES)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """Packed SFT rows (numpy), all [N, T].
+
+    Attributes:
+      inputs: token ids fed to the model (pad_id in padding).
+      targets: the next token of the same sequence (pad_id where there is none).
+      loss_mask: 1.0 where the target is an assistant (THINK/ANSWER) token, else 0.0.
+      positions: position of each input inside its own sequence.
+      segment_ids: 1, 2, ... per sequence in the row, 0 in padding.
+    """
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.inputs.shape[0]
+
+    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at `index` as a batch dict."""
+        return {f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)}
+
+
+def pack_examples(
+    examples: Sequence[tuple[np.ndarray, np.ndarray]],
+    seq_len: int,
+    pad_id: int,
+    *,
+    seed: int = 0,
+    open_rows: int = 16,
+) -> PackedRows:
+    """Packs (ids, roles) sequences into rows of `seq_len` tokens.
+
+    Sequences are visited in a seeded random order and go into the first of the last
+    `open_rows` rows with room (a bounded first-fit: near-full rows at linear cost).
+
+    Args:
+      examples: (ids [n], roles [n]) per sequence; each n <= seq_len.
+      seq_len: T, tokens per row.
+      pad_id: id used for padding inputs and missing targets.
+      seed: packing order.
+      open_rows: how many recent rows are tried before opening a new one.
+
+    Returns:
+      PackedRows with N rows.
+
+    Raises:
+      ValueError: a sequence is longer than seq_len (its tail would be cut: make the model's
+        context longer, or the transcripts shorter).
+    """
+    lengths = np.array([len(ids) for ids, _ in examples], np.int64)
+    if len(lengths) and lengths.max() > seq_len:
+        raise ValueError(
+            f"an SFT sequence has {lengths.max()} tokens > seq_len {seq_len}: raise "
+            "config.sft.seq_len (and model.max_seq_len) or lower the transcripts' max_chars"
+        )
+    order = np.random.default_rng(seed).permutation(len(examples))
+    rows: list[list[int]] = []  # example indices per row
+    room: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        first = max(0, len(rows) - open_rows)
+        for r in range(first, len(rows)):
+            if room[r] >= n:
+                rows[r].append(int(i))
+                room[r] -= n
+                break
+        else:
+            rows.append([int(i)])
+            room.append(seq_len - n)
+    shape = (len(rows), seq_len)
+    inputs = np.full(shape, pad_id, np.int32)
+    targets = np.full(shape, pad_id, np.int32)
+    mask = np.zeros(shape, np.float32)
+    positions = np.zeros(shape, np.int32)
+    segments = np.zeros(shape, np.int32)
+    for r, members in enumerate(rows):
+        t = 0
+        for seg, i in enumerate(members, start=1):
+            ids, roles = examples[i]
+            n = len(ids)
+            inputs[r, t : t + n] = ids
+            targets[r, t : t + n - 1] = ids[1:]
+            mask[r, t : t + n - 1] = loss_mask(roles[1:])
+            positions[r, t : t + n] = np.arange(n)
+            segments[r, t : t + n] = seg
+            t += n
+    return PackedRows(inputs, targets, mask, positions, segments)
+
+
+def transcript_config(cfg: Any) -> TranscriptConfig:
+    """TranscriptConfig from `config.sft.transcripts`."""
+    return TranscriptConfig(**cfg.to_dict())
+
+
+def env_config(cfg: Any, executor: str | None = None) -> CodingEnvConfig:
+    """CodingEnvConfig from `config.env` (optionally with another executor)."""
+    d = cfg.to_dict()
+    d["requirements"] = tuple(d["requirements"])
+    if executor is not None:
+        d["executor"] = executor
+    return CodingEnvConfig(**d)
+
+
+def make_sft_rows(config: Any, renderer: ChatRenderer) -> tuple[PackedRows, dict[str, float]]:
+    """Generates the SFT transcripts of `config` and packs them.
+
+    Args:
+      config: the full config (sections `env`, `sft`).
+      renderer: chat renderer of the model's tokenizer.
+
+    Returns:
+      (rows, stats): the packed rows and a few data statistics (to log).
+    """
+    sft = config.sft
+    tasks = generate_tasks("train", int(sft.num_transcripts), seed=int(sft.data_seed))
+    # Our own expert code: the in-process executor gives the sandbox's observations, faster.
+    transcripts = make_transcripts(
+        tasks,
+        seed=int(sft.data_seed),
+        config=transcript_config(sft.transcripts),
+        env_config=env_config(config.env, executor="trusted"),
+    )
+    rendered = [render_example(renderer, transcript_messages(t)) for t in transcripts]
+    # The few transcripts longer than a row are left out (counted) rather than cut.
+    keep = [i for i, (ids, _) in enumerate(rendered) if len(ids) <= int(sft.seq_len)]
+    examples = [rendered[i] for i in keep]
+    transcripts = [transcripts[i] for i in keep]
+    rows = pack_examples(examples, int(sft.seq_len), renderer.tokenizer.pad_id, seed=sft.data_seed)
+    lengths = np.array([len(ids) for ids, _ in examples])
+    stats = {
+        "num_transcripts": len(transcripts),
+        "num_too_long": len(rendered) - len(keep),
+        "num_rows": rows.num_rows,
+        "tokens": int(lengths.sum()),
+        "loss_tokens": int(rows.loss_mask.sum()),
+        "packing_efficiency": float(lengths.sum() / rows.inputs.size),
+        "max_len": int(lengths.max()),
+        "mean_len": float(lengths.mean()),
+        "frac_correct": float(np.mean([t.correct for t in transcripts])),
+        "frac_hinted": float(np.mean([t.hinted for t in transcripts])),
+    }
+    return rows, stats
+
+
+def batch_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Row indices of batch `step`: consecutive slices of per-epoch seeded permutations.
+
+    A pure function of its arguments, so resuming at step s needs no iterator state.
+    """
+    if num_rows < batch_size:
+        raise ValueError(f"{num_rows} packed rows < batch size {batch_size}: add transcripts")
+    per_epoch = num_rows // batch_size  # the last partial slice of an epoch is dropped
+    epoch, k = divmod(int(step), per_epoch)
+    perm = np.random.default_rng((int(seed), epoch)).permutation(num_rows)
+    return perm[k * batch_size : (k + 1) * batch_size]
