@@ -1,0 +1,193 @@
+"""Multi-turn rollouts against the real coding environment (scripted and random policies)."""
+
+import jax
+import numpy as np
+import pytest
+
+from tg_jax import config_lib
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+from tg_jax.envs.tasks import generate_tasks
+from tg_jax.models import ModelConfig, Transformer, init_params
+from tg_jax.sampling.rollout import RolloutConfig, evaluate, rollout_groups
+from tg_jax.sampling.sampler import Sampler, SampleResult, sequence_logprobs
+from tg_jax.text import ByteTokenizer, ChatRenderer, Role
+
+RENDERER = ChatRenderer(ByteTokenizer())
+TASKS = generate_tasks("heldout", 2, seed=0)
+RUN = (
+    '<think>lin</think>\n```python\ndef f(x): return x\n```\n<tool_call>{"name": "run_tests"}'
+    "</tool_call>"
+)
+GARBAGE = "zzz ~~ not a tool call"
+SUBMIT = "def f(x): return x\nCALL submit"
+
+
+class ScriptedSampler:
+    """Stands in for `Sampler`: turn k of every episode is `script(prompt_text, k)`.
+
+    Records every prompt it was given; log-prob of each emitted token is -0.5.
+    """
+
+    def __init__(self, script):
+        self.script = script
+        self.prompts = []
+
+    def sample(self, params, prompts, *, max_new_tokens, stop_ids, rng, **kw):
+        del params, rng, kw
+        self.prompts.append([list(p) for p in prompts])
+        out_tokens, stopped = [], []
+        budgets = np.broadcast_to(max_new_tokens, (len(prompts),))
+        for p, budget in zip(prompts, budgets, strict=True):
+            text = RENDERER.tokenizer.decode(p)
+            turn = text.count("<|im_start|>assistant") - 1
+            ids = RENDERER.tokenizer.encode(self.script(text, turn)) + [stop_ids[0]]
+            out_tokens.append(np.asarray(ids[:budget], np.int32))
+            stopped.append(len(ids) <= budget)
+        lps = [np.full(len(t), -0.5, np.float32) for t in out_tokens]
+        return SampleResult(out_tokens, lps, lps, np.asarray(stopped))
+
+
+def _env():
+    return CodingEnv(CodingEnvConfig(max_turns=3))
+
+
+def test_scripted_rollout_is_append_only_with_roles_and_verdicts():
+    sampler = ScriptedSampler(lambda text, turn: [RUN, GARBAGE, SUBMIT][turn])
+    config = RolloutConfig(max_new_tokens=128, max_total_tokens=1024)
+    trajs = rollout_groups(
+        sampler, None, RENDERER, _env, TASKS, rollouts_per_task=2, config=config,
+        rng=jax.random.key(0), policy_version=7, first_group_id=10,
+    )  # fmt: skip
+    assert [t.group_id for t in trajs] == [10, 10, 11, 11]
+    assert {t.policy_version for t in trajs} == {7}
+    traj = trajs[0]
+    messages = [{"role": "user", "content": TASKS[0].prompt}]
+    for turn, text in enumerate([RUN, GARBAGE, SUBMIT]):
+        messages.append({"role": "assistant", "content": text})
+        if turn < 2:
+            messages.append({"role": "tool", "content": traj.info["steps"][turn]["tool_output"]})
+    ids, roles = RENDERER.render_with_roles(messages)
+    # Token-in/token-out: the trajectory is exactly the append-only rendering (which ends with
+    # a separator after the last turn), and every prompt the sampler saw is a prefix of it.
+    assert traj.tokens.tolist() == ids[:-1]
+    assert traj.roles.tolist() == roles[:-1]
+    for prompts in sampler.prompts:
+        assert prompts[0] == traj.tokens[: len(prompts[0])].tolist()
+    assert RENDERER.tokenizer.decode(traj.tokens).count("<tool_response>") == 2
+
+    sampled = np.isin(traj.roles, [Role.THINK, Role.ANSWER])
+    assert (traj.turn_ids >= 0).tolist() == sampled.tolist()
+    np.testing.assert_array_equal(traj.behaviour_logprobs, np.where(sampled, -0.5, 0.0))
+    assert sorted(set(traj.turn_ids[sampled].tolist())) == [0, 1, 2]
+    header = RENDERER.assistant_header()
+    for k in traj.turn_starts:
+        assert traj.tokens[k : k + len(header)].tolist() == header
+    assert (traj.roles == Role.THINK).sum() == 5  # <think> l i n </think>
+
+    assert traj.turn_verdicts[0] == {"fence": True, "tool_json": True}
+    assert traj.turn_verdicts[1] == {"fence": False, "tool_json": False}  # malformed
+    assert traj.turn_verdicts[2] == {"fence": False, "tool_json": False}
+    assert "error" in traj.info["steps"][1]["tool_output"]
+    assert set(traj.rewards) == {"task", "fence", "tool_json"}
+    assert traj.rewards["fence"] == pytest.approx(1 / 3) == traj.rewards["tool_json"]
+    assert traj.info["termination"] == "done"
+    assert traj.info["actions"] == {"run_tests": 1, "submit": 1, "malformed": 1}
+    assert RENDERER.tokenizer.decode(traj.hint_tokens["fence"]) == (
+        "<|im_start|>user\nReminder: put code in a ```python block.<|im_end|>\n"
+    )
+
+
+def test_limits_end_episodes_cleanly():
+    long_turn = "x" * 200
+    sampler = ScriptedSampler(lambda text, turn: long_turn)
+    # A turn cut at its budget is recorded, closed by an unsampled <|im_end|>, and judged.
+    cfg = RolloutConfig(max_new_tokens=16, max_total_tokens=1024, max_turns=2)
+    (traj,) = rollout_groups(
+        sampler, None, RENDERER, _env, TASKS[:1], rollouts_per_task=1, config=cfg,
+        rng=jax.random.key(0), policy_version=0,
+    )  # fmt: skip
+    assert traj.info["termination"] == "max_turns" and traj.num_turns == 2
+    assert traj.info["truncated_turns"] == 2
+    assert (traj.turn_ids == 0).sum() == 16  # the budget, all sampled
+    end = np.flatnonzero(traj.turn_ids == 0)[-1] + 1
+    assert traj.tokens[end] == RENDERER.end_of_turn_ids[0] and traj.roles[end] == Role.PROMPT
+    assert traj.behaviour_logprobs[end] == 0.0
+    assert set(traj.rewards) == {"task", "fence", "tool_json"} and traj.rewards["task"] == 0.0
+    # The environment's own turn limit.
+    cfg = RolloutConfig(max_new_tokens=16, max_total_tokens=1024)
+    (traj,) = rollout_groups(
+        sampler, None, RENDERER, _env, TASKS[:1], rollouts_per_task=1, config=cfg,
+        rng=jax.random.key(0), policy_version=0,
+    )  # fmt: skip
+    assert traj.info["termination"] == "max_turns" and traj.num_turns == 3
+    # The context limit: the first turn's budget shrinks to what is left, then no room.
+    prompt_len = len(RENDERER.render_with_roles([{"role": "user", "content": TASKS[0].prompt}])[0])
+    limit = prompt_len + len(RENDERER.assistant_header()) + 12
+    cfg = RolloutConfig(max_new_tokens=64, max_total_tokens=limit, min_turn_tokens=4)
+    (traj,) = rollout_groups(
+        sampler, None, RENDERER, _env, TASKS[:1], rollouts_per_task=1, config=cfg,
+        rng=jax.random.key(0), policy_version=0,
+    )  # fmt: skip
+    assert traj.info["termination"] == "max_tokens" and traj.num_turns == 1
+    assert (traj.turn_ids == 0).sum() == 11 and len(traj.tokens) == limit  # + <|im_end|>
+    cfg = RolloutConfig(max_total_tokens=prompt_len + 5)
+    with pytest.raises(ValueError, match=TASKS[0].task_id):
+        rollout_groups(
+            sampler, None, RENDERER, _env, TASKS[:1], rollouts_per_task=1, config=cfg,
+            rng=jax.random.key(0), policy_version=0,
+        )  # fmt: skip
+
+
+def test_random_model_rollout_logprobs_match_recompute():
+    cfg = ModelConfig.from_config(config_lib.tiny_model_config())
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(0))
+    sampler = Sampler(model, pad_id=RENDERER.tokenizer.pad_id)
+    config = RolloutConfig(max_new_tokens=12, max_total_tokens=160)
+    trajs = rollout_groups(
+        sampler, params, RENDERER, _env, TASKS, rollouts_per_task=2, config=config,
+        rng=jax.random.key(1), policy_version=3,
+    )  # fmt: skip
+    width = 160
+    tokens = np.zeros((len(trajs), width), np.int32)
+    for i, t in enumerate(trajs):
+        tokens[i, : len(t.tokens)] = t.tokens
+        assert t.info["termination"] in ("done", "max_turns", "max_tokens")
+        assert len(t.turn_verdicts) == t.num_turns >= 1 and "task" in t.rewards
+    recomputed = np.asarray(jax.jit(sequence_logprobs, static_argnums=0)(model, params, tokens))
+    for i, t in enumerate(trajs):
+        sampled = t.turn_ids >= 0
+        assert sampled.sum() > 0
+        np.testing.assert_allclose(
+            t.behaviour_logprobs[sampled], recomputed[i, : len(t.tokens)][sampled], atol=2e-5
+        )
+
+
+def test_evaluate_plain_vs_hinted():
+    hint = "Reminder: put code in a ```python block."
+
+    def script(text, turn):  # complies only when reminded
+        code = "def f(x): return x"
+        body = f"```python\n{code}\n```" if hint in text else code
+        return body + '\n<tool_call>{"name": "submit"}</tool_call>'
+
+    def env():
+        return CodingEnv(CodingEnvConfig(requirements=("fence", "tool_json")))
+
+    config = RolloutConfig(max_new_tokens=128, max_total_tokens=1024, temperature=0.0)
+    results = {}
+    for condition in ("plain", "hinted"):
+        records, trajs = evaluate(
+            ScriptedSampler(script), None, RENDERER, env, TASKS, config=config,
+            rng=jax.random.key(0), condition=condition,
+        )  # fmt: skip
+        results[condition] = records
+        assert [r.task_id for r in records] == [t.task_id for t in TASKS]
+        assert all(r.turns == 1 and r.actions["submit"] == 1 for r in records)
+        assert ((trajs[0].roles == Role.HINT).sum() > 0) == (condition == "hinted")
+    assert [r.compliance for r in results["plain"]] == [{"fence": False, "tool_json": True}] * 2
+    assert [r.compliance for r in results["hinted"]] == [{"fence": True, "tool_json": True}] * 2
+    success = [all(x == y for x, y in task.hidden) for task in TASKS]
+    assert [r.task_success for r in results["hinted"]] == success
+    assert all(r.joint == r.task_success for r in results["hinted"])
+    assert not any(r.joint for r in results["plain"])

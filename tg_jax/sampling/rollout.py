@@ -1,0 +1,386 @@
+"""Multi-turn rollouts: the sampler and the environments, turn by turn, token-in/token-out.
+
+An episode's tokens grow append-only; nothing is ever re-rendered:
+
+    render_with_roles([user prompt])                                   PROMPT
+    [hint message]  (hinted evaluation only)                           HINT
+    assistant header "<|im_start|>assistant\\n"                         PROMPT   <- turn_starts[k]
+    sampled turn, up to and including its stop token                   THINK / ANSWER
+    separator "\\n"                                                     PROMPT
+    observation message (rendered as `observation_role`)               ENV
+    [hint] + header + next sampled turn ...
+
+Every turn of every live episode is sampled in one batched `Sampler.sample` call, which
+re-prefills each episode's whole context (one batched forward; the KV cache is not kept across
+turns). The turn text (sampled tokens minus the stop token, thinking included) goes to
+`env.step`; tool calls of one turn run in a thread pool (sandbox subprocesses release the GIL).
+
+Limits:
+  * A turn that reaches its token budget without a stop token is still recorded and sent to the
+    environment (which answers a malformed turn with an observation). To keep the chat format
+    well formed for the next turn, an `<|im_end|>` is appended that the policy did NOT sample:
+    role PROMPT, turn id -1, behaviour log-prob 0, so the trainer never trains on it
+    (counted in info["truncated_turns"]).
+  * The context limit `max_total_tokens` (never exceeded): a turn's budget is
+    min(max_new_tokens, room left - 1), the one slot kept for closing a cut turn; when not even
+    `min_turn_tokens` fit before the next turn, the episode ends with termination "max_tokens"
+    (the observation is not appended) and its rewards are computed from the environment's
+    summary with task 0.
+  * `max_turns` (0 = leave it to the environment) ends an episode with "max_turns"; an
+    environment that ends on its own turn limit also reports "max_turns"; any other end of the
+    environment is "done".
+  * A prompt that leaves no room for a turn raises ValueError naming the task: silently
+    dropping it would unbalance its GRPO group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax.envs.base import Environment
+from tg_jax.evaluation.stats import EpisodeRecord, episode_compliance
+from tg_jax.sampling.sampler import Sampler
+from tg_jax.sampling.trajectory import Role, Trajectory
+from tg_jax.text import ChatRenderer, hint_message
+
+TERMINATIONS = ("done", "max_turns", "max_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Episode limits and sampling settings of a batch of rollouts.
+
+    Attributes:
+      max_new_tokens: token budget of one assistant turn.
+      max_total_tokens: context limit of an episode (prompt, turns, observations).
+      max_turns: assistant turns per episode; 0 = until the environment ends the episode.
+      min_turn_tokens: a turn is started only if at least this many tokens fit.
+      temperature, top_k, top_p: sampling distribution (see tg_jax.sampling.sampler).
+      observation_role: chat role of environment observations ("tool" or "user").
+      env_workers: threads that run `env.step` calls of one turn in parallel.
+    """
+
+    max_new_tokens: int = 128
+    max_total_tokens: int = 512
+    max_turns: int = 0
+    min_turn_tokens: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    observation_role: str = "tool"
+    env_workers: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> RolloutConfig:
+        """From any mapping / ConfigDict holding (some of) these field names."""
+        d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in d.items() if k in names}, **overrides})
+
+
+@dataclasses.dataclass
+class _Episode:
+    """Host-side state of one episode while it is being played."""
+
+    task: Any
+    task_id: str
+    env: Environment
+    group_id: int
+    tokens: list[int]
+    roles: list[int]
+    turn_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    turn_starts: list[int] = dataclasses.field(default_factory=list)
+    verdicts: list[dict[str, bool | None]] = dataclasses.field(default_factory=list)
+    rewards: dict[str, float] | None = None
+    termination: str = ""
+    truncated_turns: int = 0
+    step_infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
+        self.tokens += [int(t) for t in ids]
+        self.roles += [int(role)] * len(ids)
+        self.turn_ids += [turn] * len(ids)
+        self.logprobs += [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
+
+
+def task_id_of(task: Any) -> str:
+    """A task's id: its `task_id` attribute or key, else its str()."""
+    if isinstance(task, dict) and "task_id" in task:
+        return str(task["task_id"])
+    return str(getattr(task, "task_id", task))
+
+
+def _final_rewards(env: Environment) -> dict[str, float]:
+    """Rewards of an episode the rollout cut short: task 0, requirement rewards so far."""
+    mode = getattr(getattr(env, "config", None), "requirement_reward", "fraction")
+    summary = env.summary()
+    out = {"task": 0.0}
+    out.update({r.name: summary.requirement_reward(r.name, mode) for r in env.requirements})
+    return out
+
+
+def _termination(env: Environment) -> str:
+    return "max_turns" if env.summary().end_reason == "max_turns" else "done"
+
+
+def play_episodes(
+    sampler: Sampler,
+    params: Any,
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    *,
+    config: RolloutConfig,
+    rng: jax.Array,
+    group_ids: Sequence[int] | None = None,
+    hint_before_every_turn: bool = False,
+) -> list[_Episode]:
+    """Plays one episode per entry of `tasks`, all live episodes batched turn by turn.
+
+    Args:
+      sampler: the batched sampler of the policy.
+      params: policy params (on the sampler's devices).
+      renderer: chat renderer of the policy's tokenizer.
+      env_factory: makes a fresh environment (one per episode: environments are stateful).
+      tasks: one task per episode (repeat a task G times for a GRPO group).
+      config: limits and sampling settings.
+      rng: sampling key (turn t uses fold_in(rng, t)).
+      group_ids: per episode; default 0..len(tasks)-1.
+      hint_before_every_turn: insert a hint message for every requirement right before every
+        assistant turn (the "hinted" evaluation; its tokens are in `tokens` with Role.HINT).
+    Returns:
+      The finished episodes, in the order of `tasks`.
+    """
+    header = renderer.assistant_header()
+    im_end = renderer.end_of_turn_ids[0]
+    episodes: list[_Episode] = []
+    for i, task in enumerate(tasks):
+        env = env_factory()
+        ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
+        gid = i if group_ids is None else int(group_ids[i])
+        ep = _Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
+        ep.turn_ids, ep.logprobs = [-1] * len(ids), [0.0] * len(ids)
+        episodes.append(ep)
+    hint_ids: list[int] = []
+    if hint_before_every_turn and episodes:
+        every = [r.name for r in episodes[0].env.requirements]
+        hint_ids = renderer.render_message(hint_message(episodes[0].env.hint(every)))
+
+    def room(ep: _Episode) -> int:
+        """Tokens the next turn may sample (one slot is kept for closing a cut turn)."""
+        return config.max_total_tokens - len(ep.tokens) - len(hint_ids) - len(header) - 1
+
+    for ep in episodes:
+        if room(ep) < config.min_turn_tokens:
+            raise ValueError(
+                f"task {ep.task_id}: prompt of {len(ep.tokens)} tokens leaves no room for a "
+                f"turn of {config.min_turn_tokens}+ tokens within max_total_tokens="
+                f"{config.max_total_tokens}"
+            )
+
+    live = list(episodes)
+    turn = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.env_workers)) as pool:
+        while live:
+            budgets = [min(config.max_new_tokens, room(ep)) for ep in live]
+            for ep in live:
+                ep.append(hint_ids, Role.HINT)
+                ep.turn_starts.append(len(ep.tokens))
+                ep.append(header, Role.PROMPT)
+            out = sampler.sample(
+                params,
+                [ep.tokens for ep in live],
+                max_new_tokens=budgets,
+                stop_ids=renderer.end_of_turn_ids,
+                temperature=config.temperature,
+                top_k=config.top_k,
+                top_p=config.top_p,
+                rng=jax.random.fold_in(rng, turn),
+            )
+            texts = []
+            for k, ep in enumerate(live):
+                k_turn = len(ep.turn_starts) - 1
+                new = [int(t) for t in out.tokens[k]]
+                think = renderer.split_thinking(header + new)[len(header) :]
+                for t, lp, is_think in zip(new, out.logprobs[k], think, strict=True):
+                    ep.append([t], Role.THINK if is_think else Role.ANSWER, k_turn, [lp])
+                if out.stopped[k]:
+                    new = new[:-1]
+                else:
+                    ep.truncated_turns += 1
+                    ep.append([im_end], Role.PROMPT)  # not sampled: closes the cut turn
+                texts.append(renderer.tokenizer.decode(new))
+            results = list(pool.map(lambda ep, text: ep.env.step(text), live, texts))
+
+            still = []
+            for ep, text, res in zip(live, texts, results, strict=True):
+                verdicts = res.info.get("verdicts")
+                ep.verdicts.append(dict(verdicts if verdicts is not None else ep.env.judge(text)))
+                ep.step_infos.append({k: v for k, v in res.info.items() if k != "summary"})
+                if res.done:
+                    ep.rewards, ep.termination = dict(res.rewards), _termination(ep.env)
+                    continue
+                if config.max_turns and len(ep.turn_starts) >= config.max_turns:
+                    ep.rewards, ep.termination = _final_rewards(ep.env), "max_turns"
+                    continue
+                obs = renderer.render_messages(
+                    [{"role": config.observation_role, "content": res.observation}]
+                )
+                if room(ep) - len(renderer.separator_ids) - len(obs) < config.min_turn_tokens:
+                    ep.rewards, ep.termination = _final_rewards(ep.env), "max_tokens"
+                    continue
+                ep.append(renderer.separator_ids, Role.PROMPT)
+                ep.append(obs, Role.ENV)
+                still.append(ep)
+            live = still
+            turn += 1
+    return episodes
+
+
+def requirement_hint_tokens(renderer: ChatRenderer, env: Environment) -> dict[str, list[int]]:
+    """Each requirement's hint rendered as its own message (what the teacher sees)."""
+    return {
+        r.name: renderer.render_message(hint_message(env.hint([r.name]))) for r in env.requirements
+    }
+
+
+def to_trajectory(
+    ep: _Episode,
+    hint_tokens: dict[str, list[int]],
+    policy_version: int,
+    extra_info: dict[str, Any] | None = None,
+) -> Trajectory:
+    """The Trajectory record of a finished episode."""
+    summary = ep.env.summary()
+    info = {
+        "termination": ep.termination,
+        "end_reason": summary.end_reason,
+        "actions": dict(summary.actions),
+        "turns": len(ep.turn_starts),
+        "truncated_turns": ep.truncated_turns,
+        "num_tokens": len(ep.tokens),
+        "sampled_tokens": int(sum(t >= 0 for t in ep.turn_ids)),
+        "steps": ep.step_infos,
+        **(extra_info or {}),
+    }
+    return Trajectory(
+        tokens=np.asarray(ep.tokens, np.int32),
+        roles=np.asarray(ep.roles, np.int8),
+        turn_ids=np.asarray(ep.turn_ids, np.int32),
+        turn_starts=np.asarray(ep.turn_starts, np.int32),
+        behaviour_logprobs=np.asarray(ep.logprobs, np.float32),
+        turn_verdicts=ep.verdicts,
+        rewards=dict(ep.rewards or {}),
+        hint_tokens=hint_tokens,
+        group_id=ep.group_id,
+        policy_version=int(policy_version),
+        task_id=ep.task_id,
+        info=info,
+    )
+
+
+def rollout_groups(
+    sampler: Sampler,
+    params: Any,
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    *,
+    rollouts_per_task: int,
+    config: RolloutConfig,
+    rng: jax.Array,
+    policy_version: int,
+    first_group_id: int = 0,
+    hint_picker: Callable[[str], str] | None = None,
+) -> list[Trajectory]:
+    """G rollouts of each of N tasks (GRPO groups), as Trajectory records.
+
+    Args:
+      tasks: the N tasks; task n's rollouts get group id `first_group_id + n`.
+      rollouts_per_task: G.
+      policy_version: version of `params`, recorded in every trajectory.
+      hint_picker: requirement name -> hint text for the teacher (e.g. imperfect feedback via
+        tg_jax.envs.hints.pick_hint); default: the environment's own hint. Called once per
+        requirement and trajectory; the texts are recorded in info["hint_texts"].
+      (others: see `play_episodes`.)
+    Returns:
+      N * G trajectories, grouped task by task.
+    """
+    flat = [t for t in tasks for _ in range(rollouts_per_task)]
+    gids = [first_group_id + n for n in range(len(tasks)) for _ in range(rollouts_per_task)]
+    episodes = play_episodes(
+        sampler, params, renderer, env_factory, flat, config=config, rng=rng, group_ids=gids
+    )
+    out = []
+    default_hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
+    for ep in episodes:
+        hints, extra = default_hints, {}
+        if hint_picker is not None:
+            texts = {r.name: hint_picker(r.name) for r in ep.env.requirements}
+            hints = {n: renderer.render_message(hint_message(t)) for n, t in texts.items()}
+            extra = {"hint_texts": texts}
+        out.append(to_trajectory(ep, hints, policy_version, extra))
+    if out:
+        terms = {t: sum(tr.info["termination"] == t for tr in out) for t in TERMINATIONS}
+        logging.debug("rollouts: %d trajectories, terminations %s", len(out), terms)
+    return out
+
+
+def evaluate(
+    sampler: Sampler,
+    params: Any,
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    *,
+    config: RolloutConfig,
+    rng: jax.Array,
+    condition: str = "plain",
+    samples_per_task: int = 1,
+) -> tuple[list[EpisodeRecord], list[Trajectory]]:
+    """Held-out evaluation: episodes -> per-episode compliance, task success and actions.
+
+    Args:
+      tasks: held-out tasks.
+      config: limits and sampling (temperature 0 = greedy).
+      condition: "plain" (prompts as in training: "does by default") or "hinted" (a hint for
+        every requirement right before every assistant turn: "can do when reminded").
+      samples_per_task: episodes per task (sample index s uses fold_in(rng, s)).
+    Returns:
+      (EpisodeRecords for tg_jax.evaluation.stats, the Trajectories, policy_version -1).
+      Task success: the "task" reward is 1 (all hidden tests pass); compliance per
+      requirement: >= 1 judged turn and all judged turns passed; joint: both.
+    """
+    if condition not in ("plain", "hinted"):
+        raise ValueError(f"condition must be 'plain' or 'hinted', got {condition!r}")
+    records, trajectories = [], []
+    for s in range(samples_per_task):
+        episodes = play_episodes(
+            sampler, params, renderer, env_factory, tasks, config=config,
+            rng=jax.random.fold_in(rng, s), hint_before_every_turn=condition == "hinted",
+        )  # fmt: skip
+        hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
+        for ep in episodes:
+            names = [r.name for r in ep.env.requirements]
+            verdicts = {n: [v.get(n) for v in ep.verdicts] for n in names}
+            records.append(
+                EpisodeRecord(
+                    task_id=ep.task_id,
+                    condition=condition,
+                    sample=s,
+                    task_success=bool((ep.rewards or {}).get("task", 0.0) >= 1.0),
+                    compliance=episode_compliance(verdicts),
+                    actions=dict(ep.env.summary().actions),
+                    turns=len(ep.turn_starts),
+                )
+            )
+            trajectories.append(to_trajectory(ep, hints, -1, {"condition": condition}))
+    return records, trajectories
