@@ -115,11 +115,17 @@ def bucket_length(length: int, max_len: int, multiple: int) -> int:
     return min(max_len, -(-length // multiple) * multiple)
 
 
+def _failed(traj: Trajectory, turn: int) -> list[str]:
+    """Sorted names of the requirements the turn broke; a None verdict (not applicable) is not
+    a failure."""
+    return sorted(n for n, ok in traj.turn_verdicts[turn].items() if ok is not None and not ok)
+
+
 def _targeted_requirements(traj: Trajectory, turn: int, gate: str) -> list[str]:
     if gate == "failed_turns":
-        return traj.failed_requirements(turn)
-    if gate == "all_turns":
-        return sorted(traj.turn_verdicts[turn])
+        return _failed(traj, turn)
+    if gate == "all_turns":  # every requirement judged on the turn (None = not applicable)
+        return sorted(n for n, ok in traj.turn_verdicts[turn].items() if ok is not None)
     raise ValueError(f"unknown gate {gate!r}")
 
 
@@ -159,6 +165,7 @@ def build_batch(
     max_teacher_rows: int = 0,
     requirement_names: Sequence[str] | None = None,
     pad_to_multiple: int = 64,
+    teacher_pad_to_multiple: int | None = None,
     batch_multiple: int = 1,
     micro_batches: int = 1,
 ) -> Batch:
@@ -177,6 +184,8 @@ def build_batch(
         sorted names seen in the batch (for tests and notebooks: ids then vary by batch).
       pad_to_multiple: T and T_t are rounded up to a multiple of this (capped at the maximum),
         so that shapes rarely change; 0 = always pad to the maximum.
+      teacher_pad_to_multiple: the same for T_t (default: pad_to_multiple); a finer one keeps
+        the teacher forward close to the student's length when hints are short.
       batch_multiple: rows per micro-batch are a multiple of this (the mesh's batch divisor);
         padding rows are added (valid_B False, every mask 0).
       micro_batches: number of micro-batches the train step will split the batch into.
@@ -238,6 +247,7 @@ def build_batch(
                 f"max_teacher_rows={max_teacher_rows} must be a positive multiple of "
                 f"micro_batches * batch_multiple = {step}"
             )
+    t_multiple = pad_to_multiple if teacher_pad_to_multiple is None else teacher_pad_to_multiple
     used_teacher = [0] * micro_batches
     dropped = 0
 
@@ -260,7 +270,7 @@ def build_batch(
         # Targeted turns and their hints.
         hints: dict[int, np.ndarray] = {}
         for k in range(traj.num_turns):
-            failed = traj.failed_requirements(k)
+            failed = _failed(traj, k)
             in_turn = (nxt_turns == k) & per_token["loss"][b, s]
             if failed:
                 per_token["failed"][b, s] |= in_turn
@@ -327,7 +337,7 @@ def build_batch(
         )  # fmt: skip
 
     if mode == "per_trajectory":
-        t_len = bucket_length(max(len(q) for q in teacher_seqs), teacher_max_len, pad_to_multiple)
+        t_len = bucket_length(max(len(q) for q in teacher_seqs), teacher_max_len, t_multiple)
         teacher = _empty_seqs(rows, t_len)
         for b, seq in enumerate(teacher_seqs):
             _fill_row(teacher, b, seq, t_len)
@@ -336,7 +346,7 @@ def build_batch(
             per_token["t_row"][b] = b // micro_batches
     elif mode == "per_turn":
         longest = max((len(q) for q in teacher_seqs), default=1)
-        t_len = bucket_length(longest, teacher_max_len, pad_to_multiple)
+        t_len = bucket_length(longest, teacher_max_len, t_multiple)
         teacher = _empty_seqs(max_teacher_rows, t_len)
         for row, seq in zip(teacher_global_rows, teacher_seqs, strict=True):
             _fill_row(teacher, row, seq, t_len)

@@ -1,0 +1,244 @@
+"""Train step: teacher gets no gradient, TG value vs a direct KL, exact zeros, teacher modes,
+sharded == single device, micro-batches == big batch, NaN guard, no recompiles."""
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from tg_jax import config_lib, sharding
+from tg_jax.models import ModelConfig, Transformer, forward, hidden_states, init_params
+from tg_jax.rl import train_step as ts
+from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.bench_step import synthetic_trajectories
+
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+MODEL = config_lib.tiny_model_config()
+
+
+def _config(**overrides) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.model = MODEL
+    c.mesh = config_lib.mesh_config((1, 1, 1, 1))
+    c.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
+    c.tg = config_lib.tg_config(chunk_size=16, max_teacher_rows=16)
+    c.tg.schedule.value = 0.5
+    c.optim = config_lib.optim_config(lr=1e-3, eps=1e-6)
+    return config_lib.apply_overrides(c, overrides)
+
+
+@functools.cache
+def _model_and_params():
+    model = Transformer(ModelConfig.from_config(MODEL))
+    return model, init_params(model, jax.random.key(0))
+
+
+@functools.cache
+def _forward():
+    model, _ = _model_and_params()
+    return jax.jit(functools.partial(forward, model))
+
+
+def _trajectories(num=8, seed=0, **kw):
+    kw = {"hint_len": 5, "fail_prob": 0.5, **kw}
+    return synthetic_trajectories(np.random.default_rng(seed), num, 40, **kw)
+
+
+def _batch(trajs, mode="per_trajectory", micro_batches=1, on_policy_noise=0.1) -> Batch:
+    """A batch whose behaviour log-probs are the model's own plus noise (ratios near 1)."""
+    batch = build_batch(
+        trajs, max_len=64, teacher_max_len=64, mode=mode, max_teacher_rows=16,
+        requirement_names=("fence",), pad_to_multiple=16, micro_batches=micro_batches,
+    )  # fmt: skip
+    model, params = _model_and_params()
+    logits = _forward()(params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT)
+    logp = jax.nn.log_softmax(logits, -1)
+    logp = np.take_along_axis(np.asarray(logp), batch.targets_BxT[..., None], -1)[..., 0]
+    noise = np.random.default_rng(1).normal(0, on_policy_noise, logp.shape).astype(np.float32)
+    behaviour = np.where(batch.loss_mask_BxT, logp + noise, 0.0).astype(np.float32)
+    return dataclasses.replace(batch, behaviour_logprobs_BxT=behaviour)
+
+
+def _loss_and_grad(cfg, batch, params=None, **kw):
+    model, default_params = _model_and_params()
+    fn = functools.partial(ts.loss_fn, model=model, rl_cfg=cfg.rl, tg_cfg=cfg.tg, **kw)
+    (loss, (sums, maxes)), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
+        default_params if params is None else params, batch
+    )
+    return loss, sums, grads
+
+
+def _log_softmax(z):
+    z = np.asarray(z, np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _tree_close(a, b, atol, rtol=0.0):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
+
+
+def test_teacher_branch_gets_no_gradient_and_tg_matches_direct_kl():
+    cfg = _config()
+    batch = _batch(_trajectories())
+    model, params = _model_and_params()
+    loss, sums, grads = _loss_and_grad(cfg, batch)
+    # The teacher's hidden states supplied as constants: same loss, same gradient.
+    teacher = hidden_states(
+        model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
+        batch.teacher_segment_ids_BtxTt,
+    )  # fmt: skip
+    gathered = ts.gather_teacher(teacher, jax.tree.map(jnp.asarray, batch), "per_trajectory")
+    loss_c, _, grads_c = _loss_and_grad(cfg, batch, teacher_hidden_BxTxD=gathered)
+    np.testing.assert_allclose(loss, loss_c, rtol=1e-6)
+    _tree_close(grads, grads_c, atol=1e-7, rtol=1e-5)
+    # ...and the TG term does contribute to that gradient.
+    _, sums_off, grads_off = _loss_and_grad(_config(**{"tg.enabled": False}), batch)
+    assert sums["tg_loss"] > 1e-4 and sums_off["tg_loss"] == 0.0
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(grads_off), strict=True)
+    diff = max(float(jnp.abs(x - y).max()) for x, y in leaves)
+    assert diff > 1e-4
+
+    # The divergence, recomputed from full logits through the index map, in float64.
+    fwd = _forward()
+    zs = fwd(params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT)
+    zt = fwd(params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
+             batch.teacher_segment_ids_BtxTt)  # fmt: skip
+    zt = np.asarray(zt, np.float64)[batch.teacher_row_BxT, batch.teacher_pos_BxT]
+    ls, lt = _log_softmax(zs), _log_softmax(zt)
+    kl = (np.exp(ls) * (ls - lt)).sum(-1)
+    mask = batch.distill_mask_BxT & batch.failed_turn_mask_BxT & batch.answer_mask_BxT
+    assert mask.sum() > 10
+    expected = kl[mask].mean()
+    np.testing.assert_allclose(sums["tg_kl"], expected, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(sums["tg_kl/fence"], expected, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(sums["tg_loss"], 0.5 * expected, rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(loss, sums["pg_loss"] + sums["tg_loss"], rtol=1e-6)
+
+
+def test_no_failed_turn_or_empty_hint_gives_exactly_zero_tg():
+    cfg, cfg_off = _config(), _config(**{"tg.enabled": False})
+    trajs = _trajectories()
+    no_fail = [dataclasses.replace(t, turn_verdicts=[{"fence": True}] * t.num_turns) for t in trajs]
+    empty = [dataclasses.replace(t, hint_tokens={"fence": []}) for t in trajs]
+    for variant in (no_fail, empty):
+        batch = _batch(variant)
+        assert not batch.distill_mask_BxT.any()
+        loss, sums, grads = _loss_and_grad(cfg, batch)
+        loss_off, _, grads_off = _loss_and_grad(cfg_off, batch)
+        assert float(sums["tg_loss"]) == 0.0 and float(sums["tg_kl"]) == 0.0
+        assert float(loss) == float(loss_off)
+        _tree_close(grads, grads_off, atol=0.0)
+
+
+def test_per_turn_equals_per_trajectory_with_one_failed_turn():
+    cfg = _config()
+    trajs = _trajectories()
+    one = []
+    for i, t in enumerate(trajs):  # turn 0 fails in half the rows, turn 1 in the others
+        verdicts = [{"fence": i % 2 == 1}, {"fence": i % 2 == 0}]
+        one.append(dataclasses.replace(t, turn_verdicts=verdicts))
+    b_traj, b_turn = _batch(one, "per_trajectory"), _batch(one, "per_turn")
+    np.testing.assert_array_equal(b_traj.distill_mask_BxT, b_turn.distill_mask_BxT)
+    loss_a, sums_a, grads_a = _loss_and_grad(cfg, b_traj)
+    loss_b, sums_b, grads_b = _loss_and_grad(_config(**{"tg.teacher_mode": "per_turn"}), b_turn)
+    assert sums_a["tg_loss"] > 1e-4
+    np.testing.assert_allclose(sums_a["tg_loss"], sums_b["tg_loss"], rtol=1e-5)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6, atol=1e-7)
+    _tree_close(grads_a, grads_b, atol=1e-6, rtol=1e-4)
+
+
+def _run_steps(cfg, batches, mesh, *, ref=False):
+    model, params = _model_and_params()
+    rules = sharding.logical_rules(cfg.mesh)
+    optimizer = ts.make_optimizer(cfg.optim)
+    state = ts.create_train_state(model, optimizer, mesh, rules, jax.random.key(1), params=params)
+    step = ts.make_train_step(cfg, model, mesh, rules)
+    out = []
+    for batch in batches:
+        args = (jax.tree.map(lambda p: p * 0.9, params),) if ref else ()
+        state, metrics = step(state, batch, *args)
+        out.append(jax.device_get(metrics))
+    return jax.device_get(state), out, step
+
+
+def _single_mesh():
+    return sharding.make_mesh(config_lib.mesh_config((1, 1, 1, 1)), jax.devices()[:1])
+
+
+def _assert_same_run(run_a, run_b, atol=1e-5):
+    (state_a, metrics_a, _), (state_b, metrics_b, _) = run_a, run_b
+    for ma, mb in zip(metrics_a, metrics_b, strict=True):
+        assert ma.keys() == mb.keys()
+        for k in ma:
+            np.testing.assert_allclose(ma[k], mb[k], atol=atol, rtol=1e-5, err_msg=k)
+    _tree_close(state_a.params, state_b.params, atol=atol)
+    assert int(state_a.step) == int(state_b.step) == len(metrics_a)
+
+
+STEP_OVERRIDES = {"tg.include_thinking": True, "rl.dual_clip": 3.0}
+
+
+def test_sharded_step_equals_single_device():
+    cfg = _config(**STEP_OVERRIDES)
+    batch = _batch(_trajectories())
+    mesh8 = sharding.make_mesh(config_lib.mesh_config((2, 2, 2, 1)))
+    sharded = _run_steps(cfg, [batch, batch], mesh8)
+    single = _run_steps(cfg, [batch, batch], _single_mesh())
+    _assert_same_run(sharded, single)
+    assert single[1][0]["update_skipped"] == 0.0 and single[1][0]["tg_loss"] > 0
+    assert single[1][0]["logprob_mismatch_max"] > 0.1  # the noise of `_batch`
+
+
+@pytest.mark.parametrize(
+    "agg,mode,kl",
+    [
+        ("token_mean", "per_trajectory", 0.0),
+        ("seq_mean_token_mean", "per_turn", 0.1),
+        ("seq_mean_token_sum_norm", "per_trajectory", 0.0),
+    ],
+)
+def test_micro_batches_equal_one_big_batch(agg, mode, kl):
+    trajs = _trajectories()
+    overrides = {"rl.agg_mode": agg, "tg.teacher_mode": mode, "rl.kl_coef": kl, **STEP_OVERRIDES}
+    big = _run_steps(_config(**overrides), [_batch(trajs, mode)], _single_mesh(), ref=kl > 0)
+    micro = _run_steps(
+        _config(**overrides, **{"rl.micro_batches": 4}), [_batch(trajs, mode, micro_batches=4)],
+        _single_mesh(), ref=kl > 0,
+    )  # fmt: skip
+    _assert_same_run(big, micro)
+    assert big[1][0]["tg_loss"] > 0 and (kl == 0 or big[1][0]["ref_kl"] > 0)
+
+
+def test_nan_guard_and_no_recompiles():
+    cfg = _config(**STEP_OVERRIDES)
+    batches = [_batch(_trajectories(seed=s)) for s in range(3)]
+    bad = dataclasses.replace(
+        batches[1], rewards={**batches[1].rewards, "task": np.full((8,), np.nan, np.float32)}
+    )
+    mesh = _single_mesh()
+    model, params = _model_and_params()
+    rules = sharding.logical_rules(cfg.mesh)
+    state = ts.create_train_state(
+        model, ts.make_optimizer(cfg.optim), mesh, rules, jax.random.key(1), params=params
+    )
+    step = ts.make_train_step(cfg, model, mesh, rules)
+    state, m0 = step(state, batches[0])
+    before = jax.device_get(state)
+    state, m1 = step(state, bad)
+    after = jax.device_get(state)
+    assert float(m1["update_skipped"]) == 1.0 and not np.isfinite(float(m1["loss"]))
+    _tree_close(before.params, after.params, atol=0.0)
+    _tree_close(before.opt_state, after.opt_state, atol=0.0)
+    assert int(after.step) == 2
+    state, m2 = step(state, batches[2])
+    assert float(m0["update_skipped"]) == 0.0 and float(m2["update_skipped"]) == 0.0
+    assert np.isfinite(float(m2["loss"])) and float(m2["lr"]) == pytest.approx(1e-3)
+    assert step.jitted._cache_size() == 1  # three batches, one compilation

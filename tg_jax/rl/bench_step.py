@@ -1,0 +1,178 @@
+"""Times the jitted TG train step against the GRPO step on the same batch.
+
+    python -m tg_jax.rl.bench_step                # default model, 64 sequences x 384 tokens
+    python -m tg_jax.rl.bench_step --batch=16 --seq_len=128 --steps=3   # quicker
+
+What to expect: the TG step adds one forward pass of the teacher (no backward) to a
+forward+backward step. A backward costs about twice a forward, so the teacher adds about
+1/3 of the GRPO step (a bit more when the teacher sequences are longer than the student's,
+because of the inserted hints), plus the full-vocabulary divergence per chunk (small at
+V = 272, significant at V = 151,936). Goal: TG / GRPO <= 1.35.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+
+import jax
+import ml_collections
+import numpy as np
+
+from tg_jax import config_lib, sharding
+from tg_jax.models import ModelConfig, Transformer
+from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.train_step import create_train_state, make_optimizer, make_train_step
+from tg_jax.sampling.trajectory import Role, Trajectory
+
+
+def synthetic_trajectories(
+    rng: np.random.Generator,
+    num: int,
+    length: int,
+    *,
+    vocab_size: int = 272,
+    num_turns: int = 2,
+    group_size: int = 4,
+    hint_len: int = 12,
+    fail_prob: float = 0.5,
+    requirements: Sequence[str] = ("fence",),
+) -> list[Trajectory]:
+    """Random multi-turn trajectories of exactly `length` tokens (prompt, turns, observations).
+
+    Each assistant turn: a 2-token header (PROMPT), thinking (THINK), answer (ANSWER); an
+    environment observation (ENV) follows every turn but the last. Each requirement fails on
+    a turn with probability `fail_prob`; rewards are a random task reward in {0, 1} and, per
+    requirement, the fraction of turns that met it.
+    """
+    prompt = length // 4
+    per_turn = (length - prompt) // num_turns
+    env = per_turn // 4
+    header = 2
+    think = (per_turn - header - env) // 3
+    trajectories = []
+    for i in range(num):
+        segments = [(Role.PROMPT, prompt, -1)]  # (role, length, turn)
+        starts = []
+        for k in range(num_turns):
+            starts.append(sum(n for _, n, _ in segments))
+            last = k == num_turns - 1
+            # The last turn's answer takes whatever is left, so every row has `length` tokens.
+            end = length if last else starts[-1] + per_turn - env
+            answer = end - starts[-1] - header - think
+            segments += [(Role.PROMPT, header, -1), (Role.THINK, think, k)]
+            segments.append((Role.ANSWER, answer, k))
+            if not last:
+                segments.append((Role.ENV, env, -1))
+        tokens = rng.integers(0, vocab_size, length)
+        roles = np.concatenate([np.full(n, r, np.int8) for r, n, _ in segments])
+        turns = np.concatenate([np.full(n, t, np.int32) for _, n, t in segments])
+        produced = (roles == Role.THINK) | (roles == Role.ANSWER)
+        logprobs = np.where(produced, -rng.exponential(2.0, length), 0.0)
+        verdicts = [
+            {r: bool(rng.random() >= fail_prob) for r in requirements} for _ in range(num_turns)
+        ]
+        rewards = {"task": float(rng.integers(0, 2))}
+        for r in requirements:
+            rewards[r] = float(np.mean([v[r] for v in verdicts]))
+        trajectories.append(
+            Trajectory(
+                tokens=tokens.astype(np.int32),
+                roles=roles,
+                turn_ids=turns,
+                turn_starts=np.asarray(starts, np.int32),
+                behaviour_logprobs=logprobs.astype(np.float32),
+                turn_verdicts=verdicts,
+                rewards=rewards,
+                hint_tokens={
+                    r: rng.integers(0, vocab_size, hint_len).tolist() for r in requirements
+                },  # fmt: skip
+                group_id=i // group_size,
+                policy_version=0,
+                task_id=f"synthetic-{i // group_size}",
+            )
+        )
+    return trajectories
+
+
+def bench_config(model: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
+    """A config with model, mesh, rl, tg and optim sections for the benchmark."""
+    c = ml_collections.ConfigDict()
+    c.model = model if model is not None else config_lib.model_config()
+    c.mesh = config_lib.mesh_config()
+    c.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
+    c.tg = config_lib.tg_config()
+    c.optim = config_lib.optim_config()
+    return c
+
+
+def time_step(step_fn, state, batch: Batch, steps: int) -> tuple[float, object]:
+    """Median seconds per call after one warm-up (compile) call; returns (seconds, state)."""
+    state, metrics = step_fn(state, batch)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = step_fn(state, batch)
+        jax.block_until_ready((state.params, metrics))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), state
+
+
+def bench(
+    config: ml_collections.ConfigDict | None = None,
+    *,
+    batch_size: int = 64,
+    seq_len: int = 384,
+    steps: int = 5,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Times TG and GRPO steps on one batch; prints and returns the timings and the ratio."""
+    config = config if config is not None else bench_config()
+    model = Transformer(ModelConfig.from_config(config.model))
+    mesh = sharding.make_mesh(config.mesh)
+    rules = sharding.logical_rules(config.mesh)
+    trajs = synthetic_trajectories(np.random.default_rng(seed), batch_size, seq_len)
+    batch = build_batch(
+        trajs,
+        max_len=seq_len,
+        teacher_max_len=seq_len + 64,
+        mode=config.tg.teacher_mode,
+        max_teacher_rows=config.tg.max_teacher_rows,
+        requirement_names=("fence",),
+        pad_to_multiple=64,
+        teacher_pad_to_multiple=16,
+        batch_multiple=sharding.batch_divisor(mesh, rules),
+        micro_batches=config.rl.micro_batches,
+    )
+    batch = jax.device_put(batch, sharding.data_sharding(mesh, rules, ndim=1))
+    results = {}
+    for name, enabled in (("grpo", False), ("tg", True)):
+        cfg = config_lib.apply_overrides(config, {"tg.enabled": enabled})
+        state = create_train_state(
+            model, make_optimizer(cfg.optim), mesh, rules, jax.random.key(seed)
+        )
+        step_fn = make_train_step(cfg, model, mesh, rules)
+        results[name], _ = time_step(step_fn, state, batch, steps)
+    results["ratio"] = results["tg"] / results["grpo"]
+    print(
+        f"B={batch_size} T={seq_len} (teacher T_t={batch.teacher_tokens_BtxTt.shape[1]}) "
+        f"on {jax.device_count()} {jax.devices()[0].platform} device(s): "
+        f"GRPO {results['grpo'] * 1e3:.0f} ms/step, TG {results['tg'] * 1e3:.0f} ms/step, "
+        f"TG/GRPO = {results['ratio']:.3f}"
+    )
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq_len", type=int, default=384)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    bench(batch_size=args.batch, seq_len=args.seq_len, steps=args.steps)
+
+
+if __name__ == "__main__":
+    main()
