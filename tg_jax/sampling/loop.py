@@ -1,0 +1,258 @@
+"""The sampling loop: rollouts in a background thread, apart from the trainer.
+
+    trainer                                   sampling thread
+    -------                                   ---------------
+    loop.publish(params, version=v)  ------>  before each batch: newest (params, v)
+    group = loop.get(max_staleness=s) <-----  queue.put(RolloutGroup(v, trajectories))
+                                              (bounded: sampling runs at most `queue_size`
+                                              groups ahead of the trainer)
+
+One thread is enough: JAX releases the GIL while compiled code runs, and the environments'
+sandboxed subprocesses release it while they wait. `get` drops (and counts) groups sampled by a
+policy older than `current_version - max_staleness`; the importance ratios of the groups it
+keeps use their recorded behaviour log-probs, so staleness is corrected, not ignored.
+
+Failure and shutdown: an exception in the loop is stored and re-raised by the next `get` (which
+polls, so it surfaces within `poll_s` seconds, never a hang); `close()` stops the loop and joins
+the thread (a batch already running finishes first; the thread is a daemon so a stuck
+environment cannot keep the process alive).
+
+Devices: with `devices`, published params are copied there (replicated) and the rollout
+function's sampler should run on the same devices; without, the loop shares the trainer's
+devices and still copies the params (`may_alias=False`), so a train step that donates its
+params can never free the buffers a rollout is reading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax.sampling.trajectory import Trajectory
+
+RolloutFn = Callable[[Any, Sequence[Any], jax.Array, int], list[Trajectory]]
+
+
+@dataclasses.dataclass
+class RolloutGroup:
+    """One batch of rollouts as it travels from the sampling loop to the trainer.
+
+    Attributes:
+      trajectories: the rollouts (G per task, grouped by task).
+      policy_version: version of the params that sampled them.
+      batch_index: position of the task batch in the task iterator (0, 1, ...).
+      seconds: wall time of the rollouts.
+      staleness: trainer version at `get` time minus `policy_version` (set by `get`).
+    """
+
+    trajectories: list[Trajectory]
+    policy_version: int
+    batch_index: int
+    seconds: float
+    staleness: int = 0
+
+    @property
+    def sampled_tokens(self) -> int:
+        return int(sum(np.sum(t.turn_ids >= 0) for t in self.trajectories))
+
+
+class _Done:
+    """Queue sentinel: the task iterator is exhausted."""
+
+
+class SamplingLoop:
+    """Runs `rollout_fn` on task batches in a thread, with the newest published params."""
+
+    def __init__(
+        self,
+        rollout_fn: RolloutFn,
+        task_batches: Iterable[Sequence[Any]],
+        *,
+        rng: jax.Array,
+        queue_size: int = 2,
+        devices: Sequence[jax.Device] | None = None,
+        poll_s: float = 0.1,
+    ):
+        """Args:
+        rollout_fn: (params, tasks, rng, policy_version) -> trajectories, e.g. a
+          functools.partial of `tg_jax.sampling.rollout.rollout_groups`.
+        task_batches: iterable of task batches (one batch -> one RolloutGroup).
+        rng: base key; batch i is sampled with fold_in(rng, i).
+        queue_size: rollout groups held ahead of the trainer.
+        devices: devices of the sampler (params are copied there); None = default placement.
+        poll_s: how often blocked calls check for errors and shutdown.
+        """
+        self._rollout_fn = rollout_fn
+        self._tasks = iter(task_batches)
+        self._rng = rng
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self._poll_s = poll_s
+        self._target = None
+        if devices:
+            devices = list(devices)
+            if len(devices) == 1:
+                self._target = jax.sharding.SingleDeviceSharding(devices[0])
+            else:
+                mesh = jax.sharding.Mesh(np.asarray(devices), ("sampler",))
+                self._target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self._lock = threading.Lock()
+        self._params: Any = None
+        self._version = -1
+        self._has_params = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._exhausted = False
+        self._dropped = 0
+        self._delivered = 0
+        self._staleness: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="tg_jax-sampling-loop", daemon=True)
+        self._thread.start()
+
+    # Trainer side.
+
+    def publish(self, params: Any, version: int) -> None:
+        """Makes `params` (policy version `version`) the weights of the next rollout batch."""
+        copy = jax.device_put(params, self._target, may_alias=False)
+        with self._lock:
+            if version < self._version:
+                raise ValueError(f"policy version went back from {self._version} to {version}")
+            self._params, self._version = copy, int(version)
+        self._has_params.set()
+
+    @property
+    def version(self) -> int:
+        """The newest published policy version (-1 before the first publish)."""
+        with self._lock:
+            return self._version
+
+    def get(self, max_staleness: int, timeout: float | None = None) -> RolloutGroup | None:
+        """The next rollout group no older than `version - max_staleness`.
+
+        Args:
+          max_staleness: oldest accepted policy version lag (0 = on-policy only).
+          timeout: seconds to wait; None = forever.
+        Returns:
+          A RolloutGroup with `staleness` set, or None once the task iterator is exhausted and
+          every group has been delivered.
+        Raises:
+          RuntimeError: the sampling loop failed (the loop's exception is its __cause__);
+            raised as soon as the failure is seen, even if earlier groups are still queued.
+          TimeoutError: nothing arrived within `timeout`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._raise_if_failed()
+            try:
+                item = self._queue.get(timeout=self._poll_s)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no rollout group within {timeout} s") from None
+                continue
+            if isinstance(item, _Done):
+                self._exhausted = True
+                self._queue.put(item)  # later calls see it too
+                self._raise_if_failed()
+                return None
+            staleness = self.version - item.policy_version
+            if staleness > max_staleness:
+                self._dropped += 1
+                logging.info(
+                    "dropped rollout group %d of version %d (staleness %d > %d)",
+                    item.batch_index, item.policy_version, staleness, max_staleness,
+                )  # fmt: skip
+                continue
+            item.staleness = staleness
+            self._delivered += 1
+            self._staleness.append(staleness)
+            return item
+
+    def stats(self) -> dict[str, float]:
+        """Counters for logging: delivered / dropped groups, staleness of delivered groups."""
+        st = np.asarray(self._staleness or [0])
+        return {
+            "groups_delivered": float(self._delivered),
+            "groups_dropped_stale": float(self._dropped),
+            "staleness_mean": float(st.mean()),
+            "staleness_max": float(st.max()),
+            "queue_size": float(self._queue.qsize()),
+        }
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stops the loop and joins its thread (waits for a running batch up to `timeout`)."""
+        self._stop.set()
+        self._has_params.set()  # wakes a loop still waiting for its first params
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._drain()  # unblocks a pending put
+            self._thread.join(self._poll_s)
+        if self._thread.is_alive():
+            logging.warning("sampling loop still running after %.0f s; left as daemon", timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def __enter__(self) -> SamplingLoop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Loop side.
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"sampling loop failed: {self._error!r}") from self._error
+
+    def _drain(self) -> None:
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _put(self, item: Any) -> bool:
+        """Blocks until there is room; False if the loop is stopping."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self._poll_s)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            self._has_params.wait()
+            batch_index = 0
+            while not self._stop.is_set():
+                try:
+                    tasks = next(self._tasks)
+                except StopIteration:
+                    self._put(_Done())
+                    return
+                with self._lock:
+                    params, version = self._params, self._version
+                start = time.perf_counter()
+                rng = jax.random.fold_in(self._rng, batch_index)
+                trajectories = self._rollout_fn(params, tasks, rng, version)
+                group = RolloutGroup(
+                    list(trajectories), version, batch_index, time.perf_counter() - start
+                )
+                if not self._put(group):
+                    return
+                batch_index += 1
+        except BaseException as e:  # noqa: BLE001 (handed to the trainer by get())
+            logging.exception("sampling loop failed")
+            self._error = e
+
+
+__all__ = ["RolloutFn", "RolloutGroup", "SamplingLoop"]
