@@ -1,0 +1,70 @@
+"""Qwen3-1.7B (dense) + targeted guidance on one TPU host (v5p-8: 4 chips).
+
+The published TG recipe (200 steps, 32 groups x 32 rollouts, one epoch, async sampling) at a
+size one host trains: for trying the method on a real checkpoint before paying for a pod
+slice. Builds on configs/default.py; sections not set here are the default's.
+
+Launch on a single-host slice (the same launcher as the pods):
+    bash launch/tpu.sh --name=tg-1p7b --zone=us-east5-a --project=PROJECT --topology=v5p:2x2x1 \
+        --config=configs/qwen3_1p7b_tg.py --workdir=gs://BUCKET/runs/tg-1p7b \
+        --hf-checkpoint=gs://BUCKET/Qwen3-1.7B
+
+or directly on a TPU VM:
+    python -m tg_jax.main --config=configs/qwen3_1p7b_tg.py --workdir=gs://BUCKET/runs/tg-1p7b
+
+Check the fit on a CPU machine first:
+    PYTHONPATH=LIBTPU_DIR python -m tg_jax.aot --config=configs/qwen3_1p7b_tg.py \
+        --topology=v5p:2x2x1
+"""
+
+import os
+
+from tg_jax import config_lib
+
+# One train step = GROUPS x ROLLOUTS rows padded to SEQ_LEN tokens.
+GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
+ROWS_PER_MICRO_BATCH = 8  # rows of one micro-batch over the 4 chips (2 per chip; from aot)
+
+
+def get_config(arg=None):
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"), arg)
+    # Architecture of Qwen/Qwen3-1.7B (its config.json); checkpoint_io checks it on import.
+    c.model = config_lib.model_config(
+        vocab_size=151_936,  # Qwen3 tokenizer
+        d_model=2048,  # hidden_size
+        num_layers=28,  # num_hidden_layers
+        num_heads=16,  # num_attention_heads
+        num_kv_heads=8,  # num_key_value_heads
+        head_dim=128,  # head_dim
+        mlp_dim=6144,  # intermediate_size
+        rope_theta=1_000_000.0,  # rope_theta
+        rms_norm_eps=1e-6,  # rms_norm_eps
+        tie_embeddings=True,  # tie_word_embeddings
+        param_dtype="float32",  # fp32 master weights and AdamW moments
+        dtype="bfloat16",  # bf16 activations and matmuls on TPU
+        remat_policy="full",  # recompute each layer in the backward pass (long sequences)
+        max_seq_len=SEQ_LEN + 512,  # student rows + the hints inserted in teacher rows
+    )
+    c.mesh.shape = (1, 4, 1, 1)  # data, fsdp, tensor, expert: 4-way FSDP over the host's chips
+    c.rl.micro_batches = GROUPS * ROLLOUTS // ROWS_PER_MICRO_BATCH  # gradient accumulation
+    c.rl.max_staleness = 1  # async: rollouts from the previous policy version are accepted
+    c.tg.enabled = True  # the TG arm (False = the GRPO baseline with the same settings)
+    c.tg.gate = "failed_turns"  # distil failed turns only
+    c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
+    c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)
+    c.optim.lr = 1e-6  # RL fine-tuning: small, constant
+    c.optim.total_steps = 200  # schedule length = the run
+    with c.unlocked():  # the RL loop section, where the default does not have one yet
+        if "loop" not in c:
+            from tg_jax.train.rl_config import loop_config  # noqa: PLC0415
+
+            c.loop = loop_config()  # the RL loop
+    c.loop.steps = 200  # published: 200 RL steps
+    c.loop.groups_per_step = GROUPS  # published: 32 groups (tasks) per step
+    c.loop.rollouts_per_group = ROLLOUTS  # published: 32 rollouts per task
+    c.loop.seq_len = SEQ_LEN  # padded student length of a batch
+    c.loop.async_sampling = True  # published: async RL (sampler runs ahead, staleness <= 1)
+    c.loop.max_new_tokens = 2048  # decode budget per assistant turn
+    c.loop.checkpoint_every = 10  # lose at most 10 steps to a preemption
+    c.loop.eval_every = 50  # held-out evaluation interval
+    return c

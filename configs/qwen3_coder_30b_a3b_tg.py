@@ -1,0 +1,84 @@
+"""Qwen3-Coder-30B-A3B + targeted guidance at the published settings, on a TPU v5p slice.
+
+200 RL steps of 32 groups x 32 rollouts, one epoch over the tasks, async sampling (DESIGN.md
+section 1), from the Hugging Face checkpoint, bf16 compute with fp32 master weights, full
+rematerialisation, expert parallelism. Builds on configs/default.py: every section not set
+here (env, tasks, tg options, ...) is the default's.
+
+Launch (creates the slice, installs on every worker, runs, resumes after preemption):
+    bash launch/tpu.sh --name=tg-30b --zone=us-east5-a --project=PROJECT --topology=v5p:2x4x4 \
+        --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=gs://BUCKET/runs/tg-30b \
+        --hf-checkpoint=gs://BUCKET/Qwen3-Coder-30B-A3B-Instruct --spot --queued
+
+Check first, on any CPU machine, that the train and sample steps fit the slice's HBM:
+    PYTHONPATH=LIBTPU_DIR python -m tg_jax.aot --config=configs/qwen3_coder_30b_a3b_tg.py \
+        --topology=v5p:2x4x4
+
+Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=...`.
+"""
+
+import os
+
+from tg_jax import config_lib
+
+# One train step = GROUPS x ROLLOUTS rows; padded to SEQ_LEN tokens (multi-turn agentic coding
+# episodes: prompt, tool outputs and several assistant turns).
+GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
+
+
+def get_config(arg=None):
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"), arg)
+    # Architecture of Qwen/Qwen3-Coder-30B-A3B-Instruct (its config.json): 30.5B parameters,
+    # 3.3B active per token. tg_jax.models.checkpoint_io checks these against the checkpoint.
+    c.model = config_lib.model_config(
+        vocab_size=151_936,  # Qwen3 tokenizer
+        d_model=2048,  # hidden_size
+        num_layers=48,  # num_hidden_layers
+        num_heads=32,  # num_attention_heads
+        num_kv_heads=4,  # num_key_value_heads
+        head_dim=128,  # head_dim
+        mlp_dim=5472,  # intermediate_size (unused: every layer is MoE, mlp_only_layers = [])
+        rope_theta=10_000_000.0,  # rope_theta
+        rms_norm_eps=1e-6,  # rms_norm_eps
+        tie_embeddings=False,  # tie_word_embeddings
+        param_dtype="float32",  # fp32 master weights (and fp32 AdamW moments)
+        dtype="bfloat16",  # bf16 activations and matmuls on TPU
+        remat_policy="full",  # recompute each layer in the backward pass (long sequences)
+        max_seq_len=SEQ_LEN + 512,  # student rows + the hints inserted in teacher rows
+        num_experts=128,  # num_experts
+        experts_per_token=8,  # num_experts_per_tok
+        moe_mlp_dim=768,  # moe_intermediate_size
+        norm_topk_prob=True,  # norm_topk_prob
+        router_aux_loss_coef=0.0,  # router_aux_loss_coef of the release: no balancing loss
+    )
+    # v5p-64 (2x4x4 = 32 chips): 8-way FSDP x 4-way expert parallelism; the batch is split
+    # over all 32 chips (expert axis included: the MoE all-gathers tokens over it, see
+    # tg_jax/models/moe.py). Chosen with tg_jax.aot (figures in the docstring command).
+    c.mesh.shape = (1, 8, 1, 4)  # data, fsdp, tensor, expert
+    c.mesh.rules = tuple(
+        (name, ("data", "fsdp", "expert") if name == "batch" else target)
+        for name, target in config_lib.DEFAULT_RULES
+    )  # logical axis -> mesh axes: DEFAULT_RULES with the batch over the expert axis too
+    c.rl.micro_batches = GROUPS * ROLLOUTS // 32  # one row per chip per micro-batch (HBM)
+    c.rl.max_staleness = 1  # async: rollouts from the previous policy version are accepted
+    c.rl.temperature = 1.0  # sampling temperature (trainer logits divided by it)
+    c.tg.enabled = True  # the TG arm (False = the GRPO baseline with the same settings)
+    c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
+    c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
+    c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)
+    c.optim.lr = 1e-6  # RL fine-tuning of a 30B model: small, constant
+    c.optim.total_steps = 200  # schedule length = the run
+    with c.unlocked():  # the RL loop section, where the default does not have one yet
+        if "loop" not in c:
+            from tg_jax.train.rl_config import loop_config  # noqa: PLC0415
+
+            c.loop = loop_config()  # the RL loop
+    c.loop.steps = 200  # published: 200 RL steps
+    c.loop.groups_per_step = GROUPS  # published: 32 groups (tasks) per step
+    c.loop.rollouts_per_group = ROLLOUTS  # published: 32 rollouts per task
+    c.loop.seq_len = SEQ_LEN  # padded student length of a batch
+    c.loop.async_sampling = True  # published: async RL (sampler runs ahead, staleness <= 1)
+    c.loop.max_new_tokens = 2048  # decode budget per assistant turn
+    c.loop.checkpoint_every = 10  # preemptible slices: lose at most 10 steps
+    c.loop.eval_every = 50  # held-out evaluation interval
+    return c
