@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import scipy.stats
 
 CONDITIONS = ("plain", "hinted")
 RATE_METRICS = ("compliance", "task_success", "joint")
@@ -241,6 +240,8 @@ def seed_interval(values_S: Sequence[float], *, level: float = 0.95) -> dict[str
     if n < 2:
         std = low = high = float("nan")
     else:
+        import scipy.stats  # here, not at the top: it takes seconds to import
+
         std = float(v.std(ddof=1))
         half = float(scipy.stats.t.ppf(0.5 + level / 2.0, df=n - 1)) * std / np.sqrt(n)
         low, high = mean - half, mean + half

@@ -1,0 +1,162 @@
+"""RL loop acceptance: SIGKILL at a random step + resume == an uninterrupted run; clear errors.
+
+The uninterrupted and the resumed runs run in this process (deterministic mode: sampling in
+the trainer thread); the killed run is a subprocess (tests/rl_loop_driver.py) that gets SIGKILL
+once a random step's checkpoint is committed. All share the persistent compilation cache.
+"""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from tests import rl_loop_driver as driver
+from tg_jax import checkpointing
+from tg_jax.metrics import last_per_step, read_metrics
+from tg_jax.train import rl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(workdir, config=None, **kw):
+    config = config or driver.make_config()
+    return rl.run_rl(
+        config, str(workdir), driver.initial_params(config), arm_name=kw.pop("arm", "tg"),
+        seed=0, sources=driver.make_sources(), **kw,
+    )  # fmt: skip
+
+
+def _comparable(workdir):
+    """(stage, step) -> metrics without wall-clock timings."""
+    out = {}
+    for r in last_per_step(read_metrics(workdir)):
+        out[(r["stage"], r["step"])] = {
+            k: v for k, v in r.items() if k != "time" and not k.startswith("time/")
+        }
+    return out
+
+
+def _committed_steps(ckpt_dir):
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+
+
+def _kill_at(workdir, step, timeout_s=600):
+    """Starts the driver and SIGKILLs it once checkpoint `step` is committed."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.rl_loop_driver", str(workdir)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    ckpt_dir = os.path.join(workdir, rl.CHECKPOINT_DIR)
+    while time.monotonic() < deadline:
+        if any(s >= step for s in _committed_steps(ckpt_dir)):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return proc.returncode
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace")
+            pytest.fail(f"driver exited with {proc.returncode} before step {step}:\n{out[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"driver did not reach step {step} in {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("full")
+    result = _run(workdir)
+    return workdir, result
+
+
+def test_sigkill_and_resume_matches_uninterrupted(full_run, tmp_path):
+    full_dir, full = full_run
+    assert full.finished and full.step == driver.STEPS
+    kill_step = random.Random().randint(1, driver.STEPS - 1)
+    workdir = tmp_path / "killed"
+    rc = _kill_at(workdir, kill_step)
+    assert rc == -signal.SIGKILL, f"kill_step={kill_step}"
+    before = _committed_steps(workdir / rl.CHECKPOINT_DIR)
+    assert before and before[-1] < driver.STEPS, f"kill_step={kill_step}, steps {before}"
+
+    resumed = _run(workdir)
+    assert resumed.finished and resumed.step == driver.STEPS
+    summary = rl.read_summary(str(workdir))
+    assert summary["sessions"][-1]["start_step"] == before[-1]
+    a, b = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{k} (kill_step={kill_step})")
+    assert _comparable(full_dir) == _comparable(workdir), f"kill_step={kill_step}"
+    for key in ("sampled_tokens", "teacher_tokens", "teacher_forward_flops"):
+        assert full.costs[key] == resumed.costs[key], key
+    # The training really moved the params, and TG really ran a teacher.
+    init = driver.flat_params(driver.initial_params(driver.make_config()))
+    assert any(not np.array_equal(init[k], a[k]) for k in a)
+    assert full.costs["teacher_forward_flops"] > 0
+
+
+def test_finished_run_returns_at_once(full_run):
+    full_dir, full = full_run
+    again = _run(full_dir)
+    assert again.finished and again.step == full.step
+    a, b = driver.flat_params(full.state.params), driver.flat_params(again.state.params)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def _copy_ckpts(full_dir, dst):
+    shutil.copytree(full_dir / rl.CHECKPOINT_DIR, dst / rl.CHECKPOINT_DIR)
+    return dst
+
+
+def test_wrong_arm_shape_mismatch_and_corrupt_checkpoint(full_run, tmp_path):
+    full_dir, _ = full_run
+    work = _copy_ckpts(full_dir, tmp_path / "a")
+    with pytest.raises(checkpointing.CheckpointError, match="holds arm 'tg'"):
+        _run(work, arm="grpo")
+    bigger = driver.make_config()
+    bigger.model.d_model = 48
+    with pytest.raises(checkpointing.CheckpointError, match="does not match the restore target"):
+        _run(work, config=bigger)
+    # Corrupt the newest step: truncate every state file.
+    latest = _committed_steps(work / rl.CHECKPOINT_DIR)[-1]
+    state_dir = work / rl.CHECKPOINT_DIR / str(latest) / "state"
+    for root, _, files in os.walk(state_dir):
+        for f in files:
+            if not f.endswith(".json") and "metadata" not in f:
+                open(os.path.join(root, f), "wb").close()
+    with pytest.raises(checkpointing.CheckpointError, match="unreadable"):
+        _run(work)
+
+
+def test_failed_save_keeps_previous_checkpoint(full_run, tmp_path, monkeypatch):
+    """A save that raises (disk full, ...) leaves the earlier checkpoint, and a rerun resumes
+    from it and still ends where the uninterrupted run ended."""
+    full_dir, full = full_run
+    work = tmp_path / "failsave"
+    real_save = checkpointing.TrainingCheckpointer.save
+
+    def failing_save(self, step, state, **kw):
+        if step == 2:
+            raise checkpointing.CheckpointError("simulated: no space left on device")
+        return real_save(self, step, state, **kw)
+
+    monkeypatch.setattr(checkpointing.TrainingCheckpointer, "save", failing_save)
+    with pytest.raises(checkpointing.CheckpointError, match="simulated"):
+        _run(work)
+    assert _committed_steps(work / rl.CHECKPOINT_DIR) == [1]
+    monkeypatch.undo()
+    resumed = _run(work)
+    a, b = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])

@@ -1,0 +1,105 @@
+"""Held-out evaluation of a params set: episodes on tasks never used in training.
+
+`evaluate_heldout` plays `samples_per_task` episodes per task and condition with the rollout
+evaluation helper (`tg_jax.sampling.rollout.evaluate`) and returns the per-episode
+`EpisodeRecord`s that `tg_jax.evaluation.stats` and `tg_jax.report` consume:
+
+  plain   the prompt exactly as in training: does the policy meet the requirement by default?
+  hinted  a hint for every requirement right before every assistant turn: can it when reminded?
+
+Every arm and seed is evaluated on the same tasks with the same sampling key
+(`eval.sampling_seed`), so arm differences can be paired task by task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax.envs.coding import CodingEnv
+from tg_jax.evaluation.stats import CONDITIONS, EpisodeRecord
+from tg_jax.models import ModelConfig, Transformer
+from tg_jax.sampling import rollout
+from tg_jax.sampling.sampler import Sampler
+from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.train.sft_data import env_config
+
+
+def make_sampler(config: Any, renderer: ChatRenderer) -> Sampler:
+    """A sampler of `config.model` (single-replica placement of the params)."""
+    model = Transformer(ModelConfig.from_config(config.model))
+    return Sampler(model, pad_id=renderer.tokenizer.pad_id)
+
+
+def evaluate_heldout(
+    config: Any,
+    params: Any,
+    tasks: Sequence[Any],
+    *,
+    conditions: Sequence[str] | None = None,
+    samples_per_task: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    sampling_seed: int | None = None,
+    sampler: Sampler | None = None,
+    renderer: ChatRenderer | None = None,
+) -> list[EpisodeRecord]:
+    """Plays held-out episodes with `params` and returns one record per episode.
+
+    Args:
+      config: full config (sections model, env, and `eval` from
+        `tg_jax.train.rl_config.eval_config` for the defaults of the arguments below).
+      params: policy params.
+      tasks: held-out tasks (`tg_jax.train.data_stage.load_tasks(sources, "heldout", n)`).
+      conditions: subset of ("plain", "hinted"); default `config.eval.conditions`.
+      samples_per_task: episodes per task and condition; default `config.eval.samples_per_task`.
+      temperature: sampling temperature (0 = greedy); default `config.eval.temperature`.
+      max_new_tokens: decode budget per turn; default `config.eval.max_new_tokens`.
+      sampling_seed: sampling key seed; default `config.eval.sampling_seed`.
+      sampler, renderer: reuse existing ones (default: new ones for `config.model` and the
+        byte tokenizer).
+
+    Returns:
+      EpisodeRecords, condition by condition, sample by sample, task by task.
+    """
+    ev = config.eval
+    conditions = tuple(ev.conditions if conditions is None else conditions)
+    unknown = set(conditions) - set(CONDITIONS)
+    if unknown:
+        raise ValueError(f"unknown conditions {sorted(unknown)}; known: {CONDITIONS}")
+    renderer = renderer or ChatRenderer(ByteTokenizer())
+    sampler = sampler or make_sampler(config, renderer)
+    env_cfg = env_config(config.env)
+    rollout_cfg = rollout.RolloutConfig(
+        max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
+        max_total_tokens=int(config.model.max_seq_len),
+        temperature=float(ev.temperature if temperature is None else temperature),
+    )
+    seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
+    records: list[EpisodeRecord] = []
+    for i, condition in enumerate(conditions):
+        recs, _ = rollout.evaluate(
+            sampler, params, renderer, lambda: CodingEnv(env_cfg), tasks,
+            config=rollout_cfg, rng=jax.random.fold_in(jax.random.key(seed), i),
+            condition=condition,
+            samples_per_task=int(ev.samples_per_task if samples_per_task is None
+                                 else samples_per_task),
+        )  # fmt: skip
+        records.extend(recs)
+    return records
+
+
+def heldout_metrics(records: Sequence[EpisodeRecord], prefix: str = "heldout/") -> dict[str, float]:
+    """Episode means of every per-episode value, by condition ("plain" has no suffix)."""
+    out: dict[str, float] = {}
+    for cond in CONDITIONS:
+        values = [r.values() for r in records if r.condition == cond]
+        if not values:
+            continue
+        tag = "" if cond == "plain" else f"{cond}/"
+        for key in sorted({k for v in values for k in v}):
+            out[f"{prefix}{tag}{key}"] = float(np.mean([v.get(key, 0.0) for v in values]))
+    return out

@@ -1,0 +1,372 @@
+"""The RL loop: rollouts -> batches -> train steps -> new weights, checkpointed and logged.
+
+    run_rl(config, workdir, init_params, arm_name="tg", seed=0)
+
+One step:
+  1. a rollout group: `rollouts_per_group` rollouts of each of `groups_per_step` train tasks,
+     sampled by the newest published policy (the sampling thread, or inline in the
+     deterministic mode; see tg_jax.train.rl_rollouts); groups older than
+     `config.rl.max_staleness` policy versions are refused by the sampling loop;
+  2. `build_batch`: student rows, and for the TG arm (`config.tg.enabled`) the hinted teacher
+     rows; the hint texts come from the imperfect-feedback picker (`rl_loop.feedback` rates);
+  3. the jitted, state-donating `train_step` (GRPO, or GRPO + TG);
+  4. the new params are published to the sampler as policy version step + 1;
+  5. metrics to metrics.jsonl / TensorBoard, fetched one step late; held-out evaluation every
+     `eval_every` steps (stage "eval"); a checkpoint every `checkpoint_every` steps, on the
+     last step and on SIGTERM (then the loop exits cleanly).
+
+Checkpoint = TrainState (params, optimizer state, step, RNG) + JSON metadata: task-iterator
+state (the next task batch the TRAINER has not consumed: batches the sampling thread drew
+ahead are re-sampled after a resume), policy version, accumulated costs, arm and seed.
+Resuming from the latest checkpoint is automatic. In the deterministic mode
+(`rl_loop.async_sampling=False`) a killed and resumed run reproduces the uninterrupted one
+exactly (tests/test_rl_loop.py); with the sampling thread it cannot, since which policy
+version samples which batch depends on timing.
+
+Costs per run (rl_summary.json and the metrics under `cost/`, `sys/`): wall time (summed over
+sessions; time after the last checkpoint of a killed session is lost), sampled tokens,
+teacher forward FLOPs = ModelConfig.flops_per_token(T_t) x real (non-padding) teacher tokens,
+and peak memory (device `peak_bytes_in_use` where the backend reports it, else host max RSS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import resource
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tg_jax import checkpointing, sharding
+from tg_jax.data.pipeline import TaskIterator, to_record
+from tg_jax.envs.coding import CodingEnv
+from tg_jax.envs.tasks import Task
+from tg_jax.evaluation import heldout
+from tg_jax.metrics import LaggedMetrics, MetricsWriter
+from tg_jax.models import ModelConfig, Transformer
+from tg_jax.progress import ProgressBar
+from tg_jax.rl.batch import build_batch
+from tg_jax.rl.train_step import TrainState, create_train_state, make_optimizer, make_train_step
+from tg_jax.sampling import rollout
+from tg_jax.sampling.sampler import Sampler
+from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.train import rl_rollouts
+from tg_jax.train.sft_data import env_config
+
+CHECKPOINT_DIR = "checkpoints"
+SUMMARY_FILE = "rl_summary.json"
+PROGRESS_KEYS = ("rollout/compliance", "rollout/task_success", "loss", "time/step_s")
+
+
+@dataclasses.dataclass
+class RLResult:
+    """What `run_rl` returns.
+
+    Attributes:
+      state: the TrainState after the last step run (params: `state.params`).
+      step: completed train steps.
+      finished: step == rl_loop.steps.
+      costs: accumulated costs (see the module docstring).
+      workdir: the run directory.
+    """
+
+    state: TrainState
+    step: int
+    finished: bool
+    costs: dict[str, float]
+    workdir: str
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+    """(peak bytes, source): the first device's peak_bytes_in_use, else the host's max RSS."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
+        stats = {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "device"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "host_rss"
+
+
+@dataclasses.dataclass
+class _Costs:
+    wall_time_s: float = 0.0
+    sampled_tokens: int = 0
+    teacher_tokens: int = 0
+    teacher_forward_flops: float = 0.0
+    peak_memory_bytes: int = 0
+    peak_memory_source: str = ""
+    dropped_groups: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
+    """(student max length, teacher max length). Both arms get the same student budget: the
+    teacher's hints must fit on top of it within the model's context."""
+    teacher_max = int(config.model.max_seq_len)
+    reserve = rl_rollouts.hint_reserve(
+        renderer, tuple(config.env.requirements), int(config.env.max_turns)
+    )
+    student_max = int(config.rl_loop.seq_len) or teacher_max - reserve
+    if student_max + reserve > teacher_max:
+        raise ValueError(
+            f"rl_loop.seq_len {student_max} + hint reserve {reserve} > model.max_seq_len "
+            f"{teacher_max}: the hinted teacher sequences would not fit"
+        )
+    return student_max, teacher_max
+
+
+def _check_resume(meta: Mapping[str, Any], arm_name: str, seed: int, directory: str) -> None:
+    if meta.get("arm", arm_name) != arm_name or int(meta.get("seed", seed)) != seed:
+        raise checkpointing.CheckpointError(
+            f"{directory} holds arm {meta.get('arm')!r} seed {meta.get('seed')}, not arm "
+            f"{arm_name!r} seed {seed}: use another workdir per arm and seed"
+        )
+
+
+def _write_summary(workdir: str, record: dict[str, Any]) -> None:
+    path = os.path.join(workdir, SUMMARY_FILE)
+    sessions = []
+    if os.path.exists(path):
+        with open(path) as f:
+            sessions = json.load(f).get("sessions", [])
+    sessions.append(record["session"])
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({**{k: v for k, v in record.items() if k != "session"}, "sessions": sessions},
+                  f, indent=1)  # fmt: skip
+    os.replace(tmp, path)
+
+
+def read_summary(workdir: str) -> dict[str, Any]:
+    """rl_summary.json of a run (arm, seed, steps, finished, costs, sessions)."""
+    with open(os.path.join(workdir, SUMMARY_FILE)) as f:
+        return json.load(f)
+
+
+def run_rl(
+    config: Any,
+    workdir: str,
+    init_params: Any,
+    *,
+    arm_name: str,
+    seed: int,
+    sources: Mapping[str, Sequence[Any]] | None = None,
+    eval_tasks: Sequence[Any] | None = None,
+    renderer: ChatRenderer | None = None,
+    stop_after: int | None = None,
+) -> RLResult:
+    """Trains one arm with one seed from `init_params` (or resumes it); see the module docstring.
+
+    Args:
+      config: full config: model, mesh, env, rl, tg (tg.enabled False = the GRPO arm), optim,
+        rl_loop (`tg_jax.train.rl_config.loop_config`), eval (`eval_config`: sampling of the
+        periodic evaluation).
+      workdir: this run's own directory (one per arm and seed): checkpoints/, metrics.jsonl,
+        tb/, rl_summary.json.
+      init_params: the starting policy (e.g. the SFT params); ignored when resuming.
+      arm_name: label recorded in checkpoints and summaries ("grpo", "tg", ...).
+      seed: training seed (state RNG, sampling keys, feedback picks, task order).
+      sources: {"train": ..., "heldout": ...} task sources (`data_stage.prepare_tasks`);
+        default: prepared in `workdir`.
+      eval_tasks: tasks of the periodic held-out evaluation; default: the first
+        `rl_loop.eval_tasks` of sources["heldout"].
+      renderer: chat renderer (default: the byte tokenizer's).
+      stop_after: stop with a checkpoint once this many steps are done (tests; as if preempted).
+
+    Returns:
+      RLResult. A run already at `rl_loop.steps` returns its restored state at once.
+    """
+    lc = config.rl_loop
+    num_steps = int(lc.steps)
+    end = num_steps if stop_after is None else min(num_steps, int(stop_after))
+    renderer = renderer or ChatRenderer(ByteTokenizer())
+    model_cfg = ModelConfig.from_config(config.model)
+    model = Transformer(model_cfg)
+    mesh = sharding.make_mesh(config.mesh)
+    rules = sharding.logical_rules(config.mesh)
+    divisor = sharding.batch_divisor(mesh, rules)
+    student_max, teacher_max = _lengths(config, renderer)
+    tg_on = bool(config.tg.enabled)
+    micro = int(config.rl.micro_batches)
+
+    key = jax.random.key(seed)
+    optimizer = make_optimizer(config.optim)
+    state = create_train_state(
+        model, optimizer, mesh, rules, jax.random.fold_in(key, 0), params=init_params
+    )
+    ref_params = None
+    if float(config.rl.kl_coef) > 0:
+        ref_params = jax.tree.map(jnp.copy, state.params)  # frozen: the starting policy
+    step_fn = make_train_step(config, model, mesh, rules)
+
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = checkpointing.TrainingCheckpointer(
+        os.path.join(workdir, CHECKPOINT_DIR),
+        max_to_keep=int(lc.keep_checkpoints),
+        save_interval_steps=int(lc.checkpoint_every),
+    )
+    source = None
+    try:
+        restored = ckpt.restore_latest(state)
+        costs, start = _Costs(), 0
+        if restored is not None:
+            _check_resume(restored.metadata, arm_name, seed, ckpt.directory)
+            state, start = restored.state, restored.step
+            costs = _Costs(**restored.metadata.get("costs", {}))
+            logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, start)
+        if start >= end:
+            return RLResult(state, start, start >= num_steps, costs.as_dict(), workdir)
+        if threading.current_thread() is threading.main_thread():
+            checkpointing.install_sigterm_handler()
+
+        if sources is None:
+            from tg_jax.train import data_stage
+
+            sources = data_stage.prepare_tasks(config, workdir)
+        if eval_tasks is None and int(lc.eval_every) > 0:
+            held = sources["heldout"]
+            n = min(int(lc.eval_tasks), len(held))
+            eval_tasks = [Task.from_record(to_record(held[i])) for i in range(n)]
+        tasks = TaskIterator(
+            sources["train"], group_size=int(lc.groups_per_step),
+            seed=int(lc.data_seed) * 100_003 + seed, decode_fn=Task.from_record,
+        )  # fmt: skip
+        if restored is not None:
+            tasks.set_state(restored.metadata["data"])
+        data_state = tasks.get_state()
+
+        env_cfg = env_config(config.env)
+        sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
+        sampler = Sampler(
+            model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor, **sampler_kw
+        )
+        rollout_fn = rl_rollouts.BatchRollout(
+            sampler, renderer, lambda: CodingEnv(env_cfg),
+            rollouts_per_group=int(lc.rollouts_per_group),
+            config=rollout.RolloutConfig(
+                max_new_tokens=int(lc.max_new_tokens), max_total_tokens=student_max,
+                temperature=float(config.rl.temperature),
+            ),
+            sampling_key=jax.random.fold_in(key, 1), seed=seed,
+            rates=rl_rollouts.feedback_rates(lc.feedback),
+        )  # fmt: skip
+        batches = rl_rollouts.numbered(tasks, data_state["next_index"])
+        if bool(lc.async_sampling):
+            source = rl_rollouts.ThreadedRollouts(
+                rollout_fn, batches, queue_size=int(lc.queue_size)
+            )
+        else:
+            source = rl_rollouts.InlineRollouts(rollout_fn, batches)
+        source.publish(state.params, start)
+        eval_sampler = heldout.make_sampler(config, renderer)
+
+        def evaluate(params) -> dict[str, float]:
+            recs = heldout.evaluate_heldout(
+                config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
+                max_new_tokens=int(lc.max_new_tokens), sampler=eval_sampler, renderer=renderer,
+            )  # fmt: skip
+            return heldout.heldout_metrics(recs)
+
+        writer = MetricsWriter(workdir, use_tensorboard=bool(lc.use_tensorboard))
+        lagged = LaggedMetrics(writer, stage="train")
+        bar = ProgressBar(
+            num_steps, initial=start, keys=PROGRESS_KEYS, desc=f"rl {arm_name}/{seed}",
+            log_every=int(lc.log_every),
+        )  # fmt: skip
+        eval_every = int(lc.eval_every)
+        session_start, wall0, dropped0 = time.time(), costs.wall_time_s, costs.dropped_groups
+        step = done = start
+        with writer, bar:
+            if start == 0 and eval_every > 0:
+                writer.write(0, evaluate(state.params), stage="eval")
+            for step in range(start, end):
+                t0 = time.perf_counter()
+                group = source.get(int(config.rl.max_staleness))
+                if group is None:
+                    raise RuntimeError("the train task iterator ended before the last step")
+                trajs = group.trajectories
+                t1 = time.perf_counter()
+                batch = build_batch(
+                    trajs, max_len=student_max, teacher_max_len=teacher_max,
+                    mode=str(config.tg.teacher_mode) if tg_on else "none",
+                    gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
+                    requirement_names=tuple(config.env.requirements),
+                    pad_to_multiple=int(lc.length_multiple), batch_multiple=divisor,
+                    micro_batches=micro,
+                )  # fmt: skip
+                t2 = time.perf_counter()
+                args = (state, batch) if ref_params is None else (state, batch, ref_params)
+                state, metrics = step_fn(*args)
+                done = step + 1
+                source.publish(state.params, done)
+                data_state = {**data_state, "next_index": group.batch_index + 1}
+
+                costs.sampled_tokens += rl_rollouts.sampled_tokens(trajs)
+                if tg_on:
+                    real = int(np.sum(np.asarray(batch.teacher_segment_ids_BtxTt) > 0))
+                    t_len = int(batch.teacher_tokens_BtxTt.shape[1])
+                    costs.teacher_tokens += real
+                    costs.teacher_forward_flops += model_cfg.flops_per_token(t_len) * real
+                costs.dropped_groups = dropped0 + int(source.stats()["groups_dropped_stale"])
+                host = rl_rollouts.rollout_metrics(trajs)
+                host.update(
+                    {
+                        "staleness": float(group.staleness),
+                        "policy_version": float(group.policy_version),
+                        "batch_index": float(group.batch_index),
+                        "cost/sampled_tokens": float(costs.sampled_tokens),
+                        "cost/teacher_forward_flops": float(costs.teacher_forward_flops),
+                        "cost/dropped_groups": float(costs.dropped_groups),
+                        "time/sample_wait_s": t1 - t0,
+                        "time/rollout_s": group.seconds,
+                        "time/build_batch_s": t2 - t1,
+                        "time/step_s": time.perf_counter() - t0,
+                        "sys/batch_T": float(batch.tokens_BxT.shape[1]),
+                    }
+                )
+                logged = lagged.push(done, {**metrics, **host})
+                bar.update(done, logged[1] if logged else None)
+
+                if eval_every > 0 and (done % eval_every == 0 or done == num_steps):
+                    writer.write(done, evaluate(state.params), stage="eval")
+                preempted = checkpointing.preemption_requested(done) or done == end
+                if preempted or ckpt.should_save(done):
+                    lagged.flush()  # every step <= a checkpoint is in metrics.jsonl
+                    costs.wall_time_s = wall0 + time.time() - session_start
+                    costs.peak_memory_bytes, costs.peak_memory_source = peak_memory_bytes()
+                    meta = {
+                        "arm": arm_name, "seed": seed, "data": data_state,
+                        "policy_version": done, "costs": costs.as_dict(),
+                    }  # fmt: skip
+                    ckpt.save(done, state, metadata=meta, force=True)
+                if preempted:
+                    break
+            lagged.flush()
+        costs.wall_time_s = wall0 + time.time() - session_start
+        costs.peak_memory_bytes, costs.peak_memory_source = peak_memory_bytes()
+        ckpt.wait_until_finished()
+        _write_summary(
+            workdir,
+            {
+                "arm": arm_name, "seed": seed, "step": done, "finished": done >= num_steps,
+                "costs": costs.as_dict(), "tg_enabled": tg_on,
+                "session": {"start_step": start, "end_step": done,
+                            "seconds": time.time() - session_start},
+            },
+        )  # fmt: skip
+        return RLResult(state, done, done >= num_steps, costs.as_dict(), workdir)
+    finally:
+        if source is not None:
+            source.close()
+        ckpt.close()
