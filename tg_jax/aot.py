@@ -15,8 +15,9 @@ Two programs are compiled:
   `--train_rows` student rows of `--seq_len` tokens and as many teacher rows of
   `--teacher_len` (per-trajectory hinted contexts), with `config.rl.micro_batches`; or, with
   `--step=lm`, a next-token loss + AdamW step of the same shapes (no teacher), the baseline.
-* sample: one KV-cache decode step (`tg_jax.models.decode`) of `--decode_rows` rows with a
-  cache of `--cache_len` slots, on the same mesh and param shardings.
+* sample: one step of the sampler's decode loop (`tg_jax.sampling.decode_step.decode_one`)
+  for `--decode_rows` rows with a KV cache of `--cache_len` slots (prompt + generated), on
+  the same mesh and param shardings.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from tg_jax import sharding
-from tg_jax.models import ModelConfig, Transformer, decode, hidden_states
+from tg_jax.models import ModelConfig, Transformer, hidden_states
 
 HBM_GIB_PER_CHIP = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
 GIB = 2**30
@@ -233,27 +234,38 @@ def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
         return jitted.lower((params, opt_state), tokens).compile()
 
 
-def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: int):
-    """One decode step (T = 1) with a [L, rows, cache_len, K, Dh] KV cache (donated)."""
+def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: int, max_new: int):
+    """One step of the sampler's decode loop (`tg_jax.sampling.decode_step.decode_one`): one
+    token for each of `rows` rows against a KV cache of `cache_len` slots, the last `max_new`
+    of them for generated tokens; the cache is donated (updated in place)."""
+    from tg_jax.sampling.decode_step import DecodeCache, decode_one  # noqa: PLC0415
+
     cfg = ModelConfig.from_config(config.model)
     model = Transformer(cfg)
     params = abstract_params(model, mesh, rules)
-    # Cache: batch over the data axes, KV heads over the axis of "kv_heads" where it divides.
-    spec = nn.logical_to_mesh_axes(("layers", "batch", "length", "kv_heads", "head_dim"), rules)
-    shape = (cfg.num_layers, rows, cache_len, cfg.num_kv_heads, cfg.head_dim)
-    kv = _abstract(shape, cfg.jnp_dtype, mesh, PartitionSpec(*spec))
-    cache = {"k": kv, "v": kv}
-    tokens = _abstract((rows, 1), jnp.int32, mesh, _batch_spec(mesh, rules, 2))
+    # Per layer [B, K, S, Dh]: rows over the data axes, KV heads over "kv_heads" where it divides.
+    spec = nn.logical_to_mesh_axes(("batch", "kv_heads", "length", "head_dim"), rules)
+    shape = (rows, cfg.num_kv_heads, cache_len, cfg.head_dim)
+    kv = tuple(
+        _abstract(shape, cfg.jnp_dtype, mesh, PartitionSpec(*spec)) for _ in range(cfg.num_layers)
+    )
+    rows_spec = _batch_spec(mesh, rules, 1)
+    cache = DecodeCache(
+        k=kv, v=kv, prompt_lengths_B=_abstract((rows,), jnp.int32, mesh, rows_spec),
+        prompt_slots=cache_len - max_new,
+    )  # fmt: skip
+    tokens = _abstract((rows,), jnp.int32, mesh, rows_spec)
+    index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
-    def step(p, tokens_Bx1, positions_Bx1, c):
+    def step(p, tokens_B, i, c):
         with nn.logical_axis_rules(rules):
-            logits, c = decode(model, p, tokens_Bx1, positions_Bx1, c)
-        return jnp.argmax(logits[:, -1], axis=-1), c
+            logits_BxV, c = decode_one(model, p, tokens_B, i, c)
+        return jnp.argmax(logits_BxV, axis=-1), c
 
-    jitted = jax.jit(step, out_shardings=(None, jax.tree.map(lambda x: x.sharding, cache)),
-                     donate_argnums=3)  # fmt: skip
+    cache_sh = jax.tree.map(lambda x: x.sharding, cache)
+    jitted = jax.jit(step, out_shardings=(None, cache_sh), donate_argnums=3)
     with jax.set_mesh(mesh):
-        return jitted.lower(params, tokens, tokens, cache).compile()
+        return jitted.lower(params, tokens, index, cache).compile()
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
@@ -288,6 +300,15 @@ def _config_seq_len(config: Any) -> int:
     return int(config.model.max_seq_len)
 
 
+def _config_max_new(config: Any) -> int:
+    """Generated-token slots of the decode cache: the config's decode budget per turn."""
+    for name in config.keys():
+        s = config[name]
+        if hasattr(s, "get") and s.get("max_new_tokens"):
+            return int(s.max_new_tokens)
+    return 256
+
+
 def main(argv: Sequence[str]) -> None:
     del argv
     config = _CONFIG.value
@@ -314,7 +335,8 @@ def main(argv: Sequence[str]) -> None:
         elif what == "sample":
             drows = _DROWS.value or rows
             cache_len = _CACHE.value or seq_len
-            compiled = compile_sample_step(config, mesh, rules, drows, cache_len)
+            max_new = min(_config_max_new(config), cache_len // 2)
+            compiled = compile_sample_step(config, mesh, rules, drows, cache_len, max_new)
             name = f"sample step ({drows} rows, cache {cache_len})"
         else:
             raise app.UsageError(f"--what: unknown program {what!r}")
