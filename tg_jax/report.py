@@ -443,3 +443,28 @@ def write_report(
     with open(os.path.join(out_dir, REPORT_FILE), "w", encoding="utf-8") as f:
         f.write(render_markdown(res))
     return res
+
+
+def load_run_result(
+    workdir: str,
+    heldout: Sequence[stats.EpisodeRecord],
+    *,
+    group: str = "main",
+    description: str = "",
+) -> RunResult:
+    """A RunResult from a finished `tg_jax.train.rl.run_rl` workdir (arm, seed and costs from
+    rl_summary.json, curves from metrics.jsonl) and its held-out episodes."""
+    from tg_jax.metrics import read_metrics
+    from tg_jax.train.rl import read_summary
+
+    summary = read_summary(workdir)
+    costs = {k: float(summary["costs"][k]) for k in COST_KEYS if k in summary["costs"]}
+    return RunResult(
+        arm=summary["arm"],
+        seed=int(summary["seed"]),
+        heldout=list(heldout),
+        train_records=read_metrics(workdir),
+        costs=costs,
+        group=group,
+        description=description,
+    )

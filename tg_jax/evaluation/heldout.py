@@ -13,6 +13,8 @@ Every arm and seed is evaluated on the same tasks with the same sampling key
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,3 +105,38 @@ def heldout_metrics(records: Sequence[EpisodeRecord], prefix: str = "heldout/") 
         for key in sorted({k for v in values for k in v}):
             out[f"{prefix}{tag}{key}"] = float(np.mean([v.get(key, 0.0) for v in values]))
     return out
+
+
+HELDOUT_FILE = "heldout.jsonl"
+
+
+def save_records(path: str | os.PathLike, records: Sequence[EpisodeRecord]) -> None:
+    """Writes records as JSON lines, atomically (a reader never sees a partial file)."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r.to_dict()) + "\n")
+    os.replace(tmp, path)
+
+
+def load_records(path: str | os.PathLike) -> list[EpisodeRecord]:
+    """Reads records written by `save_records`."""
+    with open(path, encoding="utf-8") as f:
+        return [EpisodeRecord.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+def evaluate_run(
+    config: Any, workdir: str, params: Any, tasks: Sequence[Any], **kwargs: Any
+) -> list[EpisodeRecord]:
+    """`evaluate_heldout` cached in `workdir/heldout.jsonl` (the run's final evaluation).
+
+    A file left by an earlier call is returned as is, so a rerun pipeline does not re-evaluate;
+    delete it to evaluate again (e.g. after changing the eval config).
+    """
+    path = os.path.join(workdir, HELDOUT_FILE)
+    if os.path.exists(path):
+        return load_records(path)
+    records = evaluate_heldout(config, params, tasks, **kwargs)
+    os.makedirs(workdir, exist_ok=True)
+    save_records(path, records)
+    return records

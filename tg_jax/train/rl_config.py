@@ -27,7 +27,7 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.seq_len = 0  # padded student length T of a batch; 0 = model.max_seq_len
     c.length_multiple = 64  # batch T is rounded up to a multiple of this (0 = always seq_len)
     c.async_sampling = True  # sampling loop in its own thread; False = deterministic, in-line
-    c.queue_size = 2  # bounded rollout queue (steps of rollout groups held ahead)
+    c.queue_size = 1  # rollout groups sampled ahead (more: less waiting, more stale drops)
     c.data_seed = 0  # task order of the train split (the run seed is folded in)
     c.eval_every = 25  # periodic held-out evaluation interval in steps (0 = off; last step too)
     c.eval_tasks = 32  # held-out tasks of the periodic evaluation (plain prompts, 1 sample)

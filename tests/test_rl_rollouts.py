@@ -1,0 +1,121 @@
+"""The RL loop's rollout side: metrics, feedback picks, hint budget; an async loop smoke run."""
+
+import jax
+import numpy as np
+import pytest
+
+from tests import rl_loop_driver as driver
+from tg_jax import report
+from tg_jax.envs.hints import CORRECT_HINTS, FeedbackRates
+from tg_jax.envs.tasks import Task
+from tg_jax.evaluation import heldout
+from tg_jax.metrics import read_metrics
+from tg_jax.sampling.trajectory import Trajectory
+from tg_jax.text import ByteTokenizer, ChatRenderer, hint_message
+from tg_jax.train import rl, rl_rollouts
+
+
+def _traj(verdicts, task, actions, term="done"):
+    n = 6
+    return Trajectory(
+        tokens=np.arange(n, dtype=np.int32),
+        roles=np.zeros(n, np.int8),
+        turn_ids=np.array([-1, 0, 0, -1, 1, -1], np.int32)[:n],
+        turn_starts=np.arange(len(verdicts), dtype=np.int32),
+        behaviour_logprobs=np.zeros(n, np.float32),
+        turn_verdicts=verdicts,
+        rewards={"task": task},
+        hint_tokens={},
+        group_id=0,
+        policy_version=0,
+        task_id="t",
+        info={"actions": actions, "termination": term, "truncated_turns": 0},
+    )
+
+
+def test_rollout_metrics():
+    trajs = [
+        _traj([{"fence": True}, {"fence": None}], 1.0, {"run_tests": 1, "submit": 1}),
+        _traj([{"fence": False}, {"fence": True}], 1.0, {"run_tests": 0, "submit": 1}),
+        _traj([{"fence": None}], 0.0, {"run_tests": 3, "submit": 0}, term="max_turns"),
+    ]
+    m = rl_rollouts.rollout_metrics(trajs)
+    assert m["rollout/compliance"] == pytest.approx(1 / 3)  # only the first: all judged pass
+    assert m["rollout/task_success"] == pytest.approx(2 / 3)
+    assert m["rollout/joint"] == pytest.approx(1 / 3)
+    assert m["rollout/actions/run_tests"] == pytest.approx(4 / 3)
+    assert m["rollout/end/max_turns"] == pytest.approx(1 / 3)
+    assert m["rollout/end/max_tokens"] == 0.0
+    assert m["rollout/turns"] == pytest.approx(5 / 3)
+    assert rl_rollouts.sampled_tokens(trajs) == 9
+
+
+def test_hint_reserve_bounds_every_hint_kind():
+    r = ChatRenderer(ByteTokenizer())
+    one = len(r.render_message(hint_message(CORRECT_HINTS["fence"])))
+    reserve = rl_rollouts.hint_reserve(r, ("fence",), max_turns=3)
+    assert reserve >= 3 * one and reserve % 3 == 0
+    both = rl_rollouts.hint_reserve(r, ("fence", "tool_json"), max_turns=1)
+    assert both > reserve // 3
+
+
+class _FakeRollout:
+    """Stands in for rollout.rollout_groups: records the hints the picker returns."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, sampler, params, renderer, env_factory, tasks, **kw):
+        texts = [kw["hint_picker"]("fence") for _ in range(50)] if kw["hint_picker"] else []
+        self.calls.append((kw["first_group_id"], texts))
+        return [_traj([{"fence": False}], 0.0, {}) for _ in tasks]
+
+
+def test_feedback_picks_depend_only_on_batch_index(monkeypatch):
+    fake = _FakeRollout()
+    monkeypatch.setattr(rl_rollouts.rollout, "rollout_groups", fake)
+    rates = FeedbackRates(correct=0.5, irrelevant=0.25, wrong=0.25)
+    kw = dict(rollouts_per_group=1, config=None, sampling_key=jax.random.key(0), seed=3)
+    fn = rl_rollouts.BatchRollout(None, None, None, rates=rates, **kw)
+    out_a = fn(None, (7, ["t1", "t2"]), None, 0)
+    fn(None, (8, ["t1", "t2"]), None, 0)
+    fn(None, (7, ["t1", "t2"]), None, 0)
+    (g7, a), (g8, b), (_, c) = fake.calls
+    assert (g7, g8) == (14, 16)  # group ids unique across batches
+    assert a == c and a != b  # same batch index -> same picks, after a "resume"
+    kinds = out_a[0].info["feedback_kinds"]
+    assert set(kinds) == {"correct", "irrelevant", "wrong"}
+    assert all(t.info["batch_index"] == 7 for t in out_a)
+    m = rl_rollouts.rollout_metrics(out_a)
+    assert m["feedback/correct"] + m["feedback/irrelevant"] + m["feedback/wrong"] == 1.0
+    # Perfect feedback: no picker at all (the environment's own hints).
+    fn.rates = FeedbackRates()
+    fn(None, (9, ["t1"]), None, 0)
+    assert fake.calls[-1][1] == []
+
+
+def test_async_loop_smoke(tmp_path):
+    config = driver.make_config("grpo", async_sampling=True, steps=3)
+    result = rl.run_rl(
+        config, str(tmp_path), driver.initial_params(config), arm_name="grpo", seed=0,
+        sources=driver.make_sources(),
+    )  # fmt: skip
+    assert result.finished and result.costs["teacher_forward_flops"] == 0.0
+    records = [r for r in read_metrics(str(tmp_path)) if r["stage"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness"] <= config.rl.max_staleness for r in records)
+    assert rl.read_summary(str(tmp_path))["costs"]["sampled_tokens"] > 0
+    # The pipeline's next steps on this run: held-out evaluation (cached) and a report.
+    tasks = [Task.from_record(r) for r in driver.make_sources(2)["heldout"]]
+    records = heldout.evaluate_run(config, str(tmp_path), result.state.params, tasks)
+    assert [(r.condition, r.task_id) for r in records] == [
+        (c, t.task_id) for c in ("plain", "hinted") for t in tasks
+    ]
+    assert heldout.evaluate_run(config, str(tmp_path), None, tasks) == records  # cached
+    run = report.load_run_result(str(tmp_path), records)
+    assert (run.arm, run.seed) == ("grpo", 0)
+    assert run.costs["sampled_tokens"] == result.costs["sampled_tokens"]
+    res = report.write_report(tmp_path / "report", [run], {"n_boot": 100, "last_k": 2})
+    assert res["noninferiority"] is None
+    assert res["arms"]["grpo"]["heldout"]["plain"]["num_tasks"] == 2
+    assert (tmp_path / "report" / "report.md").exists()
