@@ -1,0 +1,289 @@
+"""SFT of the base model on expert transcripts of the coding environment (DESIGN.md section 3).
+
+`run_sft(config, workdir)`:
+
+ 1. Builds the sharded model and a `TrainState` (params, AdamW state, step, rng; the same
+    state type as the RL trainer, so RL starts from the SFT params directly).
+ 2. Restores the latest checkpoint of `workdir/sft/checkpoints` if any (resume); returns at
+    once when it is the final step (a finished SFT is never redone).
+ 3. Generates and packs the transcripts (`tg_jax.train.sft_data`); batch `s` is a pure
+    function of (data_seed, s), so a resumed run sees the same batches.
+ 4. Runs the jitted `sft_train_step` (batch sharded over the data axes, state donated),
+    logs metrics one step late (JSONL + TensorBoard, stage "sft") with a progress bar, and
+    checkpoints every `sft.checkpoint_every` steps, on preemption, and at the end.
+
+The loss is the mean next-token cross-entropy over assistant tokens (THINK + ANSWER roles).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tg_jax import checkpointing, sharding
+from tg_jax.metrics import LaggedMetrics, MetricsWriter
+from tg_jax.models import ModelConfig, Transformer, forward, init_params
+from tg_jax.progress import ProgressBar
+from tg_jax.rl.train_step import (
+    TrainState,
+    create_train_state,
+    make_lr_schedule,
+    make_optimizer,
+    train_state_shardings,
+)
+from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.train.sft_data import batch_indices, make_sft_rows
+
+Batch = dict[str, jax.Array]
+SFT_DIR = "sft"
+SUMMARY_FILE = "sft_summary.json"
+
+
+def sft_loss(
+    logits_BxTxV: jax.Array, targets_BxT: jax.Array, mask_BxT: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked next-token cross-entropy.
+
+    1. log-softmax of the logits in fp32;
+    2. negative log-likelihood of each target;
+    3. mean over the tokens where `mask_BxT` is 1 (the assistant tokens), so every assistant
+       token of the batch weighs the same whatever the sequence it belongs to.
+
+    Args:
+      logits_BxTxV: logits at each input position.
+      targets_BxT: the token each position predicts.
+      mask_BxT: 1.0 on positions whose target counts, else 0.0.
+
+    Returns:
+      (loss, metrics) with metrics {"accuracy" (argmax == target on masked tokens),
+      "num_tokens"}.
+    """
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    nll_BxT = -jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    mask_BxT = mask_BxT.astype(jnp.float32)
+    num = jnp.maximum(mask_BxT.sum(), 1.0)
+    loss = (nll_BxT * mask_BxT).sum() / num
+    hit_BxT = (jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT).astype(jnp.float32)
+    return loss, {"accuracy": (hit_BxT * mask_BxT).sum() / num, "num_tokens": mask_BxT.sum()}
+
+
+def sft_train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    model: Transformer,
+    optimizer: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One AdamW step on a packed batch (keys of `sft_data.PackedRows`, each [B, T])."""
+
+    def loss_fn(params):
+        logits_BxTxV = forward(
+            model, params, batch["inputs"], batch["positions"], batch["segment_ids"]
+        )
+        return sft_loss(logits_BxTxV, batch["targets"], batch["loss_mask"])
+
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_state = state.replace(
+        params=optax.apply_updates(state.params, updates),
+        opt_state=opt_state,
+        step=state.step + 1,
+    )
+    metrics = {
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "lr": lr_schedule(state.step),
+        **aux,
+    }
+    return new_state, {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+
+def sft_optimizer_config(config: Any) -> ml_collections.ConfigDict:
+    """`config.sft.optim` with the schedule horizon set to `config.sft.steps`.
+
+    The cosine always ends with SFT, even when `sft.steps` was overridden in a way that cut
+    its link to `sft.optim.total_steps` (e.g. a copy made with `to_dict`).
+    """
+    optim = ml_collections.ConfigDict(config.sft.optim.to_dict())
+    optim.total_steps = int(config.sft.steps)
+    return optim
+
+
+def make_sft_step(config: Any, model: Transformer, mesh, rules):
+    """(optimizer, step): `sft_train_step` jitted with explicit shardings, state donated."""
+    optim_cfg = sft_optimizer_config(config)
+    optimizer = make_optimizer(optim_cfg)
+    state_sh = train_state_shardings(model, optimizer, mesh, rules)
+    batch_sh = sharding.data_sharding(mesh, rules, ndim=1)  # a prefix: dim 0 of every leaf
+    body = functools.partial(
+        sft_train_step, model=model, optimizer=optimizer, lr_schedule=make_lr_schedule(optim_cfg)
+    )
+
+    def fn(state, batch):
+        with nn.logical_axis_rules(rules):
+            return body(state, batch)
+
+    jitted = jax.jit(
+        fn,
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
+        donate_argnames="state",
+    )
+
+    def step(state, batch):
+        with jax.set_mesh(mesh):
+            return jitted(state, batch)
+
+    return optimizer, step
+
+
+def build_model(config: Any) -> Transformer:
+    """The Transformer of `config.model`, checked against the byte tokenizer and SFT rows."""
+    model_cfg = ModelConfig.from_config(config.model)
+    tokenizer = ByteTokenizer()
+    if model_cfg.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.vocab_size {model_cfg.vocab_size} < tokenizer vocab {tokenizer.vocab_size}"
+        )
+    if int(config.sft.seq_len) > model_cfg.max_seq_len:
+        raise ValueError(
+            f"sft.seq_len {config.sft.seq_len} > model.max_seq_len {model_cfg.max_seq_len}"
+        )
+    return Transformer(model_cfg)
+
+
+def sft_checkpoint_dir(workdir: str) -> str:
+    return os.path.join(workdir, SFT_DIR, "checkpoints")
+
+
+def sft_finished(config: Any, workdir: str) -> bool:
+    """Whether `workdir` holds the final SFT checkpoint (step == config.sft.steps)."""
+    directory = sft_checkpoint_dir(workdir)
+    if not os.path.isdir(directory):
+        return False
+    with checkpointing.TrainingCheckpointer(directory, read_only=True) as ckpt:
+        return ckpt.latest_step() == int(config.sft.steps)
+
+
+def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> TrainState:
+    """Trains (or resumes, or just loads) the base model; returns the final state.
+
+    Args:
+      config: full config (sections model, mesh, env, sft, seed).
+      workdir: run directory; checkpoints in `workdir/sft/checkpoints`, metrics in
+        `workdir/metrics.jsonl` (stage "sft") and `workdir/tb/sft`, a data/time summary in
+        `workdir/sft/sft_summary.json`.
+      stop_after: stop (with a checkpoint) once this many steps are done, as if preempted
+        (tests of resume; None = run to `config.sft.steps`).
+
+    Returns:
+      The TrainState after the last step run (the restored one when SFT was already done).
+    """
+    sft = config.sft
+    num_steps = int(sft.steps)
+    model = build_model(config)
+    mesh = sharding.make_mesh(config.mesh)
+    rules = sharding.logical_rules(config.mesh)
+    if int(sft.batch_size) % sharding.batch_divisor(mesh, rules):
+        raise ValueError(
+            f"sft.batch_size {sft.batch_size} is not a multiple of the mesh's batch split "
+            f"{sharding.batch_divisor(mesh, rules)}"
+        )
+    optimizer, step_fn = make_sft_step(config, model, mesh, rules)
+    state = create_train_state(model, optimizer, mesh, rules, jax.random.key(int(config.seed)))
+    ckpt = checkpointing.TrainingCheckpointer(
+        sft_checkpoint_dir(workdir), max_to_keep=2, save_interval_steps=int(sft.checkpoint_every)
+    )
+    try:
+        restored = ckpt.restore_latest(state)
+        start = 0
+        if restored is not None:
+            state, start = restored.state, restored.step
+        if start >= num_steps:
+            return state
+        checkpointing.install_sigterm_handler()
+        t0 = time.time()
+        renderer = ChatRenderer(ByteTokenizer())
+        rows, stats = make_sft_rows(config, renderer)
+        data_s = time.time() - t0
+        writer = MetricsWriter(workdir)
+        lagged = LaggedMetrics(writer, stage="sft")
+        if start == 0:
+            writer.write(0, {f"data/{k}": v for k, v in stats.items()}, stage="sft_data")
+        end = num_steps if stop_after is None else min(num_steps, int(stop_after))
+        bar = ProgressBar(
+            num_steps, initial=start, keys=("loss", "accuracy"), desc="sft",
+            log_every=int(sft.log_every),
+        )  # fmt: skip
+        t1 = time.time()
+        done = start
+        with writer, bar:
+            for step in range(start, end):
+                idx = batch_indices(rows.num_rows, int(sft.batch_size), step, int(sft.data_seed))
+                state, metrics = step_fn(state, rows.rows(idx))
+                logged = lagged.push(step + 1, metrics)
+                bar.update(step + 1, logged[1] if logged else None)
+                done = step + 1
+                preempted = checkpointing.preemption_requested(done)
+                if preempted or done == end or ckpt.should_save(done):
+                    ckpt.save(done, state, metadata={"stage": "sft", "step": done}, force=True)
+                if preempted:
+                    break
+            lagged.flush()
+        _write_summary(workdir, stats, start, done, data_s, time.time() - t1)
+        return state
+    finally:
+        ckpt.close()
+
+
+def _write_summary(workdir, stats, start, done, data_s, train_s) -> None:
+    """Appends this session's data statistics and timings to sft_summary.json."""
+    path = os.path.join(workdir, SFT_DIR, SUMMARY_FILE)
+    sessions = []
+    if os.path.exists(path):
+        with open(path) as f:
+            sessions = json.load(f).get("sessions", [])
+    sessions.append({"start_step": start, "end_step": done, "data_s": data_s, "train_s": train_s})
+    total = sum(s["data_s"] + s["train_s"] for s in sessions)
+    with open(path, "w") as f:
+        json.dump({"data": stats, "sessions": sessions, "wall_s": total}, f, indent=2)
+
+
+def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -> TrainState:
+    """The final SFT TrainState of `workdir`, placed on `mesh` (RL starts from `.params`).
+
+    Raises:
+      CheckpointError: no finished SFT checkpoint there (run the `sft` stage first).
+    """
+    optimizer = make_optimizer(sft_optimizer_config(config))
+    shardings = train_state_shardings(model, optimizer, mesh, rules)
+    params = jax.eval_shape(lambda k: init_params(model, k), jax.random.key(0))
+    abstract = TrainState(
+        params=params,
+        opt_state=jax.eval_shape(optimizer.init, params),
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        rng=jax.eval_shape(lambda: jax.random.key(0)),
+    )
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    restored = checkpointing.restore_checkpoint(
+        sft_checkpoint_dir(workdir), abstract, step=int(config.sft.steps)
+    )
+    return restored.state
+
+
+def param_count(params: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

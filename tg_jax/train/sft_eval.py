@@ -1,0 +1,130 @@
+"""Base-model evaluation on held-out tasks: pass rate, unprompted and hinted compliance.
+
+The episodes are played by `tg_jax.sampling.rollout.evaluate`, the same code that evaluates
+the RL runs, so the base model's figures and the RL arms' are comparable. Modes: temperature
+1 (the RL sampling temperature) and greedy, each under the two conditions of DESIGN.md
+section 4: "plain" (prompts as in training: does it by default?) and "hinted" (a hint for
+every requirement right before every assistant turn: can it when reminded?).
+
+Figures per mode (`summarize`):
+  pass_rate: share of episodes whose hidden tests all pass.
+  compliance/<r>: share of JUDGED TURNS that meet requirement r (all episodes pooled).
+  episode_compliance/<r>: share of episodes with >= 1 judged turn where every judged turn
+    meets r (the evaluation's episode-level definition).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+from tg_jax.envs.tasks import Task
+from tg_jax.evaluation.stats import EpisodeRecord
+from tg_jax.models import ModelConfig, Transformer
+from tg_jax.sampling import rollout
+from tg_jax.sampling.sampler import Sampler
+from tg_jax.sampling.trajectory import Trajectory
+from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.train.sft_data import env_config
+
+EVAL_FILE = "sft_eval.json"
+
+
+def summarize(
+    records: Sequence[EpisodeRecord],
+    trajectories: Sequence[Trajectory],
+    requirements: Sequence[str],
+) -> dict[str, float]:
+    """Pass rate, turn-level and episode-level compliance, and action counts of one mode."""
+    out: dict[str, float] = {
+        "pass_rate": float(np.mean([r.task_success for r in records])),
+        "turns": float(np.mean([r.turns for r in records])),
+        "malformed_per_episode": float(np.mean([r.actions.get("malformed", 0) for r in records])),
+        "submitted": float(np.mean([r.actions.get("submit", 0) > 0 for r in records])),
+        "num_episodes": len(records),
+    }
+    for name in requirements:
+        turns = [v[name] for t in trajectories for v in t.turn_verdicts if v.get(name) is not None]
+        judged = [r.compliance[name] for r, t in zip(records, trajectories, strict=True)
+                  if any(v.get(name) is not None for v in t.turn_verdicts)]  # fmt: skip
+        out[f"compliance/{name}"] = float(np.mean(turns)) if turns else 0.0
+        out[f"episode_compliance/{name}"] = float(np.mean(judged)) if judged else 0.0
+    return out
+
+
+def evaluate_base_model(
+    model: Transformer,
+    params: Any,
+    renderer: ChatRenderer,
+    tasks: Sequence[Task],
+    env_cfg: CodingEnvConfig,
+    eval_config: Any,
+    max_len: int,
+) -> dict[str, Any]:
+    """Every mode of `eval_config.temperatures` x {plain, hinted} on `tasks`, one episode each.
+
+    Returns:
+      {"modes": {"t1.0/plain": summary, ...}} plus headline figures: "pass_rate",
+      "unprompted_compliance/<r>" (temperature 1, plain) and "hinted_compliance/<r>"
+      (temperature 1, hinted), with "_greedy" counterparts when 0.0 is a temperature.
+    """
+    sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id)
+    rng = jax.random.key(int(eval_config.seed))
+    modes: dict[str, dict[str, float]] = {}
+    for ti, temp in enumerate(eval_config.temperatures):
+        cfg = rollout.RolloutConfig(
+            max_new_tokens=int(eval_config.max_new_tokens),
+            max_total_tokens=max_len,
+            temperature=float(temp),
+        )
+        for ci, condition in enumerate(("plain", "hinted")):
+            records, trajectories = rollout.evaluate(
+                sampler, params, renderer, lambda: CodingEnv(env_cfg), tasks,
+                config=cfg, rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
+            )  # fmt: skip
+            modes[f"t{float(temp)}/{condition}"] = summarize(
+                records, trajectories, env_cfg.requirements
+            )
+    out: dict[str, Any] = {"modes": modes, "num_tasks": len(tasks)}
+    for temp, suffix in ((1.0, ""), (0.0, "_greedy")):
+        plain, hinted = modes.get(f"t{temp}/plain"), modes.get(f"t{temp}/hinted")
+        if plain is None:
+            continue
+        out[f"pass_rate{suffix}"] = plain["pass_rate"]
+        out[f"hinted_pass_rate{suffix}"] = hinted["pass_rate"]
+        for r in env_cfg.requirements:
+            out[f"unprompted_compliance/{r}{suffix}"] = plain[f"compliance/{r}"]
+            out[f"hinted_compliance/{r}{suffix}"] = hinted[f"compliance/{r}"]
+    return out
+
+
+def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]) -> dict:
+    """Evaluates the base model on held-out `tasks` and writes `workdir/sft_eval.json`.
+
+    The file also records what was measured: the requirements, the parameter count, the
+    evaluation time and the SFT wall time (from sft/sft_summary.json when present).
+    """
+    model_cfg = ModelConfig.from_config(config.model)
+    renderer = ChatRenderer(ByteTokenizer())
+    t0 = time.time()
+    result = evaluate_base_model(
+        Transformer(model_cfg), params, renderer, tasks, env_config(config.env),
+        config.sft.eval, max_len=model_cfg.max_seq_len,
+    )  # fmt: skip
+    result["eval_s"] = time.time() - t0
+    result["requirements"] = list(config.env.requirements)
+    result["num_params"] = model_cfg.num_params()
+    summary = os.path.join(workdir, "sft", "sft_summary.json")
+    if os.path.exists(summary):
+        with open(summary) as f:
+            result["sft_wall_s"] = json.load(f).get("wall_s")
+    with open(os.path.join(workdir, EVAL_FILE), "w") as f:
+        json.dump(result, f, indent=2)
+    return result
