@@ -95,7 +95,7 @@ def test_teacher_branch_gets_no_gradient_and_tg_matches_direct_kl():
         model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
         batch.teacher_segment_ids_BtxTt,
     )  # fmt: skip
-    gathered = ts.gather_teacher(teacher, jax.tree.map(jnp.asarray, batch), "per_trajectory")
+    gathered = ts.gather_teacher(teacher, jax.tree.map(jnp.asarray, batch))
     loss_c, _, grads_c = _loss_and_grad(cfg, batch, teacher_hidden_BxTxD=gathered)
     np.testing.assert_allclose(loss, loss_c, rtol=1e-6)
     _tree_close(grads, grads_c, atol=1e-7, rtol=1e-5)
@@ -190,6 +190,15 @@ def test_sharded_step_equals_single_device():
     cfg = _config(**STEP_OVERRIDES)
     batch = _batch(_trajectories())
     mesh8 = sharding.make_mesh(config_lib.mesh_config((2, 2, 2, 1)))
+    # Adam moments are sharded like their params.
+    model, _ = _model_and_params()
+    rules = sharding.logical_rules(cfg.mesh)
+    shardings = ts.train_state_shardings(model, ts.make_optimizer(cfg.optim), mesh8, rules)
+    q_spec = shardings.params["layers"]["attn"]["q_proj"].spec
+    assert q_spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    mu = [s.mu for s in jax.tree.leaves(shardings.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
+          if hasattr(s, "mu")][0]  # fmt: skip
+    assert mu["layers"]["attn"]["q_proj"].spec == q_spec
     sharded = _run_steps(cfg, [batch, batch], mesh8)
     single = _run_steps(cfg, [batch, batch], _single_mesh())
     _assert_same_run(sharded, single)

@@ -79,6 +79,7 @@ class Batch:
       policy_version_B: int32 policy version that sampled each row (-1 on padding rows).
       valid_B: bool, False for padding rows.
       requirement_names: static tuple of requirement names (the ids' meaning).
+      teacher_mode: static, the `TeacherMode` the teacher rows were built with.
     """
 
     tokens_BxT: Any
@@ -103,6 +104,7 @@ class Batch:
     policy_version_B: Any
     valid_B: Any
     requirement_names: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
+    teacher_mode: str = flax.struct.field(pytree_node=False, default="per_trajectory")
 
 
 def bucket_length(length: int, max_len: int, multiple: int) -> int:
@@ -153,6 +155,111 @@ def _empty_seqs(rows: int, length: int) -> dict[str, np.ndarray]:
         "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
         "segments": np.zeros((rows, length), np.int32),
     }
+
+
+def _fill_student_targets(
+    per_token: dict[str, np.ndarray],
+    b: int,
+    traj: Trajectory,
+    gate: str,
+    req_index: dict[str, int],
+) -> dict[int, np.ndarray]:
+    """Fills row b of the target-aligned arrays; returns the hint of each targeted turn with a
+    non-empty hint."""
+    tokens = np.asarray(traj.tokens, np.int32)
+    roles, turn_ids = np.asarray(traj.roles)[1:], np.asarray(traj.turn_ids, np.int32)[1:]
+    s = slice(0, len(tokens) - 1)  # prediction positions t whose target t + 1 exists
+    per_token["targets"][b, s] = tokens[1:]
+    answer, thinking = roles == Role.ANSWER, roles == Role.THINK
+    produced = answer | thinking
+    per_token["answer"][b, s], per_token["thinking"][b, s] = answer, thinking
+    per_token["loss"][b, s] = produced
+    per_token["turn"][b, s] = np.where(produced, turn_ids, -1)
+    per_token["behaviour"][b, s] = np.asarray(traj.behaviour_logprobs, np.float32)[1:]
+
+    hints = {}
+    for k in range(traj.num_turns):
+        in_turn = (turn_ids == k) & produced
+        if _failed(traj, k):
+            per_token["failed"][b, s] |= in_turn
+        targeted = _targeted_requirements(traj, k, gate)
+        if not targeted:
+            continue
+        unknown = [r for r in targeted if r not in req_index]
+        if unknown:
+            raise ValueError(f"task {traj.task_id}: unknown requirement(s) {unknown}")
+        per_token["req"][b, s][in_turn] = req_index[targeted[0]]
+        hint = _hint(traj, targeted)
+        if hint.size:
+            hints[k] = hint
+    return hints
+
+
+def _turn_mask(traj: Trajectory, k: int) -> np.ndarray:
+    """[n - 1] bool over prediction positions: the target is a produced token of turn k."""
+    roles, turn_ids = np.asarray(traj.roles)[1:], np.asarray(traj.turn_ids)[1:]
+    return (turn_ids == k) & ((roles == Role.ANSWER) | (roles == Role.THINK))
+
+
+def _fill_per_trajectory_teacher(
+    per_token: dict[str, np.ndarray],
+    b: int,
+    local_row: int,
+    traj: Trajectory,
+    hints: dict[int, np.ndarray],
+    teacher_max_len: int,
+) -> np.ndarray:
+    """The hinted sequence of row b (hints before every targeted turn) and its index map."""
+    tokens = np.asarray(traj.tokens, np.int32)
+    num = len(tokens)
+    s = slice(0, num - 1)
+    shift = np.zeros((num,), np.int64)  # hint tokens inserted before each student token
+    pieces, prev = [], 0
+    for k in sorted(hints):
+        start = int(traj.turn_starts[k])
+        pieces += [tokens[prev:start], hints[k]]
+        shift[start:] += len(hints[k])
+        prev = start
+        per_token["distill"][b, s] |= _turn_mask(traj, k)
+    pieces.append(tokens[prev:])
+    seq = np.concatenate(pieces)
+    if len(seq) > teacher_max_len:
+        raise ValueError(
+            f"task {traj.task_id}: teacher sequence with hints has {len(seq)} tokens > "
+            f"teacher_max_len {teacher_max_len} (student {num})"
+        )
+    per_token["t_row"][b] = local_row
+    # Student token j sits at teacher index j + shift[j]; the position predicting it is one less.
+    per_token["t_pos"][b, s] = np.arange(1, num) + shift[1:] - 1
+    return seq
+
+
+def _fill_per_turn_teacher(
+    per_token: dict[str, np.ndarray],
+    b: int,
+    local_row: int,
+    traj: Trajectory,
+    k: int,
+    hint: np.ndarray,
+    teacher_max_len: int,
+) -> np.ndarray:
+    """Turn k's exact hinted context (prefix + hint + turn k) and its index map in row b."""
+    tokens = np.asarray(traj.tokens, np.int32)
+    num = len(tokens)
+    s = slice(0, num - 1)
+    start, end = int(traj.turn_starts[k]), _turn_end(traj, k)
+    seq = np.concatenate([tokens[:start], hint, tokens[start:end]])
+    if len(seq) > teacher_max_len:
+        raise ValueError(
+            f"task {traj.task_id}: teacher sequence of turn {k} has {len(seq)} tokens > "
+            f"teacher_max_len {teacher_max_len}"
+        )
+    sel = _turn_mask(traj, k)
+    per_token["distill"][b, s] |= sel
+    # Student token j of turn k sits at teacher index j + len(hint).
+    per_token["t_row"][b, s][sel] = local_row
+    per_token["t_pos"][b, s][sel] = (np.arange(1, num) + len(hint) - 1)[sel]
+    return seq
 
 
 def build_batch(
@@ -236,7 +343,7 @@ def build_batch(
         "t_pos": np.zeros((rows, length), np.int32),
     }
     # Teacher sequences, built as lists first: their padded length depends on all of them.
-    teacher_seqs: list[np.ndarray | None] = []
+    teacher_seqs: list[np.ndarray] = []
     teacher_global_rows = []  # per_turn: global teacher row of each appended sequence
 
     per_micro_teacher = 0
@@ -253,83 +360,24 @@ def build_batch(
 
     for b, traj in enumerate(trajectories):
         m, local = b % micro_batches, b // micro_batches
-        tokens = np.asarray(traj.tokens, np.int32)
-        roles = np.asarray(traj.roles)
-        turn_ids = np.asarray(traj.turn_ids, np.int32)
-        num = len(tokens)
-        _fill_row(student, b, tokens, length)
-        s = slice(0, num - 1)  # prediction positions t whose target t + 1 exists
-        nxt_roles, nxt_turns = roles[1:], turn_ids[1:]
-        per_token["targets"][b, s] = tokens[1:]
-        per_token["answer"][b, s] = nxt_roles == Role.ANSWER
-        per_token["thinking"][b, s] = nxt_roles == Role.THINK
-        per_token["loss"][b, s] = per_token["answer"][b, s] | per_token["thinking"][b, s]
-        per_token["turn"][b, s] = np.where(per_token["loss"][b, s], nxt_turns, -1)
-        per_token["behaviour"][b, s] = np.asarray(traj.behaviour_logprobs, np.float32)[1:]
-
-        # Targeted turns and their hints.
-        hints: dict[int, np.ndarray] = {}
-        for k in range(traj.num_turns):
-            failed = _failed(traj, k)
-            in_turn = (nxt_turns == k) & per_token["loss"][b, s]
-            if failed:
-                per_token["failed"][b, s] |= in_turn
-            targeted = _targeted_requirements(traj, k, gate)
-            if not targeted:
-                continue
-            unknown = [r for r in targeted if r not in req_index]
-            if unknown:
-                raise ValueError(f"task {traj.task_id}: unknown requirement(s) {unknown}")
-            per_token["req"][b, s] = np.where(
-                in_turn, req_index[targeted[0]], per_token["req"][b, s]
-            )
-            hint = _hint(traj, targeted)
-            if hint.size:
-                hints[k] = hint
-
+        _fill_row(student, b, np.asarray(traj.tokens, np.int32), length)
+        hints = _fill_student_targets(per_token, b, traj, gate, req_index)
         if mode == "per_trajectory":
-            # tpos[j]: teacher index of student token j (hints shift everything after them).
-            shift = np.zeros((num,), np.int64)
-            pieces, prev = [], 0
-            for k in sorted(hints):
-                start = int(traj.turn_starts[k])
-                pieces += [tokens[prev:start], hints[k]]
-                shift[start:] += len(hints[k])
-                prev = start
-                per_token["distill"][b, s] |= (nxt_turns == k) & per_token["loss"][b, s]
-            pieces.append(tokens[prev:])
-            seq = np.concatenate(pieces)
-            if len(seq) > teacher_max_len:
-                raise ValueError(
-                    f"task {traj.task_id}: teacher sequence with hints has {len(seq)} tokens > "
-                    f"teacher_max_len {teacher_max_len} (student {num})"
-                )
-            teacher_seqs.append(seq)
-            tpos = np.arange(num) + shift
-            per_token["t_row"][b] = local
-            per_token["t_pos"][b, s] = tpos[1:] - 1
+            teacher_seqs.append(
+                _fill_per_trajectory_teacher(per_token, b, local, traj, hints, teacher_max_len)
+            )
         elif mode == "per_turn":
             for k in sorted(hints):
                 if used_teacher[m] == per_micro_teacher:
                     dropped += 1
                     continue
-                start, end = int(traj.turn_starts[k]), _turn_end(traj, k)
-                seq = np.concatenate([tokens[:start], hints[k], tokens[start:end]])
-                if len(seq) > teacher_max_len:
-                    raise ValueError(
-                        f"task {traj.task_id}: teacher sequence of turn {k} has {len(seq)} "
-                        f"tokens > teacher_max_len {teacher_max_len}"
+                teacher_seqs.append(
+                    _fill_per_turn_teacher(
+                        per_token, b, used_teacher[m], traj, k, hints[k], teacher_max_len
                     )
-                local_row = used_teacher[m]
+                )
+                teacher_global_rows.append(used_teacher[m] * micro_batches + m)
                 used_teacher[m] += 1
-                teacher_seqs.append(seq)
-                teacher_global_rows.append(local_row * micro_batches + m)
-                sel = (nxt_turns == k) & per_token["loss"][b, s]
-                per_token["distill"][b, s] |= sel
-                # Student token j of turn k sits at teacher index j + len(hint).
-                tpos_pred = np.arange(1, num) + len(hints[k]) - 1
-                per_token["t_row"][b, s] = np.where(sel, local_row, per_token["t_row"][b, s])
-                per_token["t_pos"][b, s] = np.where(sel, tpos_pred, per_token["t_pos"][b, s])
     if dropped:
         logging.warning(
             "build_batch: %d targeted turns exceed max_teacher_rows=%d and are not distilled",
@@ -386,6 +434,7 @@ def build_batch(
         policy_version_B=versions,
         valid_B=valid,
         requirement_names=tuple(requirement_names),
+        teacher_mode=mode,
     )
 
 

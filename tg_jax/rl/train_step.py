@@ -173,20 +173,20 @@ def _share(local: jax.Array, total: jax.Array) -> jax.Array:
     return local.astype(jnp.float32) / jnp.maximum(total, 1.0)
 
 
-def gather_teacher(teacher_hidden_BtxTtxD: jax.Array, batch: Batch, mode: str) -> jax.Array:
+def gather_teacher(teacher_hidden_BtxTtxD: jax.Array, batch: Batch) -> jax.Array:
     """Teacher hidden states at the student positions of the index map -> [B, T, D].
 
     per_trajectory: teacher row b serves student row b, so the gather stays within a row (and
     within a device's shard); per_turn: a general row gather.
     """
-    pos_BxT = batch.teacher_pos_BxT
+    pos_BxT, mode = batch.teacher_pos_BxT, batch.teacher_mode
     if mode == "per_trajectory":
         if teacher_hidden_BtxTtxD.shape[0] != pos_BxT.shape[0]:
             raise ValueError("per_trajectory needs one teacher row per student row")
         return jax.vmap(lambda h_TtxD, p_T: h_TtxD[p_T])(teacher_hidden_BtxTtxD, pos_BxT)
     if mode == "per_turn":
         return teacher_hidden_BtxTtxD[batch.teacher_row_BxT, pos_BxT]
-    raise ValueError(f"TG needs teacher_mode per_trajectory or per_turn, got {mode!r}")
+    raise ValueError(f"TG needs a batch built with teacher rows, got teacher_mode {mode!r}")
 
 
 def loss_fn(
@@ -253,7 +253,7 @@ def loss_fn(
             batch.teacher_positions_BtxTt,
             batch.teacher_segment_ids_BtxTt,
         )
-        teacher_hidden_BxTxD = gather_teacher(teacher_BtxTtxD, batch, tg_cfg.teacher_mode)
+        teacher_hidden_BxTxD = gather_teacher(teacher_BtxTtxD, batch)
     stats = chunked_token_stats(
         hidden_BxTxD,
         batch.targets_BxT,
