@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tg_jax.models import Transformer, forward
-from tg_jax.sampling.decode_step import DecodeCache, decode_one, prefill
+from tg_jax.sampling.decode_step import DecodeCache, decode_one, decode_weights, prefill
 
 Array = jax.Array
 _NEG_INF = -1e30  # finite, so that a fully masked row still gives a (harmless) softmax
@@ -119,25 +119,44 @@ def filter_logits(logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p
     return jax.lax.cond(needs_filter, filtered, lambda z: z, z_BxV)
 
 
+def first_argmax(x_BxV: Array) -> Array:
+    """argmax over the last axis (first index on ties) as two plain reductions.
+
+    XLA:CPU runs `jnp.argmax` as a (value, index) variadic reduce that is ~4x slower here.
+    """
+    vocab = x_BxV.shape[-1]
+    is_max_BxV = x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)
+    ids_V = jnp.arange(vocab, dtype=jnp.int32)
+    return jnp.min(jnp.where(is_max_BxV, ids_V[None, :], vocab), axis=-1)
+
+
 def draw(
     rng: Array, logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array
 ) -> tuple[Array, Array, Array]:
-    """Draws one token per row.
+    """Draws one token per row by inverting the CDF of the sampling distribution.
+
+    One uniform number per row instead of a Gumbel number per vocabulary entry (the random bits
+    dominated a CPU decode step). A token with probability 0 (filtered out) is never drawn:
+    the CDF is flat over it, and the drawn index is the first whose CDF reaches u * total.
 
     Returns:
       (tokens [B] int32, log-prob under the sampling distribution [B], temperature-1 log-prob
       [B]); greedy rows (temperature 0) take the argmax with sampling log-prob 0.
     """
+    b, vocab = logits_BxV.shape
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
     z_BxV = filter_logits(logits_BxV, safe_t_B, top_k_B, top_p_B)
-    sampled_B = jax.random.categorical(rng, z_BxV, axis=-1).astype(jnp.int32)
-    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), sampled_B)
-    lp_BxV = jax.nn.log_softmax(z_BxV, axis=-1)
-    lp_B = jnp.take_along_axis(lp_BxV, tokens_B[:, None], axis=-1)[:, 0]
-    lp_B = jnp.where(greedy_B, 0.0, lp_B)
-    raw_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV, axis=-1), tokens_B[:, None], -1)
-    return tokens_B, lp_B, raw_B[:, 0]
+    lse_z_B = jax.nn.logsumexp(z_BxV, axis=-1)
+    cdf_BxV = jnp.cumsum(jnp.exp(z_BxV - lse_z_B[:, None]), axis=-1)
+    u_B = jax.random.uniform(rng, (b,), minval=jnp.finfo(jnp.float32).tiny) * cdf_BxV[:, -1]
+    sampled_B = jnp.sum(cdf_BxV < u_B[:, None], axis=-1, dtype=jnp.int32)
+    sampled_B = jnp.minimum(sampled_B, vocab - 1)
+    tokens_B = jnp.where(greedy_B, first_argmax(logits_BxV), sampled_B)
+    z_B = jnp.take_along_axis(z_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    lp_B = jnp.where(greedy_B, 0.0, z_B - lse_z_B)
+    logit_B = jnp.take_along_axis(logits_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, lp_B, logit_B - jax.nn.logsumexp(logits_BxV, axis=-1)
 
 
 def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxS, max_new_B, pad_id):
@@ -194,6 +213,7 @@ def sample_tokens(
     b = prompt_BxP.shape[0]
     n = max_new_bucket
     logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, n)
+    weights = decode_weights(model, params)
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens_BxN=jnp.full((b, n), pad_id, jnp.int32),
@@ -215,7 +235,7 @@ def sample_tokens(
 
     def body(s: SamplingState):
         # Feeds the token drawn last (generated token step - 1) and draws the next one.
-        logits_BxV, cache = decode_one(model, params, s.last_token_B, s.step - 1, s.cache)
+        logits_BxV, cache = decode_one(model, weights, s.last_token_B, s.step - 1, s.cache)
         drawn = draw(jax.random.fold_in(s.rng, s.step), logits_BxV, *settings)
         return _record(s.replace(cache=cache), *drawn, stop_ids_BxS, max_new_B, pad_id)
 
@@ -430,6 +450,7 @@ __all__ = [
     "batch_bucket",
     "draw",
     "filter_logits",
+    "first_argmax",
     "length_bucket",
     "logprob_mismatch",
     "sample_tokens",

@@ -1,0 +1,104 @@
+"""Sampler throughput on CPU, and Hugging Face `generate` on the same weights for reference.
+
+    python -m tg_jax.sampling.benchmark --batch 8 64 --prompt_len 64 --new_tokens 128 --hf
+
+Both sample at temperature 1 (no top-k / top-p) from random prompts of `prompt_len` tokens and
+generate exactly `new_tokens` tokens per row (no stop ids), so both produce batch * new_tokens
+tokens. Times are wall-clock medians of `repeats` calls after one warm-up call (compilation
+excluded); throughput = generated tokens / second, prefill included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from tg_jax import config_lib
+from tg_jax.models import ModelConfig, Transformer, init_params
+from tg_jax.sampling.sampler import Sampler
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up (compilation, allocator)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_tg_jax(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int, repeats: int):
+    """Seconds per `Sampler.sample` call generating new_tokens for every prompt row."""
+    sampler = Sampler(Transformer(cfg), pad_id=0)
+    rows = [list(p) for p in prompts]
+
+    def run():
+        out = sampler.sample(params, rows, max_new_tokens=new_tokens, rng=jax.random.key(1))
+        assert all(len(t) == new_tokens for t in out.tokens)
+
+    return _median_seconds(run, repeats)
+
+
+def bench_hf(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int, repeats: int):
+    """Seconds per Hugging Face `generate` call with the same weights and settings."""
+    import torch  # noqa: PLC0415 (reference only)
+    import transformers  # noqa: PLC0415
+
+    from tg_jax.models.hf_io import model_config_to_hf, params_to_hf  # noqa: PLC0415
+
+    hf_cfg = transformers.Qwen3Config(**model_config_to_hf(cfg))
+    model = transformers.Qwen3ForCausalLM(hf_cfg).eval().to(torch.float32)
+    hf_params = params_to_hf(jax.device_get(params), cfg)
+    state = {k: torch.from_numpy(np.array(v)) for k, v in hf_params.items()}
+    model.load_state_dict(state, strict=False)
+    ids = torch.from_numpy(prompts.astype(np.int64))
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )  # fmt: skip
+        assert out.shape == (len(prompts), prompts.shape[1] + new_tokens)
+
+    return _median_seconds(run, repeats)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--prompt_len", type=int, default=64)
+    parser.add_argument("--new_tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf", action="store_true", help="also time Hugging Face generate")
+    parser.add_argument("--hf_threads", type=int, default=0, help="torch threads (0 = default)")
+    args = parser.parse_args(argv)
+
+    if args.hf and args.hf_threads:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(args.hf_threads)
+    cfg = ModelConfig.from_config(config_lib.model_config())  # configs/default.py's model
+    params = init_params(Transformer(cfg), jax.random.key(0))
+    rng = np.random.default_rng(0)
+    print(f"model: {cfg.num_params():,} params, {jax.devices()[0].platform}")
+    for b in args.batch:
+        prompts = rng.integers(1, 256, (b, args.prompt_len))
+        n = b * args.new_tokens
+        ours = bench_tg_jax(cfg, params, prompts, args.new_tokens, args.repeats)
+        line = f"batch {b:4d}: tg_jax {n / ours:9.0f} tok/s ({ours:.3f} s)"
+        if args.hf:
+            ref = bench_hf(cfg, params, prompts, args.new_tokens, args.repeats)
+            line += f" | HF generate {n / ref:9.0f} tok/s ({ref:.3f} s)"
+            line += f" | speed-up {ref / ours:.1f}x"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
