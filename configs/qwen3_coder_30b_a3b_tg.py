@@ -69,16 +69,16 @@ def get_config(arg=None):
     c.optim.lr = 1e-6  # RL fine-tuning of a 30B model: small, constant
     c.optim.total_steps = 200  # schedule length = the run
     with c.unlocked():  # the RL loop section, where the default does not have one yet
-        if "loop" not in c:
+        if "rl_loop" not in c:
             from tg_jax.train.rl_config import loop_config  # noqa: PLC0415
 
-            c.loop = loop_config()  # the RL loop
-    c.loop.steps = 200  # published: 200 RL steps
-    c.loop.groups_per_step = GROUPS  # published: 32 groups (tasks) per step
-    c.loop.rollouts_per_group = ROLLOUTS  # published: 32 rollouts per task
-    c.loop.seq_len = SEQ_LEN  # padded student length of a batch
-    c.loop.async_sampling = True  # published: async RL (sampler runs ahead, staleness <= 1)
-    c.loop.max_new_tokens = 2048  # decode budget per assistant turn
-    c.loop.checkpoint_every = 10  # preemptible slices: lose at most 10 steps
-    c.loop.eval_every = 50  # held-out evaluation interval
+            c.rl_loop = loop_config()  # the RL loop
+    c.rl_loop.steps = 200  # published: 200 RL steps
+    c.rl_loop.groups_per_step = GROUPS  # published: 32 groups (tasks) per step
+    c.rl_loop.rollouts_per_group = ROLLOUTS  # published: 32 rollouts per task
+    c.rl_loop.seq_len = SEQ_LEN  # padded student length of a batch
+    c.rl_loop.async_sampling = True  # published: async RL (sampler runs ahead, staleness <= 1)
+    c.rl_loop.max_new_tokens = 2048  # decode budget per assistant turn
+    c.rl_loop.checkpoint_every = 10  # preemptible slices: lose at most 10 steps
+    c.rl_loop.eval_every = 50  # held-out evaluation interval
     return c

@@ -24,7 +24,7 @@ def test_accelerator_types():
 
 
 def test_dry_run_prints_the_gcloud_commands(capsys):
-    rc = launch.main([*ARGS, "--spot", "--dry-run", "--", "--config.loop.steps=200"])
+    rc = launch.main([*ARGS, "--spot", "--dry-run", "--", "--config.rl_loop.steps=200"])
     assert rc == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith(("#", "["))]
     cmds = [shlex.split(ln) for ln in lines]
@@ -43,7 +43,7 @@ def test_dry_run_prints_the_gcloud_commands(capsys):
     remote = run[-1].removeprefix("--command=")
     assert "TG_JAX_DISTRIBUTED=1 .venv/bin/python -m tg_jax.main" in remote
     assert "--config=configs/qwen3_coder_30b_a3b_tg.py --workdir=gs://bucket/runs/tg" in remote
-    assert remote.split(" 2>&1")[0].endswith("--config.loop.steps=200")
+    assert remote.split(" 2>&1")[0].endswith("--config.rl_loop.steps=200")
     assert lines[-1] == f"gcloud compute tpus tpu-vm delete tg-30b {WHERE} --quiet"
 
 

@@ -237,29 +237,41 @@ def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
 def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: int, max_new: int):
     """One step of the sampler's decode loop (`tg_jax.sampling.decode_step.decode_one`): one
     token for each of `rows` rows against a KV cache of `cache_len` slots, the last `max_new`
-    of them for generated tokens; the cache is donated (updated in place)."""
-    from tg_jax.sampling.decode_step import DecodeCache, decode_one  # noqa: PLC0415
+    of them for generated tokens; the cache is donated (updated in place). The step's weights
+    are what the sampler feeds its loop (`decode_weights(params)` where that exists)."""
+    from tg_jax.sampling import decode_step  # noqa: PLC0415
 
     cfg = ModelConfig.from_config(config.model)
     model = Transformer(cfg)
     params = abstract_params(model, mesh, rules)
-    # Per layer [B, K, S, Dh]: rows over the data axes, KV heads over "kv_heads" where it divides.
-    spec = nn.logical_to_mesh_axes(("batch", "kv_heads", "length", "head_dim"), rules)
-    shape = (rows, cfg.num_kv_heads, cache_len, cfg.head_dim)
-    kv = tuple(
-        _abstract(shape, cfg.jnp_dtype, mesh, PartitionSpec(*spec)) for _ in range(cfg.num_layers)
-    )
+    if hasattr(decode_step, "decode_weights"):
+        # The sampler rearranges the params once per sampling call; a step takes the result.
+        def prepare(p):
+            with nn.logical_axis_rules(rules):
+                return decode_step.decode_weights(model, p)
+
+        with jax.set_mesh(mesh):
+            prepared = jax.jit(prepare).lower(params).compile()
+        params = _with_shardings(jax.eval_shape(prepare, params), prepared.output_shardings)
+    # The cache as the sampler's own prefill makes it (its layout is the sampler's business):
+    # per layer [B, K, ...] with rows over the data axes and KV heads over "kv_heads".
     rows_spec = _batch_spec(mesh, rules, 1)
-    cache = DecodeCache(
-        k=kv, v=kv, prompt_lengths_B=_abstract((rows,), jnp.int32, mesh, rows_spec),
-        prompt_slots=cache_len - max_new,
+    prompt = jax.ShapeDtypeStruct((rows, cache_len - max_new), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    _, shapes = jax.eval_shape(
+        lambda p, t, n: decode_step.prefill(model, p, t, n, max_new),
+        abstract_params(model, mesh, rules), prompt, lengths,
     )  # fmt: skip
+    spec = nn.logical_to_mesh_axes(("batch", "kv_heads"), rules)
+    cache = jax.tree.map(
+        lambda x: _abstract(x.shape, x.dtype, mesh, PartitionSpec(*spec[: x.ndim])), shapes
+    )
     tokens = _abstract((rows,), jnp.int32, mesh, rows_spec)
     index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
     def step(p, tokens_B, i, c):
         with nn.logical_axis_rules(rules):
-            logits_BxV, c = decode_one(model, p, tokens_B, i, c)
+            logits_BxV, c = decode_step.decode_one(model, p, tokens_B, i, c)
         return jnp.argmax(logits_BxV, axis=-1), c
 
     cache_sh = jax.tree.map(lambda x: x.sharding, cache)

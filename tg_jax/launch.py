@@ -3,7 +3,7 @@
     bash launch/tpu.sh --name=tg-30b --zone=us-east5-a --project=my-project \
         --topology=v5p:2x4x4 --config=configs/qwen3_coder_30b_a3b_tg.py \
         --workdir=gs://my-bucket/runs/tg-30b [--spot] [--queued] [--dry-run] \
-        [-- --config.loop.steps=200 ...]
+        [-- --config.rl_loop.steps=200 ...]
 
 What it does, with `gcloud` (each command is printed before it runs; `--dry-run` prints the
 commands of a first start without running anything):
