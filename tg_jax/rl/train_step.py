@@ -22,6 +22,16 @@ One call of `train_step(state, batch)`:
 
 `make_train_step` jits it with explicit shardings (params by the logical rules, batch over the
 data axes) and donates the state.
+
+Metrics (float32 scalars; token means over assistant tokens of the whole batch):
+  loss, pg_loss, ref_kl, tg_loss (= lambda_tg * tg_kl), tg_kl (mean D over distilled tokens),
+  tg_kl/<requirement>, tg_tokens/<requirement>, tg_distilled_frac (|M| / assistant tokens),
+  tg_num_distilled, num_tokens, lambda_tg, clip_frac_low, clip_frac_high, dual_clip_frac,
+  ratio_mean, ratio_max, approx_kl, tis_weight_mean, entropy, logprob_mismatch_mean /
+  logprob_mismatch_max (|behaviour - trainer log-prob| on assistant tokens: ~0 on-policy),
+  grad_norm (before clipping), update_skipped (1 = non-finite, params kept), lr, reward
+  (combined), reward_std, reward/<component>, frac_zero_std_groups, advantage_abs_mean,
+  policy_version_mean.
 """
 
 from __future__ import annotations
