@@ -67,8 +67,8 @@ class Trajectory:
         return len(self.turn_verdicts)
 
     def failed_requirements(self, turn: int) -> list[str]:
-        """Names of the requirements assistant turn `turn` broke (sorted, deterministic)."""
-        return sorted(name for name, ok in self.turn_verdicts[turn].items() if not ok)
+        """Names of the requirements assistant turn `turn` broke (sorted; None = not applicable)."""
+        return sorted(name for name, ok in self.turn_verdicts[turn].items() if ok is False)
 
 
 __all__ = ["Role", "Trajectory"]
