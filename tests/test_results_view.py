@@ -25,10 +25,10 @@ def test_demo_workdir_layout(workdir):
     )
     assert os.path.exists(os.path.join(workdir, "report", "report.md"))
     runs = results_view.load_run_metrics(workdir)
-    assert sorted(runs) == [f"runs/{a}/seed{s}" for a in ("grpo", "tg") for s in (0, 1)]
-    train = [r for r in runs["runs/tg/seed0"] if r["stage"] == "train"]
+    assert sorted(runs) == [f"runs/{a}_seed{s}" for a in ("grpo", "tg") for s in (0, 1)]
+    train = [r for r in runs["runs/tg_seed0"] if r["stage"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 9))
-    raw = read_metrics(os.path.join(workdir, "runs", "tg", "seed0"), stage="eval")
+    raw = read_metrics(os.path.join(workdir, "runs", "tg_seed0"), stage="eval")
     assert [r["step"] for r in raw] == [4, 8]
 
 
@@ -42,7 +42,7 @@ def test_curves_and_tables_agree_with_results(workdir):
     runs = results_view.load_run_metrics(workdir)
     curves = results_view.arm_curves(results, "compliance", "train")
     assert set(curves) == {"grpo", "tg"} and curves["tg"]["n"] == 2
-    per_seed = [results_view.metric_curve(runs[f"runs/tg/seed{s}"], "rollout/compliance")
+    per_seed = [results_view.metric_curve(runs[f"runs/tg_seed{s}"], "rollout/compliance")
                 for s in (0, 1)]  # fmt: skip
     np.testing.assert_array_equal(curves["tg"]["steps"], per_seed[0][0])
     np.testing.assert_allclose(curves["tg"]["mean"], (per_seed[0][1] + per_seed[1][1]) / 2)

@@ -4,7 +4,7 @@
 metrics.jsonl (training-rollout and held-out curves, loss terms) and then the report of all
 runs (report.md, results.json, curve PNGs, via `tg_jax.report.write_report`):
 
-    path/runs/<arm>/seed<k>/metrics.jsonl
+    path/runs/<arm>_seed<k>/metrics.jsonl   (the layout of tg_jax.train.pipeline)
     path/report/{results.json, report.md, curve_compliance.png, curve_task_success.png}
 
 EVERY NUMBER IN IT IS MADE UP: the curves follow the shape of the published reference result
@@ -134,7 +134,7 @@ def make_demo_workdir(
     runs = []
     for arm in arms:
         for s in seeds:
-            run_dir = os.path.join(path, RUNS_DIR, arm.name, f"seed{s}")
+            run_dir = os.path.join(path, RUNS_DIR, f"{arm.name}_seed{s}")
             with MetricsWriter(run_dir, use_tensorboard=False, enabled=True) as writer:
                 for stage, step, rec in _run_records(arm, steps, eval_every, rng):
                     writer.write(step, rec, stage=stage)
