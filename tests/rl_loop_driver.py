@@ -1,6 +1,9 @@
 """Runs a tiny RL loop in its own process (tests/test_rl_loop.py kills and resumes it).
 
-    python -m tests.rl_loop_driver WORKDIR [--async] [--arm tg|grpo] [--steps N]
+    python -m tests.rl_loop_driver WORKDIR [--async] [--arm tg|grpo] [--steps N] [--slow S]
+
+--slow S sleeps S seconds before each rollout batch (deterministic mode only), so that a test
+watching the checkpoints has time to kill the run in the middle of a later step.
 
 Writes WORKDIR/final_params.npz (every param leaf by path) when the run finishes.
 """
@@ -8,6 +11,7 @@ Writes WORKDIR/final_params.npz (every param leaf by path) when the run finishes
 from __future__ import annotations
 
 import argparse
+import time
 
 import jax
 import ml_collections
@@ -16,7 +20,7 @@ import numpy as np
 from tg_jax import config_lib
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import ModelConfig, Transformer, init_params
-from tg_jax.train import rl, rl_config
+from tg_jax.train import rl, rl_config, rl_rollouts
 
 STEPS = 4
 
@@ -58,7 +62,16 @@ def main() -> None:
     parser.add_argument("--async", dest="async_sampling", action="store_true")
     parser.add_argument("--arm", default="tg")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--slow", type=float, default=0.0)
     args = parser.parse_args()
+    if args.slow > 0:
+        get = rl_rollouts.InlineRollouts.get
+
+        def slow_get(self, max_staleness):
+            time.sleep(args.slow)
+            return get(self, max_staleness)
+
+        rl_rollouts.InlineRollouts.get = slow_get
     config = make_config(args.arm, args.async_sampling, args.steps)
     result = rl.run_rl(
         config, args.workdir, initial_params(config), arm_name=args.arm, seed=0,

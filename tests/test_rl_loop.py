@@ -1,8 +1,10 @@
 """RL loop acceptance: SIGKILL at a random step + resume == an uninterrupted run; clear errors.
 
 The uninterrupted and the resumed runs run in this process (deterministic mode: sampling in
-the trainer thread); the killed run is a subprocess (tests/rl_loop_driver.py) that gets SIGKILL
-once a random step's checkpoint is committed. All share the persistent compilation cache.
+the trainer thread); the killed run is a subprocess (tests/rl_loop_driver.py, slowed by 1 s per
+step) that gets SIGKILL a random 0-1.5 s after a random step's checkpoint is committed, so the
+kill lands while waiting, sampling, training or writing the next checkpoint. TG_KILL_STEP=k
+fixes the step. All runs share the persistent compilation cache.
 """
 
 import os
@@ -53,13 +55,15 @@ def _kill_at(workdir, step, timeout_s=600):
     """Starts the driver and SIGKILLs it once checkpoint `step` is committed."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.rl_loop_driver", str(workdir)],
+        [sys.executable, "-m", "tests.rl_loop_driver", str(workdir), "--slow", "1.0"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     deadline = time.monotonic() + timeout_s
     ckpt_dir = os.path.join(workdir, rl.CHECKPOINT_DIR)
     while time.monotonic() < deadline:
         if any(s >= step for s in _committed_steps(ckpt_dir)):
+            # Lands somewhere in the next step: rollouts, train step or an async save.
+            time.sleep(random.uniform(0.0, 1.5))
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             return proc.returncode
@@ -81,7 +85,7 @@ def full_run(tmp_path_factory):
 def test_sigkill_and_resume_matches_uninterrupted(full_run, tmp_path):
     full_dir, full = full_run
     assert full.finished and full.step == driver.STEPS
-    kill_step = random.Random().randint(1, driver.STEPS - 1)
+    kill_step = int(os.environ.get("TG_KILL_STEP", 0)) or random.randint(1, driver.STEPS - 2)
     workdir = tmp_path / "killed"
     rc = _kill_at(workdir, kill_step)
     assert rc == -signal.SIGKILL, f"kill_step={kill_step}"
@@ -139,11 +143,21 @@ def test_wrong_arm_shape_mismatch_and_corrupt_checkpoint(full_run, tmp_path):
         _run(work)
 
 
-def test_failed_save_keeps_previous_checkpoint(full_run, tmp_path, monkeypatch):
-    """A save that raises (disk full, ...) leaves the earlier checkpoint, and a rerun resumes
-    from it and still ends where the uninterrupted run ended."""
-    full_dir, full = full_run
-    work = tmp_path / "failsave"
+def test_sigterm_then_failed_save_then_resume(full_run, tmp_path, monkeypatch):
+    """SIGTERM: the step in flight completes, is checkpointed, run_rl returns. A later save that
+    raises (disk full, ...) leaves that checkpoint intact; the rerun resumes from it and ends
+    exactly where the uninterrupted run ended."""
+    _, full = full_run
+    work = tmp_path / "sigterm"
+    assert checkpointing.install_sigterm_handler()
+    try:
+        signal.raise_signal(signal.SIGTERM)  # arrives before the first step ends
+        stopped = _run(work)
+    finally:
+        checkpointing.clear_preemption_request()
+    assert not stopped.finished and stopped.step == 1
+    assert _committed_steps(work / rl.CHECKPOINT_DIR) == [1]
+
     real_save = checkpointing.TrainingCheckpointer.save
 
     def failing_save(self, step, state, **kw):
@@ -156,7 +170,9 @@ def test_failed_save_keeps_previous_checkpoint(full_run, tmp_path, monkeypatch):
         _run(work)
     assert _committed_steps(work / rl.CHECKPOINT_DIR) == [1]
     monkeypatch.undo()
+
     resumed = _run(work)
+    assert resumed.finished and rl.read_summary(str(work))["sessions"][-1]["start_step"] == 1
     a, b = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
