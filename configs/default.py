@@ -3,7 +3,8 @@
 Run the whole main job (about 15 minutes on a 2-core CPU):
     python -m tg_jax.main --config=configs/default.py --workdir=./workdir
 
-One stage only (data | sft | pipeline | forward):
+One stage only (data | sft | pipeline | forward); outputs in ./workdir: tfds/, sft/,
+sft_eval.json (the base model), runs/<arm>_seed<s>/, report/report.md:
     python -m tg_jax.main --config=configs/default.py --workdir=./workdir --config.stage=sft
 
 The pipeline caches: a workdir that holds the finished SFT checkpoint skips SFT, an unfinished
@@ -13,7 +14,7 @@ one resumes it.
 import ml_collections
 
 from tg_jax import config_lib
-from tg_jax.train import stage_configs
+from tg_jax.train import rl_config, stage_configs
 
 
 def get_config(arg=None):
@@ -33,4 +34,8 @@ def get_config(arg=None):
     c.rl = config_lib.rl_config()  # GRPO (both arms)
     c.tg = config_lib.tg_config()  # targeted guidance (the TG arm)
     c.optim = config_lib.optim_config()  # RL optimizer
+    c.rl_loop = rl_config.loop_config()  # the RL loop: steps, groups, rollouts, sampling
+    c.eval = rl_config.eval_config()  # final held-out evaluation, seeds, NI margin, report
+    c.pipeline = ml_collections.ConfigDict()  # the main job
+    c.pipeline.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS), same budget each
     return c

@@ -1,14 +1,15 @@
 """Tiny config for tests and quick smoke runs (compiles in about a second on CPU).
 
-Run its forward pass, or a few SFT steps:
+Run its forward pass, a few SFT steps, or the whole main job in miniature:
     python -m tg_jax.main --config=configs/tiny.py --workdir=/tmp/tg_tiny --config.stage=forward
     python -m tg_jax.main --config=configs/tiny.py --workdir=/tmp/tg_tiny --config.stage=sft
+    python -m tg_jax.main --config=configs/tiny.py --workdir=/tmp/tg_tiny --config.stage=pipeline
 """
 
 import ml_collections
 
 from tg_jax import config_lib
-from tg_jax.train import stage_configs
+from tg_jax.train import rl_config, stage_configs
 
 
 def get_config(arg=None):
@@ -23,15 +24,17 @@ def get_config(arg=None):
     # One requirement, single-turn episodes: short sequences.
     c.env = stage_configs.env_config(requirements=("fence",), max_turns=1)  # environment
     c.sft = stage_configs.sft_config(
-        steps=6,
-        batch_size=8,
-        seq_len=128,
-        num_transcripts=64,
-        checkpoint_every=3,
-        log_every=1,
+        steps=6, batch_size=8, seq_len=256, num_transcripts=64, checkpoint_every=3, log_every=1
     )  # a few SFT steps on a few short transcripts
     c.sft.optim.warmup_steps = 1  # reach the peak lr at once
     c.sft.transcripts.max_chars = 200  # single-turn transcripts, hinted ones included
     c.sft.eval.num_tasks = 4  # held-out tasks per evaluation mode
     c.sft.eval.max_new_tokens = 16  # decode budget per turn
+    c.rl = config_lib.rl_config()  # GRPO
+    c.tg = config_lib.tg_config()  # targeted guidance
+    c.optim = config_lib.optim_config(lr=1e-3)  # RL optimizer (large: visible in a few steps)
+    c.rl_loop = rl_config.tiny_loop_config(max_new_tokens=16)  # a few RL steps in seconds
+    c.eval = rl_config.tiny_eval_config(max_new_tokens=16)  # held-out evaluation, 1 seed
+    c.pipeline = ml_collections.ConfigDict()  # the main job
+    c.pipeline.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS)
     return c

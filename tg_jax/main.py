@@ -5,7 +5,8 @@ Runs the stage named by `config.stage`:
   data      the task sets as TFDS datasets in DIR/tfds (tg_jax.train.data_stage)
   sft       SFT of the base model (resumed if unfinished, skipped if finished), then its
             held-out evaluation DIR/sft_eval.json (tg_jax.train.sft, tg_jax.train.sft_eval)
-  pipeline  data -> sft -> the RL arms -> held-out evaluation -> report (the main job)
+  pipeline  data -> sft -> the RL arms x seeds -> held-out evaluation -> DIR/report/
+            (the main job, tg_jax.train.pipeline; every stage cached or resumed)
   forward   smoke: build the sharded model and run one forward pass
 
 The logic lives in libraries; this file only parses flags and dispatches.
@@ -13,7 +14,6 @@ The logic lives in libraries; this file only parses flags and dispatches.
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags, logging
@@ -44,45 +44,25 @@ def run_forward(config, workdir: str) -> None:
     print(f"forward ok: {n:,} params, logits {tuple(logits.shape)} on mesh {dict(mesh.shape)}")
 
 
-def run_data(config, workdir: str) -> dict:
-    """Data stage: writes (or reuses) the train / held-out task datasets."""
-    from tg_jax.train import data_stage
+def run_data(config, workdir: str) -> None:
+    """Data stage: the train / held-out task datasets in DIR/tfds."""
+    from tg_jax.train import pipeline
 
-    sources = data_stage.prepare_tasks(config, workdir)
-    sizes = {split: len(src) for split, src in sources.items()}
-    print(f"data: {sizes} tasks in {os.path.join(workdir, data_stage.TFDS_DIR)}")
-    return sources
+    pipeline.run_data(config, workdir)
 
 
-def run_sft(config, workdir: str, sources: dict | None = None) -> None:
-    """SFT stage: trains or resumes the base model, then evaluates it once (sft_eval.json)."""
-    from tg_jax.train import data_stage, sft, sft_eval
+def run_sft(config, workdir: str) -> None:
+    """SFT stage: trains (or resumes, or skips) the base model, then writes sft_eval.json."""
+    from tg_jax.train import pipeline
 
-    state = sft.run_sft(config, workdir)
-    if os.path.exists(os.path.join(workdir, sft_eval.EVAL_FILE)):
-        print(f"sft: finished checkpoint and {sft_eval.EVAL_FILE} found in {workdir}")
-        return
-    sources = sources if sources is not None else data_stage.prepare_tasks(config, workdir)
-    tasks = data_stage.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
-    result = sft_eval.write_sft_eval(config, workdir, state.params, tasks)
-    headline = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
-    print("sft_eval:", json.dumps(headline, indent=1))
+    pipeline.run_sft_stage(config, workdir)
 
 
 def run_pipeline(config, workdir: str) -> None:
-    """The main job: data -> sft (cached) -> RL arms -> held-out evaluation -> report."""
-    sources = run_data(config, workdir)
-    run_sft(config, workdir, sources)
-    # The RL loop, its evaluation and the report are being written (tg_jax/train/rl.py,
-    # tg_jax/evaluation/, tg_jax/report.py): wire them here when they exist.
-    try:
-        from tg_jax.train import rl  # noqa: F401
-    except ImportError as e:
-        raise NotImplementedError(
-            "pipeline: data and SFT are done, but the RL stage (tg_jax.train.rl.run_rl), its "
-            "held-out evaluation and the report are not available yet"
-        ) from e
-    raise NotImplementedError("pipeline: the RL arms, evaluation and report are not wired yet")
+    """The main job: data -> sft (cached) -> RL arms x seeds -> held-out evaluation -> report."""
+    from tg_jax.train import pipeline
+
+    pipeline.run_pipeline(config, workdir)
 
 
 STAGES = {"forward": run_forward, "data": run_data, "sft": run_sft, "pipeline": run_pipeline}

@@ -1,0 +1,60 @@
+"""The main job in miniature: data -> SFT -> GRPO and TG arms -> held-out eval -> report."""
+
+import json
+import os
+
+from tg_jax import config_lib
+from tg_jax.train import pipeline, sft_eval
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def _config():
+    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    return config_lib.apply_overrides(
+        config,
+        {
+            "sft.steps": 2,
+            "sft.eval.num_tasks": 2,
+            "sft.eval.temperatures": (1.0,),
+            "rl_loop.steps": 1,
+            "rl_loop.eval_every": 0,
+            "rl_loop.async_sampling": False,
+            "eval.num_tasks": 2,
+            "eval.last_k": 1,
+            "eval.n_boot": 50,
+        },
+    )
+
+
+def test_arms_differ_only_in_their_overrides():
+    config = _config()
+    grpo, tg = pipeline.arm_config(config, "grpo"), pipeline.arm_config(config, "tg")
+    assert not grpo.tg.enabled and tg.tg.enabled
+    grpo_d, tg_d = grpo.to_dict(), tg.to_dict()
+    grpo_d["tg"].pop("enabled"), tg_d["tg"].pop("enabled")
+    assert grpo_d == tg_d
+
+
+def test_pipeline_runs_every_stage_and_caches(tmp_path):
+    config = _config()
+    workdir = str(tmp_path)
+    res = pipeline.run_pipeline(config, workdir)
+    for path in ("sft_eval.json", "report/report.md", "report/results.json"):
+        assert os.path.exists(os.path.join(workdir, path)), path
+    for arm in ("grpo", "tg"):
+        assert os.path.exists(os.path.join(workdir, "runs", f"{arm}_seed0", "heldout.jsonl"))
+    assert set(res["arms"]) == {"grpo", "tg"}
+    with open(os.path.join(workdir, sft_eval.EVAL_FILE)) as f:
+        base = json.load(f)
+    assert {"pass_rate", "unprompted_compliance/fence", "hinted_compliance/fence"} <= set(base)
+
+    # A second run finds every stage done: nothing is retrained or re-evaluated.
+    stamps = {
+        p: os.path.getmtime(os.path.join(workdir, p))
+        for p in ("sft_eval.json", "runs/grpo_seed0/heldout.jsonl", "runs/tg_seed0/heldout.jsonl")
+    }
+    again = pipeline.run_pipeline(config, workdir)
+    for p, t in stamps.items():
+        assert os.path.getmtime(os.path.join(workdir, p)) == t, p
+    assert again["arms"]["tg"]["heldout"] == res["arms"]["tg"]["heldout"]
