@@ -202,3 +202,25 @@ def test_sharded_sampler_matches_single_device(setup):
     out = sharded.sample(sharded_params, prompts, **kw)
     for a, b in zip(ref.tokens, out.tokens, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_draw_frequencies_follow_the_sampling_distribution():
+    from tg_jax.sampling.sampler import draw
+
+    rows = 20_000
+    logits = jnp.broadcast_to(jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, 3.0]), (rows, 6))
+    t, k = 0.7, 4
+    ones = jnp.ones((rows,))
+    tokens, lp, raw = jax.jit(draw)(
+        jax.random.key(0), logits, t * ones, jnp.full((rows,), k, jnp.int32), ones
+    )
+    z = np.asarray(logits[0]) / t
+    keep = z >= np.sort(z)[-k]
+    q = np.where(keep, np.exp(z - z.max()), 0.0)
+    q /= q.sum()
+    freq = np.bincount(np.asarray(tokens), minlength=6) / rows
+    np.testing.assert_allclose(freq, q, atol=4 * np.sqrt(q.max() / rows))  # ~4 sigma
+    assert freq[~keep].sum() == 0  # filtered tokens are never drawn
+    np.testing.assert_allclose(np.asarray(lp), np.log(q[np.asarray(tokens)]), atol=1e-5)
+    log_softmax = np.asarray(jax.nn.log_softmax(logits[0]))
+    np.testing.assert_allclose(np.asarray(raw), log_softmax[np.asarray(tokens)], atol=1e-5)

@@ -1,13 +1,14 @@
 """Batched autoregressive sampling with a KV cache: jitted prefill, then a `lax.while_loop`.
 
 Shapes: B rows, a right-padded prompt block of P tokens (row b's prompt is `prompt[b, :L_b]`),
-N new-token slots, a KV cache of P + N slots (slot index == token position), V vocabulary.
+N new-token slots, a KV cache of P + N slots, V vocabulary.
 
-Row b's prompt fills positions 0..L_b-1. Its first new token is drawn from the logits at
-position L_b - 1 (prefill); generated token i is then fed back at position L_b + i, which writes
-cache slot L_b + i and yields the logits of token i + 1. Prompt padding written to slots >= L_b
-is harmless: attention is causal by position, and decode overwrites a slot before any query can
-see it. All rows draw their i-th token in loop iteration i, so the output column is shared.
+Row b's prompt fills positions 0..L_b-1 (prefill runs the model on the whole block; padding
+slots are never attended to). Its first new token is drawn from the logits at position L_b - 1;
+generated token i is then fed back at position L_b + i (cache slot P + i, shared by all rows:
+see tg_jax.sampling.decode_step) and yields the logits of token i + 1. All rows draw their i-th
+token in loop iteration i, so the output column is shared; the loop exits early once every row
+has hit a stop id or its own budget.
 
 Which distribution a token is drawn from (and which log-prob is recorded as `logprobs`):
 
@@ -15,7 +16,8 @@ Which distribution a token is drawn from (and which log-prob is recorded as `log
   2. top-k: keep the k largest z (k = 0: keep all)
   3. top-p: of those, keep the smallest prefix (by decreasing z) whose softmax mass >= p
      (p = 1: keep all); ties at the cut-off logit are all kept
-  4. q = softmax(z over the kept tokens); token ~ q; `logprobs` = log q(token)
+  4. q = softmax(z over the kept tokens); token ~ q (inverse CDF, one uniform per row);
+     `logprobs` = log q(token)
 
 With T == 0 the row is greedy: the token is argmax(logits) and q is the point mass on it, so
 `logprobs` = 0. `raw_logprobs` is always log_softmax(logits)(token), the temperature-1 log-prob
