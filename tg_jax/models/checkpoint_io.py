@@ -4,8 +4,9 @@ Import reads straight into sharded params without a full copy anywhere: every pa
 created by `jax.make_array_from_callback` with its target `NamedSharding`, and the callback
 reads, for the device that asks, only that device's slice of the safetensors tensors
 (`safe_open(...).get_slice(name)[rows, cols]` reads just those bytes from the memory map).
-Host memory peaks at one device-slice of one param. Without a mesh, params are plain host
-arrays (`jax.device_put` them, or pass a one-device mesh).
+Host memory peaks at this host's distinct slices of one param (a slice that several local
+devices share is read once). Without a mesh, params are plain host arrays (`jax.device_put`
+them, or pass a one-device mesh).
 
 Name and layout mapping (HF torch Linear weights are [out, in]; ours are [in, ...] with
 per-head axes split and layers stacked on a leading axis):
