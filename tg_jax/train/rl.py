@@ -310,6 +310,10 @@ def run_rl(
                 state, metrics = step_fn(*args)
                 done = step + 1
                 source.publish(state.params, done)
+                # Waiting here costs only the overlap of the next build_batch with this step
+                # (the next rollouts need these params anyway) and gives a clean train time.
+                jax.block_until_ready(metrics)
+                t3 = time.perf_counter()
                 data_state = {**data_state, "next_index": group.batch_index + 1}
 
                 costs.sampled_tokens += rl_rollouts.sampled_tokens(trajs)
@@ -331,6 +335,7 @@ def run_rl(
                         "time/sample_wait_s": t1 - t0,
                         "time/rollout_s": group.seconds,
                         "time/build_batch_s": t2 - t1,
+                        "time/train_s": t3 - t2,
                         "time/step_s": time.perf_counter() - t0,
                         "sys/batch_T": float(batch.tokens_BxT.shape[1]),
                     }
