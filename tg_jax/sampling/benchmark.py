@@ -5,7 +5,8 @@
 Both sample at temperature 1 (no top-k / top-p) from random prompts of `prompt_len` tokens and
 generate exactly `new_tokens` tokens per row (no stop ids), so both produce batch * new_tokens
 tokens. Times are wall-clock medians of `repeats` calls after one warm-up call (compilation
-excluded); throughput = generated tokens / second, prefill included.
+excluded), the two implementations' calls interleaved so that both see the same machine load;
+throughput = generated tokens / second, prefill included.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -22,18 +24,8 @@ from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling.sampler import Sampler
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (compilation, allocator)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bench_tg_jax(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int, repeats: int):
-    """Seconds per `Sampler.sample` call generating new_tokens for every prompt row."""
+def tg_jax_runner(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int):
+    """A callable: one `Sampler.sample` call generating new_tokens for every prompt row."""
     sampler = Sampler(Transformer(cfg), pad_id=0)
     rows = [list(p) for p in prompts]
 
@@ -41,11 +33,11 @@ def bench_tg_jax(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int,
         out = sampler.sample(params, rows, max_new_tokens=new_tokens, rng=jax.random.key(1))
         assert all(len(t) == new_tokens for t in out.tokens)
 
-    return _median_seconds(run, repeats)
+    return run
 
 
-def bench_hf(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int, repeats: int):
-    """Seconds per Hugging Face `generate` call with the same weights and settings."""
+def hf_runner(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int):
+    """A callable: one Hugging Face `generate` call with the same weights and settings."""
     import torch  # noqa: PLC0415 (reference only)
     import transformers  # noqa: PLC0415
 
@@ -67,7 +59,20 @@ def bench_hf(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int, rep
             )  # fmt: skip
         assert out.shape == (len(prompts), prompts.shape[1] + new_tokens)
 
-    return _median_seconds(run, repeats)
+    return run
+
+
+def median_seconds(runners: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median wall time per call of each runner; one warm-up call each, calls interleaved."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for run in runners.values():
+        run()  # warm-up: compilation, allocator
+    for _ in range(repeats):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> None:
@@ -90,13 +95,15 @@ def main(argv=None) -> None:
     print(f"model: {cfg.num_params():,} params, {jax.devices()[0].platform}")
     for b in args.batch:
         prompts = rng.integers(1, 256, (b, args.prompt_len))
-        n = b * args.new_tokens
-        ours = bench_tg_jax(cfg, params, prompts, args.new_tokens, args.repeats)
-        line = f"batch {b:4d}: tg_jax {n / ours:9.0f} tok/s ({ours:.3f} s)"
+        runners = {"tg_jax": tg_jax_runner(cfg, params, prompts, args.new_tokens)}
         if args.hf:
-            ref = bench_hf(cfg, params, prompts, args.new_tokens, args.repeats)
-            line += f" | HF generate {n / ref:9.0f} tok/s ({ref:.3f} s)"
-            line += f" | speed-up {ref / ours:.1f}x"
+            runners["hf"] = hf_runner(cfg, params, prompts, args.new_tokens)
+        secs = median_seconds(runners, args.repeats)
+        n = b * args.new_tokens
+        line = f"batch {b:4d}: tg_jax {n / secs['tg_jax']:9.0f} tok/s ({secs['tg_jax']:.3f} s)"
+        if args.hf:
+            line += f" | HF generate {n / secs['hf']:9.0f} tok/s ({secs['hf']:.3f} s)"
+            line += f" | speed-up {secs['hf'] / secs['tg_jax']:.1f}x"
         print(line, flush=True)
 
 

@@ -86,8 +86,12 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
-class _Episode:
-    """Host-side state of one episode while it is being played."""
+class Episode:
+    """Host-side state of one episode while it is being played (`to_trajectory` makes the record).
+
+    `tokens`, `roles`, `turn_ids`, `logprobs` grow together (see `Trajectory` for their
+    meaning); `verdicts` and `step_infos` get one entry per assistant turn.
+    """
 
     task: Any
     task_id: str
@@ -142,7 +146,7 @@ def play_episodes(
     rng: jax.Array,
     group_ids: Sequence[int] | None = None,
     hint_before_every_turn: bool = False,
-) -> list[_Episode]:
+) -> list[Episode]:
     """Plays one episode per entry of `tasks`, all live episodes batched turn by turn.
 
     Args:
@@ -161,12 +165,12 @@ def play_episodes(
     """
     header = renderer.assistant_header()
     im_end = renderer.end_of_turn_ids[0]
-    episodes: list[_Episode] = []
+    episodes: list[Episode] = []
     for i, task in enumerate(tasks):
         env = env_factory()
         ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
         gid = i if group_ids is None else int(group_ids[i])
-        ep = _Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
+        ep = Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
         ep.turn_ids, ep.logprobs = [-1] * len(ids), [0.0] * len(ids)
         episodes.append(ep)
     hint_ids: list[int] = []
@@ -174,7 +178,7 @@ def play_episodes(
         every = [r.name for r in episodes[0].env.requirements]
         hint_ids = renderer.render_message(hint_message(episodes[0].env.hint(every)))
 
-    def room(ep: _Episode) -> int:
+    def room(ep: Episode) -> int:
         """Tokens the next turn may sample (one slot is kept for closing a cut turn)."""
         return config.max_total_tokens - len(ep.tokens) - len(hint_ids) - len(header) - 1
 
@@ -253,7 +257,7 @@ def requirement_hint_tokens(renderer: ChatRenderer, env: Environment) -> dict[st
 
 
 def to_trajectory(
-    ep: _Episode,
+    ep: Episode,
     hint_tokens: dict[str, list[int]],
     policy_version: int,
     extra_info: dict[str, Any] | None = None,
