@@ -269,12 +269,12 @@ def run_rl(
         else:
             source = rl_rollouts.InlineRollouts(rollout_fn, batches)
         source.publish(state.params, start)
-        eval_sampler = heldout.make_sampler(config, renderer)
 
         def evaluate(params) -> dict[str, float]:
+            # The rollout sampler (jit is thread-safe): its compiled buckets are reused.
             recs = heldout.evaluate_heldout(
                 config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
-                max_new_tokens=int(lc.max_new_tokens), sampler=eval_sampler, renderer=renderer,
+                max_new_tokens=int(lc.max_new_tokens), sampler=sampler, renderer=renderer,
             )  # fmt: skip
             return heldout.heldout_metrics(recs)
 
