@@ -6,7 +6,8 @@ Both sample at temperature 1 (no top-k / top-p) from random prompts of `prompt_l
 generate exactly `new_tokens` tokens per row (no stop ids), so both produce batch * new_tokens
 tokens. Times are wall-clock medians of `repeats` calls after one warm-up call (compilation
 excluded), the two implementations' calls interleaved so that both see the same machine load;
-throughput = generated tokens / second, prefill included.
+throughput = generated tokens / wall second, prefill included; process CPU seconds are printed
+too (on a shared machine they vary less than wall time).
 """
 
 from __future__ import annotations
@@ -62,17 +63,26 @@ def hf_runner(cfg: ModelConfig, params, prompts: np.ndarray, new_tokens: int):
     return run
 
 
-def median_seconds(runners: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median wall time per call of each runner; one warm-up call each, calls interleaved."""
-    times: dict[str, list[float]] = {name: [] for name in runners}
+def median_seconds(
+    runners: dict[str, Callable[[], None]], repeats: int
+) -> dict[str, tuple[float, float]]:
+    """(median wall seconds, median process CPU seconds) per call of each runner.
+
+    One warm-up call each, then the runners' calls interleaved. CPU seconds (all threads) are
+    less sensitive than wall time to other processes on a shared machine.
+    """
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
     for run in runners.values():
         run()  # warm-up: compilation, allocator
     for _ in range(repeats):
         for name, run in runners.items():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append((time.perf_counter() - start, time.process_time() - cpu))
+    return {
+        name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+        for name, t in times.items()
+    }
 
 
 def main(argv=None) -> None:
@@ -100,10 +110,12 @@ def main(argv=None) -> None:
             runners["hf"] = hf_runner(cfg, params, prompts, args.new_tokens)
         secs = median_seconds(runners, args.repeats)
         n = b * args.new_tokens
-        line = f"batch {b:4d}: tg_jax {n / secs['tg_jax']:9.0f} tok/s ({secs['tg_jax']:.3f} s)"
+        line = f"batch {b:4d}:"
+        for name, (wall, cpu) in secs.items():
+            line += f" | {name} {n / wall:7.0f} tok/s ({wall:.3f} s, {cpu:.3f} cpu-s)"
         if args.hf:
-            line += f" | HF generate {n / secs['hf']:9.0f} tok/s ({secs['hf']:.3f} s)"
-            line += f" | speed-up {secs['hf'] / secs['tg_jax']:.1f}x"
+            line += f" | speed-up {secs['hf'][0] / secs['tg_jax'][0]:.1f}x wall"
+            line += f", {secs['hf'][1] / secs['tg_jax'][1]:.1f}x cpu"
         print(line, flush=True)
 
 
