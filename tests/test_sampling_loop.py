@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.test_rollout import RENDERER, RUN, SUBMIT, TASKS, ScriptedSampler, _env
-from tg_jax.sampling.loop import SamplingLoop
+from tg_jax.sampling.loop import SamplingLoop, data_parallel_mesh
 from tg_jax.sampling.rollout import RolloutConfig, rollout_groups
 from tg_jax.sampling.trajectory import Trajectory
 
@@ -158,3 +158,30 @@ def test_loop_runs_real_rollouts_against_the_env():
     assert len(first.trajectories) == 4 and len(second.trajectories) == 2
     assert all(t.policy_version == 1 and t.num_turns == 2 for t in first.trajectories)
     assert [t.group_id for t in first.trajectories] == [0, 0, 1, 1]
+
+
+def test_data_parallel_sampler_on_a_device_subset():
+    from tg_jax import config_lib
+    from tg_jax.models import ModelConfig, Transformer, init_params
+    from tg_jax.sampling.sampler import Sampler
+
+    cfg = ModelConfig.from_config(config_lib.tiny_model_config())
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(0))
+    devices = jax.devices()[2:4]
+    mesh, rules = data_parallel_mesh(devices)
+    sharded = Sampler(model, pad_id=0, mesh=mesh, rules=rules, batch_divisor=len(devices))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    kw = dict(max_new_tokens=6, temperature=0.0, rng=jax.random.key(0))
+    ref = Sampler(model, pad_id=0).sample(params, prompts, **kw)
+
+    def fn(params, tasks, rng, version):
+        assert params["embed"].sharding.device_set == set(devices)
+        out = sharded.sample(params, prompts, **kw)
+        return [_traj(version, [int(t) for t in out.tokens[i]]) for i in range(len(prompts))]
+
+    loop = SamplingLoop(fn, iter([[0]]), rng=jax.random.key(0), devices=devices)
+    loop.publish(params, version=0)
+    group = loop.get(max_staleness=0, timeout=60)
+    loop.close()
+    assert [t.task_id for t in group.trajectories] == [str(t.tolist()) for t in ref.tokens]

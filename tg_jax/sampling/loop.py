@@ -17,10 +17,11 @@ polls, so it surfaces within `poll_s` seconds, never a hang); `close()` stops th
 the thread (a batch already running finishes first; the thread is a daemon so a stuck
 environment cannot keep the process alive).
 
-Devices: with `devices`, published params are copied there (replicated) and the rollout
-function's sampler should run on the same devices; without, the loop shares the trainer's
-devices and still copies the params (`may_alias=False`), so a train step that donates its
-params can never free the buffers a rollout is reading.
+Devices: with `devices`, published params are copied there (replicated); build the rollout
+function's sampler on the same devices with `data_parallel_mesh(devices)` (rows split over
+them). Without, the loop shares the trainer's devices and still copies the params
+(`may_alias=False`), so a train step that donates its params can never free the buffers a
+rollout is reading.
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ class RolloutGroup:
         return int(sum(np.sum(t.turn_ids >= 0) for t in self.trajectories))
 
 
+SAMPLER_AXIS = "sampler"
+
+
+def data_parallel_mesh(devices: Sequence[jax.Device]) -> tuple[jax.sharding.Mesh, tuple]:
+    """(mesh, logical rules) of a sampler on `devices`: rows split over them, params replicated.
+
+    Pass both to `Sampler(..., mesh=mesh, rules=rules, batch_divisor=len(devices))`; the
+    loop's published params are replicated over the same devices.
+    """
+    mesh = jax.sharding.Mesh(np.asarray(list(devices)), (SAMPLER_AXIS,))
+    return mesh, (("batch", SAMPLER_AXIS),)
+
+
 class _Done:
     """Queue sentinel: the task iterator is exhausted."""
 
@@ -101,7 +115,7 @@ class SamplingLoop:
             if len(devices) == 1:
                 self._target = jax.sharding.SingleDeviceSharding(devices[0])
             else:
-                mesh = jax.sharding.Mesh(np.asarray(devices), ("sampler",))
+                mesh, _ = data_parallel_mesh(devices)
                 self._target = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._lock = threading.Lock()
         self._params: Any = None
@@ -255,4 +269,4 @@ class SamplingLoop:
             self._error = e
 
 
-__all__ = ["RolloutFn", "RolloutGroup", "SamplingLoop"]
+__all__ = ["RolloutFn", "RolloutGroup", "SamplingLoop", "data_parallel_mesh"]
