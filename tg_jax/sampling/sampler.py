@@ -372,6 +372,10 @@ class Sampler:
             if len(stop_ids) and isinstance(stop_ids[0], Sequence | np.ndarray)
             else [list(stop_ids)] * n_rows
         )
+        if len(rows_stop) != n_rows:
+            raise ValueError(f"{len(rows_stop)} stop-id lists for {n_rows} prompts")
+        if max_new.shape != (n_rows,):
+            raise ValueError(f"max_new_tokens has shape {max_new.shape}, expected ({n_rows},)")
         width = max(self.stop_width, max(len(s) for s in rows_stop))
         stop_BxS = np.full((b, width), -1, np.int32)
         for i, s in enumerate(rows_stop):
