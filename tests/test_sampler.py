@@ -224,3 +224,13 @@ def test_draw_frequencies_follow_the_sampling_distribution():
     np.testing.assert_allclose(np.asarray(lp), np.log(q[np.asarray(tokens)]), atol=1e-5)
     log_softmax = np.asarray(jax.nn.log_softmax(logits[0]))
     np.testing.assert_allclose(np.asarray(raw), log_softmax[np.asarray(tokens)], atol=1e-5)
+
+
+def test_precomputed_rope_equals_the_model_rope():
+    from tg_jax.models.layers import rope
+    from tg_jax.sampling.decode_step import apply_rope, rope_tables
+
+    x = jax.random.normal(jax.random.key(0), (3, 1, 4, 16))
+    positions = jnp.array([[0], [7], [300]], jnp.int32)
+    expected = rope(x, positions, 10_000.0)
+    np.testing.assert_array_equal(apply_rope(x, *rope_tables(positions, 16, 10_000.0)), expected)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.models import Transformer
-from tg_jax.models.layers import RMSNorm, rope
+from tg_jax.models.layers import RMSNorm
 from tg_jax.models.qwen3 import init_cache, make_ffn
 
 Array = jax.Array
@@ -142,6 +142,24 @@ def _write(cache: Array, new: Array, col: Array, slot_axis: int) -> Array:
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
 
 
+def rope_tables(positions_BxT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """cos, sin [B, T, 1, Dh/2] of `tg_jax.models.layers.rope`, computed once per step.
+
+    The model's `rope` recomputes them for every call; in the decode loop that is 2 calls per
+    layer, and XLA fuses the trigonometry into every consumer element.
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles_BxTxH2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    return jnp.cos(angles_BxTxH2)[:, :, None, :], jnp.sin(angles_BxTxH2)[:, :, None, :]
+
+
+def apply_rope(x_BxTxNxH: Array, cos: Array, sin: Array) -> Array:
+    """`tg_jax.models.layers.rope` with precomputed tables (same arithmetic, same results)."""
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+
+
 def decode_one(
     model: Transformer, weights: DecodeWeights, tokens_B: Array, index: Array, cache: DecodeCache
 ) -> tuple[Array, DecodeCache]:
@@ -170,6 +188,7 @@ def decode_one(
     in_prompt_BxS = slot_S[None, :] < cache.prompt_lengths_B[:, None]
     generated_1xS = ((slot_S >= p) & (slot_S <= col))[None, :]
     visible_Bx1x1xS = (in_prompt_BxS | generated_1xS)[:, None, None, :]
+    cos, sin = rope_tables(positions_Bx1, h, cfg.rope_theta)
 
     def norm(x, norm_params):
         return RMSNorm(cfg.rms_norm_eps, pdt).apply({"params": norm_params}, x)
@@ -184,8 +203,8 @@ def decode_one(
         q_Bx1xNxH = qkv_BxE[:, : n * h].reshape(b, 1, n, h)
         k_Bx1xKxH = qkv_BxE[:, n * h : (n + n_kv) * h].reshape(b, 1, n_kv, h)
         v_BxKx1xH = qkv_BxE[:, (n + n_kv) * h :].reshape(b, n_kv, 1, h)
-        q_Bx1xNxH = rope(norm(q_Bx1xNxH, w["q_norm"]), positions_Bx1, cfg.rope_theta)
-        k_Bx1xKxH = rope(norm(k_Bx1xKxH, w["k_norm"]), positions_Bx1, cfg.rope_theta)
+        q_Bx1xNxH = apply_rope(norm(q_Bx1xNxH, w["q_norm"]), cos, sin)
+        k_Bx1xKxH = apply_rope(norm(k_Bx1xKxH, w["k_norm"]), cos, sin)
         new_k[i] = _write(new_k[i], jnp.transpose(k_Bx1xKxH, (0, 2, 3, 1)), col, slot_axis=3)
         new_v[i] = _write(new_v[i], v_BxKx1xH, col, slot_axis=2)
         q_BxKxGxH = q_Bx1xNxH.reshape(b, n_kv, n // n_kv, h)
@@ -209,4 +228,12 @@ def decode_one(
     return logits_Bx1xV[:, 0], cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
-__all__ = ["DecodeCache", "DecodeWeights", "decode_one", "decode_weights", "prefill"]
+__all__ = [
+    "DecodeCache",
+    "DecodeWeights",
+    "apply_rope",
+    "decode_one",
+    "decode_weights",
+    "prefill",
+    "rope_tables",
+]
