@@ -2,6 +2,9 @@
 
     python -m tg_jax.sampling.benchmark --batch 8 64 --prompt_len 64 --new_tokens 128 --hf
 
+On a busy shared machine add `--hf_threads 1`: torch's default OpenMP threads spin-wait and
+collapse when the cores are oversubscribed (seen: 20-90x slower), which would flatter tg_jax.
+
 Both sample at temperature 1 (no top-k / top-p) from random prompts of `prompt_len` tokens and
 generate exactly `new_tokens` tokens per row (no stop ids), so both produce batch * new_tokens
 tokens. Times are wall-clock medians of `repeats` calls after one warm-up call (compilation
