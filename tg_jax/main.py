@@ -70,9 +70,14 @@ STAGES = {"forward": run_forward, "data": run_data, "sft": run_sft, "pipeline": 
 
 def main(argv):
     del argv
+    from tg_jax import distributed
+
+    # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
+    distributed.initialize_from_env()
     config = _CONFIG.value
     workdir = _WORKDIR.value
-    os.makedirs(workdir, exist_ok=True)
+    if "://" not in workdir:  # gs:// workdirs are handled by orbax / tensorboard, not os
+        os.makedirs(workdir, exist_ok=True)
     if config.stage not in STAGES:
         raise app.UsageError(f"Unknown stage {config.stage!r}; known: {sorted(STAGES)}")
     STAGES[config.stage](config, workdir)
