@@ -1,0 +1,338 @@
+"""Benchmark suites (sizes and repeats) and the sections that produce the figures.
+
+quick  a few minutes on a 2-core CPU: batch 64 sampler, one timed step per train config
+       (the mid-size config at 2 x 512), 2 steps per RL arm, KL memory at T = 2048.
+full   the sizes of the issue: sampler batches 8 / 64 / 256, mid-size at 8 x 512, 3 repeats,
+       a full thread sweep of the reference, KL memory at T = 8192.
+micro  seconds, tiny shapes (tests/test_bench.py): every figure exists and is finite.
+
+Every section returns a dict of figures (float, or str for settings); `run_suite` collects
+them under "sections" and flattens the numbers into "figures" (the table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import ml_collections
+
+from tg_jax import config_lib
+from tg_jax.bench import e2e, hf_reference, measure, overlap, throughput
+from tg_jax.models import ModelConfig
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py")
+
+
+def mid_model(**overrides: Any) -> ml_collections.ConfigDict:
+    """The mid-size Qwen3 shape of the MFU goal (~0.17B params, 32k vocabulary)."""
+    fields = dict(
+        vocab_size=32_000, d_model=1024, num_layers=8, num_heads=16, num_kv_heads=8,
+        head_dim=64, mlp_dim=3072, max_seq_len=512, tie_embeddings=False, rope_theta=1e6,
+    )  # fmt: skip
+    return config_lib.model_config(**{**fields, **overrides})
+
+
+class Peak(NamedTuple):
+    """The measured fp32 matmul peak: FLOP/s (wall) and FLOP per CPU-second."""
+
+    flops: float
+    flops_per_cpu_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """Sizes and repeats of one benchmark run (see the module docstring)."""
+
+    name: str
+    peak_n: int = 2048  # the fp32 peak matmul is [n, n] @ [n, n]
+    peak_repeats: int = 5
+    sampler_batches: tuple[int, ...] = (64,)
+    prompt_len: int = 64
+    new_tokens: int = 128
+    sampler_repeats: int = 2
+    default_batch: int = 0  # rows of the default-config train step; 0 = its sft.batch_size
+    mid_batch: int = 2  # rows of the mid-size train step (x mid_seq_len tokens)
+    mid_seq_len: int = 512
+    train_repeats: int = 1
+    hf: str = "subprocess"  # subprocess | in_process
+    hf_threads: tuple[int, ...] = ()  # torch threads to try; () = the CPU count only
+    hf_policies: tuple[str | None, ...] = ("PASSIVE",)  # OMP_WAIT_POLICY values to try
+    rl_batch: int = 64
+    rl_seq_len: int = 384
+    rl_steps: int = 2
+    kl_length: int = 2048
+    kl_d_model: int = 2048
+    kl_vocab: int = 151_936  # the Qwen3 vocabulary
+    kl_chunk: int = 512
+    overlap_steps: int = 2
+    overlap_warmup: int = 1
+    overlap_groups: int = 0  # 0 = rl_loop.groups_per_step
+    overlap_rollouts: int = 0  # 0 = rl_loop.rollouts_per_group
+    overlap_new_tokens: int = 0  # 0 = rl_loop.max_new_tokens
+    tiny_models: bool = False  # micro: tiny default and mid-size models
+
+
+SUITES = {
+    "quick": Suite("quick"),
+    "full": Suite(
+        "full",
+        peak_n=4096,
+        sampler_batches=(8, 64, 256),
+        sampler_repeats=3,
+        mid_batch=8,
+        train_repeats=3,
+        hf_threads=(1, 2),
+        hf_policies=(None, "PASSIVE"),
+        rl_steps=5,
+        kl_length=8192,
+        overlap_steps=4,
+    ),
+    "micro": Suite(
+        "micro",
+        peak_n=256,
+        peak_repeats=2,
+        sampler_batches=(8,),
+        prompt_len=8,
+        new_tokens=8,
+        sampler_repeats=1,
+        default_batch=8,
+        mid_batch=8,
+        mid_seq_len=32,
+        hf="in_process",
+        hf_threads=(1,),
+        rl_batch=8,
+        rl_seq_len=64,
+        rl_steps=1,
+        kl_length=64,
+        kl_d_model=16,
+        kl_vocab=512,
+        kl_chunk=16,
+        overlap_steps=1,
+        overlap_warmup=0,
+        overlap_groups=1,
+        overlap_rollouts=8,
+        overlap_new_tokens=8,
+        tiny_models=True,
+    ),
+}
+
+
+def run_config(suite: Suite, path: str = DEFAULT_CONFIG) -> ml_collections.ConfigDict:
+    """The run config the benchmarks use: configs/default.py (tiny model for micro)."""
+    config = config_lib.load_config_file(path)
+    if suite.tiny_models:
+        tiny = config_lib.tiny_model_config().to_dict()
+        # One-turn episodes: a prompt and one short turn fit with the hints in 384 tokens.
+        tiny["max_seq_len"] = 384
+        overrides = {f"model.{k}": v for k, v in tiny.items()}
+        config = config_lib.apply_overrides(
+            config, overrides | {"sft.seq_len": 64, "env.max_turns": 1}
+        )
+    return config
+
+
+def _hf_kwargs(suite: Suite) -> dict[str, Any]:
+    threads = suite.hf_threads or (measure.cpu_count(),)
+    in_process = suite.hf == "in_process"
+    return {"threads": threads, "policies": suite.hf_policies, "in_process": in_process}
+
+
+def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
+    """Sampler tokens/s vs HF generate (same weights and prompts) and decode FLOP/s."""
+    cfg = ModelConfig.from_config(config.model)
+    n, p = suite.new_tokens, suite.prompt_len
+    out: dict[str, Any] = {"prompt_len": p, "new_tokens": n}
+    jobs, ours = [], {}
+    for b in suite.sampler_batches:
+        prompts = throughput.sampler_prompts(b, p, cfg.vocab_size)
+        ours[b] = throughput.sampler_timing(cfg, prompts, n, suite.sampler_repeats)
+        jobs.append({"kind": "generate", "model": dataclasses.asdict(cfg), "seed": 0,
+                     "prompts": prompts.tolist(), "new_tokens": n,
+                     "repeats": suite.sampler_repeats})  # fmt: skip
+    refs = hf_reference.run_reference(jobs, **_hf_kwargs(suite))
+    for b, ref in zip(suite.sampler_batches, refs, strict=True):
+        t = ours[b]
+        flops = throughput.decode_flops(cfg, b, p, n)
+        out[f"b{b}"] = {
+            "tg_jax_tok_s": b * n / t.median,
+            "hf_tok_s": b * n / ref["seconds"],
+            "speedup": ref["seconds"] / t.median,
+            "speedup_cpu": ref["cpu"] / t.cpu,
+            "decode_gflop_s": flops / t.median / 1e9,
+            "decode_frac_of_peak": flops / t.median / peak.flops,
+            "load": t.load,
+            "hf_setting": ref["setting"],
+            "hf_load": ref["load"],
+        }
+    return out
+
+
+def train_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
+    """SFT-step tokens/s and MFU (default and mid-size configs) vs the HF step."""
+    mid = mid_model(max_seq_len=suite.mid_seq_len)
+    if suite.tiny_models:
+        mid = config_lib.tiny_model_config()
+        mid.max_seq_len = suite.mid_seq_len
+    shapes = {
+        "default": (
+            config.model,
+            suite.default_batch or int(config.sft.batch_size),
+            int(config.sft.seq_len),
+        ),
+        "mid": (mid, suite.mid_batch, suite.mid_seq_len),
+    }
+    ours, jobs = {}, []
+    for name, (model, batch, seq_len) in shapes.items():
+        step_cfg = throughput.lm_step_config(config, model, batch, seq_len)
+        ours[name] = throughput.lm_step_timing(step_cfg, suite.train_repeats)
+        cfg = ModelConfig.from_config(model)
+        jobs.append({"kind": "train", "model": dataclasses.asdict(cfg), "seed": 0,
+                     "batch": batch, "seq_len": seq_len,
+                     "repeats": suite.train_repeats})  # fmt: skip
+    refs = hf_reference.run_reference(jobs, **_hf_kwargs(suite))
+    out: dict[str, Any] = {}
+    for (name, (model, batch, seq_len)), ref in zip(shapes.items(), refs, strict=True):
+        cfg = ModelConfig.from_config(model)
+        flops = throughput.train_flops(cfg, batch, seq_len)
+        t = ours[name]
+        out[name] = {
+            "batch": batch,
+            "seq_len": seq_len,
+            "params_m": cfg.num_params() / 1e6,
+            "tg_jax_tok_s": batch * seq_len / t.median,
+            "mfu": flops / t.median / peak.flops,
+            "mfu_cpu": flops / t.cpu / peak.flops_per_cpu_s,
+            "hf_tok_s": batch * seq_len / ref["seconds"],
+            "hf_mfu": flops / ref["seconds"] / peak.flops,
+            "hf_mfu_cpu": flops / ref["cpu"] / peak.flops_per_cpu_s,
+            "speedup": ref["seconds"] / t.median,
+            "speedup_cpu": ref["cpu"] / t.cpu,
+            "step_s": t.median,
+            "hf_step_s": ref["seconds"],
+            "load": t.load,
+            "hf_setting": ref["setting"],
+            "hf_load": ref["load"],
+        }
+    return out
+
+
+def rl_section(suite: Suite, config: Any) -> dict[str, Any]:
+    """TG step / GRPO step on one batch of the default model (`tg_jax.rl.bench_step`)."""
+    from tg_jax.rl import bench_step  # noqa: PLC0415
+
+    r = bench_step.bench(
+        bench_step.bench_config(model=config.model),
+        batch_size=suite.rl_batch, seq_len=suite.rl_seq_len, steps=suite.rl_steps,
+    )  # fmt: skip
+    tokens = suite.rl_batch * suite.rl_seq_len
+    grpo, tg = r["grpo_wall_s"], r["tg_wall_s"]
+    return {
+        "batch": suite.rl_batch,
+        "seq_len": suite.rl_seq_len,
+        "grpo_step_s": grpo,
+        "tg_step_s": tg,
+        "tg_over_grpo": tg / grpo,
+        "tg_over_grpo_cpu": r["tg_cpu_s"] / r["grpo_cpu_s"],
+        "grpo_tok_s": tokens / grpo,
+        "tg_tok_s": tokens / tg,
+        "load": measure.load_average(),
+    }
+
+
+def kl_section(suite: Suite) -> dict[str, Any]:
+    """Compiled temp memory of the chunked vs naive full-vocabulary KL (`rl.kl_memory`)."""
+    from tg_jax.rl.kl_memory import kl_memory_report  # noqa: PLC0415
+
+    r = kl_memory_report(
+        length=suite.kl_length, d_model=suite.kl_d_model, vocab=suite.kl_vocab,
+        chunk_size=suite.kl_chunk,
+    )  # fmt: skip
+    return {
+        "length": suite.kl_length,
+        "d_model": suite.kl_d_model,
+        "vocab": suite.kl_vocab,
+        "chunk": suite.kl_chunk,
+        "chunked_mib": r.chunked_temp_bytes / 2**20,
+        "naive_mib": r.naive_temp_bytes / 2**20,
+        "chunked_over_naive": r.ratio,
+    }
+
+
+def overlap_section(suite: Suite, config: Any) -> dict[str, Any]:
+    """Async RL step vs sampling and training one after the other (`bench.overlap`)."""
+    return overlap.overlap_bench(
+        config, steps=suite.overlap_steps, warmup=suite.overlap_warmup,
+        groups=suite.overlap_groups or None, rollouts=suite.overlap_rollouts or None,
+        max_new_tokens=suite.overlap_new_tokens or None,
+    )  # fmt: skip
+
+
+def run_suite(
+    suite: Suite,
+    *,
+    config_path: str = DEFAULT_CONFIG,
+    workdir: str | None = None,
+    sections: tuple[str, ...] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Runs the suite's sections; returns {"suite", "machine", "sections", "figures"}."""
+    config = run_config(suite, config_path)
+    wanted = sections or ("peak", "sampler", "train", "rl", "kl", "overlap", "e2e")
+    machine = {
+        "cpus": measure.cpu_count(),
+        "platform": jax.devices()[0].platform,
+        "jax": jax.__version__,
+        "load_start": measure.load_average(),
+    }
+    flops, peak_t = measure.matmul_peak(suite.peak_n, suite.peak_repeats)
+    peak = Peak(flops, flops * peak_t.median / peak_t.cpu)
+    results: dict[str, Any] = {
+        "peak": {
+            "gflop_s": peak.flops / 1e9,
+            "gflop_per_cpu_s": peak.flops_per_cpu_s / 1e9,
+            "n": suite.peak_n,
+            "load": peak_t.load,
+        }
+    }
+    log(f"peak fp32 matmul {flops / 1e9:.1f} GFLOP/s (n={suite.peak_n}, load {peak_t.load:.1f})")
+    runners = {
+        "sampler": lambda: sampler_section(suite, config, peak),
+        "train": lambda: train_section(suite, config, peak),
+        "rl": lambda: rl_section(suite, config),
+        "kl": lambda: kl_section(suite),
+        "overlap": lambda: overlap_section(suite, config),
+        "e2e": lambda: e2e.read_workdir(workdir) or {"status": "not measured"},
+    }
+    seconds = {}
+    for name, run in runners.items():
+        if name in wanted:
+            log(f"running {name} ...")
+            start = time.perf_counter()
+            results[name] = run()
+            seconds[name] = time.perf_counter() - start
+            log(f"  {name}: {seconds[name]:.0f} s (load {measure.load_average():.1f})")
+    machine["section_seconds"] = seconds
+    machine["load_end"] = measure.load_average()
+    return {
+        "suite": dataclasses.asdict(suite),
+        "machine": machine,
+        "sections": results,
+        "figures": flatten(results),
+    }
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of nested dicts as {"a/b/c": value} (strings are left out)."""
+    out: dict[str, float] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "/"))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
