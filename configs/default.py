@@ -9,6 +9,11 @@ sft_eval.json (the base model), runs/<arm>_seed<s>/, report/report.md:
 
 The pipeline caches: a workdir that holds the finished SFT checkpoint skips SFT, an unfinished
 one resumes it.
+
+Base model (sft_eval.json, 128 held-out tasks, these defaults): pass rate 0.09 at temperature 1
+and 0.08 greedy (below the 0.2-0.6 aim: more SFT steps are what raises it); unprompted
+compliance 0.00 (fence, tool_json); hinted compliance 0.98 / 0.99 at temperature 1, 1.00
+greedy. SFT took ~13 CPU-minutes (3000 steps) on a shared 2-core machine.
 """
 
 import ml_collections
@@ -24,8 +29,9 @@ def get_config(arg=None):
     c.seed = 0  # global seed (model init, sampling)
     # Byte-level Qwen3-style model. The context covers the longest SFT transcript (~520
     # tokens) and the hinted teacher sequences of RL (up to ~600 tokens).
-    # 2 layers: on a 2-core CPU the SFT budget buys ~2x the steps of 4 layers, and steps matter
-    # more than depth for this task (see sft_eval.json).
+    # 2 layers, d_model 128 (0.43M params). 4 layers reached no better held-out figures after
+    # the same 3000 SFT steps at 1.7x the CPU time. The context covers the longest SFT
+    # transcript (512 tokens) and the hinted teacher sequences of RL (up to ~600 tokens).
     c.model = config_lib.model_config(num_layers=2, max_seq_len=768)  # the Qwen3 architecture
     c.mesh = config_lib.mesh_config()  # device mesh and logical axis rules
     c.tasks = stage_configs.tasks_config()  # train / held-out task sets (data stage)
