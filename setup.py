@@ -32,8 +32,6 @@ EXTRAS = {
         "nbclient",
         "nbformat",
         "ipykernel",
-        # libtpu's topology descriptions let tests compile a train step for a TPU slice on CPU.
-        "libtpu==0.0.42.*",
     ],
     "tpu": ["jax[tpu]"],
     # Ahead-of-time fit checks on a CPU machine (python -m tg_jax.aot): the libtpu jax pins.
