@@ -194,7 +194,10 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
         ckpt.save(2, _state(2), metadata={"v": 2})
         ckpt.wait_until_finished()
     msg = str(e.value)
-    assert str(tmp_path) in msg and "disk full" in msg and "latest complete step: 1" in msg
+    assert str(tmp_path) in msg and "latest complete step: 1" in msg
+    # The cause is the simulated failure, unless orbax's own cleanup of the half-written step
+    # races it (its error then names the temporary directory); either way step 2 never commits.
+    assert "disk full" in msg or "orbax-checkpoint-tmp" in msg, msg
     monkeypatch.undo()
 
     assert ckpt.all_steps() == [1]
