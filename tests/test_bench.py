@@ -27,6 +27,7 @@ REQUIRED = (
     "train/mid/hf_tok_s",
     "train/mid/hf_mfu",
     "train/mid/speedup",
+    "train/default/unroll_speedup",
     "rl/grpo_step_s",
     "rl/tg_step_s",
     "rl/tg_over_grpo",
@@ -95,3 +96,29 @@ def test_suites_flatten_keeps_numbers_only():
         "a/b": 1.0,
         "a/d/e": 2.5,
     }
+
+
+def test_unrolled_layer_loop_matches_scan():
+    """`scan_unroll` (the CPU speed-up the benchmark measures) changes no number."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tg_jax import config_lib
+    from tg_jax.models import ModelConfig, Transformer, forward, init_params
+
+    base = config_lib.tiny_model_config().to_dict()
+    scanned = Transformer(ModelConfig(**base))
+    unrolled = Transformer(ModelConfig(**{**base, "scan_unroll": base["num_layers"]}))
+    params = init_params(scanned, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 272, (2, 16)), jnp.int32)
+
+    def loss(model, p):
+        return jnp.mean(forward(model, p, tokens) ** 2)
+
+    logits = [jax.jit(lambda p, m=m: forward(m, p, tokens))(params) for m in (unrolled, scanned)]
+    np.testing.assert_allclose(*logits, rtol=1e-6, atol=1e-6)
+    models = (unrolled, scanned)
+    g_unroll, g_scan = [jax.jit(jax.grad(lambda p, m=m: loss(m, p)))(params) for m in models]
+    for a, b in zip(jax.tree.leaves(g_unroll), jax.tree.leaves(g_scan), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -58,6 +58,7 @@ def model_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.param_dtype = "float32"  # storage dtype of params
     c.dtype = "float32"  # compute dtype (fp32 on CPU: bf16 matmuls are slower there)
     c.remat_policy = "none"  # none | full | dots | dots_with_no_batch_dims
+    c.scan_unroll = 1  # layers per layer-loop iteration; num_layers = unrolled (faster on CPU)
     c.max_seq_len = 512  # longest sequence the model is used with
     c.num_experts = 0  # 0 = dense MLP; > 0 = Qwen3-MoE feed-forward
     c.experts_per_token = 0  # top-k experts per token (MoE only)

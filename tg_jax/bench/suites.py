@@ -1,9 +1,10 @@
 """Benchmark suites (sizes and repeats) and the sections that produce the figures.
 
 quick  a few minutes on a 2-core CPU: batch 64 sampler, one timed step per train config
-       (the mid-size config at 2 x 512), 2 steps per RL arm, KL memory at T = 2048.
+       (the mid-size config at 2 x 512), 2 steps per RL arm on 32 x 384, one timed RL step
+       per overlap mode.
 full   the sizes of the issue: sampler batches 8 / 64 / 256, mid-size at 8 x 512, 3 repeats,
-       a full thread sweep of the reference, KL memory at T = 8192.
+       a full thread sweep of the reference, RL arms on 64 x 384, 3 timed overlap steps.
 micro  seconds, tiny shapes (tests/test_bench.py): every figure exists and is finite.
 
 Every section returns a dict of figures (float, or str for settings); `run_suite` collects
@@ -29,10 +30,14 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", 
 
 
 def mid_model(**overrides: Any) -> ml_collections.ConfigDict:
-    """The mid-size Qwen3 shape of the MFU goal (~0.17B params, 32k vocabulary)."""
+    """The mid-size Qwen3 shape of the MFU goal (~0.17B params, 32k vocabulary).
+
+    Its layer loop is fully unrolled (`scan_unroll`), the fastest setting on CPU.
+    """
     fields = dict(
         vocab_size=32_000, d_model=1024, num_layers=8, num_heads=16, num_kv_heads=8,
         head_dim=64, mlp_dim=3072, max_seq_len=512, tie_embeddings=False, rope_theta=1e6,
+        scan_unroll=8,
     )  # fmt: skip
     return config_lib.model_config(**{**fields, **overrides})
 
@@ -59,17 +64,18 @@ class Suite:
     mid_batch: int = 2  # rows of the mid-size train step (x mid_seq_len tokens)
     mid_seq_len: int = 512
     train_repeats: int = 1
+    loop_ab: tuple[str, ...] = ("default",)  # train configs also timed with the other layer loop
     hf: str = "subprocess"  # subprocess | in_process
     hf_threads: tuple[int, ...] = ()  # torch threads to try; () = the CPU count only
     hf_policies: tuple[str | None, ...] = ("PASSIVE",)  # OMP_WAIT_POLICY values to try
-    rl_batch: int = 64
+    rl_batch: int = 32
     rl_seq_len: int = 384
     rl_steps: int = 2
-    kl_length: int = 2048
+    kl_length: int = 8192
     kl_d_model: int = 2048
     kl_vocab: int = 151_936  # the Qwen3 vocabulary
     kl_chunk: int = 512
-    overlap_steps: int = 2
+    overlap_steps: int = 1
     overlap_warmup: int = 1
     overlap_groups: int = 0  # 0 = rl_loop.groups_per_step
     overlap_rollouts: int = 0  # 0 = rl_loop.rollouts_per_group
@@ -88,9 +94,10 @@ SUITES = {
         train_repeats=3,
         hf_threads=(1, 2),
         hf_policies=(None, "PASSIVE"),
+        loop_ab=("default", "mid"),
+        rl_batch=64,
         rl_steps=5,
-        kl_length=8192,
-        overlap_steps=4,
+        overlap_steps=3,
     ),
     "micro": Suite(
         "micro",
@@ -186,11 +193,22 @@ def train_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
         ),
         "mid": (mid, suite.mid_batch, suite.mid_seq_len),
     }
-    ours, jobs = {}, []
+    ours, other_loop, jobs = {}, {}, []
     for name, (model, batch, seq_len) in shapes.items():
         step_cfg = throughput.lm_step_config(config, model, batch, seq_len)
         ours[name] = throughput.lm_step_timing(step_cfg, suite.train_repeats)
         cfg = ModelConfig.from_config(model)
+        if name in suite.loop_ab:
+            # The same step with the layer loop scanned (unroll 1) or fully unrolled, whichever
+            # the config does not use: what `scan_unroll` buys on this machine.
+            unrolled = cfg.scan_unroll >= cfg.num_layers
+            flip = {"model.scan_unroll": 1 if unrolled else cfg.num_layers}
+            t = throughput.lm_step_timing(
+                config_lib.apply_overrides(step_cfg, flip), suite.train_repeats
+            )
+            scanned_s, unrolled_s = (t.median, ours[name].median)[:: 1 if unrolled else -1]
+            other_loop[name] = {"scanned_step_s": scanned_s, "unrolled_step_s": unrolled_s,
+                                "unroll_speedup": scanned_s / unrolled_s}  # fmt: skip
         jobs.append({"kind": "train", "model": dataclasses.asdict(cfg), "seed": 0,
                      "batch": batch, "seq_len": seq_len,
                      "repeats": suite.train_repeats})  # fmt: skip
@@ -217,6 +235,8 @@ def train_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
             "load": t.load,
             "hf_setting": ref["setting"],
             "hf_load": ref["load"],
+            "scan_unroll": cfg.scan_unroll,
+            **other_loop.get(name, {}),
         }
     return out
 

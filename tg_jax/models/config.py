@@ -32,6 +32,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of activations and matmuls
     remat_policy: str = "none"
+    # Layers per iteration of the scanned layer loop (lax.scan `unroll`); num_layers unrolls it
+    # fully. Params stay stacked either way. On CPU a fully unrolled stack trains ~15-25%
+    # faster (XLA drops the loop's per-layer slicing and stacking of activations).
+    scan_unroll: int = 1
     max_seq_len: int = 4096
     # Mixture of experts (Qwen3-MoE). num_experts == 0 means a dense MLP in every layer.
     num_experts: int = 0
@@ -63,6 +67,7 @@ class ModelConfig:
             self.remat_policy in REMAT_POLICIES,
             f"remat_policy {self.remat_policy!r} not in {REMAT_POLICIES}",
         )
+        need(self.scan_unroll >= 1, f"scan_unroll must be >= 1, got {self.scan_unroll}")
         if self.num_experts:
             need(
                 0 < self.experts_per_token <= self.num_experts,

@@ -87,6 +87,7 @@ class Transformer(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
+            unroll=min(cfg.scan_unroll, cfg.num_layers),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, name="layers")
         self.final_norm = RMSNorm(cfg.rms_norm_eps, pdt, "embed", name="final_norm")
