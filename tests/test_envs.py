@@ -32,7 +32,14 @@ from tg_jax.envs.protocol import (
     has_code,
     parse_turn,
 )
-from tg_jax.envs.tasks import FAMILIES, Task, generate_tasks, make_task, split_of
+from tg_jax.envs.tasks import (
+    EASY_FAMILIES,
+    FAMILIES,
+    Task,
+    generate_tasks,
+    make_task,
+    split_of,
+)
 from tg_jax.envs.transcripts import (
     TranscriptConfig,
     make_transcripts,
@@ -53,8 +60,8 @@ def test_every_function_is_in_exactly_one_split_and_each_split_has_every_family(
     for fam in FAMILIES.values():
         held = {p for p in fam.grid if split_of(fam.name, p) == "heldout"}
         assert 1 <= len(held) < len(fam.grid) / 2, fam.name
-    train = generate_tasks("train", 400, seed=0)
-    heldout = generate_tasks("heldout", 400, seed=0)
+    train = generate_tasks("train", 400, seed=0, families=tuple(FAMILIES))
+    heldout = generate_tasks("heldout", 400, seed=0, families=tuple(FAMILIES))
     key = lambda t: (t.family, t.params)
     assert {key(t) for t in train}.isdisjoint({key(t) for t in heldout})
     assert {t.family for t in heldout} == set(FAMILIES)
@@ -411,6 +418,32 @@ def test_wrong_guesses_fail_hidden_tests_and_include_plausible_ones():
         for fam, params in guesses:
             assert any(FAMILIES[fam].fn(params, x) != y for x, y in t.hidden)
     assert ("lin", (1, 1)) in wrong_guesses(ABS)  # fits every visible example
+
+
+def test_easy_families_copy_the_constant_and_stay_in_their_set():
+    # add b+x, sub b-x, vee b+abs(x), bowl b+x*x: b is f(0), shown in every prompt.
+    vee = make_task("t", "vee", (3,), (0, 1, 2), (-4, -1, 5))
+    assert vee.visible == ((0, 3), (1, 4), (2, 5)) and vee.hidden == ((-4, 7), (-1, 4), (5, 8))
+    assert vee.solution() == "def f(x): return 3+abs(x)"
+    assert FAMILIES["sub"].code((-2,)) == "def f(x): return -2-x"
+    assert FAMILIES["bowl"].fn((-2,), 3) == 7 and FAMILIES["add"].fn((0,), 5) == 5
+    # 3+x fits every visible example of this task and fails the hidden x < 0: the plausible
+    # mistake; guesses come from the easy families only.
+    guesses = wrong_guesses(vee)
+    assert ("add", (3,)) in guesses
+    assert {fam for fam, _ in guesses} <= set(EASY_FAMILIES)
+    tasks = generate_tasks("heldout", 200, seed=0, families=EASY_FAMILIES)
+    assert {t.family for t in tasks} == set(EASY_FAMILIES)
+    for t in tasks[:50]:
+        assert {fam for fam, _ in wrong_guesses(t)} <= set(EASY_FAMILIES)
+        assert dict(t.visible)[0] == t.params[0]  # the constant is in the prompt
+
+
+def test_unknown_or_empty_families_are_clear_errors():
+    with pytest.raises(ValueError, match=r"unknown task families \['cubic'\]"):
+        generate_tasks("train", 4, families=("add", "cubic"))
+    with pytest.raises(ValueError, match="empty"):
+        generate_tasks("train", 4, families=())
 
 
 def test_transcripts_replay_through_the_sandboxed_env():

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from tg_jax import config_lib
 from tg_jax.train import pipeline, sft_eval
 
@@ -34,6 +36,28 @@ def test_arms_differ_only_in_their_overrides():
     grpo_d, tg_d = grpo.to_dict(), tg.to_dict()
     grpo_d["tg"].pop("enabled"), tg_d["tg"].pop("enabled")
     assert grpo_d == tg_d
+
+
+def test_every_arm_applies_to_the_default_and_experiment_configs():
+    for name in ("default.py", "experiment.py"):
+        config = config_lib.load_config_file(os.path.join(CONFIG_DIR, name))
+        for arm, spec in pipeline.ARMS.items():
+            cfg = pipeline.arm_config(config, arm)
+            for key, value in spec.overrides.items():
+                node = cfg
+                for part in key.split("."):
+                    node = node[part]
+                assert node == value, (name, arm, key)
+    experiment = config_lib.load_config_file(os.path.join(CONFIG_DIR, "experiment.py"))
+    assert set(experiment.pipeline.arms) == set(pipeline.ARMS)
+    assert len(experiment.eval.train_seeds) >= 3
+
+
+def test_bad_arm_fails_before_any_work(tmp_path):
+    config = config_lib.apply_overrides(_config(), {"pipeline.arms": ("grpo", "tgg")})
+    with pytest.raises(ValueError, match="unknown arm 'tgg'"):
+        pipeline.run_pipeline(config, str(tmp_path))
+    assert os.listdir(tmp_path) == []
 
 
 def test_pipeline_runs_every_stage_and_caches(tmp_path):

@@ -72,6 +72,11 @@ def main(argv):
     del argv
     from tg_jax import distributed
 
+    # Library INFO lines (orbax logs every checkpoint step) drown the progress lines; pass
+    # --verbosity=0 to see them.
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+
     # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
     distributed.initialize_from_env()
     config = _CONFIG.value

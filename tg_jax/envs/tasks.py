@@ -5,6 +5,14 @@ A task is a hidden function `f(x)` from one of a few families, shown through vis
 the third point tells families apart). Hidden tests are more inputs, including negative ones,
 so a guess that only fits the visible points (e.g. `x+1` for `abs(x)+1` seen at x >= 0) fails.
 
+Two family sets:
+  * EASY_FAMILIES (the embedded default): one parameter each, `b = f(0)` is copied from the
+    prompt (`b+x`, `b-x`, `b+abs(x)`, `b+x*x`); the family is read from f(1) and the third
+    point, and is ambiguous when that point is positive (`x+b` vs `abs(x)+b`), which caps the
+    pass rate of any policy below 1.
+  * the two-parameter families (`lin`, `quad`, `abs`, `mod`, `max`, `min`): slopes must be
+    computed (f(1) - f(0)); a 0.4M-parameter byte model trained for minutes solves few.
+
 Splits are disjoint by construction: every function (family + parameters) belongs to exactly
 one split, fixed by a stable hash, so no held-out function is ever seen in training.
 """
@@ -19,6 +27,7 @@ from collections.abc import Callable, Sequence
 SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.2
 _B = tuple(range(-9, 10))
+_B1 = tuple((b,) for b in _B)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +98,30 @@ FAMILIES: dict[str, Family] = {
             lambda p: _def(f"min(x,{p[0]})"),
             tuple((c,) for c in range(-3, 6)),
         ),
+        # Constant first (`b+x`, `b-x`, `b+abs(x)`, `b+x*x`): the code starts with the exact
+        # text of f(0) in the prompt, so solving is copying plus choosing the family.
+        Family("add", lambda p, x: x + p[0], lambda p: _def(f"{p[0]}+x"), _B1),
+        Family("sub", lambda p, x: p[0] - x, lambda p: _def(f"{p[0]}-x"), _B1),
+        Family("vee", lambda p, x: abs(x) + p[0], lambda p: _def(f"{p[0]}+abs(x)"), _B1),
+        Family("bowl", lambda p, x: x * x + p[0], lambda p: _def(f"{p[0]}+x*x"), _B1),
     )
 }
+
+# The embedded default's families (see the module docstring).
+EASY_FAMILIES = ("add", "sub", "vee", "bowl")
+# The two-parameter families.
+HARD_FAMILIES = ("lin", "quad", "abs", "mod", "max", "min")
+
+
+def check_families(families: Sequence[str]) -> tuple[str, ...]:
+    """The family names as a tuple; a clear error for an empty list or an unknown name."""
+    families = tuple(families)
+    if not families:
+        raise ValueError("tasks.families is empty: name at least one family")
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown task families {unknown}; known: {sorted(FAMILIES)}")
+    return families
 
 
 def split_of(family: str, params: Sequence[int]) -> str:
@@ -239,7 +270,7 @@ def generate_tasks(
     n: int,
     seed: int = 0,
     *,
-    families: Sequence[str] = tuple(FAMILIES),
+    families: Sequence[str] = HARD_FAMILIES,
     anchors: Sequence[int] = (0, 1),
     n_visible: int = 3,
     n_hidden: int = 8,
@@ -264,6 +295,7 @@ def generate_tasks(
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    families = check_families(families)
     rng = random.Random(f"tg_jax.envs.tasks:{split}:{seed}")
     pools = {}
     for name in families:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from tg_jax.envs.base import HINT_ROLE, StepResult
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.protocol import format_turn
-from tg_jax.envs.tasks import FAMILIES, Task
+from tg_jax.envs.tasks import EASY_FAMILIES, FAMILIES, HARD_FAMILIES, Task
 
 Guess = tuple[str, tuple[int, ...]]
 
@@ -89,13 +89,23 @@ def _fits(guess: Guess, pairs: Sequence[tuple[int, int]]) -> bool:
     return all(FAMILIES[fam].fn(params, x) == y for x, y in pairs)
 
 
-def wrong_guesses(task: Task) -> list[Guess]:
-    """Plausible wrong functions: other families read off the anchors f(0), f(1), and the true
-    family with one parameter off by one. Each fails at least one hidden test.
+def wrong_guesses(task: Task, families: Sequence[str] | None = None) -> list[Guess]:
+    """Plausible wrong functions: every function of `families` that fits the visible examples
+    (the mistakes an expert makes: e.g. `x+1` for `abs(x)+1` seen at x >= 0), the other
+    two-parameter families read off the anchors f(0), f(1), and the true family with one
+    parameter off by one. Each fails at least one hidden test.
+
+    Args:
+      task: the task.
+      families: the families a guess may come from (default: the task's family set,
+        EASY_FAMILIES or HARD_FAMILIES).
 
     Returns:
       Sorted, non-empty list of (family, params).
     """
+    if families is None:
+        families = EASY_FAMILIES if task.family in EASY_FAMILIES else HARD_FAMILIES
+    families = tuple(families) if task.family in families else (*families, task.family)
     cands: set[Guess] = set()
     vis = dict(task.visible)
     if 0 in vis and 1 in vis:
@@ -103,16 +113,16 @@ def wrong_guesses(task: Task) -> list[Guess]:
         if a != 0:
             cands.update((fam, (a, b)) for fam in ("lin", "quad", "abs"))
         cands.update(("mod", (m, b)) for m in (2, 3, 4))
-        cands.update((fam, (vis[0],)) for fam in ("max", "min"))
+        cands.update((fam, (vis[0],)) for fam in ("max", "min", *EASY_FAMILIES))
     for i in range(len(task.params)):
         for d in (-1, 1):
             p = list(task.params)
             p[i] += d
             cands.add((task.family, tuple(p)))
-    valid = lambda g: g[0] in ("max", "min") or (g[1][0] >= 2 if g[0] == "mod" else g[1][0] != 0)
+    valid = lambda g: g[0] in families and g[1] in FAMILIES[g[0]].grid
     out = sorted(g for g in cands if valid(g) and not _fits(g, task.hidden))
     if not out:  # rare (e.g. a clamp shift no hidden input reaches): any other function
-        grid = ((fam.name, p) for fam in FAMILIES.values() for p in fam.grid)
+        grid = ((name, p) for name in families for p in FAMILIES[name].grid)
         out = [next(g for g in grid if not _fits(g, task.hidden))]
     return out
 
@@ -122,6 +132,7 @@ def make_transcript(
     rng: random.Random,
     config: TranscriptConfig = TranscriptConfig(),
     env: CodingEnv | None = None,
+    families: Sequence[str] | None = None,
 ) -> Transcript:
     """Generates one expert transcript by playing the episode in `env`.
 
@@ -131,21 +142,28 @@ def make_transcript(
       config: the expert's knobs.
       env: environment to play in; default CodingEnv(CodingEnvConfig(executor="trusted")).
         Its requirements and max_turns shape the transcript.
+      families: the families wrong guesses come from (see `wrong_guesses`).
 
     Returns:
       The Transcript.
     """
     env = env or CodingEnv(CodingEnvConfig(executor="trusted"))
     for _ in range(1000):
-        tr = _draw(task, rng, config, env)
+        tr = _draw(task, rng, config, env, families)
         if sum(len(m["content"]) for m in tr.messages) <= config.max_chars:
             return tr
     raise ValueError(f"no transcript of task {task.task_id} fits max_chars={config.max_chars}")
 
 
-def _draw(task: Task, rng: random.Random, config: TranscriptConfig, env: CodingEnv) -> Transcript:
+def _draw(
+    task: Task,
+    rng: random.Random,
+    config: TranscriptConfig,
+    env: CodingEnv,
+    families: Sequence[str] | None,
+) -> Transcript:
     truth: Guess = (task.family, task.params)
-    wrong = wrong_guesses(task)
+    wrong = wrong_guesses(task, families)
     correct = rng.random() < config.p_correct
     if correct:
         final = truth
@@ -218,11 +236,12 @@ def make_transcripts(
     seed: int = 0,
     config: TranscriptConfig = TranscriptConfig(),
     env_config: CodingEnvConfig = CodingEnvConfig(executor="trusted"),
+    families: Sequence[str] | None = None,
 ) -> list[Transcript]:
-    """One transcript per task, deterministic in (tasks, seed, config, env_config)."""
+    """One transcript per task, deterministic in (tasks, seed, config, env_config, families)."""
     rng = random.Random(f"tg_jax.envs.transcripts:{seed}")
     env = CodingEnv(env_config)
-    return [make_transcript(t, rng, config, env) for t in tasks]
+    return [make_transcript(t, rng, config, env, families) for t in tasks]
 
 
 def replay(task: Task, messages: Sequence[dict[str, str]], env: CodingEnv) -> list[StepResult]:

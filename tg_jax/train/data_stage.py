@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tg_jax.data import tfds_builders
-from tg_jax.envs.tasks import Task, generate_tasks
+from tg_jax.envs.tasks import Task, check_families, generate_tasks
 
 TFDS_DIR = "tfds"
 
@@ -23,14 +23,19 @@ TFDS_DIR = "tfds"
 def tasks_dataset_name(config: Any) -> str:
     """The TFDS config name of `config.tasks`: it identifies the dataset's content."""
     t = config.tasks
-    return f"coding_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
+    families = "-".join(check_families(t.families))
+    return (
+        f"coding_{families}_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
+    )
 
 
 def _generate(config: Any):
     sizes = {"train": int(config.tasks.num_train), "heldout": int(config.tasks.num_heldout)}
 
     def generate(split: str) -> Iterator[dict]:
-        for task in generate_tasks(split, sizes[split], seed=int(config.tasks.seed)):
+        for task in generate_tasks(
+            split, sizes[split], seed=int(config.tasks.seed), families=config.tasks.families
+        ):
             yield task.to_record()
 
     return generate

@@ -20,6 +20,7 @@ the data, the sampling budget and the held-out tasks are the same for all of the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -30,18 +31,82 @@ from tg_jax.train import data_stage, rl, sft, sft_eval
 
 RUNS_DIR, REPORT_DIR = "runs", "report"
 
-# Arm name -> (config overrides, one-line description for the report).
-ARMS: dict[str, tuple[dict[str, Any], str]] = {
-    "grpo": ({"tg.enabled": False}, "GRPO with task and requirement rewards, no hints"),
-    "tg": ({"tg.enabled": True}, "GRPO + targeted guidance (hinted teacher, failed turns)"),
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One RL arm: config overrides on top of the shared config, a report group, a line."""
+
+    overrides: dict[str, Any]
+    group: str  # "main" | "ablation" | "stress" (tg_jax.report.GROUPS)
+    description: str
+
+
+# Every arm differs from the shared config only by these overrides (DESIGN.md section 4:
+# same data, sampling budget and tuning budget for all of them).
+ARMS: dict[str, Arm] = {
+    "grpo": Arm({"tg.enabled": False}, "main", "GRPO with task and requirement rewards, no hints"),
+    "tg": Arm(
+        {"tg.enabled": True},
+        "main",
+        "GRPO + targeted guidance (hinted teacher, failed turns, answer tokens)",
+    ),
+    "tg_think": Arm(
+        {"tg.enabled": True, "tg.include_thinking": True},
+        "main",
+        "TG that also distils the <think> tokens of failed turns",
+    ),
+    "tg_all_turns": Arm(
+        {"tg.enabled": True, "tg.gate": "all_turns"},
+        "ablation",
+        "TG on every turn, failed or not (gate ablation)",
+    ),
+    "tg_no_req_reward": Arm(
+        {"tg.enabled": True, "rl.reward_weights.fence": 0.0, "rl.reward_weights.tool_json": 0.0},
+        "ablation",
+        "TG with the requirement rewards removed (task reward only)",
+    ),
+    "tg_lambda_high": Arm(
+        {"tg.enabled": True, "tg.schedule.value": 4.0}, "ablation", "TG with lambda_tg x4"
+    ),
+    "tg_lambda_low": Arm(
+        {"tg.enabled": True, "tg.schedule.value": 0.25}, "ablation", "TG with lambda_tg / 4"
+    ),
+    "tg_stress": Arm(
+        {
+            "tg.enabled": True,
+            "rl_loop.feedback.correct": 0.5,
+            "rl_loop.feedback.irrelevant": 0.25,
+            "rl_loop.feedback.wrong": 0.25,
+        },
+        "stress",
+        "TG with imperfect feedback: 50% correct, 25% irrelevant, 25% wrong hints",
+    ),
 }
 
 
 def arm_config(config: Any, arm: str) -> Any:
-    """`config` with the overrides of `arm` (a new config; the original is untouched)."""
+    """`config` with the overrides of `arm` (a new config; the original is untouched).
+
+    A requirement-reward override for a requirement the config does not reward is left out;
+    any other unknown key raises.
+    """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
-    return config_lib.apply_overrides(config, ARMS[arm][0])
+    overrides = {
+        k: v
+        for k, v in ARMS[arm].overrides.items()
+        if not k.startswith("rl.reward_weights.") or _has_key(config, k)
+    }
+    return config_lib.apply_overrides(config, overrides)
+
+
+def _has_key(config: Any, dotted: str) -> bool:
+    node = config
+    for part in dotted.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def run_data(config: Any, workdir: str) -> dict[str, Any]:
@@ -70,6 +135,8 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     """The whole main job (see the module docstring); returns the report's results dict."""
     from tg_jax import report  # noqa: PLC0415 (matplotlib only for the report)
 
+    for arm in config.pipeline.arms:  # fail before any work on a bad arm name or override
+        arm_config(config, arm)
     sources = run_data(config, workdir)
     base_params = run_sft_stage(config, workdir, sources)
     eval_tasks = data_stage.load_tasks(sources, "heldout", config.eval.num_tasks)
@@ -82,7 +149,11 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
                 cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources
             )
             records = heldout.evaluate_run(cfg, run_dir, result.state.params, eval_tasks)
-            runs.append(report.load_run_result(run_dir, records, description=ARMS[arm][1]))
+            runs.append(
+                report.load_run_result(
+                    run_dir, records, group=ARMS[arm].group, description=ARMS[arm].description
+                )
+            )
     res = report.write_report(os.path.join(workdir, REPORT_DIR), runs, config.eval)
     print(f"report: {os.path.join(workdir, REPORT_DIR, report.REPORT_FILE)}")
     return res

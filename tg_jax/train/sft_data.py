@@ -169,20 +169,23 @@ def make_sft_rows(config: Any, renderer: ChatRenderer) -> tuple[PackedRows, dict
     """Generates the SFT transcripts of `config` and packs them.
 
     Args:
-      config: the full config (sections `env`, `sft`).
+      config: the full config (sections `tasks` (its families), `env`, `sft`).
       renderer: chat renderer of the model's tokenizer.
 
     Returns:
       (rows, stats): the packed rows and a few data statistics (to log).
     """
     sft = config.sft
-    tasks = generate_tasks("train", int(sft.num_transcripts), seed=int(sft.data_seed))
+    tasks = generate_tasks(
+        "train", int(sft.num_transcripts), seed=int(sft.data_seed), families=config.tasks.families
+    )
     # Our own expert code: the in-process executor gives the sandbox's observations, faster.
     transcripts = make_transcripts(
         tasks,
         seed=int(sft.data_seed),
         config=transcript_config(sft.transcripts),
         env_config=env_config(config.env, executor="trusted"),
+        families=tuple(config.tasks.families),
     )
     rendered = [render_example(renderer, transcript_messages(t)) for t in transcripts]
     # The few transcripts longer than a row are left out (counted) rather than cut.

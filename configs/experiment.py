@@ -1,0 +1,25 @@
+"""The full evaluation protocol on the embedded default (DESIGN.md section 4).
+
+Same data, base model and RL budget as configs/default.py; every arm of
+tg_jax.train.pipeline.ARMS (GRPO, TG, TG with thinking tokens, the ablations and the
+imperfect-feedback stress test) with 3 training seeds each:
+    python -m tg_jax.main --config=configs/experiment.py --workdir=./workdir_experiment
+
+A workdir that already holds the default run's finished SFT reuses it (same SFT settings), so
+pointing this at the demo's workdir skips data and SFT. The report lands in
+workdir_experiment/report/report.md.
+"""
+
+import os
+
+from tg_jax import config_lib
+from tg_jax.train import pipeline
+
+
+def get_config(arg=None):
+    del arg
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"))
+    c.unlock()
+    c.eval.train_seeds = (0, 1, 2)  # training seeds per arm
+    c.pipeline.arms = tuple(pipeline.ARMS)  # every arm, in the order of ARMS
+    return c
