@@ -28,6 +28,7 @@ from tg_jax.envs.protocol import (
     TOOL_JSON_HINT,
     check_fence,
     check_tool_json,
+    fence_applies,
     format_turn,
     has_code,
     parse_turn,
@@ -157,6 +158,19 @@ def test_checkers_on_hand_written_turns(turn, fence, tool_json, code):
     assert check_fence(turn) is fence
     assert check_tool_json(turn) is tool_json
     assert has_code(turn) is code
+
+
+def test_an_empty_fence_is_judged_and_fails():
+    # Seen in RL: the policy learns the backticks before the code. Such a turn must count as
+    # failing the fence requirement (reward 0, targeted by TG), not as "no code, not judged".
+    env = CodingEnv(CodingEnvConfig(executor="trusted"))
+    env.reset(make_task("t", "add", (2,), (0, 1, 3), (-2, 4)))
+    res = env.step(
+        '<think>add</think>\n````python\n````\n<tool_call>{"name": "submit"}</tool_call>'
+    )
+    assert res.info["verdicts"]["fence"] is False and res.info["verdicts"]["tool_json"] is True
+    assert fence_applies("````python\n````") and not fence_applies("CALL submit")
+    assert res.rewards["fence"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -487,3 +501,25 @@ def test_transcript_knobs_shape_the_data():
         tasks[:40], 0, env_config=CodingEnvConfig(executor="trusted", max_turns=1)
     )
     assert all(len(t.messages) in (2, 3) for t in one_turn)
+
+
+def test_ignored_hints_keep_the_hint_message_but_not_the_format():
+    tasks = generate_tasks("train", 200, seed=5, families=EASY_FAMILIES)
+
+    def hinted_turns(p_ignore):
+        cfg = TranscriptConfig(p_hinted=1.0, p_hint_requirement=1.0, p_ignore_hint=p_ignore)
+        out = []
+        for tr in make_transcripts(tasks, seed=2, config=cfg):
+            msgs = tr.messages
+            for i, m in enumerate(msgs):
+                if m["role"] == "assistant" and msgs[i - 1]["role"] == HINT_ROLE:
+                    out.append((FENCE_HINT in msgs[i - 1]["content"], m["content"]))
+        return out
+
+    followed = hinted_turns(0.0)
+    assert all(check_fence(text) == fence_hinted for fence_hinted, text in followed)
+    ignored = hinted_turns(1.0)
+    assert ignored and not any(check_fence(t) or check_tool_json(t) for _, t in ignored)
+    some = hinted_turns(0.25)
+    rate = np.mean([not check_tool_json(t) for _, t in some if "CALL" in t or "tool_call" in t])
+    assert 0.15 < rate < 0.35, rate

@@ -120,8 +120,18 @@ def _parse_json_call(payload: str) -> tuple[str | None, str | None]:
 
 
 def has_code(turn_text: str) -> bool:
-    """Whether the turn carries any code (the fence requirement applies only then)."""
+    """Whether the turn carries any code."""
     return bool(parse_turn(turn_text).code)
+
+
+def fence_applies(turn_text: str) -> bool:
+    """Whether the fence requirement judges the turn: it carries code, or opens a code fence.
+
+    A fence with no code in it (e.g. "````python\n````") is a broken fence, not a turn the
+    requirement does not concern: otherwise such turns would escape both the fence reward and
+    the targeted-guidance gate.
+    """
+    return has_code(turn_text) or "```" in turn_text
 
 
 def check_fence(turn_text: str) -> bool:
@@ -137,7 +147,7 @@ def check_tool_json(turn_text: str) -> bool:
 def make_requirement(name: str, weight: float = 1.0) -> Requirement:
     """The named requirement of the coding environment ("fence" or "tool_json")."""
     if name == "fence":
-        return Requirement("fence", check_fence, FENCE_HINT, weight, applies=has_code)
+        return Requirement("fence", check_fence, FENCE_HINT, weight, applies=fence_applies)
     if name == "tool_json":
         return Requirement("tool_json", check_tool_json, TOOL_JSON_HINT, weight)
     raise ValueError(f"unknown requirement {name!r}; known: {REQUIREMENT_NAMES}")

@@ -8,9 +8,9 @@ turn it targets. Observations and rewards come from actually running CodingEnv o
 the same text), so SFT and RL see identical observation strings.
 
 Knobs (TranscriptConfig) shape the base model: the share of wrong final answers caps its
-pass rate; hinted turns follow exactly the hinted requirements and unhinted turns never meet
-any requirement, so the base model follows a hint when one is in context and almost never
-meets a requirement without one.
+pass rate; hinted turns follow the hinted requirements (unless `p_ignore_hint`) and unhinted
+turns never meet any requirement, so the base model follows a hint when one is in context and
+almost never meets a requirement without one.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ class TranscriptConfig:
         requirement gets a hint message).
       p_hint_requirement: in a hinted turn, probability that each applicable requirement is
         hinted (at least one always is).
+      p_ignore_hint: probability that a hinted requirement is not followed in its turn (the
+        hint is shown, the turn is written as unhinted). Gives the base model hinted contexts
+        followed by non-compliant turns: the contexts the TG teacher is evaluated in when it
+        scores the policy's own failed turns.
       p_multi_turn: probability of run_tests -> observation -> revise/submit (else one
         submit turn).
       p_fix: multi-turn only: probability that the first attempt is a wrong guess that
@@ -51,6 +55,7 @@ class TranscriptConfig:
     p_correct: float = 0.7
     p_hinted: float = 0.3
     p_hint_requirement: float = 0.7
+    p_ignore_hint: float = 0.0
     p_multi_turn: float = 0.7
     p_fix: float = 0.3
     p_retest: float = 0.5
@@ -188,11 +193,15 @@ def _draw(
         if names:
             messages.append({"role": HINT_ROLE, "content": env.hint(names)})
             any_hint = True
+        # A hinted requirement is followed, except with probability p_ignore_hint.
+        followed = names
+        if config.p_ignore_hint > 0:
+            followed = [n for n in names if rng.random() >= config.p_ignore_hint]
         text = format_turn(
             code,
             tool,
-            fence="fence" in names,
-            tool_json="tool_json" in names,
+            fence="fence" in followed,
+            tool_json="tool_json" in followed,
             think=guess[0] if think and guess is not None else None,
         )
         messages.append({"role": "assistant", "content": text})

@@ -54,6 +54,7 @@ def transcripts_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.p_correct = 0.7  # share of correct final answers: caps the temperature-1 pass rate
     c.p_hinted = 0.3  # share of hinted transcripts (hints followed; unhinted never comply)
     c.p_hint_requirement = 0.7  # per applicable requirement, chance it is hinted in a turn
+    c.p_ignore_hint = 0.0  # chance a hinted requirement is not followed in its turn
     c.p_multi_turn = 0.5  # run_tests -> observation -> revise/submit (else one submit turn)
     c.p_fix = 0.3  # multi-turn: first attempt is a wrong guess revised after the observation
     c.p_retest = 0.5  # after a revision, run the tests again before submitting
