@@ -171,3 +171,28 @@ def test_tiny_sft_reduces_loss_and_resume_matches_uninterrupted(tmp_path):
     loaded = sft.load_sft_state(config, part, model, mesh, rules)
     for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(loaded.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hint_requirements_set_the_hints_of_the_sft_transcripts():
+    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    config = config_lib.apply_overrides(
+        config,
+        {
+            "env.requirements": ("tool_json",),
+            "sft.hint_requirements": ("fence", "tool_json"),
+            "sft.transcripts.p_hinted": 1.0,
+            "sft.transcripts.p_hint_requirement": 1.0,
+            "sft.transcripts.max_chars": 600,
+            "sft.seq_len": 512,
+            "model.max_seq_len": 512,
+        },
+    )
+    env_cfg = sft_data.transcript_env_config(config)
+    assert env_cfg.requirements == ("fence", "tool_json") and env_cfg.executor == "trusted"
+    rows, stats = sft_data.make_sft_rows(config, RENDERER)
+    text = TOK.decode(rows.inputs[rows.segment_ids > 0])
+    assert "```python" in text and '<tool_call>{"name"' in text  # both hints followed
+    assert stats["frac_hinted"] == 1.0
+    # Empty = the env's requirements.
+    plain = config_lib.apply_overrides(config, {"sft.hint_requirements": ()})
+    assert sft_data.transcript_env_config(plain).requirements == ("tool_json",)

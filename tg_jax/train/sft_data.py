@@ -165,6 +165,17 @@ def env_config(cfg: Any, executor: str | None = None) -> CodingEnvConfig:
     return CodingEnvConfig(**d)
 
 
+def transcript_env_config(config: Any) -> CodingEnvConfig:
+    """The environment the expert transcripts are played in: `config.env` with the in-process
+    executor (our own code) and the requirements `config.sft.hint_requirements` (those whose
+    hints the base model learns to follow; empty = `config.env.requirements`)."""
+    cfg = env_config(config.env, executor="trusted")
+    hinted = tuple(config.sft.get("hint_requirements", ()) or ())
+    if hinted:
+        cfg = dataclasses.replace(cfg, requirements=hinted)
+    return cfg
+
+
 def make_sft_rows(config: Any, renderer: ChatRenderer) -> tuple[PackedRows, dict[str, float]]:
     """Generates the SFT transcripts of `config` and packs them.
 
@@ -184,7 +195,7 @@ def make_sft_rows(config: Any, renderer: ChatRenderer) -> tuple[PackedRows, dict
         tasks,
         seed=int(sft.data_seed),
         config=transcript_config(sft.transcripts),
-        env_config=env_config(config.env, executor="trusted"),
+        env_config=transcript_env_config(config),
         families=tuple(config.tasks.families),
     )
     rendered = [render_example(renderer, transcript_messages(t)) for t in transcripts]

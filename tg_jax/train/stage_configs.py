@@ -80,6 +80,9 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     c.seq_len = 512
     c.num_transcripts = 12_000  # expert transcripts, one per drawn train task (~1 epoch)
     c.data_seed = 1  # seed of the SFT tasks, transcripts, packing and batch order
+    # Requirements whose hints appear in the SFT transcripts (the hints the base model learns
+    # to follow); empty = env.requirements. RL judges and teaches env.requirements only.
+    c.hint_requirements = ()
     c.transcripts = transcripts_config()  # the synthetic expert's knobs
     c.optim = config_lib.optim_config(
         lr=5e-3, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=50, end_lr_fraction=0.05
