@@ -73,6 +73,10 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     for arm in ("grpo", "tg"):
         assert os.path.exists(os.path.join(workdir, "runs", f"{arm}_seed0", "heldout.jsonl"))
     assert set(res["arms"]) == {"grpo", "tg"}
+    text = pipeline.headline(res)
+    tg = res["arms"]["tg"]["heldout"]["plain"]["bootstrap"]["compliance"]
+    assert f"compliance {tg['mean']:.2f} [{tg['low']:.2f}, {tg['high']:.2f}]" in text
+    assert res["noninferiority"]["verdict"].upper() in text and "grpo" in text
     with open(os.path.join(workdir, sft_eval.EVAL_FILE)) as f:
         base = json.load(f)
     assert {"pass_rate", "unprompted_compliance/fence", "hinted_compliance/fence"} <= set(base)

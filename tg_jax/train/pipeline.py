@@ -155,5 +155,26 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
                 )
             )
     res = report.write_report(os.path.join(workdir, REPORT_DIR), runs, config.eval)
+    print(headline(res))
     print(f"report: {os.path.join(workdir, REPORT_DIR, report.REPORT_FILE)}")
     return res
+
+
+def headline(res: dict[str, Any]) -> str:
+    """A few lines for the terminal: held-out compliance / task success per arm, NI verdict."""
+    lines = ["held-out (plain prompts, 95% bootstrap CI over tasks):"]
+    for arm, a in res["arms"].items():
+        boot = a["heldout"]["plain"]["bootstrap"]
+        cells = [
+            f"{key} {boot[key]['mean']:.2f} [{boot[key]['low']:.2f}, {boot[key]['high']:.2f}]"
+            for key in ("compliance", "task_success")
+            if key in boot
+        ]
+        lines.append(f"  {arm:<18} " + "  ".join(cells))
+    ni = res.get("noninferiority")
+    if ni:
+        lines.append(
+            f"non-inferiority of task success: {ni['verdict'].upper()} (difference "
+            f"{ni['mean']:+.3f}, lower bound {ni['lower']:+.3f} vs margin {ni['margin']:+.3f})"
+        )
+    return "\n".join(lines)
