@@ -49,8 +49,8 @@ def get_config(arg=None):
     c.seed = 0  # global seed (model init, sampling)
     # Byte-level Qwen3-style model, 2 layers, d_model 128 (0.43M params); the context covers
     # the longest SFT transcript (512 tokens) and the hinted teacher sequences of RL (up to
-    # ~600 tokens). scan_unroll=2: both layers unrolled (params stay stacked), ~25% faster
-    # steps on CPU.
+    # ~600 tokens). scan_unroll=2: both layers unrolled (params stay stacked), faster SFT
+    # steps on CPU (`python -m tg_jax.bench --suite quick --sections train`: unroll_speedup).
     c.model = config_lib.model_config(num_layers=2, max_seq_len=768, scan_unroll=2)
     c.mesh = config_lib.mesh_config()  # device mesh and logical axis rules
     c.tasks = stage_configs.tasks_config()  # train / held-out task sets (data stage)

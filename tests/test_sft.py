@@ -196,3 +196,6 @@ def test_hint_requirements_set_the_hints_of_the_sft_transcripts():
     # Empty = the env's requirements.
     plain = config_lib.apply_overrides(config, {"sft.hint_requirements": ()})
     assert sft_data.transcript_env_config(plain).requirements == ("tool_json",)
+    bad = config_lib.apply_overrides(config, {"sft.hint_requirements": ("fence", "bogus")})
+    with pytest.raises(ValueError, match="requirements must be a subset"):
+        sft_data.transcript_env_config(bad)

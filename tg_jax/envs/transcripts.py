@@ -95,10 +95,10 @@ def _fits(guess: Guess, pairs: Sequence[tuple[int, int]]) -> bool:
 
 
 def wrong_guesses(task: Task, families: Sequence[str] | None = None) -> list[Guess]:
-    """Plausible wrong functions: every function of `families` that fits the visible examples
-    (the mistakes an expert makes: e.g. `x+1` for `abs(x)+1` seen at x >= 0), the other
-    two-parameter families read off the anchors f(0), f(1), and the true family with one
-    parameter off by one. Each fails at least one hidden test.
+    """Plausible wrong functions: the functions read off the anchors f(0), f(1) in each family
+    (e.g. `1+x` for `1+abs(x)`, which fits every visible x >= 0), and the true family with one
+    parameter off by one; only functions of `families` are kept, and each fails at least one
+    hidden test.
 
     Args:
       task: the task.

@@ -95,18 +95,9 @@ def arm_config(config: Any, arm: str) -> Any:
     overrides = {
         k: v
         for k, v in ARMS[arm].overrides.items()
-        if not k.startswith("rl.reward_weights.") or _has_key(config, k)
+        if not k.startswith("rl.reward_weights.") or k.rsplit(".", 1)[1] in config.rl.reward_weights
     }
     return config_lib.apply_overrides(config, overrides)
-
-
-def _has_key(config: Any, dotted: str) -> bool:
-    node = config
-    for part in dotted.split("."):
-        if not hasattr(node, "keys") or part not in node:
-            return False
-        node = node[part]
-    return True
 
 
 def run_data(config: Any, workdir: str) -> dict[str, Any]:
