@@ -14,6 +14,7 @@ from tg_jax.bench import e2e, suites
 REQUIRED = (
     "peak/gflop_s",
     "sampler/b8/tg_jax_tok_s",
+    "sampler/b8/tg_jax_1dev_tok_s",
     "sampler/b8/hf_tok_s",
     "sampler/b8/speedup",
     "sampler/b8/decode_gflop_s",
@@ -66,9 +67,25 @@ def test_micro_suite_writes_every_figure(tmp_path, capsys):
     assert not missing, f"missing figures: {missing}"
     bad = {k: v for k, v in figures.items() if not math.isfinite(v)}
     assert not bad, f"non-finite figures: {bad}"
+    assert figures["sampler/b8/devices"] in (1.0, 2.0)  # micro: 1 device or data-parallel on 2
     assert figures["e2e/metrics_span_s"] == pytest.approx(90.0, abs=1.0)
     assert figures["e2e/rl_wall_s/tg"] == 42.0
     assert "| train/mid/mfu |" in capsys.readouterr().out  # the table was printed
+
+
+def test_sampler_timing_in_a_child_process_with_more_devices():
+    """More devices than this process has: a child process with that many host devices."""
+    import jax
+
+    from tg_jax import config_lib
+    from tg_jax.bench import throughput
+    from tg_jax.models import ModelConfig
+
+    devices = 2 * jax.local_device_count()
+    cfg = ModelConfig.from_config(config_lib.tiny_model_config())
+    prompts = throughput.sampler_prompts(devices, 4, cfg.vocab_size)
+    t = throughput.sampler_timing_devices(cfg, prompts, new_tokens=4, repeats=1, devices=devices)
+    assert len(t.times) == 1 and t.median > 0 and t.cpu > 0
 
 
 def test_e2e_not_measured_without_workdir(tmp_path):

@@ -10,10 +10,20 @@ Train step: the SFT step (`tg_jax.train.sft.make_sft_step`: forward to fp32 logi
 cross-entropy, backward, global-norm clipping, AdamW, donated state) on B rows of T tokens.
 MFU = 3 * flops_per_token(T) * B * T / seconds / peak, with 3x the forward FLOPs for forward +
 backward and the peak from `measure.matmul_peak` in the same run.
+
+Data-parallel sampler: a process's XLA CPU device count is fixed when its backend starts, so
+`sampler_timing_devices` times the sampler over D host devices (one per core) in a child
+process: `python -m tg_jax.bench.throughput` reads a JSON job on stdin, prints one JSON line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -45,12 +55,31 @@ def sampler_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> n
 
 
 def sampler_timing(
-    cfg: ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int, seed: int = 0
+    cfg: ModelConfig,
+    prompts: np.ndarray,
+    new_tokens: int,
+    repeats: int,
+    seed: int = 0,
+    devices: int = 1,
 ) -> Timing:
-    """Seconds per `Sampler.sample` call (params from `seed`, the reference uses the same)."""
+    """Seconds per `Sampler.sample` call (params from `seed`, the reference uses the same).
+
+    devices > 1: the batch is split over the first `devices` local devices (a data mesh, params
+    replicated). On CPU, `--xla_force_host_platform_device_count` makes one device per core, and
+    each device runs its share of the decode loop on its own thread.
+    """
     model = Transformer(cfg)
     params = init_params(model, jax.random.key(seed))
-    sampler = Sampler(model, pad_id=0)
+    if devices > 1:
+        mesh_cfg = config_lib.mesh_config(shape=(devices, 1, 1, 1))
+        mesh = sharding.make_mesh(mesh_cfg, jax.local_devices()[:devices])
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
+        sampler = Sampler(
+            model, pad_id=0, mesh=mesh, rules=sharding.logical_rules(mesh_cfg),
+            batch_divisor=devices,
+        )  # fmt: skip
+    else:
+        sampler = Sampler(model, pad_id=0)
     rows = [list(p) for p in prompts]
 
     def run() -> None:
@@ -58,6 +87,30 @@ def sampler_timing(
         assert all(len(t) == new_tokens for t in out.tokens)
 
     return time_calls(run, repeats)
+
+
+def sampler_timing_devices(
+    cfg: ModelConfig, prompts: np.ndarray, new_tokens: int, repeats: int, devices: int
+) -> Timing:
+    """`sampler_timing(..., devices=devices)`, here when this process has that many local
+    devices, else in a child process started with `devices` XLA CPU host devices."""
+    if jax.local_device_count() >= devices:
+        return sampler_timing(cfg, prompts, new_tokens, repeats, devices=devices)
+    job = {"model": dataclasses.asdict(cfg), "prompts": np.asarray(prompts).tolist(),
+           "new_tokens": new_tokens, "repeats": repeats, "devices": devices}  # fmt: skip
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tg_jax.bench.throughput"], input=json.dumps(job),
+        capture_output=True, text=True, env=env, timeout=3600, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"sampler worker ({devices} devices) failed:\n{proc.stderr[-4000:]}")
+    fields = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Timing(**{**fields, "times": tuple(fields["times"])})
 
 
 def lm_step_config(
@@ -107,3 +160,17 @@ def lm_step_timing(config: Any, repeats: int, warmup: int = 1) -> Timing:
 def train_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     """Model FLOPs of one forward + backward over batch x seq_len tokens (3x the forward)."""
     return 3.0 * cfg.flops_per_token(seq_len) * batch * seq_len
+
+
+def main() -> None:
+    """Worker of `sampler_timing_devices`: one JSON job on stdin, one JSON Timing line out."""
+    job = json.load(sys.stdin)
+    t = sampler_timing(
+        ModelConfig(**job["model"]), np.asarray(job["prompts"]), int(job["new_tokens"]),
+        int(job["repeats"]), devices=int(job["devices"]),
+    )  # fmt: skip
+    print(json.dumps(dataclasses.asdict(t)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
