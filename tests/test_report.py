@@ -60,8 +60,16 @@ def test_write_report(tmp_path):
     runs = _runs()
     settings = report.ReportSettings(margin=-0.05, n_boot=500, last_k=8)
     res = report.write_report(tmp_path, runs, settings)
-    for name in ("report.md", "results.json", "curve_compliance.png", "curve_task_success.png"):
+    files = ("report.md", "results.json", "curve_compliance.png", "curve_task_success.png",
+             "curve_compliance_stress.png", "curve_task_success_stress.png",
+             "heldout_differences.png")  # fmt: skip
+    for name in files:
         assert os.path.getsize(tmp_path / name) > 0, name
+    # One curve figure per group: main = baseline + main arms; stress = references + stress.
+    assert report.curve_groups(res) == {
+        "main": ["grpo", "tg"],
+        "stress": ["grpo", "tg", "tg_wrong"],
+    }
     with open(tmp_path / "results.json") as f:
         loaded = json.load(f)
     assert loaded == json.loads(json.dumps(res))
@@ -93,6 +101,8 @@ def test_write_report(tmp_path):
     assert f"success: {ni['verdict'].upper()}" in md
     assert "not a confidence interval" in md and "Stress tests" in md and "50% wrong hints" in md
     assert "Diagnostic: plain vs hinted" in md and "Side effects" in md
+    for name in files[2:]:
+        assert f"]({name})" in md, name  # every plot is linked from the report
 
 
 def test_verdict_follows_margin(tmp_path):

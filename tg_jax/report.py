@@ -355,51 +355,133 @@ def render_markdown(res: dict[str, Any]) -> str:
                   f"d task success vs {st['baseline']}", "non-inferior"]  # fmt: skip
         lines += _table(header, rows) + [""]
 
-    plots = [f"curve_{m}.png" for m in CURVE_METRICS]
-    lines += ["## Training curves", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    if res.get("comparisons"):
+        lines += [
+            f"## Differences vs `{st['baseline']}` (plot)",
+            "",
+            f"![{FOREST_FILE}]({FOREST_FILE})",
+            "",
+        ]
+    lines += ["## Training curves", ""]
+    for group in curve_groups(res):
+        plots = [curve_file(m, group) for m in CURVE_METRICS]
+        if group != "main":
+            lines += [f"{group.capitalize()} arms, with the reference arms dashed:", ""]
+        lines += [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)
 
 
 # -- plots -----------------------------------------------------------------------------------
 
 
+def curve_groups(res: dict[str, Any]) -> dict[str, list[str]]:
+    """Arms per curve figure: "main" has the main group (and the baseline); every other group
+    (ablation, stress) gets its own figure with the baseline and the candidate as references.
+    Eight arms on one axis are unreadable; a figure per question is not."""
+    st = res["settings"]
+    groups: dict[str, list[str]] = {}
+    for arm, a in res["arms"].items():
+        groups.setdefault(a.get("group") or "main", []).append(arm)
+    refs = [a for a in (st["baseline"], st["candidate"]) if a in res["arms"]]
+    out = {"main": list(dict.fromkeys(refs + groups.pop("main", [])))}
+    for group, arms in groups.items():
+        out[group] = list(dict.fromkeys(refs + arms))
+    return out
+
+
+def curve_file(metric: str, group: str) -> str:
+    """curve_<metric>.png for the main group, curve_<metric>_<group>.png for the others."""
+    return f"curve_{metric}.png" if group == "main" else f"curve_{metric}_{group}.png"
+
+
 def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
-    """curve_<metric>.png: per arm, mean over seeds with a +-1 std band (steps all seeds have)."""
+    """Per curve group (`curve_groups`) and metric: per arm, mean over seeds with a +-1 std band
+    (steps all seeds have); reference arms of a non-main group are drawn dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for metric in CURVE_METRICS:
-        fig, axes = plt.subplots(1, len(CURVE_SOURCES), figsize=(11, 4), squeeze=False)
-        for ax, (stage, tmpl, title) in zip(axes[0], CURVE_SOURCES, strict=True):
-            key = f"{stage}:{tmpl.format(metric)}"
-            for arm in res["arms"]:
-                runs = [r for r in res["runs"] if r["arm"] == arm]
-                curves = [dict(map(tuple, r["curves"][key])) for r in runs]
-                steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-                if not steps:
-                    continue
-                vals = np.array([[c[s] for s in steps] for c in curves])
-                mean, std = vals.mean(0), vals.std(0)
-                (line,) = ax.plot(steps, mean, label=f"{arm} (n={len(curves)})")
-                if len(curves) > 1:
-                    band = (steps, mean - std, mean + std)
-                    ax.fill_between(*band, alpha=0.2, color=line.get_color())
-            ax.set_title(f"{metric.replace('_', ' ')}: {title}")
-            ax.set_xlabel("training step")
-            ax.set_ylim(-0.02, 1.02)
-            ax.grid(alpha=0.3)
-            if ax.has_data():
-                ax.legend(fontsize=8)
-        fig.suptitle("mean over training seeds, band = +-1 std over seeds")
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"curve_{metric}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+    refs = {res["settings"]["baseline"], res["settings"]["candidate"]}
+    for group, group_arms in curve_groups(res).items():
+        for metric in CURVE_METRICS:
+            fig, axes = plt.subplots(1, len(CURVE_SOURCES), figsize=(11, 4), squeeze=False)
+            for ax, (stage, tmpl, title) in zip(axes[0], CURVE_SOURCES, strict=True):
+                key = f"{stage}:{tmpl.format(metric)}"
+                for arm in group_arms:
+                    runs = [r for r in res["runs"] if r["arm"] == arm]
+                    curves = [dict(map(tuple, r["curves"][key])) for r in runs]
+                    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+                    if not steps:
+                        continue
+                    vals = np.array([[c[s] for s in steps] for c in curves])
+                    mean, std = vals.mean(0), vals.std(0)
+                    style = "--" if group != "main" and arm in refs else "-"
+                    (line,) = ax.plot(steps, mean, style, label=f"{arm} (n={len(curves)})")
+                    if len(curves) > 1:
+                        band = (steps, mean - std, mean + std)
+                        ax.fill_between(*band, alpha=0.2, color=line.get_color())
+                ax.set_title(f"{metric.replace('_', ' ')}: {title}")
+                ax.set_xlabel("training step")
+                ax.set_ylim(-0.02, 1.02)
+                ax.grid(alpha=0.3)
+                if ax.has_data():
+                    ax.legend(fontsize=8)
+            suffix = "" if group == "main" else f" ({group})"
+            fig.suptitle(f"mean over training seeds, band = +-1 std over seeds{suffix}")
+            fig.tight_layout()
+            path = os.path.join(out_dir, curve_file(metric, group))
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
     return paths
+
+
+FOREST_FILE = "heldout_differences.png"
+
+
+def plot_differences(res: dict[str, Any], out_dir: str) -> str | None:
+    """heldout_differences.png: every arm minus the baseline on held-out tasks, compliance and
+    task success, paired bootstrap CIs, the non-inferiority margin drawn on the task panel.
+    None when there is nothing to compare."""
+    comps = res.get("comparisons") or {}
+    arms = [a for a in res["arms"] if a in comps]
+    if not arms:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = res["settings"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(arms) + 1.6), squeeze=False)
+    y = np.arange(len(arms))[::-1]
+    for ax, metric in zip(axes[0], ("compliance", "task_success"), strict=True):
+        for yi, arm in zip(y, arms, strict=True):
+            d = comps[arm]["paired_bootstrap"].get(metric)
+            if not d:
+                continue
+            group = res["arms"][arm].get("group") or "main"
+            color = {"main": "C0", "ablation": "C1", "stress": "C3"}.get(group, "C2")
+            err = [[d["mean"] - d["low"]], [d["high"] - d["mean"]]]
+            ax.errorbar(d["mean"], yi, xerr=err, fmt="o", color=color, capsize=3)
+        ax.axvline(0.0, color="k", lw=0.8)
+        if metric == "task_success":
+            ax.axvline(st["margin"], color="r", ls="--", lw=1, label=f"margin {st['margin']:+g}")
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_yticks(y, arms if metric == "compliance" else [""] * len(arms))
+        ax.set_title(f"held-out {metric.replace('_', ' ')}: arm - {st['baseline']}")
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(
+        f"paired bootstrap {int(round(100 * st['level']))}% CIs over held-out tasks "
+        "(blue: main, orange: ablation, red: stress)"
+    )
+    fig.tight_layout()
+    path = os.path.join(out_dir, FOREST_FILE)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _json_safe(x: Any) -> Any:
@@ -440,6 +522,7 @@ def write_report(
         json.dump(res, f, indent=1, allow_nan=False)
     os.replace(tmp, os.path.join(out_dir, RESULTS_FILE))
     plot_curves(res, out_dir)
+    plot_differences(res, out_dir)
     with open(os.path.join(out_dir, REPORT_FILE), "w", encoding="utf-8") as f:
         f.write(render_markdown(res))
     return res
