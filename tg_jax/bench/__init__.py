@@ -1,7 +1,8 @@
 """Benchmarks of tg_jax against references timed in the same run: `python -m tg_jax.bench`.
 
 Sections (each a module or a thin wrapper in `suites`):
-  peak     fp32 [n, n] @ [n, n] jnp matmul: the measured peak every MFU is a fraction of.
+  peak     fp32 [n, n] @ [n, n] matmul, the faster of XLA's and torch's: the measured peak
+           every MFU is a fraction of (`suites.measure_peak`).
   sampler  `Sampler` tokens/s vs transformers `generate` on the same weights and prompts, and
            the decode's achieved FLOP/s (`throughput`, `hf_reference`).
   train    SFT-step tokens/s and MFU on the default and a mid-size Qwen3 config vs the same

@@ -1,13 +1,15 @@
 """The reference side of the benchmarks: Hugging Face transformers (torch, fp32, CPU).
 
-Two jobs, each timed under every candidate torch thread count:
+Three jobs, each timed under every candidate torch thread count:
 
   generate  `Qwen3ForCausalLM.generate` with OUR weights, as in
             `tg_jax.sampling.benchmark.bench_hf`: temperature-1 sampling (no top-k / top-p),
             exactly `new_tokens` new tokens per row, the same prompts, KV cache on;
   train     one optimizer step of `Qwen3ForCausalLM` (random torch init, same architecture):
             forward with labels (fp32 logits, cross-entropy), backward, global-norm clipping,
-            AdamW, zero_grad. The same work as the SFT step it is compared with.
+            AdamW, zero_grad. The same work as the SFT step it is compared with;
+  matmul    an fp32 [n, n] @ [n, n] torch matmul: torch's side of the machine's peak (the MFU
+            denominator is the faster of it and XLA's matmul).
 
 `run_reference` runs the jobs in one fresh subprocess per OpenMP wait policy (the policy is
 read when torch loads its OpenMP runtime, so it cannot change inside a process), sweeps the
@@ -95,13 +97,24 @@ def _train_timing(job: dict[str, Any]) -> dict[str, Any]:
     return _timing_dict(time_calls(step, int(job["repeats"])))
 
 
+def _matmul_timing(job: dict[str, Any]) -> dict[str, Any]:
+    import torch  # noqa: PLC0415 (reference only)
+
+    n = int(job["n"])
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    torch.matmul(a, b)  # the first call allocates and picks kernels: not timed
+    return _timing_dict(time_calls(lambda: torch.matmul(a, b), int(job["repeats"]), warmup=1))
+
+
 def run_jobs(spec: dict[str, Any]) -> dict[str, Any]:
     """Times every job of `spec` under every thread count, in this process.
 
     Args:
       spec: {"threads": [int, ...], "jobs": [job, ...]}; a job is {"kind": "generate" |
         "train", "model": ModelConfig fields, "seed", "repeats", ...}: generate jobs add
-        "prompts" ([B, P] ids) and "new_tokens"; train jobs add "batch" and "seq_len".
+        "prompts" ([B, P] ids) and "new_tokens"; train jobs add "batch" and "seq_len";
+        {"kind": "matmul", "n", "repeats"} times an [n, n] @ [n, n] fp32 matmul.
 
     Returns:
       {"policy": OMP_WAIT_POLICY or "default", "results": per job {str(threads): {"median",
@@ -118,6 +131,8 @@ def run_jobs(spec: dict[str, Any]) -> dict[str, Any]:
                 by_threads[str(threads)] = _generate_timing(job)
             elif job["kind"] == "train":
                 by_threads[str(threads)] = _train_timing(job)
+            elif job["kind"] == "matmul":
+                by_threads[str(threads)] = _matmul_timing(job)
             else:
                 raise ValueError(f"unknown reference job kind {job['kind']!r}")
         results.append(by_threads)

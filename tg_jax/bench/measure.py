@@ -66,9 +66,9 @@ def time_calls(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> Timing:
 def matmul_peak(n: int = 2048, repeats: int = 5) -> tuple[float, Timing]:
     """The measured fp32 peak: FLOP/s of an [n, n] @ [n, n] jnp matmul (median call).
 
-    This is the denominator of every MFU figure: what XLA's own best kernel reaches on this
-    machine, under the same load, in the same process. 2 n^3 / timing.cpu is the same peak
-    per CPU-second (the denominator of the CPU-time MFU).
+    XLA's side of the MFU denominator (`suites.measure_peak` takes the faster of it and torch's
+    matmul): what XLA's own kernel reaches on this machine, under the same load, in the same
+    process. 2 n^3 / timing.cpu is the same peak per CPU-second (for the CPU-time MFU).
 
     Returns:
       (FLOP/s, the timing).

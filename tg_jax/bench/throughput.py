@@ -9,7 +9,7 @@ B * N one-token decode steps at an average context of P + N / 2.
 Train step: the SFT step (`tg_jax.train.sft.make_sft_step`: forward to fp32 logits,
 cross-entropy, backward, global-norm clipping, AdamW, donated state) on B rows of T tokens.
 MFU = 3 * flops_per_token(T) * B * T / seconds / peak, with 3x the forward FLOPs for forward +
-backward and the peak from `measure.matmul_peak` in the same run.
+backward and the peak from `suites.measure_peak` (XLA or torch matmul) in the same run.
 
 Data-parallel sampler: a process's XLA CPU device count is fixed when its backend starts, so
 `sampler_timing_devices` times the sampler over D host devices (one per core) in a child
