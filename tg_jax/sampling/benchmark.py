@@ -102,7 +102,9 @@ def main(argv=None) -> None:
         import torch  # noqa: PLC0415
 
         torch.set_num_threads(args.hf_threads)
-    cfg = ModelConfig.from_config(config_lib.model_config())  # configs/default.py's model
+    from tg_jax.bench.suites import DEFAULT_CONFIG  # noqa: PLC0415
+
+    cfg = ModelConfig.from_config(config_lib.load_config_file(DEFAULT_CONFIG).model)
     params = init_params(Transformer(cfg), jax.random.key(0))
     rng = np.random.default_rng(0)
     print(f"model: {cfg.num_params():,} params, {jax.devices()[0].platform}")
