@@ -77,6 +77,17 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     tg = res["arms"]["tg"]["heldout"]["plain"]["bootstrap"]["compliance"]
     assert f"compliance {tg['mean']:.2f} [{tg['low']:.2f}, {tg['high']:.2f}]" in text
     assert res["noninferiority"]["verdict"].upper() in text and "grpo" in text
+    # The protocol's compute time: SFT + every run's RL + every run's held-out evaluation.
+    ct = res["compute_time"]
+    with open(os.path.join(workdir, "sft", "sft_summary.json")) as f:
+        assert ct["sft_s"] == json.load(f)["wall_s"]
+    rl_s = sum(r["costs"]["wall_time_s"] for r in res["runs"])
+    eval_s = sum(r["costs"]["eval_wall_time_s"] for r in res["runs"])
+    assert (ct["runs"], ct["eval_runs"]) == (2, 2) and eval_s > 0
+    assert ct["total_s"] == pytest.approx(ct["sft_s"] + rl_s + eval_s)
+    assert f"compute time {ct['total_s'] / 60:.1f} min" in text
+    with open(os.path.join(workdir, "report", "report.md")) as f:
+        assert f"**{ct['total_s'] / 60:.1f} min** (held-out evaluation: 2 of 2 runs" in f.read()
     with open(os.path.join(workdir, sft_eval.EVAL_FILE)) as f:
         base = json.load(f)
     assert {"pass_rate", "unprompted_compliance/fence", "hinted_compliance/fence"} <= set(base)

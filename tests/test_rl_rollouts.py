@@ -1,5 +1,8 @@
 """The RL loop's rollout side: metrics, feedback picks, hint budget; an async loop smoke run."""
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -115,6 +118,10 @@ def test_async_loop_smoke(tmp_path):
     run = report.load_run_result(str(tmp_path), records)
     assert (run.arm, run.seed) == ("grpo", 0)
     assert run.costs["sampled_tokens"] == result.costs["sampled_tokens"]
+    with open(os.path.join(tmp_path, heldout.HELDOUT_SUMMARY_FILE)) as f:
+        eval_summary = json.load(f)
+    assert eval_summary["episodes"] == len(records) and eval_summary["wall_s"] > 0
+    assert run.costs["eval_wall_time_s"] == eval_summary["wall_s"]
     res = report.write_report(tmp_path / "report", [run], {"n_boot": 100, "last_k": 2})
     assert res["noninferiority"] is None
     assert res["arms"]["grpo"]["heldout"]["plain"]["num_tasks"] == 2

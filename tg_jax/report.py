@@ -33,7 +33,13 @@ from tg_jax.evaluation import stats
 GROUPS = ("main", "stress", "ablation")
 CURVE_METRICS = ("compliance", "task_success")
 CURVE_SOURCES = (("train", "rollout/{}", "training rollouts"), ("eval", "heldout/{}", "held-out"))
-COST_KEYS = ("wall_time_s", "sampled_tokens", "teacher_forward_flops", "peak_memory_bytes")
+COST_KEYS = (
+    "wall_time_s",
+    "eval_wall_time_s",
+    "sampled_tokens",
+    "teacher_forward_flops",
+    "peak_memory_bytes",
+)
 REPORT_FILE, RESULTS_FILE = "report.md", "results.json"
 
 
@@ -107,7 +113,22 @@ def _curve(records: Sequence[Mapping[str, Any]], stage: str, key: str) -> list[l
     return [[s, latest[s]] for s in sorted(latest)]
 
 
-def compute_results(runs: Sequence[RunResult], settings: ReportSettings) -> dict[str, Any]:
+def compute_time(runs: Sequence[RunResult], sft_wall_s: float | None = None) -> dict[str, Any]:
+    """Summed wall times of the protocol's stages: SFT, every run's RL and held-out evaluation.
+
+    Runs without a timed evaluation (e.g. evaluated before the time was recorded) count 0 for
+    it, and `eval_runs` says how many were timed.
+    """
+    rl_s = sum(float(r.costs.get("wall_time_s", 0.0)) for r in runs)
+    evals = [float(r.costs["eval_wall_time_s"]) for r in runs if "eval_wall_time_s" in r.costs]
+    total = rl_s + sum(evals) + (sft_wall_s or 0.0)
+    return {"sft_s": sft_wall_s, "rl_s": rl_s, "eval_s": sum(evals), "runs": len(runs),
+            "eval_runs": len(evals), "total_s": total}  # fmt: skip
+
+
+def compute_results(
+    runs: Sequence[RunResult], settings: ReportSettings, sft_wall_s: float | None = None
+) -> dict[str, Any]:
     """Every number of the report, JSON-ready (see the module docstring)."""
     arms = _by_arm(runs)
     if settings.baseline not in arms:
@@ -160,6 +181,7 @@ def compute_results(runs: Sequence[RunResult], settings: ReportSettings) -> dict
         if arm != settings.baseline and arms[arm][0].heldout and arms[settings.baseline][0].heldout
     }
     out["noninferiority"] = out["comparisons"].get(settings.candidate, {}).get("noninferiority")
+    out["compute_time"] = compute_time(runs, sft_wall_s)
     return out
 
 
@@ -182,6 +204,10 @@ def _pm(d: Mapping[str, Any] | None, digits: int = 2) -> str:
     if not d or d.get("n", 0) == 0:
         return "n/a"
     return f"{_num(d['mean'], digits)} +- {_num(d['std'], digits)}"
+
+
+def _minutes(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds / 60:.1f} min"
 
 
 def _big(x: float) -> str:
@@ -324,14 +350,29 @@ def render_markdown(res: dict[str, Any]) -> str:
         for k in COST_KEYS:
             if k not in c:
                 cells.append("n/a")
-            elif k == "wall_time_s":
+            elif k.endswith("wall_time_s"):
                 cells.append(f"{c[k]['mean']:.1f}")
             else:
                 cells.append(_big(c[k]["mean"]))
         cost_rows.append([arm] + cells)
     lines += ["## Costs per arm (mean over seeds)", ""]
-    header = ["arm", "wall time (s)", "sampled tokens", "teacher forward FLOPs", "peak memory (B)"]
+    header = ["arm", "RL wall time (s)", "held-out eval (s)", "sampled tokens",
+              "teacher forward FLOPs", "peak memory (B)"]  # fmt: skip
     lines += _table(header, cost_rows) + [""]
+    ct = res.get("compute_time") or {}
+    if ct:
+        eval_s = ct["eval_s"] if ct["eval_runs"] else None
+        parts = [f"SFT {_minutes(ct.get('sft_s'))}", f"RL {_minutes(ct['rl_s'])}",
+                 f"held-out evaluation {_minutes(eval_s)}"]  # fmt: skip
+        partial = ct["eval_runs"] < ct["runs"] or ct.get("sft_s") is None
+        timed = f"{ct['eval_runs']} of {ct['runs']} runs timed"
+        lines += [
+            "Compute time of the protocol (sum of the stages' wall times; a resumed stage sums "
+            f"its sessions; start-up and data not counted): {' + '.join(parts)} = "
+            f"**{'at least ' if partial else ''}{_minutes(ct['total_s'])}** (held-out "
+            f"evaluation: {timed}).",
+            "",
+        ]
 
     sections = (("stress", "Stress tests (imperfect feedback)"), ("ablation", "Ablations"))
     for group, title in sections:
@@ -501,6 +542,7 @@ def write_report(
     out_dir: str | os.PathLike,
     runs: Sequence[RunResult],
     settings: ReportSettings | Mapping[str, Any] | Any = ReportSettings(),
+    sft_wall_s: float | None = None,
 ) -> dict[str, Any]:
     """Writes report.md, results.json and curve PNGs to `out_dir`; returns the results dict.
 
@@ -508,6 +550,7 @@ def write_report(
       out_dir: directory (created if missing).
       runs: one RunResult per (arm, training seed); the baseline arm must be among them.
       settings: a ReportSettings, or `eval_config()` (any mapping with its field names).
+      sft_wall_s: the SFT stage's wall time, for the protocol's compute time (None = unknown).
 
     Returns:
       The results dict written to results.json (NaN written as null).
@@ -516,7 +559,7 @@ def write_report(
         settings = ReportSettings.from_config(settings)
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    res = _json_safe(compute_results(runs, settings))
+    res = _json_safe(compute_results(runs, settings, sft_wall_s))
     tmp = os.path.join(out_dir, RESULTS_FILE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1, allow_nan=False)
@@ -536,12 +579,18 @@ def load_run_result(
     description: str = "",
 ) -> RunResult:
     """A RunResult from a finished `tg_jax.train.rl.run_rl` workdir (arm, seed and costs from
-    rl_summary.json, curves from metrics.jsonl) and its held-out episodes."""
+    rl_summary.json, the held-out evaluation's wall time from heldout_summary.json when it
+    exists, curves from metrics.jsonl) and its held-out episodes."""
+    from tg_jax.evaluation.heldout import HELDOUT_SUMMARY_FILE
     from tg_jax.metrics import read_metrics
     from tg_jax.train.rl import read_summary
 
     summary = read_summary(workdir)
     costs = {k: float(summary["costs"][k]) for k in COST_KEYS if k in summary["costs"]}
+    eval_summary = os.path.join(workdir, HELDOUT_SUMMARY_FILE)
+    if os.path.exists(eval_summary):
+        with open(eval_summary) as f:
+            costs["eval_wall_time_s"] = float(json.load(f)["wall_s"])
     return RunResult(
         arm=summary["arm"],
         seed=int(summary["seed"]),
