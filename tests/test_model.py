@@ -36,6 +36,35 @@ def test_logits_match_transformers(tie, kv_heads):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
+def test_causal_query_blocks_match_transformers():
+    # Blocks of 8 over 21 tokens: 8 + 8 + 5, the last block shorter.
+    cfg = _cfg(attn_query_block=8)
+    hf_model, params = make_hf_qwen3(cfg, seed=2)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 21))
+    ours = np.asarray(forward(Transformer(cfg), params, jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(ours, hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_causal_query_blocks_equal_one_block_on_packed_rows():
+    """Same logits and gradients with and without query blocks: packed segments, padding."""
+    params = init_params(Transformer(_cfg()), jax.random.key(8))
+    rng = np.random.default_rng(9)
+    tokens = jnp.asarray(rng.integers(1, 96, (2, 16)), jnp.int32)
+    seg = jnp.asarray([[1] * 6 + [2] * 7 + [0] * 3, [1] * 16])
+    pos = jnp.asarray([list(range(6)) + list(range(7)) + [0] * 3, list(range(16))])
+
+    def loss(p, block):
+        logits = forward(Transformer(_cfg(attn_query_block=block)), p, tokens, pos, seg)
+        return jnp.mean(jnp.where(seg[..., None] > 0, logits, 0.0) ** 2), logits
+
+    (v0, l0), g0 = jax.value_and_grad(loss, has_aux=True)(params, 0)
+    (v1, l1), g1 = jax.value_and_grad(loss, has_aux=True)(params, 5)
+    real = np.asarray(seg) > 0
+    np.testing.assert_allclose(np.asarray(l1)[real], np.asarray(l0)[real], atol=1e-5)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), g1, g0)
+
+
 def test_hf_round_trip_is_exact():
     cfg = _cfg(tie_embeddings=False)
     params = init_params(Transformer(cfg), jax.random.key(0))
@@ -140,5 +169,7 @@ def test_bf16_compute_close_to_fp32():
 def test_invalid_model_config_is_clear():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         _cfg(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="attn_query_block must be >= 0"):
+        _cfg(attn_query_block=-1)
     with pytest.raises(ValueError, match="Unknown model config keys"):
         ModelConfig.from_config({**_cfg().__dict__, "num_layerz": 2})

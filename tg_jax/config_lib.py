@@ -60,6 +60,10 @@ def model_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.remat_policy = "none"  # none | full | dots | dots_with_no_batch_dims
     c.scan_unroll = 1  # layers per layer-loop iteration; num_layers = unrolled (faster on CPU)
     c.max_seq_len = 512  # longest sequence the model is used with
+    # Full-sequence attention in causal query blocks of this size (0 = one block): skips the
+    # masked upper triangle; exact for every input of this codebase (see ModelConfig). Each
+    # block is its own op, so keep T / block small (e.g. 128 for T <= 1024 on CPU).
+    c.attn_query_block = 0
     c.num_experts = 0  # 0 = dense MLP; > 0 = Qwen3-MoE feed-forward
     c.experts_per_token = 0  # top-k experts per token (MoE only)
     c.moe_mlp_dim = 0  # per-expert intermediate size (MoE only)

@@ -78,6 +78,16 @@ def _write_cache(cache_BxSxKxH: Array, new_BxTxKxH: Array, start_B: Array) -> Ar
     return jax.vmap(one)(cache_BxSxKxH, new_BxTxKxH, start_B)
 
 
+def _attend(q_BxTxKxGxH: Array, keys_BxSxKxH: Array, values_BxSxKxH: Array, mask) -> Array:
+    """Softmax attention of T queries over S keys: [B, T, K, G, H] (fp32 scores)."""
+    h = q_BxTxKxGxH.shape[-1]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, keys_BxSxKxH).astype(jnp.float32)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_BxTxKxGxH.dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, values_BxSxKxH)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with per-head q/k RMSNorm (Qwen3) and an optional KV cache."""
 
@@ -127,12 +137,26 @@ class Attention(nn.Module):
         b, t = q_BxTxNxH.shape[:2]
         g = n // k
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, g, h)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, keys).astype(jnp.float32)
-        scores = scores * (h**-0.5)
-        mask = attention_mask(positions_BxT, k_pos, segment_ids_BxT, k_seg)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs, values)
+        block = cfg.attn_query_block
+        if cache is None and 0 < block < t:
+            # Causal query blocks: block [lo, hi) scores keys [0, hi) only (see ModelConfig).
+            outs = []
+            for lo in range(0, t, block):
+                hi = min(lo + block, t)
+                seg = None if segment_ids_BxT is None else segment_ids_BxT[:, lo:hi]
+                k_seg_blk = None if k_seg is None else k_seg[:, :hi]
+                outs.append(
+                    _attend(
+                        q_BxTxKxGxH[:, lo:hi],
+                        keys[:, :hi],
+                        values[:, :hi],
+                        attention_mask(positions_BxT[:, lo:hi], k_pos[:, :hi], seg, k_seg_blk),
+                    )  # fmt: skip
+                )
+            out_BxTxKxGxH = jnp.concatenate(outs, axis=1)
+        else:
+            mask = attention_mask(positions_BxT, k_pos, segment_ids_BxT, k_seg)
+            out_BxTxKxGxH = _attend(q_BxTxKxGxH, keys, values, mask)
         out_BxTxNxH = out_BxTxKxGxH.reshape(b, t, n, h)
         out_BxTxD = jnp.einsum("btnh,nhd->btd", out_BxTxNxH, wo.astype(dt))
         return out_BxTxD, new_cache
