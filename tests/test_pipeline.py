@@ -83,7 +83,7 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
         assert ct["sft_s"] == json.load(f)["wall_s"]
     rl_s = sum(r["costs"]["wall_time_s"] for r in res["runs"])
     eval_s = sum(r["costs"]["eval_wall_time_s"] for r in res["runs"])
-    assert (ct["runs"], ct["eval_runs"]) == (2, 2) and eval_s > 0
+    assert (ct["runs"], ct["eval_runs"]) == (2, 2) and eval_s > 0 and ct["complete"]
     assert ct["total_s"] == pytest.approx(ct["sft_s"] + rl_s + eval_s)
     assert f"compute time {ct['total_s'] / 60:.1f} min" in text
     with open(os.path.join(workdir, "report", "report.md")) as f:

@@ -103,6 +103,11 @@ def test_write_report(tmp_path):
     assert "Diagnostic: plain vs hinted" in md and "Side effects" in md
     for name in files[2:]:
         assert f"]({name})" in md, name  # every plot is linked from the report
+    # No SFT time and no evaluation times given: the compute time is a lower bound.
+    ct = loaded["compute_time"]
+    assert ct["complete"] is False and ct["eval_runs"] == 0 and ct["runs"] == len(runs)
+    assert ct["total_s"] == pytest.approx(sum(r.costs["wall_time_s"] for r in runs))
+    assert f"**at least {ct['total_s'] / 60:.1f} min**" in md
 
 
 def test_verdict_follows_margin(tmp_path):

@@ -117,13 +117,15 @@ def compute_time(runs: Sequence[RunResult], sft_wall_s: float | None = None) -> 
     """Summed wall times of the protocol's stages: SFT, every run's RL and held-out evaluation.
 
     Runs without a timed evaluation (e.g. evaluated before the time was recorded) count 0 for
-    it, and `eval_runs` says how many were timed.
+    it, and `eval_runs` says how many were timed; `complete` is False when anything was not
+    timed (the total is then a lower bound).
     """
     rl_s = sum(float(r.costs.get("wall_time_s", 0.0)) for r in runs)
     evals = [float(r.costs["eval_wall_time_s"]) for r in runs if "eval_wall_time_s" in r.costs]
     total = rl_s + sum(evals) + (sft_wall_s or 0.0)
+    complete = len(evals) == len(runs) and sft_wall_s is not None
     return {"sft_s": sft_wall_s, "rl_s": rl_s, "eval_s": sum(evals), "runs": len(runs),
-            "eval_runs": len(evals), "total_s": total}  # fmt: skip
+            "eval_runs": len(evals), "total_s": total, "complete": complete}  # fmt: skip
 
 
 def compute_results(
@@ -364,12 +366,11 @@ def render_markdown(res: dict[str, Any]) -> str:
         eval_s = ct["eval_s"] if ct["eval_runs"] else None
         parts = [f"SFT {_minutes(ct.get('sft_s'))}", f"RL {_minutes(ct['rl_s'])}",
                  f"held-out evaluation {_minutes(eval_s)}"]  # fmt: skip
-        partial = ct["eval_runs"] < ct["runs"] or ct.get("sft_s") is None
         timed = f"{ct['eval_runs']} of {ct['runs']} runs timed"
         lines += [
             "Compute time of the protocol (sum of the stages' wall times; a resumed stage sums "
             f"its sessions; start-up and data not counted): {' + '.join(parts)} = "
-            f"**{'at least ' if partial else ''}{_minutes(ct['total_s'])}** (held-out "
+            f"**{'' if ct['complete'] else 'at least '}{_minutes(ct['total_s'])}** (held-out "
             f"evaluation: {timed}).",
             "",
         ]
@@ -435,6 +436,20 @@ def curve_file(metric: str, group: str) -> str:
     return f"curve_{metric}.png" if group == "main" else f"curve_{metric}_{group}.png"
 
 
+def _plot_seed_band(ax: Any, res: dict[str, Any], arm: str, key: str, style: str) -> None:
+    """One arm's curve `key`: mean over seeds at the steps every seed has, +-1 std band."""
+    runs = [r for r in res["runs"] if r["arm"] == arm]
+    curves = [dict(map(tuple, r["curves"][key])) for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    if not steps:
+        return
+    vals = np.array([[c[s] for s in steps] for c in curves])
+    mean, std = vals.mean(0), vals.std(0)
+    (line,) = ax.plot(steps, mean, style, label=f"{arm} (n={len(curves)})")
+    if len(curves) > 1:
+        ax.fill_between(steps, mean - std, mean + std, alpha=0.2, color=line.get_color())
+
+
 def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
     """Per curve group (`curve_groups`) and metric: per arm, mean over seeds with a +-1 std band
     (steps all seeds have); reference arms of a non-main group are drawn dashed."""
@@ -451,18 +466,8 @@ def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
             for ax, (stage, tmpl, title) in zip(axes[0], CURVE_SOURCES, strict=True):
                 key = f"{stage}:{tmpl.format(metric)}"
                 for arm in group_arms:
-                    runs = [r for r in res["runs"] if r["arm"] == arm]
-                    curves = [dict(map(tuple, r["curves"][key])) for r in runs]
-                    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-                    if not steps:
-                        continue
-                    vals = np.array([[c[s] for s in steps] for c in curves])
-                    mean, std = vals.mean(0), vals.std(0)
                     style = "--" if group != "main" and arm in refs else "-"
-                    (line,) = ax.plot(steps, mean, style, label=f"{arm} (n={len(curves)})")
-                    if len(curves) > 1:
-                        band = (steps, mean - std, mean + std)
-                        ax.fill_between(*band, alpha=0.2, color=line.get_color())
+                    _plot_seed_band(ax, res, arm, key, style)
                 ax.set_title(f"{metric.replace('_', ' ')}: {title}")
                 ax.set_xlabel("training step")
                 ax.set_ylim(-0.02, 1.02)

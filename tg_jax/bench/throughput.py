@@ -34,6 +34,7 @@ import numpy as np
 from tg_jax import config_lib, sharding
 from tg_jax.bench.measure import Timing, time_calls
 from tg_jax.models import ModelConfig, Transformer, init_params
+from tg_jax.sampling.loop import data_parallel_mesh
 from tg_jax.sampling.sampler import Sampler
 
 
@@ -71,13 +72,9 @@ def sampler_timing(
     model = Transformer(cfg)
     params = init_params(model, jax.random.key(seed))
     if devices > 1:
-        mesh_cfg = config_lib.mesh_config(shape=(devices, 1, 1, 1))
-        mesh = sharding.make_mesh(mesh_cfg, jax.local_devices()[:devices])
+        mesh, rules = data_parallel_mesh(jax.local_devices()[:devices])
         params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
-        sampler = Sampler(
-            model, pad_id=0, mesh=mesh, rules=sharding.logical_rules(mesh_cfg),
-            batch_divisor=devices,
-        )  # fmt: skip
+        sampler = Sampler(model, pad_id=0, mesh=mesh, rules=rules, batch_divisor=devices)
     else:
         sampler = Sampler(model, pad_id=0)
     rows = [list(p) for p in prompts]

@@ -146,21 +146,14 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
                 )
             )
     res = report.write_report(
-        os.path.join(workdir, REPORT_DIR), runs, config.eval, sft_wall_s=_sft_wall_s(workdir)
+        os.path.join(workdir, REPORT_DIR),
+        runs,
+        config.eval,
+        sft_wall_s=sft.read_sft_wall_s(workdir),
     )
     print(headline(res))
     print(f"report: {os.path.join(workdir, REPORT_DIR, report.REPORT_FILE)}")
     return res
-
-
-def _sft_wall_s(workdir: str) -> float | None:
-    """The SFT stage's wall time from its summary (all sessions), None when not recorded."""
-    path = os.path.join(workdir, sft.SFT_DIR, sft.SUMMARY_FILE)
-    try:
-        with open(path) as f:
-            return float(json.load(f)["wall_s"])
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def headline(res: dict[str, Any]) -> str:
@@ -176,7 +169,7 @@ def headline(res: dict[str, Any]) -> str:
         lines.append(f"  {arm:<18} " + "  ".join(cells))
     ct = res.get("compute_time")
     if ct and ct.get("sft_s") is not None:
-        partial = "at least " if ct["eval_runs"] < ct["runs"] else ""
+        partial = "" if ct["complete"] else "at least "
         lines.append(
             f"compute time {partial}{ct['total_s'] / 60:.1f} min: SFT {ct['sft_s'] / 60:.1f} + "
             f"RL {ct['rl_s'] / 60:.1f} + held-out evaluation {ct['eval_s'] / 60:.1f} "

@@ -261,6 +261,16 @@ def _write_summary(workdir, stats, start, done, data_s, train_s) -> None:
         json.dump({"data": stats, "sessions": sessions, "wall_s": total}, f, indent=2)
 
 
+def read_sft_wall_s(workdir: str) -> float | None:
+    """The SFT stage's wall time over all its sessions (sft_summary.json); None if not recorded."""
+    path = os.path.join(workdir, SFT_DIR, SUMMARY_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        wall_s = json.load(f).get("wall_s")
+    return None if wall_s is None else float(wall_s)
+
+
 def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -> TrainState:
     """The final SFT TrainState of `workdir`, placed on `mesh` (RL starts from `.params`).
 

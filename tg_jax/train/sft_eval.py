@@ -32,6 +32,7 @@ from tg_jax.sampling import rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.train import sft
 from tg_jax.train.sft_data import env_config
 
 EVAL_FILE = "sft_eval.json"
@@ -121,10 +122,8 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     result["eval_s"] = time.time() - t0
     result["requirements"] = list(config.env.requirements)
     result["num_params"] = model_cfg.num_params()
-    summary = os.path.join(workdir, "sft", "sft_summary.json")
-    if os.path.exists(summary):
-        with open(summary) as f:
-            result["sft_wall_s"] = json.load(f).get("wall_s")
+    if os.path.exists(os.path.join(workdir, sft.SFT_DIR, sft.SUMMARY_FILE)):
+        result["sft_wall_s"] = sft.read_sft_wall_s(workdir)
     with open(os.path.join(workdir, EVAL_FILE), "w") as f:
         json.dump(result, f, indent=2)
     return result
