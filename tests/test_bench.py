@@ -92,6 +92,22 @@ def test_sampler_timing_in_a_child_process_with_more_devices():
     assert len(t.times) == 1 and t.median > 0 and t.cpu > 0
 
 
+def test_sampler_worker_failure_is_a_clear_error():
+    """A child process that fails (here: empty prompts) raises with its stderr, never hangs."""
+    import jax
+    import numpy as np
+
+    from tg_jax import config_lib
+    from tg_jax.bench import throughput
+    from tg_jax.models import ModelConfig
+
+    cfg = ModelConfig.from_config(config_lib.tiny_model_config())
+    devices = 2 * jax.local_device_count()
+    empty = np.zeros((devices, 0), np.int64)
+    with pytest.raises(RuntimeError, match=r"sampler worker .* failed:(.|\n)*non-empty prompts"):
+        throughput.sampler_timing_devices(cfg, empty, new_tokens=4, repeats=1, devices=devices)
+
+
 def test_e2e_not_measured_without_workdir(tmp_path):
     assert e2e.read_workdir(None) == {}
     assert e2e.read_workdir(str(tmp_path)) == {}

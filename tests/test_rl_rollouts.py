@@ -122,6 +122,12 @@ def test_async_loop_smoke(tmp_path):
         eval_summary = json.load(f)
     assert eval_summary["episodes"] == len(records) and eval_summary["wall_s"] > 0
     assert run.costs["eval_wall_time_s"] == eval_summary["wall_s"]
+    with open(os.path.join(tmp_path, heldout.HELDOUT_SUMMARY_FILE), "w") as f:
+        f.write('{"wall_s": ')  # torn
+    with pytest.raises(ValueError, match="not a valid evaluation summary.*delete it"):
+        report.load_run_result(str(tmp_path), records)
+    with open(os.path.join(tmp_path, heldout.HELDOUT_SUMMARY_FILE), "w") as f:
+        json.dump(eval_summary, f)  # restored for the report below
     res = report.write_report(tmp_path / "report", [run], {"n_boot": 100, "last_k": 2})
     assert res["noninferiority"] is None
     assert res["arms"]["grpo"]["heldout"]["plain"]["num_tasks"] == 2

@@ -1,5 +1,6 @@
 """SFT of the base model: loss mask, packing, batches, loss, and a tiny run with resume."""
 
+import json
 import os
 import random
 
@@ -199,3 +200,17 @@ def test_hint_requirements_set_the_hints_of_the_sft_transcripts():
     bad = config_lib.apply_overrides(config, {"sft.hint_requirements": ("fence", "bogus")})
     with pytest.raises(ValueError, match="requirements must be a subset"):
         sft_data.transcript_env_config(bad)
+
+
+def test_read_sft_wall_s(tmp_path):
+    workdir = str(tmp_path)
+    assert sft.read_sft_wall_s(workdir) is None  # no SFT summary yet
+    os.makedirs(os.path.join(workdir, sft.SFT_DIR))
+    path = os.path.join(workdir, sft.SFT_DIR, sft.SUMMARY_FILE)
+    with open(path, "w") as f:
+        json.dump({"sessions": [], "wall_s": 12.5}, f)
+    assert sft.read_sft_wall_s(workdir) == 12.5
+    with open(path, "w") as f:
+        f.write("{torn")
+    with pytest.raises(ValueError, match="not a valid SFT summary"):
+        sft.read_sft_wall_s(workdir)

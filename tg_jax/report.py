@@ -586,7 +586,7 @@ def load_run_result(
     """A RunResult from a finished `tg_jax.train.rl.run_rl` workdir (arm, seed and costs from
     rl_summary.json, the held-out evaluation's wall time from heldout_summary.json when it
     exists, curves from metrics.jsonl) and its held-out episodes."""
-    from tg_jax.evaluation.heldout import HELDOUT_SUMMARY_FILE
+    from tg_jax.evaluation.heldout import HELDOUT_FILE, HELDOUT_SUMMARY_FILE
     from tg_jax.metrics import read_metrics
     from tg_jax.train.rl import read_summary
 
@@ -594,8 +594,14 @@ def load_run_result(
     costs = {k: float(summary["costs"][k]) for k in COST_KEYS if k in summary["costs"]}
     eval_summary = os.path.join(workdir, HELDOUT_SUMMARY_FILE)
     if os.path.exists(eval_summary):
-        with open(eval_summary) as f:
-            costs["eval_wall_time_s"] = float(json.load(f)["wall_s"])
+        try:
+            with open(eval_summary) as f:
+                costs["eval_wall_time_s"] = float(json.load(f)["wall_s"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(
+                f"{eval_summary} is not a valid evaluation summary ({e!r}); delete it and "
+                f"{os.path.join(workdir, HELDOUT_FILE)} to evaluate the run again"
+            ) from e
     return RunResult(
         arm=summary["arm"],
         seed=int(summary["seed"]),

@@ -41,8 +41,9 @@ class ModelConfig:
     # computes scores against keys up to its own end, which skips the masked upper triangle
     # (0 = one block). Exact when no query attends to a later index of the sequence, which
     # holds for causal positions that never decrease within a segment (plain and packed rows,
-    # all of this codebase's inputs). On CPU, 128 made a 512-token attention's backward 2.5x
-    # faster. Exact up to float rounding: a chaotic training recipe can still end elsewhere.
+    # all of this codebase's inputs). Faster on CPU, where attention over T tokens otherwise
+    # computes all T^2 scores. Exact up to float rounding: a chaotic training recipe can still
+    # end elsewhere (see configs/default.py).
     attn_query_block: int = 0
     # Mixture of experts (Qwen3-MoE). num_experts == 0 means a dense MLP in every layer.
     num_experts: int = 0

@@ -266,9 +266,12 @@ def read_sft_wall_s(workdir: str) -> float | None:
     path = os.path.join(workdir, SFT_DIR, SUMMARY_FILE)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        wall_s = json.load(f).get("wall_s")
-    return None if wall_s is None else float(wall_s)
+    try:
+        with open(path) as f:
+            wall_s = json.load(f).get("wall_s")
+        return None if wall_s is None else float(wall_s)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a valid SFT summary: {e}") from e
 
 
 def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -> TrainState:
