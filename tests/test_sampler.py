@@ -204,6 +204,43 @@ def test_sharded_sampler_matches_single_device(setup):
         np.testing.assert_array_equal(a, b)
 
 
+def test_data_parallel_sampler_runs_a_loop_per_shard_and_matches_single_device(setup):
+    """Rows split over all devices with replicated params: each device runs its own decode loop
+    (shard_map) on its rows' slice of the same random numbers, so even sampled (temperature,
+    top-k, top-p) tokens equal the single-device sampler's, and log-probs to float rounding."""
+    from tg_jax.sampling.loop import data_parallel_mesh
+
+    _, model, params, sampler = setup
+    devices = jax.local_devices()[:4]
+    mesh, rules = data_parallel_mesh(devices)
+    split = Sampler(model, pad_id=PAD, length_multiple=32, mesh=mesh, rules=rules,
+                    batch_divisor=len(devices))  # fmt: skip
+    assert split._row_axes() == ("sampler",)
+    replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
+    prompts = _prompts((5, 13, 1, 9, 30, 2), seed=11)
+    for settings in ({"temperature": 1.0}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9}):
+        kw = dict(max_new_tokens=[10, 6, 12, 40, 3, 25], stop_ids=[7, 8], rng=jax.random.key(5))
+        ref = sampler.sample(params, prompts, **kw, **settings)
+        out = split.sample(replicated, prompts, **kw, **settings)
+        np.testing.assert_array_equal(ref.stopped, out.stopped)
+        for i in range(len(prompts)):
+            np.testing.assert_array_equal(ref.tokens[i], out.tokens[i])
+            np.testing.assert_allclose(ref.logprobs[i], out.logprobs[i], atol=1e-5)
+            np.testing.assert_allclose(ref.raw_logprobs[i], out.raw_logprobs[i], atol=1e-5)
+    assert sum(len(t) for t in ref.tokens) > 40  # sampled, not stopped at once
+
+
+def test_step_uniforms_are_the_per_step_draws():
+    """The loop's random numbers, drawn up front, are those of `fold_in(rng, step)` per step."""
+    from tg_jax.sampling.sampler import step_uniforms, uniforms
+
+    rng = jax.random.key(9)
+    u = np.asarray(step_uniforms(rng, 6, 5))
+    assert u.shape == (6, 5) and (u > 0).all() and (u < 1).all()
+    for i in range(5):
+        np.testing.assert_array_equal(u[:, i], uniforms(jax.random.fold_in(rng, i), 6))
+
+
 def test_draw_frequencies_follow_the_sampling_distribution():
     from tg_jax.sampling.sampler import draw
 
@@ -234,3 +271,10 @@ def test_precomputed_rope_equals_the_model_rope():
     positions = jnp.array([[0], [7], [300]], jnp.int32)
     expected = rope(x, positions, 10_000.0)
     np.testing.assert_array_equal(apply_rope(x, *rope_tables(positions, 16, 10_000.0)), expected)
+    # The decode loop gathers rows of tables computed for every position at once.
+    cos_1xSx1xH, sin_1xSx1xH = jax.jit(rope_tables, static_argnums=(1, 2))(
+        jnp.arange(301, dtype=jnp.int32)[None, :], 16, 10_000.0
+    )
+    gathered = (cos_1xSx1xH[0, positions], sin_1xSx1xH[0, positions])  # [3, 1, 1, Dh/2]
+    # (compiled trigonometry of large angles may round differently from eager: float level)
+    np.testing.assert_allclose(apply_rope(x, *gathered), expected, atol=1e-5)

@@ -266,6 +266,10 @@ def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: in
     cache = jax.tree.map(
         lambda x: _abstract(x.shape, x.dtype, mesh, PartitionSpec(*spec[: x.ndim])), shapes
     )
+    cache = cache.replace(**{  # the RoPE tables are by position (no row axis): replicated
+        name: _abstract(getattr(shapes, name).shape, jnp.float32, mesh, PartitionSpec())
+        for name in ("rope_cos", "rope_sin")
+    })  # fmt: skip
     tokens = _abstract((rows,), jnp.int32, mesh, rows_spec)
     index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 

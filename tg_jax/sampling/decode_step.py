@@ -9,8 +9,11 @@ unembedding modules, applied to the model's params) over a cache laid out for th
   slot  P + i:    generated token i of EVERY row (its position is L_b + i)
 
 so each step writes one shared column with an in-place `dynamic_update_slice`, and a mask says
-which slots a row sees (its prompt slots < L_b and generated slots P..P+i). Layers are unrolled
-with one cache array per layer, so nothing copies the cache inside the `while_loop`. Keys are
+which slots a row sees (its prompt slots < L_b and generated slots P..P+i). The RoPE cos / sin
+of every position 0..P+N-1 are computed once at prefill and a step gathers its rows' entries
+(computed inside the step, XLA repeated the trigonometry in every fusion that used them).
+Layers are unrolled with one cache array per layer, so nothing copies the cache inside the
+`while_loop`. Keys are
 stored slot-minor so that q.K is a plain [G, Dh] x [Dh, S] matmul per (row, kv head): with the
 model's [.., S, Dh] layout XLA:CPU's batched dot was 2x (S = 192) to 9x (S = 640) slower.
 
@@ -43,12 +46,15 @@ class DecodeCache:
       k: tuple of num_layers arrays [B, K, Dh, P + N] (compute dtype).
       v: tuple of num_layers arrays [B, K, P + N, Dh].
       prompt_lengths_B: [B] int32 L_b.
+      rope_cos, rope_sin: [P + N, Dh / 2] f32 RoPE tables by position (`rope_tables`).
       prompt_slots: P (static).
     """
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
     prompt_lengths_B: Array
+    rope_cos: Array
+    rope_sin: Array
     prompt_slots: int = flax.struct.field(pytree_node=False)
 
 
@@ -86,7 +92,11 @@ def prefill(
         return tuple(c[i] for i in range(c.shape[0]))
 
     k, v = layout(cache["k"], (0, 1, 3, 4, 2)), layout(cache["v"], (0, 1, 3, 2, 4))
-    return logits_Bx1xV[:, 0], DecodeCache(k, v, prompt_lengths_B, prompt_slots=p)
+    cfg = model.config
+    all_positions_1xS = jnp.arange(p + max_new, dtype=jnp.int32)[None, :]
+    cos, sin = rope_tables(all_positions_1xS, cfg.head_dim, cfg.rope_theta)
+    cache = DecodeCache(k, v, prompt_lengths_B, cos[0, :, 0], sin[0, :, 0], prompt_slots=p)
+    return logits_Bx1xV[:, 0], cache
 
 
 @flax.struct.dataclass
@@ -143,11 +153,7 @@ def _write(cache: Array, new: Array, col: Array, slot_axis: int) -> Array:
 
 
 def rope_tables(positions_BxT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos, sin [B, T, 1, Dh/2] of `tg_jax.models.layers.rope`, computed once per step.
-
-    The model's `rope` recomputes them for every call; in the decode loop that is 2 calls per
-    layer, and XLA fuses the trigonometry into every consumer element.
-    """
+    """cos, sin [B, T, 1, Dh/2] of `tg_jax.models.layers.rope` (the same arithmetic)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     angles_BxTxH2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     return jnp.cos(angles_BxTxH2)[:, :, None, :], jnp.sin(angles_BxTxH2)[:, :, None, :]
@@ -188,7 +194,8 @@ def decode_one(
     in_prompt_BxS = slot_S[None, :] < cache.prompt_lengths_B[:, None]
     generated_1xS = ((slot_S >= p) & (slot_S <= col))[None, :]
     visible_Bx1x1xS = (in_prompt_BxS | generated_1xS)[:, None, None, :]
-    cos, sin = rope_tables(positions_Bx1, h, cfg.rope_theta)
+    cos = cache.rope_cos[positions_Bx1][:, :, None, :]  # [B, 1, 1, Dh/2]
+    sin = cache.rope_sin[positions_Bx1][:, :, None, :]
 
     def norm(x, norm_params):
         return RMSNorm(cfg.rms_norm_eps, pdt).apply({"params": norm_params}, x)

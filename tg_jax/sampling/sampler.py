@@ -34,6 +34,7 @@ tg_jax.sampling.rollout): one batched forward, cheap next to the token-by-token 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,7 +64,6 @@ class SamplingState:
       done_B: [B] bool, the row draws no more tokens.
       last_token_B: [B] int32, the token to feed at the next decode step.
       cache: the decode cache (tg_jax.sampling.decode_step), P + N slots.
-      rng: PRNG key.
     """
 
     step: Array
@@ -75,7 +75,6 @@ class SamplingState:
     done_B: Array
     last_token_B: Array
     cache: DecodeCache
-    rng: Array
 
 
 @flax.struct.dataclass
@@ -132,27 +131,41 @@ def first_argmax(x_BxV: Array) -> Array:
     return jnp.min(jnp.where(is_max_BxV, ids_V[None, :], vocab), axis=-1)
 
 
+def uniforms(rng: Array, batch: int) -> Array:
+    """[B] uniform numbers in (0, 1): the random input of `draw` (one per row)."""
+    return jax.random.uniform(rng, (batch,), minval=jnp.finfo(jnp.float32).tiny)
+
+
 def draw(
     rng: Array, logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array
 ) -> tuple[Array, Array, Array]:
+    """`draw_with_uniforms` with the row's uniform numbers `uniforms(rng, B)`."""
+    u_B = uniforms(rng, logits_BxV.shape[0])
+    return draw_with_uniforms(u_B, logits_BxV, temperature_B, top_k_B, top_p_B)
+
+
+def draw_with_uniforms(
+    u_B: Array, logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array
+) -> tuple[Array, Array, Array]:
     """Draws one token per row by inverting the CDF of the sampling distribution.
 
-    One uniform number per row instead of a Gumbel number per vocabulary entry (the random bits
-    dominated a CPU decode step). A token with probability 0 (filtered out) is never drawn:
-    the CDF is flat over it, and the drawn index is the first whose CDF reaches u * total.
+    One uniform number per row (u_B, in (0, 1)) instead of a Gumbel number per vocabulary
+    entry (the random bits dominated a CPU decode step). A token with probability 0 (filtered
+    out) is never drawn: the CDF is flat over it, and the drawn index is the first whose CDF
+    reaches u * total.
 
     Returns:
       (tokens [B] int32, log-prob under the sampling distribution [B], temperature-1 log-prob
       [B]); greedy rows (temperature 0) take the argmax with sampling log-prob 0.
     """
-    b, vocab = logits_BxV.shape
+    vocab = logits_BxV.shape[-1]
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
     z_BxV = filter_logits(logits_BxV, safe_t_B, top_k_B, top_p_B)
     lse_z_B = jax.nn.logsumexp(z_BxV, axis=-1)
     cdf_BxV = jnp.cumsum(jnp.exp(z_BxV - lse_z_B[:, None]), axis=-1)
-    u_B = jax.random.uniform(rng, (b,), minval=jnp.finfo(jnp.float32).tiny) * cdf_BxV[:, -1]
-    sampled_B = jnp.sum(cdf_BxV < u_B[:, None], axis=-1, dtype=jnp.int32)
+    target_B = u_B * cdf_BxV[:, -1]
+    sampled_B = jnp.sum(cdf_BxV < target_B[:, None], axis=-1, dtype=jnp.int32)
     sampled_B = jnp.minimum(sampled_B, vocab - 1)
     tokens_B = jnp.where(greedy_B, first_argmax(logits_BxV), sampled_B)
     z_B = jnp.take_along_axis(z_BxV, tokens_B[:, None], axis=-1)[:, 0]
@@ -184,6 +197,15 @@ def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxS, max_new_B
     )
 
 
+def step_uniforms(rng: Array, batch: int, steps: int) -> Array:
+    """[B, N] uniform numbers: column i is `uniforms(fold_in(rng, i), B)`, what the i-th
+    draw of `sample_tokens` uses. Drawn all at once before the loop (a CPU decode step spent
+    a noticeable share of its time in the PRNG); split the rows over devices and each shard
+    draws exactly what the unsharded sampler would."""
+    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(steps, dtype=jnp.int32))
+    return jax.vmap(lambda k: uniforms(k, batch))(keys).T
+
+
 def sample_tokens(
     model: Transformer,
     params: Any,
@@ -207,13 +229,36 @@ def sample_tokens(
       max_new_B: [B] int32, at most `max_new_bucket`; 0 makes the row a no-op (batch padding).
       stop_ids_BxS: [B, S] int32 stop ids per row, padded with -1.
       temperature_B, top_k_B, top_p_B: [B] sampling settings (module docstring).
-      rng: PRNG key.
+      rng: PRNG key (`step_uniforms(rng, B, N)` are the draws' random numbers).
       max_new_bucket: N, the static number of output columns.
     Returns:
       SampleOutput with [B, N] tokens / log-probs and [B] lengths / stopped flags.
     """
-    b = prompt_BxP.shape[0]
-    n = max_new_bucket
+    u_BxN = step_uniforms(rng, prompt_BxP.shape[0], max_new_bucket)
+    return sample_with_uniforms(
+        model, params, prompt_BxP, prompt_lengths_B, max_new_B, stop_ids_BxS, temperature_B,
+        top_k_B, top_p_B, u_BxN, pad_id=pad_id,
+    )  # fmt: skip
+
+
+def sample_with_uniforms(
+    model: Transformer,
+    params: Any,
+    prompt_BxP: Array,
+    prompt_lengths_B: Array,
+    max_new_B: Array,
+    stop_ids_BxS: Array,
+    temperature_B: Array,
+    top_k_B: Array,
+    top_p_B: Array,
+    u_BxN: Array,
+    *,
+    pad_id: int,
+) -> SampleOutput:
+    """`sample_tokens` with its random numbers given: u_BxN [B, N] in (0, 1), column i for the
+    i-th token of every row. Rows are independent, so a shard of rows (with its rows of every
+    argument) samples exactly what the whole batch samples for them."""
+    b, n = u_BxN.shape
     logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, n)
     weights = decode_weights(model, params)
     state = SamplingState(
@@ -226,10 +271,9 @@ def sample_tokens(
         done_B=max_new_B <= 0,
         last_token_B=jnp.full((b,), pad_id, jnp.int32),
         cache=cache,
-        rng=rng,
     )
     settings = (temperature_B, top_k_B, top_p_B)
-    first = draw(jax.random.fold_in(rng, 0), logits_BxV, *settings)
+    first = draw_with_uniforms(u_BxN[:, 0], logits_BxV, *settings)
     state = _record(state, *first, stop_ids_BxS, max_new_B, pad_id)
 
     def cond(s: SamplingState):
@@ -238,7 +282,8 @@ def sample_tokens(
     def body(s: SamplingState):
         # Feeds the token drawn last (generated token step - 1) and draws the next one.
         logits_BxV, cache = decode_one(model, weights, s.last_token_B, s.step - 1, s.cache)
-        drawn = draw(jax.random.fold_in(s.rng, s.step), logits_BxV, *settings)
+        u_B = jax.lax.dynamic_slice_in_dim(u_BxN, s.step, 1, axis=1)[:, 0]
+        drawn = draw_with_uniforms(u_B, logits_BxV, *settings)
         return _record(s.replace(cache=cache), *drawn, stop_ids_BxS, max_new_B, pad_id)
 
     state = jax.lax.while_loop(cond, body, state)
@@ -324,12 +369,36 @@ class Sampler:
         self.mesh, self.rules = mesh, rules
         self.num_traces = 0
         self._jitted = jax.jit(self._traced, static_argnames=("max_new_bucket",))
+        self._jitted_shards = jax.jit(self._traced_shards, static_argnames=("max_new_bucket",))
 
     def _traced(self, params, *arrays, max_new_bucket: int):
         self.num_traces += 1  # Runs only while tracing: counts compilations.
         return sample_tokens(
             self.model, params, *arrays, max_new_bucket=max_new_bucket, pad_id=self.pad_id
         )
+
+    def _traced_shards(self, params, *arrays, max_new_bucket: int):
+        """`sample_tokens` with one decode loop per shard of rows (`_row_axes`)."""
+        self.num_traces += 1
+        *rows, rng = arrays
+        u_BxN = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
+        spec = jax.P(self._row_axes())
+        per_shard = jax.shard_map(
+            functools.partial(sample_with_uniforms, self.model, pad_id=self.pad_id),
+            mesh=self.mesh, in_specs=(jax.P(), *[spec] * len(rows), spec), out_specs=spec,
+        )  # fmt: skip
+        return per_shard(params, *rows, u_BxN)
+
+    def _row_axes(self) -> tuple[str, ...] | None:
+        """The mesh axes rows are split over when they are all the mesh's axes (rows are then
+        independent per device: each runs its own loop, with no collective per step, and
+        stops when its own rows are done); else None (one loop under the activation rules)."""
+        from tg_jax import sharding  # noqa: PLC0415 (only the sharded path needs it)
+
+        spec = sharding.data_sharding(self.mesh, self.rules, 1).spec[0]
+        axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+        used = {a for a in self.mesh.axis_names if self.mesh.shape[a] > 1}
+        return axes if axes and used <= set(axes) else None
 
     def sample(
         self,
@@ -408,11 +477,16 @@ class Sampler:
             return self._jitted(params, *args, rng, max_new_bucket=n)
         from tg_jax import sharding  # noqa: PLC0415 (only the sharded path needs it)
 
+        placed = [
+            jax.device_put(a, sharding.data_sharding(self.mesh, self.rules, a.ndim)) for a in args
+        ]
+        replicated = all(
+            getattr(x, "sharding", None) is not None and x.sharding.is_fully_replicated
+            for x in jax.tree.leaves(params)
+        )
+        if replicated and self._row_axes() is not None:
+            return self._jitted_shards(params, *placed, rng, max_new_bucket=n)
         with sharding.activation_sharding(self.mesh, self.rules):
-            placed = [
-                jax.device_put(a, sharding.data_sharding(self.mesh, self.rules, a.ndim))
-                for a in args
-            ]
             return self._jitted(params, *placed, rng, max_new_bucket=n)
 
 
@@ -455,10 +529,14 @@ __all__ = [
     "SamplingState",
     "batch_bucket",
     "draw",
+    "draw_with_uniforms",
     "filter_logits",
     "first_argmax",
     "length_bucket",
     "logprob_mismatch",
     "sample_tokens",
+    "sample_with_uniforms",
     "sequence_logprobs",
+    "step_uniforms",
+    "uniforms",
 ]
