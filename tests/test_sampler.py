@@ -27,7 +27,8 @@ CFG = ModelConfig(
 def setup():
     hf_model, params = make_hf_qwen3(CFG, seed=3, std=0.2)
     model = Transformer(CFG)
-    sampler = Sampler(model, pad_id=PAD, length_multiple=32)
+    # Segments of 8 steps: the tests below run the segmented decode loop (segment_ends).
+    sampler = Sampler(model, pad_id=PAD, length_multiple=32, segment=8)
     return hf_model, model, jax.tree.map(jnp.asarray, params), sampler
 
 
@@ -228,6 +229,57 @@ def test_data_parallel_sampler_runs_a_loop_per_shard_and_matches_single_device(s
             np.testing.assert_allclose(ref.logprobs[i], out.logprobs[i], atol=1e-5)
             np.testing.assert_allclose(ref.raw_logprobs[i], out.raw_logprobs[i], atol=1e-5)
     assert sum(len(t) for t in ref.tokens) > 40  # sampled, not stopped at once
+
+
+def test_segment_ends_by_hand():
+    from tg_jax.sampling.decode_step import extend, prefill
+    from tg_jax.sampling.sampler import segment_ends
+
+    assert segment_ends(128, 0) == [128]
+    assert segment_ends(128, 64) == [64, 128]
+    assert segment_ends(100, 32) == [32, 64, 96, 100]
+    assert segment_ends(16, 64) == [16]
+    with pytest.raises(ValueError, match="segment must be >= 0"):
+        segment_ends(16, -1)
+    with pytest.raises(ValueError, match="segment must be >= 0"):
+        Sampler(Transformer(CFG), pad_id=PAD, segment=-8)
+    # The cache grows by empty slots; it never shrinks.
+    model = Transformer(CFG)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    prompt = jnp.ones((2, 4), jnp.int32)
+    _, cache = prefill(model, params, prompt, jnp.array([4, 2]), max_new=16, slots=8)
+    assert cache.k[0].shape[-1] == cache.v[0].shape[2] == 12
+    assert cache.rope_cos.shape == (20, CFG.head_dim // 2)  # every position P + N
+    grown = extend(cache, 16)
+    assert grown.k[0].shape[-1] == grown.v[0].shape[2] == 20
+    np.testing.assert_array_equal(grown.k[1][..., :12], cache.k[1])
+    np.testing.assert_array_equal(grown.v[1][:, :, 12:], 0.0)
+    with pytest.raises(ValueError, match="cannot shrink"):
+        extend(grown, 8)
+
+
+def test_segmented_loop_samples_what_one_loop_samples(setup):
+    """Segments change how many cache slots a step reads (masked ones weigh exactly 0), not
+    what is sampled: tokens equal one loop over all slots, log-probs to float rounding."""
+    _, model, params, segmented = setup
+    one_loop = Sampler(model, pad_id=PAD, length_multiple=32)
+    prompts = _prompts((3, 17, 8, 1), seed=4)
+    kw = dict(max_new_tokens=[30, 12, 41, 5], temperature=1.0, rng=jax.random.key(2))
+    ref, out = one_loop.sample(params, prompts, **kw), segmented.sample(params, prompts, **kw)
+    for i in range(len(prompts)):
+        np.testing.assert_array_equal(ref.tokens[i], out.tokens[i])
+        np.testing.assert_allclose(ref.logprobs[i], out.logprobs[i], atol=1e-5)
+    assert max(map(len, ref.tokens)) > 16  # ran past the first segments
+
+
+def test_blocked_cumsum_is_the_cumulative_sum():
+    from tg_jax.sampling.sampler import blocked_cumsum
+
+    x = np.random.default_rng(0).random((3, 37)).astype(np.float32)  # 37: a partial block
+    for block in (1, 4, 16, 64):
+        np.testing.assert_allclose(blocked_cumsum(jnp.asarray(x), block), np.cumsum(x, -1),
+                                   rtol=1e-6)  # fmt: skip
+    np.testing.assert_array_equal(blocked_cumsum(jnp.asarray([[1.0, 2.0, 3.0]]), 2), [[1, 3, 6]])
 
 
 def test_step_uniforms_are_the_per_step_draws():

@@ -59,18 +59,25 @@ class DecodeCache:
 
 
 def prefill(
-    model: Transformer, params: Any, prompt_BxP: Array, prompt_lengths_B: Array, max_new: int
+    model: Transformer,
+    params: Any,
+    prompt_BxP: Array,
+    prompt_lengths_B: Array,
+    max_new: int,
+    slots: int | None = None,
 ) -> tuple[Array, DecodeCache]:
     """Runs the prompt block through the model and builds the decode cache.
 
     Args:
       prompt_BxP: [B, P] int32 right-padded prompts.
       prompt_lengths_B: [B] int32, 1 <= L_b <= P.
-      max_new: N, generated-token slots to reserve.
+      max_new: N, generated tokens the cache serves (its RoPE tables cover P + N positions).
+      slots: generated-token slots to allocate now (default N; `extend` adds more).
     Returns:
-      (fp32 logits [B, V] at each row's last prompt token, DecodeCache with P + N slots).
+      (fp32 logits [B, V] at each row's last prompt token, DecodeCache with P + slots slots).
     """
     b, p = prompt_BxP.shape
+    slots = max_new if slots is None else slots
     positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     hidden_BxPxD, cache = model.apply(
         {"params": params},
@@ -87,7 +94,7 @@ def prefill(
     def layout(c_LxBxPxKxH, order):  # -> per layer [B, K, P + N, Dh] or [B, K, Dh, P + N]
         c = jnp.transpose(c_LxBxPxKxH, order)
         slot_axis = order.index(2)
-        pad = [(0, max_new if a == slot_axis else 0) for a in range(c.ndim)]
+        pad = [(0, slots if a == slot_axis else 0) for a in range(c.ndim)]
         c = jnp.pad(c, pad)
         return tuple(c[i] for i in range(c.shape[0]))
 
@@ -99,6 +106,22 @@ def prefill(
     return logits_Bx1xV[:, 0], cache
 
 
+def extend(cache: DecodeCache, slots: int) -> DecodeCache:
+    """The cache with `slots` generated-token slots (appended empty slots; one copy).
+
+    The sampler's loop runs in segments and grows the cache between them, so that a step
+    attends over the slots generated so far (rounded up to its segment), not over all N: the
+    attention reads every cache slot, and on CPU it is bound by those reads.
+    """
+    total = cache.prompt_slots + slots
+    grow = total - cache.v[0].shape[2]
+    if grow < 0:
+        raise ValueError(f"cannot shrink the cache to {slots} generated slots")
+    k = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, grow))) for x in cache.k)
+    v = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, grow), (0, 0))) for x in cache.v)
+    return cache.replace(k=k, v=v)
+
+
 @flax.struct.dataclass
 class DecodeWeights:
     """The model's params rearranged once per sampling call for the decode loop.
@@ -107,10 +130,12 @@ class DecodeWeights:
       layers: per layer, {"attn_norm", "q_norm", "k_norm", "mlp_norm": RMSNorm params,
         "qkv": [D, (N + 2K) * Dh] fused q/k/v projection, "o": [N * Dh, D], and for a dense
         model "gate_up": [D, 2F] fused and "down": [F, D]; for MoE "mlp": the layer's params}.
-      params: the full params (embedding, final norm, unembedding).
+      unembed: [D, V] output projection (the embedding transposed when tied).
+      params: the full params (embedding, final norm).
     """
 
     layers: tuple[dict[str, Any], ...]
+    unembed: Array
     params: Any
 
 
@@ -143,7 +168,10 @@ def decode_weights(model: Transformer, params: Any) -> DecodeWeights:
             w["gate_up"] = jnp.concatenate([mp["gate_proj"], mp["up_proj"]], axis=1).astype(dt)
             w["down"] = mp["down_proj"].astype(dt)
         layers.append(w)
-    return DecodeWeights(tuple(layers), params)
+    # [D, V] for `hidden @ unembed`: with the tied [V, D] embedding used transposed, XLA:CPU
+    # repacked it every step.
+    unembed = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return DecodeWeights(tuple(layers), unembed.astype(dt), params)
 
 
 def _write(cache: Array, new: Array, col: Array, slot_axis: int) -> Array:
@@ -230,9 +258,9 @@ def decode_one(
             ffn = (jax.nn.silu(gate_BxF) * up_BxF) @ w["down"]
         x_BxD = x_BxD + ffn
 
-    x_Bx1xD = norm(x_BxD, params["final_norm"])[:, None]
-    logits_Bx1xV = model.apply({"params": params}, x_Bx1xD, method=Transformer.unembed)
-    return logits_Bx1xV[:, 0], cache.replace(k=tuple(new_k), v=tuple(new_v))
+    x_BxD = norm(x_BxD, params["final_norm"]).astype(dt)
+    logits_BxV = (x_BxD @ weights.unembed).astype(jnp.float32)
+    return logits_BxV, cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
 __all__ = [
@@ -241,6 +269,7 @@ __all__ = [
     "apply_rope",
     "decode_one",
     "decode_weights",
+    "extend",
     "prefill",
     "rope_tables",
 ]

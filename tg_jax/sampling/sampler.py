@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tg_jax.models import Transformer, forward
-from tg_jax.sampling.decode_step import DecodeCache, decode_one, decode_weights, prefill
+from tg_jax.sampling.decode_step import DecodeCache, decode_one, decode_weights, extend, prefill
 
 Array = jax.Array
 _NEG_INF = -1e30  # finite, so that a fully masked row still gives a (harmless) softmax
@@ -131,6 +131,24 @@ def first_argmax(x_BxV: Array) -> Array:
     return jnp.min(jnp.where(is_max_BxV, ids_V[None, :], vocab), axis=-1)
 
 
+def blocked_cumsum(x_BxV: Array, block: int = 16) -> Array:
+    """Inclusive cumulative sum over the last axis as two small matmuls.
+
+    Sums within blocks of `block` entries (x @ an upper-triangular ones matrix), then adds the
+    totals of the blocks before (totals @ a strictly upper-triangular one). XLA:CPU lowers
+    `jnp.cumsum` to a chain of reduce-windows; in the sampler's draw this made the draw ~2x
+    slower. The sums agree with `jnp.cumsum` to float rounding (they are added in another
+    order).
+    """
+    b, v = x_BxV.shape
+    nb = -(-v // block)
+    x_BxNxK = jnp.pad(x_BxV, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+    r_K, r_N = jnp.arange(block), jnp.arange(nb)
+    within_BxNxK = x_BxNxK @ (r_K[:, None] <= r_K[None, :]).astype(x_BxV.dtype)
+    before_BxN = within_BxNxK[..., -1] @ (r_N[:, None] < r_N[None, :]).astype(x_BxV.dtype)
+    return (within_BxNxK + before_BxN[..., None]).reshape(b, nb * block)[:, :v]
+
+
 def uniforms(rng: Array, batch: int) -> Array:
     """[B] uniform numbers in (0, 1): the random input of `draw` (one per row)."""
     return jax.random.uniform(rng, (batch,), minval=jnp.finfo(jnp.float32).tiny)
@@ -163,7 +181,7 @@ def draw_with_uniforms(
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
     z_BxV = filter_logits(logits_BxV, safe_t_B, top_k_B, top_p_B)
     lse_z_B = jax.nn.logsumexp(z_BxV, axis=-1)
-    cdf_BxV = jnp.cumsum(jnp.exp(z_BxV - lse_z_B[:, None]), axis=-1)
+    cdf_BxV = blocked_cumsum(jnp.exp(z_BxV - lse_z_B[:, None]))
     target_B = u_B * cdf_BxV[:, -1]
     sampled_B = jnp.sum(cdf_BxV < target_B[:, None], axis=-1, dtype=jnp.int32)
     sampled_B = jnp.minimum(sampled_B, vocab - 1)
@@ -206,6 +224,21 @@ def step_uniforms(rng: Array, batch: int, steps: int) -> Array:
     return jax.vmap(lambda k: uniforms(k, batch))(keys).T
 
 
+def segment_ends(n: int, segment: int) -> list[int]:
+    """Where the decode loop's segments end: [segment, 2 * segment, ..., n] (0: [n]).
+
+    Segment i's steps attend over a cache of P + ends[i] slots (`decode_step.extend` grows it
+    between segments) instead of P + N: a step reads every slot of the cache, so the first
+    segments read less. Each segment is its own `while_loop` (compiled separately), so short
+    segments trade compile time for speed.
+    """
+    if segment < 0:
+        raise ValueError(f"segment must be >= 0, got {segment}")
+    if segment == 0 or segment >= n:
+        return [n]
+    return [min(n, end) for end in range(segment, n + segment, segment)]
+
+
 def sample_tokens(
     model: Transformer,
     params: Any,
@@ -220,8 +253,9 @@ def sample_tokens(
     *,
     max_new_bucket: int,
     pad_id: int,
+    segment: int = 0,
 ) -> SampleOutput:
-    """Prefill + decode loop (pure; jit it with `max_new_bucket` and `pad_id` static).
+    """Prefill + decode loop (pure; jit it with `max_new_bucket`, `pad_id`, `segment` static).
 
     Args:
       prompt_BxP: [B, P] int32 right-padded prompts.
@@ -231,13 +265,14 @@ def sample_tokens(
       temperature_B, top_k_B, top_p_B: [B] sampling settings (module docstring).
       rng: PRNG key (`step_uniforms(rng, B, N)` are the draws' random numbers).
       max_new_bucket: N, the static number of output columns.
+      segment: decode-loop segment length (`segment_ends`; 0 = one loop over all N slots).
     Returns:
       SampleOutput with [B, N] tokens / log-probs and [B] lengths / stopped flags.
     """
     u_BxN = step_uniforms(rng, prompt_BxP.shape[0], max_new_bucket)
     return sample_with_uniforms(
         model, params, prompt_BxP, prompt_lengths_B, max_new_B, stop_ids_BxS, temperature_B,
-        top_k_B, top_p_B, u_BxN, pad_id=pad_id,
+        top_k_B, top_p_B, u_BxN, pad_id=pad_id, segment=segment,
     )  # fmt: skip
 
 
@@ -254,12 +289,15 @@ def sample_with_uniforms(
     u_BxN: Array,
     *,
     pad_id: int,
+    segment: int = 0,
 ) -> SampleOutput:
     """`sample_tokens` with its random numbers given: u_BxN [B, N] in (0, 1), column i for the
     i-th token of every row. Rows are independent, so a shard of rows (with its rows of every
-    argument) samples exactly what the whole batch samples for them."""
+    argument) samples exactly what the whole batch samples for them. `segment`: see
+    `segment_ends`."""
     b, n = u_BxN.shape
-    logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, n)
+    ends = segment_ends(n, segment)
+    logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, n, slots=ends[0])
     weights = decode_weights(model, params)
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
@@ -276,9 +314,6 @@ def sample_with_uniforms(
     first = draw_with_uniforms(u_BxN[:, 0], logits_BxV, *settings)
     state = _record(state, *first, stop_ids_BxS, max_new_B, pad_id)
 
-    def cond(s: SamplingState):
-        return (s.step < n) & ~jnp.all(s.done_B)
-
     def body(s: SamplingState):
         # Feeds the token drawn last (generated token step - 1) and draws the next one.
         logits_BxV, cache = decode_one(model, weights, s.last_token_B, s.step - 1, s.cache)
@@ -286,7 +321,13 @@ def sample_with_uniforms(
         drawn = draw_with_uniforms(u_B, logits_BxV, *settings)
         return _record(s.replace(cache=cache), *drawn, stop_ids_BxS, max_new_B, pad_id)
 
-    state = jax.lax.while_loop(cond, body, state)
+    for i, end in enumerate(ends):
+        # Steps up to `end` write generated slots < end: the cache holds exactly those.
+        if i:
+            state = state.replace(cache=extend(state.cache, end))
+        state = jax.lax.while_loop(
+            lambda s, end=end: (s.step < end) & ~jnp.all(s.done_B), body, state
+        )
     return SampleOutput(
         tokens_BxN=state.tokens_BxN,
         logprobs_BxN=state.logprobs_BxN,
@@ -352,6 +393,7 @@ class Sampler:
         stop_width: int = 4,
         mesh: Any = None,
         rules: Any = None,
+        segment: int = 64,
     ):
         """Args:
         pad_id: id written past each row's end (and in prompt padding).
@@ -360,6 +402,8 @@ class Sampler:
         stop_width: stop-id slots per row (rows with more stop ids widen it, and recompile).
         mesh, rules: when given, the sampler runs under these activation shardings and
           shards the batch (params must already live on that mesh).
+        segment: decode-loop segment length (`segment_ends`; 0 = one loop). With 64, P = 64
+          and N = 128 (the benchmark's shape) sampled ~6% faster than one loop.
         """
         self.model = model
         self.pad_id = int(pad_id)
@@ -367,6 +411,8 @@ class Sampler:
         self.batch_divisor = batch_divisor
         self.stop_width = stop_width
         self.mesh, self.rules = mesh, rules
+        segment_ends(1, segment)  # validates it
+        self.segment = int(segment)
         self.num_traces = 0
         self._jitted = jax.jit(self._traced, static_argnames=("max_new_bucket",))
         self._jitted_shards = jax.jit(self._traced_shards, static_argnames=("max_new_bucket",))
@@ -374,8 +420,9 @@ class Sampler:
     def _traced(self, params, *arrays, max_new_bucket: int):
         self.num_traces += 1  # Runs only while tracing: counts compilations.
         return sample_tokens(
-            self.model, params, *arrays, max_new_bucket=max_new_bucket, pad_id=self.pad_id
-        )
+            self.model, params, *arrays, max_new_bucket=max_new_bucket, pad_id=self.pad_id,
+            segment=self.segment,
+        )  # fmt: skip
 
     def _traced_shards(self, params, *arrays, max_new_bucket: int):
         """`sample_tokens` with one decode loop per shard of rows (`_row_axes`)."""
@@ -384,7 +431,9 @@ class Sampler:
         u_BxN = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
         spec = jax.P(self._row_axes())
         per_shard = jax.shard_map(
-            functools.partial(sample_with_uniforms, self.model, pad_id=self.pad_id),
+            functools.partial(
+                sample_with_uniforms, self.model, pad_id=self.pad_id, segment=self.segment
+            ),
             mesh=self.mesh, in_specs=(jax.P(), *[spec] * len(rows), spec), out_specs=spec,
         )  # fmt: skip
         return per_shard(params, *rows, u_BxN)
@@ -528,6 +577,7 @@ __all__ = [
     "Sampler",
     "SamplingState",
     "batch_bucket",
+    "blocked_cumsum",
     "draw",
     "draw_with_uniforms",
     "filter_logits",
@@ -536,6 +586,7 @@ __all__ = [
     "logprob_mismatch",
     "sample_tokens",
     "sample_with_uniforms",
+    "segment_ends",
     "sequence_logprobs",
     "step_uniforms",
     "uniforms",
