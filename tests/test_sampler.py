@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.hf_reference import make_hf_qwen3
-from tg_jax.models import ModelConfig, Transformer, forward
+from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.sampling.sampler import (
     Sampler,
     batch_bucket,
@@ -74,6 +74,60 @@ def test_greedy_matches_full_recompute_and_hf(setup):
         )  # fmt: skip
         assert list(toks) == ref[0, len(prompt) :].tolist()
     assert all(np.all(lp == 0.0) for lp in out.logprobs)  # greedy: point mass
+
+
+def test_long_prompts_prefill_in_query_blocks_like_the_model():
+    """Prompt blocks longer than the prefill's query block (128): the next-token logits and
+    the greedy continuation equal full recomputation by the model."""
+    import dataclasses
+
+    from tg_jax.sampling.decode_step import prefill
+
+    cfg = dataclasses.replace(CFG, max_seq_len=512)
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(2))
+    lengths = (300, 129, 7)
+    prompts = _prompts(lengths, seed=5)
+    block = np.zeros((3, 320), np.int32)
+    for i, pr in enumerate(prompts):
+        block[i, : len(pr)] = pr
+    logits, _ = jax.jit(prefill, static_argnums=(0, 4))(
+        model, params, jnp.asarray(block), jnp.asarray(lengths), 8
+    )
+    fwd = jax.jit(lambda t: forward(model, params, t))
+    full = fwd(jnp.asarray(block))
+    last = full[np.arange(3), np.asarray(lengths) - 1]
+    np.testing.assert_allclose(logits, last, atol=1e-4)
+    out = Sampler(model, pad_id=PAD).sample(
+        params, prompts, max_new_tokens=6, temperature=0.0, rng=jax.random.key(0)
+    )
+    for prompt, toks in zip(prompts, out.tokens, strict=True):
+        seq = list(prompt)
+        for _ in range(6):
+            step = fwd(jnp.asarray([seq + [PAD] * (320 - len(seq))] * 3, jnp.int32))
+            seq.append(int(jnp.argmax(step[0, len(seq) - 1])))
+        assert list(toks) == seq[len(prompt) :]
+
+
+def test_moe_sampler_matches_full_recompute():
+    """A Qwen3-MoE model through the sampler's own prefill and decode steps (MoE block)."""
+    cfg = ModelConfig(
+        vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+        mlp_dim=0, max_seq_len=64, num_experts=4, experts_per_token=2, moe_mlp_dim=16,
+    )  # fmt: skip
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(1))
+    prompts = [[3, 9, 4], [7, 1, 5, 5, 2, 8, 6]]
+    out = Sampler(model, pad_id=PAD, length_multiple=16, segment=4).sample(
+        params, prompts, max_new_tokens=10, temperature=0.0, rng=jax.random.key(0)
+    )
+    logits_fn = jax.jit(lambda t: forward(model, params, t))
+    for prompt, toks in zip(prompts, out.tokens, strict=True):
+        seq = list(prompt)
+        for _ in range(10):
+            logits = logits_fn(jnp.asarray([seq + [PAD] * (32 - len(seq))], jnp.int32))
+            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+        assert list(toks) == seq[len(prompt) :]
 
 
 def test_logprobs_match_trainer_recompute(setup):
@@ -245,7 +299,7 @@ def test_segment_ends_by_hand():
         Sampler(Transformer(CFG), pad_id=PAD, segment=-8)
     # The cache grows by empty slots; it never shrinks.
     model = Transformer(CFG)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = init_params(model, jax.random.key(0))
     prompt = jnp.ones((2, 4), jnp.int32)
     _, cache = prefill(model, params, prompt, jnp.array([4, 2]), max_new=16, slots=8)
     assert cache.k[0].shape[-1] == cache.v[0].shape[2] == 12

@@ -1,8 +1,8 @@
-"""The sampler's KV cache: prefill with the model, then one token per row per step.
+"""The sampler's KV cache: prefill of the prompt block, then one token per row per step.
 
-Prefill runs `tg_jax.models` itself (the Qwen3 `Transformer` with its own cache, slot index ==
-position). Decode steps run the same layers (the model's `RMSNorm`, `rope`, feed-forward and
-unembedding modules, applied to the model's params) over a cache laid out for the decode loop:
+Both run the model's layers (its `RMSNorm`, `rope` arithmetic, feed-forward and embedding
+modules, applied to the model's params, with q/k/v and gate/up fused into single matmuls by
+`decode_weights`) and produce keys and values directly in a layout for the decode loop:
 
   per layer k: [B, K, Dh, P + N], v: [B, K, P + N, Dh]  (batch, kv heads, head dim, slots)
   slots 0..P-1:   the prompt block, slot == position (row b's prompt is slots 0..L_b-1)
@@ -33,9 +33,11 @@ import jax.numpy as jnp
 
 from tg_jax.models import Transformer
 from tg_jax.models.layers import RMSNorm
-from tg_jax.models.qwen3 import init_cache, make_ffn
+from tg_jax.models.qwen3 import make_ffn
 
 Array = jax.Array
+_MASKED = jnp.finfo(jnp.float32).min  # score of a slot a query must not see
+_PREFILL_QUERY_BLOCK = 128  # prefill attention in causal query blocks of this many tokens
 
 
 @flax.struct.dataclass
@@ -56,70 +58,6 @@ class DecodeCache:
     rope_cos: Array
     rope_sin: Array
     prompt_slots: int = flax.struct.field(pytree_node=False)
-
-
-def prefill(
-    model: Transformer,
-    params: Any,
-    prompt_BxP: Array,
-    prompt_lengths_B: Array,
-    max_new: int,
-    slots: int | None = None,
-) -> tuple[Array, DecodeCache]:
-    """Runs the prompt block through the model and builds the decode cache.
-
-    Args:
-      prompt_BxP: [B, P] int32 right-padded prompts.
-      prompt_lengths_B: [B] int32, 1 <= L_b <= P.
-      max_new: N, generated tokens the cache serves (its RoPE tables cover P + N positions).
-      slots: generated-token slots to allocate now (default N; `extend` adds more).
-    Returns:
-      (fp32 logits [B, V] at each row's last prompt token, DecodeCache with P + slots slots).
-    """
-    b, p = prompt_BxP.shape
-    slots = max_new if slots is None else slots
-    positions_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden_BxPxD, cache = model.apply(
-        {"params": params},
-        prompt_BxP,
-        positions_BxP,
-        None,
-        init_cache(model.config, b, p),
-        return_hidden=True,
-    )
-    last_B = prompt_lengths_B - 1
-    last_Bx1xD = jnp.take_along_axis(hidden_BxPxD, last_B[:, None, None], axis=1)
-    logits_Bx1xV = model.apply({"params": params}, last_Bx1xD, method=Transformer.unembed)
-
-    def layout(c_LxBxPxKxH, order):  # -> per layer [B, K, P + N, Dh] or [B, K, Dh, P + N]
-        c = jnp.transpose(c_LxBxPxKxH, order)
-        slot_axis = order.index(2)
-        pad = [(0, slots if a == slot_axis else 0) for a in range(c.ndim)]
-        c = jnp.pad(c, pad)
-        return tuple(c[i] for i in range(c.shape[0]))
-
-    k, v = layout(cache["k"], (0, 1, 3, 4, 2)), layout(cache["v"], (0, 1, 3, 2, 4))
-    cfg = model.config
-    all_positions_1xS = jnp.arange(p + max_new, dtype=jnp.int32)[None, :]
-    cos, sin = rope_tables(all_positions_1xS, cfg.head_dim, cfg.rope_theta)
-    cache = DecodeCache(k, v, prompt_lengths_B, cos[0, :, 0], sin[0, :, 0], prompt_slots=p)
-    return logits_Bx1xV[:, 0], cache
-
-
-def extend(cache: DecodeCache, slots: int) -> DecodeCache:
-    """The cache with `slots` generated-token slots (appended empty slots; one copy).
-
-    The sampler's loop runs in segments and grows the cache between them, so that a step
-    attends over the slots generated so far (rounded up to its segment), not over all N: the
-    attention reads every cache slot, and on CPU it is bound by those reads.
-    """
-    total = cache.prompt_slots + slots
-    grow = total - cache.v[0].shape[2]
-    if grow < 0:
-        raise ValueError(f"cannot shrink the cache to {slots} generated slots")
-    k = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, grow))) for x in cache.k)
-    v = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, grow), (0, 0))) for x in cache.v)
-    return cache.replace(k=k, v=v)
 
 
 @flax.struct.dataclass
@@ -174,6 +112,90 @@ def decode_weights(model: Transformer, params: Any) -> DecodeWeights:
     return DecodeWeights(tuple(layers), unembed.astype(dt), params)
 
 
+def prefill(
+    model: Transformer,
+    params: Any,
+    prompt_BxP: Array,
+    prompt_lengths_B: Array,
+    max_new: int,
+    slots: int | None = None,
+    weights: DecodeWeights | None = None,
+) -> tuple[Array, DecodeCache]:
+    """Runs the prompt block through the layers and builds the decode cache.
+
+    The same layer math as `decode_one` (fused q/k/v and gate/up matmuls), with causal
+    attention inside the block; keys and values are produced in the cache's layout.
+
+    Args:
+      prompt_BxP: [B, P] int32 right-padded prompts.
+      prompt_lengths_B: [B] int32, 1 <= L_b <= P.
+      max_new: N, generated tokens the cache serves (its RoPE tables cover P + N positions).
+      slots: generated-token slots to allocate now (default N; `extend` adds more).
+      weights: `decode_weights(model, params)` when the caller has them.
+    Returns:
+      (fp32 logits [B, V] at each row's last prompt token, DecodeCache with P + slots slots).
+    """
+    cfg = model.config
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, p = prompt_BxP.shape
+    slots = max_new if slots is None else slots
+    weights = decode_weights(model, params) if weights is None else weights
+    all_positions_1xS = jnp.arange(p + max_new, dtype=jnp.int32)[None, :]
+    cos_1xSx1xH, sin_1xSx1xH = rope_tables(all_positions_1xS, h, cfg.rope_theta)
+    rope_P = (cos_1xSx1xH[:, :p], sin_1xSx1xH[:, :p])
+    t_P = jnp.arange(p)
+    causal_PxP = t_P[None, :] <= t_P[:, None]  # [query, key]: key at or before the query
+
+    x_BxPxD = _embed(model, weights, prompt_BxP)
+    ks, vs = [], []
+    for w in weights.layers:
+        q_BxPxNxH, k_BxPxKxH, v_BxPxKxH = _attention_inputs(cfg, w, x_BxPxD, *rope_P)
+        k_BxKxHxP = jnp.transpose(k_BxPxKxH, (0, 2, 3, 1)).astype(dt)
+        v_BxKxPxH = jnp.transpose(v_BxPxKxH, (0, 2, 1, 3)).astype(dt)
+        q_BxKxGxPxH = jnp.transpose(q_BxPxNxH.reshape(b, p, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
+        outs = []
+        for lo in range(0, p, _PREFILL_QUERY_BLOCK):
+            # Causal query block [lo, hi) scores keys [0, hi) only: the masked upper triangle
+            # beyond the block is never computed (the [P, P] scores dominated long prefills).
+            hi = min(lo + _PREFILL_QUERY_BLOCK, p)
+            q_blk = q_BxKxGxPxH[:, :, :, lo:hi]
+            scores = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_BxKxHxP[..., :hi])
+            scores = scores.astype(jnp.float32) * (h**-0.5)
+            scores = jnp.where(causal_PxP[lo:hi, :hi], scores, _MASKED)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxPxH[:, :, :hi]))
+        out_BxKxGxPxH = jnp.concatenate(outs, axis=3)
+        out_BxPxE = jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n * h)
+        x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxE)
+        ks.append(jnp.pad(k_BxKxHxP, ((0, 0), (0, 0), (0, 0), (0, slots))))
+        vs.append(jnp.pad(v_BxKxPxH, ((0, 0), (0, 0), (0, slots), (0, 0))))
+
+    last_B = prompt_lengths_B - 1
+    last_BxD = jnp.take_along_axis(x_BxPxD, last_B[:, None, None], axis=1)[:, 0]
+    cache = DecodeCache(
+        tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH[0, :, 0], sin_1xSx1xH[0, :, 0],
+        prompt_slots=p,
+    )  # fmt: skip
+    return _logits(cfg, weights, last_BxD), cache
+
+
+def extend(cache: DecodeCache, slots: int) -> DecodeCache:
+    """The cache with `slots` generated-token slots (appended empty slots; one copy).
+
+    The sampler's loop runs in segments and grows the cache between them, so that a step
+    attends over the slots generated so far (rounded up to its segment), not over all N: the
+    attention reads every cache slot, and on CPU it is bound by those reads.
+    """
+    total = cache.prompt_slots + slots
+    grow = total - cache.v[0].shape[2]
+    if grow < 0:
+        raise ValueError(f"cannot shrink the cache to {slots} generated slots")
+    k = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, grow))) for x in cache.k)
+    v = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, grow), (0, 0))) for x in cache.v)
+    return cache.replace(k=k, v=v)
+
+
 def _write(cache: Array, new: Array, col: Array, slot_axis: int) -> Array:
     """Writes one shared column in place (a dynamic_update_slice, not a scatter)."""
     start = tuple(col if a == slot_axis else 0 for a in range(cache.ndim))
@@ -194,6 +216,48 @@ def apply_rope(x_BxTxNxH: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x_BxTxNxH.dtype)
 
 
+def _norm(cfg, x: Array, norm_params: Any) -> Array:
+    return RMSNorm(cfg.rms_norm_eps, cfg.jnp_param_dtype).apply({"params": norm_params}, x)
+
+
+def _embed(model: Transformer, weights: DecodeWeights, tokens_BxT: Array) -> Array:
+    return model.apply({"params": weights.params}, tokens_BxT, method=Transformer.embed_tokens)
+
+
+def _attention_inputs(cfg, w: dict[str, Any], x_BxTxD: Array, cos: Array, sin: Array):
+    """Pre-norm, fused q/k/v projection, q/k RMSNorm and RoPE of one layer:
+    (q [B, T, N, Dh], k [B, T, K, Dh], v [B, T, K, Dh])."""
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t = x_BxTxD.shape[:2]
+    qkv_BxTxE = _norm(cfg, x_BxTxD, w["attn_norm"]).astype(cfg.jnp_dtype) @ w["qkv"]
+    q_BxTxNxH = qkv_BxTxE[..., : n * h].reshape(b, t, n, h)
+    k_BxTxKxH = qkv_BxTxE[..., n * h : (n + n_kv) * h].reshape(b, t, n_kv, h)
+    v_BxTxKxH = qkv_BxTxE[..., (n + n_kv) * h :].reshape(b, t, n_kv, h)
+    q_BxTxNxH = apply_rope(_norm(cfg, q_BxTxNxH, w["q_norm"]), cos, sin)
+    k_BxTxKxH = apply_rope(_norm(cfg, k_BxTxKxH, w["k_norm"]), cos, sin)
+    return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
+
+
+def _attention_output_and_ffn(cfg, w: dict[str, Any], x_BxTxD: Array, attn_BxTxE: Array):
+    """The rest of one layer: output projection and residual, pre-norm feed-forward and
+    residual (SwiGLU with fused gate/up, or the MoE block)."""
+    dt = cfg.jnp_dtype
+    x_BxTxD = x_BxTxD + attn_BxTxE @ w["o"]
+    hid_BxTxD = _norm(cfg, x_BxTxD, w["mlp_norm"])
+    if cfg.is_moe:
+        ffn = make_ffn(cfg, "mlp").apply({"params": w["mlp"]}, hid_BxTxD)
+    else:
+        gate_BxTxF, up_BxTxF = jnp.split(hid_BxTxD.astype(dt) @ w["gate_up"], 2, axis=-1)
+        ffn = (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ w["down"]
+    return x_BxTxD + ffn
+
+
+def _logits(cfg, weights: DecodeWeights, x_BxD: Array) -> Array:
+    """Final norm and unembedding: fp32 logits [B, V]."""
+    x_BxD = _norm(cfg, x_BxD, weights.params["final_norm"]).astype(cfg.jnp_dtype)
+    return (x_BxD @ weights.unembed).astype(jnp.float32)
+
+
 def decode_one(
     model: Transformer, weights: DecodeWeights, tokens_B: Array, index: Array, cache: DecodeCache
 ) -> tuple[Array, DecodeCache]:
@@ -211,7 +275,7 @@ def decode_one(
       (fp32 logits [B, V] for the next token, updated cache).
     """
     cfg = model.config
-    dt, pdt = cfg.jnp_dtype, cfg.jnp_param_dtype
+    dt = cfg.jnp_dtype
     n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b = tokens_B.shape[0]
     p = cache.prompt_slots
@@ -225,42 +289,21 @@ def decode_one(
     cos = cache.rope_cos[positions_Bx1][:, :, None, :]  # [B, 1, 1, Dh/2]
     sin = cache.rope_sin[positions_Bx1][:, :, None, :]
 
-    def norm(x, norm_params):
-        return RMSNorm(cfg.rms_norm_eps, pdt).apply({"params": norm_params}, x)
-
-    params = weights.params
-    x_BxD = model.apply({"params": params}, tokens_B[:, None], method=Transformer.embed_tokens)
-    x_BxD = x_BxD[:, 0]
+    x_Bx1xD = _embed(model, weights, tokens_B[:, None])
     new_k, new_v = list(cache.k), list(cache.v)
     for i, w in enumerate(weights.layers):
-        hid_BxD = norm(x_BxD, w["attn_norm"]).astype(dt)
-        qkv_BxE = hid_BxD @ w["qkv"]
-        q_Bx1xNxH = qkv_BxE[:, : n * h].reshape(b, 1, n, h)
-        k_Bx1xKxH = qkv_BxE[:, n * h : (n + n_kv) * h].reshape(b, 1, n_kv, h)
-        v_BxKx1xH = qkv_BxE[:, (n + n_kv) * h :].reshape(b, n_kv, 1, h)
-        q_Bx1xNxH = apply_rope(norm(q_Bx1xNxH, w["q_norm"]), cos, sin)
-        k_Bx1xKxH = apply_rope(norm(k_Bx1xKxH, w["k_norm"]), cos, sin)
+        q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         new_k[i] = _write(new_k[i], jnp.transpose(k_Bx1xKxH, (0, 2, 3, 1)), col, slot_axis=3)
-        new_v[i] = _write(new_v[i], v_BxKx1xH, col, slot_axis=2)
+        new_v[i] = _write(new_v[i], jnp.transpose(v_Bx1xKxH, (0, 2, 1, 3)), col, slot_axis=2)
         q_BxKxGxH = q_Bx1xNxH.reshape(b, n_kv, n // n_kv, h)
         scores_BxKxGxS = jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, new_k[i].astype(dt))
         scores_BxKxGxS = scores_BxKxGxS.astype(jnp.float32) * (h**-0.5)
-        scores_BxKxGxS = jnp.where(visible_Bx1x1xS, scores_BxKxGxS, jnp.finfo(jnp.float32).min)
+        scores_BxKxGxS = jnp.where(visible_Bx1x1xS, scores_BxKxGxS, _MASKED)
         probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(dt)
         out_BxKxGxH = jnp.einsum("bkgs,bksh->bkgh", probs_BxKxGxS, new_v[i].astype(dt))
-        x_BxD = x_BxD + out_BxKxGxH.reshape(b, n * h) @ w["o"]
-        hid_BxD = norm(x_BxD, w["mlp_norm"])
-        if cfg.is_moe:
-            ffn = make_ffn(cfg, "mlp").apply({"params": w["mlp"]}, hid_BxD[:, None])[:, 0]
-        else:
-            gate_up_Bx2F = hid_BxD.astype(dt) @ w["gate_up"]
-            gate_BxF, up_BxF = jnp.split(gate_up_Bx2F, 2, axis=-1)
-            ffn = (jax.nn.silu(gate_BxF) * up_BxF) @ w["down"]
-        x_BxD = x_BxD + ffn
+        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n * h))
 
-    x_BxD = norm(x_BxD, params["final_norm"]).astype(dt)
-    logits_BxV = (x_BxD @ weights.unembed).astype(jnp.float32)
-    return logits_BxV, cache.replace(k=tuple(new_k), v=tuple(new_v))
+    return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
 __all__ = [

@@ -297,8 +297,10 @@ def sample_with_uniforms(
     `segment_ends`."""
     b, n = u_BxN.shape
     ends = segment_ends(n, segment)
-    logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, n, slots=ends[0])
     weights = decode_weights(model, params)
+    logits_BxV, cache = prefill(
+        model, params, prompt_BxP, prompt_lengths_B, n, slots=ends[0], weights=weights
+    )
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens_BxN=jnp.full((b, n), pad_id, jnp.int32),
