@@ -236,6 +236,11 @@ def test_sigterm_sets_flag_and_loop_saves(tmp_path):
     previous = signal.getsignal(signal.SIGTERM)
     try:
         assert checkpointing.install_sigterm_handler()
+        assert checkpointing.sigterm_handler_installed()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # code replaced it: installs again
+        assert not checkpointing.sigterm_handler_installed()
+        assert checkpointing.install_sigterm_handler()
+        assert checkpointing.sigterm_handler_installed()
         state, abstract = _state(), _abstract(_state())
         with TrainingCheckpointer(tmp_path, save_interval_steps=100) as ckpt:
             last = None

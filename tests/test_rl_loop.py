@@ -150,6 +150,8 @@ def test_sigterm_then_failed_save_then_resume(full_run, tmp_path, monkeypatch):
     _, full = full_run
     work = tmp_path / "sigterm"
     assert checkpointing.install_sigterm_handler()
+    # (a clear failure, not a killed test process, if anything replaced the handler)
+    assert checkpointing.sigterm_handler_installed(), signal.getsignal(signal.SIGTERM)
     try:
         signal.raise_signal(signal.SIGTERM)  # arrives before the first step ends
         stopped = _run(work)

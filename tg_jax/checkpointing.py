@@ -382,19 +382,25 @@ def install_sigterm_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> boo
     if _preemption_service_active():
         return False
     for sig in signals:
-        if sig in _installed_signals:
-            continue
         previous = signal.getsignal(sig)
+        if sig in _installed_signals and getattr(previous, "_tg_jax_preemption", False):
+            continue  # ours is still the handler (if code replaced it since, install again)
 
         def handler(signum, frame, previous=previous):
             logging.warning("signal %d: preemption requested; will save and exit", signum)
             _preempted.set()
-            if callable(previous):
+            if callable(previous) and not getattr(previous, "_tg_jax_preemption", False):
                 previous(signum, frame)
 
+        handler._tg_jax_preemption = True
         signal.signal(sig, handler)
         _installed_signals.add(sig)
     return True
+
+
+def sigterm_handler_installed() -> bool:
+    """Whether SIGTERM currently goes to `install_sigterm_handler`'s handler."""
+    return bool(getattr(signal.getsignal(signal.SIGTERM), "_tg_jax_preemption", False))
 
 
 def request_preemption() -> None:
