@@ -45,14 +45,15 @@ def _logits(params, tokens_BxW):
     return forward(Transformer(CFG), params, tokens_BxW)
 
 
-def _padded(seq):
-    return jnp.asarray([list(seq) + [PAD] * (WIDTH - len(seq))], jnp.int32)
+def _padded(seq, width=WIDTH):
+    return jnp.asarray([list(seq) + [PAD] * (width - len(seq))], jnp.int32)
 
 
-def _greedy_by_recompute(params, prompt, n):
+def _greedy_by_recompute(logits_fn, prompt, n, width=WIDTH):
+    """n greedy tokens after `prompt`, each from a full forward `logits_fn([1, width] ids)`."""
     seq = list(prompt)
     for _ in range(n):
-        logits = _logits(params, _padded(seq))
+        logits = logits_fn(_padded(seq, width))
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt) :]
 
@@ -66,7 +67,7 @@ def test_greedy_matches_full_recompute_and_hf(setup):
     out = sampler.sample(params, prompts, max_new_tokens=12, temperature=0.0, rng=jax.random.key(0))
     for prompt, toks in zip(prompts, out.tokens, strict=True):
         assert len(toks) == 12
-        assert list(toks) == _greedy_by_recompute(params, prompt, 12)
+        assert list(toks) == _greedy_by_recompute(lambda t: _logits(params, t), prompt, 12)
         ids = torch.tensor([prompt])
         ref = hf_model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
@@ -102,11 +103,7 @@ def test_long_prompts_prefill_in_query_blocks_like_the_model():
         params, prompts, max_new_tokens=6, temperature=0.0, rng=jax.random.key(0)
     )
     for prompt, toks in zip(prompts, out.tokens, strict=True):
-        seq = list(prompt)
-        for _ in range(6):
-            step = fwd(jnp.asarray([seq + [PAD] * (320 - len(seq))] * 3, jnp.int32))
-            seq.append(int(jnp.argmax(step[0, len(seq) - 1])))
-        assert list(toks) == seq[len(prompt) :]
+        assert list(toks) == _greedy_by_recompute(fwd, prompt, 6, width=320)
 
 
 def test_moe_sampler_matches_full_recompute():
@@ -123,11 +120,7 @@ def test_moe_sampler_matches_full_recompute():
     )
     logits_fn = jax.jit(lambda t: forward(model, params, t))
     for prompt, toks in zip(prompts, out.tokens, strict=True):
-        seq = list(prompt)
-        for _ in range(10):
-            logits = logits_fn(jnp.asarray([seq + [PAD] * (32 - len(seq))], jnp.int32))
-            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-        assert list(toks) == seq[len(prompt) :]
+        assert list(toks) == _greedy_by_recompute(logits_fn, prompt, 10, width=32)
 
 
 def test_logprobs_match_trainer_recompute(setup):
@@ -348,14 +341,14 @@ def test_step_uniforms_are_the_per_step_draws():
 
 
 def test_draw_frequencies_follow_the_sampling_distribution():
-    from tg_jax.sampling.sampler import draw
+    from tg_jax.sampling.sampler import draw_with_uniforms, uniforms
 
     rows = 20_000
     logits = jnp.broadcast_to(jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, 3.0]), (rows, 6))
     t, k = 0.7, 4
     ones = jnp.ones((rows,))
-    tokens, lp, raw = jax.jit(draw)(
-        jax.random.key(0), logits, t * ones, jnp.full((rows,), k, jnp.int32), ones
+    tokens, lp, raw = jax.jit(draw_with_uniforms)(
+        uniforms(jax.random.key(0), rows), logits, t * ones, jnp.full((rows,), k, jnp.int32), ones
     )
     z = np.asarray(logits[0]) / t
     keep = z >= np.sort(z)[-k]

@@ -13,9 +13,9 @@ which slots a row sees (its prompt slots < L_b and generated slots P..P+i). The 
 of every position 0..P+N-1 are computed once at prefill and a step gathers its rows' entries
 (computed inside the step, XLA repeated the trigonometry in every fusion that used them).
 Layers are unrolled with one cache array per layer, so nothing copies the cache inside the
-`while_loop`. Keys are
-stored slot-minor so that q.K is a plain [G, Dh] x [Dh, S] matmul per (row, kv head): with the
-model's [.., S, Dh] layout XLA:CPU's batched dot was 2x (S = 192) to 9x (S = 640) slower.
+`while_loop`. Keys are stored slot-minor so that q.K is a plain [G, Dh] x [Dh, S] matmul per
+(row, kv head): with the model's [.., S, Dh] layout XLA:CPU's batched dot was 2x (S = 192) to
+9x (S = 640) slower.
 
 Why not `tg_jax.models.decode` for the steps: it writes each row at its own position (a
 per-row scatter), and its layer `scan` slices and restacks the whole cache every step. On a
@@ -168,8 +168,8 @@ def prefill(
         out_BxKxGxPxH = jnp.concatenate(outs, axis=3)
         out_BxPxE = jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n * h)
         x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxE)
-        ks.append(jnp.pad(k_BxKxHxP, ((0, 0), (0, 0), (0, 0), (0, slots))))
-        vs.append(jnp.pad(v_BxKxPxH, ((0, 0), (0, 0), (0, slots), (0, 0))))
+        ks.append(k_BxKxHxP)
+        vs.append(v_BxKxPxH)
 
     last_B = prompt_lengths_B - 1
     last_BxD = jnp.take_along_axis(x_BxPxD, last_B[:, None, None], axis=1)[:, 0]
@@ -177,7 +177,7 @@ def prefill(
         tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH[0, :, 0], sin_1xSx1xH[0, :, 0],
         prompt_slots=p,
     )  # fmt: skip
-    return _logits(cfg, weights, last_BxD), cache
+    return _logits(cfg, weights, last_BxD), extend(cache, slots)
 
 
 def extend(cache: DecodeCache, slots: int) -> DecodeCache:

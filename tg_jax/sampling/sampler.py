@@ -136,9 +136,8 @@ def blocked_cumsum(x_BxV: Array, block: int = 16) -> Array:
 
     Sums within blocks of `block` entries (x @ an upper-triangular ones matrix), then adds the
     totals of the blocks before (totals @ a strictly upper-triangular one). XLA:CPU lowers
-    `jnp.cumsum` to a chain of reduce-windows; in the sampler's draw this made the draw ~2x
-    slower. The sums agree with `jnp.cumsum` to float rounding (they are added in another
-    order).
+    `jnp.cumsum` to a chain of reduce-windows, several kernels per decode step. The sums agree
+    with `jnp.cumsum` to float rounding (they are added in another order).
     """
     b, v = x_BxV.shape
     nb = -(-v // block)
@@ -150,16 +149,8 @@ def blocked_cumsum(x_BxV: Array, block: int = 16) -> Array:
 
 
 def uniforms(rng: Array, batch: int) -> Array:
-    """[B] uniform numbers in (0, 1): the random input of `draw` (one per row)."""
+    """[B] uniform numbers in (0, 1): the random input of `draw_with_uniforms` (one per row)."""
     return jax.random.uniform(rng, (batch,), minval=jnp.finfo(jnp.float32).tiny)
-
-
-def draw(
-    rng: Array, logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array
-) -> tuple[Array, Array, Array]:
-    """`draw_with_uniforms` with the row's uniform numbers `uniforms(rng, B)`."""
-    u_B = uniforms(rng, logits_BxV.shape[0])
-    return draw_with_uniforms(u_B, logits_BxV, temperature_B, top_k_B, top_p_B)
 
 
 def draw_with_uniforms(
@@ -216,8 +207,8 @@ def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxS, max_new_B
 
 
 def step_uniforms(rng: Array, batch: int, steps: int) -> Array:
-    """[B, N] uniform numbers: column i is `uniforms(fold_in(rng, i), B)`, what the i-th
-    draw of `sample_tokens` uses. Drawn all at once before the loop (a CPU decode step spent
+    """[B, N] uniform numbers: column i is `uniforms(fold_in(rng, i), B)`, the random input
+    of the i-th draw of `sample_tokens`. Drawn all at once before the loop (a CPU decode step spent
     a noticeable share of its time in the PRNG); split the rows over devices and each shard
     draws exactly what the unsharded sampler would."""
     keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(steps, dtype=jnp.int32))
@@ -249,52 +240,28 @@ def sample_tokens(
     temperature_B: Array,
     top_k_B: Array,
     top_p_B: Array,
-    rng: Array,
-    *,
-    max_new_bucket: int,
-    pad_id: int,
-    segment: int = 0,
-) -> SampleOutput:
-    """Prefill + decode loop (pure; jit it with `max_new_bucket`, `pad_id`, `segment` static).
-
-    Args:
-      prompt_BxP: [B, P] int32 right-padded prompts.
-      prompt_lengths_B: [B] int32, 1 <= L_b <= P.
-      max_new_B: [B] int32, at most `max_new_bucket`; 0 makes the row a no-op (batch padding).
-      stop_ids_BxS: [B, S] int32 stop ids per row, padded with -1.
-      temperature_B, top_k_B, top_p_B: [B] sampling settings (module docstring).
-      rng: PRNG key (`step_uniforms(rng, B, N)` are the draws' random numbers).
-      max_new_bucket: N, the static number of output columns.
-      segment: decode-loop segment length (`segment_ends`; 0 = one loop over all N slots).
-    Returns:
-      SampleOutput with [B, N] tokens / log-probs and [B] lengths / stopped flags.
-    """
-    u_BxN = step_uniforms(rng, prompt_BxP.shape[0], max_new_bucket)
-    return sample_with_uniforms(
-        model, params, prompt_BxP, prompt_lengths_B, max_new_B, stop_ids_BxS, temperature_B,
-        top_k_B, top_p_B, u_BxN, pad_id=pad_id, segment=segment,
-    )  # fmt: skip
-
-
-def sample_with_uniforms(
-    model: Transformer,
-    params: Any,
-    prompt_BxP: Array,
-    prompt_lengths_B: Array,
-    max_new_B: Array,
-    stop_ids_BxS: Array,
-    temperature_B: Array,
-    top_k_B: Array,
-    top_p_B: Array,
     u_BxN: Array,
     *,
     pad_id: int,
     segment: int = 0,
 ) -> SampleOutput:
-    """`sample_tokens` with its random numbers given: u_BxN [B, N] in (0, 1), column i for the
-    i-th token of every row. Rows are independent, so a shard of rows (with its rows of every
-    argument) samples exactly what the whole batch samples for them. `segment`: see
-    `segment_ends`."""
+    """Prefill + decode loop (pure; jit it with `pad_id` and `segment` static).
+
+    Rows are independent, so a shard of rows (with its rows of every argument) samples exactly
+    what the whole batch samples for them.
+
+    Args:
+      prompt_BxP: [B, P] int32 right-padded prompts.
+      prompt_lengths_B: [B] int32, 1 <= L_b <= P.
+      max_new_B: [B] int32, at most N; 0 makes the row a no-op (batch padding).
+      stop_ids_BxS: [B, S] int32 stop ids per row, padded with -1.
+      temperature_B, top_k_B, top_p_B: [B] sampling settings (module docstring).
+      u_BxN: [B, N] uniform numbers in (0, 1), column i for the i-th token of every row
+        (`step_uniforms(rng, B, N)`); N is the number of output columns.
+      segment: decode-loop segment length (`segment_ends`; 0 = one loop over all N slots).
+    Returns:
+      SampleOutput with [B, N] tokens / log-probs and [B] lengths / stopped flags.
+    """
     b, n = u_BxN.shape
     ends = segment_ends(n, segment)
     weights = decode_weights(model, params)
@@ -402,10 +369,10 @@ class Sampler:
         length_multiple: see `length_bucket` (prompt block and new-token buckets).
         batch_divisor: padded batches are multiples of it (the mesh's batch split).
         stop_width: stop-id slots per row (rows with more stop ids widen it, and recompile).
-        mesh, rules: when given, the sampler runs under these activation shardings and
-          shards the batch (params must already live on that mesh).
-        segment: decode-loop segment length (`segment_ends`; 0 = one loop). With 64, P = 64
-          and N = 128 (the benchmark's shape) sampled ~6% faster than one loop.
+        mesh, rules: when given, the batch is sharded (params must already live on that
+          mesh): with rows over every mesh axis and replicated params, one decode loop per
+          device (`_row_axes`); else one loop under these activation shardings.
+        segment: decode-loop segment length (`segment_ends`; 0 = one loop).
         """
         self.model = model
         self.pad_id = int(pad_id)
@@ -416,29 +383,22 @@ class Sampler:
         segment_ends(1, segment)  # validates it
         self.segment = int(segment)
         self.num_traces = 0
-        self._jitted = jax.jit(self._traced, static_argnames=("max_new_bucket",))
-        self._jitted_shards = jax.jit(self._traced_shards, static_argnames=("max_new_bucket",))
+        self._jitted = jax.jit(self._traced, static_argnames=("max_new_bucket", "per_shard"))
 
-    def _traced(self, params, *arrays, max_new_bucket: int):
+    def _traced(self, params, *arrays, max_new_bucket: int, per_shard: bool):
+        """`sample_tokens` on the padded arrays (the last one the rng); with `per_shard`, one
+        decode loop per shard of rows (`_row_axes`)."""
         self.num_traces += 1  # Runs only while tracing: counts compilations.
-        return sample_tokens(
-            self.model, params, *arrays, max_new_bucket=max_new_bucket, pad_id=self.pad_id,
-            segment=self.segment,
-        )  # fmt: skip
-
-    def _traced_shards(self, params, *arrays, max_new_bucket: int):
-        """`sample_tokens` with one decode loop per shard of rows (`_row_axes`)."""
-        self.num_traces += 1
         *rows, rng = arrays
         u_BxN = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
-        spec = jax.P(self._row_axes())
-        per_shard = jax.shard_map(
-            functools.partial(
-                sample_with_uniforms, self.model, pad_id=self.pad_id, segment=self.segment
-            ),
-            mesh=self.mesh, in_specs=(jax.P(), *[spec] * len(rows), spec), out_specs=spec,
-        )  # fmt: skip
-        return per_shard(params, *rows, u_BxN)
+        fn = functools.partial(sample_tokens, self.model, pad_id=self.pad_id, segment=self.segment)
+        if per_shard:
+            spec = jax.P(self._row_axes())
+            fn = jax.shard_map(
+                fn, mesh=self.mesh, in_specs=(jax.P(), *[spec] * len(rows), spec),
+                out_specs=spec,
+            )  # fmt: skip
+        return fn(params, *rows, u_BxN)
 
     def _row_axes(self) -> tuple[str, ...] | None:
         """The mesh axes rows are split over when they are all the mesh's axes (rows are then
@@ -525,7 +485,7 @@ class Sampler:
 
     def _run(self, params, args, rng, n: int) -> SampleOutput:
         if self.mesh is None:
-            return self._jitted(params, *args, rng, max_new_bucket=n)
+            return self._jitted(params, *args, rng, max_new_bucket=n, per_shard=False)
         from tg_jax import sharding  # noqa: PLC0415 (only the sharded path needs it)
 
         placed = [
@@ -536,9 +496,9 @@ class Sampler:
             for x in jax.tree.leaves(params)
         )
         if replicated and self._row_axes() is not None:
-            return self._jitted_shards(params, *placed, rng, max_new_bucket=n)
+            return self._jitted(params, *placed, rng, max_new_bucket=n, per_shard=True)
         with sharding.activation_sharding(self.mesh, self.rules):
-            return self._jitted(params, *placed, rng, max_new_bucket=n)
+            return self._jitted(params, *placed, rng, max_new_bucket=n, per_shard=False)
 
 
 def sequence_logprobs(
@@ -580,14 +540,12 @@ __all__ = [
     "SamplingState",
     "batch_bucket",
     "blocked_cumsum",
-    "draw",
     "draw_with_uniforms",
     "filter_logits",
     "first_argmax",
     "length_bucket",
     "logprob_mismatch",
     "sample_tokens",
-    "sample_with_uniforms",
     "segment_ends",
     "sequence_logprobs",
     "step_uniforms",
