@@ -359,7 +359,6 @@ def _corrupt(step_dir: str, e: Exception) -> CheckpointError:
 # -- preemption ------------------------------------------------------------------------------
 
 _preempted = threading.Event()
-_installed_signals: set[int] = set()
 
 
 def _preemption_service_active() -> bool:
@@ -383,24 +382,27 @@ def install_sigterm_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> boo
         return False
     for sig in signals:
         previous = signal.getsignal(sig)
-        if sig in _installed_signals and getattr(previous, "_tg_jax_preemption", False):
-            continue  # ours is still the handler (if code replaced it since, install again)
+        if _is_preemption_handler(previous):
+            continue  # already ours (code that replaced it since gets it installed again)
 
         def handler(signum, frame, previous=previous):
             logging.warning("signal %d: preemption requested; will save and exit", signum)
             _preempted.set()
-            if callable(previous) and not getattr(previous, "_tg_jax_preemption", False):
+            if callable(previous):
                 previous(signum, frame)
 
         handler._tg_jax_preemption = True
         signal.signal(sig, handler)
-        _installed_signals.add(sig)
     return True
+
+
+def _is_preemption_handler(handler: Any) -> bool:
+    return bool(getattr(handler, "_tg_jax_preemption", False))
 
 
 def sigterm_handler_installed() -> bool:
     """Whether SIGTERM currently goes to `install_sigterm_handler`'s handler."""
-    return bool(getattr(signal.getsignal(signal.SIGTERM), "_tg_jax_preemption", False))
+    return _is_preemption_handler(signal.getsignal(signal.SIGTERM))
 
 
 def request_preemption() -> None:
