@@ -19,6 +19,9 @@ REQUIRED = (
     "sampler/b8/tg_jax_1dev_tok_s",
     "sampler/b8/hf_tok_s",
     "sampler/b8/speedup",
+    "sampler/b8/speedup_min",
+    "sampler/b8/speedup_max",
+    "sampler/b8/speedup_unpaired",
     "sampler/b8/decode_gflop_s",
     "sampler/b8/decode_frac_of_peak",
     "train/default/tg_jax_tok_s",
@@ -72,6 +75,11 @@ def test_micro_suite_writes_every_figure(tmp_path, capsys):
     peak = max(figures["peak/xla_gflop_s"], figures["peak/torch_gflop_s"])
     assert figures["peak/gflop_s"] == peak  # the faster of the two matmuls
     assert figures["sampler/b8/devices"] in (1.0, 2.0)  # micro: 1 device or data-parallel on 2
+    # The speed-up is the median of the paired rounds' ratios (micro: one round).
+    assert figures["sampler/b8/speedup_min"] <= figures["sampler/b8/speedup"]
+    assert figures["sampler/b8/speedup"] <= figures["sampler/b8/speedup_max"]
+    tok_ratio = figures["sampler/b8/tg_jax_tok_s"] / figures["sampler/b8/hf_tok_s"]
+    assert figures["sampler/b8/speedup"] == pytest.approx(tok_ratio)
     assert figures["e2e/metrics_span_s"] == pytest.approx(90.0, abs=1.0)
     assert figures["e2e/rl_wall_s/tg"] == 42.0
     assert "| train/mid/mfu |" in capsys.readouterr().out  # the table was printed
@@ -159,3 +167,76 @@ def test_unrolled_layer_loop_matches_scan():
     g_unroll, g_scan = [jax.jit(jax.grad(lambda p, m=m: loss(m, p)))(params) for m in models]
     for a, b in zip(jax.tree.leaves(g_unroll), jax.tree.leaves(g_scan), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _fake_worker(body: str) -> list[str]:
+    """A `CallWorker` command: Python that runs `body` (it sees `job`, `serve_calls`)."""
+    import sys
+
+    prelude = (
+        "import json, sys, time\n"
+        "from tg_jax.bench.measure import serve_calls\n"
+        "job = json.loads(sys.stdin.readline())\n"
+    )
+    return [sys.executable, "-c", prelude + body]
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc (T = stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_paired_timings_alternate_calls_and_keep_idle_workers_stopped(tmp_path):
+    from tg_jax.bench import measure
+
+    log = tmp_path / "calls.log"
+    body = (
+        "def run():\n"
+        "    time.sleep(job['sleep'])\n"
+        "    open(job['log'], 'a').write(job['name'] + '\\n')\n"
+        "serve_calls(run, warmup=0)\n"
+    )
+    jobs = {"fast": 0.01, "slow": 0.05}
+    workers = {
+        name: measure.CallWorker(_fake_worker(body), {"sleep": s, "log": str(log), "name": name})
+        for name, s in jobs.items()
+    }
+    try:
+        assert [_state(w.pid) for w in workers.values()] == ["T", "T"]  # stopped when idle
+        t = measure.paired_timings(workers, rounds=3)
+        assert [_state(w.pid) for w in workers.values()] == ["T", "T"]
+    finally:
+        for w in workers.values():
+            w.close()
+    # Round 0 fast then slow, round 1 reversed, round 2 as round 0.
+    assert log.read_text().split() == ["fast", "slow", "slow", "fast", "fast", "slow"]
+    assert len(t["fast"].times) == len(t["slow"].times) == 3
+    assert min(t["slow"].times) >= 0.05 and min(t["fast"].times) >= 0.01
+    ratios = measure.round_ratios(t["slow"], t["fast"])
+    assert len(ratios) == 3 and all(1.5 < r < 5.5 for r in ratios)
+    for w in workers.values():  # closed: no process left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(w.pid, 0)
+
+
+def test_call_worker_failures_are_clear_errors():
+    from tg_jax.bench import measure
+
+    crash = _fake_worker("raise SystemExit('cannot build the model: bad job')")
+    with pytest.raises(RuntimeError, match=r"exited with code 1(.|\n)*bad job"):
+        measure.CallWorker(crash, {})
+    chatter = _fake_worker("print('hello'); serve_calls(lambda: None)")
+    with pytest.raises(RuntimeError, match="unexpected output b'hello'"):
+        measure.CallWorker(chatter, {})
+    start = time.monotonic()
+    hang = _fake_worker("time.sleep(600)")
+    with pytest.raises(RuntimeError, match="no reply within 2 s"):
+        measure.CallWorker(hang, {}, timeout_s=2)
+    assert time.monotonic() - start < 30
+    slow_call = _fake_worker("serve_calls(lambda: time.sleep(600), warmup=0)")
+    with measure.CallWorker(slow_call, {}, timeout_s=2) as w:
+        with pytest.raises(RuntimeError, match="no reply within 2 s"):
+            w.call()
+    with pytest.raises(ProcessLookupError):
+        os.kill(w.pid, 0)

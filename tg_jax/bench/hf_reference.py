@@ -17,8 +17,9 @@ thread counts inside it, and keeps, per job, the fastest setting: the reference 
 thread settings, measured on this machine and load, not assumed. The subprocess also keeps
 torch's thread pools away from the JAX process that is timed before and after it.
 
-Worker protocol: `python -m tg_jax.bench.hf_reference` reads a JSON spec from stdin and
-prints one JSON line (see `run_jobs`).
+Worker protocol: `python -m tg_jax.bench.hf_reference` reads a JSON spec line from stdin and
+prints one JSON line (see `run_jobs`); `generate_worker` starts one that serves timed
+`generate` calls under the best setting, paired with tg_jax's calls (`measure.paired_timings`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from tg_jax.bench.measure import Timing, time_calls
+from tg_jax.bench.measure import CallWorker, Timing, serve_calls, time_calls
 
 _POLICY_ENV = "OMP_WAIT_POLICY"
 
@@ -42,7 +43,8 @@ def _timing_dict(t: Timing) -> dict[str, Any]:
             "load": t.load}  # fmt: skip
 
 
-def _generate_timing(job: dict[str, Any]) -> dict[str, Any]:
+def _generate_runner(job: dict[str, Any]) -> Callable[[], None]:
+    """One `generate` call of the job's model, prompts and settings, as a callable."""
     import jax  # noqa: PLC0415 (the worker builds our params only for generate jobs)
     import torch  # noqa: PLC0415 (reference only)
     import transformers  # noqa: PLC0415
@@ -67,7 +69,11 @@ def _generate_timing(job: dict[str, Any]) -> dict[str, Any]:
             )  # fmt: skip
         assert out.shape == (ids.shape[0], ids.shape[1] + n)
 
-    return _timing_dict(time_calls(run, int(job["repeats"])))
+    return run
+
+
+def _generate_timing(job: dict[str, Any]) -> dict[str, Any]:
+    return _timing_dict(time_calls(_generate_runner(job), int(job["repeats"])))
 
 
 def _train_timing(job: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +165,8 @@ def run_reference(
 
     Returns:
       Per job {"seconds": best median, "cpu": its CPU seconds, "setting": "threads=N
-      OMP_WAIT_POLICY=P", "load", "all": {setting: median}}.
+      OMP_WAIT_POLICY=P", "threads": N, "policy": P ("default" = unset), "load",
+      "all": {setting: median}}.
     """
     spec = {"threads": [int(t) for t in threads], "jobs": list(jobs)}
     runs = []
@@ -187,8 +194,11 @@ def run_reference(
             for t, timing in run["results"][i].items():
                 candidates[f"threads={t} {_POLICY_ENV}={run['policy']}"] = timing
         setting = min(candidates, key=lambda k: candidates[k]["median"])
+        threads, policy = setting.split()
         out.append(
             {
+                "threads": int(threads.split("=")[1]),
+                "policy": policy.split("=")[1],
                 "seconds": candidates[setting]["median"],
                 "cpu": candidates[setting]["cpu"],
                 "setting": setting,
@@ -199,8 +209,33 @@ def run_reference(
     return out
 
 
+def generate_worker(job: dict[str, Any], *, threads: int, policy: str) -> CallWorker:
+    """A `CallWorker` serving `generate` calls of a generate job under one setting (torch
+    threads, OMP_WAIT_POLICY; "default" leaves it unset), for `measure.paired_timings`."""
+    env = dict(os.environ)
+    env.pop(_POLICY_ENV, None)
+    if policy != "default":
+        env[_POLICY_ENV] = policy
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return CallWorker(
+        [sys.executable, "-m", "tg_jax.bench.hf_reference"],
+        {"serve": job, "threads": int(threads)},
+        env=env,
+        name=f"transformers generate (threads={threads} {_POLICY_ENV}={policy})",
+    )
+
+
 def main() -> None:
-    print(json.dumps(run_jobs(json.load(sys.stdin))), flush=True)
+    """One JSON spec line on stdin: `run_jobs` (one JSON line out), or {"serve": generate job,
+    "threads": N}: `measure.serve_calls` of that job (`generate_worker`)."""
+    spec = json.loads(sys.stdin.readline())
+    if "serve" in spec:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(int(spec["threads"]))
+        serve_calls(_generate_runner(spec["serve"]))
+        return
+    print(json.dumps(run_jobs(spec)), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -61,6 +62,9 @@ class Suite:
     new_tokens: int = 128
     sampler_repeats: int = 2
     sampler_devices: int = 0  # also time the sampler data-parallel over D devices; 0 = CPU count
+    # Rounds of paired calls (tg_jax, reference) in worker processes for the sampler speed-up
+    # (`measure.paired_timings`); 0 = the unpaired ratio only.
+    sampler_paired_rounds: int = 4
     default_batch: int = 0  # rows of the default-config train step; 0 = its sft.batch_size
     mid_batch: int = 2  # rows of the mid-size train step (x mid_seq_len tokens)
     mid_seq_len: int = 512
@@ -91,6 +95,7 @@ SUITES = {
         peak_n=4096,
         sampler_batches=(8, 64, 256),
         sampler_repeats=3,
+        sampler_paired_rounds=8,
         mid_batch=8,
         train_repeats=3,
         hf_threads=(1, 2),
@@ -109,6 +114,7 @@ SUITES = {
         new_tokens=8,
         sampler_repeats=1,
         sampler_devices=2,
+        sampler_paired_rounds=1,
         default_batch=8,
         mid_batch=8,
         mid_seq_len=32,
@@ -155,41 +161,64 @@ def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
     """Sampler tokens/s vs HF generate (same weights and prompts) and decode FLOP/s.
 
     Ours is timed on one device and data-parallel over D devices (`suite.sampler_devices`; on
-    CPU one host device per core, `throughput.sampler_timing_devices`); `speedup` uses the
-    faster of the two, and both are reported. transformers gets the best of its thread
-    settings, so both sides may use every core.
+    CPU one host device per core, `throughput.sampler_timing_devices`); the faster of the two
+    is ours, and both are reported. transformers gets the best of its thread settings (a
+    sweep), so both sides may use every core. Then, with `suite.sampler_paired_rounds`, ours
+    (its faster device count) and the reference (its best setting) are timed again in paired
+    rounds (`measure.paired_timings`): `speedup` is the median of the rounds' ratios,
+    `speedup_min` / `speedup_max` their range, and the tokens/s are the paired medians;
+    `speedup_unpaired` is the ratio of the first timings, taken minutes apart.
     """
     cfg = ModelConfig.from_config(config.model)
     n, p = suite.new_tokens, suite.prompt_len
     ndev = suite.sampler_devices or measure.cpu_count()
     out: dict[str, Any] = {"prompt_len": p, "new_tokens": n}
-    jobs, ours, ours_1dev = [], {}, {}
+    jobs, ours, ours_1dev, prompts = [], {}, {}, {}
     for b in suite.sampler_batches:
-        prompts = throughput.sampler_prompts(b, p, cfg.vocab_size)
-        ours_1dev[b] = throughput.sampler_timing(cfg, prompts, n, suite.sampler_repeats)
+        prompts[b] = throughput.sampler_prompts(b, p, cfg.vocab_size)
+        ours_1dev[b] = throughput.sampler_timing(cfg, prompts[b], n, suite.sampler_repeats)
         ours[b] = (1, ours_1dev[b])
         if ndev > 1 and b % ndev == 0:
-            t = throughput.sampler_timing_devices(cfg, prompts, n, suite.sampler_repeats, ndev)
+            t = throughput.sampler_timing_devices(cfg, prompts[b], n, suite.sampler_repeats, ndev)
             ours[b] = min(ours[b], (ndev, t), key=lambda dt: dt[1].median)
         jobs.append({"kind": "generate", "model": dataclasses.asdict(cfg), "seed": 0,
-                     "prompts": prompts.tolist(), "new_tokens": n,
+                     "prompts": prompts[b].tolist(), "new_tokens": n,
                      "repeats": suite.sampler_repeats})  # fmt: skip
     refs = hf_reference.run_reference(jobs, **_hf_kwargs(suite))
-    for b, ref in zip(suite.sampler_batches, refs, strict=True):
+    for b, ref, job in zip(suite.sampler_batches, refs, jobs, strict=True):
         devices, t = ours[b]
+        ref_s, ref_cpu, ref_load = ref["seconds"], ref["cpu"], ref["load"]
+        fig: dict[str, Any] = {"speedup_unpaired": ref_s / t.median}
+        if suite.sampler_paired_rounds:
+            with (
+                throughput.sampler_worker(cfg, prompts[b], n, devices) as mine,
+                hf_reference.generate_worker(
+                    job, threads=ref["threads"], policy=ref["policy"]
+                ) as theirs,
+            ):
+                paired = measure.paired_timings(
+                    {"tg_jax": mine, "hf": theirs}, suite.sampler_paired_rounds
+                )
+            t, ref_t = paired["tg_jax"], paired["hf"]
+            ref_s, ref_cpu, ref_load = ref_t.median, ref_t.cpu, ref_t.load
+            ratios = measure.round_ratios(ref_t, t)
+            fig.update({"speedup": statistics.median(ratios), "speedup_min": min(ratios),
+                        "speedup_max": max(ratios), "rounds": len(ratios)})  # fmt: skip
+        else:
+            fig["speedup"] = fig["speedup_unpaired"]
         flops = throughput.decode_flops(cfg, b, p, n)
         out[f"b{b}"] = {
             "tg_jax_tok_s": b * n / t.median,
             "tg_jax_1dev_tok_s": b * n / ours_1dev[b].median,
             "devices": devices,
-            "hf_tok_s": b * n / ref["seconds"],
-            "speedup": ref["seconds"] / t.median,
-            "speedup_cpu": ref["cpu"] / t.cpu,
+            "hf_tok_s": b * n / ref_s,
+            **fig,
+            "speedup_cpu": ref_cpu / t.cpu,
             "decode_gflop_s": flops / t.median / 1e9,
             "decode_frac_of_peak": flops / t.median / peak.flops,
             "load": t.load,
             "hf_setting": ref["setting"],
-            "hf_load": ref["load"],
+            "hf_load": ref_load,
         }
     return out
 

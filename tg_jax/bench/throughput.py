@@ -13,7 +13,9 @@ backward and the peak from `suites.measure_peak` (XLA or torch matmul) in the sa
 
 Data-parallel sampler: a process's XLA CPU device count is fixed when its backend starts, so
 `sampler_timing_devices` times the sampler over D host devices (one per core) in a child
-process: `python -m tg_jax.bench.throughput` reads a JSON job on stdin, prints one JSON line.
+process: `python -m tg_jax.bench.throughput` reads a JSON job line on stdin, prints one JSON
+line. `sampler_worker` keeps such a process to time calls paired with the reference's
+(`measure.paired_timings`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,7 +35,7 @@ import ml_collections
 import numpy as np
 
 from tg_jax import config_lib, sharding
-from tg_jax.bench.measure import Timing, time_calls
+from tg_jax.bench.measure import CallWorker, Timing, serve_calls, time_calls
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling.loop import data_parallel_mesh
 from tg_jax.sampling.sampler import Sampler
@@ -55,15 +58,11 @@ def sampler_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> n
     return np.random.default_rng(seed).integers(1, min(256, vocab), (batch, prompt_len))
 
 
-def sampler_timing(
-    cfg: ModelConfig,
-    prompts: np.ndarray,
-    new_tokens: int,
-    repeats: int,
-    seed: int = 0,
-    devices: int = 1,
-) -> Timing:
-    """Seconds per `Sampler.sample` call (params from `seed`, the reference uses the same).
+def sampler_runner(
+    cfg: ModelConfig, prompts: np.ndarray, new_tokens: int, seed: int = 0, devices: int = 1
+) -> Callable[[], None]:
+    """One `Sampler.sample` call generating `new_tokens` for every prompt row, as a callable
+    (params from `seed`; the reference uses the same).
 
     devices > 1: the batch is split over the first `devices` local devices (a data mesh, params
     replicated). On CPU, `--xla_force_host_platform_device_count` makes one device per core, and
@@ -83,7 +82,34 @@ def sampler_timing(
         out = sampler.sample(params, rows, max_new_tokens=new_tokens, rng=jax.random.key(1))
         assert all(len(t) == new_tokens for t in out.tokens)
 
-    return time_calls(run, repeats)
+    return run
+
+
+def sampler_timing(
+    cfg: ModelConfig,
+    prompts: np.ndarray,
+    new_tokens: int,
+    repeats: int,
+    seed: int = 0,
+    devices: int = 1,
+) -> Timing:
+    """Seconds per `Sampler.sample` call (`sampler_runner`), timed in this process."""
+    return time_calls(sampler_runner(cfg, prompts, new_tokens, seed, devices), repeats)
+
+
+def _job(cfg: ModelConfig, prompts: np.ndarray, new_tokens: int, devices: int) -> dict[str, Any]:
+    return {"model": dataclasses.asdict(cfg), "prompts": np.asarray(prompts).tolist(),
+            "new_tokens": new_tokens, "devices": devices}  # fmt: skip
+
+
+def _worker_env(devices: int) -> dict[str, str]:
+    """This process's environment with `devices` XLA CPU host devices."""
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    return env
 
 
 def sampler_timing_devices(
@@ -93,21 +119,27 @@ def sampler_timing_devices(
     devices, else in a child process started with `devices` XLA CPU host devices."""
     if jax.local_device_count() >= devices:
         return sampler_timing(cfg, prompts, new_tokens, repeats, devices=devices)
-    job = {"model": dataclasses.asdict(cfg), "prompts": np.asarray(prompts).tolist(),
-           "new_tokens": new_tokens, "repeats": repeats, "devices": devices}  # fmt: skip
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    job = _job(cfg, prompts, new_tokens, devices) | {"repeats": repeats}
     proc = subprocess.run(
         [sys.executable, "-m", "tg_jax.bench.throughput"], input=json.dumps(job),
-        capture_output=True, text=True, env=env, timeout=3600, check=False,
+        capture_output=True, text=True, env=_worker_env(devices), timeout=3600, check=False,
     )  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"sampler worker ({devices} devices) failed:\n{proc.stderr[-4000:]}")
     fields = json.loads(proc.stdout.strip().splitlines()[-1])
     return Timing(**{**fields, "times": tuple(fields["times"])})
+
+
+def sampler_worker(
+    cfg: ModelConfig, prompts: np.ndarray, new_tokens: int, devices: int
+) -> CallWorker:
+    """A `CallWorker` serving `sampler_runner` calls from a process with `devices` XLA CPU host
+    devices (for `measure.paired_timings` against the reference)."""
+    job = _job(cfg, prompts, new_tokens, devices) | {"serve": True}
+    return CallWorker(
+        [sys.executable, "-m", "tg_jax.bench.throughput"], job, env=_worker_env(devices),
+        name=f"tg_jax sampler ({devices} devices)",
+    )  # fmt: skip
 
 
 def lm_step_config(
@@ -160,12 +192,17 @@ def train_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
 
 
 def main() -> None:
-    """Worker of `sampler_timing_devices`: one JSON job on stdin, one JSON Timing line out."""
-    job = json.load(sys.stdin)
-    t = sampler_timing(
+    """Worker of `sampler_timing_devices` (one JSON job line on stdin, one JSON Timing line
+    out) and of `sampler_worker` (jobs with "serve": `measure.serve_calls`)."""
+    job = json.loads(sys.stdin.readline())
+    run = sampler_runner(
         ModelConfig(**job["model"]), np.asarray(job["prompts"]), int(job["new_tokens"]),
-        int(job["repeats"]), devices=int(job["devices"]),
+        devices=int(job["devices"]),
     )  # fmt: skip
+    if job.get("serve"):
+        serve_calls(run)
+        return
+    t = time_calls(run, int(job["repeats"]))
     print(json.dumps(dataclasses.asdict(t)), flush=True)
 
 
