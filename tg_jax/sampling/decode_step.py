@@ -124,7 +124,9 @@ def prefill(
     """Runs the prompt block through the layers and builds the decode cache.
 
     The same layer math as `decode_one` (fused q/k/v and gate/up matmuls), with causal
-    attention inside the block; keys and values are produced in the cache's layout.
+    attention inside the block; keys and values are produced in the cache's layout. The last
+    layer, past its keys and values, runs for each row's last prompt token only (the only
+    output used).
 
     Args:
       prompt_BxP: [B, P] int32 right-padded prompts.
@@ -148,11 +150,26 @@ def prefill(
     causal_PxP = t_P[None, :] <= t_P[:, None]  # [query, key]: key at or before the query
 
     x_BxPxD = _embed(model, weights, prompt_BxP)
+    last_Bx1x1 = (prompt_lengths_B - 1)[:, None, None]
     ks, vs = [], []
-    for w in weights.layers:
+    for i, w in enumerate(weights.layers):
         q_BxPxNxH, k_BxPxKxH, v_BxPxKxH = _attention_inputs(cfg, w, x_BxPxD, *rope_P)
         k_BxKxHxP = jnp.transpose(k_BxPxKxH, (0, 2, 3, 1)).astype(dt)
         v_BxKxPxH = jnp.transpose(v_BxPxKxH, (0, 2, 1, 3)).astype(dt)
+        ks.append(k_BxKxHxP)
+        vs.append(v_BxKxPxH)
+        if i == len(weights.layers) - 1:
+            # Past the last layer's keys and values only each row's last prompt token is
+            # used (its logits): the rest of the layer runs for that token alone, as a decode
+            # step would (about half the prefill FLOPs of a 2-layer model).
+            q_BxNxH = jnp.take_along_axis(q_BxPxNxH, last_Bx1x1[..., None], axis=1)[:, 0]
+            visible_Bx1x1xP = (t_P[None, :] <= last_Bx1x1[:, 0])[:, None, None, :]
+            out_BxKxGxH = _attend(
+                q_BxNxH.reshape(b, n_kv, n // n_kv, h), k_BxKxHxP, v_BxKxPxH, visible_Bx1x1xP, dt
+            )
+            x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
+            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n * h))
+            break
         q_BxKxGxPxH = jnp.transpose(q_BxPxNxH.reshape(b, p, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
         outs = []
         for lo in range(0, p, _PREFILL_QUERY_BLOCK):
@@ -168,16 +185,12 @@ def prefill(
         out_BxKxGxPxH = jnp.concatenate(outs, axis=3)
         out_BxPxE = jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n * h)
         x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxE)
-        ks.append(k_BxKxHxP)
-        vs.append(v_BxKxPxH)
 
-    last_B = prompt_lengths_B - 1
-    last_BxD = jnp.take_along_axis(x_BxPxD, last_B[:, None, None], axis=1)[:, 0]
     cache = DecodeCache(
         tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH[0, :, 0], sin_1xSx1xH[0, :, 0],
         prompt_slots=p,
     )  # fmt: skip
-    return _logits(cfg, weights, last_BxD), extend(cache, slots)
+    return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(cache, slots)
 
 
 def extend(cache: DecodeCache, slots: int) -> DecodeCache:
@@ -210,9 +223,17 @@ def rope_tables(positions_BxT: Array, head_dim: int, theta: float) -> tuple[Arra
 
 
 def apply_rope(x_BxTxNxH: Array, cos: Array, sin: Array) -> Array:
-    """`tg_jax.models.layers.rope` with precomputed tables (same arithmetic, same results)."""
-    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    """`tg_jax.models.layers.rope` with precomputed tables (the same arithmetic).
+
+    Written as x * [cos, cos] + [x2, x1] * [-sin, sin], one elementwise pass over x and its
+    halves swapped (x1 * cos + x2 * (-sin) rounds like x1 * cos - x2 * sin; compiled, XLA may
+    fuse the products differently, a float-rounding difference). XLA:CPU ran the split / two
+    products / concatenate form as several kernels per decode step.
+    """
+    x = x_BxTxNxH.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
+    out = x * jnp.concatenate([cos, cos], axis=-1) + swapped * jnp.concatenate([-sin, sin], axis=-1)
     return out.astype(x_BxTxNxH.dtype)
 
 
@@ -258,6 +279,16 @@ def _logits(cfg, weights: DecodeWeights, x_BxD: Array) -> Array:
     return (x_BxD @ weights.unembed).astype(jnp.float32)
 
 
+def _attend(q_BxKxGxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, visible, dt) -> Array:
+    """One query token per row against the cache slots it may see: [B, K, G, Dh]."""
+    h = q_BxKxGxH.shape[-1]
+    scores_BxKxGxS = jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, k_BxKxHxS.astype(dt))
+    scores_BxKxGxS = scores_BxKxGxS.astype(jnp.float32) * (h**-0.5)
+    scores_BxKxGxS = jnp.where(visible, scores_BxKxGxS, _MASKED)
+    probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(dt)
+    return jnp.einsum("bkgs,bksh->bkgh", probs_BxKxGxS, v_BxKxSxH.astype(dt))
+
+
 def decode_one(
     model: Transformer, weights: DecodeWeights, tokens_B: Array, index: Array, cache: DecodeCache
 ) -> tuple[Array, DecodeCache]:
@@ -296,11 +327,7 @@ def decode_one(
         new_k[i] = _write(new_k[i], jnp.transpose(k_Bx1xKxH, (0, 2, 3, 1)), col, slot_axis=3)
         new_v[i] = _write(new_v[i], jnp.transpose(v_Bx1xKxH, (0, 2, 1, 3)), col, slot_axis=2)
         q_BxKxGxH = q_Bx1xNxH.reshape(b, n_kv, n // n_kv, h)
-        scores_BxKxGxS = jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, new_k[i].astype(dt))
-        scores_BxKxGxS = scores_BxKxGxS.astype(jnp.float32) * (h**-0.5)
-        scores_BxKxGxS = jnp.where(visible_Bx1x1xS, scores_BxKxGxS, _MASKED)
-        probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(dt)
-        out_BxKxGxH = jnp.einsum("bkgs,bksh->bkgh", probs_BxKxGxS, new_v[i].astype(dt))
+        out_BxKxGxH = _attend(q_BxKxGxH, new_k[i], new_v[i], visible_Bx1x1xS, dt)
         x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n * h))
 
     return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))

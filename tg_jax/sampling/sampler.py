@@ -171,16 +171,26 @@ def draw_with_uniforms(
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
     z_BxV = filter_logits(logits_BxV, safe_t_B, top_k_B, top_p_B)
-    lse_z_B = jax.nn.logsumexp(z_BxV, axis=-1)
-    cdf_BxV = blocked_cumsum(jnp.exp(z_BxV - lse_z_B[:, None]))
-    target_B = u_B * cdf_BxV[:, -1]
-    sampled_B = jnp.sum(cdf_BxV < target_B[:, None], axis=-1, dtype=jnp.int32)
+    # One exponential pass serves both log q's normaliser and the CDF (unnormalised: the
+    # draw compares it with u * its total).
+    lse_z_B, exp_BxV = _logsumexp_and_exp(z_BxV)
+    cdf_BxV = blocked_cumsum(exp_BxV)
+    sampled_B = jnp.sum(cdf_BxV < (u_B * cdf_BxV[:, -1])[:, None], axis=-1, dtype=jnp.int32)
     sampled_B = jnp.minimum(sampled_B, vocab - 1)
     tokens_B = jnp.where(greedy_B, first_argmax(logits_BxV), sampled_B)
     z_B = jnp.take_along_axis(z_BxV, tokens_B[:, None], axis=-1)[:, 0]
     lp_B = jnp.where(greedy_B, 0.0, z_B - lse_z_B)
     logit_B = jnp.take_along_axis(logits_BxV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, lp_B, logit_B - jax.nn.logsumexp(logits_BxV, axis=-1)
+    # The same normaliser arithmetic as lse_z: at temperature 1 without top-k / top-p the two
+    # log-probs are equal.
+    return tokens_B, lp_B, logit_B - _logsumexp_and_exp(logits_BxV)[0]
+
+
+def _logsumexp_and_exp(x_BxV: Array) -> tuple[Array, Array]:
+    """(logsumexp over the last axis [B], exp(x - max) [B, V]); rows hold finite values."""
+    max_B = jnp.max(x_BxV, axis=-1)
+    exp_BxV = jnp.exp(x_BxV - max_B[:, None])
+    return max_B + jnp.log(jnp.sum(exp_BxV, axis=-1)), exp_BxV
 
 
 def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxS, max_new_B, pad_id):
