@@ -167,7 +167,8 @@ def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
     (its faster device count) and the reference (its best setting) are timed again in paired
     rounds (`measure.paired_timings`): `speedup` is the median of the rounds' ratios,
     `speedup_min` / `speedup_max` their range, and the tokens/s are the paired medians;
-    `speedup_unpaired` is the ratio of the first timings, taken minutes apart.
+    `speedup_unpaired` is the ratio of the first timings, taken minutes apart
+    (`tg_jax_unpaired_tok_s`, `hf_sweep_tok_s`).
     """
     cfg = ModelConfig.from_config(config.model)
     n, p = suite.new_tokens, suite.prompt_len
@@ -188,7 +189,11 @@ def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
     for b, ref, job in zip(suite.sampler_batches, refs, jobs, strict=True):
         devices, t = ours[b]
         ref_s, ref_cpu, ref_load = ref["seconds"], ref["cpu"], ref["load"]
-        fig: dict[str, Any] = {"speedup_unpaired": ref_s / t.median}
+        fig: dict[str, Any] = {
+            "speedup_unpaired": ref_s / t.median,
+            "tg_jax_unpaired_tok_s": b * n / t.median,
+            "hf_sweep_tok_s": b * n / ref_s,
+        }
         if suite.sampler_paired_rounds:
             with (
                 throughput.sampler_worker(cfg, prompts[b], n, devices) as mine,
