@@ -13,7 +13,9 @@ Sections (each a module or a thin wrapper in `suites`):
   e2e      the main job's wall time, read from a finished workdir (`e2e`).
 
 The reference (torch) runs in its own subprocesses with the best thread settings measured in
-the run. Timings are medians after warm-up; the load average is recorded next to each. Rates
+the run. Timings are medians after warm-up; the load average is recorded next to each. The
+sampler's speed-up is paired: both sides in worker processes, their calls alternating round
+by round (`measure.paired_timings`), the median of the rounds' ratios. Rates
 and ratios use wall time; the `*_cpu` figures use the process's CPU time instead, which other
 processes on a shared machine inflate much less (MFU_cpu = model FLOP per CPU-second over the
 matmul's FLOP per CPU-second).

@@ -154,7 +154,7 @@ class CallWorker:
         try:
             self._send(json.dumps(job))
             self._read_json("ready")
-            self._signal(signal.SIGSTOP)
+            self._stop()
         except BaseException:
             self.close()
             raise
@@ -170,7 +170,7 @@ class CallWorker:
             self._send("run")
             reply = self._read_json("wall")
         finally:
-            self._signal(signal.SIGSTOP)
+            self._stop()
         return float(reply["wall"]), float(reply["cpu"])
 
     def close(self) -> None:
@@ -189,6 +189,22 @@ class CallWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _stop(self, timeout_s: float = 2.0) -> None:
+        """SIGSTOP, then waits (where /proc tells, up to `timeout_s`) until the worker is
+        stopped: the signal is delivered asynchronously, and the other side's call must not
+        start while this worker still runs."""
+        self._signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self._proc.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return  # no /proc here, or the process is gone
+            if state in ("T", "t", "Z", "X"):
+                return
+            time.sleep(0.001)
 
     def _signal(self, sig: int) -> None:
         try:
