@@ -147,7 +147,6 @@ def prefill(
     cos_1xSx1xH, sin_1xSx1xH = rope_tables(all_positions_1xS, h, cfg.rope_theta)
     rope_P = (cos_1xSx1xH[:, :p], sin_1xSx1xH[:, :p])
     t_P = jnp.arange(p)
-    causal_PxP = t_P[None, :] <= t_P[:, None]  # [query, key]: key at or before the query
 
     x_BxPxD = _embed(model, weights, prompt_BxP)
     last_Bx1x1 = (prompt_lengths_B - 1)[:, None, None]
@@ -158,7 +157,10 @@ def prefill(
         v_BxKxPxH = jnp.transpose(v_BxPxKxH, (0, 2, 1, 3)).astype(dt)
         ks.append(k_BxKxHxP)
         vs.append(v_BxKxPxH)
-        if i == len(weights.layers) - 1:
+        if i < len(weights.layers) - 1:
+            out_BxPxE = _causal_attention(cfg, q_BxPxNxH, k_BxKxHxP, v_BxKxPxH)
+            x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxE)
+        else:
             # Past the last layer's keys and values only each row's last prompt token is
             # used (its logits): the rest of the layer runs for that token alone, as a decode
             # step would (about half the prefill FLOPs of a 2-layer model).
@@ -169,22 +171,6 @@ def prefill(
             )
             x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
             x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n * h))
-            break
-        q_BxKxGxPxH = jnp.transpose(q_BxPxNxH.reshape(b, p, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
-        outs = []
-        for lo in range(0, p, _PREFILL_QUERY_BLOCK):
-            # Causal query block [lo, hi) scores keys [0, hi) only: the masked upper triangle
-            # beyond the block is never computed (the [P, P] scores dominated long prefills).
-            hi = min(lo + _PREFILL_QUERY_BLOCK, p)
-            q_blk = q_BxKxGxPxH[:, :, :, lo:hi]
-            scores = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_BxKxHxP[..., :hi])
-            scores = scores.astype(jnp.float32) * (h**-0.5)
-            scores = jnp.where(causal_PxP[lo:hi, :hi], scores, _MASKED)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-            outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxPxH[:, :, :hi]))
-        out_BxKxGxPxH = jnp.concatenate(outs, axis=3)
-        out_BxPxE = jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n * h)
-        x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxE)
 
     cache = DecodeCache(
         tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH[0, :, 0], sin_1xSx1xH[0, :, 0],
@@ -277,6 +263,29 @@ def _logits(cfg, weights: DecodeWeights, x_BxD: Array) -> Array:
     """Final norm and unembedding: fp32 logits [B, V]."""
     x_BxD = _norm(cfg, x_BxD, weights.params["final_norm"]).astype(cfg.jnp_dtype)
     return (x_BxD @ weights.unembed).astype(jnp.float32)
+
+
+def _causal_attention(cfg, q_BxPxNxH: Array, k_BxKxHxP: Array, v_BxKxPxH: Array) -> Array:
+    """Causal attention of the prompt block over its own keys: [B, P, N * Dh]."""
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, p = q_BxPxNxH.shape[:2]
+    t_P = jnp.arange(p)
+    causal_PxP = t_P[None, :] <= t_P[:, None]  # [query, key]: key at or before the query
+    q_BxKxGxPxH = jnp.transpose(q_BxPxNxH.reshape(b, p, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
+    outs = []
+    for lo in range(0, p, _PREFILL_QUERY_BLOCK):
+        # Causal query block [lo, hi) scores keys [0, hi) only: the masked upper triangle
+        # beyond the block is never computed (the [P, P] scores dominated long prefills).
+        hi = min(lo + _PREFILL_QUERY_BLOCK, p)
+        q_blk = q_BxKxGxPxH[:, :, :, lo:hi]
+        scores = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_BxKxHxP[..., :hi])
+        scores = scores.astype(jnp.float32) * (h**-0.5)
+        scores = jnp.where(causal_PxP[lo:hi, :hi], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxPxH[:, :, :hi]))
+    out_BxKxGxPxH = jnp.concatenate(outs, axis=3)
+    return jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n * h)
 
 
 def _attend(q_BxKxGxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, visible, dt) -> Array:
