@@ -189,24 +189,28 @@ def run_reference(
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     out = []
     for i in range(len(jobs)):
-        candidates = {}
+        candidates = {}  # (threads, policy) -> timing
         for run in runs:
             for t, timing in run["results"][i].items():
-                candidates[f"threads={t} {_POLICY_ENV}={run['policy']}"] = timing
-        setting = min(candidates, key=lambda k: candidates[k]["median"])
-        threads, policy = setting.split()
+                candidates[(int(t), run["policy"])] = timing
+        threads, policy = min(candidates, key=lambda k: candidates[k]["median"])
+        best = candidates[(threads, policy)]
         out.append(
             {
-                "threads": int(threads.split("=")[1]),
-                "policy": policy.split("=")[1],
-                "seconds": candidates[setting]["median"],
-                "cpu": candidates[setting]["cpu"],
-                "setting": setting,
-                "load": candidates[setting]["load"],
-                "all": {k: v["median"] for k, v in candidates.items()},
+                "threads": threads,
+                "policy": policy,
+                "seconds": best["median"],
+                "cpu": best["cpu"],
+                "setting": _setting(threads, policy),
+                "load": best["load"],
+                "all": {_setting(*k): v["median"] for k, v in candidates.items()},
             }
         )
     return out
+
+
+def _setting(threads: int, policy: str) -> str:
+    return f"threads={threads} {_POLICY_ENV}={policy}"
 
 
 def generate_worker(job: dict[str, Any], *, threads: int, policy: str) -> CallWorker:
@@ -221,7 +225,7 @@ def generate_worker(job: dict[str, Any], *, threads: int, policy: str) -> CallWo
         [sys.executable, "-m", "tg_jax.bench.hf_reference"],
         {"serve": job, "threads": int(threads)},
         env=env,
-        name=f"transformers generate (threads={threads} {_POLICY_ENV}={policy})",
+        name=f"transformers generate ({_setting(threads, policy)})",
     )
 
 
