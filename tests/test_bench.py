@@ -181,12 +181,6 @@ def _fake_worker(body: str) -> list[str]:
     return [sys.executable, "-c", prelude + body]
 
 
-def _state(pid: int) -> str:
-    """The process state letter from /proc (T = stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_paired_timings_alternate_calls_and_keep_idle_workers_stopped(tmp_path):
     from tg_jax.bench import measure
 
@@ -203,9 +197,12 @@ def test_paired_timings_alternate_calls_and_keep_idle_workers_stopped(tmp_path):
         for name, s in jobs.items()
     }
     try:
-        assert [_state(w.pid) for w in workers.values()] == ["T", "T"]  # stopped when idle
+        assert [measure.process_state(w.pid) for w in workers.values()] == [
+            "T",
+            "T",
+        ]  # stopped when idle
         t = measure.paired_timings(workers, rounds=3)
-        assert [_state(w.pid) for w in workers.values()] == ["T", "T"]
+        assert [measure.process_state(w.pid) for w in workers.values()] == ["T", "T"]
     finally:
         for w in workers.values():
             w.close()
@@ -241,3 +238,20 @@ def test_call_worker_failures_are_clear_errors():
             w.call()
     with pytest.raises(ProcessLookupError):
         os.kill(w.pid, 0)
+
+
+def test_serve_calls_times_each_request_and_rejects_other_input():
+    import io
+
+    from tg_jax.bench import measure
+
+    calls = []
+    out = io.StringIO()
+    measure.serve_calls(
+        lambda: calls.append(1), warmup=2, stdin=io.StringIO("run\nrun\n"), stdout=out
+    )
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines[0] == {"ready": True} and len(calls) == 4  # 2 warm-up calls + 2 timed
+    assert [sorted(r) for r in lines[1:]] == [["cpu", "wall"], ["cpu", "wall"]]
+    with pytest.raises(ValueError, match="expected 'run', got 'stop'"):
+        measure.serve_calls(lambda: None, stdin=io.StringIO("stop\n"), stdout=io.StringIO())

@@ -197,12 +197,8 @@ class CallWorker:
         self._signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{self._proc.pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                return  # no /proc here, or the process is gone
-            if state in ("T", "t", "Z", "X"):
+            state = process_state(self._proc.pid)
+            if state is None or state in "TtZX":  # no /proc, gone, stopped or exited
                 return
             time.sleep(0.001)
 
@@ -246,6 +242,16 @@ class CallWorker:
         self._stderr.seek(0)
         tail = self._stderr.read()[-4000:].decode(errors="replace")
         return RuntimeError(f"benchmark worker {self.name} {what}; its stderr:\n{tail}")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process from /proc/<pid>/stat (R running, S sleeping, T stopped,
+    Z zombie, ...), or None where /proc does not tell (another OS, or no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def paired_timings(workers: Mapping[str, CallWorker], rounds: int) -> dict[str, Timing]:
