@@ -34,7 +34,7 @@ EXTRAS = {
         "ipykernel",
     ],
     "tpu": ["jax[tpu]"],
-    # Ahead-of-time fit checks on a CPU machine (python -m tg_jax.aot): the libtpu jax pins.
+    # Ahead-of-time fit checks on a CPU machine (python -m tg_jax.tpu.aot): the libtpu jax pins.
     "aot": ["libtpu==0.0.42.*"],
     "wandb": ["wandb"],
 }

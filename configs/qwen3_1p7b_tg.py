@@ -13,7 +13,7 @@ or directly on a TPU VM:
     python -m tg_jax.main --config=configs/qwen3_1p7b_tg.py --workdir=gs://BUCKET/runs/tg-1p7b
 
 Check the fit on a CPU machine first:
-    PYTHONPATH=LIBTPU_DIR python -m tg_jax.aot --config=configs/qwen3_1p7b_tg.py \
+    PYTHONPATH=LIBTPU_DIR python -m tg_jax.tpu.aot --config=configs/qwen3_1p7b_tg.py \
         --topology=v5p:2x2x1
 (measured: train step 29.0 GiB per chip, sampler decode step at 256 rows x 8192 slots
 57.7 GiB, of a v5p chip's 95 GiB).

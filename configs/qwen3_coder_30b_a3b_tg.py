@@ -11,7 +11,7 @@ Launch (creates the slice, installs on every worker, runs, resumes after preempt
         --hf-checkpoint=gs://BUCKET/Qwen3-Coder-30B-A3B-Instruct --spot --queued
 
 Check first, on any CPU machine, that the train and sample steps fit the slice's HBM:
-    PYTHONPATH=LIBTPU_DIR python -m tg_jax.aot --config=configs/qwen3_coder_30b_a3b_tg.py \
+    PYTHONPATH=LIBTPU_DIR python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py \
         --topology=v5p:2x4x4
 (measured: train step 51.4 GiB per chip, sampler decode step at 1024 rows x 8192 slots
 28.7 GiB, of a v5p chip's 95 GiB).
@@ -55,7 +55,7 @@ def get_config(arg=None):
     )
     # v5p-64 (2x4x4 = 32 chips): 8-way FSDP x 4-way expert parallelism; the batch is split
     # over all 32 chips (expert axis included: the MoE all-gathers tokens over it, see
-    # tg_jax/models/moe.py). Chosen with tg_jax.aot (figures in the docstring command).
+    # tg_jax/models/moe.py). Chosen with tg_jax.tpu.aot (figures in the docstring command).
     c.mesh.shape = (1, 8, 1, 4)  # data, fsdp, tensor, expert
     c.mesh.rules = tuple(
         (name, ("data", "fsdp", "expert") if name == "batch" else target)

@@ -8,7 +8,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tg_jax import aot, config_lib, sharding
+from tg_jax import config_lib, sharding
+from tg_jax.tpu import aot
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None

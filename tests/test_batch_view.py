@@ -4,16 +4,16 @@ import jax
 import numpy as np
 import pytest
 
-from tg_jax import config_lib, html_render
+from tg_jax import config_lib
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import forward
-from tg_jax.rl import batch_view
+from tg_jax.notebook import batch_view, html_render
+from tg_jax.notebook.base_policy import load_base_policy
 from tg_jax.rl.batch import build_batch
 from tg_jax.rl.tg_loss import token_divergence
 from tg_jax.sampling.scripted import scripted_rollout
 from tg_jax.text import ByteTokenizer, ChatRenderer, Role
-from tg_jax.train.base_policy import load_base_policy
 
 RENDERER = ChatRenderer(ByteTokenizer())
 TASK = generate_tasks("heldout", 1, seed=0)[0]

@@ -7,10 +7,11 @@ import pytest
 import scipy.stats
 
 from tg_jax.evaluation import stats
+from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 
 
 def _rec(task, success, fence=True, cond="plain", sample=0, actions=None):
-    return stats.EpisodeRecord(
+    return EpisodeRecord(
         task_id=task,
         condition=cond,
         sample=sample,
@@ -22,14 +23,14 @@ def _rec(task, success, fence=True, cond="plain", sample=0, actions=None):
 
 
 def test_episode_compliance_and_joint():
-    comp = stats.episode_compliance({"fence": [True, None, True], "tool_json": [None, None]})
+    comp = episode_compliance({"fence": [True, None, True], "tool_json": [None, None]})
     assert comp == {"fence": True, "tool_json": False}  # no judged turn never counts as met
-    assert stats.episode_compliance({"fence": [True, False]}) == {"fence": False}
+    assert episode_compliance({"fence": [True, False]}) == {"fence": False}
     r = _rec("a", True, fence=True)
     assert r.compliant and r.joint
     r = _rec("a", True, fence=False)
     assert not r.compliant and not r.joint
-    assert stats.EpisodeRecord.from_dict(r.to_dict()) == r
+    assert EpisodeRecord.from_dict(r.to_dict()) == r
     with pytest.raises(ValueError, match="condition"):
         _rec("a", True, cond="other")
 

@@ -1,11 +1,11 @@
 """The chunked TG statistics must need far less temporary memory than full [B, T, V] logits."""
 
-from tg_jax.rl import kl_memory
+from tg_jax.bench import kl_memory
 
 
 def test_chunked_kl_memory_ratio():
     # Compile only (shapes, never run). The full-size figure (V = 151,936, T = 8192) comes from
-    # `python -m tg_jax.rl.kl_memory`; this smaller shape keeps the test quick.
+    # `python -m tg_jax.bench.kl_memory`; this smaller shape keeps the test quick.
     report = kl_memory.kl_memory_report(
         batch=1, length=1024, d_model=256, vocab=32_000, chunk_size=128
     )

@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from tg_jax import distributed, launch
+from tg_jax.tpu import distributed, launch
 
 ARGS = [
     "--name=tg-30b", "--zone=us-east5-a", "--project=proj", "--topology=v5p:2x4x4",

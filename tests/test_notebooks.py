@@ -2,7 +2,7 @@
 
 The notebooks run in a python3 kernel (ipykernel) of this interpreter, with
 TG_NOTEBOOK_TINY=1 and no workdir: the quickstart and losses notebooks use a randomly
-initialised tiny model, the results notebook a synthetic workdir (tg_jax.demo_workdir).
+initialised tiny model, the results notebook a synthetic workdir (tg_jax.notebook.demo_workdir).
 """
 
 import datetime

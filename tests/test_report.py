@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from tg_jax import report
-from tg_jax.evaluation import stats
+from tg_jax.evaluation import report
+from tg_jax.sampling.episode import EpisodeRecord
 
 
 def _episodes(success_k, comply, tasks=20, hinted=True):
@@ -16,7 +16,7 @@ def _episodes(success_k, comply, tasks=20, hinted=True):
     for i in range(tasks):
         for cond in ("plain", "hinted") if hinted else ("plain",):
             out.append(
-                stats.EpisodeRecord(
+                EpisodeRecord(
                     task_id=f"t{i:02d}",
                     condition=cond,
                     sample=0,
@@ -76,7 +76,7 @@ def test_write_report(tmp_path):
     # Inputs round-trip exactly.
     for run, stored in zip(runs, loaded["runs"], strict=True):
         assert (stored["arm"], stored["seed"], stored["costs"]) == (run.arm, run.seed, run.costs)
-        assert [stats.EpisodeRecord.from_dict(e) for e in stored["heldout"]] == run.heldout
+        assert [EpisodeRecord.from_dict(e) for e in stored["heldout"]] == run.heldout
         curve = stored["curves"]["train:rollout/compliance"]
         assert curve == [[r["step"], r["rollout/compliance"]] for r in run.train_records
                          if r["stage"] == "train"]  # fmt: skip

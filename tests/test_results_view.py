@@ -6,9 +6,9 @@ import matplotlib
 import numpy as np
 import pytest
 
-from tg_jax import demo_workdir, results_view
 from tg_jax.metrics import read_metrics
-from tg_jax.train.base_policy import load_base_policy
+from tg_jax.notebook import demo_workdir, results_view
+from tg_jax.notebook.base_policy import load_base_policy
 
 matplotlib.use("Agg")
 

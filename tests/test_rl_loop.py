@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tests import rl_loop_driver as driver
-from tg_jax import checkpointing
+from tg_jax import checkpointing, metrics
 from tg_jax.metrics import last_per_step, read_metrics
 from tg_jax.train import rl
 
@@ -94,7 +94,7 @@ def test_sigkill_and_resume_matches_uninterrupted(full_run, tmp_path):
 
     resumed = _run(workdir)
     assert resumed.finished and resumed.step == driver.STEPS
-    summary = rl.read_summary(str(workdir))
+    summary = metrics.read_rl_summary(str(workdir))
     assert summary["sessions"][-1]["start_step"] == before[-1]
     a, b = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
     assert a.keys() == b.keys()
@@ -174,7 +174,9 @@ def test_sigterm_then_failed_save_then_resume(full_run, tmp_path, monkeypatch):
     monkeypatch.undo()
 
     resumed = _run(work)
-    assert resumed.finished and rl.read_summary(str(work))["sessions"][-1]["start_step"] == 1
+    assert (
+        resumed.finished and metrics.read_rl_summary(str(work))["sessions"][-1]["start_step"] == 1
+    )
     a, b = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])

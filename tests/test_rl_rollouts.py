@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from tests import rl_loop_driver as driver
-from tg_jax import report
+from tg_jax import metrics
 from tg_jax.envs.hints import CORRECT_HINTS, FeedbackRates
 from tg_jax.envs.tasks import Task
-from tg_jax.evaluation import heldout
+from tg_jax.evaluation import heldout, report
 from tg_jax.metrics import read_metrics
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ByteTokenizer, ChatRenderer, hint_message
@@ -107,7 +107,7 @@ def test_async_loop_smoke(tmp_path):
     records = [r for r in read_metrics(str(tmp_path)) if r["stage"] == "train"]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["staleness"] <= config.rl.max_staleness for r in records)
-    assert rl.read_summary(str(tmp_path))["costs"]["sampled_tokens"] > 0
+    assert metrics.read_rl_summary(str(tmp_path))["costs"]["sampled_tokens"] > 0
     # The pipeline's next steps on this run: held-out evaluation (cached) and a report.
     tasks = [Task.from_record(r) for r in driver.make_sources(2)["heldout"]]
     records = heldout.evaluate_run(config, str(tmp_path), result.state.params, tasks)

@@ -13,8 +13,8 @@ from tg_jax import config_lib
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.envs.transcripts import TranscriptConfig, make_transcript
-from tg_jax.evaluation.stats import EpisodeRecord, episode_compliance
 from tg_jax.metrics import read_metrics
+from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ByteTokenizer, ChatRenderer, Role
 from tg_jax.train import sft, sft_data, sft_eval

@@ -15,7 +15,7 @@ from tg_jax import config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, forward, hidden_states, init_params
 from tg_jax.rl import train_step as ts
 from tg_jax.rl.batch import Batch, build_batch
-from tg_jax.rl.bench_step import synthetic_trajectories
+from tg_jax.testing import synthetic_trajectories
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

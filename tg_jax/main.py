@@ -70,7 +70,7 @@ STAGES = {"forward": run_forward, "data": run_data, "sft": run_sft, "pipeline": 
 
 def main(argv):
     del argv
-    from tg_jax import distributed
+    from tg_jax.tpu import distributed
 
     # Library INFO lines (orbax logs every checkpoint step) drown the progress lines; pass
     # --verbosity=0 to see them.

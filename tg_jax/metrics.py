@@ -228,3 +228,12 @@ def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Keeps the last record of each (stage, step), ordered by stage then step (after resumes)."""
     latest = {(r["stage"], r["step"]): r for r in records}
     return [latest[k] for k in sorted(latest)]
+
+
+RL_SUMMARY_FILE = "rl_summary.json"  # written by tg_jax.train.rl in each run directory
+
+
+def read_rl_summary(workdir: str) -> dict[str, Any]:
+    """rl_summary.json of a run (arm, seed, steps, finished, costs, sessions)."""
+    with open(os.path.join(workdir, RL_SUMMARY_FILE)) as f:
+        return json.load(f)

@@ -7,8 +7,8 @@ Sections (each a module or a thin wrapper in `suites`):
            the decode's achieved FLOP/s (`throughput`, `hf_reference`).
   train    SFT-step tokens/s and MFU on the default and a mid-size Qwen3 config vs the same
            step of transformers' Qwen3ForCausalLM (`throughput`, `hf_reference`).
-  rl       TG step / GRPO step on one batch (`tg_jax.rl.bench_step`).
-  kl       chunked / naive compiled memory of the full-vocabulary KL (`tg_jax.rl.kl_memory`).
+  rl       TG step / GRPO step on one batch (`tg_jax.bench.rl_step`).
+  kl       chunked / naive compiled memory of the full-vocabulary KL (`tg_jax.bench.kl_memory`).
   overlap  async RL step vs sampling + training one after the other (`overlap`).
   e2e      the main job's wall time, read from a finished workdir (`e2e`).
 

@@ -2,8 +2,7 @@
 
 Three jobs, each timed under every candidate torch thread count:
 
-  generate  `Qwen3ForCausalLM.generate` with OUR weights, as in
-            `tg_jax.sampling.benchmark.bench_hf`: temperature-1 sampling (no top-k / top-p),
+  generate  `Qwen3ForCausalLM.generate` with OUR weights: temperature-1 sampling (no top-k / top-p),
             exactly `new_tokens` new tokens per row, the same prompts, KV cache on;
   train     one optimizer step of `Qwen3ForCausalLM` (random torch init, same architecture):
             forward with labels (fp32 logits, cross-entropy), backward, global-norm clipping,

@@ -28,7 +28,7 @@ import numpy as np
 
 from tg_jax import config_lib, sharding
 from tg_jax.bench.measure import load_average
-from tg_jax.envs.coding import CodingEnv
+from tg_jax.envs.coding import CodingEnv, coding_env_config
 from tg_jax.envs.hints import FeedbackRates
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import ModelConfig, Transformer
@@ -38,7 +38,6 @@ from tg_jax.sampling import rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import rl_config, rl_rollouts
-from tg_jax.train.sft_data import env_config
 
 
 def loop_section(config: Any) -> Any:
@@ -88,7 +87,7 @@ def overlap_bench(
     state = create_train_state(model, make_optimizer(cfg.optim), mesh, rules, jax.random.key(seed))
     step_fn = make_train_step(cfg, model, mesh, rules)
     sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor)
-    env_cfg = env_config(config.env)
+    env_cfg = coding_env_config(config.env)
     rollout_fn = rl_rollouts.BatchRollout(
         sampler, renderer, lambda: CodingEnv(env_cfg), rollouts_per_group=rollouts,
         config=rollout.RolloutConfig(

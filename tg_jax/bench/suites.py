@@ -291,8 +291,8 @@ def train_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
 
 
 def rl_section(suite: Suite, config: Any) -> dict[str, Any]:
-    """TG step / GRPO step on one batch of the default model (`tg_jax.rl.bench_step`)."""
-    from tg_jax.rl import bench_step  # noqa: PLC0415
+    """TG step / GRPO step on one batch of the default model (`tg_jax.bench.rl_step`)."""
+    from tg_jax.bench import rl_step as bench_step  # noqa: PLC0415
 
     r = bench_step.bench(
         bench_step.bench_config(model=config.model),
@@ -314,8 +314,8 @@ def rl_section(suite: Suite, config: Any) -> dict[str, Any]:
 
 
 def kl_section(suite: Suite) -> dict[str, Any]:
-    """Compiled temp memory of the chunked vs naive full-vocabulary KL (`rl.kl_memory`)."""
-    from tg_jax.rl.kl_memory import kl_memory_report  # noqa: PLC0415
+    """Compiled temp memory of the chunked vs naive full-vocabulary KL (`bench.kl_memory`)."""
+    from tg_jax.bench.kl_memory import kl_memory_report  # noqa: PLC0415
 
     r = kl_memory_report(
         length=suite.kl_length, d_model=suite.kl_d_model, vocab=suite.kl_vocab,

@@ -1,10 +1,10 @@
 """Our side of the throughput figures: sampler tokens/s and train-step MFU.
 
-Sampler: `Sampler.sample` (jitted prefill + `lax.while_loop` decode) as in
-`tg_jax.sampling.benchmark`: temperature-1 sampling from random prompts of P tokens, exactly N
-new tokens per row (no stop ids), throughput = B * N / seconds (prefill included). Its
-achieved FLOP/s counts model FLOPs only (`decode_flops`): the prefill of B * P tokens plus
-B * N one-token decode steps at an average context of P + N / 2.
+Sampler: `Sampler.sample` (jitted prefill + `lax.while_loop` decode): temperature-1 sampling
+from random prompts of P tokens, exactly N new tokens per row (no stop ids), throughput = B
+* N / seconds (prefill included). Its achieved FLOP/s counts model FLOPs only
+(`decode_flops`): the prefill of B * P tokens plus B * N one-token decode steps at an
+average context of P + N / 2.
 
 Train step: the SFT step (`tg_jax.train.sft.make_sft_step`: forward to fp32 logits,
 cross-entropy, backward, global-norm clipping, AdamW, donated state) on B rows of T tokens.

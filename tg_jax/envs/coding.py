@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tg_jax.envs.base import REQUIREMENT_REWARD_MODES, Environment, EpisodeSummary, StepResult
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
@@ -290,3 +291,12 @@ class CodingEnv(Environment):
         else:
             rewards = dict.fromkeys(self.reward_keys, 0.0)
         return StepResult(None if done else obs, done, rewards, info)
+
+
+def coding_env_config(cfg: Any, executor: str | None = None) -> CodingEnvConfig:
+    """CodingEnvConfig from `config.env` (optionally with another executor)."""
+    d = cfg.to_dict()
+    d["requirements"] = tuple(d["requirements"])
+    if executor is not None:
+        d["executor"] = executor
+    return CodingEnvConfig(**d)

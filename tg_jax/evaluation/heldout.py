@@ -2,7 +2,7 @@
 
 `evaluate_heldout` plays `samples_per_task` episodes per task and condition with the rollout
 evaluation helper (`tg_jax.sampling.rollout.evaluate`) and returns the per-episode
-`EpisodeRecord`s that `tg_jax.evaluation.stats` and `tg_jax.report` consume:
+`EpisodeRecord`s that `tg_jax.evaluation.stats` and `tg_jax.evaluation.report` consume:
 
   plain   the prompt exactly as in training: does the policy meet the requirement by default?
   hinted  a hint for every requirement right before every assistant turn: can it when reminded?
@@ -22,13 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from tg_jax.envs.coding import CodingEnv
-from tg_jax.evaluation.stats import CONDITIONS, EpisodeRecord
+from tg_jax.envs.coding import CodingEnv, coding_env_config
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
+from tg_jax.sampling.episode import CONDITIONS, EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train.sft_data import env_config
 
 
 def make_sampler(config: Any, renderer: ChatRenderer) -> Sampler:
@@ -75,7 +74,7 @@ def evaluate_heldout(
         raise ValueError(f"unknown conditions {sorted(unknown)}; known: {CONDITIONS}")
     renderer = renderer or ChatRenderer(ByteTokenizer())
     sampler = sampler or make_sampler(config, renderer)
-    env_cfg = env_config(config.env)
+    env_cfg = coding_env_config(config.env)
     rollout_cfg = rollout.RolloutConfig(
         max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
         max_total_tokens=int(config.model.max_seq_len),

@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from tg_jax.envs.base import Environment
-from tg_jax.evaluation.stats import EpisodeRecord, episode_compliance
+from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Role, Trajectory
 from tg_jax.text import ChatRenderer, hint_message

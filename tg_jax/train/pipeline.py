@@ -37,7 +37,7 @@ class Arm:
     """One RL arm: config overrides on top of the shared config, a report group, a line."""
 
     overrides: dict[str, Any]
-    group: str  # "main" | "ablation" | "stress" (tg_jax.report.GROUPS)
+    group: str  # "main" | "ablation" | "stress" (tg_jax.evaluation.report.GROUPS)
     description: str
 
 
@@ -124,7 +124,7 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
 
 def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     """The whole main job (see the module docstring); returns the report's results dict."""
-    from tg_jax import report  # noqa: PLC0415 (matplotlib only for the report)
+    from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
     for arm in config.pipeline.arms:  # fail before any work on a bad arm name or override
         arm_config(config, arm)

@@ -47,10 +47,10 @@ import numpy as np
 
 from tg_jax import checkpointing, sharding
 from tg_jax.data.pipeline import TaskIterator, to_record
-from tg_jax.envs.coding import CodingEnv
+from tg_jax.envs.coding import CodingEnv, coding_env_config
 from tg_jax.envs.tasks import Task
 from tg_jax.evaluation import heldout
-from tg_jax.metrics import LaggedMetrics, MetricsWriter
+from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl.batch import build_batch
@@ -59,10 +59,9 @@ from tg_jax.sampling import rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import rl_rollouts
-from tg_jax.train.sft_data import env_config
 
 CHECKPOINT_DIR = "checkpoints"
-SUMMARY_FILE = "rl_summary.json"
+SUMMARY_FILE = RL_SUMMARY_FILE
 PROGRESS_KEYS = ("rollout/compliance", "rollout/task_success", "loss", "time/step_s")
 
 
@@ -146,12 +145,6 @@ def _write_summary(workdir: str, record: dict[str, Any]) -> None:
         json.dump({**{k: v for k, v in record.items() if k != "session"}, "sessions": sessions},
                   f, indent=1)  # fmt: skip
     os.replace(tmp, path)
-
-
-def read_summary(workdir: str) -> dict[str, Any]:
-    """rl_summary.json of a run (arm, seed, steps, finished, costs, sessions)."""
-    with open(os.path.join(workdir, SUMMARY_FILE)) as f:
-        return json.load(f)
 
 
 def run_rl(
@@ -246,7 +239,7 @@ def run_rl(
             tasks.set_state(restored.metadata["data"])
         data_state = tasks.get_state()
 
-        env_cfg = env_config(config.env)
+        env_cfg = coding_env_config(config.env)
         sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
         sampler = Sampler(
             model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor, **sampler_kw

@@ -32,8 +32,8 @@ from tg_jax.envs.hints import (
     FeedbackRates,
     pick_hint,
 )
-from tg_jax.evaluation.stats import episode_compliance
 from tg_jax.sampling import rollout
+from tg_jax.sampling.episode import episode_compliance
 from tg_jax.sampling.loop import RolloutGroup, SamplingLoop
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory

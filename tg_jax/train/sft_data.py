@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tg_jax.envs.coding import CodingEnvConfig
+from tg_jax.envs.coding import CodingEnvConfig, coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.envs.transcripts import Transcript, TranscriptConfig, make_transcripts
 from tg_jax.text import ChatRenderer, Message, Role
@@ -156,20 +156,11 @@ def transcript_config(cfg: Any) -> TranscriptConfig:
     return TranscriptConfig(**cfg.to_dict())
 
 
-def env_config(cfg: Any, executor: str | None = None) -> CodingEnvConfig:
-    """CodingEnvConfig from `config.env` (optionally with another executor)."""
-    d = cfg.to_dict()
-    d["requirements"] = tuple(d["requirements"])
-    if executor is not None:
-        d["executor"] = executor
-    return CodingEnvConfig(**d)
-
-
 def transcript_env_config(config: Any) -> CodingEnvConfig:
     """The environment the expert transcripts are played in: `config.env` with the in-process
     executor (our own code) and the requirements `config.sft.hint_requirements` (those whose
     hints the base model learns to follow; empty = `config.env.requirements`)."""
-    cfg = env_config(config.env, executor="trusted")
+    cfg = coding_env_config(config.env, executor="trusted")
     hinted = tuple(config.sft.get("hint_requirements", ()) or ())
     if hinted:
         cfg = dataclasses.replace(cfg, requirements=hinted)

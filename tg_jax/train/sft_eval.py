@@ -24,16 +24,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig, coding_env_config
 from tg_jax.envs.tasks import Task
-from tg_jax.evaluation.stats import EpisodeRecord
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
+from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import sft
-from tg_jax.train.sft_data import env_config
 
 EVAL_FILE = "sft_eval.json"
 
@@ -116,7 +115,7 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     renderer = ChatRenderer(ByteTokenizer())
     t0 = time.time()
     result = evaluate_base_model(
-        Transformer(model_cfg), params, renderer, tasks, env_config(config.env),
+        Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),
         config.sft.eval, max_len=model_cfg.max_seq_len,
     )  # fmt: skip
     result["eval_s"] = time.time() - t0

@@ -1,6 +1,6 @@
 """Does a config fit a TPU slice? Compile its steps ahead of time on a CPU host and read memory.
 
-    PYTHONPATH=/path/to/libtpu_site python -m tg_jax.aot \
+    PYTHONPATH=/path/to/libtpu_site python -m tg_jax.tpu.aot \
         --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 [--config.a.b=v]
 
 libtpu describes any TPU topology without the hardware (`jax.experimental.topologies`); a mesh

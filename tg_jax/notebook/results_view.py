@@ -1,9 +1,9 @@
 """Reading a workdir's results back, as tables and plots (the results notebook's library).
 
-Inputs are what the pipeline writes: `results.json` of the report (tg_jax.report: every run's
-curves and held-out episodes, and every derived number) and each run's `metrics.jsonl`
-(tg_jax.metrics.read_metrics). Nothing here recomputes a statistic: the CIs come from
-results.json as the report computed them.
+Inputs are what the pipeline writes: `results.json` of the report (tg_jax.evaluation.report:
+every run's curves and held-out episodes, and every derived number) and each run's
+`metrics.jsonl` (tg_jax.metrics.read_metrics). Nothing here recomputes a statistic: the CIs
+come from results.json as the report computed them.
 
 Plots use `matplotlib.pyplot` with whatever backend is active (inline in a notebook) and return
 their figure.
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tg_jax import report
+from tg_jax.evaluation import report
 from tg_jax.evaluation.stats import RATE_METRICS
 from tg_jax.metrics import METRICS_FILE, last_per_step, read_metrics
 

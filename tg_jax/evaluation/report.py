@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from tg_jax.evaluation import stats
+from tg_jax.sampling.episode import EpisodeRecord
 
 GROUPS = ("main", "stress", "ablation")
 CURVE_METRICS = ("compliance", "task_success")
@@ -59,7 +60,7 @@ class RunResult:
 
     arm: str
     seed: int
-    heldout: list[stats.EpisodeRecord]
+    heldout: list[EpisodeRecord]
     train_records: list[dict[str, Any]]
     costs: dict[str, float]
     group: str = "main"
@@ -578,7 +579,7 @@ def write_report(
 
 def load_run_result(
     workdir: str,
-    heldout: Sequence[stats.EpisodeRecord],
+    heldout: Sequence[EpisodeRecord],
     *,
     group: str = "main",
     description: str = "",
@@ -587,10 +588,9 @@ def load_run_result(
     rl_summary.json, the held-out evaluation's wall time from heldout_summary.json when it
     exists, curves from metrics.jsonl) and its held-out episodes."""
     from tg_jax.evaluation.heldout import HELDOUT_FILE, HELDOUT_SUMMARY_FILE
-    from tg_jax.metrics import read_metrics
-    from tg_jax.train.rl import read_summary
+    from tg_jax.metrics import read_metrics, read_rl_summary
 
-    summary = read_summary(workdir)
+    summary = read_rl_summary(workdir)
     costs = {k: float(summary["costs"][k]) for k in COST_KEYS if k in summary["costs"]}
     eval_summary = os.path.join(workdir, HELDOUT_SUMMARY_FILE)
     if os.path.exists(eval_summary):

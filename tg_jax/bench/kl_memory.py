@@ -6,7 +6,7 @@ hidden states as a stop-gradient input. Nothing is run: each is lowered from
 ShapeDtypeStructs, compiled, and `memory_analysis().temp_size_in_bytes` is read (buffers that
 live only inside the step, excluding arguments and outputs). Run the full-size check with
 
-    JAX_PLATFORMS=cpu .venv/bin/python -m tg_jax.rl.kl_memory
+    JAX_PLATFORMS=cpu .venv/bin/python -m tg_jax.bench.kl_memory
 
 (Qwen3 vocabulary V = 151,936, T = 8192, B = 1, D = 2048, C = 512; acceptance: chunked <= 10%
 of naive).

@@ -15,7 +15,7 @@ commands of a first start without running anything):
    (`tpu-vm scp --worker=all`) and installed in a venv with the `tpu` extra; with
    `--hf-checkpoint=gs://...` the Hugging Face checkpoint is copied to each worker's disk.
 3. run: `tpu-vm ssh --worker=all` starts `python -m tg_jax.main` on all workers at once with
-   TG_JAX_DISTRIBUTED=1, so `tg_jax.distributed` joins them into one JAX runtime. The workdir
+   TG_JAX_DISTRIBUTED=1, so `tg_jax.tpu.distributed` joins them into one JAX runtime. The workdir
    is on GCS: checkpoints and metrics outlive the VMs.
 4. preemption / failure: when the run exits non-zero, the slice's state is read again. A
    preempted, terminated or failed slice (or queued resource) is deleted and recreated, the
@@ -145,7 +145,7 @@ def install_commands(job: Job) -> list[list[str]]:
 
 
 def run_command(job: Job) -> list[str]:
-    """The job on all workers at once; each joins the others through tg_jax.distributed."""
+    """The job on all workers at once; each joins the others through tg_jax.tpu.distributed."""
     args = [f"--config={job.config}", f"--workdir={job.workdir}", *job.extra_args]
     remote = (
         f"set -o pipefail; cd {REMOTE_DIR} && TG_JAX_DISTRIBUTED=1 "

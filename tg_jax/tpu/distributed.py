@@ -3,7 +3,7 @@
 On a TPU pod slice every worker runs the same `python -m tg_jax.main ...` (launch/tpu.sh does
 this with `--worker=all`). Before any other JAX call, each process must join the others:
 
-    from tg_jax import distributed
+    from tg_jax.tpu import distributed
     distributed.initialize_from_env()   # first line of tg_jax.main.main()
 
 It calls `jax.distributed.initialize()` only when the environment asks for it, so single-host

@@ -2,7 +2,7 @@
 
 `make_demo_workdir(path)` writes, for each arm and training seed, a run directory with a
 metrics.jsonl (training-rollout and held-out curves, loss terms) and then the report of all
-runs (report.md, results.json, curve PNGs, via `tg_jax.report.write_report`):
+runs (report.md, results.json, curve PNGs, via `tg_jax.evaluation.report.write_report`):
 
     path/runs/<arm>_seed<k>/metrics.jsonl   (the layout of tg_jax.train.pipeline)
     path/report/{results.json, report.md, curve_compliance.png, curve_task_success.png}
@@ -20,9 +20,9 @@ import os
 
 import numpy as np
 
-from tg_jax import report
-from tg_jax.evaluation.stats import EpisodeRecord
+from tg_jax.evaluation import report
 from tg_jax.metrics import MetricsWriter, last_per_step, read_metrics
+from tg_jax.sampling.episode import EpisodeRecord
 
 RUNS_DIR, REPORT_DIR = "runs", "report"
 
@@ -36,7 +36,7 @@ class DemoArm:
       final_compliance: training-rollout compliance reached at the end (held-out plain too).
       task_success: task success rate (flat over training).
       tg: whether the arm has a TG term (tg_kl / tg_loss curves).
-      group, description: as in `tg_jax.report.RunResult`.
+      group, description: as in `tg_jax.evaluation.report.RunResult`.
     """
 
     name: str

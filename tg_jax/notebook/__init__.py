@@ -1,0 +1,1 @@
+"""Notebook helpers: token views, results views, the base policy loader, a synthetic workdir."""

@@ -1,0 +1,76 @@
+"""One episode as evaluation produces it and the statistics consume it (`EpisodeRecord`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+CONDITIONS = ("plain", "hinted")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeRecord:
+    """One held-out episode, as evaluation produces it and the statistics consume it.
+
+    Attributes:
+      task_id: the held-out task (the bootstrap unit).
+      condition: "plain" (the prompt as in training) or "hinted" (hints shown before every
+        assistant turn: "can do when reminded").
+      sample: index of this episode among the samples of the same task and condition.
+      task_success: the hidden tests all passed.
+      compliance: requirement name -> the episode met it: at least one assistant turn was
+        judged on it and every judged turn passed (the "all" requirement reward).
+      actions: action counts of the episode, e.g. {"run_tests": 2, "submit": 1, "malformed": 0}.
+      turns: assistant turns taken.
+    """
+
+    task_id: str
+    condition: str
+    sample: int
+    task_success: bool
+    compliance: dict[str, bool]
+    actions: dict[str, int]
+    turns: int
+
+    def __post_init__(self):
+        if self.condition not in CONDITIONS:
+            raise ValueError(f"condition must be one of {CONDITIONS}, got {self.condition!r}")
+
+    @property
+    def compliant(self) -> bool:
+        """Every requirement met (False when there are no requirements)."""
+        return bool(self.compliance) and all(self.compliance.values())
+
+    @property
+    def joint(self) -> bool:
+        """The new behaviour and the old skill in the same episode."""
+        return self.compliant and self.task_success
+
+    def values(self) -> dict[str, float]:
+        """Every per-episode number: rates, per-requirement compliance, actions, turns."""
+        out = {
+            "compliance": float(self.compliant),
+            "task_success": float(self.task_success),
+            "joint": float(self.joint),
+            "turns": float(self.turns),
+        }
+        out.update({f"compliance/{k}": float(v) for k, v in sorted(self.compliance.items())})
+        out.update({f"actions/{k}": float(v) for k, v in sorted(self.actions.items())})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EpisodeRecord:
+        return cls(**d)
+
+
+def episode_compliance(verdicts: Mapping[str, Sequence[bool | None]]) -> dict[str, bool]:
+    """Per requirement: >= 1 judged turn and all judged turns passed (None = not judged)."""
+    out = {}
+    for name, vs in verdicts.items():
+        judged = [v for v in vs if v is not None]
+        out[name] = bool(judged) and all(judged)
+    return out

@@ -1,0 +1,1 @@
+"""TPU pods: ahead-of-time fit checks, the launcher, the multi-controller runtime."""
