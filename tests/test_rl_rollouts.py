@@ -138,3 +138,18 @@ def test_async_loop_smoke(tmp_path):
     assert res["noninferiority"] is None
     assert res["arms"]["grpo"]["heldout"]["plain"]["num_tasks"] == 2
     assert (tmp_path / "report" / "report.md").exists()
+
+
+def test_async_resume_continues_the_batch_indices(tmp_path):
+    # The sampling thread samples ahead; after a resume it restarts at the first batch the
+    # trainer had not consumed, and the batch indices stay absolute.
+    config = driver.make_config("grpo", async_sampling=True, steps=3)
+    config.rl_loop.eval_every = 0
+    kw = dict(arm_name="grpo", seed=0, sources=driver.make_sources())
+    first = rl.run_rl(config, str(tmp_path), driver.initial_params(config), stop_after=1, **kw)
+    assert not first.finished and first.step == 1
+    resumed = rl.run_rl(config, str(tmp_path), driver.initial_params(config), **kw)
+    assert resumed.finished and resumed.step == 3
+    records = [r for r in read_metrics(str(tmp_path)) if r["stage"] == "train"]
+    assert [(r["step"], r["batch_index"]) for r in records] == [(1, 0.0), (2, 1.0), (3, 2.0)]
+    assert metrics.read_rl_summary(str(tmp_path))["sessions"][-1]["start_step"] == 1

@@ -131,6 +131,9 @@ class _Parts:
     """What a run's steps are made of (fixed over the run)."""
 
     config: Any
+    workdir: str
+    arm_name: str
+    seed: int
     model_cfg: ModelConfig
     divisor: int  # the mesh's batch divisor
     student_max: int
@@ -159,7 +162,9 @@ def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
     return student_max, teacher_max
 
 
-def _build(config: Any, init_params: Any, seed: int, renderer: ChatRenderer) -> _Parts:
+def _build(
+    config: Any, workdir: str, init_params: Any, arm_name: str, seed: int, renderer: ChatRenderer
+) -> _Parts:
     """Model, mesh, initial train state, jitted step and sampler of a run."""
     model_cfg = ModelConfig.from_config(config.model)
     model = Transformer(model_cfg)
@@ -178,8 +183,10 @@ def _build(config: Any, init_params: Any, seed: int, renderer: ChatRenderer) -> 
     sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
     sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor, **sampler_kw)
     return _Parts(
-        config, model_cfg, divisor, student_max, teacher_max, state, ref_params,
-        make_train_step(config, model, mesh, rules), sampler, renderer, key,
+        config=config, workdir=workdir, arm_name=arm_name, seed=seed, model_cfg=model_cfg,
+        divisor=divisor, student_max=student_max, teacher_max=teacher_max, state=state,
+        ref_params=ref_params, step_fn=make_train_step(config, model, mesh, rules),
+        sampler=sampler, renderer=renderer, key=key,
     )  # fmt: skip
 
 
@@ -233,7 +240,7 @@ def _tasks(
     return tasks, eval_tasks
 
 
-def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int, seed: int) -> Any:
+def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any:
     """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
     config, lc = parts.config, parts.config.rl_loop
     env_cfg = coding_env_config(config.env)
@@ -244,7 +251,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int, seed: 
             max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,
             temperature=float(config.rl.temperature),
         ),
-        sampling_key=jax.random.fold_in(parts.key, 1), seed=seed,
+        sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
         rates=rl_rollouts.feedback_rates(lc.feedback),
     )  # fmt: skip
     return rl_rollouts.rollout_source(
@@ -328,14 +335,14 @@ def _write_summary(workdir: str, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _summarize(workdir: str, arm_name: str, seed: int, session: _Session, done: int,
-               num_steps: int, tg_on: bool) -> None:  # fmt: skip
+def _summarize(parts: _Parts, session: _Session, done: int) -> None:
     """Appends this session to rl_summary.json (run costs so far and the session's span)."""
+    finished = done >= int(parts.config.rl_loop.steps)
     _write_summary(
-        workdir,
+        parts.workdir,
         {
-            "arm": arm_name, "seed": seed, "step": done, "finished": done >= num_steps,
-            "costs": session.costs.as_dict(), "tg_enabled": tg_on,
+            "arm": parts.arm_name, "seed": parts.seed, "step": done, "finished": finished,
+            "costs": session.costs.as_dict(), "tg_enabled": bool(parts.config.tg.enabled),
             "session": {"start_step": session.start_step, "end_step": done,
                         "seconds": time.time() - session.started},
         },
@@ -378,14 +385,14 @@ def run_rl(
     lc = config.rl_loop
     num_steps = int(lc.steps)
     end = num_steps if stop_after is None else min(num_steps, int(stop_after))
-    parts = _build(config, init_params, seed, renderer or ChatRenderer(ByteTokenizer()))
+    renderer = renderer or ChatRenderer(ByteTokenizer())
+    parts = _build(config, workdir, init_params, arm_name, seed, renderer)
     os.makedirs(workdir, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),
         max_to_keep=int(lc.keep_checkpoints),
         save_interval_steps=int(lc.checkpoint_every),
     )
-    source = None
     try:
         state, session, data_state = _resume(ckpt, parts.state, arm_name, seed)
         start = session.start_step
@@ -394,37 +401,60 @@ def run_rl(
         if threading.current_thread() is threading.main_thread():
             checkpointing.install_sigterm_handler()
         tasks, eval_tasks = _tasks(config, workdir, seed, sources, eval_tasks, data_state)
-        data_state = tasks.get_state()
-        source = _rollout_source(parts, tasks, data_state["next_index"], seed)
+        return _train(parts, ckpt, tasks, eval_tasks, state, session, end)
+    finally:
+        ckpt.close()
+
+
+def _train(
+    parts: _Parts,
+    ckpt: checkpointing.TrainingCheckpointer,
+    tasks: TaskIterator,
+    eval_tasks: Sequence[Any] | None,
+    state: TrainState,
+    session: _Session,
+    end: int,
+) -> RLResult:
+    """This session's steps, session.start_step -> `end` (or a preemption), then its summary."""
+    lc = parts.config.rl_loop
+    num_steps, eval_every, start = int(lc.steps), int(lc.eval_every), session.start_step
+    data_state = tasks.get_state()
+    source = _rollout_source(parts, tasks, data_state["next_index"])
+    try:
         source.publish(state.params, start)
-        writer = MetricsWriter(workdir, use_tensorboard=bool(lc.use_tensorboard))
-        bar = ProgressBar(
-            num_steps, initial=start, keys=PROGRESS_KEYS, desc=f"rl {arm_name}/{seed}",
-            log_every=int(lc.log_every),
-        )  # fmt: skip
+        writer = MetricsWriter(parts.workdir, use_tensorboard=bool(lc.use_tensorboard))
         lagged = LaggedMetrics(writer, stage="train")
+        bar = ProgressBar(
+            num_steps, initial=start, keys=PROGRESS_KEYS,
+            desc=f"rl {parts.arm_name}/{parts.seed}", log_every=int(lc.log_every),
+        )  # fmt: skip
+
+        def _eval(step: int) -> None:
+            writer.write(step, _evaluate(parts, state.params, eval_tasks), stage="eval")
+
+        def _process_metrics(done: int, metrics: dict[str, Any]) -> None:
+            logged = lagged.push(done, metrics)  # fetched one step late
+            bar.update(done, logged[1] if logged else None)
+
+        def _checkpoint(done: int) -> None:
+            lagged.flush()  # every step <= a checkpoint is in metrics.jsonl
+            meta = {
+                "arm": parts.arm_name, "seed": parts.seed, "data": data_state,
+                "policy_version": done, "costs": session.stamp(),
+            }  # fmt: skip
+            ckpt.save(done, state, metadata=meta, force=True)
+
+        done = start
         with writer, bar:
-
-            def _checkpoint(done: int) -> None:
-                lagged.flush()  # every step <= a checkpoint is in metrics.jsonl
-                meta = {
-                    "arm": arm_name, "seed": seed, "data": data_state,
-                    "policy_version": done, "costs": session.stamp(),
-                }  # fmt: skip
-                ckpt.save(done, state, metadata=meta, force=True)
-
-            eval_every = int(lc.eval_every)
             if start == 0 and eval_every > 0:
-                writer.write(0, _evaluate(parts, state.params, eval_tasks), stage="eval")
-            done = start
+                _eval(0)
             for step in range(start, end):
                 done = step + 1
                 state, group, metrics = _train_step(parts, session, source, state, done)
                 data_state = {**data_state, "next_index": group.batch_index + 1}
-                logged = lagged.push(done, metrics)
-                bar.update(done, logged[1] if logged else None)
+                _process_metrics(done, metrics)
                 if eval_every > 0 and (done % eval_every == 0 or done == num_steps):
-                    writer.write(done, _evaluate(parts, state.params, eval_tasks), stage="eval")
+                    _eval(done)
                 preempted = checkpointing.preemption_requested(done) or done == end
                 if preempted or ckpt.should_save(done):
                     _checkpoint(done)
@@ -433,12 +463,10 @@ def run_rl(
             lagged.flush()
         session.stamp()
         ckpt.wait_until_finished()
-        _summarize(workdir, arm_name, seed, session, done, num_steps, bool(config.tg.enabled))
-        return RLResult(state, done, done >= num_steps, session.costs.as_dict(), workdir)
+        _summarize(parts, session, done)
+        return RLResult(state, done, done >= num_steps, session.costs.as_dict(), parts.workdir)
     finally:
-        if source is not None:
-            source.close()
-        ckpt.close()
+        source.close()
 
 
 def _train_step(
