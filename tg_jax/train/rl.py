@@ -117,7 +117,7 @@ class _Session:
     costs: _Costs
     wall0: float  # wall time of the earlier sessions
     dropped0: int  # groups the earlier sessions dropped
-    started: float = dataclasses.field(default_factory=time.time)
+    started: float = 0.0  # time.time() when its first step began
 
     def stamp(self) -> dict[str, Any]:
         """Costs so far, with the wall time and peak memory of now."""
@@ -444,7 +444,7 @@ def _train(
             }  # fmt: skip
             ckpt.save(done, state, metadata=meta, force=True)
 
-        done = start
+        done, session.started = start, time.time()  # the setup above is not counted
         with writer, bar:
             if start == 0 and eval_every > 0:
                 _eval(0)
