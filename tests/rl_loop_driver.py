@@ -20,7 +20,8 @@ import numpy as np
 from tg_jax import config_lib
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import ModelConfig, Transformer, init_params
-from tg_jax.train import rl, rl_config, rl_rollouts
+from tg_jax.sampling import loop
+from tg_jax.train import rl, rl_config
 
 STEPS = 4
 
@@ -65,13 +66,13 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.0)
     args = parser.parse_args()
     if args.slow > 0:
-        get = rl_rollouts.InlineRollouts.get
+        get = loop.InlineLoop.get
 
-        def slow_get(self, max_staleness):
+        def slow_get(self, max_staleness, timeout=None):
             time.sleep(args.slow)
-            return get(self, max_staleness)
+            return get(self, max_staleness, timeout)
 
-        rl_rollouts.InlineRollouts.get = slow_get
+        loop.InlineLoop.get = slow_get
     config = make_config(args.arm, args.async_sampling, args.steps)
     result = rl.run_rl(
         config, args.workdir, initial_params(config), arm_name=args.arm, seed=0,

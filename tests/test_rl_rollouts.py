@@ -67,10 +67,12 @@ class _FakeRollout:
 
     def __init__(self):
         self.calls = []
+        self.keys = []
 
     def __call__(self, sampler, params, renderer, env_factory, tasks, **kw):
         texts = [kw["hint_picker"]("fence") for _ in range(50)] if kw["hint_picker"] else []
         self.calls.append((kw["first_group_id"], texts))
+        self.keys.append(np.asarray(jax.random.key_data(kw["rng"])))
         return [_traj([{"fence": False}], 0.0, {}) for _ in tasks]
 
 
@@ -80,12 +82,16 @@ def test_feedback_picks_depend_only_on_batch_index(monkeypatch):
     rates = FeedbackRates(correct=0.5, irrelevant=0.25, wrong=0.25)
     kw = dict(rollouts_per_group=1, config=None, sampling_key=jax.random.key(0), seed=3)
     fn = rl_rollouts.BatchRollout(None, None, None, rates=rates, **kw)
-    out_a = fn(None, (7, ["t1", "t2"]), None, 0)
-    fn(None, (8, ["t1", "t2"]), None, 0)
-    fn(None, (7, ["t1", "t2"]), None, 0)
+    out_a = fn(None, 7, ["t1", "t2"], 0)
+    fn(None, 8, ["t1", "t2"], 0)
+    fn(None, 7, ["t1", "t2"], 0)
     (g7, a), (g8, b), (_, c) = fake.calls
     assert (g7, g8) == (14, 16)  # group ids unique across batches
     assert a == c and a != b  # same batch index -> same picks, after a "resume"
+    # The sampling key too: fold_in(sampling_key, batch index), whichever loop calls.
+    want = [jax.random.key_data(jax.random.fold_in(jax.random.key(0), i)) for i in (7, 8, 7)]
+    for got, w in zip(fake.keys, want, strict=True):
+        np.testing.assert_array_equal(got, w)
     kinds = out_a[0].info["feedback_kinds"]
     assert set(kinds) == {"correct", "irrelevant", "wrong"}
     assert all(t.info["batch_index"] == 7 for t in out_a)
@@ -93,7 +99,7 @@ def test_feedback_picks_depend_only_on_batch_index(monkeypatch):
     assert m["feedback/correct"] + m["feedback/irrelevant"] + m["feedback/wrong"] == 1.0
     # Perfect feedback: no picker at all (the environment's own hints).
     fn.rates = FeedbackRates()
-    fn(None, (9, ["t1"]), None, 0)
+    fn(None, 9, ["t1"], 0)
     assert fake.calls[-1][1] == []
 
 
@@ -132,3 +138,18 @@ def test_async_loop_smoke(tmp_path):
     assert res["noninferiority"] is None
     assert res["arms"]["grpo"]["heldout"]["plain"]["num_tasks"] == 2
     assert (tmp_path / "report" / "report.md").exists()
+
+
+def test_async_resume_continues_the_batch_indices(tmp_path):
+    # The sampling thread samples ahead; after a resume it restarts at the first batch the
+    # trainer had not consumed, and the batch indices stay absolute.
+    config = driver.make_config("grpo", async_sampling=True, steps=3)
+    config.rl_loop.eval_every = 0
+    kw = dict(arm_name="grpo", seed=0, sources=driver.make_sources())
+    first = rl.run_rl(config, str(tmp_path), driver.initial_params(config), stop_after=1, **kw)
+    assert not first.finished and first.step == 1
+    resumed = rl.run_rl(config, str(tmp_path), driver.initial_params(config), **kw)
+    assert resumed.finished and resumed.step == 3
+    records = [r for r in read_metrics(str(tmp_path)) if r["stage"] == "train"]
+    assert [(r["step"], r["batch_index"]) for r in records] == [(1, 0.0), (2, 1.0), (3, 2.0)]
+    assert metrics.read_rl_summary(str(tmp_path))["sessions"][-1]["start_step"] == 1

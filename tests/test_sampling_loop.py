@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.test_rollout import RENDERER, RUN, SUBMIT, TASKS, ScriptedSampler, _env
-from tg_jax.sampling.loop import SamplingLoop, data_parallel_mesh
+from tg_jax.sampling.loop import InlineLoop, SamplingLoop, data_parallel_mesh
 from tg_jax.sampling.rollout import RolloutConfig, rollout_groups
 from tg_jax.sampling.trajectory import Trajectory
 
@@ -26,7 +26,7 @@ def _traj(version, task):
     )  # fmt: skip
 
 
-def _fake_rollouts(params, tasks, rng, version, seen=None):
+def _fake_rollouts(params, index, tasks, version, seen=None):
     if seen is not None:
         seen.append((params, version))
     return [_traj(version, t) for t in tasks]
@@ -43,7 +43,7 @@ def test_version_tags_and_staleness_filter():
     seen = []
     fn = functools.partial(_fake_rollouts, seen=seen)
     batches = ([i] for i in itertools.count())
-    with SamplingLoop(fn, batches, rng=jax.random.key(0), queue_size=2) as loop:
+    with SamplingLoop(fn, batches, queue_size=2) as loop:
         loop.publish({"w": jnp.ones(2)}, version=0)
         group = loop.get(max_staleness=0, timeout=10)
         assert group.policy_version == 0 and group.staleness == 0 and group.batch_index == 0
@@ -68,13 +68,13 @@ def test_version_tags_and_staleness_filter():
 def test_loop_exception_reaches_get_quickly():
     go = threading.Event()
 
-    def failing(params, tasks, rng, version):
+    def failing(params, index, tasks, version):
         if tasks[0] == 1:
             go.wait(10)
             raise ValueError("environment exploded")
-        return _fake_rollouts(params, tasks, rng, version)
+        return _fake_rollouts(params, index, tasks, version)
 
-    loop = SamplingLoop(failing, ([i] for i in itertools.count()), rng=jax.random.key(0))
+    loop = SamplingLoop(failing, ([i] for i in itertools.count()))
     loop.publish({"w": jnp.ones(2)}, version=0)
     assert loop.get(max_staleness=0, timeout=10).batch_index == 0
     go.set()
@@ -88,11 +88,11 @@ def test_loop_exception_reaches_get_quickly():
 
 def test_close_joins_a_blocked_or_waiting_thread():
     # Waiting for its first params.
-    loop = SamplingLoop(_fake_rollouts, iter([[0]]), rng=jax.random.key(0))
+    loop = SamplingLoop(_fake_rollouts, iter([[0]]))
     loop.close(timeout=5)
     assert not loop.running
     # Blocked on a full queue of an endless task stream.
-    loop = SamplingLoop(_fake_rollouts, ([i] for i in itertools.count()), rng=jax.random.key(0))
+    loop = SamplingLoop(_fake_rollouts, ([i] for i in itertools.count()))
     loop.publish({"w": jnp.ones(2)}, version=0)
     _wait(lambda: loop.stats()["queue_size"] == 2)
     start = time.monotonic()
@@ -101,7 +101,7 @@ def test_close_joins_a_blocked_or_waiting_thread():
 
 
 def test_exhausted_task_stream_ends_with_none():
-    loop = SamplingLoop(_fake_rollouts, [[0], [1], [2]], rng=jax.random.key(0), queue_size=1)
+    loop = SamplingLoop(_fake_rollouts, [[0], [1], [2]], queue_size=1)
     loop.publish({"w": jnp.ones(2)}, version=5)
     got = [loop.get(max_staleness=0, timeout=10) for _ in range(3)]
     assert [g.batch_index for g in got] == [0, 1, 2] and {g.policy_version for g in got} == {5}
@@ -110,11 +110,40 @@ def test_exhausted_task_stream_ends_with_none():
     loop.close()
 
 
+def test_batches_count_from_first_index_in_both_loops():
+    def fn(params, index, tasks, version, seen):
+        seen.append((index, list(tasks), version))
+        return [_traj(version, t) for t in tasks]
+
+    batches = [[3], [4, 5], [6]]
+    seen_thread, seen_inline = [], []
+    loop = SamplingLoop(functools.partial(fn, seen=seen_thread), batches, first_index=7)
+    inline = InlineLoop(functools.partial(fn, seen=seen_inline), batches, first_index=7)
+    groups = {}
+    for name, source in (("thread", loop), ("inline", inline)):
+        with source:
+            source.publish({"w": jnp.ones(2)}, version=2)
+            groups[name] = [source.get(max_staleness=0, timeout=10) for _ in batches]
+            assert source.get(max_staleness=0, timeout=10) is None
+            assert source.stats()["groups_dropped_stale"] == 0
+            with pytest.raises(ValueError, match="went back"):
+                source.publish({"w": jnp.ones(2)}, version=1)
+    # The rollout function gets the absolute batch index; both loops hand it the same batches.
+    assert seen_thread == seen_inline == [(7, [3], 2), (8, [4, 5], 2), (9, [6], 2)]
+    for a, b in zip(groups["thread"], groups["inline"], strict=True):
+        assert (a.batch_index, a.policy_version, a.staleness) == (
+            b.batch_index, b.policy_version, b.staleness,
+        )  # fmt: skip
+        assert [t.task_id for t in a.trajectories] == [t.task_id for t in b.trajectories]
+    assert [g.batch_index for g in groups["inline"]] == [7, 8, 9]
+    assert inline.stats()["groups_delivered"] == 3 and inline.version == 2
+
+
 def test_params_are_copied_to_the_sampler_devices():
     seen = []
     fn = functools.partial(_fake_rollouts, seen=seen)
     device = jax.devices()[-1]
-    loop = SamplingLoop(fn, iter([[0]]), rng=jax.random.key(0), devices=[device])
+    loop = SamplingLoop(fn, iter([[0]]), devices=[device])
     w = jnp.arange(4.0)
     loop.publish({"w": w}, version=0)
     loop.get(max_staleness=0, timeout=10)
@@ -126,7 +155,7 @@ def test_params_are_copied_to_the_sampler_devices():
     np.testing.assert_array_equal(params["w"], np.arange(4.0))
     # Shared devices: still a copy.
     seen.clear()
-    loop = SamplingLoop(fn, iter([[0]]), rng=jax.random.key(0))
+    loop = SamplingLoop(fn, iter([[0]]))
     w = jnp.arange(4.0)
     loop.publish({"w": w}, version=0)
     w.delete()
@@ -135,7 +164,7 @@ def test_params_are_copied_to_the_sampler_devices():
     np.testing.assert_array_equal(seen[0][0]["w"], np.arange(4.0))
     # Several devices: replicated on all of them.
     seen.clear()
-    loop = SamplingLoop(fn, iter([[0]]), rng=jax.random.key(0), devices=jax.devices()[:2])
+    loop = SamplingLoop(fn, iter([[0]]), devices=jax.devices()[:2])
     loop.publish({"w": jnp.ones(3)}, version=0)
     loop.get(max_staleness=0, timeout=10)
     loop.close()
@@ -145,13 +174,14 @@ def test_params_are_copied_to_the_sampler_devices():
 def test_loop_runs_real_rollouts_against_the_env():
     sampler = ScriptedSampler(lambda text, turn: [RUN, SUBMIT][min(turn, 1)])
 
-    def fn(params, tasks, rng, version):
+    def fn(params, index, tasks, version):
         return rollout_groups(
             sampler, params, RENDERER, _env, tasks, rollouts_per_task=2,
-            config=RolloutConfig(max_total_tokens=1024), rng=rng, policy_version=version,
+            config=RolloutConfig(max_total_tokens=1024),
+            rng=jax.random.fold_in(jax.random.key(0), index), policy_version=version,
         )  # fmt: skip
 
-    loop = SamplingLoop(fn, [TASKS, TASKS[:1]], rng=jax.random.key(0))
+    loop = SamplingLoop(fn, [TASKS, TASKS[:1]])
     loop.publish({}, version=1)
     first, second = (loop.get(max_staleness=0, timeout=30) for _ in range(2))
     loop.close()
@@ -175,12 +205,12 @@ def test_data_parallel_sampler_on_a_device_subset():
     kw = dict(max_new_tokens=6, temperature=0.0, rng=jax.random.key(0))
     ref = Sampler(model, pad_id=0).sample(params, prompts, **kw)
 
-    def fn(params, tasks, rng, version):
+    def fn(params, index, tasks, version):
         assert params["embed"].sharding.device_set == set(devices)
         out = sharded.sample(params, prompts, **kw)
         return [_traj(version, [int(t) for t in out.tokens[i]]) for i in range(len(prompts))]
 
-    loop = SamplingLoop(fn, iter([[0]]), rng=jax.random.key(0), devices=devices)
+    loop = SamplingLoop(fn, iter([[0]]), devices=devices)
     loop.publish(params, version=0)
     group = loop.get(max_staleness=0, timeout=60)
     loop.close()

@@ -4,9 +4,9 @@ The pieces of `tg_jax.train.rl.run_rl` (its `BatchRollout` over the coding envir
 `build_batch`, the jitted TG `train_step`, weight publishing), without its data stage,
 checkpoints, evaluation and logging, in two modes on the same sampler and step functions:
 
-  sequential  `InlineRollouts`: sample a rollout group, then train on it. The sampling and
+  sequential  `InlineLoop`: sample a rollout group, then train on it. The sampling and
               the training (build_batch + step, blocked until done) are timed apart.
-  async       `ThreadedRollouts` (the `SamplingLoop` thread samples ahead, queue and
+  async       `SamplingLoop` (its thread samples ahead, queue and
               staleness as configured): the step's wall time is from asking for a group to
               the new params being published; the loop samples the next groups meanwhile.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.batch import build_batch
 from tg_jax.rl.train_step import create_train_state, make_optimizer, make_train_step
 from tg_jax.sampling import rollout
+from tg_jax.sampling.loop import InlineLoop, RolloutGroup, SamplingLoop
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import rl_config, rl_rollouts
@@ -73,72 +75,37 @@ def overlap_bench(
     groups = int(groups or lc.groups_per_step)
     rollouts = int(rollouts or lc.rollouts_per_group)
     max_new = int(max_new_tokens or lc.max_new_tokens)
-    renderer = ChatRenderer(ByteTokenizer())
-    model = Transformer(ModelConfig.from_config(config.model))
-    mesh = sharding.make_mesh(config.mesh)
-    rules = sharding.logical_rules(config.mesh)
-    divisor = sharding.batch_divisor(mesh, rules)
-    requirements = tuple(config.env.requirements)
-    teacher_max = int(config.model.max_seq_len)
-    reserve = rl_rollouts.hint_reserve(renderer, requirements, int(config.env.max_turns))
-    student_max = int(lc.seq_len) or teacher_max - reserve
-
     cfg = config_lib.apply_overrides(config, {"tg.enabled": True})
-    state = create_train_state(model, make_optimizer(cfg.optim), mesh, rules, jax.random.key(seed))
-    step_fn = make_train_step(cfg, model, mesh, rules)
-    sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor)
-    env_cfg = coding_env_config(config.env)
-    rollout_fn = rl_rollouts.BatchRollout(
-        sampler, renderer, lambda: CodingEnv(env_cfg), rollouts_per_group=rollouts,
-        config=rollout.RolloutConfig(
-            max_new_tokens=max_new, max_total_tokens=student_max,
-            temperature=float(cfg.rl.temperature),
-        ),
-        sampling_key=jax.random.key(seed + 1), seed=seed, rates=FeedbackRates(),
-    )  # fmt: skip
+    state, rollout_fn, train = _parts(cfg, lc, rollouts, max_new, seed)
     per_mode = warmup + steps
     # Async mode may drop stale groups, so it gets spare task batches.
     tasks = generate_tasks("train", 4 * per_mode * groups, seed=seed)
     batches = [tasks[i : i + groups] for i in range(0, len(tasks), groups)]
-
-    def train(state, group):
-        batch = build_batch(
-            group.trajectories, max_len=student_max, teacher_max_len=teacher_max,
-            mode=str(cfg.tg.teacher_mode), gate=str(cfg.tg.gate),
-            max_teacher_rows=int(cfg.tg.max_teacher_rows), requirement_names=requirements,
-            pad_to_multiple=0, batch_multiple=divisor, micro_batches=int(cfg.rl.micro_batches),
-        )  # fmt: skip
-        state, metrics = step_fn(state, batch)
-        jax.block_until_ready((state.params, metrics))
-        return state
+    max_staleness = int(cfg.rl.max_staleness)
 
     # Sequential: sample, then train, each timed on its own.
-    source = rl_rollouts.InlineRollouts(rollout_fn, rl_rollouts.numbered(iter(batches), 0))
+    source = InlineLoop(rollout_fn, batches[:per_mode])
     sampling, training = [], []
     for i in range(per_mode):
         source.publish(state.params, i)
         t0 = time.perf_counter()
-        group = source.get(int(cfg.rl.max_staleness))
+        group = _next_group(source, max_staleness)
         t1 = time.perf_counter()
-        if group is None:
-            raise RuntimeError("overlap_bench ran out of task batches")
         state = train(state, group)
         if i >= warmup:
             sampling.append(t1 - t0)
             training.append(time.perf_counter() - t1)
 
     # Async: the sampling loop thread samples ahead while the trainer trains.
-    rest = rl_rollouts.numbered(iter(batches[per_mode:]), per_mode)
-    source = rl_rollouts.ThreadedRollouts(rollout_fn, rest, queue_size=int(lc.queue_size))
+    source = SamplingLoop(
+        rollout_fn, batches[per_mode:], first_index=per_mode, queue_size=int(lc.queue_size)
+    )
     async_steps = []
     try:
         source.publish(state.params, per_mode)
         for i in range(per_mode):
             t0 = time.perf_counter()
-            group = source.get(int(cfg.rl.max_staleness))
-            if group is None:
-                raise RuntimeError("overlap_bench ran out of task batches")
-            state = train(state, group)
+            state = train(state, _next_group(source, max_staleness))
             source.publish(state.params, per_mode + i + 1)
             if i >= warmup:
                 async_steps.append(time.perf_counter() - t0)
@@ -158,3 +125,51 @@ def overlap_bench(
         "episodes_per_step": float(groups * rollouts),
         "load": load_average(),
     }
+
+
+def _next_group(source: InlineLoop | SamplingLoop, max_staleness: int) -> RolloutGroup:
+    group = source.get(max_staleness)
+    if group is None:
+        raise RuntimeError("overlap_bench ran out of task batches")
+    return group
+
+
+def _parts(
+    cfg: Any, lc: Any, rollouts: int, max_new: int, seed: int
+) -> tuple[Any, rl_rollouts.BatchRollout, Callable[[Any, RolloutGroup], Any]]:
+    """(initial train state, the batch rollout, train(state, group) -> new state): `run_rl`'s
+    pieces on a random initialisation, TG on."""
+    renderer = ChatRenderer(ByteTokenizer())
+    model = Transformer(ModelConfig.from_config(cfg.model))
+    mesh = sharding.make_mesh(cfg.mesh)
+    rules = sharding.logical_rules(cfg.mesh)
+    divisor = sharding.batch_divisor(mesh, rules)
+    requirements = tuple(cfg.env.requirements)
+    teacher_max = int(cfg.model.max_seq_len)
+    reserve = rl_rollouts.hint_reserve(renderer, requirements, int(cfg.env.max_turns))
+    student_max = int(lc.seq_len) or teacher_max - reserve
+    state = create_train_state(model, make_optimizer(cfg.optim), mesh, rules, jax.random.key(seed))
+    step_fn = make_train_step(cfg, model, mesh, rules)
+    sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor)
+    env_cfg = coding_env_config(cfg.env)
+    rollout_fn = rl_rollouts.BatchRollout(
+        sampler, renderer, lambda: CodingEnv(env_cfg), rollouts_per_group=rollouts,
+        config=rollout.RolloutConfig(
+            max_new_tokens=max_new, max_total_tokens=student_max,
+            temperature=float(cfg.rl.temperature),
+        ),
+        sampling_key=jax.random.key(seed + 1), seed=seed, rates=FeedbackRates(),
+    )  # fmt: skip
+
+    def train(state, group):
+        batch = build_batch(
+            group.trajectories, max_len=student_max, teacher_max_len=teacher_max,
+            mode=str(cfg.tg.teacher_mode), gate=str(cfg.tg.gate),
+            max_teacher_rows=int(cfg.tg.max_teacher_rows), requirement_names=requirements,
+            pad_to_multiple=0, batch_multiple=divisor, micro_batches=int(cfg.rl.micro_batches),
+        )  # fmt: skip
+        state, metrics = step_fn(state, batch)
+        jax.block_until_ready((state.params, metrics))
+        return state
+
+    return state, rollout_fn, train

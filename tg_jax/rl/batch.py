@@ -262,6 +262,138 @@ def _fill_per_turn_teacher(
     return seq
 
 
+def _check_trajectories(trajectories: Sequence[Trajectory], max_len: int) -> list[str]:
+    """The batch's reward names; raises on a too-long trajectory or differing reward names."""
+    reward_names = sorted(trajectories[0].rewards)
+    for traj in trajectories:
+        if len(traj.tokens) > max_len:
+            raise ValueError(
+                f"task {traj.task_id}: trajectory has {len(traj.tokens)} tokens > max_len {max_len}"
+            )
+        if sorted(traj.rewards) != reward_names:
+            raise ValueError(
+                f"task {traj.task_id}: reward names {sorted(traj.rewards)} differ from "
+                f"{reward_names}"
+            )
+    return reward_names
+
+
+def _teacher_rows_per_micro(max_teacher_rows: int, micro_batches: int, batch_multiple: int) -> int:
+    """per_turn: teacher rows per micro-batch; raises unless B_t splits evenly."""
+    per_micro, rem = divmod(max_teacher_rows, micro_batches)
+    if max_teacher_rows <= 0 or rem or per_micro % batch_multiple:
+        raise ValueError(
+            f"max_teacher_rows={max_teacher_rows} must be a positive multiple of "
+            f"micro_batches * batch_multiple = {batch_multiple * micro_batches}"
+        )
+    return per_micro
+
+
+def _empty_per_token(rows: int, length: int) -> dict[str, np.ndarray]:
+    """The target-aligned [rows, length] arrays, at their 'nothing here' values."""
+    return {
+        "targets": np.zeros((rows, length), np.int32),
+        "loss": np.zeros((rows, length), bool),
+        "answer": np.zeros((rows, length), bool),
+        "thinking": np.zeros((rows, length), bool),
+        "failed": np.zeros((rows, length), bool),
+        "distill": np.zeros((rows, length), bool),
+        "req": np.full((rows, length), -1, np.int32),
+        "turn": np.full((rows, length), -1, np.int32),
+        "behaviour": np.zeros((rows, length), np.float32),
+        "t_row": np.zeros((rows, length), np.int32),
+        "t_pos": np.zeros((rows, length), np.int32),
+    }
+
+
+def _per_trajectory_teacher(
+    per_token: dict[str, np.ndarray],
+    trajectories: Sequence[Trajectory],
+    hints: Sequence[dict[int, np.ndarray]],
+    *,
+    rows: int,
+    micro_batches: int,
+    teacher_max_len: int,
+    pad_multiple: int,
+) -> dict[str, np.ndarray]:
+    """per_trajectory mode: one hinted sequence per trajectory (teacher row b = student row b)."""
+    seqs = [
+        _fill_per_trajectory_teacher(per_token, b, b // micro_batches, traj, h, teacher_max_len)
+        for b, (traj, h) in enumerate(zip(trajectories, hints, strict=True))
+    ]
+    t_len = bucket_length(max(len(q) for q in seqs), teacher_max_len, pad_multiple)
+    teacher = _empty_seqs(rows, t_len)
+    for b, seq in enumerate(seqs):
+        _fill_row(teacher, b, seq, t_len)
+    # Padding rows point at their own (empty) teacher row.
+    for b in range(len(trajectories), rows):
+        per_token["t_row"][b] = b // micro_batches
+    return teacher
+
+
+def _per_turn_teacher(
+    per_token: dict[str, np.ndarray],
+    trajectories: Sequence[Trajectory],
+    hints: Sequence[dict[int, np.ndarray]],
+    *,
+    max_teacher_rows: int,
+    per_micro: int,
+    micro_batches: int,
+    teacher_max_len: int,
+    pad_multiple: int,
+) -> dict[str, np.ndarray]:
+    """per_turn mode: one exact hinted context per targeted turn, up to `per_micro` teacher
+    rows per micro-batch (the turns beyond are not distilled, with a warning)."""
+    seqs, global_rows = [], []  # each appended sequence and its global teacher row
+    used = [0] * micro_batches
+    dropped = 0
+    for b, (traj, turn_hints) in enumerate(zip(trajectories, hints, strict=True)):
+        m = b % micro_batches
+        for k in sorted(turn_hints):
+            if used[m] == per_micro:
+                dropped += 1
+                continue
+            seqs.append(
+                _fill_per_turn_teacher(
+                    per_token, b, used[m], traj, k, turn_hints[k], teacher_max_len
+                )
+            )
+            global_rows.append(used[m] * micro_batches + m)
+            used[m] += 1
+    if dropped:
+        logging.warning(
+            "build_batch: %d targeted turns exceed max_teacher_rows=%d and are not distilled",
+            dropped, max_teacher_rows,
+        )  # fmt: skip
+    longest = max((len(q) for q in seqs), default=1)
+    t_len = bucket_length(longest, teacher_max_len, pad_multiple)
+    teacher = _empty_seqs(max_teacher_rows, t_len)
+    for row, seq in zip(global_rows, seqs, strict=True):
+        _fill_row(teacher, row, seq, t_len)
+    return teacher
+
+
+def _row_fields(
+    trajectories: Sequence[Trajectory], rows: int, reward_names: Sequence[str]
+) -> dict[str, Any]:
+    """The per-row [rows] fields: rewards, group ids, policy versions, validity."""
+    n = len(trajectories)
+    rewards = {name: np.zeros((rows,), np.float32) for name in reward_names}
+    for b, traj in enumerate(trajectories):
+        for name in reward_names:
+            rewards[name][b] = traj.rewards[name]
+    group_ids = np.zeros((rows,), np.int32)
+    group_ids[:n] = [t.group_id for t in trajectories]
+    versions = np.full((rows,), -1, np.int32)
+    versions[:n] = [t.policy_version for t in trajectories]
+    return {
+        "rewards": rewards,
+        "group_ids_B": group_ids,
+        "policy_version_B": versions,
+        "valid_B": np.arange(rows) < n,
+    }
+
+
 def build_batch(
     trajectories: Sequence[Trajectory],
     *,
@@ -308,108 +440,33 @@ def build_batch(
         raise ValueError("build_batch needs at least one trajectory")
     if mode not in ("per_trajectory", "per_turn", "none"):
         raise ValueError(f"unknown teacher mode {mode!r}")
-    n = len(trajectories)
-    step = batch_multiple * micro_batches
-    rows = num_rows(n, batch_multiple, micro_batches)
+    rows = num_rows(len(trajectories), batch_multiple, micro_batches)
     if requirement_names is None:
         requirement_names = sorted({r for t in trajectories for v in t.turn_verdicts for r in v})
     req_index = {name: i for i, name in enumerate(requirement_names)}
-    reward_names = sorted(trajectories[0].rewards)
-
-    for traj in trajectories:
-        if len(traj.tokens) > max_len:
-            raise ValueError(
-                f"task {traj.task_id}: trajectory has {len(traj.tokens)} tokens > max_len {max_len}"
-            )
-        if sorted(traj.rewards) != reward_names:
-            raise ValueError(
-                f"task {traj.task_id}: reward names {sorted(traj.rewards)} differ from "
-                f"{reward_names}"
-            )
+    reward_names = _check_trajectories(trajectories, max_len)
     length = bucket_length(max(len(t.tokens) for t in trajectories), max_len, pad_to_multiple)
-
-    student = _empty_seqs(rows, length)
-    per_token = {
-        "targets": np.zeros((rows, length), np.int32),
-        "loss": np.zeros((rows, length), bool),
-        "answer": np.zeros((rows, length), bool),
-        "thinking": np.zeros((rows, length), bool),
-        "failed": np.zeros((rows, length), bool),
-        "distill": np.zeros((rows, length), bool),
-        "req": np.full((rows, length), -1, np.int32),
-        "turn": np.full((rows, length), -1, np.int32),
-        "behaviour": np.zeros((rows, length), np.float32),
-        "t_row": np.zeros((rows, length), np.int32),
-        "t_pos": np.zeros((rows, length), np.int32),
-    }
-    # Teacher sequences, built as lists first: their padded length depends on all of them.
-    teacher_seqs: list[np.ndarray] = []
-    teacher_global_rows = []  # per_turn: global teacher row of each appended sequence
-
-    per_micro_teacher = 0
     if mode == "per_turn":
-        per_micro_teacher, rem = divmod(max_teacher_rows, micro_batches)
-        if max_teacher_rows <= 0 or rem or per_micro_teacher % batch_multiple:
-            raise ValueError(
-                f"max_teacher_rows={max_teacher_rows} must be a positive multiple of "
-                f"micro_batches * batch_multiple = {step}"
-            )
-    t_multiple = pad_to_multiple if teacher_pad_to_multiple is None else teacher_pad_to_multiple
-    used_teacher = [0] * micro_batches
-    dropped = 0
+        per_micro = _teacher_rows_per_micro(max_teacher_rows, micro_batches, batch_multiple)
 
+    student, per_token = _empty_seqs(rows, length), _empty_per_token(rows, length)
+    hints = []  # per row: targeted turn -> its (non-empty) hint
     for b, traj in enumerate(trajectories):
-        m, local = b % micro_batches, b // micro_batches
         _fill_row(student, b, np.asarray(traj.tokens, np.int32), length)
-        hints = _fill_student_targets(per_token, b, traj, gate, req_index)
-        if mode == "per_trajectory":
-            teacher_seqs.append(
-                _fill_per_trajectory_teacher(per_token, b, local, traj, hints, teacher_max_len)
-            )
-        elif mode == "per_turn":
-            for k in sorted(hints):
-                if used_teacher[m] == per_micro_teacher:
-                    dropped += 1
-                    continue
-                teacher_seqs.append(
-                    _fill_per_turn_teacher(
-                        per_token, b, used_teacher[m], traj, k, hints[k], teacher_max_len
-                    )
-                )
-                teacher_global_rows.append(used_teacher[m] * micro_batches + m)
-                used_teacher[m] += 1
-    if dropped:
-        logging.warning(
-            "build_batch: %d targeted turns exceed max_teacher_rows=%d and are not distilled",
-            dropped, max_teacher_rows,
-        )  # fmt: skip
+        hints.append(_fill_student_targets(per_token, b, traj, gate, req_index))
 
+    t_multiple = pad_to_multiple if teacher_pad_to_multiple is None else teacher_pad_to_multiple
+    shared = {"micro_batches": micro_batches, "teacher_max_len": teacher_max_len,
+              "pad_multiple": t_multiple}  # fmt: skip
     if mode == "per_trajectory":
-        t_len = bucket_length(max(len(q) for q in teacher_seqs), teacher_max_len, t_multiple)
-        teacher = _empty_seqs(rows, t_len)
-        for b, seq in enumerate(teacher_seqs):
-            _fill_row(teacher, b, seq, t_len)
-        # Padding rows point at their own (empty) teacher row.
-        for b in range(n, rows):
-            per_token["t_row"][b] = b // micro_batches
+        teacher = _per_trajectory_teacher(per_token, trajectories, hints, rows=rows, **shared)
     elif mode == "per_turn":
-        longest = max((len(q) for q in teacher_seqs), default=1)
-        t_len = bucket_length(longest, teacher_max_len, t_multiple)
-        teacher = _empty_seqs(max_teacher_rows, t_len)
-        for row, seq in zip(teacher_global_rows, teacher_seqs, strict=True):
-            _fill_row(teacher, row, seq, t_len)
+        teacher = _per_turn_teacher(
+            per_token, trajectories, hints, max_teacher_rows=max_teacher_rows,
+            per_micro=per_micro, **shared,
+        )  # fmt: skip
     else:
         teacher = _empty_seqs(rows, 1)
-
-    rewards = {name: np.zeros((rows,), np.float32) for name in reward_names}
-    for b, traj in enumerate(trajectories):
-        for name in reward_names:
-            rewards[name][b] = traj.rewards[name]
-    group_ids = np.zeros((rows,), np.int32)
-    group_ids[:n] = [t.group_id for t in trajectories]
-    versions = np.full((rows,), -1, np.int32)
-    versions[:n] = [t.policy_version for t in trajectories]
-    valid = np.arange(rows) < n
 
     return Batch(
         tokens_BxT=student["tokens"],
@@ -429,10 +486,7 @@ def build_batch(
         teacher_tokens_BtxTt=teacher["tokens"],
         teacher_positions_BtxTt=teacher["positions"],
         teacher_segment_ids_BtxTt=teacher["segments"],
-        rewards=rewards,
-        group_ids_B=group_ids,
-        policy_version_B=versions,
-        valid_B=valid,
+        **_row_fields(trajectories, rows, reward_names),
         requirement_names=tuple(requirement_names),
         teacher_mode=mode,
     )

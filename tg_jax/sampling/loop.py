@@ -1,4 +1,4 @@
-"""The sampling loop: rollouts in a background thread, apart from the trainer.
+"""The sampling loop: rollouts in a background thread, apart from the trainer (or inline).
 
     trainer                                   sampling thread
     -------                                   ---------------
@@ -16,6 +16,15 @@ Failure and shutdown: an exception in the loop is stored and re-raised by the ne
 polls, so it surfaces within `poll_s` seconds, never a hang); `close()` stops the loop and joins
 the thread (a batch already running finishes first; the thread is a daemon so a stuck
 environment cannot keep the process alive).
+
+The rollout function gets what the loop has: (params, batch index, tasks, policy version).
+Batch indices count from `first_index` (a resumed run passes its task iterator's position), so
+a rollout function that derives its randomness from the index (its sampling key
+fold_in(base_key, index)) samples batch i the same way in every session and in both loops.
+
+`InlineLoop` is the synchronous twin (the deterministic mode): the same interface, and each
+`get` samples the next batch in the caller's thread with the newest published params
+(staleness 0). Both sample a batch with the same `sample_group`.
 
 Devices: with `devices`, published params are copied there (replicated); build the rollout
 function's sampler on the same devices with `data_parallel_mesh(devices)` (rows split over
@@ -39,7 +48,8 @@ import numpy as np
 
 from tg_jax.sampling.trajectory import Trajectory
 
-RolloutFn = Callable[[Any, Sequence[Any], jax.Array, int], list[Trajectory]]
+# (params, batch index, tasks, policy version) -> trajectories
+RolloutFn = Callable[[Any, int, Sequence[Any], int], list[Trajectory]]
 
 
 @dataclasses.dataclass
@@ -49,7 +59,7 @@ class RolloutGroup:
     Attributes:
       trajectories: the rollouts (G per task, grouped by task).
       policy_version: version of the params that sampled them.
-      batch_index: position of the task batch in the task iterator (0, 1, ...).
+      batch_index: absolute position of the task batch in the task order (first_index, ...).
       seconds: wall time of the rollouts.
       staleness: trainer version at `get` time minus `policy_version` (set by `get`).
     """
@@ -78,6 +88,15 @@ def data_parallel_mesh(devices: Sequence[jax.Device]) -> tuple[jax.sharding.Mesh
     return mesh, (("batch", SAMPLER_AXIS),)
 
 
+def sample_group(
+    rollout_fn: RolloutFn, params: Any, version: int, index: int, tasks: Sequence[Any]
+) -> RolloutGroup:
+    """Samples task batch `index` with the policy `params` of version `version`, timed."""
+    start = time.perf_counter()
+    trajectories = rollout_fn(params, index, tasks, version)
+    return RolloutGroup(list(trajectories), version, index, time.perf_counter() - start)
+
+
 class _Done:
     """Queue sentinel: the task iterator is exhausted."""
 
@@ -90,23 +109,22 @@ class SamplingLoop:
         rollout_fn: RolloutFn,
         task_batches: Iterable[Sequence[Any]],
         *,
-        rng: jax.Array,
+        first_index: int = 0,
         queue_size: int = 2,
         devices: Sequence[jax.Device] | None = None,
         poll_s: float = 0.1,
     ):
         """Args:
-        rollout_fn: (params, tasks, rng, policy_version) -> trajectories, e.g. a
-          functools.partial of `tg_jax.sampling.rollout.rollout_groups`.
+        rollout_fn: (params, batch_index, tasks, policy_version) -> trajectories, e.g.
+          `tg_jax.train.rl_rollouts.BatchRollout`.
         task_batches: iterable of task batches (one batch -> one RolloutGroup).
-        rng: base key; batch i is sampled with fold_in(rng, i).
+        first_index: batch index of the first batch (the next ones count up from it).
         queue_size: rollout groups held ahead of the trainer.
         devices: devices of the sampler (params are copied there); None = default placement.
         poll_s: how often blocked calls check for errors and shutdown.
         """
         self._rollout_fn = rollout_fn
-        self._tasks = iter(task_batches)
-        self._rng = rng
+        self._batches = enumerate(task_batches, start=int(first_index))
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self._poll_s = poll_s
         self._target = None
@@ -246,27 +264,74 @@ class SamplingLoop:
     def _run(self) -> None:
         try:
             self._has_params.wait()
-            batch_index = 0
             while not self._stop.is_set():
                 try:
-                    tasks = next(self._tasks)
+                    index, tasks = next(self._batches)
                 except StopIteration:
                     self._put(_Done())
                     return
                 with self._lock:
                     params, version = self._params, self._version
-                start = time.perf_counter()
-                rng = jax.random.fold_in(self._rng, batch_index)
-                trajectories = self._rollout_fn(params, tasks, rng, version)
-                group = RolloutGroup(
-                    list(trajectories), version, batch_index, time.perf_counter() - start
-                )
-                if not self._put(group):
+                if not self._put(sample_group(self._rollout_fn, params, version, index, tasks)):
                     return
-                batch_index += 1
         except BaseException as e:  # noqa: BLE001 (handed to the trainer by get())
             logging.exception("sampling loop failed")
             self._error = e
 
 
-__all__ = ["RolloutFn", "RolloutGroup", "SamplingLoop", "data_parallel_mesh"]
+class InlineLoop:
+    """The synchronous `SamplingLoop`: each `get` samples the next batch now, in this thread."""
+
+    def __init__(
+        self, rollout_fn: RolloutFn, task_batches: Iterable[Sequence[Any]], *, first_index: int = 0
+    ):
+        """Args: as `SamplingLoop`'s (no queue, no devices: it samples where the caller is)."""
+        self._rollout_fn = rollout_fn
+        self._batches = enumerate(task_batches, start=int(first_index))
+        self._params: Any = None
+        self._version = -1
+        self._delivered = 0
+
+    def publish(self, params: Any, version: int) -> None:
+        """As `SamplingLoop.publish`, without the copy: sampling ends before the next
+        (donating) train step is dispatched."""
+        if version < self._version:
+            raise ValueError(f"policy version went back from {self._version} to {version}")
+        self._params, self._version = params, int(version)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def get(self, max_staleness: int, timeout: float | None = None) -> RolloutGroup | None:
+        """The next batch, sampled now by the newest params (staleness 0); None when the task
+        iterator is exhausted."""
+        del max_staleness, timeout  # always on-policy; it returns when the sampling is done
+        try:
+            index, tasks = next(self._batches)
+        except StopIteration:
+            return None
+        self._delivered += 1
+        return sample_group(self._rollout_fn, self._params, self._version, index, tasks)
+
+    def stats(self) -> dict[str, float]:
+        """`SamplingLoop.stats`'s counters: nothing is ever dropped or queued."""
+        return {
+            "groups_delivered": float(self._delivered),
+            "groups_dropped_stale": 0.0,
+            "staleness_mean": 0.0,
+            "staleness_max": 0.0,
+            "queue_size": 0.0,
+        }
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> InlineLoop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["InlineLoop", "RolloutFn", "RolloutGroup", "SamplingLoop", "data_parallel_mesh"]

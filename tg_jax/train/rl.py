@@ -53,7 +53,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
-from tg_jax.rl.batch import build_batch
+from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.train_step import TrainState, create_train_state, make_optimizer, make_train_step
 from tg_jax.sampling import rollout
 from tg_jax.sampling.sampler import Sampler
@@ -109,6 +109,43 @@ class _Costs:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass
+class _Session:
+    """This session of a run: where it started, and the costs it carries on from."""
+
+    start_step: int
+    costs: _Costs
+    wall0: float  # wall time of the earlier sessions
+    dropped0: int  # groups the earlier sessions dropped
+    started: float = 0.0  # time.time() when its first step began
+
+    def stamp(self) -> dict[str, Any]:
+        """Costs so far, with the wall time and peak memory of now."""
+        self.costs.wall_time_s = self.wall0 + time.time() - self.started
+        self.costs.peak_memory_bytes, self.costs.peak_memory_source = peak_memory_bytes()
+        return self.costs.as_dict()
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What a run's steps are made of (fixed over the run)."""
+
+    config: Any
+    workdir: str
+    arm_name: str
+    seed: int
+    model_cfg: ModelConfig
+    divisor: int  # the mesh's batch divisor
+    student_max: int
+    teacher_max: int
+    state: TrainState  # the initial state (restored over when resuming)
+    ref_params: Any  # the frozen starting policy of the KL term, None without one
+    step_fn: Any
+    sampler: Sampler
+    renderer: ChatRenderer
+    key: jax.Array  # the run's key: fold_in 0 = state init, 1 = rollout sampling
+
+
 def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
     """(student max length, teacher max length). Both arms get the same student budget: the
     teacher's hints must fit on top of it within the model's context."""
@@ -125,12 +162,163 @@ def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
     return student_max, teacher_max
 
 
+def _build(
+    config: Any, workdir: str, init_params: Any, arm_name: str, seed: int, renderer: ChatRenderer
+) -> _Parts:
+    """Model, mesh, initial train state, jitted step and sampler of a run."""
+    model_cfg = ModelConfig.from_config(config.model)
+    model = Transformer(model_cfg)
+    mesh = sharding.make_mesh(config.mesh)
+    rules = sharding.logical_rules(config.mesh)
+    student_max, teacher_max = _lengths(config, renderer)
+    key = jax.random.key(seed)
+    state = create_train_state(
+        model, make_optimizer(config.optim), mesh, rules, jax.random.fold_in(key, 0),
+        params=init_params,
+    )  # fmt: skip
+    ref_params = None
+    if float(config.rl.kl_coef) > 0:
+        ref_params = jax.tree.map(jnp.copy, state.params)  # frozen: the starting policy
+    divisor = sharding.batch_divisor(mesh, rules)
+    sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
+    sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor, **sampler_kw)
+    return _Parts(
+        config=config, workdir=workdir, arm_name=arm_name, seed=seed, model_cfg=model_cfg,
+        divisor=divisor, student_max=student_max, teacher_max=teacher_max, state=state,
+        ref_params=ref_params, step_fn=make_train_step(config, model, mesh, rules),
+        sampler=sampler, renderer=renderer, key=key,
+    )  # fmt: skip
+
+
 def _check_resume(meta: Mapping[str, Any], arm_name: str, seed: int, directory: str) -> None:
     if meta.get("arm", arm_name) != arm_name or int(meta.get("seed", seed)) != seed:
         raise checkpointing.CheckpointError(
             f"{directory} holds arm {meta.get('arm')!r} seed {meta.get('seed')}, not arm "
             f"{arm_name!r} seed {seed}: use another workdir per arm and seed"
         )
+
+
+def _resume(
+    ckpt: checkpointing.TrainingCheckpointer, state: TrainState, arm_name: str, seed: int
+) -> tuple[TrainState, _Session, dict[str, Any] | None]:
+    """(state, session, task-iterator state or None): the latest checkpoint's, or a fresh
+    start's."""
+    restored = ckpt.restore_latest(state)
+    if restored is None:
+        return state, _Session(0, _Costs(), 0.0, 0), None
+    _check_resume(restored.metadata, arm_name, seed, ckpt.directory)
+    costs = _Costs(**restored.metadata.get("costs", {}))
+    logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, restored.step)
+    session = _Session(restored.step, costs, costs.wall_time_s, costs.dropped_groups)
+    return restored.state, session, restored.metadata["data"]
+
+
+def _tasks(
+    config: Any,
+    workdir: str,
+    seed: int,
+    sources: Mapping[str, Sequence[Any]] | None,
+    eval_tasks: Sequence[Any] | None,
+    data_state: dict[str, Any] | None,
+) -> tuple[TaskIterator, Sequence[Any] | None]:
+    """(train task iterator at its restored position, held-out evaluation tasks)."""
+    lc = config.rl_loop
+    if sources is None:
+        from tg_jax.train import data_stage
+
+        sources = data_stage.prepare_tasks(config, workdir)
+    if eval_tasks is None and int(lc.eval_every) > 0:
+        held = sources["heldout"]
+        n = min(int(lc.eval_tasks), len(held))
+        eval_tasks = [Task.from_record(to_record(held[i])) for i in range(n)]
+    tasks = TaskIterator(
+        sources["train"], group_size=int(lc.groups_per_step),
+        seed=int(lc.data_seed) * 100_003 + seed, decode_fn=Task.from_record,
+    )  # fmt: skip
+    if data_state is not None:
+        tasks.set_state(data_state)
+    return tasks, eval_tasks
+
+
+def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any:
+    """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
+    config, lc = parts.config, parts.config.rl_loop
+    env_cfg = coding_env_config(config.env)
+    rollout_fn = rl_rollouts.BatchRollout(
+        parts.sampler, parts.renderer, lambda: CodingEnv(env_cfg),
+        rollouts_per_group=int(lc.rollouts_per_group),
+        config=rollout.RolloutConfig(
+            max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,
+            temperature=float(config.rl.temperature),
+        ),
+        sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
+        rates=rl_rollouts.feedback_rates(lc.feedback),
+    )  # fmt: skip
+    return rl_rollouts.rollout_source(
+        rollout_fn, tasks, first_index=first_index, async_sampling=bool(lc.async_sampling),
+        queue_size=int(lc.queue_size),
+    )  # fmt: skip
+
+
+def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str, float]:
+    """Held-out evaluation metrics (stage "eval") of `params`."""
+    # The rollout sampler (jit is thread-safe): its compiled buckets are reused.
+    recs = heldout.evaluate_heldout(
+        parts.config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
+        max_new_tokens=int(parts.config.rl_loop.max_new_tokens), sampler=parts.sampler,
+        renderer=parts.renderer,
+    )  # fmt: skip
+    return heldout.heldout_metrics(recs)
+
+
+def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
+    config = parts.config
+    tg_on = bool(config.tg.enabled)
+    return build_batch(
+        trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
+        mode=str(config.tg.teacher_mode) if tg_on else "none",
+        gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
+        requirement_names=tuple(config.env.requirements),
+        pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
+        micro_batches=int(config.rl.micro_batches),
+    )  # fmt: skip
+
+
+def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropped: float) -> None:
+    costs = session.costs
+    costs.sampled_tokens += rl_rollouts.sampled_tokens(group.trajectories)
+    if bool(parts.config.tg.enabled):
+        real = int(np.sum(np.asarray(batch.teacher_segment_ids_BtxTt) > 0))
+        t_len = int(batch.teacher_tokens_BtxTt.shape[1])
+        costs.teacher_tokens += real
+        costs.teacher_forward_flops += parts.model_cfg.flops_per_token(t_len) * real
+    costs.dropped_groups = session.dropped0 + int(dropped)
+
+
+def _host_metrics(
+    group: Any, costs: _Costs, batch: Batch, times: Sequence[float]
+) -> dict[str, float]:
+    """The step's host-side metrics; `times` = perf_counter at ask, got group, built batch,
+    trained."""
+    t0, t1, t2, t3 = times
+    host = rl_rollouts.rollout_metrics(group.trajectories)
+    host.update(
+        {
+            "staleness": float(group.staleness),
+            "policy_version": float(group.policy_version),
+            "batch_index": float(group.batch_index),
+            "cost/sampled_tokens": float(costs.sampled_tokens),
+            "cost/teacher_forward_flops": float(costs.teacher_forward_flops),
+            "cost/dropped_groups": float(costs.dropped_groups),
+            "time/sample_wait_s": t1 - t0,
+            "time/rollout_s": group.seconds,
+            "time/build_batch_s": t2 - t1,
+            "time/train_s": t3 - t2,
+            "time/step_s": time.perf_counter() - t0,
+            "sys/batch_T": float(batch.tokens_BxT.shape[1]),
+        }
+    )
+    return host
 
 
 def _write_summary(workdir: str, record: dict[str, Any]) -> None:
@@ -145,6 +333,20 @@ def _write_summary(workdir: str, record: dict[str, Any]) -> None:
         json.dump({**{k: v for k, v in record.items() if k != "session"}, "sessions": sessions},
                   f, indent=1)  # fmt: skip
     os.replace(tmp, path)
+
+
+def _summarize(parts: _Parts, session: _Session, done: int) -> None:
+    """Appends this session to rl_summary.json (run costs so far and the session's span)."""
+    finished = done >= int(parts.config.rl_loop.steps)
+    _write_summary(
+        parts.workdir,
+        {
+            "arm": parts.arm_name, "seed": parts.seed, "step": done, "finished": finished,
+            "costs": session.costs.as_dict(), "tg_enabled": bool(parts.config.tg.enabled),
+            "session": {"start_step": session.start_step, "end_step": done,
+                        "seconds": time.time() - session.started},
+        },
+    )  # fmt: skip
 
 
 def run_rl(
@@ -184,187 +386,112 @@ def run_rl(
     num_steps = int(lc.steps)
     end = num_steps if stop_after is None else min(num_steps, int(stop_after))
     renderer = renderer or ChatRenderer(ByteTokenizer())
-    model_cfg = ModelConfig.from_config(config.model)
-    model = Transformer(model_cfg)
-    mesh = sharding.make_mesh(config.mesh)
-    rules = sharding.logical_rules(config.mesh)
-    divisor = sharding.batch_divisor(mesh, rules)
-    student_max, teacher_max = _lengths(config, renderer)
-    tg_on = bool(config.tg.enabled)
-    micro = int(config.rl.micro_batches)
-
-    key = jax.random.key(seed)
-    optimizer = make_optimizer(config.optim)
-    state = create_train_state(
-        model, optimizer, mesh, rules, jax.random.fold_in(key, 0), params=init_params
-    )
-    ref_params = None
-    if float(config.rl.kl_coef) > 0:
-        ref_params = jax.tree.map(jnp.copy, state.params)  # frozen: the starting policy
-    step_fn = make_train_step(config, model, mesh, rules)
-
+    parts = _build(config, workdir, init_params, arm_name, seed, renderer)
     os.makedirs(workdir, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),
         max_to_keep=int(lc.keep_checkpoints),
         save_interval_steps=int(lc.checkpoint_every),
     )
-    source = None
     try:
-        restored = ckpt.restore_latest(state)
-        costs, start = _Costs(), 0
-        if restored is not None:
-            _check_resume(restored.metadata, arm_name, seed, ckpt.directory)
-            state, start = restored.state, restored.step
-            costs = _Costs(**restored.metadata.get("costs", {}))
-            logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, start)
+        state, session, data_state = _resume(ckpt, parts.state, arm_name, seed)
+        start = session.start_step
         if start >= end:
-            return RLResult(state, start, start >= num_steps, costs.as_dict(), workdir)
+            return RLResult(state, start, start >= num_steps, session.costs.as_dict(), workdir)
         if threading.current_thread() is threading.main_thread():
             checkpointing.install_sigterm_handler()
+        tasks, eval_tasks = _tasks(config, workdir, seed, sources, eval_tasks, data_state)
+        return _train(parts, ckpt, tasks, eval_tasks, state, session, end)
+    finally:
+        ckpt.close()
 
-        if sources is None:
-            from tg_jax.train import data_stage
 
-            sources = data_stage.prepare_tasks(config, workdir)
-        if eval_tasks is None and int(lc.eval_every) > 0:
-            held = sources["heldout"]
-            n = min(int(lc.eval_tasks), len(held))
-            eval_tasks = [Task.from_record(to_record(held[i])) for i in range(n)]
-        tasks = TaskIterator(
-            sources["train"], group_size=int(lc.groups_per_step),
-            seed=int(lc.data_seed) * 100_003 + seed, decode_fn=Task.from_record,
-        )  # fmt: skip
-        if restored is not None:
-            tasks.set_state(restored.metadata["data"])
-        data_state = tasks.get_state()
-
-        env_cfg = coding_env_config(config.env)
-        sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
-        sampler = Sampler(
-            model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor, **sampler_kw
-        )
-        rollout_fn = rl_rollouts.BatchRollout(
-            sampler, renderer, lambda: CodingEnv(env_cfg),
-            rollouts_per_group=int(lc.rollouts_per_group),
-            config=rollout.RolloutConfig(
-                max_new_tokens=int(lc.max_new_tokens), max_total_tokens=student_max,
-                temperature=float(config.rl.temperature),
-            ),
-            sampling_key=jax.random.fold_in(key, 1), seed=seed,
-            rates=rl_rollouts.feedback_rates(lc.feedback),
-        )  # fmt: skip
-        batches = rl_rollouts.numbered(tasks, data_state["next_index"])
-        if bool(lc.async_sampling):
-            source = rl_rollouts.ThreadedRollouts(
-                rollout_fn, batches, queue_size=int(lc.queue_size)
-            )
-        else:
-            source = rl_rollouts.InlineRollouts(rollout_fn, batches)
+def _train(
+    parts: _Parts,
+    ckpt: checkpointing.TrainingCheckpointer,
+    tasks: TaskIterator,
+    eval_tasks: Sequence[Any] | None,
+    state: TrainState,
+    session: _Session,
+    end: int,
+) -> RLResult:
+    """This session's steps, session.start_step -> `end` (or a preemption), then its summary."""
+    lc = parts.config.rl_loop
+    num_steps, eval_every, start = int(lc.steps), int(lc.eval_every), session.start_step
+    data_state = tasks.get_state()
+    source = _rollout_source(parts, tasks, data_state["next_index"])
+    try:
         source.publish(state.params, start)
-
-        def evaluate(params) -> dict[str, float]:
-            # The rollout sampler (jit is thread-safe): its compiled buckets are reused.
-            recs = heldout.evaluate_heldout(
-                config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
-                max_new_tokens=int(lc.max_new_tokens), sampler=sampler, renderer=renderer,
-            )  # fmt: skip
-            return heldout.heldout_metrics(recs)
-
-        writer = MetricsWriter(workdir, use_tensorboard=bool(lc.use_tensorboard))
+        writer = MetricsWriter(parts.workdir, use_tensorboard=bool(lc.use_tensorboard))
         lagged = LaggedMetrics(writer, stage="train")
         bar = ProgressBar(
-            num_steps, initial=start, keys=PROGRESS_KEYS, desc=f"rl {arm_name}/{seed}",
-            log_every=int(lc.log_every),
+            num_steps, initial=start, keys=PROGRESS_KEYS,
+            desc=f"rl {parts.arm_name}/{parts.seed}", log_every=int(lc.log_every),
         )  # fmt: skip
-        eval_every = int(lc.eval_every)
-        session_start, wall0, dropped0 = time.time(), costs.wall_time_s, costs.dropped_groups
-        step = done = start
+
+        def _eval(step: int) -> None:
+            writer.write(step, _evaluate(parts, state.params, eval_tasks), stage="eval")
+
+        def _process_metrics(done: int, metrics: dict[str, Any]) -> None:
+            logged = lagged.push(done, metrics)  # fetched one step late
+            bar.update(done, logged[1] if logged else None)
+
+        def _checkpoint(done: int) -> None:
+            lagged.flush()  # every step <= a checkpoint is in metrics.jsonl
+            meta = {
+                "arm": parts.arm_name, "seed": parts.seed, "data": data_state,
+                "policy_version": done, "costs": session.stamp(),
+            }  # fmt: skip
+            ckpt.save(done, state, metadata=meta, force=True)
+
+        done, session.started = start, time.time()  # the setup above is not counted
         with writer, bar:
             if start == 0 and eval_every > 0:
-                writer.write(0, evaluate(state.params), stage="eval")
+                _eval(0)
             for step in range(start, end):
-                t0 = time.perf_counter()
-                group = source.get(int(config.rl.max_staleness))
-                if group is None:
-                    raise RuntimeError("the train task iterator ended before the last step")
-                trajs = group.trajectories
-                t1 = time.perf_counter()
-                batch = build_batch(
-                    trajs, max_len=student_max, teacher_max_len=teacher_max,
-                    mode=str(config.tg.teacher_mode) if tg_on else "none",
-                    gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
-                    requirement_names=tuple(config.env.requirements),
-                    pad_to_multiple=int(lc.length_multiple), batch_multiple=divisor,
-                    micro_batches=micro,
-                )  # fmt: skip
-                t2 = time.perf_counter()
-                args = (state, batch) if ref_params is None else (state, batch, ref_params)
-                state, metrics = step_fn(*args)
                 done = step + 1
-                source.publish(state.params, done)
-                # Waiting here costs only the overlap of the next build_batch with this step
-                # (the next rollouts need these params anyway) and gives a clean train time.
-                jax.block_until_ready(metrics)
-                t3 = time.perf_counter()
+                state, group, metrics = _train_step(parts, session, source, state, done)
                 data_state = {**data_state, "next_index": group.batch_index + 1}
-
-                costs.sampled_tokens += rl_rollouts.sampled_tokens(trajs)
-                if tg_on:
-                    real = int(np.sum(np.asarray(batch.teacher_segment_ids_BtxTt) > 0))
-                    t_len = int(batch.teacher_tokens_BtxTt.shape[1])
-                    costs.teacher_tokens += real
-                    costs.teacher_forward_flops += model_cfg.flops_per_token(t_len) * real
-                costs.dropped_groups = dropped0 + int(source.stats()["groups_dropped_stale"])
-                host = rl_rollouts.rollout_metrics(trajs)
-                host.update(
-                    {
-                        "staleness": float(group.staleness),
-                        "policy_version": float(group.policy_version),
-                        "batch_index": float(group.batch_index),
-                        "cost/sampled_tokens": float(costs.sampled_tokens),
-                        "cost/teacher_forward_flops": float(costs.teacher_forward_flops),
-                        "cost/dropped_groups": float(costs.dropped_groups),
-                        "time/sample_wait_s": t1 - t0,
-                        "time/rollout_s": group.seconds,
-                        "time/build_batch_s": t2 - t1,
-                        "time/train_s": t3 - t2,
-                        "time/step_s": time.perf_counter() - t0,
-                        "sys/batch_T": float(batch.tokens_BxT.shape[1]),
-                    }
-                )
-                logged = lagged.push(done, {**metrics, **host})
-                bar.update(done, logged[1] if logged else None)
-
+                _process_metrics(done, metrics)
                 if eval_every > 0 and (done % eval_every == 0 or done == num_steps):
-                    writer.write(done, evaluate(state.params), stage="eval")
+                    _eval(done)
                 preempted = checkpointing.preemption_requested(done) or done == end
                 if preempted or ckpt.should_save(done):
-                    lagged.flush()  # every step <= a checkpoint is in metrics.jsonl
-                    costs.wall_time_s = wall0 + time.time() - session_start
-                    costs.peak_memory_bytes, costs.peak_memory_source = peak_memory_bytes()
-                    meta = {
-                        "arm": arm_name, "seed": seed, "data": data_state,
-                        "policy_version": done, "costs": costs.as_dict(),
-                    }  # fmt: skip
-                    ckpt.save(done, state, metadata=meta, force=True)
+                    _checkpoint(done)
                 if preempted:
                     break
             lagged.flush()
-        costs.wall_time_s = wall0 + time.time() - session_start
-        costs.peak_memory_bytes, costs.peak_memory_source = peak_memory_bytes()
+        session.stamp()
         ckpt.wait_until_finished()
-        _write_summary(
-            workdir,
-            {
-                "arm": arm_name, "seed": seed, "step": done, "finished": done >= num_steps,
-                "costs": costs.as_dict(), "tg_enabled": tg_on,
-                "session": {"start_step": start, "end_step": done,
-                            "seconds": time.time() - session_start},
-            },
-        )  # fmt: skip
-        return RLResult(state, done, done >= num_steps, costs.as_dict(), workdir)
+        _summarize(parts, session, done)
+        return RLResult(state, done, done >= num_steps, session.costs.as_dict(), parts.workdir)
     finally:
-        if source is not None:
-            source.close()
-        ckpt.close()
+        source.close()
+
+
+def _train_step(
+    parts: _Parts, session: _Session, source: Any, state: TrainState, done: int
+) -> tuple[TrainState, Any, dict[str, Any]]:
+    """One RL step: a rollout group -> a batch -> the train step -> the new params published
+    as policy version `done`; adds the step's costs to the session's.
+
+    Returns:
+      (new state, the rollout group, the step's metrics: device ones and host ones).
+    """
+    t0 = time.perf_counter()
+    group = source.get(int(parts.config.rl.max_staleness))
+    if group is None:
+        raise RuntimeError("the train task iterator ended before the last step")
+    t1 = time.perf_counter()
+    batch = _build_batch(parts, group.trajectories)
+    t2 = time.perf_counter()
+    args = (state, batch) if parts.ref_params is None else (state, batch, parts.ref_params)
+    state, metrics = parts.step_fn(*args)
+    source.publish(state.params, done)
+    # Waiting here costs only the overlap of the next build_batch with this step (the next
+    # rollouts need these params anyway) and gives a clean train time.
+    jax.block_until_ready(metrics)
+    t3 = time.perf_counter()
+    _add_costs(parts, session, group, batch, source.stats()["groups_dropped_stale"])
+    host = _host_metrics(group, session.costs, batch, (t0, t1, t2, t3))
+    return state, group, {**metrics, **host}

@@ -1,23 +1,23 @@
 """The RL loop's rollout side: task batches -> rollout groups, inline or in the sampling thread.
 
 Every rollout batch has an absolute index i in the train split's task order (the task
-iterator's group index, which survives resumes). Everything random about batch i derives from
-i alone: its sampling key is fold_in(sampling_key, i) and its imperfect-feedback picks come
-from a generator seeded with (run seed, i). So a resumed run samples exactly what an
-uninterrupted one would, given the same params (the deterministic mode relies on it).
+iterator's group index, which survives resumes); the sampling loop hands it to `BatchRollout`
+with the tasks. Everything random about batch i derives from i alone: its sampling key is
+fold_in(sampling_key, i) and its imperfect-feedback picks come from a generator seeded with
+(run seed, i). So a resumed run samples exactly what an uninterrupted one would, given the same
+params (the deterministic mode relies on it), and both loops sample the same batch alike.
 
-Two sources, one interface (`publish`, `get`, `close`, `stats`):
-  * `InlineRollouts` (deterministic mode): `get` samples the next batch in the caller's thread
-    with the newest published params; staleness is always 0.
-  * `ThreadedRollouts`: `tg_jax.sampling.loop.SamplingLoop`, which samples ahead in a thread
-    and refuses groups older than the allowed staleness.
+`rollout_source` picks the loop (one interface: `publish`, `get`, `close`, `stats`):
+  * `tg_jax.sampling.loop.InlineLoop` (deterministic mode): `get` samples the next batch in the
+    caller's thread with the newest published params; staleness is always 0.
+  * `tg_jax.sampling.loop.SamplingLoop`: samples ahead in a thread and refuses groups older
+    than the allowed staleness.
 """
 
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from tg_jax.envs.hints import (
 )
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import episode_compliance
-from tg_jax.sampling.loop import RolloutGroup, SamplingLoop
+from tg_jax.sampling.loop import InlineLoop, SamplingLoop
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ChatRenderer, hint_message
@@ -59,7 +59,8 @@ def hint_reserve(renderer: ChatRenderer, requirements: Sequence[str], max_turns:
 
 
 class BatchRollout:
-    """(params, (batch index, tasks), version) -> trajectories, reproducible per batch index."""
+    """The sampling loops' rollout function: (params, batch index, tasks, version) ->
+    trajectories, reproducible per batch index."""
 
     def __init__(
         self,
@@ -81,10 +82,8 @@ class BatchRollout:
         self.rates = rates
 
     def __call__(
-        self, params: Any, item: tuple[int, Sequence[Any]], rng: Any, version: int
+        self, params: Any, index: int, tasks: Sequence[Any], version: int
     ) -> list[Trajectory]:
-        del rng  # the loop's own per-batch key restarts at 0 after a resume; ours does not
-        index, tasks = item
         picker, kinds = None, []
         if self.rates != FeedbackRates():
             gen = random.Random(f"feedback-{self.seed}-{index}")
@@ -107,71 +106,30 @@ class BatchRollout:
         return trajectories
 
 
-def numbered(batches: Iterator[Sequence[Any]], first: int) -> Iterator[tuple[int, Sequence[Any]]]:
-    """(absolute batch index, tasks) pairs, counting from the iterator's restored position."""
-    for i, tasks in enumerate(batches):
-        yield first + i, tasks
+def rollout_source(
+    rollout_fn: BatchRollout,
+    task_batches: Iterable[Sequence[Any]],
+    *,
+    first_index: int,
+    async_sampling: bool,
+    queue_size: int = 2,
+    devices: Sequence[jax.Device] | None = None,
+) -> InlineLoop | SamplingLoop:
+    """The sampling loop over `task_batches`, whose first batch has index `first_index`.
 
-
-class InlineRollouts:
-    """Deterministic mode: each `get` samples the next batch now, in this thread."""
-
-    def __init__(self, rollout_fn: BatchRollout, batches: Iterator[tuple[int, Sequence[Any]]]):
-        self._fn, self._batches = rollout_fn, batches
-        self._params, self._version = None, -1
-
-    def publish(self, params: Any, version: int) -> None:
-        # No copy: sampling finishes before the next (donating) train step is dispatched.
-        self._params, self._version = params, int(version)
-
-    def get(self, max_staleness: int) -> RolloutGroup | None:
-        del max_staleness  # always on-policy
-        try:
-            item = next(self._batches)
-        except StopIteration:
-            return None
-        start = time.perf_counter()
-        trajectories = self._fn(self._params, item, None, self._version)
-        return RolloutGroup(trajectories, self._version, item[0], time.perf_counter() - start)
-
-    def stats(self) -> dict[str, float]:
-        return {"groups_dropped_stale": 0.0, "staleness_mean": 0.0, "staleness_max": 0.0}
-
-    def close(self) -> None:
-        pass
-
-
-class ThreadedRollouts:
-    """Asynchronous mode: the sampling loop thread (tg_jax.sampling.loop)."""
-
-    def __init__(
-        self,
-        rollout_fn: BatchRollout,
-        batches: Iterator[tuple[int, Sequence[Any]]],
-        *,
-        queue_size: int,
-        devices: Sequence[jax.Device] | None = None,
-    ):
-        self._loop = SamplingLoop(
-            rollout_fn, batches, rng=jax.random.key(0), queue_size=queue_size, devices=devices
-        )
-
-    def publish(self, params: Any, version: int) -> None:
-        self._loop.publish(params, version)
-
-    def get(self, max_staleness: int) -> RolloutGroup | None:
-        group = self._loop.get(max_staleness)
-        if group is not None:
-            # The loop numbers batches from 0 per session; the trainer needs absolute indices.
-            group.batch_index = int(group.trajectories[0].info["batch_index"])
-        return group
-
-    def stats(self) -> dict[str, float]:
-        s = self._loop.stats()
-        return {k: s[k] for k in ("groups_dropped_stale", "staleness_mean", "staleness_max")}
-
-    def close(self) -> None:
-        self._loop.close()
+    Args:
+      rollout_fn: the batch rollout.
+      task_batches: task batches in the train order, from the iterator's restored position.
+      first_index: that position (the absolute index of the first batch).
+      async_sampling: True = `SamplingLoop` (a thread samples ahead), False = `InlineLoop`.
+      queue_size, devices: the `SamplingLoop`'s (ignored inline).
+    """
+    if async_sampling:
+        return SamplingLoop(
+            rollout_fn, task_batches, first_index=first_index, queue_size=queue_size,
+            devices=devices,
+        )  # fmt: skip
+    return InlineLoop(rollout_fn, task_batches, first_index=first_index)
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
