@@ -54,7 +54,8 @@ from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl.batch import build_batch
-from tg_jax.rl.train_step import TrainState, create_train_state, make_optimizer, make_train_step
+from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
+from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
