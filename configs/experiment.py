@@ -7,13 +7,8 @@ imperfect-feedback stress test) with 3 training seeds each:
 
 A workdir that already holds the default run's finished SFT reuses it (same SFT settings), so
 pointing this at the demo's workdir skips data and SFT. The report lands in
-workdir_experiment/report/report.md.
-
-Measured (2026-11-30, the README shows the report): TG held-out compliance 0.98 vs GRPO 0.00,
-task success 0.35 vs 0.30 (non-inferiority at -0.05: pass); every TG variant but lambda / 4
-reached 0.97-0.98. Time: not measured as one run (it was resumed across sessions); an
-estimate of about 81 minutes on the 2-core CPU, summed from runs timed on an idle machine
-(the README lists the parts). Reports now print the summed compute time themselves.
+workdir_experiment/report/report.md (the report prints its summed compute time; measured
+results: docs/experiments.md).
 """
 
 import os

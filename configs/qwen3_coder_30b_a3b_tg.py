@@ -70,11 +70,6 @@ def get_config(arg=None):
     c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)
     c.optim.lr = 1e-6  # RL fine-tuning of a 30B model: small, constant
     c.optim.total_steps = 200  # schedule length = the run
-    with c.unlocked():  # the RL loop section, where the default does not have one yet
-        if "rl_loop" not in c:
-            from tg_jax.train.rl_config import loop_config  # noqa: PLC0415
-
-            c.rl_loop = loop_config()  # the RL loop
     c.rl_loop.steps = 200  # published: 200 RL steps
     c.rl_loop.groups_per_step = GROUPS  # published: 32 groups (tasks) per step
     c.rl_loop.rollouts_per_group = ROLLOUTS  # published: 32 rollouts per task

@@ -9,7 +9,6 @@ Run its forward pass, a few SFT steps, or the whole main job in miniature:
 import ml_collections
 
 from tg_jax import config_lib
-from tg_jax.train import rl_config, stage_configs
 
 
 def get_config(arg=None):
@@ -20,10 +19,10 @@ def get_config(arg=None):
     c.model = config_lib.tiny_model_config()  # the Qwen3 architecture
     c.model.max_seq_len = 256  # room for hinted single-turn transcripts
     c.mesh = config_lib.mesh_config()  # device mesh and logical axis rules
-    c.tasks = stage_configs.tasks_config(num_train=32, num_heldout=16)  # task sets
+    c.tasks = config_lib.tasks_config(num_train=32, num_heldout=16)  # task sets
     # One requirement, single-turn episodes: short sequences.
-    c.env = stage_configs.env_config(requirements=("fence",), max_turns=1)  # environment
-    c.sft = stage_configs.sft_config(
+    c.env = config_lib.env_config(requirements=("fence",), max_turns=1)  # environment
+    c.sft = config_lib.sft_config(
         steps=6, batch_size=8, seq_len=256, num_transcripts=64, checkpoint_every=3, log_every=1
     )  # a few SFT steps on a few short transcripts
     c.sft.optim.warmup_steps = 1  # reach the peak lr at once
@@ -33,8 +32,8 @@ def get_config(arg=None):
     c.rl = config_lib.rl_config()  # GRPO
     c.tg = config_lib.tg_config()  # targeted guidance
     c.optim = config_lib.optim_config(lr=1e-3)  # RL optimizer (large: visible in a few steps)
-    c.rl_loop = rl_config.tiny_loop_config(max_new_tokens=16)  # a few RL steps in seconds
-    c.eval = rl_config.tiny_eval_config(max_new_tokens=16)  # held-out evaluation, 1 seed
+    c.rl_loop = config_lib.tiny_loop_config(max_new_tokens=16)  # a few RL steps in seconds
+    c.eval = config_lib.tiny_eval_config(max_new_tokens=16)  # held-out evaluation, 1 seed
     c.pipeline = ml_collections.ConfigDict()  # the main job
     c.pipeline.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS)
     return c

@@ -21,7 +21,7 @@ from tg_jax import config_lib
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling import loop
-from tg_jax.train import rl, rl_config
+from tg_jax.train import rl
 
 STEPS = 4
 
@@ -37,10 +37,10 @@ def make_config(arm: str = "tg", async_sampling: bool = False, steps: int = STEP
         c.optim = config_lib.optim_config()
     c.tg.enabled = arm != "grpo"
     c.optim.lr = 1e-3  # large enough that every step visibly changes the params
-    c.rl_loop = rl_config.tiny_loop_config(
+    c.rl_loop = config_lib.tiny_loop_config(
         steps=steps, async_sampling=async_sampling, eval_every=2, eval_tasks=2, max_new_tokens=16
     )
-    c.eval = rl_config.tiny_eval_config()
+    c.eval = config_lib.tiny_eval_config()
     return c
 
 

@@ -1,5 +1,6 @@
 """Every config file loads; overrides of unknown keys or wrong types fail clearly."""
 
+import dataclasses
 import glob
 import os
 
@@ -7,6 +8,7 @@ import pytest
 
 from tg_jax import config_lib
 from tg_jax.models import ModelConfig
+from tg_jax.rl.step_config import OptimConfig, StepConfig, TGConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
@@ -25,6 +27,7 @@ def test_config_loads_and_model_builds(path):
         source = f.read()
     assert "python -m tg_jax.main" in source or "launch/" in source  # docstring has the command
     assert "stage" in cfg
+    StepConfig.from_config(cfg)  # the train step's typed sections validate
 
 
 def test_overrides_unknown_key_and_wrong_type():
@@ -42,3 +45,47 @@ def test_overrides_unknown_key_and_wrong_type():
 def test_missing_config_file():
     with pytest.raises(FileNotFoundError, match="nope.py"):
         config_lib.load_config_file("configs/nope.py")
+
+
+def test_step_config_typed_once():
+    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
+    typed = StepConfig.from_config(cfg)
+    assert StepConfig.from_config(typed) is typed  # typed configs pass through
+    assert typed.rl.tis_cap is None and typed.rl.dual_clip is None  # 0 = off becomes None
+    assert typed.rl.norm_length is None and typed.tg.top_k is None
+    assert typed.rl.reward_weights == (("task", 1.0), ("tool_json", 0.5))
+    assert typed.tg.kind == "jsd" and typed.tg.beta == 0.5 and typed.optim.lr == 3e-4
+    assert isinstance(typed.tg.schedule.value, float)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.rl.kl_coef = 1.0
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("rl.dual_clip", 0.5, "rl.dual_clip must be > 1"),
+        ("rl.agg_mode", "sum", "rl.agg_mode must be one of"),
+        ("rl.kl_estimator", "k4", "rl.kl_estimator"),
+        ("rl.micro_batches", 0, "rl.micro_batches"),
+        ("rl.temperature", 0.0, "rl.temperature"),
+        ("tg.kind", "kl", "tg.kind"),
+        ("tg.gate", "some_turns", "tg.gate"),
+        ("tg.chunk_size", 0, "tg.chunk_size"),
+        ("tg.schedule.kind", "step", "tg.schedule.kind"),
+        ("optim.schedule", "linear", "optim.schedule"),
+        ("optim.b2", 1.0, "optim.b2"),
+    ],
+)
+def test_step_config_rejects_bad_values(key, value, match):
+    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    with pytest.raises(ValueError, match=match):
+        StepConfig.from_config(config_lib.apply_overrides(cfg, {key: value}))
+
+
+def test_step_config_cross_field_checks():
+    with pytest.raises(ValueError, match="beta"):
+        TGConfig(kind="jsd", beta=1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        TGConfig(estimator="sampled", top_k=4)
+    with pytest.raises(ValueError, match="unknown fields"):
+        OptimConfig.from_config({**config_lib.optim_config().to_dict(), "momentum": 0.9})

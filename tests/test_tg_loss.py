@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tg_jax.rl import tg_loss as tg
+from tg_jax.rl.step_config import LambdaSchedule
 
 KINDS = ("reverse", "forward", "jsd")
 
@@ -347,14 +348,15 @@ def test_tg_loss_empty_mask_is_exactly_zero():
 
 def test_lambda_schedule():
     cfg = ml_collections.ConfigDict(dict(kind="constant", value=0.1))
-    np.testing.assert_allclose(tg.lambda_schedule(0, cfg), 0.1, rtol=1e-6)
+    got = tg.lambda_schedule(0, LambdaSchedule.from_config(cfg))
+    np.testing.assert_allclose(got, 0.1, rtol=1e-6)
     cfg = dict(kind="linear_warmup", value=0.2, warmup_steps=10)
-    got = [float(tg.lambda_schedule(s, cfg)) for s in (0, 5, 10, 50)]
+    got = [float(tg.lambda_schedule(s, LambdaSchedule.from_config(cfg))) for s in (0, 5, 10, 50)]
     np.testing.assert_allclose(got, [0.0, 0.1, 0.2, 0.2], rtol=1e-6)
     cfg = ml_collections.ConfigDict(
         dict(kind="cosine", value=1.0, warmup_steps=4, decay_steps=10, final_value=0.1)
     )
-    sched = jax.jit(lambda s: tg.lambda_schedule(s, cfg))
+    sched = jax.jit(lambda s: tg.lambda_schedule(s, LambdaSchedule.from_config(cfg)))
     got = [float(sched(s)) for s in (0, 2, 4, 9, 14, 100)]
     want = [0.0, 0.5, 1.0, 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.5)), 0.1, 0.1]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -13,8 +13,10 @@ import pytest
 
 from tg_jax import config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, forward, hidden_states, init_params
+from tg_jax.rl import train_state as tst
 from tg_jax.rl import train_step as ts
 from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.step_config import StepConfig
 from tg_jax.testing import synthetic_trajectories
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -67,7 +69,8 @@ def _batch(trajs, mode="per_trajectory", micro_batches=1, on_policy_noise=0.1) -
 
 def _loss_and_grad(cfg, batch, params=None, **kw):
     model, default_params = _model_and_params()
-    fn = functools.partial(ts.loss_fn, model=model, rl_cfg=cfg.rl, tg_cfg=cfg.tg, **kw)
+    typed = StepConfig.from_config(cfg)
+    fn = functools.partial(ts.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg, **kw)
     (loss, (sums, maxes)), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
         default_params if params is None else params, batch
     )
@@ -158,8 +161,8 @@ def test_per_turn_equals_per_trajectory_with_one_failed_turn():
 def _run_steps(cfg, batches, mesh, *, ref=False):
     model, params = _model_and_params()
     rules = sharding.logical_rules(cfg.mesh)
-    optimizer = ts.make_optimizer(cfg.optim)
-    state = ts.create_train_state(model, optimizer, mesh, rules, jax.random.key(1), params=params)
+    optimizer = tst.make_optimizer(cfg.optim)
+    state = tst.create_train_state(model, optimizer, mesh, rules, jax.random.key(1), params=params)
     step = ts.make_train_step(cfg, model, mesh, rules)
     out = []
     for batch in batches:
@@ -193,7 +196,7 @@ def test_sharded_step_equals_single_device():
     # Adam moments are sharded like their params.
     model, _ = _model_and_params()
     rules = sharding.logical_rules(cfg.mesh)
-    shardings = ts.train_state_shardings(model, ts.make_optimizer(cfg.optim), mesh8, rules)
+    shardings = tst.train_state_shardings(model, tst.make_optimizer(cfg.optim), mesh8, rules)
     q_spec = shardings.params["layers"]["attn"]["q_proj"].spec
     assert q_spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     mu = [s.mu for s in jax.tree.leaves(shardings.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
@@ -235,8 +238,8 @@ def test_nan_guard_and_no_recompiles():
     mesh = _single_mesh()
     model, params = _model_and_params()
     rules = sharding.logical_rules(cfg.mesh)
-    state = ts.create_train_state(
-        model, ts.make_optimizer(cfg.optim), mesh, rules, jax.random.key(1), params=params
+    state = tst.create_train_state(
+        model, tst.make_optimizer(cfg.optim), mesh, rules, jax.random.key(1), params=params
     )
     step = ts.make_train_step(cfg, model, mesh, rules)
     state, m0 = step(state, batches[0])

@@ -1,18 +1,27 @@
-"""Shared config pieces and loading/validation of `configs/*.py` files.
+"""Every config section, and loading / overriding of `configs/*.py` files.
 
 Config files (`configs/NAME.py`) define `get_config(arg=None)` returning a locked
-`ml_collections.ConfigDict`. Locking makes an override of an unknown key fail with the
-key's name, and ConfigDict's type safety makes an override of the wrong type fail.
-Code never mutates a config: derived values are computed where they are needed.
+`ml_collections.ConfigDict` assembled from the section builders below (model, mesh, tasks,
+env, transcripts, sft, sft_eval, rl, tg, optim, rl_loop, eval). Locking makes an override of
+an unknown key fail with the key's name, and ConfigDict's type safety makes an override of the
+wrong type fail. Code never mutates a config: derived values are computed where they are
+needed. The sections that jitted code reads are made typed and validated once, at the boundary
+(`tg_jax.models.ModelConfig`, `tg_jax.rl.step_config`).
+
+Defaults are those of the embedded CPU run (configs/default.py); the `tiny_*` builders and
+configs/tiny.py shrink them for tests.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from typing import Any
 
 import ml_collections
+
+from tg_jax.envs import tasks as tasks_lib
 
 # Logical axis -> mesh axes. Params: embed/vocab/heads/kv_heads/mlp/expert/head_dim/layers/
 # norm. Activations: batch/length/act_embed plus heads/mlp/vocab.
@@ -142,6 +151,167 @@ def optim_config(**overrides: Any) -> ml_collections.ConfigDict:
     return c
 
 
+def tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The task sets of the data stage (written as TFDS datasets into the workdir)."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # task generation seed (train and held-out sets are disjoint by function)
+    c.num_train = 2048  # RL training tasks (train split)
+    c.num_heldout = 256  # evaluation tasks (held-out split: functions never seen in training)
+    # Hidden-function families (tg_jax.envs.tasks): the one-parameter EASY_FAMILIES, whose
+    # constant is copied from f(0), put a minutes-of-CPU byte model's pass rate in the
+    # 0.2-0.6 band; HARD_FAMILIES (slopes to compute) leave it below 0.1.
+    c.families = tasks_lib.EASY_FAMILIES
+    c.update(overrides)
+    return c
+
+
+def env_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The coding environment (tg_jax.envs.coding.CodingEnvConfig fields)."""
+    c = ml_collections.ConfigDict()
+    # Requirements the policy is judged on and TG teaches: the SFT base model follows each
+    # hint when shown and never meets either unprompted, so only guidance can teach them.
+    c.requirements = ("fence", "tool_json")
+    c.max_turns = 3  # assistant turns before an episode ends without a submission
+    c.task_reward = "all_pass"  # all_pass (1 iff every hidden test passes) | fraction
+    c.requirement_reward = "fraction"  # fraction of applicable turns meeting it | all
+    c.requirement_weight = 1.0  # weight of each requirement reward in the weighted total
+    c.executor = "sandbox"  # sandbox (model outputs) | trusted (in-process, our own code only)
+    c.timeout_s = 1.0  # sandbox wall-clock limit per tool call
+    c.cpu_s = 1  # sandbox CPU-seconds limit per tool call
+    c.memory_mb = 256  # sandbox address-space limit per tool call
+    c.update(overrides)
+    return c
+
+
+def transcripts_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """Knobs of the synthetic expert (tg_jax.envs.transcripts.TranscriptConfig fields)."""
+    c = ml_collections.ConfigDict()
+    c.p_correct = 0.7  # share of correct final answers: caps the temperature-1 pass rate
+    c.p_hinted = 0.3  # share of hinted transcripts (hints followed; unhinted never comply)
+    c.p_hint_requirement = 0.7  # per applicable requirement, chance it is hinted in a turn
+    c.p_ignore_hint = 0.0  # chance a hinted requirement is not followed in its turn
+    c.p_multi_turn = 0.5  # run_tests -> observation -> revise/submit (else one submit turn)
+    c.p_fix = 0.3  # multi-turn: first attempt is a wrong guess revised after the observation
+    c.p_retest = 0.5  # after a revision, run the tests again before submitting
+    c.p_think = 1.0  # code turns open with a <think> block naming the family (a first step)
+    c.max_chars = 800  # redraw transcripts whose contents sum to more (long ones stay in)
+    c.update(overrides)
+    return c
+
+
+def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict:
+    """SFT of the base model: data, batches, optimizer, checkpoints, evaluation.
+
+    Why many small steps: after learning the format the byte model plateaus until attention
+    learns to copy numbers out of the prompt, and that takes optimizer steps, not tokens.
+    """
+    c = ml_collections.ConfigDict()
+    c.steps = steps  # train steps
+    c.batch_size = 2  # packed rows per step (a multiple of the mesh's batch split)
+    # Tokens per packed row (<= model.max_seq_len); attention cost grows with it, and longer
+    # transcripts (< 0.5% at max_chars 800) are left out.
+    c.seq_len = 512
+    c.num_transcripts = 12_000  # expert transcripts, one per drawn train task (~1 epoch)
+    c.data_seed = 1  # seed of the SFT tasks, transcripts, packing and batch order
+    # Requirements whose hints appear in the SFT transcripts (the hints the base model learns
+    # to follow); empty = env.requirements. RL judges and teaches env.requirements only.
+    c.hint_requirements = ()
+    c.transcripts = transcripts_config()  # the synthetic expert's knobs
+    c.optim = optim_config(
+        lr=5e-3, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=50, end_lr_fraction=0.05
+    )  # AdamW + warmup-cosine
+    c.optim.total_steps = c.get_ref("steps")  # the cosine ends with SFT (follows sft.steps)
+    c.log_every = 100  # progress-line interval when not on a TTY
+    c.checkpoint_every = 500  # checkpoint interval in steps (the last step is always saved)
+    c.eval = sft_eval_config()  # the base-model evaluation written to sft_eval.json
+    c.update(overrides)
+    return c
+
+
+def sft_eval_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """Base-model evaluation on held-out tasks (pass rate, unprompted/hinted compliance)."""
+    c = ml_collections.ConfigDict()
+    c.num_tasks = 128  # held-out tasks per evaluation mode
+    c.seed = 0  # sampling seed
+    c.temperatures = (1.0, 0.0)  # 1.0 = the RL sampling temperature, 0.0 = greedy
+    c.max_new_tokens = 128  # decode budget per assistant turn
+    c.update(overrides)
+    return c
+
+
+def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The RL loop: steps, rollout groups, sampling, evaluation, checkpoints, feedback quality."""
+    c = ml_collections.ConfigDict()
+    c.steps = 100  # RL train steps (one policy update each)
+    c.groups_per_step = 8  # N tasks per step (GRPO groups)
+    c.rollouts_per_group = 8  # G rollouts of the same task per group
+    c.max_new_tokens = 128  # decode budget per assistant turn
+    c.seq_len = 0  # padded student length T of a batch; 0 = model.max_seq_len
+    c.length_multiple = 64  # batch T is rounded up to a multiple of this (0 = always seq_len)
+    c.async_sampling = True  # sampling loop in its own thread; False = deterministic, in-line
+    c.queue_size = 1  # rollout groups sampled ahead (more: less waiting, more stale drops)
+    c.data_seed = 0  # task order of the train split (the run seed is folded in)
+    c.eval_every = 25  # periodic held-out evaluation interval in steps (0 = off; last step too)
+    c.eval_tasks = 32  # held-out tasks of the periodic evaluation (plain prompts, 1 sample)
+    c.checkpoint_every = 25  # checkpoint interval in steps (the last step is always saved)
+    c.keep_checkpoints = 2  # checkpoints kept (keep-N)
+    c.log_every = 10  # progress-line interval when stdout is not a TTY
+    c.use_tensorboard = True  # TensorBoard event files next to metrics.jsonl
+    c.feedback = ml_collections.ConfigDict()  # imperfect feedback for teacher hints
+    c.feedback.correct = 1.0  # share of failed turns whose hint is the correct one
+    c.feedback.irrelevant = 0.0  # share shown true-sounding advice unrelated to the requirement
+    c.feedback.wrong = 0.0  # share shown a hint pointing at a different format
+    c.update(overrides)
+    return c
+
+
+def tiny_loop_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """A loop that runs a few steps in seconds on CPU (tests)."""
+    c = loop_config(
+        steps=4, groups_per_step=2, rollouts_per_group=2, max_new_tokens=24, length_multiple=0,
+        eval_every=2, eval_tasks=4, checkpoint_every=1, keep_checkpoints=2, log_every=1,
+        use_tensorboard=False,
+    )  # fmt: skip
+    c.update(overrides)
+    return c
+
+
+def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """Final held-out evaluation, arms and seeds, statistics and the non-inferiority margin.
+
+    The margin and the interval that decides non-inferiority are fixed here, before any run
+    (DESIGN.md section 4; see tg_jax.evaluation.stats for the exact interval).
+    """
+    c = ml_collections.ConfigDict()
+    c.num_tasks = 128  # held-out tasks (never used in training); the bootstrap unit
+    c.samples_per_task = 2  # episodes per task and condition (averaged per task first)
+    c.temperature = 1.0  # sampling temperature (the RL sampling temperature)
+    c.max_new_tokens = 128  # decode budget per assistant turn
+    c.conditions = ("plain", "hinted")  # plain prompts; hinted = hint before every turn
+    c.sampling_seed = 1234  # sampling key of the evaluation (same for every arm and seed)
+    c.train_seeds = (0, 1, 2)  # training seeds per arm (the seed spread is reported apart)
+    c.baseline = "grpo"  # arm every other arm is compared with
+    c.candidate = "tg"  # arm whose non-inferiority is the headline verdict
+    c.margin = -0.05  # allowed drop in held-out task success, candidate - baseline (<= 0)
+    c.ni_interval = "paired_bootstrap"  # interval deciding NI: paired_bootstrap | seed_t
+    c.level = 0.95  # two-sided coverage of every interval (bootstrap and t)
+    c.n_boot = 10_000  # bootstrap replicates
+    c.bootstrap_seed = 0  # numpy seed of the bootstrap
+    c.last_k = 32  # training steps of the Table 1 style mean +- std (not a CI)
+    c.update(overrides)
+    return c
+
+
+def tiny_eval_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """A held-out evaluation that runs in seconds on CPU (tests)."""
+    c = eval_config(
+        num_tasks=4, samples_per_task=1, max_new_tokens=24, train_seeds=(0,), n_boot=200,
+        last_k=2,
+    )  # fmt: skip
+    c.update(overrides)
+    return c
+
+
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
     """Imports `configs/NAME.py` and returns its locked `get_config(arg)`."""
     if not os.path.exists(path):
@@ -160,6 +330,46 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
     return cfg
 
 
+def unknown_field(cfg: ml_collections.ConfigDict, key: str) -> str | None:
+    """Why dotted `key` names no field of `cfg` (one line, with close matches), or None."""
+    parts = key.split(".")
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"unknown config field {key} ({'.'.join(parts[:i])} is not a section)"
+        if part not in node:
+            where = ".".join(parts[:i]) or "config"
+            known = sorted(node.keys())
+            close = difflib.get_close_matches(part, known, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            return f"unknown config field {key} ({where} has: {', '.join(known)}{hint})"
+        node = node[part]
+    return None
+
+
+def parse_error(cfg: ml_collections.ConfigDict, key: str, text: str) -> str | None:
+    """Why the command-line text `text` is not a value of field `key`, or None.
+
+    Checks the scalar types absl's `--config.a.b=v` parses (float, int, bool); other fields
+    are left to ml_collections' own parser.
+    """
+    node: Any = cfg
+    for part in key.split("."):
+        node = node[part]
+    kind = type(node)
+    if kind is bool:
+        ok = text.lower() in ("true", "false", "1", "0")
+    elif kind in (int, float):
+        try:
+            kind(text)
+            ok = True
+        except ValueError:
+            ok = False
+    else:
+        return None
+    return None if ok else f"expected {kind.__name__}, got {text!r}"
+
+
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]):
     """Returns a copy with dotted-key overrides applied; unknown keys / wrong types raise.
 
@@ -168,18 +378,14 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, Any]):
     new = ml_collections.ConfigDict(cfg.to_dict(), type_safe=True)
     new.lock()
     for key, value in overrides.items():
-        parts = key.split(".")
+        if (why := unknown_field(new, key)) is not None:
+            raise KeyError(why)
+        *path, leaf = key.split(".")
         node = new
-        for i, part in enumerate(parts[:-1]):
-            if part not in node:
-                raise KeyError(f"Unknown config key {'.'.join(parts[: i + 1])!r} in {key!r}")
+        for part in path:
             node = node[part]
-        if parts[-1] not in node:
-            raise KeyError(
-                f"Unknown config key {key!r}; known at this level: {sorted(node.keys())}"
-            )
         try:
-            node[parts[-1]] = value
+            node[leaf] = value
         except TypeError as e:
             raise TypeError(f"Config key {key!r}: {e}") from None
     return new

@@ -9,12 +9,16 @@ Runs the stage named by `config.stage`:
             (the main job, tg_jax.train.pipeline; every stage cached or resumed)
   forward   smoke: build the sharded model and run one forward pass
 
-The logic lives in libraries; this file only parses flags and dispatches.
+The logic lives in libraries; this file only parses flags and dispatches. A bad command line
+(unknown config field, a value of the wrong type, a workdir that is a file, an unknown stage)
+prints one `error: ...` line to stderr and exits with status 2, before any training.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -66,10 +70,85 @@ def run_pipeline(config, workdir: str) -> None:
 
 
 STAGES = {"forward": run_forward, "data": run_data, "sft": run_sft, "pipeline": run_pipeline}
+USAGE_ERROR = 2  # exit status of a bad command line
+
+
+def _fail(message: str) -> None:
+    """One line on stderr, exit status 2: a usage error, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+
+
+def _config_overrides(args: Sequence[str]) -> tuple[str | None, list[tuple[str, str | None]]]:
+    """(--config value, [(dotted key, text or None)]) of `--config.a.b=v` style arguments."""
+    path, overrides = None, []
+    for i, arg in enumerate(args):
+        name, eq, text = arg.partition("=")
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if name in ("--config", "-config"):
+            path = text if eq else nxt
+        for prefix in ("--config.", "--noconfig."):
+            if name.startswith(prefix):
+                overrides.append((name[len(prefix) :], text if eq else None))
+    return path, overrides
+
+
+def check_config_args(args: Sequence[str]) -> str | None:
+    """Why the `--config.*` overrides in `args` cannot apply to the config file, or None."""
+    from tg_jax import config_lib
+
+    path, overrides = _config_overrides(args)
+    if path is None or not overrides:
+        return None  # absl reports a missing --config itself
+    file, _, arg = path.partition(":")
+    try:
+        cfg = config_lib.load_config_file(file, arg or None)
+    except Exception as e:  # noqa: BLE001  (any failure of the user's config file)
+        return f"--config={path}: {type(e).__name__}: {e}"
+    for key, text in overrides:
+        if (why := config_lib.unknown_field(cfg, key)) is not None:
+            return why
+        if text is not None and (why := config_lib.parse_error(cfg, key, text)) is not None:
+            return f"--config.{key}: {why}"
+    return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with bad config overrides reported by `_fail` (one line)."""
+    if (why := check_config_args(argv[1:])) is not None:
+        _fail(why)
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+        _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
+def check_workdir(workdir: str) -> None:
+    """Creates a local workdir; a path that is a file (or cannot be made) is a usage error."""
+    if "://" in workdir:  # gs:// workdirs are handled by orbax / tensorboard, not os
+        return
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        _fail(f"--workdir {workdir} is a file")
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        _fail(f"--workdir {workdir}: {e.strerror or e}")
 
 
 def main(argv):
     del argv
+    config = _CONFIG.value
+    workdir = _WORKDIR.value
+    check_workdir(workdir)
+    if config.stage not in STAGES:
+        _fail(f"unknown stage {config.stage!r} (known: {', '.join(sorted(STAGES))})")
+    if all(name in config for name in ("rl", "tg", "optim")):
+        from tg_jax.rl.step_config import StepConfig
+
+        try:  # the train step's sections, checked now rather than after data and SFT
+            StepConfig.from_config(config)
+        except ValueError as e:
+            _fail(f"invalid config: {e}")
     from tg_jax.tpu import distributed
 
     # Library INFO lines (orbax logs every checkpoint step) drown the progress lines; pass
@@ -79,14 +158,8 @@ def main(argv):
 
     # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
     distributed.initialize_from_env()
-    config = _CONFIG.value
-    workdir = _WORKDIR.value
-    if "://" not in workdir:  # gs:// workdirs are handled by orbax / tensorboard, not os
-        os.makedirs(workdir, exist_ok=True)
-    if config.stage not in STAGES:
-        raise app.UsageError(f"Unknown stage {config.stage!r}; known: {sorted(STAGES)}")
     STAGES[config.stage](config, workdir)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

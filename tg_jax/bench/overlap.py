@@ -34,17 +34,18 @@ from tg_jax.envs.hints import FeedbackRates
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.batch import build_batch
-from tg_jax.rl.train_step import create_train_state, make_optimizer, make_train_step
+from tg_jax.rl.train_state import create_train_state, make_optimizer
+from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import rollout
 from tg_jax.sampling.loop import InlineLoop, RolloutGroup, SamplingLoop
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train import rl_config, rl_rollouts
+from tg_jax.train import rl_rollouts
 
 
 def loop_section(config: Any) -> Any:
     """`config.rl_loop`, or the loop defaults when the config file has none."""
-    return config.rl_loop if "rl_loop" in config else rl_config.loop_config()
+    return config.rl_loop if "rl_loop" in config else config_lib.loop_config()
 
 
 def overlap_bench(

@@ -23,7 +23,8 @@ import numpy as np
 from tg_jax import config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.batch import build_batch
-from tg_jax.rl.train_step import create_train_state, make_optimizer, make_train_step
+from tg_jax.rl.train_state import create_train_state, make_optimizer
+from tg_jax.rl.train_step import make_train_step
 from tg_jax.testing import synthetic_trajectories
 
 

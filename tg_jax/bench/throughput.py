@@ -167,7 +167,7 @@ def lm_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, j
 
 def lm_step_timing(config: Any, repeats: int, warmup: int = 1) -> Timing:
     """Seconds per SFT train step of `config` (model, mesh, sft sections); see module doc."""
-    from tg_jax.rl.train_step import create_train_state  # noqa: PLC0415
+    from tg_jax.rl.train_state import create_train_state  # noqa: PLC0415
     from tg_jax.train.sft import make_sft_step  # noqa: PLC0415
 
     model = Transformer(ModelConfig.from_config(config.model))

@@ -156,6 +156,35 @@ def kl_to_reference(
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
+def reference_kl(
+    logp_BxT: jax.Array,
+    logp_ref_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    agg_mode: AggMode = "token_mean",
+    *,
+    norm_length: int | None = None,
+    estimator: KLEstimator = "k3",
+) -> jax.Array:
+    """KL(pi_theta || pi_ref) per token (`kl_to_reference`), aggregated over mask like the loss.
+
+    Args:
+      logp_BxT: [B, T] current log-probs of the sampled tokens (differentiated).
+      logp_ref_BxT: [B, T] frozen reference log-probs of the same tokens.
+      mask_BxT: [B, T] bool; the assistant tokens (elsewhere the KL is exactly 0).
+      agg_mode: see `aggregate`.
+      norm_length: L for "seq_mean_token_sum_norm".
+      estimator: "k1", "k2" or "k3".
+
+    Returns:
+      Scalar float32.
+    """
+    mask_BxT = mask_BxT.astype(bool)
+    logp_BxT = logp_BxT.astype(jnp.float32)
+    ref_BxT = jnp.where(mask_BxT, logp_ref_BxT.astype(jnp.float32), logp_BxT)
+    kl_BxT = kl_to_reference(logp_BxT, ref_BxT, estimator)
+    return aggregate(kl_BxT, mask_BxT, agg_mode, norm_length=norm_length)
+
+
 def ppo_loss(
     logp_BxT: jax.Array,
     logp_behaviour_BxT: jax.Array,
@@ -245,9 +274,10 @@ def ppo_loss(
     # 5. Aggregate, plus the reference KL.
     pg_loss = aggregate(loss_BxT, mask_BxT, agg_mode, norm_length=norm_length)
     if logp_ref_BxT is not None:
-        ref_BxT = jnp.where(mask_BxT, logp_ref_BxT.astype(jnp.float32), logp_BxT)
-        kl_BxT = kl_to_reference(logp_BxT, ref_BxT, kl_estimator)
-        kl_loss = aggregate(kl_BxT, mask_BxT, agg_mode, norm_length=norm_length)
+        kl_loss = reference_kl(
+            logp_BxT, logp_ref_BxT, mask_BxT, agg_mode, norm_length=norm_length,
+            estimator=kl_estimator,
+        )  # fmt: skip
     else:
         kl_loss = jnp.zeros((), jnp.float32)
     loss = pg_loss + kl_coef * kl_loss

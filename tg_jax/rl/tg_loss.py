@@ -34,10 +34,12 @@ Suffix `_xV` below means any leading shape followed by the vocabulary axis.
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from tg_jax.rl.step_config import LambdaSchedule
 
 DivergenceKind = Literal["reverse", "forward", "jsd"]
 Estimator = Literal["full", "sampled"]
@@ -487,44 +489,34 @@ def tg_loss(
     return loss, metrics
 
 
-def lambda_schedule(step: int | jax.Array, config: Any) -> jax.Array:
+def lambda_schedule(step: int | jax.Array, schedule: LambdaSchedule) -> jax.Array:
     """lambda_tg at a training step; pure jnp, so `step` may be traced.
 
-    Config fields (an ml_collections.ConfigDict, a dict, or any object with attributes):
-      kind: "constant" | "linear_warmup" | "cosine".
-      value: the peak lambda_tg.
-      warmup_steps: linear ramp 0 -> value over steps [0, warmup_steps] (linear_warmup and
-        cosine; default 0 = no ramp). Step 0 gives 0 when there is a ramp.
-      decay_steps: cosine only: steps after the warmup over which lambda decays from value to
-        final_value; it stays at final_value afterwards.
-      final_value: cosine only, default 0.
+    Kinds (`LambdaSchedule` fields):
+      constant: `value` at every step.
+      linear_warmup: ramps 0 -> value over steps [0, warmup_steps], then stays (step 0 gives 0
+        when there is a ramp; warmup_steps 0 = no ramp).
+      cosine: the same ramp, then decays from value to final_value over decay_steps and stays
+        at final_value afterwards.
 
     Args:
       step: the training step (int or int scalar array).
-      config: as above.
+      schedule: a `LambdaSchedule` (`LambdaSchedule.from_config(config.tg.schedule)`).
 
     Returns:
       Scalar float32 lambda_tg.
     """
-
-    def get(name: str, default: Any = None) -> Any:
-        if hasattr(config, "get"):
-            return config.get(name, default)
-        return getattr(config, name, default)
-
-    kind = get("kind", "constant")
-    value = float(get("value"))
+    value = schedule.value
     step = jnp.asarray(step, jnp.float32)
-    if kind == "constant":
+    if schedule.kind == "constant":
         return jnp.asarray(value, jnp.float32)
-    warmup = float(get("warmup_steps", 0))
+    warmup = schedule.warmup_steps
     ramp = jnp.clip(step / warmup, 0.0, 1.0) if warmup > 0 else jnp.asarray(1.0, jnp.float32)
-    if kind == "linear_warmup":
+    if schedule.kind == "linear_warmup":
         return value * ramp
-    if kind == "cosine":
-        decay = float(get("decay_steps"))
-        final = float(get("final_value", 0.0))
-        progress = jnp.clip((step - warmup) / decay, 0.0, 1.0)
+    if schedule.kind == "cosine":
+        final = schedule.final_value
+        progress = jnp.clip((step - warmup) / schedule.decay_steps, 0.0, 1.0)
         cosine = final + (value - final) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
         return jnp.where(step < warmup, value * ramp, cosine)
-    raise ValueError(f"unknown lambda schedule kind {kind!r}")
+    raise ValueError(f"unknown lambda schedule kind {schedule.kind!r}")

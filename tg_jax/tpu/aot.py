@@ -167,16 +167,17 @@ def abstract_tg_batch(
 
 def compile_tg_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: int, teacher_len):
     """The real train step (`make_train_step`), lowered on abstract state and batch."""
+    from tg_jax.rl import train_state as tst  # noqa: PLC0415
     from tg_jax.rl import train_step as ts  # noqa: PLC0415
 
     model = Transformer(ModelConfig.from_config(config.model))
     step = ts.make_train_step(config, model, mesh, rules)
-    optimizer = ts.make_optimizer(config.optim)
-    state_sh = ts.train_state_shardings(model, optimizer, mesh, rules)
+    optimizer = tst.make_optimizer(config.optim)
+    state_sh = tst.train_state_shardings(model, optimizer, mesh, rules)
     boxed = jax.eval_shape(
         lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0)
     )
-    state = ts.TrainState(
+    state = tst.TrainState(
         params=nn.unbox(boxed),
         opt_state=nn.unbox(jax.eval_shape(optimizer.init, boxed)),
         step=jax.ShapeDtypeStruct((), jnp.int32),

@@ -54,7 +54,8 @@ from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl.batch import Batch, build_batch
-from tg_jax.rl.train_step import TrainState, create_train_state, make_optimizer, make_train_step
+from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
+from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
@@ -365,7 +366,7 @@ def run_rl(
 
     Args:
       config: full config: model, mesh, env, rl, tg (tg.enabled False = the GRPO arm), optim,
-        rl_loop (`tg_jax.train.rl_config.loop_config`), eval (`eval_config`: sampling of the
+        rl_loop (`tg_jax.config_lib.loop_config`), eval (`eval_config`: sampling of the
         periodic evaluation).
       workdir: this run's own directory (one per arm and seed): checkpoints/, metrics.jsonl,
         tb/, rl_summary.json.

@@ -35,7 +35,7 @@ from tg_jax import checkpointing, sharding
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.progress import ProgressBar
-from tg_jax.rl.train_step import (
+from tg_jax.rl.train_state import (
     TrainState,
     create_train_state,
     make_lr_schedule,

@@ -1,0 +1,51 @@
+"""`python -m tg_jax.main` fails fast on a bad command line: one `error:` line, exit status 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "--config.rl.clip_lo=0.1",
+            "error: unknown config field rl.clip_lo (rl has: adv_eps, advantage_mode, agg_mode, "
+            "clip_high, clip_low, dual_clip, kl_coef, kl_estimator, max_staleness, "
+            "micro_batches, norm_length, reward_weights, temperature, tis_cap; did you mean "
+            "clip_low, clip_high?)",
+        ),
+        ("--config.rll.kl_coef=1", "error: unknown config field rll.kl_coef (config has: "),
+        ("--config.optim.lr=abc", "error: --config.optim.lr: expected float, got 'abc'"),
+        ("--config.model.num_layers=2.5", "error: --config.model.num_layers: expected int"),
+        ("--config.rl.dual_clip=0.5", "error: invalid config: rl.dual_clip must be > 1"),
+        ("--config.stage=nope", "error: unknown stage 'nope'"),
+    ],
+    ids=["unknown_field", "unknown_section", "float", "int", "invalid_value", "stage"],
+)
+def test_bad_override_is_one_line_and_exit_2(tmp_path, override, line):
+    result = _main(f"--workdir={tmp_path / 'w'}", override)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_workdir_that_is_a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("")
+    result = _main(f"--workdir={path}")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --workdir {path} is a file"]

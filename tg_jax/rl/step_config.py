@@ -1,0 +1,300 @@
+"""Typed, validated views of the config sections the train step and its losses read.
+
+`StepConfig.from_config(config)` turns the `rl`, `tg` and `optim` ConfigDicts
+(`tg_jax.config_lib.rl_config` / `tg_config` / `optim_config`, where every field's default and
+one-line comment live) into frozen dataclasses once, at the boundary, and checks them there;
+jitted code reads plain Python values and never casts config values. "0 = off" switches of the
+ConfigDicts become None here (tis_cap, dual_clip, norm_length, top_k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_MODES = ("grpo", "dr_grpo")
+DIVERGENCES = ("reverse", "forward", "jsd")
+ESTIMATORS = ("full", "sampled")
+GATES = ("failed_turns", "all_turns")
+TEACHER_MODES = ("per_trajectory", "per_turn")
+LAMBDA_KINDS = ("constant", "linear_warmup", "cosine")
+LR_SCHEDULES = ("constant", "warmup_cosine")
+
+
+def _check_choice(section: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check(ok: bool, section: str, name: str, want: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{section}.{name} must be {want}; got {value!r}")
+
+
+def _fields(cls: type, section: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The section's values by field name; a key the dataclass lacks is an error."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(section.keys()) - known)
+    if extra:
+        raise ValueError(f"{name} has unknown fields {extra} ({cls.__name__} has {sorted(known)})")
+    return dict(section.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """GRPO: advantages, the clipped surrogate, aggregation, reference KL, micro-batches."""
+
+    advantage_mode: str = "grpo"
+    """grpo (divide by the group std) | dr_grpo (do not)."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    reward_weights: tuple[tuple[str, float], ...] = (("task", 1.0),)
+    """(reward component, weight) pairs of the combined reward."""
+    clip_low: float = 0.2
+    """The PPO ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.28
+    """The PPO ratio is clipped above at 1 + clip_high (clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages; None = off."""
+    tis_cap: float | None = None
+    """Truncated IS cap on pi_trainer / pi_sampler (proximal = trainer); None = off."""
+    agg_mode: str = "token_mean"
+    """token_mean | seq_mean_token_mean | seq_mean_token_sum_norm."""
+    norm_length: int | None = None
+    """L of seq_mean_token_sum_norm; None = the padded T."""
+    kl_coef: float = 0.0
+    """Weight of the KL to a frozen reference policy; 0 = no reference forward."""
+    kl_estimator: str = "k3"
+    """k1 | k2 | k3 per-token estimator of KL(pi_theta || pi_ref)."""
+    temperature: float = 1.0
+    """Sampling temperature: trainer logits are divided by it."""
+    max_staleness: int = 1
+    """Rollouts more than this many policy versions old are refused (read by the loop)."""
+    micro_batches: int = 1
+    """Gradient accumulation steps inside one train step."""
+
+    def __post_init__(self):
+        s = "rl"
+        _check_choice(s, "advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
+        _check_choice(s, "agg_mode", self.agg_mode, AGG_MODES)
+        _check_choice(s, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check(self.adv_eps >= 0, s, "adv_eps", ">= 0", self.adv_eps)
+        _check(0 <= self.clip_low < 1, s, "clip_low", "in [0, 1)", self.clip_low)
+        _check(self.clip_high >= 0, s, "clip_high", ">= 0", self.clip_high)
+        dual = self.dual_clip
+        _check(dual is None or dual > 1, s, "dual_clip", "> 1 (or 0 = off)", dual)
+        _check(self.tis_cap is None or self.tis_cap > 0, s, "tis_cap", "> 0", self.tis_cap)
+        norm = self.norm_length
+        _check(norm is None or norm > 0, s, "norm_length", "> 0 (or 0 = padded T)", norm)
+        _check(self.kl_coef >= 0, s, "kl_coef", ">= 0", self.kl_coef)
+        _check(self.temperature > 0, s, "temperature", "> 0", self.temperature)
+        _check(self.max_staleness >= 0, s, "max_staleness", ">= 0", self.max_staleness)
+        _check(self.micro_batches >= 1, s, "micro_batches", ">= 1", self.micro_batches)
+
+    @classmethod
+    def from_config(cls, rl: Mapping[str, Any] | RLConfig) -> RLConfig:
+        """From `config_lib.rl_config()` (a typed config passes through)."""
+        if isinstance(rl, cls):
+            return rl
+        v = _fields(cls, rl, "rl")
+        return cls(
+            advantage_mode=str(v["advantage_mode"]),
+            adv_eps=float(v["adv_eps"]),
+            reward_weights=tuple((str(k), float(w)) for k, w in dict(v["reward_weights"]).items()),
+            clip_low=float(v["clip_low"]),
+            clip_high=float(v["clip_high"]),
+            dual_clip=float(v["dual_clip"]) or None,
+            tis_cap=float(v["tis_cap"]) or None,
+            agg_mode=str(v["agg_mode"]),
+            norm_length=int(v["norm_length"]) or None,
+            kl_coef=float(v["kl_coef"]),
+            kl_estimator=str(v["kl_estimator"]),
+            temperature=float(v["temperature"]),
+            max_staleness=int(v["max_staleness"]),
+            micro_batches=int(v["micro_batches"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LambdaSchedule:
+    """lambda_tg per train step (`tg_loss.lambda_schedule`)."""
+
+    kind: str = "constant"
+    """constant | linear_warmup | cosine."""
+    value: float = 1.0
+    """Peak lambda_tg."""
+    warmup_steps: int = 0
+    """Linear ramp 0 -> value over these steps (linear_warmup and cosine)."""
+    decay_steps: int = 1000
+    """Cosine: steps after the warmup to decay from value to final_value."""
+    final_value: float = 0.0
+    """Cosine: value after the decay."""
+
+    def __post_init__(self):
+        s = "tg.schedule"
+        _check_choice(s, "kind", self.kind, LAMBDA_KINDS)
+        _check(self.value >= 0, s, "value", ">= 0", self.value)
+        _check(self.warmup_steps >= 0, s, "warmup_steps", ">= 0", self.warmup_steps)
+        if self.kind == "cosine":
+            _check(self.decay_steps > 0, s, "decay_steps", "> 0 for cosine", self.decay_steps)
+
+    @classmethod
+    def from_config(cls, schedule: Mapping[str, Any] | LambdaSchedule) -> LambdaSchedule:
+        """From `config_lib.tg_config().schedule` (a typed schedule passes through)."""
+        if isinstance(schedule, cls):
+            return schedule
+        v = _fields(cls, schedule, "tg.schedule")
+        return cls(
+            kind=str(v.get("kind", "constant")),
+            value=float(v["value"]),
+            warmup_steps=int(v.get("warmup_steps", 0)),
+            decay_steps=int(v.get("decay_steps", 1000)),
+            final_value=float(v.get("final_value", 0.0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TGConfig:
+    """Targeted guidance: divergence, estimator, gating, chunking, lambda schedule."""
+
+    enabled: bool = True
+    """False = the GRPO arm: no teacher forward, no TG term."""
+    kind: str = "reverse"
+    """reverse | forward | jsd (KL direction, student first)."""
+    beta: float = 0.5
+    """Teacher weight of the JSD mixture, in (0, 1) for jsd."""
+    estimator: str = "full"
+    """full (whole vocabulary) | sampled (produced token only)."""
+    top_k: int | None = None
+    """Full estimator over the student's top-k tokens + a tail bucket; None = full vocab."""
+    gate: str = "failed_turns"
+    """failed_turns | all_turns: which turns get hints and distillation."""
+    include_thinking: bool = False
+    """Also distil the <think> tokens of the selected turns."""
+    teacher_mode: str = "per_trajectory"
+    """per_trajectory (hints before every failed turn) | per_turn (read by batch building)."""
+    max_teacher_rows: int = 64
+    """per_turn: teacher rows per batch (static), extra turns dropped."""
+    chunk_size: int = 256
+    """Positions per chunk of the full-vocabulary logits / KL."""
+    schedule: LambdaSchedule = LambdaSchedule()
+    """The lambda_tg schedule."""
+
+    def __post_init__(self):
+        s = "tg"
+        _check_choice(s, "kind", self.kind, DIVERGENCES)
+        _check_choice(s, "estimator", self.estimator, ESTIMATORS)
+        _check_choice(s, "gate", self.gate, GATES)
+        _check_choice(s, "teacher_mode", self.teacher_mode, TEACHER_MODES)
+        if self.kind == "jsd":
+            _check(0 < self.beta < 1, s, "beta", "in (0, 1) for jsd", self.beta)
+        _check(self.top_k is None or self.top_k > 0, s, "top_k", ">= 0", self.top_k)
+        if self.top_k is not None and self.estimator == "sampled":
+            raise ValueError("tg.top_k applies to the full estimator only")
+        _check(self.max_teacher_rows >= 1, s, "max_teacher_rows", ">= 1", self.max_teacher_rows)
+        _check(self.chunk_size >= 1, s, "chunk_size", ">= 1", self.chunk_size)
+
+    @classmethod
+    def from_config(cls, tg: Mapping[str, Any] | TGConfig) -> TGConfig:
+        """From `config_lib.tg_config()` (a typed config passes through)."""
+        if isinstance(tg, cls):
+            return tg
+        v = _fields(cls, tg, "tg")
+        return cls(
+            enabled=bool(v["enabled"]),
+            kind=str(v["kind"]),
+            beta=float(v["beta"]),
+            estimator=str(v["estimator"]),
+            top_k=int(v["top_k"]) or None,
+            gate=str(v["gate"]),
+            include_thinking=bool(v["include_thinking"]),
+            teacher_mode=str(v["teacher_mode"]),
+            max_teacher_rows=int(v["max_teacher_rows"]),
+            chunk_size=int(v["chunk_size"]),
+            schedule=LambdaSchedule.from_config(v["schedule"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping and a learning-rate schedule."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    b1: float = 0.9
+    """Adam beta1."""
+    b2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (not applied to norm scales)."""
+    grad_clip_norm: float | None = 1.0
+    """Clip gradients to this global norm; None = off."""
+    schedule: str = "constant"
+    """constant | warmup_cosine."""
+    warmup_steps: int = 0
+    """Linear warmup 0 -> lr (both schedules)."""
+    total_steps: int = 1000
+    """warmup_cosine: warmup + cosine decay steps."""
+    end_lr_fraction: float = 0.1
+    """warmup_cosine: final lr = lr * end_lr_fraction."""
+
+    def __post_init__(self):
+        s = "optim"
+        _check_choice(s, "schedule", self.schedule, LR_SCHEDULES)
+        _check(self.lr >= 0, s, "lr", ">= 0", self.lr)
+        _check(0 <= self.b1 < 1, s, "b1", "in [0, 1)", self.b1)
+        _check(0 <= self.b2 < 1, s, "b2", "in [0, 1)", self.b2)
+        _check(self.eps > 0, s, "eps", "> 0", self.eps)
+        _check(self.weight_decay >= 0, s, "weight_decay", ">= 0", self.weight_decay)
+        clip = self.grad_clip_norm
+        _check(clip is None or clip > 0, s, "grad_clip_norm", "> 0 (or 0 = off)", clip)
+        _check(self.warmup_steps >= 0, s, "warmup_steps", ">= 0", self.warmup_steps)
+        _check(self.total_steps >= 0, s, "total_steps", ">= 0", self.total_steps)
+        _check(self.end_lr_fraction >= 0, s, "end_lr_fraction", ">= 0", self.end_lr_fraction)
+
+    @classmethod
+    def from_config(cls, optim: Mapping[str, Any] | OptimConfig) -> OptimConfig:
+        """From `config_lib.optim_config()` (a typed config passes through)."""
+        if isinstance(optim, cls):
+            return optim
+        v = _fields(cls, optim, "optim")
+        return cls(
+            lr=float(v["lr"]),
+            b1=float(v["b1"]),
+            b2=float(v["b2"]),
+            eps=float(v["eps"]),
+            weight_decay=float(v["weight_decay"]),
+            grad_clip_norm=float(v["grad_clip_norm"]) or None,
+            schedule=str(v["schedule"]),
+            warmup_steps=int(v["warmup_steps"]),
+            total_steps=int(v["total_steps"]),
+            end_lr_fraction=float(v["end_lr_fraction"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """The three sections of one RL train step."""
+
+    rl: RLConfig
+    """GRPO policy loss, advantages, micro-batches."""
+    tg: TGConfig
+    """The targeted-guidance term."""
+    optim: OptimConfig
+    """The optimizer and its learning-rate schedule."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> StepConfig:
+        """From a config with `rl`, `tg` and `optim` sections (a typed config passes through)."""
+        if isinstance(config, cls):
+            return config
+        return cls(
+            rl=RLConfig.from_config(config.rl),
+            tg=TGConfig.from_config(config.tg),
+            optim=OptimConfig.from_config(config.optim),
+        )
