@@ -186,6 +186,9 @@ def test_retry_seed_that_passes_the_gates_is_used_and_reported(tmp_path, monkeyp
         md = f.read()
     assert "SFT attempt 0 (seed 0, data_seed 1" in md and "rejected (pass_rate" in md
     assert "SFT attempt 1 (seed 1, data_seed 2" in md
+    assert "base model: SFT attempt 1 (seed 1, data_seed 2) passed the gates after 1 rejected" in (
+        pipeline.headline(res)
+    )
 
 
 def _sigterm_then(fn):

@@ -106,7 +106,9 @@ def task_clusters(runs: Sequence[Sequence[EpisodeRecord]], task_ids: Sequence[st
         for r in records:
             if of.setdefault(r.task_id, r.cluster_id) != r.cluster_id:
                 raise ValueError(
-                    f"task {r.task_id!r} has two cluster ids: {of[r.task_id]!r}, {r.cluster_id!r}"
+                    f"task {r.task_id!r} has two cluster ids: {of[r.task_id]!r}, "
+                    f"{r.cluster_id!r} (runs evaluated on different task sets, or before "
+                    "records had cluster ids: delete their heldout.jsonl to re-evaluate)"
                 )
     return [of[t] for t in task_ids]
 

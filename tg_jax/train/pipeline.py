@@ -259,6 +259,13 @@ def headline(res: dict[str, Any]) -> str:
             if key in boot
         ]
         lines.append(f"  {arm:<18} " + "  ".join(cells))
+    attempts = (res.get("context") or {}).get("sft_attempts") or []
+    if len(attempts) > 1:
+        a = attempts[-1]
+        lines.append(
+            f"base model: SFT attempt {a['attempt']} (seed {a['seed']}, data_seed "
+            f"{a['data_seed']}) passed the gates after {len(attempts) - 1} rejected"
+        )
     ct = res.get("compute_time")
     if ct and ct.get("sft_s") is not None:
         partial = "" if ct["complete"] else "at least "
