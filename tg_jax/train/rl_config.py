@@ -72,8 +72,7 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.candidate = "tg"  # arm whose non-inferiority is the headline verdict
     c.margin = -0.05  # allowed drop in held-out task success, candidate - baseline (<= 0)
     c.ni_interval = "paired_bootstrap"  # interval deciding NI: paired_bootstrap | seed_t
-    # Baseline held-out task success under which the NI verdict is "not meaningful"
-    c.floor = 0.1
+    c.floor = 0.1  # baseline held-out task success under which NI is "not meaningful"
     c.level = 0.95  # two-sided coverage of every interval (bootstrap and t)
     c.n_boot = 10_000  # bootstrap replicates
     c.bootstrap_seed = 0  # numpy seed of the bootstrap
