@@ -5,10 +5,11 @@ tg_jax.train.pipeline.ARMS (GRPO, TG, TG with thinking tokens, the ablations and
 imperfect-feedback stress test) with 3 training seeds each:
     python -m tg_jax.main --config=configs/experiment.py --workdir=./workdir_experiment
 
-A workdir that already holds the default run's finished SFT reuses it (same SFT settings), so
-pointing this at the demo's workdir skips data and SFT. The report lands in
-workdir_experiment/report/report.md (the report prints its summed compute time; measured
-results: docs/experiments.md).
+A workdir that already holds a finished SFT with the same SFT settings reuses it. The demo's
+workdir itself is refused once it holds the demo's preregistration.json (other arms and
+seeds: a new protocol needs a new workdir); to reuse its base model, copy its tfds/, sft/ and
+sft_eval.json into ./workdir_experiment first. The report lands in
+workdir_experiment/report/report.md (measured results: docs/experiments.md).
 """
 
 import os

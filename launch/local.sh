@@ -2,6 +2,7 @@
 # The README's two commands, on one machine (CPU by default):
 #   bash launch/local.sh demo   # the main job on the embedded default -> report in ./workdir
 #   bash launch/local.sh test   # ruff + the whole test suite (what CI runs)
+#   bash launch/local.sh pin    # rewrite constraints.txt from the venv (after an upgrade)
 # Each creates or refreshes the virtual environment .venv itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,14 +15,17 @@ setup_env() {
     echo "[local.sh] creating virtual environment $VENV"
     python3 -m venv "$VENV"
   fi
-  # Reinstall only when setup.py changed since the last install (a stamp in the venv).
+  # Reinstall only when setup.py or constraints.txt changed since the last install (a stamp
+  # in the venv). constraints.txt pins every dependency to the versions the results were
+  # measured with; after a deliberate upgrade, in a venv whose tests pass, refresh it with
+  #   bash launch/local.sh pin
   local stamp="$VENV/.tg_jax_setup_stamp"
   local want
-  want="$(sha256sum setup.py | cut -d' ' -f1)"
+  want="$(cat setup.py constraints.txt | sha256sum | cut -d' ' -f1)"
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-    echo "[local.sh] installing tg_jax and its dependencies into $VENV"
+    echo "[local.sh] installing tg_jax and its dependencies (pinned: constraints.txt) into $VENV"
     "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q -e ".[test]"
+    "$PY" -m pip install -q -c constraints.txt -e ".[test]"
     echo "$want" > "$stamp"
   fi
 }
@@ -45,8 +49,15 @@ case "$cmd" in
     echo "[local.sh] pytest"
     "$PY" -m pytest -q -n 2 --dist loadfile tests "$@"
     ;;
+  pin)
+    # constraints.txt = its comment header + pip freeze of the venv, without tg_jax itself.
+    { grep '^#' constraints.txt; "$PY" -m pip freeze --exclude-editable | grep -iv '^tg[-_]jax'; } \
+      > constraints.txt.new
+    mv constraints.txt.new constraints.txt
+    echo "[local.sh] constraints.txt: $(grep -vc '^#' constraints.txt) pinned packages"
+    ;;
   *)
-    echo "usage: bash launch/local.sh {demo|test} [extra args]" >&2
+    echo "usage: bash launch/local.sh {demo|test|pin} [extra args]" >&2
     exit 2
     ;;
 esac

@@ -259,3 +259,13 @@ def test_sigterm_sets_flag_and_loop_saves(tmp_path):
         signal.signal(signal.SIGTERM, previous)
         checkpointing.clear_preemption_request()
     assert not checkpointing.preemption_requested(1)
+
+
+def test_preempted_exits_with_status_143_and_says_how_to_resume(tmp_path):
+    err = checkpointing.Preempted("SFT", str(tmp_path))
+    assert isinstance(err, SystemExit) and err.code == checkpointing.PREEMPTED_EXIT_CODE == 143
+    assert "preempted during SFT" in str(err) and "Rerun the same command" in str(err)
+    assert str(tmp_path) in str(err)
+    with pytest.raises(SystemExit) as info:
+        raise err
+    assert info.value.code == 143

@@ -69,6 +69,29 @@ def test_every_function_is_in_exactly_one_split_and_each_split_has_every_family(
     assert all(t.split == "train" for t in train) and all(t.split == "heldout" for t in heldout)
 
 
+def test_heldout_set_of_the_default_config_has_100_distinct_functions():
+    import os
+
+    from tg_jax import config_lib
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
+    c = config_lib.load_config_file(path)
+    tasks = c.tasks
+    held = generate_tasks("heldout", tasks.num_heldout, tasks.seed, families=tasks.families)
+    train = generate_tasks("train", tasks.num_train, tasks.seed, families=tasks.families)
+    # The evaluations take the first n held-out tasks: each n covers >= 100 functions.
+    for n in (c.sft.eval.num_tasks, c.eval.num_tasks, tasks.num_heldout):
+        assert len({t.function_id for t in held[:n]}) >= 100, n
+    assert {t.function_id for t in held}.isdisjoint({t.function_id for t in train})
+    # Drawn in rounds: balanced over families, no function twice before all were drawn.
+    first = held[:100]
+    assert len({t.function_id for t in first}) == 100
+    assert {t.family: 25 for t in first} == {
+        f: sum(t.family == f for t in first) for f in tasks.families
+    }
+    assert held[0].function_id == f"{held[0].family}:{held[0].params[0]}"
+
+
 def test_generation_is_deterministic_and_seeded():
     a, b = generate_tasks("train", 30, seed=5), generate_tasks("train", 30, seed=5)
     assert a == b

@@ -1,5 +1,6 @@
 """Held-out statistics against numpy / scipy computed by hand."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -168,3 +169,82 @@ def test_last_k_pools_seeds():
     assert out["mean"] == pytest.approx(np.mean(vals)) and out["std"] == pytest.approx(np.std(vals))
     assert out["n"] == 4
     assert math.isnan(stats.last_k_mean_std(a, "missing", 3)["mean"])
+
+
+def test_cluster_id_defaults_to_the_task_and_old_records_load():
+    r = _rec("a", True)
+    assert r.cluster_id == "a"
+    old = r.to_dict()
+    old.pop("cluster_id")  # a heldout.jsonl written before clusters existed
+    assert EpisodeRecord.from_dict(old) == r
+    c = EpisodeRecord("b", "plain", 0, True, {"fence": True}, {}, 1, cluster_id="add:3")
+    assert EpisodeRecord.from_dict(c.to_dict()).cluster_id == "add:3"
+
+
+def test_cluster_bootstrap_resamples_whole_clusters():
+    values = np.array([0.0, 1.0, 1.0, 0.5, 0.25, 1.0, 0.0])
+    # One task per cluster: the plain bootstrap over tasks, with the same draws.
+    single = stats.bootstrap_ci(values, clusters_N=list("abcdefg"), n_boot=2000, seed=3)
+    plain = stats.bootstrap_ci(values, n_boot=2000, seed=3)
+    assert (single.low, single.high, single.mean) == pytest.approx((plain.low, plain.high,
+                                                                    plain.mean))  # fmt: skip
+    assert single.clusters == 7 and plain.clusters == 7
+    # Clusters of unequal size against a numpy loop: a replicate draws C clusters and averages
+    # the tasks they hold.
+    clusters = ["x", "x", "y", "y", "y", "z", "w"]
+    ci = stats.bootstrap_ci(values, clusters_N=clusters, n_boot=2000, seed=3, level=0.9)
+    members = {c: values[[i for i, k in enumerate(clusters) if k == c]] for c in "xyzw"}
+    order = ["x", "y", "z", "w"]
+    idx = np.random.default_rng(3).integers(0, 4, size=(2000, 4))
+    means = np.array([np.concatenate([members[order[j]] for j in row]).mean() for row in idx])
+    assert ci.mean == pytest.approx(values.mean()) and (ci.n, ci.clusters) == (7, 4)
+    assert ci.low == pytest.approx(np.quantile(means, 0.05))
+    assert ci.high == pytest.approx(np.quantile(means, 0.95))
+    assert "clusters" in ci.method
+    # 40 tasks that are 4 functions x 10 copies: the interval is that of 4 items, not 40.
+    rng = np.random.default_rng(0)
+    per_fn = rng.uniform(0, 1, size=4)
+    copies = np.repeat(per_fn, 10)
+    fns = [f"f{i}" for i in range(4) for _ in range(10)]
+    naive = stats.bootstrap_ci(copies, n_boot=2000, seed=0)
+    clustered = stats.bootstrap_ci(copies, clusters_N=fns, n_boot=2000, seed=0)
+    of_four = stats.bootstrap_ci(per_fn, n_boot=2000, seed=0)
+    assert clustered.high - clustered.low > 2 * (naive.high - naive.low)
+    assert clustered.low == pytest.approx(of_four.low)
+    assert clustered.high == pytest.approx(of_four.high)
+    with pytest.raises(ValueError, match="cluster ids for"):
+        stats.bootstrap_ci(values, clusters_N=["a"])
+
+
+def test_paired_cluster_bootstrap_and_compare_arms_use_clusters():
+    def arm(k):
+        return {0: [dataclasses.replace(_rec(f"t{i:02d}", i < k), cluster_id=f"f{i // 5}")
+                    for i in range(20)]}  # fmt: skip
+
+    base, cand = arm(10), arm(5)
+    out = stats.compare_arms(cand, base, margin=-0.05, n_boot=500, seed=1)
+    d = np.array([-1.0 if 5 <= i < 10 else 0.0 for i in range(20)])
+    ref = stats.paired_bootstrap_ci(
+        d, np.zeros(20), clusters_N=[f"f{i // 5}" for i in range(20)], n_boot=500, seed=1
+    )
+    ts = out["paired_bootstrap"]["task_success"]
+    assert (ts["low"], ts["high"], ts["clusters"]) == (ref.low, ref.high, 4)
+    summary = stats.summarize_arm(base, n_boot=100)
+    assert summary["plain"]["num_tasks"] == 20 and summary["plain"]["num_clusters"] == 4
+    bad = {0: base[0][:-1] + [dataclasses.replace(base[0][-1], cluster_id="other")],
+           1: base[0]}  # fmt: skip
+    with pytest.raises(ValueError, match="two cluster ids"):
+        stats.summarize_arm(bad, n_boot=10)
+
+
+def test_noninferiority_under_the_floor_is_not_meaningful():
+    diff = stats.Interval(mean=0.0, low=-0.01, high=0.01, level=0.95, method="x", n=50)
+    ok = stats.noninferiority(diff, -0.05, baseline_success=0.3, floor=0.1)
+    assert ok["verdict"] == "pass" and ok["floor"] == 0.1
+    low = stats.noninferiority(diff, -0.05, baseline_success=0.05, floor=0.1)
+    assert low["verdict"] == "not meaningful" and low["baseline_success"] == 0.05
+    base = _arm({0: 1})  # baseline success 0.05
+    out = stats.compare_arms(_arm({0: 1}), base, margin=-0.05, floor=0.1, n_boot=50)
+    assert out["noninferiority"]["verdict"] == "not meaningful"
+    assert stats.compare_arms(_arm({0: 1}), base, margin=-0.05, n_boot=50)[
+        "noninferiority"]["verdict"] == "pass"  # fmt: skip

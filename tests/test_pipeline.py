@@ -2,11 +2,13 @@
 
 import json
 import os
+import signal
 
 import pytest
 
-from tg_jax import config_lib
-from tg_jax.train import pipeline, sft_eval
+from tg_jax import checkpointing, config_lib
+from tg_jax.evaluation import protocol
+from tg_jax.train import pipeline, rl, sft, sft_eval, sft_gates
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -91,6 +93,18 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     with open(os.path.join(workdir, sft_eval.EVAL_FILE)) as f:
         base = json.load(f)
     assert {"pass_rate", "unprompted_compliance/fence", "hinted_compliance/fence"} <= set(base)
+    # The report stands on a named machine, the base model's figures and the pre-registration.
+    with open(os.path.join(workdir, "report", "report.md")) as f:
+        md = f.read()
+    sha = res["context"]["preregistration"]["sha256"]
+    assert sha in md and os.path.exists(os.path.join(workdir, protocol.PREREGISTRATION_FILE))
+    assert f"{os.cpu_count()} cores" in md and f"pass_rate {base['pass_rate']:.2f}" in md
+    assert res["context"]["sft_attempts"][0]["verdict"] == "accepted"  # tiny: gates off
+    # The tiny model solves almost nothing: below the floor the verdict is not pass/fail.
+    grpo_success = res["arms"]["grpo"]["heldout"]["plain"]["bootstrap"]["task_success"]["mean"]
+    if grpo_success < config.eval.floor:
+        assert res["noninferiority"]["verdict"] == "not meaningful"
+        assert "NOT MEANINGFUL" in text and "NOT MEANINGFUL" in md
 
     # A second run finds every stage done: nothing is retrained or re-evaluated.
     stamps = {
@@ -101,3 +115,158 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     for p, t in stamps.items():
         assert os.path.getmtime(os.path.join(workdir, p)) == t, p
     assert again["arms"]["tg"]["heldout"] == res["arms"]["tg"]["heldout"]
+
+
+def test_changed_protocol_is_refused(tmp_path):
+    config = _config()
+    workdir = str(tmp_path)
+    pipeline.run_pipeline(config, workdir)
+    moved = config_lib.apply_overrides(config, {"eval.margin": -0.2})
+    with pytest.raises(protocol.PreregistrationMismatch, match=r"eval.margin: file -0.05"):
+        pipeline.run_pipeline(moved, workdir)
+    floor = config_lib.apply_overrides(config, {"eval.floor": 0.0})
+    with pytest.raises(protocol.PreregistrationMismatch, match=r"eval.floor"):
+        pipeline.run_pipeline(floor, workdir)
+    fewer = config_lib.apply_overrides(config, {"pipeline.arms": ("grpo",)})
+    with pytest.raises(protocol.PreregistrationMismatch, match=r"arms: file \['grpo', 'tg'\]"):
+        pipeline.run_pipeline(fewer, workdir)
+    # Report time: a file edited after the runs no longer matches the config.
+    path = os.path.join(workdir, protocol.PREREGISTRATION_FILE)
+    with open(path) as f:
+        stored = json.load(f)
+    stored["arms"]["tg"]["tg"]["enabled"] = False
+    with open(path, "w") as f:
+        json.dump(stored, f)
+    arms = {a: pipeline.arm_config(config, a) for a in config.pipeline.arms}
+    with pytest.raises(protocol.PreregistrationMismatch, match="arm 'tg': its config differs"):
+        protocol.check_preregistration(config, workdir, arms)
+
+
+def test_base_model_gates_stop_before_rl(tmp_path):
+    config = config_lib.apply_overrides(
+        _config(),
+        {"sft.require.enabled": True, "sft.require.pass_rate": (0.9, 1.0), "sft.retry_seeds": 1},
+    )
+    workdir = str(tmp_path)
+    with pytest.raises(sft_gates.BaseModelGateError) as info:
+        pipeline.run_pipeline(config, workdir)
+    msg = str(info.value)
+    for part in ("attempt 0 (seed 0, sft.data_seed 1", "attempt 1 (seed 1, sft.data_seed 2",
+                 "FAIL pass_rate", "outside [0.9, 1.0]", "hinted_compliance/fence",
+                 "sft.steps", "sft.data_seed", "sft.optim.lr", "sft.retry_seeds"):  # fmt: skip
+        assert part in msg, part
+    # Both attempts trained and evaluated (the retry in a fresh subdir); nothing downstream.
+    assert os.path.exists(os.path.join(workdir, "sft_retry1", sft_eval.EVAL_FILE))
+    for path in ("runs", "report", protocol.PREREGISTRATION_FILE):
+        assert not os.path.exists(os.path.join(workdir, path)), path
+
+
+def test_retry_seed_that_passes_the_gates_is_used_and_reported(tmp_path, monkeypatch):
+    config = config_lib.apply_overrides(_config(), {"sft.retry_seeds": 2})
+    workdir = str(tmp_path)
+    real_stage, last_dir = pipeline.run_sft_stage, []
+
+    def stage(cfg, sft_dir, sources=None):
+        last_dir.append(sft_dir)
+        return real_stage(cfg, sft_dir, sources)
+
+    def check(cfg, result):  # attempt 0 fails its gates, attempt 1 passes
+        return ["pass_rate 0.000 outside [0.2, 0.6]"] if last_dir[-1] == workdir else []
+
+    monkeypatch.setattr(pipeline, "run_sft_stage", stage)
+    monkeypatch.setattr(sft_gates, "check_base_model", check)
+    res = pipeline.run_pipeline(config, workdir)
+    assert last_dir == [workdir, os.path.join(workdir, "sft_retry1")]  # no third attempt
+    attempts = res["context"]["sft_attempts"]
+    assert [(a["attempt"], a["seed"], a["data_seed"]) for a in attempts] == [(0, 0, 1), (1, 1, 2)]
+    assert attempts[0]["verdict"].startswith("rejected") and attempts[1]["verdict"] == "accepted"
+    with open(os.path.join(workdir, "sft_retry1", sft_eval.EVAL_FILE)) as f:
+        assert res["context"]["base_model"]["pass_rate"] == json.load(f)["pass_rate"]
+    with open(os.path.join(workdir, "report", "report.md")) as f:
+        md = f.read()
+    assert "SFT attempt 0 (seed 0, data_seed 1" in md and "rejected (pass_rate" in md
+    assert "SFT attempt 1 (seed 1, data_seed 2" in md
+    assert "base model: SFT attempt 1 (seed 1, data_seed 2) passed the gates after 1 rejected" in (
+        pipeline.headline(res)
+    )
+
+
+def _sigterm_then(fn):
+    """`fn`, after a real SIGTERM has set the preemption flag (the handler installed first)."""
+
+    def wrapped(*args, **kwargs):
+        assert checkpointing.install_sigterm_handler()
+        signal.raise_signal(signal.SIGTERM)
+        assert checkpointing.preemption_requested()
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.fixture
+def restore_sigterm():
+    checkpointing.clear_preemption_request()
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+    checkpointing.clear_preemption_request()
+
+
+def test_sigterm_during_sft_stops_the_job_and_a_rerun_resumes(
+    tmp_path, monkeypatch, restore_sigterm
+):
+    config = config_lib.apply_overrides(_config(), {"sft.steps": 4, "sft.checkpoint_every": 100})
+    workdir = str(tmp_path)
+    monkeypatch.setattr(sft, "run_sft", _sigterm_then(sft.run_sft))
+    with pytest.raises(checkpointing.Preempted) as info:
+        pipeline.run_pipeline(config, workdir)
+    assert info.value.code == 143 and "preempted during SFT" in str(info.value)
+    assert not sft.sft_finished(config, workdir)  # a checkpoint, not the finished one
+    with checkpointing.TrainingCheckpointer(sft.sft_checkpoint_dir(workdir), read_only=True) as c:
+        assert c.latest_step() == 1
+    for path in (sft_eval.EVAL_FILE, "runs", "report", protocol.PREREGISTRATION_FILE):
+        assert not os.path.exists(os.path.join(workdir, path)), path
+
+    monkeypatch.undo()
+    checkpointing.clear_preemption_request()  # a fresh process starts without the flag
+    res = pipeline.run_pipeline(config, workdir)
+    assert sft.sft_finished(config, workdir) and set(res["arms"]) == {"grpo", "tg"}
+    with open(os.path.join(workdir, "sft", "sft_summary.json")) as f:
+        sessions = json.load(f)["sessions"]
+    assert [(s["start_step"], s["end_step"]) for s in sessions] == [(0, 1), (1, 4)]
+
+
+def test_sigterm_during_an_rl_arm_stops_the_job_and_a_rerun_resumes(
+    tmp_path, monkeypatch, restore_sigterm
+):
+    config = config_lib.apply_overrides(_config(), {"rl_loop.steps": 2})
+    workdir = str(tmp_path)
+    real = rl.run_rl
+    calls = []
+
+    def run_rl(cfg, run_dir, *args, arm_name, **kwargs):
+        calls.append(arm_name)
+        fn = _sigterm_then(real) if arm_name == "tg" else real
+        return fn(cfg, run_dir, *args, arm_name=arm_name, **kwargs)
+
+    monkeypatch.setattr(rl, "run_rl", run_rl)
+    with pytest.raises(checkpointing.Preempted, match="preempted during RL run tg seed 0"):
+        pipeline.run_pipeline(config, workdir)
+    assert calls == ["grpo", "tg"]
+    runs = os.path.join(workdir, "runs")
+    assert os.path.exists(os.path.join(runs, "grpo_seed0", "heldout.jsonl"))
+    assert not os.path.exists(os.path.join(runs, "tg_seed0", "heldout.jsonl"))
+    assert not os.path.exists(os.path.join(workdir, "report"))
+    with checkpointing.TrainingCheckpointer(
+        os.path.join(runs, "tg_seed0", "checkpoints"), read_only=True
+    ) as c:
+        assert c.latest_step() == 1
+    grpo_stamp = os.path.getmtime(os.path.join(runs, "grpo_seed0", "heldout.jsonl"))
+
+    monkeypatch.undo()
+    checkpointing.clear_preemption_request()
+    res = pipeline.run_pipeline(config, workdir)
+    assert os.path.getmtime(os.path.join(runs, "grpo_seed0", "heldout.jsonl")) == grpo_stamp
+    tg = [r for r in res["runs"] if r["arm"] == "tg"][0]
+    steps = [s for s, _ in tg["curves"]["train:rollout/compliance"]]
+    assert steps == [1, 2]  # resumed at step 1, finished at 2

@@ -126,3 +126,45 @@ def test_errors():
         report.compute_results(runs + [runs[0]], report.ReportSettings())
     with pytest.raises(ValueError, match="group"):
         report.RunResult("x", 0, [], [], {}, group="other")
+
+
+def test_baseline_under_the_floor_is_not_meaningful_and_the_setting_is_shown(tmp_path):
+    runs = [report.RunResult("grpo", 0, _episodes(1, False), _curves(0, 0.0), {}),
+            report.RunResult("tg", 0, _episodes(1, True), _curves(0, 0.9), {})]  # fmt: skip
+    context = {
+        "machine": {"cpu_model": "Test CPU @ 1GHz", "cpu_count": 2, "jax": "0.1", "jaxlib": "0.2",
+                    "xla_flags": ""},
+        "preregistration": {"path": "w/preregistration.json", "sha256": "ab" * 32},
+        "base_model": {"pass_rate": 0.25, "hinted_compliance/fence": 0.97},
+        "sft_attempts": [{"attempt": 0, "seed": 0, "data_seed": 1, "workdir": "w",
+                          "verdict": "rejected (pass_rate 0.100 outside [0.2, 0.6])"},
+                         {"attempt": 1, "seed": 1, "data_seed": 2, "workdir": "w/sft_retry1",
+                          "verdict": "accepted"}],
+    }  # fmt: skip
+    res = report.write_report(tmp_path, runs, {"n_boot": 100, "floor": 0.1}, context=context)
+    ni = res["noninferiority"]
+    assert ni["verdict"] == "not meaningful" and ni["baseline_success"] == pytest.approx(0.05)
+    md = (tmp_path / "report.md").read_text()
+    assert "NOT MEANINGFUL" in md and "PASS" not in md and "FAIL" not in md
+    assert "Test CPU @ 1GHz, 2 cores" in md and "jaxlib 0.2" in md
+    assert "ab" * 32 in md and "pass_rate 0.25" in md
+    assert "SFT attempt 1 (seed 1, data_seed 2" in md and "accepted" in md
+    assert "20 tasks (one cluster each)" in md  # what the bootstrap resamples
+    assert res["context"] == json.loads(json.dumps(context))
+    # The same runs with a floor of 0: a pass/fail verdict again.
+    other = report.write_report(tmp_path / "b", runs, {"n_boot": 100, "floor": 0.0})
+    assert other["noninferiority"]["verdict"] in ("pass", "fail")
+
+
+def test_markdown_names_clusters_when_tasks_share_functions(tmp_path):
+    import dataclasses
+
+    runs = [
+        report.RunResult(arm, 0, [dataclasses.replace(e, cluster_id=f"fn{int(e.task_id[1:]) // 4}")
+                                  for e in _episodes(10, arm == "tg")], _curves(0, 0.5), {})
+        for arm in ("grpo", "tg")
+    ]  # fmt: skip
+    res = report.write_report(tmp_path, runs, {"n_boot": 100})
+    assert res["arms"]["tg"]["heldout"]["plain"]["num_clusters"] == 5
+    md = (tmp_path / "report.md").read_text()
+    assert "5 clusters (tasks sharing a hidden function) of 20 tasks" in md

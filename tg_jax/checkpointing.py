@@ -39,7 +39,8 @@ Preemption: on one host, ``install_sigterm_handler`` turns SIGTERM into a flag t
 ``preemption_requested`` returns. On several hosts with ``jax.distributed`` and its preemption
 service (what orbax's own preemption support builds on), ``preemption_requested(step)`` is true
 at the sync step agreed by all hosts, so every host saves the same step; there the JAX runtime
-owns SIGTERM and the Python handler is not installed.
+owns SIGTERM and the Python handler is not installed. A job of several stages raises
+``Preempted`` once a stage stopped this way, so nothing later runs on unfinished state.
 """
 
 from __future__ import annotations
@@ -359,6 +360,27 @@ def _corrupt(step_dir: str, e: Exception) -> CheckpointError:
 # -- preemption ------------------------------------------------------------------------------
 
 _preempted = threading.Event()
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: what a shell reports for a SIGTERM-ended process
+
+
+class Preempted(SystemExit):
+    """A stage stopped early on a preemption request and the job must stop too.
+
+    The stage's checkpoint is saved; it was not evaluated, nothing marks it finished, and no
+    later stage ran. Uncaught, it ends the process with status 143 (it is a SystemExit);
+    rerunning the same command resumes the stage.
+    """
+
+    def __init__(self, stage: str, workdir: str):
+        self.stage, self.workdir = stage, workdir
+        self.message = (
+            f"preempted during {stage}: its checkpoint is in {workdir}; nothing was evaluated "
+            "or marked finished. Rerun the same command to resume."
+        )
+        super().__init__(PREEMPTED_EXIT_CODE)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _preemption_service_active() -> bool:

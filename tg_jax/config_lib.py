@@ -224,6 +224,19 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     c.log_every = 100  # progress-line interval when not on a TTY
     c.checkpoint_every = 500  # checkpoint interval in steps (the last step is always saved)
     c.eval = sft_eval_config()  # the base-model evaluation written to sft_eval.json
+    c.require = sft_require_config()  # gates on the base model, checked before any RL
+    c.retry_seeds = 0  # on a gate failure retry SFT with seed+1, data_seed+1, this many times
+    c.update(overrides)
+    return c
+
+
+def sft_require_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """Gates on the base model's sft_eval.json (tg_jax.train.sft_gates), checked before RL."""
+    c = ml_collections.ConfigDict()
+    c.enabled = True  # False: no gates (the tiny test configs)
+    c.pass_rate = (0.2, 0.6)  # allowed range of the temperature-1 held-out pass rate
+    c.max_unprompted_compliance = 0.02  # per requirement RL judges, plain prompts, at most
+    c.min_hinted_compliance = 0.95  # per requirement RL judges, hinted prompts, at least
     c.update(overrides)
     return c
 
@@ -294,6 +307,7 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.candidate = "tg"  # arm whose non-inferiority is the headline verdict
     c.margin = -0.05  # allowed drop in held-out task success, candidate - baseline (<= 0)
     c.ni_interval = "paired_bootstrap"  # interval deciding NI: paired_bootstrap | seed_t
+    c.floor = 0.1  # baseline held-out task success under which NI is "not meaningful"
     c.level = 0.95  # two-sided coverage of every interval (bootstrap and t)
     c.n_boot = 10_000  # bootstrap replicates
     c.bootstrap_seed = 0  # numpy seed of the bootstrap

@@ -6,15 +6,18 @@ the third point tells families apart). Hidden tests are more inputs, including n
 so a guess that only fits the visible points (e.g. `x+1` for `abs(x)+1` seen at x >= 0) fails.
 
 Two family sets:
-  * EASY_FAMILIES (the embedded default): one parameter each, `b = f(0)` is copied from the
-    prompt (`b+x`, `b-x`, `b+abs(x)`, `b+x*x`); the family is read from f(1) and the third
+  * EASY_FAMILIES (the embedded default): one parameter each, `b = f(0)` in -64..64 is copied
+    from the prompt (`b+x`, `b-x`, `b+abs(x)`, `b+x*x`); the family is read from f(1) and the third
     point, and is ambiguous when that point is positive (`x+b` vs `abs(x)+b`), which caps the
     pass rate of any policy below 1.
   * the two-parameter families (`lin`, `quad`, `abs`, `mod`, `max`, `min`): slopes must be
     computed (f(1) - f(0)); a 0.4M-parameter byte model trained for minutes solves few.
 
 Splits are disjoint by construction: every function (family + parameters) belongs to exactly
-one split, fixed by a stable hash, so no held-out function is ever seen in training.
+one split, fixed by a stable hash, so no held-out function is ever seen in training. Tasks are
+drawn in rounds, every family once per round, each family's functions without replacement
+until all were drawn: the first n tasks of a split cover min(n, its functions) distinct
+functions, balanced over families.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from collections.abc import Callable, Sequence
 SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.2
 _B = tuple(range(-9, 10))
-_B1 = tuple((b,) for b in _B)
+# The easy families' constants: 129 per family, so the held-out split has 4 x 26 = 104
+# distinct functions (the bootstrap's independent units; with -9..9 it had 16).
+_B1 = tuple((b,) for b in range(-64, 65))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +179,11 @@ class Task:
         shown = " ".join(f"f({x})={y}" for x, y in self.visible)
         return f"{shown}. Write f(x); run_tests, submit."
 
+    @property
+    def function_id(self) -> str:
+        """The hidden function's identity, e.g. "add:3": tasks sharing it are one cluster."""
+        return f"{self.family}:{','.join(map(str, self.params))}"
+
     def fn(self, x: int) -> int:
         """The hidden function."""
         return FAMILIES[self.family].fn(self.params, x)
@@ -283,7 +293,8 @@ def generate_tasks(
       split: "train" or "heldout"; only functions of that split are drawn.
       n: number of tasks.
       seed: same (split, n, seed, knobs) -> same tasks.
-      families: families to draw from (uniformly by family, then by parameters).
+      families: families to draw from (in rounds of every family in a shuffled order; each
+        family's functions without replacement, reshuffled once all were drawn).
       anchors: visible inputs always shown first (read-off points for a small model).
       n_visible: total visible examples (anchors + random distinct xs from x_range).
       n_hidden: hidden tests, distinct xs from hidden_range not among the visible xs.
@@ -303,10 +314,16 @@ def generate_tasks(
         if pool:
             pools[name] = pool
     names = sorted(pools)
+    decks: dict[str, list[tuple[int, ...]]] = {name: [] for name in names}
+    order: list[str] = []
     tasks = []
     for i in range(n):
-        family = rng.choice(names)
-        params = rng.choice(pools[family])
+        if not order:
+            order = rng.sample(names, len(names))
+        family = order.pop()
+        if not decks[family]:
+            decks[family] = rng.sample(pools[family], len(pools[family]))
+        params = decks[family].pop()
         free = [x for x in range(x_range[0], x_range[1] + 1) if x not in anchors]
         visible = list(anchors) + rng.sample(free, n_visible - len(anchors))
         pool = [x for x in range(hidden_range[0], hidden_range[1] + 1) if x not in visible]

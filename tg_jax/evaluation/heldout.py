@@ -13,6 +13,7 @@ Every arm and seed is evaluated on the same tasks with the same sampling key
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -53,7 +54,7 @@ def evaluate_heldout(
 
     Args:
       config: full config (sections model, env, and `eval` from
-        `tg_jax.train.rl_config.eval_config` for the defaults of the arguments below).
+        `tg_jax.config_lib.eval_config` for the defaults of the arguments below).
       params: policy params.
       tasks: held-out tasks (`tg_jax.train.data_stage.load_tasks(sources, "heldout", n)`).
       conditions: subset of ("plain", "hinted"); default `config.eval.conditions`.
@@ -65,7 +66,8 @@ def evaluate_heldout(
         byte tokenizer).
 
     Returns:
-      EpisodeRecords, condition by condition, sample by sample, task by task.
+      EpisodeRecords, condition by condition, sample by sample, task by task; each carries
+      its task's hidden function as `cluster_id` (the bootstrap's resampling unit).
     """
     ev = config.eval
     conditions = tuple(ev.conditions if conditions is None else conditions)
@@ -91,7 +93,8 @@ def evaluate_heldout(
                                  else samples_per_task),
         )  # fmt: skip
         records.extend(recs)
-    return records
+    clusters = {t.task_id: getattr(t, "function_id", t.task_id) for t in tasks}
+    return [dataclasses.replace(r, cluster_id=clusters.get(r.task_id, r.task_id)) for r in records]
 
 
 def heldout_metrics(records: Sequence[EpisodeRecord], prefix: str = "heldout/") -> dict[str, float]:

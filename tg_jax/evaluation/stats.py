@@ -3,11 +3,15 @@
 DESIGN.md section 4. Three kinds of uncertainty are kept apart, and each number says which
 one it carries:
 
-* Test items (held-out tasks): percentile bootstrap over tasks, with a fixed seed. The unit
-  is the task, not the episode: the episodes of one task (several samples, several training
-  seeds) are averaged first, so a task sampled 8 times does not count as 8 independent items.
+* Test items (held-out tasks): percentile *cluster* bootstrap, with a fixed seed. The
+  episodes of one task (several samples, several training seeds) are averaged first, so a
+  task sampled 8 times does not count as 8 independent items; and tasks that share a hidden
+  function (`EpisodeRecord.cluster_id`) form one cluster, resampled whole, so 128 tasks drawn
+  from 16 functions do not count as 128 independent items. A replicate's mean is the mean
+  over the tasks of the drawn clusters. With one task per cluster (records without cluster
+  ids) this is the plain bootstrap over tasks, with the same draws.
   Arm differences use the *paired* bootstrap: both arms are evaluated on the same tasks and
-  every bootstrap replicate draws the same task indices for both, so the per-task difference
+  every bootstrap replicate draws the same clusters for both, so the per-task difference
   is resampled and the between-task variance that both arms share cancels.
 * Training seeds: one point estimate per seed; mean, sample std (ddof=1) and a Student-t
   interval with n_seeds - 1 degrees of freedom. Never mixed into the bootstrap.
@@ -18,8 +22,9 @@ one it carries:
 Non-inferiority (the interval is fixed here and in `eval_config`, before any run):
   d = task_success(candidate) - task_success(baseline), per held-out task, each arm's value
   pooled over its training seeds and samples;
-  interval = two-sided `level` (default 95%) percentile paired bootstrap over tasks of mean(d);
-  verdict = "pass" iff the interval's LOWER bound >= margin (margin <= 0, e.g. -0.05).
+  interval = two-sided `level` (default 95%) percentile paired cluster bootstrap of mean(d);
+  verdict = "pass" iff the interval's LOWER bound >= margin (margin <= 0, e.g. -0.05), and
+  "not meaningful" whatever the interval when the baseline's task success is under `floor`.
   A two-sided 95% interval's lower bound is a one-sided 97.5% bound, the usual convention of
   non-inferiority trials. With `ni_interval="seed_t"` the verdict instead uses the t-interval
   over training seeds of the per-seed differences (seeds paired by index); both intervals are
@@ -90,6 +95,24 @@ def pooled_task_means(
     return ids, {n: np.mean([t[n] for _, t in tables], axis=0) for n in names}
 
 
+def task_clusters(runs: Sequence[Sequence[EpisodeRecord]], task_ids: Sequence[str]) -> list[str]:
+    """The cluster id of every task in `task_ids`, from the records of `runs`.
+
+    Raises:
+      ValueError: a task with two cluster ids (records of different task sets).
+    """
+    of: dict[str, str] = {}
+    for records in runs:
+        for r in records:
+            if of.setdefault(r.task_id, r.cluster_id) != r.cluster_id:
+                raise ValueError(
+                    f"task {r.task_id!r} has two cluster ids: {of[r.task_id]!r}, "
+                    f"{r.cluster_id!r} (runs evaluated on different task sets, or before "
+                    "records had cluster ids: delete their heldout.jsonl to re-evaluate)"
+                )
+    return [of[t] for t in task_ids]
+
+
 # -- bootstrap over test items --------------------------------------------------------------
 
 
@@ -102,58 +125,87 @@ class Interval:
     high: float
     level: float
     method: str
-    n: int
+    n: int  # test items (tasks)
+    clusters: int | None = None  # resampled units (None: the items themselves)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def _percentile_interval(
-    values_N: np.ndarray, n_boot: int, seed: int, level: float, method: str
+    values_N: np.ndarray,
+    n_boot: int,
+    seed: int,
+    level: float,
+    method: str,
+    clusters_N: Sequence[str] | None = None,
 ) -> Interval:
     values_N = np.asarray(values_N, np.float64)
     n = values_N.shape[0]
     if n == 0:
         raise ValueError("cannot bootstrap zero items")
+    labels = list(range(n)) if clusters_N is None else list(clusters_N)
+    if len(labels) != n:
+        raise ValueError(f"{len(labels)} cluster ids for {n} items")
+    order = list(dict.fromkeys(labels))  # clusters in order of first appearance
+    index = {c: i for i, c in enumerate(order)}
+    of_item_N = np.array([index[c] for c in labels])
+    sums_C = np.bincount(of_item_N, weights=values_N, minlength=len(order))
+    sizes_C = np.bincount(of_item_N, minlength=len(order)).astype(np.float64)
     rng = np.random.default_rng(seed)
-    idx_RxN = rng.integers(0, n, size=(n_boot, n))
-    means_R = values_N[idx_RxN].mean(axis=1)
+    idx_RxC = rng.integers(0, len(order), size=(n_boot, len(order)))
+    means_R = sums_C[idx_RxC].sum(axis=1) / sizes_C[idx_RxC].sum(axis=1)
     alpha = (1.0 - level) / 2.0
     low, high = np.quantile(means_R, [alpha, 1.0 - alpha])
-    return Interval(float(values_N.mean()), float(low), float(high), level, method, n)
+    if clusters_N is not None:
+        method = f"{method}, clusters of tasks sharing a function resampled whole"
+    mean = float(values_N.mean())
+    return Interval(mean, float(low), float(high), level, method, n, len(order))
 
 
 def bootstrap_ci(
-    values_N: np.ndarray, *, n_boot: int = 10_000, seed: int = 0, level: float = 0.95
+    values_N: np.ndarray,
+    *,
+    clusters_N: Sequence[str] | None = None,
+    n_boot: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
 ) -> Interval:
     """Percentile bootstrap interval of the mean over N test items (resampled with replacement).
 
     Args:
       values_N: one value per test item (e.g. a task's success rate).
+      clusters_N: cluster id per item; the clusters are resampled whole (None: every item is
+        its own cluster).
       n_boot: bootstrap replicates.
       seed: numpy seed; the same seed and inputs give the same interval.
       level: two-sided coverage, e.g. 0.95 -> the 2.5% and 97.5% quantiles.
     """
-    return _percentile_interval(values_N, n_boot, seed, level, "bootstrap over test items")
+    return _percentile_interval(
+        values_N, n_boot, seed, level, "bootstrap over test items", clusters_N
+    )
 
 
 def paired_bootstrap_ci(
     a_N: np.ndarray,
     b_N: np.ndarray,
     *,
+    clusters_N: Sequence[str] | None = None,
     n_boot: int = 10_000,
     seed: int = 0,
     level: float = 0.95,
 ) -> Interval:
     """Paired percentile bootstrap interval of mean(a - b) over the same N test items.
 
-    Both arms are resampled with the same item indices, which is the same as bootstrapping
-    the per-item difference.
+    Both arms are resampled with the same item (or cluster) indices, which is the same as
+    bootstrapping the per-item difference; `clusters_N` as in `bootstrap_ci`.
     """
     a_N, b_N = np.asarray(a_N, np.float64), np.asarray(b_N, np.float64)
     if a_N.shape != b_N.shape:
         raise ValueError(f"paired arms need the same items: shapes {a_N.shape} vs {b_N.shape}")
-    return _percentile_interval(a_N - b_N, n_boot, seed, level, "paired bootstrap over test items")
+    return _percentile_interval(
+        a_N - b_N, n_boot, seed, level, "paired bootstrap over test items", clusters_N
+    )
 
 
 # -- training seeds -------------------------------------------------------------------------
@@ -194,7 +246,12 @@ def seed_interval(values_S: Sequence[float], *, level: float = 0.95) -> dict[str
 
 
 def noninferiority(
-    diff: Interval | Mapping[str, Any], margin: float, *, interval: str = "paired_bootstrap"
+    diff: Interval | Mapping[str, Any],
+    margin: float,
+    *,
+    interval: str = "paired_bootstrap",
+    baseline_success: float | None = None,
+    floor: float = 0.0,
 ) -> dict[str, Any]:
     """Verdict on candidate - baseline task success against a margin fixed before the run.
 
@@ -202,11 +259,14 @@ def noninferiority(
       diff: the interval of the difference (an `Interval` or a `seed_interval` dict).
       margin: the allowed drop, <= 0 (e.g. -0.05 = at most 5 points worse).
       interval: the name of the interval `diff` is (recorded in the result).
+      baseline_success: the baseline arm's held-out task success (None: not checked).
+      floor: below this baseline task success no drop can be measured (a baseline that solves
+        nothing cannot get worse), and the verdict is "not meaningful".
 
     Returns:
-      {"verdict": "pass" | "fail" | "undetermined", "lower", "margin", "interval", "level"}:
-      pass iff lower >= margin; "undetermined" when the lower bound is NaN (one seed under
-      interval="seed_t").
+      {"verdict": "pass" | "fail" | "undetermined" | "not meaningful", "lower", "margin",
+      "interval", "level", "floor", "baseline_success"}: pass iff lower >= margin;
+      "undetermined" when the lower bound is NaN (one seed under interval="seed_t").
     """
     if margin > 0:
         raise ValueError(f"a non-inferiority margin is an allowed drop, <= 0; got {margin}")
@@ -216,8 +276,12 @@ def noninferiority(
         verdict = "undetermined"
     else:
         verdict = "pass" if lower >= margin else "fail"
+    if baseline_success is not None and baseline_success < floor:
+        verdict = "not meaningful"
     return {
         "verdict": verdict,
+        "floor": float(floor),
+        "baseline_success": baseline_success,
         "lower": lower,
         "mean": float(d["mean"]),
         "margin": float(margin),
@@ -300,9 +364,9 @@ def summarize_arm(
       runs: training seed -> that run's held-out episodes.
 
     Returns:
-      {condition: {"bootstrap": {metric: Interval dict} (tasks, seeds pooled),
+      {condition: {"bootstrap": {metric: Interval dict} (clusters of tasks, seeds pooled),
                    "seeds": {metric: seed_interval dict}, "per_seed": {seed: {metric: v}},
-                   "num_tasks": n}}
+                   "num_tasks": n, "num_clusters": distinct cluster ids}}
       and "diagnostic": {metric: paired bootstrap Interval dict of hinted - plain} when both
       conditions were evaluated.
     """
@@ -313,12 +377,16 @@ def summarize_arm(
         if not any(r.condition == cond for s in seeds for r in runs[s]):
             continue
         ids, table = pooled_task_means([runs[s] for s in seeds], cond)
+        clusters = task_clusters([runs[s] for s in seeds], ids)
         pooled[cond] = (ids, table)
         per_seed = {s: _seed_means(runs[s], cond) for s in seeds}
         out[cond] = {
             "num_tasks": len(ids),
+            "num_clusters": len(set(clusters)),
             "bootstrap": {
-                k: bootstrap_ci(v, n_boot=n_boot, seed=seed, level=level).to_dict()
+                k: bootstrap_ci(
+                    v, clusters_N=clusters, n_boot=n_boot, seed=seed, level=level
+                ).to_dict()
                 for k, v in table.items()
             },
             "seeds": {
@@ -329,9 +397,15 @@ def summarize_arm(
     if len(pooled) == 2:
         (ids_p, plain), (ids_h, hinted) = pooled["plain"], pooled["hinted"]
         if ids_p == ids_h:
+            clusters = task_clusters([runs[s] for s in seeds], ids_p)
             out["diagnostic"] = {
                 k: paired_bootstrap_ci(
-                    hinted[k], plain[k], n_boot=n_boot, seed=seed, level=level
+                    hinted[k],
+                    plain[k],
+                    clusters_N=clusters,
+                    n_boot=n_boot,
+                    seed=seed,
+                    level=level,
                 ).to_dict()
                 for k in RATE_METRICS
             }
@@ -344,6 +418,7 @@ def compare_arms(
     *,
     margin: float,
     ni_interval: str = "paired_bootstrap",
+    floor: float = 0.0,
     n_boot: int = 10_000,
     seed: int = 0,
     level: float = 0.95,
@@ -356,6 +431,7 @@ def compare_arms(
       margin: allowed drop in task success (<= 0), fixed in the config before the run.
       ni_interval: which interval decides (see the module docstring): "paired_bootstrap"
         (tasks, seeds pooled) or "seed_t" (t-interval over seeds of per-seed differences).
+      floor: baseline task success under which the verdict is "not meaningful".
 
     Returns:
       {"paired_bootstrap": {metric: Interval dict}, "seed_t": {metric: seed_interval dict},
@@ -368,8 +444,11 @@ def compare_arms(
     if ids_c != ids_b:
         raise ValueError("arms must be evaluated on the same held-out tasks to be paired")
     metrics = sorted(set(cand) & set(base))
+    clusters = task_clusters([*candidate.values(), *baseline.values()], ids_c)
     boot = {
-        k: paired_bootstrap_ci(cand[k], base[k], n_boot=n_boot, seed=seed, level=level).to_dict()
+        k: paired_bootstrap_ci(
+            cand[k], base[k], clusters_N=clusters, n_boot=n_boot, seed=seed, level=level
+        ).to_dict()
         for k in metrics
     }
     common = sorted(set(candidate) & set(baseline))
@@ -391,5 +470,11 @@ def compare_arms(
         "paired_bootstrap": boot,
         "seed_t": seed_t,
         "paired_seeds": common,
-        "noninferiority": noninferiority(diff, margin, interval=ni_interval),
+        "noninferiority": noninferiority(
+            diff,
+            margin,
+            interval=ni_interval,
+            baseline_success=float(base["task_success"].mean()),
+            floor=floor,
+        ),
     }

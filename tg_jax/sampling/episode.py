@@ -23,6 +23,9 @@ class EpisodeRecord:
         judged on it and every judged turn passed (the "all" requirement reward).
       actions: action counts of the episode, e.g. {"run_tests": 2, "submit": 1, "malformed": 0}.
       turns: assistant turns taken.
+      cluster_id: the bootstrap cluster of the task: tasks sharing a hidden function are not
+        independent items, so they share one cluster (`Task.function_id`). Empty (records
+        written before clusters existed, synthetic ones) = the task's own cluster, task_id.
     """
 
     task_id: str
@@ -32,10 +35,13 @@ class EpisodeRecord:
     compliance: dict[str, bool]
     actions: dict[str, int]
     turns: int
+    cluster_id: str = ""
 
     def __post_init__(self):
         if self.condition not in CONDITIONS:
             raise ValueError(f"condition must be one of {CONDITIONS}, got {self.condition!r}")
+        if not self.cluster_id:
+            object.__setattr__(self, "cluster_id", self.task_id)  # frozen: set once here
 
     @property
     def compliant(self) -> bool:

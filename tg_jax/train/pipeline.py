@@ -9,10 +9,19 @@ Layout of `workdir`:
                              rl_summary.json, heldout.jsonl)
   report/                    report.md, results.json, curve PNGs
 
+  sft_retry<k>/               SFT attempt k (seed + k, sft.data_seed + k), when the base
+                             model of attempt k-1 failed the gates and sft.retry_seeds >= k
+  preregistration.json       margin, floor, arms and their configs, written before any RL step
+
 Every stage is cached or resumed: a finished SFT is skipped and an unfinished one resumed, an
 RL run resumes from its latest checkpoint and returns at once when finished, a run's held-out
 evaluation is read back from its heldout.jsonl. So rerunning the same command after a crash
-or a preemption finishes the job without redoing work.
+or a preemption finishes the job without redoing work. A stage stopped by a preemption
+request (SIGTERM) raises `checkpointing.Preempted` (exit status 143) right after its
+checkpoint: it is neither evaluated nor cached as finished, and no later stage runs.
+
+Between SFT and RL the base model must pass the gates of `sft.require` (`sft_gates`): else
+`BaseModelGateError`, with the measured figures and the knobs, and no RL run or report.
 
 Arms (`config.pipeline.arms`) differ only in the overrides of `ARMS`; every other setting,
 the data, the sampling budget and the held-out tasks are the same for all of them.
@@ -23,11 +32,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any
 
-from tg_jax import config_lib
-from tg_jax.evaluation import heldout
-from tg_jax.train import data_stage, rl, sft, sft_eval
+from tg_jax import checkpointing, config_lib
+from tg_jax.evaluation import heldout, protocol
+from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates
 
 RUNS_DIR, REPORT_DIR = "runs", "report"
 
@@ -108,9 +118,27 @@ def run_data(config: Any, workdir: str) -> dict[str, Any]:
     return sources
 
 
+def _preempted(stage: str, workdir: str) -> checkpointing.Preempted:
+    err = checkpointing.Preempted(stage, workdir)
+    print(err.message, file=sys.stderr)
+    return err
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
 def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = None) -> Any:
-    """SFT stage: trains, resumes or loads the base model, evaluates it once; returns params."""
+    """SFT stage: trains, resumes or loads the base model, evaluates it once; returns params.
+
+    Raises:
+      checkpointing.Preempted: SFT stopped on a preemption request (checkpoint saved, no
+        evaluation).
+    """
     state = sft.run_sft(config, workdir)
+    if checkpointing.preemption_requested() or not sft.sft_finished(config, workdir):
+        raise _preempted("SFT", workdir)
     if os.path.exists(os.path.join(workdir, sft_eval.EVAL_FILE)):
         print(f"sft: finished checkpoint and {sft_eval.EVAL_FILE} found in {workdir}")
         return state.params
@@ -122,34 +150,98 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
     return state.params
 
 
-def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
-    """The whole main job (see the module docstring); returns the report's results dict."""
+def sft_attempt(config: Any, workdir: str, k: int) -> tuple[Any, str]:
+    """(config, workdir) of SFT attempt k: attempt 0 is the config in `workdir`, attempt k
+    uses seed + k and sft.data_seed + k in `workdir/sft_retry<k>`."""
+    if k == 0:
+        return config, workdir
+    overrides = {"seed": int(config.seed) + k, "sft.data_seed": int(config.sft.data_seed) + k}
+    return config_lib.apply_overrides(config, overrides), os.path.join(workdir, f"sft_retry{k}")
+
+
+def run_base_model(
+    config: Any, workdir: str, sources: dict[str, Any] | None = None
+) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+    """SFT until a base model passes the gates of `sft.require`, at most 1 + sft.retry_seeds
+    attempts (`sft_attempt`); cached attempts are read back, not retrained.
+
+    Returns:
+      (params, its sft_eval.json, one dict per attempt: attempt, seed, data_seed, workdir,
+      figures, failures, verdict).
+
+    Raises:
+      sft_gates.BaseModelGateError: every attempt failed (nothing downstream ran).
+    """
+    attempts = []
+    for k in range(int(config.sft.get("retry_seeds", 0)) + 1):
+        cfg, sft_dir = sft_attempt(config, workdir, k)
+        params = run_sft_stage(cfg, sft_dir, sources)
+        result = _read_json(os.path.join(sft_dir, sft_eval.EVAL_FILE))
+        failures = sft_gates.check_base_model(config, result)
+        verdict = "accepted" if not failures else "rejected (" + "; ".join(failures) + ")"
+        attempts.append({
+            "attempt": k, "seed": int(cfg.seed), "data_seed": int(cfg.sft.data_seed),
+            "workdir": sft_dir, "figures": sft_gates.gate_figures(config, result),
+            "failures": failures, "verdict": verdict,
+        })  # fmt: skip
+        print(f"sft: attempt {k} (seed {cfg.seed}, data_seed {cfg.sft.data_seed}): {verdict}")
+        if not failures:
+            return params, result, attempts
+    raise sft_gates.gate_error(config, attempts)
+
+
+def _base_figures(result: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in result.items()
+            if isinstance(v, int | float) and ("pass_rate" in k or "compliance" in k)}  # fmt: skip
+
+
+def _run_arms(config, workdir, arms_cfgs, base_params, sources) -> list[Any]:
+    """Every RL run (arm x training seed) and its held-out evaluation, as report RunResults."""
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
-    for arm in config.pipeline.arms:  # fail before any work on a bad arm name or override
-        arm_config(config, arm)
-    sources = run_data(config, workdir)
-    base_params = run_sft_stage(config, workdir, sources)
     eval_tasks = data_stage.load_tasks(sources, "heldout", config.eval.num_tasks)
     runs = []
-    for arm in config.pipeline.arms:
-        cfg = arm_config(config, arm)
+    for arm, cfg in arms_cfgs.items():
         for seed in config.eval.train_seeds:
             run_dir = os.path.join(workdir, RUNS_DIR, f"{arm}_seed{int(seed)}")
             result = rl.run_rl(
                 cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources
             )
+            if checkpointing.preemption_requested() or not result.finished:
+                raise _preempted(f"RL run {arm} seed {int(seed)}", run_dir)
             records = heldout.evaluate_run(cfg, run_dir, result.state.params, eval_tasks)
             runs.append(
                 report.load_run_result(
                     run_dir, records, group=ARMS[arm].group, description=ARMS[arm].description
                 )
             )
+    return runs
+
+
+def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
+    """The whole main job (see the module docstring); returns the report's results dict."""
+    from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
+
+    # Fail before any work on a bad arm name or override.
+    arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
+    sources = run_data(config, workdir)
+    base_params, base_result, attempts = run_base_model(config, workdir, sources)
+    protocol.preregister(config, workdir, arms_cfgs)  # before the first RL step
+    runs = _run_arms(config, workdir, arms_cfgs, base_params, sources)
+    context = {
+        "machine": protocol.machine_info(),
+        "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),
+        "base_model": _base_figures(base_result),
+        "sft_attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "workdir",
+                                            "verdict")} for a in attempts],
+    }  # fmt: skip
+    walls = [sft.read_sft_wall_s(sft_attempt(config, workdir, a["attempt"])[1]) for a in attempts]
     res = report.write_report(
         os.path.join(workdir, REPORT_DIR),
         runs,
         config.eval,
-        sft_wall_s=sft.read_sft_wall_s(workdir),
+        sft_wall_s=None if None in walls else sum(walls),
+        context=context,
     )
     print(headline(res))
     print(f"report: {os.path.join(workdir, REPORT_DIR, report.REPORT_FILE)}")
@@ -158,7 +250,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
 
 def headline(res: dict[str, Any]) -> str:
     """A few lines for the terminal: held-out compliance / task success per arm, NI verdict."""
-    lines = ["held-out (plain prompts, 95% bootstrap CI over tasks):"]
+    lines = ["held-out (plain prompts, 95% cluster bootstrap CI):"]
     for arm, a in res["arms"].items():
         boot = a["heldout"]["plain"]["bootstrap"]
         cells = [
@@ -167,6 +259,13 @@ def headline(res: dict[str, Any]) -> str:
             if key in boot
         ]
         lines.append(f"  {arm:<18} " + "  ".join(cells))
+    attempts = (res.get("context") or {}).get("sft_attempts") or []
+    if len(attempts) > 1:
+        a = attempts[-1]
+        lines.append(
+            f"base model: SFT attempt {a['attempt']} (seed {a['seed']}, data_seed "
+            f"{a['data_seed']}) passed the gates after {len(attempts) - 1} rejected"
+        )
     ct = res.get("compute_time")
     if ct and ct.get("sft_s") is not None:
         partial = "" if ct["complete"] else "at least "
@@ -176,7 +275,13 @@ def headline(res: dict[str, Any]) -> str:
             f"({ct['eval_runs']} of {ct['runs']} evaluations timed)"
         )
     ni = res.get("noninferiority")
-    if ni:
+    if ni and ni["verdict"] == "not meaningful":
+        lines.append(
+            f"non-inferiority of task success: NOT MEANINGFUL (baseline task success "
+            f"{ni['baseline_success']:.3f} < floor {ni['floor']:.3f}; difference "
+            f"{ni['mean']:+.3f}, lower bound {ni['lower']:+.3f})"
+        )
+    elif ni:
         lines.append(
             f"non-inferiority of task success: {ni['verdict'].upper()} (difference "
             f"{ni['mean']:+.3f}, lower bound {ni['lower']:+.3f} vs margin {ni['margin']:+.3f})"

@@ -1,0 +1,337 @@
+"""report.md from `tg_jax.evaluation.report.compute_results` output, one helper per section."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tg_jax.evaluation import stats
+from tg_jax.evaluation.plots import CURVE_METRICS, FOREST_FILE, curve_file, curve_groups
+
+# Cost columns of the report, in this order (RunResult.costs keys).
+COST_KEYS = (
+    "wall_time_s",
+    "eval_wall_time_s",
+    "sampled_tokens",
+    "teacher_forward_flops",
+    "peak_memory_bytes",
+)
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{digits}f}"
+
+
+def _ci(d: Mapping[str, Any] | None, digits: int = 2) -> str:
+    if not d:
+        return "n/a"
+    return f"{_num(d['mean'], digits)} [{_num(d['low'], digits)}, {_num(d['high'], digits)}]"
+
+
+def _pm(d: Mapping[str, Any] | None, digits: int = 2) -> str:
+    if not d or d.get("n", 0) == 0:
+        return "n/a"
+    return f"{_num(d['mean'], digits)} +- {_num(d['std'], digits)}"
+
+
+def _minutes(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds / 60:.1f} min"
+
+
+def _big(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _arm_rows(res: dict[str, Any], group: str) -> list[str]:
+    return [a for a, v in res["arms"].items() if v["group"] == group]
+
+
+def _heldout_rows(res: dict[str, Any], arms: Sequence[str], pct: int) -> list[list[str]]:
+    rows = []
+    for arm in arms:
+        h = res["arms"][arm]["heldout"].get("plain")
+        if not h:
+            continue
+        b, s = h["bootstrap"], h["seeds"]
+        rows.append(
+            [arm, str(len(res["arms"][arm]["seeds"])), str(h["num_tasks"])]
+            + [_ci(b.get(m)) for m in stats.RATE_METRICS]
+            + [f"{_pm(s.get(m))} (t {pct}%: [{_num(s[m]['low'])}, {_num(s[m]['high'])}])"
+               for m in ("compliance", "task_success")]
+        )  # fmt: skip
+    return rows
+
+
+def _verdict_section(res: dict[str, Any]) -> list[str]:
+    st, ni = res["settings"], res.get("noninferiority")
+    if not ni:
+        return []
+    pct = round(100 * st["level"])
+    if ni["verdict"] == "not meaningful":
+        return [
+            f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
+            f"success: NOT MEANINGFUL.** The baseline's held-out task success "
+            f"{_num(ni.get('baseline_success'), 3)} is under the floor {_num(ni['floor'], 3)}: "
+            "an arm that solves (almost) nothing cannot show a drop, so neither pass nor fail "
+            f"is reported. (Difference {_num(ni['mean'], 3)}, lower bound "
+            f"{_num(ni['lower'], 3)} vs margin {_num(ni['margin'], 3)}.)",
+            "",
+        ]
+    return [
+        f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
+        f"success: {ni['verdict'].upper()}.** Difference {_num(ni['mean'], 3)}, lower bound "
+        f"of the two-sided {pct}% {ni['interval'].replace('_', ' ')} interval "
+        f"{_num(ni['lower'], 3)} vs margin {_num(ni['margin'], 3)} (fixed in the config "
+        "before the run; pass iff lower bound >= margin; meaningful iff the baseline's task "
+        f"success >= floor {_num(st['floor'], 3)}).",
+        "",
+    ]
+
+
+def _context_section(res: dict[str, Any]) -> list[str]:
+    """Machine, pre-registration, base model and SFT attempts (what the numbers stand on)."""
+    ctx = res.get("context") or {}
+    lines = ["## Setting", ""]
+    m = ctx.get("machine")
+    if m:
+        lines.append(
+            f"* Machine: {m.get('cpu_model', 'n/a')}, {m.get('cpu_count', 'n/a')} cores; jax "
+            f"{m.get('jax', 'n/a')}, jaxlib {m.get('jaxlib', 'n/a')}; XLA_FLAGS "
+            f"`{m.get('xla_flags') or '(unset)'}`."
+        )
+    pre = ctx.get("preregistration")
+    if pre:
+        lines.append(
+            f"* Pre-registration: `{pre['path']}`, sha256 `{pre['sha256']}` (margin, floor, "
+            "arms and their full configs, written before the first RL step)."
+        )
+    base = ctx.get("base_model")
+    if base:
+        figures = ", ".join(f"{k} {_num(v)}" for k, v in base.items())
+        lines.append(f"* Base model (SFT, sft_eval.json): {figures}.")
+    for a in ctx.get("sft_attempts") or []:
+        lines.append(
+            f"* SFT attempt {a['attempt']} (seed {a['seed']}, data_seed {a['data_seed']}, "
+            f"`{a['workdir']}`): {a['verdict']}."
+        )
+    return lines + [""] if len(lines) > 2 else []
+
+
+def _train_section(res: dict[str, Any]) -> list[str]:
+    k = res["settings"]["last_k"]
+    lines = [
+        f"## Training-time results (Table 1 style, last {k} steps)",
+        "",
+        f"Mean +- std over the last {k} training steps of the training rollouts "
+        "(seeds pooled). **The +- is step-to-step spread, not a confidence interval.**",
+        "",
+    ]
+    rows = []
+    for arm in _arm_rows(res, "main"):
+        t = res["arms"][arm]["train_last_k"]
+        rows.append([arm] + [_pm(t[m]) for m in stats.RATE_METRICS])
+    return lines + _table(["arm", "compliance", "task success", "joint"], rows) + [""]
+
+
+def bootstrap_unit(res: dict[str, Any]) -> str:
+    """What the held-out bootstrap resamples, e.g. '104 clusters (tasks sharing a hidden
+    function) of 128 tasks'."""
+    sizes = {
+        (h["plain"]["num_tasks"], h["plain"].get("num_clusters"))
+        for h in (a["heldout"] for a in res["arms"].values())
+        if "plain" in h
+    }
+    if not sizes:
+        return "n/a"
+    tasks, clusters = max(sizes, key=lambda s: s[0])
+    if clusters is None or clusters == tasks:
+        return f"{tasks} tasks (one cluster each)"
+    return f"{clusters} clusters (tasks sharing a hidden function) of {tasks} tasks"
+
+
+def _heldout_section(res: dict[str, Any]) -> list[str]:
+    st = res["settings"]
+    pct = round(100 * st["level"])
+    lines = [
+        "## Held-out results",
+        "",
+        f"Held-out tasks never used in training, plain prompts. Rates with {pct}% percentile "
+        f"cluster bootstrap CIs; the resampled unit: {bootstrap_unit(res)} ({st['n_boot']} "
+        f"replicates, seed {st['bootstrap_seed']}; each task's episodes averaged over samples "
+        "and training seeds first). Separately: mean +- std over training seeds with the "
+        f"Student-t {pct}% interval.",
+        "",
+    ]
+    header = ["arm", "seeds", "tasks", "compliance", "task success", "joint (both)",
+              "compliance over seeds", "task success over seeds"]  # fmt: skip
+    return lines + _table(header, _heldout_rows(res, _arm_rows(res, "main"), pct)) + [""]
+
+
+def _differences_section(res: dict[str, Any]) -> list[str]:
+    st = res["settings"]
+    if not res["comparisons"]:
+        return []
+    lines = [
+        f"## Differences vs `{st['baseline']}`",
+        "",
+        f"Paired cluster bootstrap over the same held-out tasks ({round(100 * st['level'])}%), "
+        "and the t-interval over training seeds of per-seed differences (seeds paired by index).",
+        "",
+    ]
+    rows = []
+    for arm, c in res["comparisons"].items():
+        pb, stt = c["paired_bootstrap"], c["seed_t"]
+        rows.append(
+            [arm, res["arms"][arm]["group"]]
+            + [_ci(pb.get(m), 3) for m in stats.RATE_METRICS]
+            + [_ci(stt.get("task_success"), 3), c["noninferiority"]["verdict"]]
+        )
+    header = ["arm", "group", "d compliance", "d task success", "d joint",
+              "d task success (seeds, t)", f"non-inferior (margin {st['margin']})"]  # fmt: skip
+    return lines + _table(header, rows) + [""]
+
+
+def _diagnostic_section(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm, a in res["arms"].items():
+        h = a["heldout"]
+        if "diagnostic" not in h:
+            continue
+        rows.append(
+            [arm]
+            + [_ci(h[c]["bootstrap"]["compliance"]) for c in ("plain", "hinted")]
+            + [_ci(h["diagnostic"]["compliance"])]
+            + [_ci(h[c]["bootstrap"]["task_success"]) for c in ("plain", "hinted")]
+        )
+    if not rows:
+        return []
+    lines = [
+        "## Diagnostic: plain vs hinted prompts",
+        "",
+        "Hinted = the hint shown before every assistant turn. High hinted but low plain "
+        "compliance means 'can do when reminded', not 'does by default'.",
+        "",
+    ]
+    header = ["arm", "compliance plain", "compliance hinted", "hinted - plain",
+              "task success plain", "task success hinted"]  # fmt: skip
+    return lines + _table(header, rows) + [""]
+
+
+def _side_effects_section(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm, a in res["arms"].items():
+        b = a["heldout"].get("plain", {}).get("bootstrap", {})
+        if b:
+            keys = [f"actions/{k}" for k in stats.ACTION_METRICS] + ["turns"]
+            rows.append([arm] + [_ci(b.get(k)) for k in keys])
+    if not rows:
+        return []
+    pct = round(100 * res["settings"]["level"])
+    lines = [
+        "## Side effects: actions per held-out episode",
+        "",
+        f"Counted actions, not phrases ({pct}% cluster bootstrap CIs).",
+        "",
+    ]
+    return (
+        lines + _table(["arm", "run_tests", "submissions", "malformed turns", "turns"], rows) + [""]
+    )
+
+
+def _costs_section(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm, a in res["arms"].items():
+        c = a["costs"]
+        cells = []
+        for k in COST_KEYS:
+            if k not in c:
+                cells.append("n/a")
+            elif k.endswith("wall_time_s"):
+                cells.append(f"{c[k]['mean']:.1f}")
+            else:
+                cells.append(_big(c[k]["mean"]))
+        rows.append([arm] + cells)
+    lines = ["## Costs per arm (mean over seeds)", ""]
+    header = ["arm", "RL wall time (s)", "held-out eval (s)", "sampled tokens",
+              "teacher forward FLOPs", "peak memory (B)"]  # fmt: skip
+    lines += _table(header, rows) + [""]
+    ct = res.get("compute_time") or {}
+    if ct:
+        eval_s = ct["eval_s"] if ct["eval_runs"] else None
+        parts = [f"SFT {_minutes(ct.get('sft_s'))}", f"RL {_minutes(ct['rl_s'])}",
+                 f"held-out evaluation {_minutes(eval_s)}"]  # fmt: skip
+        timed = f"{ct['eval_runs']} of {ct['runs']} runs timed"
+        lines += [
+            "Compute time of the protocol (sum of the stages' wall times; a resumed stage sums "
+            f"its sessions; start-up and data not counted): {' + '.join(parts)} = "
+            f"**{'' if ct['complete'] else 'at least '}{_minutes(ct['total_s'])}** (held-out "
+            f"evaluation: {timed}).",
+            "",
+        ]
+    return lines
+
+
+def _group_sections(res: dict[str, Any]) -> list[str]:
+    st, lines = res["settings"], []
+    sections = (("stress", "Stress tests (imperfect feedback)"), ("ablation", "Ablations"))
+    for group, title in sections:
+        arms = _arm_rows(res, group)
+        if not arms:
+            continue
+        lines += [f"## {title}", ""]
+        rows = []
+        for arm in arms:
+            a = res["arms"][arm]
+            b = a["heldout"].get("plain", {}).get("bootstrap", {})
+            c = res["comparisons"].get(arm)
+            rows.append(
+                [arm, a["description"] or "-", _pm(a["train_last_k"]["compliance"])]
+                + [_ci(b.get(m)) for m in ("compliance", "task_success")]
+                + [_ci(c["paired_bootstrap"]["task_success"], 3) if c else "n/a"]
+                + [c["noninferiority"]["verdict"] if c else "n/a"]
+            )
+        header = ["arm", "what changes", "train compliance (last K, not a CI)",
+                  "held-out compliance", "held-out task success",
+                  f"d task success vs {st['baseline']}", "non-inferior"]  # fmt: skip
+        lines += _table(header, rows) + [""]
+    return lines
+
+
+def _plots_section(res: dict[str, Any]) -> list[str]:
+    lines = []
+    if res.get("comparisons"):
+        lines += [
+            f"## Differences vs `{res['settings']['baseline']}` (plot)",
+            "",
+            f"![{FOREST_FILE}]({FOREST_FILE})",
+            "",
+        ]
+    lines += ["## Training curves", ""]
+    for group in curve_groups(res):
+        plots = [curve_file(m, group) for m in CURVE_METRICS]
+        if group != "main":
+            lines += [f"{group.capitalize()} arms, with the reference arms dashed:", ""]
+        lines += [f"![{p}]({p})" for p in plots] + [""]
+    return lines
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    """report.md from `compute_results` output, section by section."""
+    sections = (_verdict_section, _context_section, _train_section, _heldout_section,
+                _differences_section, _diagnostic_section, _side_effects_section,
+                _costs_section, _group_sections, _plots_section)  # fmt: skip
+    lines = ["# GRPO vs targeted guidance: report", ""]
+    for section in sections:
+        lines += section(res)
+    return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""Report figures: training curves per arm group and the held-out differences forest plot.
+
+Inputs are `tg_jax.evaluation.report.compute_results` dicts (or their results.json).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+CURVE_METRICS = ("compliance", "task_success")
+CURVE_SOURCES = (("train", "rollout/{}", "training rollouts"), ("eval", "heldout/{}", "held-out"))
+
+
+def curve_groups(res: dict[str, Any]) -> dict[str, list[str]]:
+    """Arms per curve figure: "main" has the main group (and the baseline); every other group
+    (ablation, stress) gets its own figure with the baseline and the candidate as references.
+    Eight arms on one axis are unreadable; a figure per question is not."""
+    st = res["settings"]
+    groups: dict[str, list[str]] = {}
+    for arm, a in res["arms"].items():
+        groups.setdefault(a.get("group") or "main", []).append(arm)
+    refs = [a for a in (st["baseline"], st["candidate"]) if a in res["arms"]]
+    out = {"main": list(dict.fromkeys(refs + groups.pop("main", [])))}
+    for group, arms in groups.items():
+        out[group] = list(dict.fromkeys(refs + arms))
+    return out
+
+
+def curve_file(metric: str, group: str) -> str:
+    """curve_<metric>.png for the main group, curve_<metric>_<group>.png for the others."""
+    return f"curve_{metric}.png" if group == "main" else f"curve_{metric}_{group}.png"
+
+
+def _plot_seed_band(ax: Any, res: dict[str, Any], arm: str, key: str, style: str) -> None:
+    """One arm's curve `key`: mean over seeds at the steps every seed has, +-1 std band."""
+    runs = [r for r in res["runs"] if r["arm"] == arm]
+    curves = [dict(map(tuple, r["curves"][key])) for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    if not steps:
+        return
+    vals = np.array([[c[s] for s in steps] for c in curves])
+    mean, std = vals.mean(0), vals.std(0)
+    (line,) = ax.plot(steps, mean, style, label=f"{arm} (n={len(curves)})")
+    if len(curves) > 1:
+        ax.fill_between(steps, mean - std, mean + std, alpha=0.2, color=line.get_color())
+
+
+def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
+    """Per curve group (`curve_groups`) and metric: per arm, mean over seeds with a +-1 std band
+    (steps all seeds have); reference arms of a non-main group are drawn dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    refs = {res["settings"]["baseline"], res["settings"]["candidate"]}
+    for group, group_arms in curve_groups(res).items():
+        for metric in CURVE_METRICS:
+            fig, axes = plt.subplots(1, len(CURVE_SOURCES), figsize=(11, 4), squeeze=False)
+            for ax, (stage, tmpl, title) in zip(axes[0], CURVE_SOURCES, strict=True):
+                key = f"{stage}:{tmpl.format(metric)}"
+                for arm in group_arms:
+                    style = "--" if group != "main" and arm in refs else "-"
+                    _plot_seed_band(ax, res, arm, key, style)
+                ax.set_title(f"{metric.replace('_', ' ')}: {title}")
+                ax.set_xlabel("training step")
+                ax.set_ylim(-0.02, 1.02)
+                ax.grid(alpha=0.3)
+                if ax.has_data():
+                    ax.legend(fontsize=8)
+            suffix = "" if group == "main" else f" ({group})"
+            fig.suptitle(f"mean over training seeds, band = +-1 std over seeds{suffix}")
+            fig.tight_layout()
+            path = os.path.join(out_dir, curve_file(metric, group))
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+FOREST_FILE = "heldout_differences.png"
+
+
+def plot_differences(res: dict[str, Any], out_dir: str) -> str | None:
+    """heldout_differences.png: every arm minus the baseline on held-out tasks, compliance and
+    task success, paired bootstrap CIs, the non-inferiority margin drawn on the task panel.
+    None when there is nothing to compare."""
+    comps = res.get("comparisons") or {}
+    arms = [a for a in res["arms"] if a in comps]
+    if not arms:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = res["settings"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(arms) + 1.6), squeeze=False)
+    y = np.arange(len(arms))[::-1]
+    for ax, metric in zip(axes[0], ("compliance", "task_success"), strict=True):
+        for yi, arm in zip(y, arms, strict=True):
+            d = comps[arm]["paired_bootstrap"].get(metric)
+            if not d:
+                continue
+            group = res["arms"][arm].get("group") or "main"
+            color = {"main": "C0", "ablation": "C1", "stress": "C3"}.get(group, "C2")
+            err = [[d["mean"] - d["low"]], [d["high"] - d["mean"]]]
+            ax.errorbar(d["mean"], yi, xerr=err, fmt="o", color=color, capsize=3)
+        ax.axvline(0.0, color="k", lw=0.8)
+        if metric == "task_success":
+            ax.axvline(st["margin"], color="r", ls="--", lw=1, label=f"margin {st['margin']:+g}")
+            ax.legend(fontsize=8, loc="lower right")
+        ax.set_yticks(y, arms if metric == "compliance" else [""] * len(arms))
+        ax.set_title(f"held-out {metric.replace('_', ' ')}: arm - {st['baseline']}")
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(
+        f"paired bootstrap {int(round(100 * st['level']))}% CIs over held-out tasks "
+        "(blue: main, orange: ablation, red: stress)"
+    )
+    fig.tight_layout()
+    path = os.path.join(out_dir, FOREST_FILE)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

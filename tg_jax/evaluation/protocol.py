@@ -1,0 +1,110 @@
+"""What a report's numbers stand on: the pre-registration file and the machine.
+
+    preregister(config, workdir, arms_configs)   before the first RL step: writes
+                                                 workdir/preregistration.json, or checks it
+    check_preregistration(config, workdir, arms_configs) -> {"path", "sha256"}   at report time
+    machine_info() -> {"cpu_model", "cpu_count", "jax", "jaxlib", "xla_flags"}
+
+The pre-registration holds the non-inferiority margin, the floor, the interval kind, baseline,
+candidate and every arm's full config. Once written it is never rewritten: a config whose
+margin, floor, interval or arms differ from it is refused with a clear error, so a verdict
+cannot be obtained by moving the goalposts after seeing results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+PREREGISTRATION_FILE = "preregistration.json"
+# The fields compared between the file and the config (besides the arms' configs).
+EVAL_FIELDS = ("margin", "floor", "ni_interval", "baseline", "candidate", "level")
+
+
+class PreregistrationMismatch(ValueError):
+    """The config's margin / floor / arms differ from the workdir's preregistration.json."""
+
+
+def preregistration(config: Any, arms_configs: Mapping[str, Any]) -> dict[str, Any]:
+    """The pre-registration record of `config` (JSON-ready)."""
+    ev = config.eval
+    record = {k: ev.get(k) for k in EVAL_FIELDS}
+    record["arms"] = {arm: _plain(cfg.to_dict()) for arm, cfg in arms_configs.items()}
+    return json.loads(json.dumps(_plain(record)))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    return x
+
+
+def preregister(config: Any, workdir: str, arms_configs: Mapping[str, Any]) -> dict[str, str]:
+    """Writes workdir/preregistration.json if absent, else checks it; returns {path, sha256}."""
+    path = os.path.join(workdir, PREREGISTRATION_FILE)
+    if not os.path.exists(path):
+        os.makedirs(workdir, exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(preregistration(config, arms_configs), f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    return check_preregistration(config, workdir, arms_configs)
+
+
+def check_preregistration(
+    config: Any, workdir: str, arms_configs: Mapping[str, Any]
+) -> dict[str, str]:
+    """{path, sha256} of workdir/preregistration.json after checking it matches `config`.
+
+    Raises:
+      PreregistrationMismatch: the file is missing, or margin, floor, interval kind, baseline,
+        candidate, level or an arm (name or config) differ from the config.
+    """
+    path = os.path.join(workdir, PREREGISTRATION_FILE)
+    if not os.path.exists(path):
+        raise PreregistrationMismatch(f"{path} is missing: the RL runs were not pre-registered")
+    with open(path, "rb") as f:
+        raw = f.read()
+    stored, now = json.loads(raw), preregistration(config, arms_configs)
+    diffs = [f"eval.{k}: file {stored.get(k)!r}, config {now[k]!r}" for k in EVAL_FIELDS
+             if stored.get(k) != now[k]]  # fmt: skip
+    old_arms, new_arms = stored.get("arms", {}), now["arms"]
+    if list(old_arms) != list(new_arms):
+        diffs.append(f"arms: file {sorted(old_arms)}, config {sorted(new_arms)}")
+    else:
+        diffs += [f"arm {a!r}: its config differs" for a in new_arms if old_arms[a] != new_arms[a]]
+    if diffs:
+        raise PreregistrationMismatch(
+            f"the config differs from the pre-registration {path}:\n  " + "\n  ".join(diffs)
+            + "\nRun with the registered settings, or use a new workdir for a new protocol "
+            "(deleting the file after seeing results defeats its purpose)."
+        )  # fmt: skip
+    return {"path": path, "sha256": hashlib.sha256(raw).hexdigest()}
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model (/proc/cpuinfo), core count, jax / jaxlib versions and XLA_FLAGS."""
+    import jax
+    import jaxlib
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }

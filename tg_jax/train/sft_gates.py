@@ -1,0 +1,74 @@
+"""Gates on the SFT base model, checked after SFT and before any RL (`sft.require`).
+
+The RL comparison only means something on a base model in a known regime: it solves some but
+not all held-out tasks at the RL temperature (room to lose and to gain), never meets the
+requirement unprompted (there is something to teach) and follows its hint (the TG teacher
+works). `check_base_model` reads those figures from sft_eval.json and returns the failures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# What to change when a gate fails (shown in the error).
+KNOBS = (
+    "sft.steps (longer / shorter SFT)",
+    "seed and sft.data_seed (another init and data order; or sft.retry_seeds=N to retry)",
+    "sft.optim.lr",
+    "sft.transcripts.p_correct / p_hinted (the expert data)",
+    "sft.require.* (the gates themselves, if the regime you want is another)",
+)
+
+
+class BaseModelGateError(RuntimeError):
+    """The SFT base model is outside the gates of `sft.require`; nothing downstream ran."""
+
+
+def gate_figures(config: Any, result: dict[str, Any]) -> dict[str, float | None]:
+    """The gated figures of an sft_eval.json result (None = not measured)."""
+    out: dict[str, float | None] = {"pass_rate": result.get("pass_rate")}
+    for r in config.env.requirements:
+        for kind in ("unprompted_compliance", "hinted_compliance"):
+            out[f"{kind}/{r}"] = result.get(f"{kind}/{r}")
+    return out
+
+
+def check_base_model(config: Any, result: dict[str, Any]) -> list[str]:
+    """The gate failures of a base model (empty = every gate passes or gates are off)."""
+    req = config.sft.require
+    if not req.enabled:
+        return []
+    low, high = (float(v) for v in req.pass_rate)
+    failures = []
+    for key, value in gate_figures(config, result).items():
+        if value is None:
+            failures.append(f"{key} not in sft_eval.json")
+        elif key == "pass_rate" and not low <= value <= high:
+            failures.append(f"pass_rate {value:.3f} outside [{low}, {high}]")
+        elif key.startswith("unprompted") and value > float(req.max_unprompted_compliance):
+            failures.append(f"{key} {value:.3f} > {req.max_unprompted_compliance}")
+        elif key.startswith("hinted") and value < float(req.min_hinted_compliance):
+            failures.append(f"{key} {value:.3f} < {req.min_hinted_compliance}")
+    return failures
+
+
+def gate_error(config: Any, attempts: list[dict[str, Any]]) -> BaseModelGateError:
+    """The error for base models that all failed their gates (one entry per SFT attempt)."""
+    req = config.sft.require
+    lines = ["the SFT base model is outside the gates of sft.require; no RL was run."]
+    for a in attempts:
+        figures = ", ".join(
+            f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in a["figures"].items()
+        )
+        lines.append(
+            f"  attempt {a['attempt']} (seed {a['seed']}, sft.data_seed {a['data_seed']}, "
+            f"{a['workdir']}): {figures}"
+        )
+        lines += [f"    FAIL {f}" for f in a["failures"]]
+    lines.append(
+        f"gates: pass_rate in {list(req.pass_rate)}, unprompted compliance <= "
+        f"{req.max_unprompted_compliance}, hinted compliance >= {req.min_hinted_compliance} "
+        f"(per requirement of env.requirements {list(config.env.requirements)})"
+    )
+    lines.append("knobs to turn: " + "; ".join(KNOBS))
+    return BaseModelGateError("\n".join(lines))
