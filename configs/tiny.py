@@ -30,6 +30,8 @@ def get_config(arg=None):
     c.sft.eval.num_tasks = 4  # held-out tasks per evaluation mode
     c.sft.eval.max_new_tokens = 16  # decode budget per turn
     c.sft.require.enabled = False  # a 6-step base model is outside any meaningful gate
+    # Dev-set model selection at steps 3 and 6 on 4 tasks (exercised, not meaningful).
+    c.sft.select.update(start=3, every=3, num_tasks=4, max_new_tokens=16)
     c.rl = config_lib.rl_config()  # GRPO
     c.tg = config_lib.tg_config()  # targeted guidance
     c.optim = config_lib.optim_config(lr=1e-3)  # RL optimizer (large: visible in a few steps)

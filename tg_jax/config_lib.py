@@ -224,8 +224,25 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     c.log_every = 100  # progress-line interval when not on a TTY
     c.checkpoint_every = 500  # checkpoint interval in steps (the last step is always saved)
     c.eval = sft_eval_config()  # the base-model evaluation written to sft_eval.json
+    c.select = sft_select_config()  # model selection on dev tasks (tg_jax.train.sft_select)
     c.require = sft_require_config()  # gates on the base model, checked before any RL
     c.retry_seeds = 0  # on a gate failure retry SFT with seed+1, data_seed+1, this many times
+    c.update(overrides)
+    return c
+
+
+def sft_select_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """Model selection during SFT on dev tasks of the train split (tg_jax.train.sft_select)."""
+    c = ml_collections.ConfigDict()
+    c.enabled = True  # False: the last SFT step is the base model
+    c.every = 250  # steps between dev evaluations
+    c.start = 1000  # first step evaluated
+    c.num_tasks = 64  # dev tasks per evaluation (train-split functions, never held-out)
+    c.seed = 7  # seed of the dev tasks and their sampling
+    c.max_new_tokens = 128  # decode budget per assistant turn
+    c.pass_rate_max = 0.6  # eligible up to this temperature-1 dev pass rate
+    c.unprompted_max = 0.02  # eligible if unprompted compliance <= this (every requirement)
+    c.hinted_min = 0.95  # eligible if hinted compliance >= this (every requirement)
     c.update(overrides)
     return c
 

@@ -95,6 +95,15 @@ class ProgressBar:
         elif step % self.log_every == 0 or step >= self.total:
             self._print_line()
 
+    def write(self, line: str) -> None:
+        """Prints a message line without breaking the bar (e.g. an evaluation's result)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
     def _print_line(self) -> None:
         if self._last_printed == self._step:
             return

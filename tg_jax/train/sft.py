@@ -43,6 +43,7 @@ from tg_jax.rl.train_state import (
     train_state_shardings,
 )
 from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.train import sft_select
 from tg_jax.train.sft_data import batch_indices, make_sft_rows
 
 Batch = dict[str, jax.Array]
@@ -212,10 +213,11 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
         if restored is not None:
             state, start = restored.state, restored.step
         if start >= num_steps:
-            return state
+            return selected_state(config, workdir, state)
         checkpointing.install_sigterm_handler()
         t0 = time.time()
         renderer = ChatRenderer(ByteTokenizer())
+        selector = sft_select.DevSelector(config, os.path.join(workdir, SFT_DIR), model, renderer)
         rows, stats = make_sft_rows(config, renderer)
         data_s = time.time() - t0
         writer = MetricsWriter(workdir)
@@ -229,6 +231,8 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
         )  # fmt: skip
         t1 = time.time()
         done = start
+        if start > 0:  # a due evaluation that a preemption skipped
+            selector.maybe_evaluate(start, state)
         with writer, bar:
             for step in range(start, end):
                 idx = batch_indices(rows.num_rows, int(sft.batch_size), step, int(sft.data_seed))
@@ -237,13 +241,15 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
                 bar.update(step + 1, logged[1] if logged else None)
                 done = step + 1
                 preempted = checkpointing.preemption_requested(done)
+                if not preempted and selector.maybe_evaluate(done, state) is not None:
+                    bar.write(sft_select.describe(selector.entries[-1]))
                 if preempted or done == end or ckpt.should_save(done):
                     ckpt.save(done, state, metadata={"stage": "sft", "step": done}, force=True)
                 if preempted:
                     break
             lagged.flush()
         _write_summary(workdir, stats, start, done, data_s, time.time() - t1)
-        return state
+        return selected_state(config, workdir, state) if done == num_steps else state
     finally:
         ckpt.close()
 
@@ -274,6 +280,35 @@ def read_sft_wall_s(workdir: str) -> float | None:
         raise ValueError(f"{path} is not a valid SFT summary: {e}") from e
 
 
+def selected_step(config: Any, workdir: str) -> int:
+    """The SFT step that is the base model: the dev-selected one, else the last step."""
+    sft_dir = os.path.join(workdir, SFT_DIR)
+    if config.sft.select.enabled and os.path.exists(
+        os.path.join(sft_dir, sft_select.SELECTION_FILE)
+    ):
+        best = sft_select.read_selection(sft_dir).get("best_step")
+        if best is not None:
+            return int(best)
+    return int(config.sft.steps)
+
+
+def _checkpoint_of(config: Any, workdir: str, step: int) -> str:
+    if step == int(config.sft.steps):
+        return sft_checkpoint_dir(workdir)
+    return os.path.join(workdir, SFT_DIR, sft_select.BEST_DIR)
+
+
+def selected_state(config: Any, workdir: str, final: TrainState) -> TrainState:
+    """The base model's TrainState: `final` itself, or the dev-selected checkpoint."""
+    step = selected_step(config, workdir)
+    if step == int(config.sft.steps):
+        return final
+    restored = checkpointing.restore_checkpoint(
+        _checkpoint_of(config, workdir, step), final, step=step
+    )
+    return restored.state
+
+
 def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -> TrainState:
     """The final SFT TrainState of `workdir`, placed on `mesh` (RL starts from `.params`).
 
@@ -292,8 +327,9 @@ def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
+    step = selected_step(config, workdir)
     restored = checkpointing.restore_checkpoint(
-        sft_checkpoint_dir(workdir), abstract, step=int(config.sft.steps)
+        _checkpoint_of(config, workdir, step), abstract, step=step
     )
     return restored.state
 

@@ -121,6 +121,7 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     result["eval_s"] = time.time() - t0
     result["requirements"] = list(config.env.requirements)
     result["num_params"] = model_cfg.num_params()
+    result["selected_step"] = sft.selected_step(config, workdir)
     if os.path.exists(os.path.join(workdir, sft.SFT_DIR, sft.SUMMARY_FILE)):
         result["sft_wall_s"] = sft.read_sft_wall_s(workdir)
     with open(os.path.join(workdir, EVAL_FILE), "w") as f:

@@ -1,0 +1,199 @@
+"""Model selection during SFT on a dev split of the training tasks.
+
+The SFT trajectory of a tiny byte model is chaotic: the same recipe lands at very different
+pass rates for different seeds, and a float-rounding-level change (another CPU's reduction
+order) moves it as much as a seed does. The final step is therefore a poor choice of base
+model. Instead, every `sft.select.every` steps from `sft.select.start` on, the model plays
+`sft.select.num_tasks` dev tasks (train-split functions, drawn with their own seed: never
+the held-out split) at temperature 1, plain and hinted, and the best checkpoint so far is
+kept in `workdir/sft/best/`:
+
+  eligible: unprompted compliance <= `unprompted_max` and hinted compliance >= `hinted_min`
+    for every requirement, and pass rate <= `pass_rate_max`;
+  best: the eligible evaluation with the highest pass rate (ties: the later step); when none
+    is eligible, a compliant one before others, then the highest pass rate (the base-model
+    gates after SFT then decide whether it is good enough).
+
+`workdir/sft/selection.json` records every dev evaluation and the chosen step, so a resumed
+SFT continues the selection where it stopped and the report can show the trajectory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from tg_jax import checkpointing
+from tg_jax.envs.coding import coding_env_config
+from tg_jax.envs.tasks import generate_tasks
+from tg_jax.text import ChatRenderer
+
+SELECTION_FILE = "selection.json"
+BEST_DIR = "best"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectConfig:
+    """`config.sft.select`, typed.
+
+    Attributes:
+      enabled: select the base model on the dev split (False: the last step is the model).
+      every: steps between dev evaluations.
+      start: first step evaluated (earlier checkpoints are never chosen).
+      num_tasks: dev tasks per evaluation (train split, `seed`).
+      seed: seed of the dev tasks and their sampling.
+      max_new_tokens: decode budget per assistant turn.
+      pass_rate_max: eligible only up to this temperature-1 pass rate.
+      unprompted_max: eligible only if unprompted compliance <= this, every requirement.
+      hinted_min: eligible only if hinted compliance >= this, every requirement.
+    """
+
+    enabled: bool
+    every: int
+    start: int
+    num_tasks: int
+    seed: int
+    max_new_tokens: int
+    pass_rate_max: float
+    unprompted_max: float
+    hinted_min: float
+
+    def __post_init__(self):
+        if self.every < 1 or self.num_tasks < 1:
+            raise ValueError(f"sft.select: every and num_tasks must be >= 1, got {self}")
+        if not 0.0 <= self.unprompted_max <= 1.0 or not 0.0 <= self.hinted_min <= 1.0:
+            raise ValueError(f"sft.select: compliance bounds must be in [0, 1], got {self}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> SelectConfig:
+        return cls(
+            enabled=bool(cfg.enabled), every=int(cfg.every), start=int(cfg.start),
+            num_tasks=int(cfg.num_tasks), seed=int(cfg.seed),
+            max_new_tokens=int(cfg.max_new_tokens), pass_rate_max=float(cfg.pass_rate_max),
+            unprompted_max=float(cfg.unprompted_max), hinted_min=float(cfg.hinted_min),
+        )  # fmt: skip
+
+    def due(self, step: int, num_steps: int) -> bool:
+        """Whether step `step` (1-based count of steps done) is evaluated."""
+        return self.enabled and step >= self.start and (step % self.every == 0 or step == num_steps)
+
+
+def dev_figures(result: dict[str, Any], requirements: tuple[str, ...]) -> dict[str, float]:
+    """The three figures selection reads, from an `sft_eval.evaluate_base_model` result."""
+    plain, hinted = result["modes"]["t1.0/plain"], result["modes"]["t1.0/hinted"]
+    out = {"pass_rate": plain["pass_rate"], "hinted_pass_rate": hinted["pass_rate"]}
+    out["unprompted_max"] = max(plain[f"compliance/{r}"] for r in requirements)
+    out["hinted_min"] = min(hinted[f"compliance/{r}"] for r in requirements)
+    return out
+
+
+def compliant(figures: dict[str, float], cfg: SelectConfig) -> bool:
+    return (
+        figures["unprompted_max"] <= cfg.unprompted_max and figures["hinted_min"] >= cfg.hinted_min
+    )
+
+
+def _score(entry: dict[str, Any]) -> tuple:
+    # Eligible first, then compliant, then the pass rate, then the later step.
+    return (entry["eligible"], entry["compliant"], entry["figures"]["pass_rate"], entry["step"])
+
+
+def choose(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best dev evaluation (see the module docstring); None when there is none."""
+    return max(entries, key=_score) if entries else None
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """One line for the terminal: a dev evaluation's figures."""
+    f = entry["figures"]
+    tag = "eligible" if entry["eligible"] else ("compliant" if entry["compliant"] else "-")
+    return (
+        f"sft dev step {entry['step']}: pass {f['pass_rate']:.2f} (hinted "
+        f"{f['hinted_pass_rate']:.2f}), unprompted compliance <= {f['unprompted_max']:.2f}, "
+        f"hinted >= {f['hinted_min']:.2f} [{tag}]"
+    )
+
+
+class DevSelector:
+    """Evaluates SFT checkpoints on dev tasks and keeps the best in `workdir/sft/best`."""
+
+    def __init__(self, config: Any, sft_dir: str, model, renderer: ChatRenderer):
+        self.cfg = SelectConfig.from_config(config.sft.select)
+        self.num_steps = int(config.sft.steps)
+        self.config = config
+        self.model = model
+        self.renderer = renderer
+        self.path = os.path.join(sft_dir, SELECTION_FILE)
+        self.best_dir = os.path.join(sft_dir, BEST_DIR)
+        self.entries = read_selection(sft_dir)["evaluations"] if os.path.exists(self.path) else []
+        self._tasks = None
+
+    def tasks(self):
+        if self._tasks is None:
+            self._tasks = generate_tasks(
+                "train", self.cfg.num_tasks, seed=self.cfg.seed,
+                families=self.config.tasks.families,
+            )  # fmt: skip
+        return self._tasks
+
+    def maybe_evaluate(self, step: int, state) -> dict[str, Any] | None:
+        """Evaluates `state` if `step` is due (and not done already); returns the entry."""
+        if not self.cfg.due(step, self.num_steps) or any(e["step"] == step for e in self.entries):
+            return None
+        from tg_jax.train import sft_eval  # noqa: PLC0415 (sft_eval imports sft)
+
+        env_cfg = coding_env_config(self.config.env)
+        eval_cfg = {"seed": self.cfg.seed, "temperatures": (1.0,),
+                    "max_new_tokens": self.cfg.max_new_tokens}  # fmt: skip
+        result = sft_eval.evaluate_base_model(
+            self.model, state.params, self.renderer, self.tasks(), env_cfg,
+            _Obj(eval_cfg), max_len=self.model.config.max_seq_len,
+        )  # fmt: skip
+        figures = dev_figures(result, tuple(env_cfg.requirements))
+        ok = compliant(figures, self.cfg)
+        entry = {"step": step, "figures": figures, "compliant": ok,
+                 "eligible": ok and figures["pass_rate"] <= self.cfg.pass_rate_max}  # fmt: skip
+        before = choose(self.entries)
+        self.entries.append(entry)
+        if choose(self.entries) is entry and (before is None or before["step"] != step):
+            with checkpointing.TrainingCheckpointer(self.best_dir, max_to_keep=1) as ckpt:
+                ckpt.save(step, state, metadata={"stage": "sft_best", "step": step}, force=True)
+        self._write()
+        return entry
+
+    def _write(self) -> None:
+        best = choose(self.entries)
+        out = {
+            "config": dataclasses.asdict(self.cfg),
+            "evaluations": self.entries,
+            "best_step": None if best is None else best["step"],
+            "best_eligible": None if best is None else best["eligible"],
+        }
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=2)
+        os.replace(tmp, self.path)
+
+
+class _Obj:
+    """Attribute access over a dict (the evaluation reads `cfg.seed`, `cfg.temperatures`...)."""
+
+    def __init__(self, d: dict[str, Any]):
+        self.__dict__.update(d)
+
+
+def read_selection(sft_dir: str) -> dict[str, Any]:
+    """selection.json of an SFT directory; a clear error when it is not valid JSON."""
+    path = os.path.join(sft_dir, SELECTION_FILE)
+    try:
+        with open(path) as f:
+            out = json.load(f)
+        out["evaluations"]  # noqa: B018 (the key must be there)
+        return out
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} is not a valid SFT selection record ({e}); delete {os.path.dirname(path)} "
+            "to redo SFT"
+        ) from e
