@@ -1,4 +1,4 @@
-"""The Qwen3 model against Hugging Face transformers, its KV cache, masking and remat."""
+"""The Qwen3 model against Hugging Face transformers, its decode path, masking and remat."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from tests.hf_reference import hf_logits, make_hf_qwen3
-from tg_jax.models import ModelConfig, Transformer, decode, forward, init_cache, init_params
+from tg_jax.models import (
+    ModelConfig,
+    Transformer,
+    decode_one,
+    decode_weights,
+    forward,
+    init_params,
+    prefill,
+)
 from tg_jax.models.hf_io import params_to_hf
 
 
@@ -76,22 +84,26 @@ def test_hf_round_trip_is_exact():
 
 
 def test_kv_cache_decoding_matches_full_forward():
+    """The decode path (prefill, then one token per step) gives the full forward's logits."""
     cfg = _cfg()
     model = Transformer(cfg)
     params = init_params(model, jax.random.key(3))
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
     full = np.asarray(forward(model, params, tokens))
-    cache = init_cache(cfg, batch=2, max_len=16)
-    prefill = 5
-    pos = jnp.broadcast_to(jnp.arange(prefill, dtype=jnp.int32), (2, prefill))
-    logits, cache = decode(model, params, tokens[:, :prefill], pos, cache)
+    n_prompt = 5
+    prefill_fn = jax.jit(lambda p, t, n: prefill(model, p, t, n, 12 - n_prompt))
+    # Prefill's logits at the last prompt token, for every prompt length: every block position.
+    for length in range(1, n_prompt + 1):
+        logits, cache = prefill_fn(params, tokens[:, :n_prompt], jnp.full((2,), length, jnp.int32))
+        np.testing.assert_allclose(np.asarray(logits), full[:, length - 1], atol=1e-5)
+    weights = decode_weights(model, params)
+    step_fn = jax.jit(lambda w, t, i, c: decode_one(model, w, t, i, c))
     steps = [np.asarray(logits)]
-    step_fn = jax.jit(lambda p, t, q, c: decode(model, p, t, q, c))
-    for t in range(prefill, 12):
-        logits, cache = step_fn(params, tokens[:, t : t + 1], jnp.full((2, 1), t, jnp.int32), cache)
+    for i, t in enumerate(range(n_prompt, 12)):
+        logits, cache = step_fn(weights, tokens[:, t], jnp.int32(i), cache)
         steps.append(np.asarray(logits))
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5)
+    np.testing.assert_allclose(np.stack(steps, axis=1), full[:, n_prompt - 1 :], atol=1e-5)
 
 
 def test_kv_cache_per_row_lengths():
@@ -105,17 +117,17 @@ def test_kv_cache_per_row_lengths():
     block = np.zeros((2, 6), np.int32)
     for i, s in enumerate(seqs):
         block[i, : lens[i]] = s[: lens[i]]
-    cache = init_cache(cfg, 2, 16)
-    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
-    logits, cache = decode(model, params, jnp.asarray(block), pos, cache)
-    got = {0: [np.asarray(logits[0, lens[0] - 1])], 1: [np.asarray(logits[1, lens[1] - 1])]}
-    # Feed each row's next true token at its own position.
+    weights = decode_weights(model, params)
+    logits, cache = prefill(
+        model, params, jnp.asarray(block), jnp.asarray(lens), 10, weights=weights
+    )
+    got = {0: [np.asarray(logits[0])], 1: [np.asarray(logits[1])]}
+    # Feed each row's next true token (at its own position L_b + step).
     for step in range(2):
-        toks = np.array([[seqs[0][lens[0] + step]], [seqs[1][lens[1] + step]]], np.int32)
-        q = jnp.asarray((lens + step)[:, None], jnp.int32)
-        logits, cache = decode(model, params, jnp.asarray(toks), q, cache)
+        toks = np.array([seqs[0][lens[0] + step], seqs[1][lens[1] + step]], np.int32)
+        logits, cache = decode_one(model, weights, jnp.asarray(toks), jnp.int32(step), cache)
         for i in range(2):
-            got[i].append(np.asarray(logits[i, 0]))
+            got[i].append(np.asarray(logits[i]))
     for i in range(2):
         n = lens[i] + 2
         ref = np.asarray(forward(model, params, jnp.asarray(seqs[i][None, :n], jnp.int32)))[0]

@@ -17,9 +17,9 @@ CFG = dict(
 )  # fmt: skip
 
 
-def _numpy_moe(x_NxD, p, k, norm):
+def _numpy_moe(x_XxD, p, k, norm):
     """Token-by-token reference, as HF's Qwen3MoeSparseMoeBlock (fp64)."""
-    x = np.asarray(x_NxD, np.float64)
+    x = np.asarray(x_XxD, np.float64)
     logits = x @ np.asarray(p["router"], np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -71,7 +71,7 @@ def test_aux_loss_matches_transformers(tmp_path):
         out = hf_model(input_ids=torch.from_numpy(tokens), output_router_logits=True)
     params, cfg = load_hf_checkpoint(str(tmp_path))
     apply = jax.jit(lambda p, t: Transformer(cfg).apply({"params": p}, t, mutable=True))
-    (_, _), state = apply(params, jnp.asarray(tokens, jnp.int32))
+    _, state = apply(params, jnp.asarray(tokens, jnp.int32))
     inter = state["intermediates"]
     assert inter["layers"]["mlp"]["router_load"][0].shape == (cfg.num_layers, 2, cfg.num_experts)
     ours = float(moe_lib.load_balancing_loss(inter, cfg))
@@ -85,7 +85,7 @@ def _grads(cfg, params, tokens, mesh=None, rules=None):
     model = Transformer(cfg)
 
     def loss(p):
-        (logits, _), state = model.apply({"params": p}, tokens, mutable=["intermediates"])
+        logits, state = model.apply({"params": p}, tokens, mutable=["intermediates"])
         aux = moe_lib.load_balancing_loss(state["intermediates"], cfg)
         return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux
 

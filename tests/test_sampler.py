@@ -7,10 +7,10 @@ import pytest
 
 from tests.hf_reference import make_hf_qwen3
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
+from tg_jax.sampling.methods import filter_logits
 from tg_jax.sampling.sampler import (
     Sampler,
     batch_bucket,
-    filter_logits,
     length_bucket,
     logprob_mismatch,
     sequence_logprobs,
@@ -41,8 +41,8 @@ WIDTH = 64  # Recomputations pad to one width (causal: padding after a token can
 
 
 @jax.jit
-def _logits(params, tokens_BxW):
-    return forward(Transformer(CFG), params, tokens_BxW)
+def _logits(params, tokens_BxT):
+    return forward(Transformer(CFG), params, tokens_BxT)
 
 
 def _padded(seq, width=WIDTH):
@@ -82,7 +82,7 @@ def test_long_prompts_prefill_in_query_blocks_like_the_model():
     the greedy continuation equal full recomputation by the model."""
     import dataclasses
 
-    from tg_jax.sampling.decode_step import prefill
+    from tg_jax.models.decode import prefill
 
     cfg = dataclasses.replace(CFG, max_seq_len=512)
     model = Transformer(cfg)
@@ -279,7 +279,7 @@ def test_data_parallel_sampler_runs_a_loop_per_shard_and_matches_single_device(s
 
 
 def test_segment_ends_by_hand():
-    from tg_jax.sampling.decode_step import extend, prefill
+    from tg_jax.models.decode import extend, prefill
     from tg_jax.sampling.sampler import segment_ends
 
     assert segment_ends(128, 0) == [128]
@@ -296,7 +296,7 @@ def test_segment_ends_by_hand():
     prompt = jnp.ones((2, 4), jnp.int32)
     _, cache = prefill(model, params, prompt, jnp.array([4, 2]), max_new=16, slots=8)
     assert cache.k[0].shape[-1] == cache.v[0].shape[2] == 12
-    assert cache.rope_cos.shape == (20, CFG.head_dim // 2)  # every position P + N
+    assert cache.rope_cos.shape == (20, CFG.head_dim // 2)  # every position P + R
     grown = extend(cache, 16)
     assert grown.k[0].shape[-1] == grown.v[0].shape[2] == 20
     np.testing.assert_array_equal(grown.k[1][..., :12], cache.k[1])
@@ -320,7 +320,7 @@ def test_segmented_loop_samples_what_one_loop_samples(setup):
 
 
 def test_blocked_cumsum_is_the_cumulative_sum():
-    from tg_jax.sampling.sampler import blocked_cumsum
+    from tg_jax.sampling.methods import blocked_cumsum
 
     x = np.random.default_rng(0).random((3, 37)).astype(np.float32)  # 37: a partial block
     for block in (1, 4, 16, 64):
@@ -331,7 +331,7 @@ def test_blocked_cumsum_is_the_cumulative_sum():
 
 def test_step_uniforms_are_the_per_step_draws():
     """The loop's random numbers, drawn up front, are those of `fold_in(rng, step)` per step."""
-    from tg_jax.sampling.sampler import step_uniforms, uniforms
+    from tg_jax.sampling.methods import step_uniforms, uniforms
 
     rng = jax.random.key(9)
     u = np.asarray(step_uniforms(rng, 6, 5))
@@ -341,7 +341,7 @@ def test_step_uniforms_are_the_per_step_draws():
 
 
 def test_draw_frequencies_follow_the_sampling_distribution():
-    from tg_jax.sampling.sampler import draw_with_uniforms, uniforms
+    from tg_jax.sampling.methods import draw_with_uniforms, uniforms
 
     rows = 20_000
     logits = jnp.broadcast_to(jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, 3.0]), (rows, 6))
@@ -363,17 +363,16 @@ def test_draw_frequencies_follow_the_sampling_distribution():
 
 
 def test_precomputed_rope_equals_the_model_rope():
-    from tg_jax.models.layers import rope
-    from tg_jax.sampling.decode_step import apply_rope, rope_tables
+    from tg_jax.models.layers import apply_rope, rope, rope_tables
 
     x = jax.random.normal(jax.random.key(0), (3, 1, 4, 16))
     positions = jnp.array([[0], [7], [300]], jnp.int32)
     expected = rope(x, positions, 10_000.0)
     np.testing.assert_array_equal(apply_rope(x, *rope_tables(positions, 16, 10_000.0)), expected)
     # The decode loop gathers rows of tables computed for every position at once.
-    cos_1xSx1xH, sin_1xSx1xH = jax.jit(rope_tables, static_argnums=(1, 2))(
+    cos_1xSx1xH2, sin_1xSx1xH2 = jax.jit(rope_tables, static_argnums=(1, 2))(
         jnp.arange(301, dtype=jnp.int32)[None, :], 16, 10_000.0
     )
-    gathered = (cos_1xSx1xH[0, positions], sin_1xSx1xH[0, positions])  # [3, 1, 1, Dh/2]
+    gathered = (cos_1xSx1xH2[0, positions], sin_1xSx1xH2[0, positions])  # [3, 1, 1, H / 2]
     # (compiled trigonometry of large angles may round differently from eager: float level)
     np.testing.assert_allclose(apply_rope(x, *gathered), expected, atol=1e-5)

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from tg_jax.models.config import ModelConfig
 
 Array = jax.Array
-KVCache = dict[str, Array]  # {"k": [B, S, K, Dh], "v": [B, S, K, Dh]} for one layer
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -42,16 +41,34 @@ class RMSNorm(nn.Module):
         return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float) -> Array:
-    """Rotary embedding in the rotate-half convention (first half / second half pairs)."""
-    head_dim = x_BxTxNxH.shape[-1]
+def rope_tables(positions_BxT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
+    """RoPE cos, sin [B, T, 1, H / 2] (fp32) of the given positions."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     angles_BxTxH2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
-    cos = jnp.cos(angles_BxTxH2)[:, :, None, :]
-    sin = jnp.sin(angles_BxTxH2)[:, :, None, :]
+    return jnp.cos(angles_BxTxH2)[:, :, None, :], jnp.sin(angles_BxTxH2)[:, :, None, :]
+
+
+def rope(x_BxTxNxH: Array, positions_BxT: Array, theta: float) -> Array:
+    """Rotary embedding in the rotate-half convention (first half / second half pairs)."""
+    cos, sin = rope_tables(positions_BxT, x_BxTxNxH.shape[-1], theta)
     x = x_BxTxNxH.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+
+
+def apply_rope(x_BxTxNxH: Array, cos: Array, sin: Array) -> Array:
+    """`rope` with precomputed `rope_tables` (the decode path's form; the same arithmetic).
+
+    Written as x * [cos, cos] + [x2, x1] * [-sin, sin], one elementwise pass over x and its
+    halves swapped (x1 * cos + x2 * (-sin) rounds like x1 * cos - x2 * sin; compiled, XLA may
+    fuse the products differently, a float-rounding difference). XLA:CPU ran the split / two
+    products / concatenate form as several kernels per decode step.
+    """
+    x = x_BxTxNxH.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
+    out = x * jnp.concatenate([cos, cos], axis=-1) + swapped * jnp.concatenate([-sin, sin], axis=-1)
     return out.astype(x_BxTxNxH.dtype)
 
 
@@ -69,15 +86,6 @@ def attention_mask(
     return mask[:, None, None, :, :]
 
 
-def _write_cache(cache_BxSxKxH: Array, new_BxTxKxH: Array, start_B: Array) -> Array:
-    """Writes T new entries per row at slots [start_b, start_b + T)."""
-
-    def one(c, n, s):
-        return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
-
-    return jax.vmap(one)(cache_BxSxKxH, new_BxTxKxH, start_B)
-
-
 def _attend(q_BxTxKxGxH: Array, keys_BxSxKxH: Array, values_BxSxKxH: Array, mask) -> Array:
     """Softmax attention of T queries over S keys: [B, T, K, G, H] (fp32 scores)."""
     h = q_BxTxKxGxH.shape[-1]
@@ -89,18 +97,17 @@ def _attend(q_BxTxKxGxH: Array, keys_BxSxKxH: Array, values_BxSxKxH: Array, mask
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) and an optional KV cache."""
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) over a full sequence.
+
+    No KV cache: decoding runs the same params through `tg_jax.models.decode`.
+    """
 
     config: ModelConfig
 
     @nn.compact
     def __call__(
-        self,
-        x_BxTxD: Array,
-        positions_BxT: Array,
-        segment_ids_BxT: Array | None,
-        cache: KVCache | None,
-    ) -> tuple[Array, KVCache | None]:
+        self, x_BxTxD: Array, positions_BxT: Array, segment_ids_BxT: Array | None
+    ) -> Array:
         cfg = self.config
         dt, pdt = cfg.jnp_dtype, cfg.jnp_param_dtype
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -118,48 +125,26 @@ class Attention(nn.Module):
         k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_theta)
         q_BxTxNxH = nn.with_logical_constraint(q_BxTxNxH, ("batch", "length", "heads", "head_dim"))
 
-        if cache is None:
-            keys, values, k_pos, k_seg = k_BxTxKxH, v_BxTxKxH, positions_BxT, segment_ids_BxT
-            new_cache = None
-        else:
-            # Slot index == position: new tokens are written at their positions, and the causal
-            # mask by position hides slots that hold padding or stale entries beyond the query.
-            start_B = positions_BxT[:, 0]
-            keys = _write_cache(cache["k"], k_BxTxKxH, start_B)
-            values = _write_cache(cache["v"], v_BxTxKxH, start_B)
-            new_cache = {"k": keys, "v": values}
-            keys, values = keys.astype(dt), values.astype(dt)
-            s = keys.shape[1]
-            k_pos = jnp.broadcast_to(jnp.arange(s, dtype=positions_BxT.dtype), (keys.shape[0], s))
-            k_seg = None
-            segment_ids_BxT = None
-
         b, t = q_BxTxNxH.shape[:2]
-        g = n // k
-        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, g, h)
+        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
         block = cfg.attn_query_block
-        if cache is None and 0 < block < t:
+        if 0 < block < t:
             # Causal query blocks: block [lo, hi) scores keys [0, hi) only (see ModelConfig).
             outs = []
             for lo in range(0, t, block):
                 hi = min(lo + block, t)
-                seg = None if segment_ids_BxT is None else segment_ids_BxT[:, lo:hi]
-                k_seg_blk = None if k_seg is None else k_seg[:, :hi]
+                seg_q = None if segment_ids_BxT is None else segment_ids_BxT[:, lo:hi]
+                seg_k = None if segment_ids_BxT is None else segment_ids_BxT[:, :hi]
+                mask = attention_mask(positions_BxT[:, lo:hi], positions_BxT[:, :hi], seg_q, seg_k)
                 outs.append(
-                    _attend(
-                        q_BxTxKxGxH[:, lo:hi],
-                        keys[:, :hi],
-                        values[:, :hi],
-                        attention_mask(positions_BxT[:, lo:hi], k_pos[:, :hi], seg, k_seg_blk),
-                    )  # fmt: skip
+                    _attend(q_BxTxKxGxH[:, lo:hi], k_BxTxKxH[:, :hi], v_BxTxKxH[:, :hi], mask)
                 )
             out_BxTxKxGxH = jnp.concatenate(outs, axis=1)
         else:
-            mask = attention_mask(positions_BxT, k_pos, segment_ids_BxT, k_seg)
-            out_BxTxKxGxH = _attend(q_BxTxKxGxH, keys, values, mask)
+            mask = attention_mask(positions_BxT, positions_BxT, segment_ids_BxT, segment_ids_BxT)
+            out_BxTxKxGxH = _attend(q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, mask)
         out_BxTxNxH = out_BxTxKxGxH.reshape(b, t, n, h)
-        out_BxTxD = jnp.einsum("btnh,nhd->btd", out_BxTxNxH, wo.astype(dt))
-        return out_BxTxD, new_cache
+        return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, wo.astype(dt))
 
 
 class MLP(nn.Module):

@@ -15,15 +15,15 @@ layer type; `tg_jax.models.hf_io.model_config_from_hf` rejects such checkpoints.
 Two ways to evaluate the experts, chosen statically from the number of (device-local)
 tokens times local experts:
 
-* "dense": every local expert runs on every token and a one-hot combine matrix [N, E]
+* "dense": every local expert runs on every token and a one-hot combine matrix [X, E]
   (zero for unselected experts) weights the results. E/k times the useful FLOPs, but no
   sorting, gathers or ragged shapes: the fastest choice for few tokens (decode steps, tests,
   CPU, where `ragged_dot` is itself emulated densely).
-* "ragged": the N*k (token, expert) assignments are sorted by expert, the tokens gathered
+* "ragged": the X*k (token, expert) assignments are sorted by expert, the tokens gathered
   into expert-contiguous rows, and each projection is one grouped matmul
   (`jax.lax.ragged_dot`, a native grouped GEMM on TPU) over the local experts; results are
   unsorted with the inverse permutation and summed over the k slots. FLOPs are the useful
-  ones only, memory is O(N*k*F) instead of O(N*E*F): the choice for training sequences.
+  ones only, memory is O(X*k*F) instead of O(X*E*F): the choice for training sequences.
 
 Parallelism: expert weights [E, D, F] carry logical axes ("expert", "embed", "moe_mlp").
 Under a mesh, the expert computation runs in `shard_map`: each device evaluates its own
@@ -62,54 +62,54 @@ DISPATCH_MODES = ("auto", "dense", "ragged")
 
 
 def route(
-    x_NxD: Array, router_DxE: Array, k: int, norm_topk_prob: bool, dtype: Any
+    x_XxD: Array, router_DxE: Array, k: int, norm_topk_prob: bool, dtype: Any
 ) -> tuple[Array, Array, Array]:
-    """Router: returns (probs_NxE fp32, top-k weights_NxK in `dtype`, expert ids_NxK int32)."""
-    logits_NxE = jnp.einsum(
-        "nd,de->ne", x_NxD, router_DxE.astype(x_NxD.dtype), preferred_element_type=jnp.float32
+    """Router: returns (probs_XxE fp32, top-k weights_XxJ in `dtype`, expert ids_XxJ int32)."""
+    logits_XxE = jnp.einsum(
+        "nd,de->ne", x_XxD, router_DxE.astype(x_XxD.dtype), preferred_element_type=jnp.float32
     )
-    probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
-    top_NxK, ids_NxK = jax.lax.top_k(probs_NxE, k)
+    probs_XxE = jax.nn.softmax(logits_XxE, axis=-1)
+    top_XxJ, ids_XxJ = jax.lax.top_k(probs_XxE, k)
     if norm_topk_prob:
-        top_NxK = top_NxK / jnp.sum(top_NxK, axis=-1, keepdims=True)
-    return probs_NxE, top_NxK.astype(dtype), ids_NxK.astype(jnp.int32)
+        top_XxJ = top_XxJ / jnp.sum(top_XxJ, axis=-1, keepdims=True)
+    return probs_XxE, top_XxJ.astype(dtype), ids_XxJ.astype(jnp.int32)
 
 
-def _experts_dense(x_NxD, ids_NxK, w_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert):
+def _experts_dense(x_XxD, ids_XxJ, w_XxJ, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert):
     e = gate_ExDxF.shape[0]
     # one_hot of an id outside [0, e) is all zeros: experts held by other devices drop out.
-    onehot_NxKxE = jax.nn.one_hot(ids_NxK - first_expert, e, dtype=w_NxK.dtype)
-    combine_NxE = jnp.einsum("nke,nk->ne", onehot_NxKxE, w_NxK)
-    gate_NxExF = jnp.einsum("nd,edf->nef", x_NxD, gate_ExDxF)
-    up_NxExF = jnp.einsum("nd,edf->nef", x_NxD, up_ExDxF)
-    hidden_NxExF = jax.nn.silu(gate_NxExF) * up_NxExF * combine_NxE[:, :, None]
-    return jnp.einsum("nef,efd->nd", hidden_NxExF, down_ExFxD, preferred_element_type=jnp.float32)
+    onehot_XxJxE = jax.nn.one_hot(ids_XxJ - first_expert, e, dtype=w_XxJ.dtype)
+    combine_XxE = jnp.einsum("nke,nk->ne", onehot_XxJxE, w_XxJ)
+    gate_XxExF = jnp.einsum("nd,edf->nef", x_XxD, gate_ExDxF)
+    up_XxExF = jnp.einsum("nd,edf->nef", x_XxD, up_ExDxF)
+    hidden_XxExF = jax.nn.silu(gate_XxExF) * up_XxExF * combine_XxE[:, :, None]
+    return jnp.einsum("nef,efd->nd", hidden_XxExF, down_ExFxD, preferred_element_type=jnp.float32)
 
 
-def _experts_ragged(x_NxD, ids_NxK, w_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert):
-    n, k = ids_NxK.shape
+def _experts_ragged(x_XxD, ids_XxJ, w_XxJ, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert):
+    n, k = ids_XxJ.shape
     e = gate_ExDxF.shape[0]
-    local_M = ids_NxK.reshape(-1) - first_expert  # M = N * k assignments
-    valid_M = (local_M >= 0) & (local_M < e)
-    key_M = jnp.where(valid_M, local_M, e)  # other devices' experts sort last, outside all groups
-    order_M = jnp.argsort(key_M, stable=True)
-    group_sizes_E = jnp.bincount(key_M, length=e + 1)[:e].astype(jnp.int32)
-    xs_MxD = x_NxD[order_M // k]
-    gate_MxF = jax.lax.ragged_dot(xs_MxD, gate_ExDxF, group_sizes_E)
-    up_MxF = jax.lax.ragged_dot(xs_MxD, up_ExDxF, group_sizes_E)
-    out_MxD = jax.lax.ragged_dot(jax.nn.silu(gate_MxF) * up_MxF, down_ExFxD, group_sizes_E)
-    weight_M = w_NxK.reshape(-1)[order_M].astype(jnp.float32)
+    local_A = ids_XxJ.reshape(-1) - first_expert  # A = X * k assignments
+    valid_A = (local_A >= 0) & (local_A < e)
+    key_A = jnp.where(valid_A, local_A, e)  # other devices' experts sort last, outside all groups
+    order_A = jnp.argsort(key_A, stable=True)
+    group_sizes_E = jnp.bincount(key_A, length=e + 1)[:e].astype(jnp.int32)
+    xs_AxD = x_XxD[order_A // k]
+    gate_AxF = jax.lax.ragged_dot(xs_AxD, gate_ExDxF, group_sizes_E)
+    up_AxF = jax.lax.ragged_dot(xs_AxD, up_ExDxF, group_sizes_E)
+    out_AxD = jax.lax.ragged_dot(jax.nn.silu(gate_AxF) * up_AxF, down_ExFxD, group_sizes_E)
+    weight_A = w_XxJ.reshape(-1)[order_A].astype(jnp.float32)
     # Rows past the last group are unspecified on some backends: select, never multiply, them.
-    out_MxD = jnp.where(valid_M[order_M][:, None], out_MxD.astype(jnp.float32), 0.0)
-    out_MxD = out_MxD * weight_M[:, None]
-    unsorted_MxD = out_MxD[jnp.argsort(order_M)]
-    return jnp.sum(unsorted_MxD.reshape(n, k, -1), axis=1)
+    out_AxD = jnp.where(valid_A[order_A][:, None], out_AxD.astype(jnp.float32), 0.0)
+    out_AxD = out_AxD * weight_A[:, None]
+    unsorted_AxD = out_AxD[jnp.argsort(order_A)]
+    return jnp.sum(unsorted_AxD.reshape(n, k, -1), axis=1)
 
 
 def experts(
-    x_NxD: Array,
-    ids_NxK: Array,
-    w_NxK: Array,
+    x_XxD: Array,
+    ids_XxJ: Array,
+    w_XxJ: Array,
     gate_ExDxF: Array,
     up_ExDxF: Array,
     down_ExFxD: Array,
@@ -119,21 +119,21 @@ def experts(
     """Weighted sum of the selected SwiGLU experts held here (ids first_expert .. +E).
 
     Args:
-      x_NxD: tokens in the compute dtype.
-      ids_NxK, w_NxK: the router's selected expert ids (global) and their weights.
+      x_XxD: tokens in the compute dtype.
+      ids_XxJ, w_XxJ: the router's selected expert ids (global) and their weights.
       gate_ExDxF, up_ExDxF, down_ExFxD: the local experts' weights (compute dtype).
       first_expert: global id of local expert 0 (non-zero under expert parallelism).
       dispatch: "dense" | "ragged" | "auto" (see the module docstring).
     Returns:
-      [N, D] fp32: contributions of the local experts only (sum over devices outside).
+      [X, D] fp32: contributions of the local experts only (sum over devices outside).
     """
     if dispatch not in DISPATCH_MODES:
         raise ValueError(f"dispatch {dispatch!r} not in {DISPATCH_MODES}")
     if dispatch == "auto":
-        dense = x_NxD.shape[0] * gate_ExDxF.shape[0] <= DENSE_MAX_TOKEN_EXPERTS
+        dense = x_XxD.shape[0] * gate_ExDxF.shape[0] <= DENSE_MAX_TOKEN_EXPERTS
         dispatch = "dense" if dense else "ragged"
     fn = _experts_dense if dispatch == "dense" else _experts_ragged
-    return fn(x_NxD, ids_NxK, w_NxK, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert)
+    return fn(x_XxD, ids_XxJ, w_XxJ, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert)
 
 
 def _mesh_axes(logical: str) -> tuple[str, ...]:
@@ -144,7 +144,7 @@ def _mesh_axes(logical: str) -> tuple[str, ...]:
     return (spec,) if isinstance(spec, str) else tuple(spec)
 
 
-def _sharded_experts(x_BxTxD, ids_BxTxK, w_BxTxK, gate, up, down, dispatch) -> Array:
+def _sharded_experts(x_BxTxD, ids_BxTxJ, w_BxTxJ, gate, up, down, dispatch) -> Array:
     """`experts` under shard_map on the active mesh (see the module docstring)."""
     mesh = jax.sharding.get_abstract_mesh()
     batch = _mesh_axes("batch")
@@ -179,7 +179,7 @@ def _sharded_experts(x_BxTxD, ids_BxTxK, w_BxTxK, gate, up, down, dispatch) -> A
         return y
 
     return jax.shard_map(body, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=tok)(
-        x_BxTxD, ids_BxTxK, w_BxTxK, gate, up, down
+        x_BxTxD, ids_BxTxJ, w_BxTxJ, gate, up, down
     )
 
 
@@ -207,23 +207,23 @@ class MoE(nn.Module):
         down = _param(self, "down_proj", (e, f, d), ("expert", "moe_mlp", "embed"), dtype=pdt)
         b, t, _ = x_BxTxD.shape
         x = x_BxTxD.astype(dt)
-        probs_NxE, w_NxK, ids_NxK = route(x.reshape(b * t, d), router, k, cfg.norm_topk_prob, dt)
-        self._sow_load(probs_NxE, ids_NxK)
+        probs_XxE, w_XxJ, ids_XxJ = route(x.reshape(b * t, d), router, k, cfg.norm_topk_prob, dt)
+        self._sow_load(probs_XxE, ids_XxJ)
 
         gate, up, down = gate.astype(dt), up.astype(dt), down.astype(dt)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1 or not nn.get_logical_axis_rules():
-            y = experts(x.reshape(b * t, d), ids_NxK, w_NxK, gate, up, down, 0, self.dispatch)
+            y = experts(x.reshape(b * t, d), ids_XxJ, w_XxJ, gate, up, down, 0, self.dispatch)
             return y.astype(dt).reshape(b, t, d)
-        ids_BxTxK, w_BxTxK = ids_NxK.reshape(b, t, k), w_NxK.reshape(b, t, k)
-        return _sharded_experts(x, ids_BxTxK, w_BxTxK, gate, up, down, self.dispatch)
+        ids_BxTxJ, w_BxTxJ = ids_XxJ.reshape(b, t, k), w_XxJ.reshape(b, t, k)
+        return _sharded_experts(x, ids_BxTxJ, w_BxTxJ, gate, up, down, self.dispatch)
 
-    def _sow_load(self, probs_NxE: Array, ids_NxK: Array) -> None:
+    def _sow_load(self, probs_XxE: Array, ids_XxJ: Array) -> None:
         """Sows this layer's expert load and its HF load-balancing loss (no-op unless captured)."""
         e = self.config.num_experts
-        frac_E = jnp.sum(jax.nn.one_hot(ids_NxK, e, dtype=jnp.float32), axis=(0, 1))
-        frac_E = frac_E / ids_NxK.shape[0]  # sums to k, as HF's normalisation by rows
-        prob_E = jnp.mean(probs_NxE, axis=0)
+        frac_E = jnp.sum(jax.nn.one_hot(ids_XxJ, e, dtype=jnp.float32), axis=(0, 1))
+        frac_E = frac_E / ids_XxJ.shape[0]  # sums to k, as HF's normalisation by rows
+        prob_E = jnp.mean(probs_XxE, axis=0)
         self.sow("intermediates", "router_load", jnp.stack([frac_E, prob_E]))
         self.sow("intermediates", "router_aux_loss", e * jnp.sum(frac_E * prob_E))
 

@@ -5,16 +5,15 @@ Architecture as in Hugging Face's `Qwen3ForCausalLM`: token embedding, N decoder
 SwiGLU MLP (or MoE) -> residual), final RMSNorm, tied or untied unembedding.
 
 Layers run under `nn.scan` (parameters stacked on a leading "layers" axis) with an optional
-rematerialisation policy. The same module serves training (full sequences, optional packing
-by segment ids) and sampling (a KV cache whose slot index equals the token position).
+rematerialisation policy. This module is the full-sequence path (training, scoring; optional
+packing by segment ids); decoding with a KV cache runs the same params through
+`tg_jax.models.decode`. Shape letters: the legend in `tg_jax.models`.
 
 Functional entry points used by the rest of the package:
 
     logits_BxTxV = forward(model, params, tokens_BxT, positions_BxT, segment_ids_BxT)
     hidden_BxTxD = hidden_states(model, params, tokens_BxT, positions_BxT, segment_ids_BxT)
     logits_BxCxV = unembed(model, params, hidden_BxCxD)
-    cache = init_cache(config, batch, max_len)
-    logits_BxTxV, cache = decode(model, params, tokens_BxT, positions_BxT, cache)
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from tg_jax.models.config import ModelConfig
 from tg_jax.models.layers import MLP, Attention, RMSNorm, _param
 
 Array = jax.Array
-Cache = dict[str, Array]  # {"k": [L, B, S, K, Dh], "v": [L, B, S, K, Dh]}
 
 _REMAT = {
     "full": None,
@@ -51,20 +49,19 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, cache, positions_BxT, segment_ids_BxT):
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT):
         cfg = self.config
         pdt = cfg.jnp_param_dtype
         h = RMSNorm(cfg.rms_norm_eps, pdt, "embed", name="attn_norm")(x_BxTxD)
-        attn_out, new_cache = Attention(cfg, name="attn")(h, positions_BxT, segment_ids_BxT, cache)
-        x_BxTxD = x_BxTxD + attn_out
+        x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(h, positions_BxT, segment_ids_BxT)
         h = RMSNorm(cfg.rms_norm_eps, pdt, "embed", name="mlp_norm")(x_BxTxD)
         x_BxTxD = x_BxTxD + make_ffn(cfg, "mlp")(h)
         x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "act_embed"))
-        return x_BxTxD, new_cache
+        return x_BxTxD, None
 
 
 class Transformer(nn.Module):
-    """Qwen3 decoder. `__call__` returns (logits or final hidden states, updated cache or None)."""
+    """Qwen3 decoder. `__call__` returns fp32 logits [B, T, V] (or final hidden states)."""
 
     config: ModelConfig
 
@@ -85,7 +82,7 @@ class Transformer(nn.Module):
             layer_cls,
             variable_axes={"params": 0, "intermediates": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast),
+            in_axes=(nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
             unroll=min(cfg.scan_unroll, cfg.num_layers),
             metadata_params={nn.PARTITION_NAME: "layers"},
@@ -112,55 +109,34 @@ class Transformer(nn.Module):
         tokens_BxT: Array,
         positions_BxT: Array | None = None,
         segment_ids_BxT: Array | None = None,
-        cache: Cache | None = None,
         return_hidden: bool = False,
-    ) -> tuple[Array, Cache | None]:
+    ) -> Array:
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(
                 jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32), tokens_BxT.shape
             )
         x = self.embed_tokens(tokens_BxT)
-        x, new_cache = self.layers(x, cache, positions_BxT, segment_ids_BxT)
+        x, _ = self.layers(x, positions_BxT, segment_ids_BxT)
         x = self.final_norm(x)
-        if return_hidden:
-            return x, new_cache
-        return self.unembed(x), new_cache
+        return x if return_hidden else self.unembed(x)
 
 
 def forward(model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
     """Full-sequence logits [B, T, V] (fp32)."""
-    logits, _ = model.apply({"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT)
-    return logits
+    return model.apply({"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT)
 
 
 def hidden_states(
     model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None
 ):
     """Final-norm hidden states [B, T, D]; pair with `unembed` to get logits chunk by chunk."""
-    h, _ = model.apply(
+    return model.apply(
         {"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT, return_hidden=True
     )
-    return h
 
 
 def unembed(model: Transformer, params: Any, hidden_BxTxD):
     return model.apply({"params": params}, hidden_BxTxD, method=Transformer.unembed)
-
-
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
-    """An empty KV cache [L, B, max_len, K, Dh] in the compute dtype."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    dtype = dtype or config.jnp_dtype
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def decode(model: Transformer, params: Any, tokens_BxT, positions_BxT, cache: Cache):
-    """Runs T new tokens per row at contiguous positions, writing them into the cache.
-
-    Used for both prefill (T = prompt block, positions from 0) and one-token decode steps
-    (T = 1, per-row positions). Returns fp32 logits [B, T, V] and the updated cache.
-    """
-    return model.apply({"params": params}, tokens_BxT, positions_BxT, None, cache)
 
 
 def init_params(model: Transformer, rng: Array, batch: int = 1, seq_len: int = 8):

@@ -1,33 +1,20 @@
-"""Batched autoregressive sampling with a KV cache: jitted prefill, then a `lax.while_loop`.
+"""Batched autoregressive sampling: the model's prefill, then a `lax.while_loop` of its steps.
 
-Shapes: B rows, a right-padded prompt block of P tokens (row b's prompt is `prompt[b, :L_b]`),
-N new-token slots, a KV cache of P + N slots, V vocabulary.
+Shapes (legend in `tg_jax.models`): B rows, a right-padded prompt block of P tokens (row b's
+prompt is `prompt[b, :L_b]`), R new-token slots, V vocabulary, W stop ids per row.
 
-Row b's prompt fills positions 0..L_b-1 (prefill runs the model on the whole block; padding
-slots are never attended to). Its first new token is drawn from the logits at position L_b - 1;
-generated token i is then fed back at position L_b + i (cache slot P + i, shared by all rows:
-see tg_jax.sampling.decode_step) and yields the logits of token i + 1. All rows draw their i-th
+Row b's prompt fills positions 0..L_b-1 (`tg_jax.models.decode.prefill` runs the whole block;
+padding slots are never attended to). Its first new token is drawn from the logits at position
+L_b - 1; generated token i is then fed back at position L_b + i (`decode_one`, cache slot
+P + i, shared by all rows) and yields the logits of token i + 1. All rows draw their i-th
 token in loop iteration i, so the output column is shared; the loop exits early once every row
-has hit a stop id or its own budget.
-
-Which distribution a token is drawn from (and which log-prob is recorded as `logprobs`):
-
-  1. z = logits / temperature                       (row's temperature T > 0)
-  2. top-k: keep the k largest z (k = 0: keep all)
-  3. top-p: of those, keep the smallest prefix (by decreasing z) whose softmax mass >= p
-     (p = 1: keep all); ties at the cut-off logit are all kept
-  4. q = softmax(z over the kept tokens); token ~ q (inverse CDF, one uniform per row);
-     `logprobs` = log q(token)
-
-With T == 0 the row is greedy: the token is argmax(logits) and q is the point mass on it, so
-`logprobs` = 0. `raw_logprobs` is always log_softmax(logits)(token), the temperature-1 log-prob
-of the unfiltered model, i.e. what the trainer's forward pass recomputes. For T = 1, k = 0,
-p = 1 the two agree. The trainer's importance ratio should use `logprobs` (the behaviour
-policy that actually drew the token).
+has hit a stop id or its own budget. The draw itself (temperature, top-k, top-p, and which
+log-prob is recorded) is `tg_jax.sampling.methods`; the trainer's importance ratio should use
+`logprobs` (the behaviour policy that actually drew the token).
 
 Everything that varies between calls within a bucket (prompt lengths, stop ids, max new tokens,
-temperature, top-k, top-p, rng) is an array, so only the bucketed shapes (B, P, N, stop width)
-trigger compilation. Multi-turn rollouts re-prefill the whole context each turn (see
+temperature, top-k, top-p, rng) is an array, so only the bucketed shapes (B, P, R, W) trigger
+compilation. Multi-turn rollouts re-prefill the whole context each turn (see
 tg_jax.sampling.rollout): one batched forward, cheap next to the token-by-token decode.
 """
 
@@ -43,11 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tg_jax.models import Transformer, forward
-from tg_jax.sampling.decode_step import DecodeCache, decode_one, decode_weights, extend, prefill
+from tg_jax.models import Transformer, decode, forward
+from tg_jax.sampling.methods import draw_with_uniforms, step_uniforms
 
 Array = jax.Array
-_NEG_INF = -1e30  # finite, so that a fully masked row still gives a (harmless) softmax
 
 
 @flax.struct.dataclass
@@ -56,159 +42,54 @@ class SamplingState:
 
     Attributes:
       step: [] int32, tokens drawn so far by every live row (= next output column).
-      tokens_BxN: [B, N] int32 drawn tokens, `pad_id` past a row's end.
-      logprobs_BxN: [B, N] f32 log-probs under the sampling distribution (module docstring).
-      raw_logprobs_BxN: [B, N] f32 temperature-1 log-probs of the same tokens.
+      tokens_BxR: [B, R] int32 drawn tokens, `pad_id` past a row's end.
+      logprobs_BxR: [B, R] f32 log-probs under the sampling distribution (module docstring).
+      raw_logprobs_BxR: [B, R] f32 temperature-1 log-probs of the same tokens.
       lengths_B: [B] int32 tokens generated per row (stop token included).
       stopped_B: [B] bool, the row ended on one of its stop ids.
       done_B: [B] bool, the row draws no more tokens.
       last_token_B: [B] int32, the token to feed at the next decode step.
-      cache: the decode cache (tg_jax.sampling.decode_step), P + N slots.
+      cache: the model's decode cache (`tg_jax.models.decode`), P + R slots.
     """
 
     step: Array
-    tokens_BxN: Array
-    logprobs_BxN: Array
-    raw_logprobs_BxN: Array
+    tokens_BxR: Array
+    logprobs_BxR: Array
+    raw_logprobs_BxR: Array
     lengths_B: Array
     stopped_B: Array
     done_B: Array
     last_token_B: Array
-    cache: DecodeCache
+    cache: decode.DecodeCache
 
 
 @flax.struct.dataclass
 class SampleOutput:
     """What `sample_tokens` returns (device arrays, padded to the buckets)."""
 
-    tokens_BxN: Array
-    logprobs_BxN: Array
-    raw_logprobs_BxN: Array
+    tokens_BxR: Array
+    logprobs_BxR: Array
+    raw_logprobs_BxR: Array
     lengths_B: Array
     stopped_B: Array
 
 
-def filter_logits(logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array) -> Array:
-    """Temperature-scaled logits with everything outside top-k / top-p set to a large negative.
-
-    Args:
-      logits_BxV: [B, V] fp32 model logits.
-      temperature_B: [B] f32, > 0 (greedy rows are handled by the caller).
-      top_k_B: [B] int32, 0 = no top-k.
-      top_p_B: [B] f32 in (0, 1], 1 = no top-p.
-    Returns:
-      [B, V] fp32 logits of the sampling distribution (softmax of them = q of the docstring).
-    """
-    z_BxV = logits_BxV / temperature_B[:, None]
-    vocab = z_BxV.shape[-1]
-    needs_filter = jnp.any((top_k_B > 0) & (top_k_B < vocab)) | jnp.any(top_p_B < 1.0)
-
-    def filtered(z):
-        sorted_BxV = -jnp.sort(-z, axis=-1)
-        k_B = jnp.where((top_k_B > 0) & (top_k_B < vocab), top_k_B, vocab)
-        rank_V = jnp.arange(vocab, dtype=jnp.int32)
-        in_top_k_BxV = rank_V[None, :] < k_B[:, None]
-        sorted_BxV = jnp.where(in_top_k_BxV, sorted_BxV, _NEG_INF)
-        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-        mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-        keep_BxV = in_top_k_BxV & ((mass_before_BxV < top_p_B[:, None]) | (rank_V[None, :] == 0))
-        n_keep_B = jnp.sum(keep_BxV, axis=-1)
-        cutoff_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)[:, 0]
-        return jnp.where(z >= cutoff_B[:, None], z, _NEG_INF)
-
-    # The RL default (plain temperature) skips the sort, which matters at V = 151,936.
-    return jax.lax.cond(needs_filter, filtered, lambda z: z, z_BxV)
-
-
-def first_argmax(x_BxV: Array) -> Array:
-    """argmax over the last axis (first index on ties) as two plain reductions.
-
-    XLA:CPU runs `jnp.argmax` as a (value, index) variadic reduce that is ~4x slower here.
-    """
-    vocab = x_BxV.shape[-1]
-    is_max_BxV = x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)
-    ids_V = jnp.arange(vocab, dtype=jnp.int32)
-    return jnp.min(jnp.where(is_max_BxV, ids_V[None, :], vocab), axis=-1)
-
-
-def blocked_cumsum(x_BxV: Array, block: int = 16) -> Array:
-    """Inclusive cumulative sum over the last axis as two small matmuls.
-
-    Sums within blocks of `block` entries (x @ an upper-triangular ones matrix), then adds the
-    totals of the blocks before (totals @ a strictly upper-triangular one). XLA:CPU lowers
-    `jnp.cumsum` to a chain of reduce-windows, several kernels per decode step. The sums agree
-    with `jnp.cumsum` to float rounding (they are added in another order).
-    """
-    b, v = x_BxV.shape
-    nb = -(-v // block)
-    x_BxNxK = jnp.pad(x_BxV, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
-    r_K, r_N = jnp.arange(block), jnp.arange(nb)
-    within_BxNxK = x_BxNxK @ (r_K[:, None] <= r_K[None, :]).astype(x_BxV.dtype)
-    before_BxN = within_BxNxK[..., -1] @ (r_N[:, None] < r_N[None, :]).astype(x_BxV.dtype)
-    return (within_BxNxK + before_BxN[..., None]).reshape(b, nb * block)[:, :v]
-
-
-def uniforms(rng: Array, batch: int) -> Array:
-    """[B] uniform numbers in (0, 1): the random input of `draw_with_uniforms` (one per row)."""
-    return jax.random.uniform(rng, (batch,), minval=jnp.finfo(jnp.float32).tiny)
-
-
-def draw_with_uniforms(
-    u_B: Array, logits_BxV: Array, temperature_B: Array, top_k_B: Array, top_p_B: Array
-) -> tuple[Array, Array, Array]:
-    """Draws one token per row by inverting the CDF of the sampling distribution.
-
-    One uniform number per row (u_B, in (0, 1)) instead of a Gumbel number per vocabulary
-    entry (the random bits dominated a CPU decode step). A token with probability 0 (filtered
-    out) is never drawn: the CDF is flat over it, and the drawn index is the first whose CDF
-    reaches u * total.
-
-    Returns:
-      (tokens [B] int32, log-prob under the sampling distribution [B], temperature-1 log-prob
-      [B]); greedy rows (temperature 0) take the argmax with sampling log-prob 0.
-    """
-    vocab = logits_BxV.shape[-1]
-    greedy_B = temperature_B <= 0.0
-    safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
-    z_BxV = filter_logits(logits_BxV, safe_t_B, top_k_B, top_p_B)
-    # One exponential pass serves both log q's normaliser and the CDF (unnormalised: the
-    # draw compares it with u * its total).
-    lse_z_B, exp_BxV = _logsumexp_and_exp(z_BxV)
-    cdf_BxV = blocked_cumsum(exp_BxV)
-    sampled_B = jnp.sum(cdf_BxV < (u_B * cdf_BxV[:, -1])[:, None], axis=-1, dtype=jnp.int32)
-    sampled_B = jnp.minimum(sampled_B, vocab - 1)
-    tokens_B = jnp.where(greedy_B, first_argmax(logits_BxV), sampled_B)
-    z_B = jnp.take_along_axis(z_BxV, tokens_B[:, None], axis=-1)[:, 0]
-    lp_B = jnp.where(greedy_B, 0.0, z_B - lse_z_B)
-    logit_B = jnp.take_along_axis(logits_BxV, tokens_B[:, None], axis=-1)[:, 0]
-    # The same normaliser arithmetic as lse_z: at temperature 1 without top-k / top-p the two
-    # log-probs are equal.
-    return tokens_B, lp_B, logit_B - _logsumexp_and_exp(logits_BxV)[0]
-
-
-def _logsumexp_and_exp(x_BxV: Array) -> tuple[Array, Array]:
-    """(logsumexp over the last axis [B], exp(x - max) [B, V]); rows hold finite values."""
-    max_B = jnp.max(x_BxV, axis=-1)
-    exp_BxV = jnp.exp(x_BxV - max_B[:, None])
-    return max_B + jnp.log(jnp.sum(exp_BxV, axis=-1)), exp_BxV
-
-
-def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxS, max_new_B, pad_id):
+def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxW, max_new_B, pad_id):
     """Writes the tokens drawn at column `state.step` and updates the per-row stop flags."""
     live_B = ~state.done_B
     tokens_B = jnp.where(live_B, tokens_B, pad_id)
     col = state.step
 
-    def put(buf_BxN, val_B):
-        return jax.lax.dynamic_update_slice(buf_BxN, val_B[:, None].astype(buf_BxN.dtype), (0, col))
+    def put(buf_BxR, val_B):
+        return jax.lax.dynamic_update_slice(buf_BxR, val_B[:, None].astype(buf_BxR.dtype), (0, col))
 
-    is_stop_B = jnp.any(tokens_B[:, None] == stop_ids_BxS, axis=-1) & live_B
+    is_stop_B = jnp.any(tokens_B[:, None] == stop_ids_BxW, axis=-1) & live_B
     lengths_B = state.lengths_B + live_B.astype(jnp.int32)
     return state.replace(
         step=col + 1,
-        tokens_BxN=put(state.tokens_BxN, tokens_B),
-        logprobs_BxN=put(state.logprobs_BxN, jnp.where(live_B, lp_B, 0.0)),
-        raw_logprobs_BxN=put(state.raw_logprobs_BxN, jnp.where(live_B, raw_B, 0.0)),
+        tokens_BxR=put(state.tokens_BxR, tokens_B),
+        logprobs_BxR=put(state.logprobs_BxR, jnp.where(live_B, lp_B, 0.0)),
+        raw_logprobs_BxR=put(state.raw_logprobs_BxR, jnp.where(live_B, raw_B, 0.0)),
         lengths_B=lengths_B,
         stopped_B=state.stopped_B | is_stop_B,
         done_B=state.done_B | is_stop_B | (lengths_B >= max_new_B),
@@ -216,20 +97,11 @@ def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxS, max_new_B
     )
 
 
-def step_uniforms(rng: Array, batch: int, steps: int) -> Array:
-    """[B, N] uniform numbers: column i is `uniforms(fold_in(rng, i), B)`, the random input
-    of the i-th draw of `sample_tokens`. Drawn all at once before the loop (a CPU decode step spent
-    a noticeable share of its time in the PRNG); split the rows over devices and each shard
-    draws exactly what the unsharded sampler would."""
-    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(steps, dtype=jnp.int32))
-    return jax.vmap(lambda k: uniforms(k, batch))(keys).T
-
-
 def segment_ends(n: int, segment: int) -> list[int]:
     """Where the decode loop's segments end: [segment, 2 * segment, ..., n] (0: [n]).
 
-    Segment i's steps attend over a cache of P + ends[i] slots (`decode_step.extend` grows it
-    between segments) instead of P + N: a step reads every slot of the cache, so the first
+    Segment i's steps attend over a cache of P + ends[i] slots (`decode.extend` grows it
+    between segments) instead of P + R: a step reads every slot of the cache, so the first
     segments read less. Each segment is its own `while_loop` (compiled separately), so short
     segments trade compile time for speed.
     """
@@ -246,11 +118,11 @@ def sample_tokens(
     prompt_BxP: Array,
     prompt_lengths_B: Array,
     max_new_B: Array,
-    stop_ids_BxS: Array,
+    stop_ids_BxW: Array,
     temperature_B: Array,
     top_k_B: Array,
     top_p_B: Array,
-    u_BxN: Array,
+    u_BxR: Array,
     *,
     pad_id: int,
     segment: int = 0,
@@ -263,26 +135,26 @@ def sample_tokens(
     Args:
       prompt_BxP: [B, P] int32 right-padded prompts.
       prompt_lengths_B: [B] int32, 1 <= L_b <= P.
-      max_new_B: [B] int32, at most N; 0 makes the row a no-op (batch padding).
-      stop_ids_BxS: [B, S] int32 stop ids per row, padded with -1.
+      max_new_B: [B] int32, at most R; 0 makes the row a no-op (batch padding).
+      stop_ids_BxW: [B, W] int32 stop ids per row, padded with -1.
       temperature_B, top_k_B, top_p_B: [B] sampling settings (module docstring).
-      u_BxN: [B, N] uniform numbers in (0, 1), column i for the i-th token of every row
-        (`step_uniforms(rng, B, N)`); N is the number of output columns.
-      segment: decode-loop segment length (`segment_ends`; 0 = one loop over all N slots).
+      u_BxR: [B, R] uniform numbers in (0, 1), column i for the i-th token of every row
+        (`step_uniforms(rng, B, R)`); R is the number of output columns.
+      segment: decode-loop segment length (`segment_ends`; 0 = one loop over all R slots).
     Returns:
-      SampleOutput with [B, N] tokens / log-probs and [B] lengths / stopped flags.
+      SampleOutput with [B, R] tokens / log-probs and [B] lengths / stopped flags.
     """
-    b, n = u_BxN.shape
-    ends = segment_ends(n, segment)
-    weights = decode_weights(model, params)
-    logits_BxV, cache = prefill(
-        model, params, prompt_BxP, prompt_lengths_B, n, slots=ends[0], weights=weights
+    b, r = u_BxR.shape
+    ends = segment_ends(r, segment)
+    weights = decode.decode_weights(model, params)
+    logits_BxV, cache = decode.prefill(
+        model, params, prompt_BxP, prompt_lengths_B, r, slots=ends[0], weights=weights
     )
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
-        tokens_BxN=jnp.full((b, n), pad_id, jnp.int32),
-        logprobs_BxN=jnp.zeros((b, n), jnp.float32),
-        raw_logprobs_BxN=jnp.zeros((b, n), jnp.float32),
+        tokens_BxR=jnp.full((b, r), pad_id, jnp.int32),
+        logprobs_BxR=jnp.zeros((b, r), jnp.float32),
+        raw_logprobs_BxR=jnp.zeros((b, r), jnp.float32),
         lengths_B=jnp.zeros((b,), jnp.int32),
         stopped_B=jnp.zeros((b,), bool),
         done_B=max_new_B <= 0,
@@ -290,27 +162,27 @@ def sample_tokens(
         cache=cache,
     )
     settings = (temperature_B, top_k_B, top_p_B)
-    first = draw_with_uniforms(u_BxN[:, 0], logits_BxV, *settings)
-    state = _record(state, *first, stop_ids_BxS, max_new_B, pad_id)
+    first = draw_with_uniforms(u_BxR[:, 0], logits_BxV, *settings)
+    state = _record(state, *first, stop_ids_BxW, max_new_B, pad_id)
 
     def body(s: SamplingState):
         # Feeds the token drawn last (generated token step - 1) and draws the next one.
-        logits_BxV, cache = decode_one(model, weights, s.last_token_B, s.step - 1, s.cache)
-        u_B = jax.lax.dynamic_slice_in_dim(u_BxN, s.step, 1, axis=1)[:, 0]
+        logits_BxV, cache = decode.decode_one(model, weights, s.last_token_B, s.step - 1, s.cache)
+        u_B = jax.lax.dynamic_slice_in_dim(u_BxR, s.step, 1, axis=1)[:, 0]
         drawn = draw_with_uniforms(u_B, logits_BxV, *settings)
-        return _record(s.replace(cache=cache), *drawn, stop_ids_BxS, max_new_B, pad_id)
+        return _record(s.replace(cache=cache), *drawn, stop_ids_BxW, max_new_B, pad_id)
 
     for i, end in enumerate(ends):
         # Steps up to `end` write generated slots < end: the cache holds exactly those.
         if i:
-            state = state.replace(cache=extend(state.cache, end))
+            state = state.replace(cache=decode.extend(state.cache, end))
         state = jax.lax.while_loop(
             lambda s, end=end: (s.step < end) & ~jnp.all(s.done_B), body, state
         )
     return SampleOutput(
-        tokens_BxN=state.tokens_BxN,
-        logprobs_BxN=state.logprobs_BxN,
-        raw_logprobs_BxN=state.raw_logprobs_BxN,
+        tokens_BxR=state.tokens_BxR,
+        logprobs_BxR=state.logprobs_BxR,
+        raw_logprobs_BxR=state.raw_logprobs_BxR,
         lengths_B=state.lengths_B,
         stopped_B=state.stopped_B,
     )
@@ -400,7 +272,7 @@ class Sampler:
         decode loop per shard of rows (`_row_axes`)."""
         self.num_traces += 1  # Runs only while tracing: counts compilations.
         *rows, rng = arrays
-        u_BxN = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
+        u_BxR = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
         fn = functools.partial(sample_tokens, self.model, pad_id=self.pad_id, segment=self.segment)
         if per_shard:
             spec = jax.P(self._row_axes())
@@ -408,7 +280,7 @@ class Sampler:
                 fn, mesh=self.mesh, in_specs=(jax.P(), *[spec] * len(rows), spec),
                 out_specs=spec,
             )  # fmt: skip
-        return fn(params, *rows, u_BxN)
+        return fn(params, *rows, u_BxR)
 
     def _row_axes(self) -> tuple[str, ...] | None:
         """The mesh axes rows are split over when they are all the mesh's axes (rows are then
@@ -467,9 +339,9 @@ class Sampler:
         if max_new.shape != (n_rows,):
             raise ValueError(f"max_new_tokens has shape {max_new.shape}, expected ({n_rows},)")
         width = max(self.stop_width, max(len(s) for s in rows_stop))
-        stop_BxS = np.full((b, width), -1, np.int32)
+        stop_BxW = np.full((b, width), -1, np.int32)
         for i, s in enumerate(rows_stop):
-            stop_BxS[i, : len(s)] = s
+            stop_BxW[i, : len(s)] = s
 
         def pad_rows(x, fill):
             return np.concatenate([x, np.full((b - n_rows,), fill, x.dtype)])
@@ -478,7 +350,7 @@ class Sampler:
             prompt_BxP,
             pad_rows(lengths, 1),
             pad_rows(max_new, 0),
-            stop_BxS,
+            stop_BxW,
             pad_rows(_per_row(temperature, n_rows, np.float32), 1.0),
             pad_rows(_per_row(top_k, n_rows, np.int32), 0),
             pad_rows(_per_row(top_p, n_rows, np.float32), 1.0),
@@ -487,9 +359,9 @@ class Sampler:
         out = jax.device_get(out)
         ln = out.lengths_B
         return SampleResult(
-            tokens=[out.tokens_BxN[i, : ln[i]] for i in range(n_rows)],
-            logprobs=[out.logprobs_BxN[i, : ln[i]] for i in range(n_rows)],
-            raw_logprobs=[out.raw_logprobs_BxN[i, : ln[i]] for i in range(n_rows)],
+            tokens=[out.tokens_BxR[i, : ln[i]] for i in range(n_rows)],
+            logprobs=[out.logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
+            raw_logprobs=[out.raw_logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
             stopped=np.asarray(out.stopped_B[:n_rows]),
         )
 
@@ -549,15 +421,9 @@ __all__ = [
     "Sampler",
     "SamplingState",
     "batch_bucket",
-    "blocked_cumsum",
-    "draw_with_uniforms",
-    "filter_logits",
-    "first_argmax",
     "length_bucket",
     "logprob_mismatch",
     "sample_tokens",
     "segment_ends",
     "sequence_logprobs",
-    "step_uniforms",
-    "uniforms",
 ]

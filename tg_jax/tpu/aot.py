@@ -15,7 +15,7 @@ Two programs are compiled:
   `--train_rows` student rows of `--seq_len` tokens and as many teacher rows of
   `--teacher_len` (per-trajectory hinted contexts), with `config.rl.micro_batches`; or, with
   `--step=lm`, a next-token loss + AdamW step of the same shapes (no teacher), the baseline.
-* sample: one step of the sampler's decode loop (`tg_jax.sampling.decode_step.decode_one`)
+* sample: one step of the sampler's decode loop (`tg_jax.models.decode.decode_one`)
   for `--decode_rows` rows with a KV cache of `--cache_len` slots (prompt + generated), on
   the same mesh and param shardings.
 """
@@ -236,20 +236,20 @@ def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
 
 
 def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: int, max_new: int):
-    """One step of the sampler's decode loop (`tg_jax.sampling.decode_step.decode_one`): one
+    """One step of the sampler's decode loop (`tg_jax.models.decode.decode_one`): one
     token for each of `rows` rows against a KV cache of `cache_len` slots, the last `max_new`
     of them for generated tokens; the cache is donated (updated in place). The step's weights
     are what the sampler feeds its loop (`decode_weights(params)` where that exists)."""
-    from tg_jax.sampling import decode_step  # noqa: PLC0415
+    from tg_jax.models import decode  # noqa: PLC0415
 
     cfg = ModelConfig.from_config(config.model)
     model = Transformer(cfg)
     params = abstract_params(model, mesh, rules)
-    if hasattr(decode_step, "decode_weights"):
+    if hasattr(decode, "decode_weights"):
         # The sampler rearranges the params once per sampling call; a step takes the result.
         def prepare(p):
             with nn.logical_axis_rules(rules):
-                return decode_step.decode_weights(model, p)
+                return decode.decode_weights(model, p)
 
         with jax.set_mesh(mesh):
             prepared = jax.jit(prepare).lower(params).compile()
@@ -260,7 +260,7 @@ def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: in
     prompt = jax.ShapeDtypeStruct((rows, cache_len - max_new), jnp.int32)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
     _, shapes = jax.eval_shape(
-        lambda p, t, n: decode_step.prefill(model, p, t, n, max_new),
+        lambda p, t, n: decode.prefill(model, p, t, n, max_new),
         abstract_params(model, mesh, rules), prompt, lengths,
     )  # fmt: skip
     spec = nn.logical_to_mesh_axes(("batch", "kv_heads"), rules)
@@ -276,7 +276,7 @@ def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: in
 
     def step(p, tokens_B, i, c):
         with nn.logical_axis_rules(rules):
-            logits_BxV, c = decode_step.decode_one(model, p, tokens_B, i, c)
+            logits_BxV, c = decode.decode_one(model, p, tokens_B, i, c)
         return jnp.argmax(logits_BxV, axis=-1), c
 
     cache_sh = jax.tree.map(lambda x: x.sharding, cache)

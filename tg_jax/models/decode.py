@@ -1,26 +1,29 @@
-"""The sampler's KV cache: prefill of the prompt block, then one token per row per step.
+"""The model's decode path: prefill of a prompt block, then one token per row per step.
 
-Both run the model's layers (its `RMSNorm`, `rope` arithmetic, feed-forward and embedding
-modules, applied to the model's params, with q/k/v and gate/up fused into single matmuls by
-`decode_weights`) and produce keys and values directly in a layout for the decode loop:
+This is the one KV-cache implementation (the sampler's loop drives it): the model's layers
+(its `RMSNorm`, RoPE tables, feed-forward and embedding modules, applied to the model's params)
+with q/k/v and gate/up fused into single matmuls by `decode_weights`. `models.forward` is the
+cache-free full-sequence path; tests check this one against it and against Hugging Face
+`generate`. Shape letters: the legend in `tg_jax.models`.
 
-  per layer k: [B, K, Dh, P + N], v: [B, K, P + N, Dh]  (batch, kv heads, head dim, slots)
+Keys and values are produced directly in the layout of the decode loop:
+
+  per layer k: [B, K, H, P + R], v: [B, K, P + R, H]  (batch, kv heads, head dim, slots)
   slots 0..P-1:   the prompt block, slot == position (row b's prompt is slots 0..L_b-1)
   slot  P + i:    generated token i of EVERY row (its position is L_b + i)
 
-so each step writes one shared column with an in-place `dynamic_update_slice`, and a mask says
-which slots a row sees (its prompt slots < L_b and generated slots P..P+i). The RoPE cos / sin
-of every position 0..P+N-1 are computed once at prefill and a step gathers its rows' entries
-(computed inside the step, XLA repeated the trigonometry in every fusion that used them).
-Layers are unrolled with one cache array per layer, so nothing copies the cache inside the
-`while_loop`. Keys are stored slot-minor so that q.K is a plain [G, Dh] x [Dh, S] matmul per
-(row, kv head): with the model's [.., S, Dh] layout XLA:CPU's batched dot was 2x (S = 192) to
-9x (S = 640) slower.
+so each step writes one shared column with an in-place `dynamic_update_slice` (not a per-row
+scatter), and a mask says which slots a row sees (its prompt slots < L_b and generated slots
+P..P+i). The RoPE cos / sin of every position 0..P+R-1 are computed once at prefill and a step
+gathers its rows' entries (computed inside the step, XLA repeated the trigonometry in every
+fusion that used them). Layers are unrolled with one cache array per layer, so nothing slices
+or restacks the cache inside the `while_loop`. Keys are stored slot-minor so that q.K is a
+plain [G, H] x [H, S] matmul per (row, kv head): XLA:CPU's batched dot over the [.., S, H]
+layout was much slower.
 
-Why not `tg_jax.models.decode` for the steps: it writes each row at its own position (a
-per-row scatter), and its layer `scan` slices and restacks the whole cache every step. On a
-2-core CPU with the default model at batch 64 that made one step ~4x slower than this one.
-Tests check this path against `models.forward` and against Hugging Face `generate`.
+    weights = decode_weights(model, params)
+    logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, r, weights=weights)
+    logits_BxV, cache = decode_one(model, weights, tokens_B, index, cache)
 """
 
 from __future__ import annotations
@@ -31,9 +34,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tg_jax.models import Transformer
-from tg_jax.models.layers import RMSNorm
-from tg_jax.models.qwen3 import make_ffn
+from tg_jax.models.layers import RMSNorm, apply_rope, rope_tables
+from tg_jax.models.qwen3 import Transformer, make_ffn
 
 Array = jax.Array
 _MASKED = jnp.finfo(jnp.float32).min  # score of a slot a query must not see
@@ -45,10 +47,10 @@ class DecodeCache:
     """Per-layer keys/values of prompt + generated tokens.
 
     Attributes:
-      k: tuple of num_layers arrays [B, K, Dh, P + N] (compute dtype).
-      v: tuple of num_layers arrays [B, K, P + N, Dh].
+      k: tuple of num_layers arrays [B, K, H, P + R] (compute dtype).
+      v: tuple of num_layers arrays [B, K, P + R, H].
       prompt_lengths_B: [B] int32 L_b.
-      rope_cos, rope_sin: [P + N, Dh / 2] f32 RoPE tables by position (`rope_tables`).
+      rope_cos, rope_sin: [P + R, H / 2] f32 RoPE tables by position (`rope_tables`).
       prompt_slots: P (static).
     """
 
@@ -66,7 +68,7 @@ class DecodeWeights:
 
     Attributes:
       layers: per layer, {"attn_norm", "q_norm", "k_norm", "mlp_norm": RMSNorm params,
-        "qkv": [D, (N + 2K) * Dh] fused q/k/v projection, "o": [N * Dh, D], and for a dense
+        "qkv": [D, Q] fused q/k/v projection, "o": [N * H, D], and for a dense
         model "gate_up": [D, 2F] fused and "down": [F, D]; for MoE "mlp": the layer's params}.
       unembed: [D, V] output projection (the embedding transposed when tied).
       params: the full params (embedding, final norm).
@@ -131,8 +133,8 @@ def prefill(
     Args:
       prompt_BxP: [B, P] int32 right-padded prompts.
       prompt_lengths_B: [B] int32, 1 <= L_b <= P.
-      max_new: N, generated tokens the cache serves (its RoPE tables cover P + N positions).
-      slots: generated-token slots to allocate now (default N; `extend` adds more).
+      max_new: R, generated tokens the cache serves (its RoPE tables cover P + R positions).
+      slots: generated-token slots to allocate now (default R; `extend` adds more).
       weights: `decode_weights(model, params)` when the caller has them.
     Returns:
       (fp32 logits [B, V] at each row's last prompt token, DecodeCache with P + slots slots).
@@ -144,8 +146,8 @@ def prefill(
     slots = max_new if slots is None else slots
     weights = decode_weights(model, params) if weights is None else weights
     all_positions_1xS = jnp.arange(p + max_new, dtype=jnp.int32)[None, :]
-    cos_1xSx1xH, sin_1xSx1xH = rope_tables(all_positions_1xS, h, cfg.rope_theta)
-    rope_P = (cos_1xSx1xH[:, :p], sin_1xSx1xH[:, :p])
+    cos_1xSx1xH2, sin_1xSx1xH2 = rope_tables(all_positions_1xS, h, cfg.rope_theta)
+    rope_P = (cos_1xSx1xH2[:, :p], sin_1xSx1xH2[:, :p])
     t_P = jnp.arange(p)
 
     x_BxPxD = _embed(model, weights, prompt_BxP)
@@ -158,8 +160,8 @@ def prefill(
         ks.append(k_BxKxHxP)
         vs.append(v_BxKxPxH)
         if i < len(weights.layers) - 1:
-            out_BxPxE = _causal_attention(cfg, q_BxPxNxH, k_BxKxHxP, v_BxKxPxH)
-            x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxE)
+            out_BxPxNxH = _causal_attention(cfg, q_BxPxNxH, k_BxKxHxP, v_BxKxPxH)
+            x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxNxH)
         else:
             # Past the last layer's keys and values only each row's last prompt token is
             # used (its logits): the rest of the layer runs for that token alone, as a decode
@@ -170,10 +172,10 @@ def prefill(
                 q_BxNxH.reshape(b, n_kv, n // n_kv, h), k_BxKxHxP, v_BxKxPxH, visible_Bx1x1xP, dt
             )
             x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
-            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n * h))
+            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n, h))
 
     cache = DecodeCache(
-        tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH[0, :, 0], sin_1xSx1xH[0, :, 0],
+        tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0],
         prompt_slots=p,
     )  # fmt: skip
     return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(cache, slots)
@@ -183,7 +185,7 @@ def extend(cache: DecodeCache, slots: int) -> DecodeCache:
     """The cache with `slots` generated-token slots (appended empty slots; one copy).
 
     The sampler's loop runs in segments and grows the cache between them, so that a step
-    attends over the slots generated so far (rounded up to its segment), not over all N: the
+    attends over the slots generated so far (rounded up to its segment), not over all R: the
     attention reads every cache slot, and on CPU it is bound by those reads.
     """
     total = cache.prompt_slots + slots
@@ -201,28 +203,6 @@ def _write(cache: Array, new: Array, col: Array, slot_axis: int) -> Array:
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
 
 
-def rope_tables(positions_BxT: Array, head_dim: int, theta: float) -> tuple[Array, Array]:
-    """cos, sin [B, T, 1, Dh/2] of `tg_jax.models.layers.rope` (the same arithmetic)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_BxTxH2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
-    return jnp.cos(angles_BxTxH2)[:, :, None, :], jnp.sin(angles_BxTxH2)[:, :, None, :]
-
-
-def apply_rope(x_BxTxNxH: Array, cos: Array, sin: Array) -> Array:
-    """`tg_jax.models.layers.rope` with precomputed tables (the same arithmetic).
-
-    Written as x * [cos, cos] + [x2, x1] * [-sin, sin], one elementwise pass over x and its
-    halves swapped (x1 * cos + x2 * (-sin) rounds like x1 * cos - x2 * sin; compiled, XLA may
-    fuse the products differently, a float-rounding difference). XLA:CPU ran the split / two
-    products / concatenate form as several kernels per decode step.
-    """
-    x = x_BxTxNxH.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
-    out = x * jnp.concatenate([cos, cos], axis=-1) + swapped * jnp.concatenate([-sin, sin], axis=-1)
-    return out.astype(x_BxTxNxH.dtype)
-
-
 def _norm(cfg, x: Array, norm_params: Any) -> Array:
     return RMSNorm(cfg.rms_norm_eps, cfg.jnp_param_dtype).apply({"params": norm_params}, x)
 
@@ -233,23 +213,24 @@ def _embed(model: Transformer, weights: DecodeWeights, tokens_BxT: Array) -> Arr
 
 def _attention_inputs(cfg, w: dict[str, Any], x_BxTxD: Array, cos: Array, sin: Array):
     """Pre-norm, fused q/k/v projection, q/k RMSNorm and RoPE of one layer:
-    (q [B, T, N, Dh], k [B, T, K, Dh], v [B, T, K, Dh])."""
+    (q [B, T, N, H], k [B, T, K, H], v [B, T, K, H])."""
     n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b, t = x_BxTxD.shape[:2]
-    qkv_BxTxE = _norm(cfg, x_BxTxD, w["attn_norm"]).astype(cfg.jnp_dtype) @ w["qkv"]
-    q_BxTxNxH = qkv_BxTxE[..., : n * h].reshape(b, t, n, h)
-    k_BxTxKxH = qkv_BxTxE[..., n * h : (n + n_kv) * h].reshape(b, t, n_kv, h)
-    v_BxTxKxH = qkv_BxTxE[..., (n + n_kv) * h :].reshape(b, t, n_kv, h)
+    qkv_BxTxQ = _norm(cfg, x_BxTxD, w["attn_norm"]).astype(cfg.jnp_dtype) @ w["qkv"]
+    q_BxTxNxH = qkv_BxTxQ[..., : n * h].reshape(b, t, n, h)
+    k_BxTxKxH = qkv_BxTxQ[..., n * h : (n + n_kv) * h].reshape(b, t, n_kv, h)
+    v_BxTxKxH = qkv_BxTxQ[..., (n + n_kv) * h :].reshape(b, t, n_kv, h)
     q_BxTxNxH = apply_rope(_norm(cfg, q_BxTxNxH, w["q_norm"]), cos, sin)
     k_BxTxKxH = apply_rope(_norm(cfg, k_BxTxKxH, w["k_norm"]), cos, sin)
     return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
 
 
-def _attention_output_and_ffn(cfg, w: dict[str, Any], x_BxTxD: Array, attn_BxTxE: Array):
+def _attention_output_and_ffn(cfg, w: dict[str, Any], x_BxTxD: Array, attn_BxTxNxH: Array):
     """The rest of one layer: output projection and residual, pre-norm feed-forward and
     residual (SwiGLU with fused gate/up, or the MoE block)."""
     dt = cfg.jnp_dtype
-    x_BxTxD = x_BxTxD + attn_BxTxE @ w["o"]
+    b, t = attn_BxTxNxH.shape[:2]
+    x_BxTxD = x_BxTxD + attn_BxTxNxH.reshape(b, t, -1) @ w["o"]
     hid_BxTxD = _norm(cfg, x_BxTxD, w["mlp_norm"])
     if cfg.is_moe:
         ffn = make_ffn(cfg, "mlp").apply({"params": w["mlp"]}, hid_BxTxD)
@@ -266,7 +247,7 @@ def _logits(cfg, weights: DecodeWeights, x_BxD: Array) -> Array:
 
 
 def _causal_attention(cfg, q_BxPxNxH: Array, k_BxKxHxP: Array, v_BxKxPxH: Array) -> Array:
-    """Causal attention of the prompt block over its own keys: [B, P, N * Dh]."""
+    """Causal attention of the prompt block over its own keys: [B, P, N, H]."""
     dt = cfg.jnp_dtype
     n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b, p = q_BxPxNxH.shape[:2]
@@ -285,11 +266,11 @@ def _causal_attention(cfg, q_BxPxNxH: Array, k_BxKxHxP: Array, v_BxKxPxH: Array)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxPxH[:, :, :hi]))
     out_BxKxGxPxH = jnp.concatenate(outs, axis=3)
-    return jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n * h)
+    return jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n, h)
 
 
 def _attend(q_BxKxGxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, visible, dt) -> Array:
-    """One query token per row against the cache slots it may see: [B, K, G, Dh]."""
+    """One query token per row against the cache slots it may see: [B, K, G, H]."""
     h = q_BxKxGxH.shape[-1]
     scores_BxKxGxS = jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, k_BxKxHxS.astype(dt))
     scores_BxKxGxS = scores_BxKxGxS.astype(jnp.float32) * (h**-0.5)
@@ -326,7 +307,7 @@ def decode_one(
     in_prompt_BxS = slot_S[None, :] < cache.prompt_lengths_B[:, None]
     generated_1xS = ((slot_S >= p) & (slot_S <= col))[None, :]
     visible_Bx1x1xS = (in_prompt_BxS | generated_1xS)[:, None, None, :]
-    cos = cache.rope_cos[positions_Bx1][:, :, None, :]  # [B, 1, 1, Dh/2]
+    cos = cache.rope_cos[positions_Bx1][:, :, None, :]  # [B, 1, 1, H / 2]
     sin = cache.rope_sin[positions_Bx1][:, :, None, :]
 
     x_Bx1xD = _embed(model, weights, tokens_B[:, None])
@@ -337,7 +318,7 @@ def decode_one(
         new_v[i] = _write(new_v[i], jnp.transpose(v_Bx1xKxH, (0, 2, 1, 3)), col, slot_axis=2)
         q_BxKxGxH = q_Bx1xNxH.reshape(b, n_kv, n // n_kv, h)
         out_BxKxGxH = _attend(q_BxKxGxH, new_k[i], new_v[i], visible_Bx1x1xS, dt)
-        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n * h))
+        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n, h))
 
     return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
