@@ -1,4 +1,4 @@
-"""The embedded default (DESIGN.md section 3): data -> SFT base model -> GRPO vs TG -> report.
+"""The embedded default (docs/design.md section 3): data -> SFT base model -> GRPO vs TG -> report.
 
 Run the whole main job:
     python -m tg_jax.main --config=configs/default.py --workdir=./workdir

@@ -1,4 +1,4 @@
-"""The full evaluation protocol on the embedded default (DESIGN.md section 4).
+"""The full evaluation protocol on the embedded default (docs/design.md section 4).
 
 Same data, base model and RL budget as configs/default.py; every arm of
 tg_jax.train.pipeline.ARMS (GRPO, TG, TG with thinking tokens, the ablations and the

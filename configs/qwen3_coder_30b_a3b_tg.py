@@ -1,6 +1,6 @@
 """Qwen3-Coder-30B-A3B + targeted guidance at the published settings, on a TPU v5p slice.
 
-200 RL steps of 32 groups x 32 rollouts, one epoch over the tasks, async sampling (DESIGN.md
+200 RL steps of 32 groups x 32 rollouts, one epoch over the tasks, async sampling (docs/design.md
 section 1), from the Hugging Face checkpoint, bf16 compute with fp32 master weights, full
 rematerialisation, expert parallelism. Builds on configs/default.py: every section not set
 here (env, tasks, tg options, ...) is the default's.

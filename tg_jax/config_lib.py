@@ -310,7 +310,7 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     """Final held-out evaluation, arms and seeds, statistics and the non-inferiority margin.
 
     The margin and the interval that decides non-inferiority are fixed here, before any run
-    (DESIGN.md section 4; see tg_jax.evaluation.stats for the exact interval).
+    (docs/design.md section 4; see tg_jax.evaluation.stats for the exact interval).
     """
     c = ml_collections.ConfigDict()
     c.num_tasks = 128  # held-out tasks (never used in training); the bootstrap unit

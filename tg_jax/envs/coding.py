@@ -1,4 +1,4 @@
-"""The embedded agentic coding environment (DESIGN.md section 3).
+"""The embedded agentic coding environment (docs/design.md section 3).
 
 Episode: the user message shows 3 examples of a hidden f; each assistant turn writes Python
 defining f and calls a tool (see protocol.py). `run_tests` executes the code for real in the

@@ -1,6 +1,6 @@
 """Imperfect feedback: pick a correct, an irrelevant or a wrong hint at set rates.
 
-Used to measure how sensitive targeted guidance is to feedback quality (DESIGN.md section 4).
+Used to measure how sensitive targeted guidance is to feedback quality (docs/design.md section 4).
 A wrong hint points at a different format (it would make the turn fail the requirement); an
 irrelevant hint is true-sounding advice that says nothing about the requirement.
 """

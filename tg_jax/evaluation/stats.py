@@ -1,6 +1,6 @@
 """Held-out statistics: per-episode records -> rates, intervals and the non-inferiority verdict.
 
-DESIGN.md section 4. Three kinds of uncertainty are kept apart, and each number says which
+docs/design.md section 4. Three kinds of uncertainty are kept apart, and each number says which
 one it carries:
 
 * Test items (held-out tasks): percentile *cluster* bootstrap, with a fixed seed. The

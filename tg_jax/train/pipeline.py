@@ -51,7 +51,7 @@ class Arm:
     description: str
 
 
-# Every arm differs from the shared config only by these overrides (DESIGN.md section 4:
+# Every arm differs from the shared config only by these overrides (docs/design.md section 4:
 # same data, sampling budget and tuning budget for all of them).
 ARMS: dict[str, Arm] = {
     "grpo": Arm({"tg.enabled": False}, "main", "GRPO with task and requirement rewards, no hints"),

@@ -1,4 +1,4 @@
-"""SFT of the base model on expert transcripts of the coding environment (DESIGN.md section 3).
+"""SFT of the base model on expert transcripts of the coding environment (docs/design.md section 3).
 
 `run_sft(config, workdir)`:
 
