@@ -224,8 +224,11 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     c.log_every = 100  # progress-line interval when not on a TTY
     c.checkpoint_every = 500  # checkpoint interval in steps (the last step is always saved)
     c.eval = sft_eval_config()  # the base-model evaluation written to sft_eval.json
-    c.select = sft_select_config()  # model selection on dev tasks (tg_jax.train.sft_select)
     c.require = sft_require_config()  # gates on the base model, checked before any RL
+    c.select = sft_select_config()  # model selection on dev tasks (tg_jax.train.sft_select)
+    # Selection's compliance bounds follow the gates' (overriding a gate moves both).
+    c.select.unprompted_max = c.require.get_ref("max_unprompted_compliance")
+    c.select.hinted_min = c.require.get_ref("min_hinted_compliance")
     c.retry_seeds = 0  # on a gate failure retry SFT with seed+1, data_seed+1, this many times
     c.update(overrides)
     return c
