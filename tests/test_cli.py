@@ -49,3 +49,21 @@ def test_workdir_that_is_a_file(tmp_path):
     result = _main(f"--workdir={path}")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [f"error: --workdir {path} is a file"]
+
+
+def test_base_model_outside_the_gates_is_a_clear_error_and_exit_3(tmp_path):
+    # The tiny config turns the gates off; on, its 6-step base model (pass rate 0) fails them.
+    work = tmp_path / "w"
+    result = _main(
+        f"--workdir={work}", "--config.stage=pipeline", "--config.sft.require.enabled=True"
+    )
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert "error: the SFT base model is outside the gates of sft.require; no RL was run." in (
+        result.stderr
+    )
+    assert "FAIL pass_rate 0.000 outside [0.2, 0.6]" in result.stderr
+    assert "knobs to turn: sft.steps" in result.stderr
+    assert os.path.exists(work / "sft_eval.json")
+    assert not os.path.exists(work / "runs") and not os.path.exists(work / "report")
+    assert not os.path.exists(work / "preregistration.json")

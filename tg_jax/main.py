@@ -71,6 +71,7 @@ def run_pipeline(config, workdir: str) -> None:
 
 STAGES = {"forward": run_forward, "data": run_data, "sft": run_sft, "pipeline": run_pipeline}
 USAGE_ERROR = 2  # exit status of a bad command line
+GATE_ERROR = 3  # exit status when the base model fails its gates (sft.require)
 
 
 def _fail(message: str) -> None:
@@ -158,7 +159,13 @@ def main(argv):
 
     # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
     distributed.initialize_from_env()
-    STAGES[config.stage](config, workdir)
+    from tg_jax.train.sft_gates import BaseModelGateError
+
+    try:
+        STAGES[config.stage](config, workdir)
+    except BaseModelGateError as e:  # a measured outcome, not a crash: no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(GATE_ERROR)
 
 
 if __name__ == "__main__":
