@@ -36,6 +36,7 @@ from tg_jax.envs.protocol import (
 from tg_jax.envs.tasks import (
     EASY_FAMILIES,
     FAMILIES,
+    SPLITS,
     Task,
     generate_tasks,
     make_task,
@@ -67,6 +68,17 @@ def test_every_function_is_in_exactly_one_split_and_each_split_has_every_family(
     assert {key(t) for t in train}.isdisjoint({key(t) for t in heldout})
     assert {t.family for t in heldout} == set(FAMILIES)
     assert all(t.split == "train" for t in train) and all(t.split == "heldout" for t in heldout)
+
+
+def test_dev_split_is_disjoint_from_train_and_heldout():
+    key = lambda t: (t.family, t.params)
+    for fam in FAMILIES.values():
+        dev = {p for p in fam.grid if split_of(fam.name, p) == "dev"}
+        assert 1 <= len(dev) < len(fam.grid) / 4, fam.name
+    fams = tuple(FAMILIES)
+    sets = {s: {key(t) for t in generate_tasks(s, 400, seed=0, families=fams)} for s in SPLITS}
+    assert sets["dev"].isdisjoint(sets["train"]) and sets["dev"].isdisjoint(sets["heldout"])
+    assert all(split_of(f, p) == "dev" for f, p in sets["dev"])
 
 
 def test_heldout_set_of_the_default_config_has_100_distinct_functions():

@@ -235,12 +235,12 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
 
 
 def sft_select_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Model selection during SFT on dev tasks of the train split (tg_jax.train.sft_select)."""
+    """Model selection during SFT on tasks of the dev split (tg_jax.train.sft_select)."""
     c = ml_collections.ConfigDict()
     c.enabled = True  # False: the last SFT step is the base model
     c.every = 250  # steps between dev evaluations
     c.start = 1000  # first step evaluated
-    c.num_tasks = 64  # dev tasks per evaluation (train-split functions, never held-out)
+    c.num_tasks = 64  # dev tasks per evaluation (dev-split functions: not trained, not tested)
     c.seed = 7  # seed of the dev tasks and their sampling
     c.max_new_tokens = 128  # decode budget per assistant turn
     c.pass_rate_max = 0.6  # eligible up to this temperature-1 dev pass rate

@@ -27,8 +27,9 @@ import random
 import zlib
 from collections.abc import Callable, Sequence
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "dev", "heldout")
 HELDOUT_FRACTION = 0.2
+DEV_FRACTION = 0.1  # of each family's functions: the SFT model-selection split
 _B = tuple(range(-9, 10))
 # The easy families' constants: 129 per family, so the held-out split has 4 x 26 = 104
 # distinct functions (the bootstrap's independent units; with -9..9 it had 16).
@@ -132,25 +133,31 @@ def check_families(families: Sequence[str]) -> tuple[str, ...]:
 def split_of(family: str, params: Sequence[int]) -> str:
     """The split a function belongs to, fixed forever by a stable hash of its identity.
 
-    Within each family the functions are ordered by hash and the first HELDOUT_FRACTION go to
-    "heldout", so every family has held-out functions and the split never changes.
+    Within each family the functions are ordered by hash; the first HELDOUT_FRACTION go to
+    "heldout", the next DEV_FRACTION to "dev" (SFT model selection: functions neither trained
+    on nor tested on), the rest to "train". Every family has functions in each split, and the
+    split never changes.
     """
-    return "heldout" if tuple(params) in _heldout_params(family) else "train"
+    held, dev = _split_params(family)
+    p = tuple(params)
+    return "heldout" if p in held else "dev" if p in dev else "train"
 
 
 def _key_hash(family: str, params: Sequence[int]) -> int:
     return zlib.crc32(f"{family}:{','.join(map(str, params))}".encode())
 
 
-_HELDOUT_CACHE: dict[str, frozenset] = {}
+_SPLIT_CACHE: dict[str, tuple[frozenset, frozenset]] = {}
 
 
-def _heldout_params(family: str) -> frozenset:
-    if family not in _HELDOUT_CACHE:
+def _split_params(family: str) -> tuple[frozenset, frozenset]:
+    """(held-out params, dev params) of a family."""
+    if family not in _SPLIT_CACHE:
         grid = sorted(FAMILIES[family].grid, key=lambda p: _key_hash(family, p))
         n = max(1, round(HELDOUT_FRACTION * len(grid)))
-        _HELDOUT_CACHE[family] = frozenset(grid[:n])
-    return _HELDOUT_CACHE[family]
+        d = max(1, round(DEV_FRACTION * len(grid)))
+        _SPLIT_CACHE[family] = (frozenset(grid[:n]), frozenset(grid[n : n + d]))
+    return _SPLIT_CACHE[family]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +166,7 @@ class Task:
 
     Attributes:
       task_id: unique id, e.g. "train/0/17".
-      split: "train" or "heldout".
+      split: "train", "dev" or "heldout".
       family: key of FAMILIES.
       params: the family's parameters.
       visible: (x, f(x)) pairs shown in the prompt and used by run_tests.
@@ -290,7 +297,7 @@ def generate_tasks(
     """Deterministic list of tasks of one split.
 
     Args:
-      split: "train" or "heldout"; only functions of that split are drawn.
+      split: "train", "dev" or "heldout"; only functions of that split are drawn.
       n: number of tasks.
       seed: same (split, n, seed, knobs) -> same tasks.
       families: families to draw from (in rounds of every family in a shuffled order; each

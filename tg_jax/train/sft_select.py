@@ -1,11 +1,12 @@
-"""Model selection during SFT on a dev split of the training tasks.
+"""Model selection during SFT on the dev split of the tasks (functions used nowhere else).
 
 The SFT trajectory of a tiny byte model is chaotic: the same recipe lands at very different
 pass rates for different seeds, and a float-rounding-level change (another CPU's reduction
 order) moves it as much as a seed does. The final step is therefore a poor choice of base
 model. Instead, every `sft.select.every` steps from `sft.select.start` on, the model plays
-`sft.select.num_tasks` dev tasks (train-split functions, drawn with their own seed: never
-the held-out split) at temperature 1, plain and hinted, and the best checkpoint so far is
+`sft.select.num_tasks` dev tasks (the "dev" split of `tg_jax.envs.tasks`: functions that
+neither SFT, RL nor the held-out evaluation use, so the dev pass rate estimates the held-out
+one without touching it) at temperature 1, plain and hinted, and the best checkpoint so far is
 kept in `workdir/sft/best/`:
 
   eligible: unprompted compliance <= `unprompted_max` and hinted compliance >= `hinted_min`
@@ -42,7 +43,7 @@ class SelectConfig:
       enabled: select the base model on the dev split (False: the last step is the model).
       every: steps between dev evaluations.
       start: first step evaluated (earlier checkpoints are never chosen).
-      num_tasks: dev tasks per evaluation (train split, `seed`).
+      num_tasks: dev tasks per evaluation (dev split, `seed`).
       seed: seed of the dev tasks and their sampling.
       max_new_tokens: decode budget per assistant turn.
       pass_rate_max: eligible only up to this temperature-1 pass rate.
@@ -133,7 +134,7 @@ class DevSelector:
     def tasks(self):
         if self._tasks is None:
             self._tasks = generate_tasks(
-                "train", self.cfg.num_tasks, seed=self.cfg.seed,
+                "dev", self.cfg.num_tasks, seed=self.cfg.seed,
                 families=self.config.tasks.families,
             )  # fmt: skip
         return self._tasks
