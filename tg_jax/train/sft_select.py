@@ -26,6 +26,8 @@ import json
 import os
 from typing import Any
 
+import ml_collections
+
 from tg_jax import checkpointing
 from tg_jax.envs.coding import coding_env_config
 from tg_jax.envs.tasks import generate_tasks
@@ -150,7 +152,7 @@ class DevSelector:
                     "max_new_tokens": self.cfg.max_new_tokens}  # fmt: skip
         result = sft_eval.evaluate_base_model(
             self.model, state.params, self.renderer, self.tasks(), env_cfg,
-            _Obj(eval_cfg), max_len=self.model.config.max_seq_len,
+            ml_collections.ConfigDict(eval_cfg), max_len=self.model.config.max_seq_len,
         )  # fmt: skip
         figures = dev_figures(result, tuple(env_cfg.requirements))
         ok = compliant(figures, self.cfg)
@@ -176,13 +178,6 @@ class DevSelector:
         with open(tmp, "w") as f:
             json.dump(out, f, indent=2)
         os.replace(tmp, self.path)
-
-
-class _Obj:
-    """Attribute access over a dict (the evaluation reads `cfg.seed`, `cfg.temperatures`...)."""
-
-    def __init__(self, d: dict[str, Any]):
-        self.__dict__.update(d)
 
 
 def read_selection(sft_dir: str) -> dict[str, Any]:
