@@ -158,9 +158,8 @@ class DevSelector:
         ok = compliant(figures, self.cfg)
         entry = {"step": step, "figures": figures, "compliant": ok,
                  "eligible": ok and figures["pass_rate"] <= self.cfg.pass_rate_max}  # fmt: skip
-        before = choose(self.entries)
         self.entries.append(entry)
-        if choose(self.entries) is entry and (before is None or before["step"] != step):
+        if choose(self.entries) is entry:  # a new best: keep its checkpoint
             with checkpointing.TrainingCheckpointer(self.best_dir, max_to_keep=1) as ckpt:
                 ckpt.save(step, state, metadata={"stage": "sft_best", "step": step}, force=True)
         self._write()
