@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from tg_jax.models import ModelConfig
@@ -63,3 +65,62 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(np.asarray(tokens, np.int64)))
     return out.logits.numpy()
+
+
+TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "data", "qwen3_chat_template.jinja")
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+    "</tool_call>", "<tool_response>", "</tool_response>",
+)  # fmt: skip
+_CORPUS = (
+    "def f(x):\n    return x * 3 + 1\n",
+    '{"name": "run_tests", "arguments": {"code": "def f(x):\\n    return x"}}',
+    "Find the integer function f from the examples. f(0) = 4, f(1) = 7, f(2) = 10.",
+    "All tests passed. Submit your answer with the submit tool.",
+    "```python\ndef f(x):\n    if x > 0:\n        return x - 2\n    return -x\n```",
+)
+
+
+def make_tokenizer(vocab_size: int = 400):
+    """A small byte-level BPE trained here, with Qwen3's chat special tokens."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(list(_CORPUS) * 20, trainer=trainer)
+    return tok
+
+
+def make_model_dir(path, cfg: ModelConfig, seed: int = 0) -> ModelConfig:
+    """A checkpoint directory as a user brings it: a random transformers model saved by
+    `save_pretrained`, a tokenizer trained here (tokenizer.json, tokenizer_config.json), Qwen3's
+    chat template (chat_template.jinja) and generation_config.json. cfg.vocab_size is replaced
+    by the tokenizer's size rounded up to a multiple of 8; returns the config used."""
+    import dataclasses
+
+    import transformers
+
+    tok = make_tokenizer()
+    with open(TEMPLATE_PATH) as f:
+        template = f.read()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=template,
+    )  # fmt: skip
+    fast.save_pretrained(str(path))
+    n = tok.get_vocab_size(with_added_tokens=True)
+    cfg = dataclasses.replace(cfg, vocab_size=-(-n // 8) * 8)
+    model = make_hf_model(cfg, seed=seed, std=0.02)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=[tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
+    )
+    model.save_pretrained(str(path))
+    return cfg

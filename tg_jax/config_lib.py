@@ -78,6 +78,25 @@ def model_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.moe_mlp_dim = 0  # per-expert intermediate size (MoE only)
     c.norm_topk_prob = True  # renormalise top-k router probabilities (MoE only)
     c.router_aux_loss_coef = 0.0  # load-balancing loss weight (MoE only)
+    # A Hugging Face checkpoint directory (local or gs://) to start from: its config.json gives
+    # the architecture (fields set here must agree), its files the weights, tokenizer and chat
+    # template (tg_jax.models.hf_dir). "" = no checkpoint: a random init of this architecture.
+    c.hf_checkpoint = ""
+    c.update(overrides)
+    return c
+
+
+def hf_model_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The model section of a run from `hf_checkpoint`: architecture fields unset (None, filled
+    from its config.json; setting one makes it a checked expectation), run settings here."""
+    c = model_config()
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "mlp_dim", "num_experts", "experts_per_token", "moe_mlp_dim", "max_seq_len"):
+        c[name] = ml_collections.config_dict.placeholder(int)
+    for name in ("rope_theta", "rms_norm_eps", "router_aux_loss_coef"):
+        c[name] = ml_collections.config_dict.placeholder(float)
+    for name in ("tie_embeddings", "norm_topk_prob"):
+        c[name] = ml_collections.config_dict.placeholder(bool)
     c.update(overrides)
     return c
 
@@ -288,6 +307,9 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.eval_tasks = 32  # held-out tasks of the periodic evaluation (plain prompts, 1 sample)
     c.checkpoint_every = 25  # checkpoint interval in steps (the last step is always saved)
     c.keep_checkpoints = 2  # checkpoints kept (keep-N)
+    # Also export the policy as a Hugging Face checkpoint directory every N steps, to
+    # <run>/export/step_<N> (0 = off; the main job always exports the final policy).
+    c.export_every = 0
     c.log_every = 10  # progress-line interval when stdout is not a TTY
     c.use_tensorboard = True  # TensorBoard event files next to metrics.jsonl
     c.feedback = ml_collections.ConfigDict()  # imperfect feedback for teacher hints

@@ -34,12 +34,18 @@ def run_forward(config, workdir: str) -> None:
     import jax.numpy as jnp
 
     from tg_jax import sharding
-    from tg_jax.models import ModelConfig, Transformer, forward
+    from tg_jax.models import ModelConfig, Transformer, forward, hf_dir
 
-    model = Transformer(ModelConfig.from_config(config.model))
     mesh = sharding.make_mesh(config.mesh)
     rules = sharding.logical_rules(config.mesh)
-    params, _ = sharding.create_sharded_params(model, jax.random.key(config.seed), mesh, rules)
+    if config.model.hf_checkpoint:  # the checkpoint's architecture and weights
+        md = hf_dir.open_model_dir(config.model.hf_checkpoint)
+        config = hf_dir.resolve_config(config, md)
+        model = Transformer(ModelConfig.from_config(config.model))
+        params = md.load_params(model.config, mesh=mesh, rules=rules)
+    else:
+        model = Transformer(ModelConfig.from_config(config.model))
+        params, _ = sharding.create_sharded_params(model, jax.random.key(config.seed), mesh, rules)
     tokens = jnp.zeros((sharding.batch_divisor(mesh, rules), 16), jnp.int32)
     with sharding.activation_sharding(mesh, rules):
         logits = jax.jit(lambda p, t: forward(model, p, t))(params, tokens)
@@ -58,6 +64,10 @@ def run_data(config, workdir: str) -> None:
 def run_sft(config, workdir: str) -> None:
     """SFT stage: trains (or resumes, or skips) the base model, then writes sft_eval.json."""
     from tg_jax.train import pipeline
+
+    if config.model.hf_checkpoint:
+        _fail("the sft stage trains the embedded default from scratch; a model.hf_checkpoint "
+              "run starts RL from the checkpoint (--config.stage=pipeline)")  # fmt: skip
 
     pipeline.run_sft_stage(config, workdir)
 
@@ -159,10 +169,13 @@ def main(argv):
 
     # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
     distributed.initialize_from_env()
+    from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
 
     try:
         STAGES[config.stage](config, workdir)
+    except ModelDirError as e:  # a checkpoint directory that cannot be used
+        _fail(str(e))
     except BaseModelGateError as e:  # a measured outcome, not a crash: no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(GATE_ERROR)

@@ -75,6 +75,13 @@ def _heldout_rows(res: dict[str, Any], arms: Sequence[str], pct: int) -> list[li
 
 def _verdict_section(res: dict[str, Any]) -> list[str]:
     st, ni = res["settings"], res.get("noninferiority")
+    if res.get("single_arm"):
+        return [
+            f"**One arm, no comparison.** The baseline arm `{st['baseline']}` was not run "
+            "(`pipeline.arms`), so there is no non-inferiority verdict; run both arms (e.g. "
+            "`--config.pipeline.arms=grpo,tg`) to test it.",
+            "",
+        ]
     if not ni:
         return []
     pct = round(100 * st["level"])

@@ -137,7 +137,7 @@ def compute_results(
 ) -> dict[str, Any]:
     """Every number of the report, JSON-ready (see the module docstring)."""
     arms = _by_arm(runs)
-    if settings.baseline not in arms:
+    if settings.baseline not in arms and len(arms) > 1:
         raise ValueError(f"baseline arm {settings.baseline!r} not among the runs {sorted(arms)}")
     boot = dict(n_boot=settings.n_boot, seed=settings.bootstrap_seed, level=settings.level)
     out: dict[str, Any] = {"settings": dataclasses.asdict(settings), "runs": [], "arms": {}}
@@ -185,8 +185,11 @@ def compute_results(
             **boot,
         )
         for arm in arms
-        if arm != settings.baseline and arms[arm][0].heldout and arms[settings.baseline][0].heldout
-    }
+        if settings.baseline in arms and arm != settings.baseline and arms[arm][0].heldout
+        and arms[settings.baseline][0].heldout
+    }  # fmt: skip
+    # One arm alone (e.g. TG from a user's checkpoint): figures, no comparison.
+    out["single_arm"] = settings.baseline not in arms
     out["noninferiority"] = out["comparisons"].get(settings.candidate, {}).get("noninferiority")
     out["compute_time"] = compute_time(runs, sft_wall_s)
     return out

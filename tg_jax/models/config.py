@@ -105,6 +105,13 @@ class ModelConfig:
     def from_config(cls, cfg: Any) -> ModelConfig:
         """From an ml_collections ConfigDict (or any mapping) with exactly these field names."""
         d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+        d.pop("hf_checkpoint", None)  # where the fields came from (tg_jax.models.hf_dir)
+        unset = sorted(k for k, v in d.items() if v is None)
+        if unset:
+            raise ValueError(
+                f"model config fields {unset} are unset: they come from model.hf_checkpoint's "
+                "config.json (tg_jax.models.hf_dir.resolve_config fills them)"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

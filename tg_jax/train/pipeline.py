@@ -5,8 +5,14 @@
 Layout of `workdir`:
   tfds/                      the task datasets (data stage)
   sft/, sft_eval.json        the base model's checkpoints and its held-out evaluation
+  base_model/                the base model as a Hugging Face checkpoint directory (weights,
+                             byte tokenizer.json, Qwen3 chat template); every RL run starts
+                             from it. With `model.hf_checkpoint` there is no SFT: that
+                             directory is the base model.
   runs/<arm>_seed<s>/        one RL run per arm and training seed (checkpoints, metrics,
                              rl_summary.json, heldout.jsonl)
+  export/<arm>_seed<s>/      each run's final policy as a checkpoint directory (transformers'
+                             `from_pretrained` loads it; tokenizer and template copied)
   report/                    report.md, results.json, curve PNGs
 
   sft_retry<k>/               SFT attempt k (seed + k, sft.data_seed + k), when the base
@@ -32,14 +38,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
-from tg_jax import checkpointing, config_lib
+from tg_jax import checkpointing, config_lib, sharding
 from tg_jax.evaluation import heldout, protocol
+from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates
 
-RUNS_DIR, REPORT_DIR = "runs", "report"
+RUNS_DIR, REPORT_DIR, EXPORT_DIR, BASE_MODEL_DIR = "runs", "report", "export", "base_model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +181,7 @@ def run_base_model(
       sft_gates.BaseModelGateError: every attempt failed (nothing downstream ran).
     """
     attempts = []
-    for k in range(int(config.sft.get("retry_seeds", 0)) + 1):
+    for k in range(int(config.sft.retry_seeds) + 1):
         cfg, sft_dir = sft_attempt(config, workdir, k)
         params = run_sft_stage(cfg, sft_dir, sources)
         result = _read_json(os.path.join(sft_dir, sft_eval.EVAL_FILE))
@@ -195,21 +203,65 @@ def _base_figures(result: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, int | float) and ("pass_rate" in k or "compliance" in k)}  # fmt: skip
 
 
-def _run_arms(config, workdir, arms_cfgs, base_params, sources) -> list[Any]:
+def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[Any, dict, list]:
+    """(the base model's checkpoint directory opened, its SFT evaluation, the SFT attempts).
+
+    With `model.hf_checkpoint` that directory is the user's (no SFT). Otherwise SFT trains a
+    base model that passes the gates (`run_base_model`) and writes it, once, as a checkpoint
+    directory in `workdir/base_model` with the byte tokenizer's files and a Qwen3 chat
+    template: every RL run then loads its policy the way a user's Qwen3 is loaded.
+    """
+    if config.model.hf_checkpoint:
+        return hf_dir.open_model_dir(config.model.hf_checkpoint), {}, []
+    from tg_jax.text import byte_hf  # noqa: PLC0415
+
+    params, result, attempts = run_base_model(config, workdir, sources)
+    out = os.path.join(workdir, BASE_MODEL_DIR)
+    if not os.path.exists(os.path.join(out, hf_dir.CONFIG_FILE)):
+        tmp = f"{out}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        byte_hf.write_byte_tokenizer(tmp)
+        model_cfg = ModelConfig.from_config(config.model)
+        hf_dir.export_model_dir(tmp, params, model_cfg)  # beside the tokenizer files
+        os.replace(tmp, out)
+    return hf_dir.open_model_dir(out), result, attempts
+
+
+def _export(cfg: Any, workdir: str, run_name: str, params: Any, md: Any) -> None:
+    """The run's final policy as a checkpoint directory `workdir/export/<run>` (once)."""
+    out = os.path.join(workdir, EXPORT_DIR, run_name)
+    if not os.path.exists(os.path.join(out, hf_dir.CONFIG_FILE)):
+        hf_dir.export_model_dir(out, params, ModelConfig.from_config(cfg.model), md)
+
+
+def _run_arms(config, workdir, arms_cfgs, md, sources) -> list[Any]:
     """Every RL run (arm x training seed) and its held-out evaluation, as report RunResults."""
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
     eval_tasks = data_stage.load_tasks(sources, "heldout", config.eval.num_tasks)
+    model_cfg = ModelConfig.from_config(config.model)
+    base_params = md.load_params(
+        model_cfg, mesh=sharding.make_mesh(config.mesh), rules=sharding.logical_rules(config.mesh)
+    )
     runs = []
     for arm, cfg in arms_cfgs.items():
         for seed in config.eval.train_seeds:
-            run_dir = os.path.join(workdir, RUNS_DIR, f"{arm}_seed{int(seed)}")
+            run_name = f"{arm}_seed{int(seed)}"
+            run_dir = os.path.join(workdir, RUNS_DIR, run_name)
             result = rl.run_rl(
-                cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources
-            )
+                cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources,
+                renderer=md.renderer,
+                exporter=lambda p, out, c=cfg: hf_dir.export_model_dir(
+                    out, p, ModelConfig.from_config(c.model), md
+                ),
+            )  # fmt: skip
             if checkpointing.preemption_requested() or not result.finished:
                 raise _preempted(f"RL run {arm} seed {int(seed)}", run_dir)
-            records = heldout.evaluate_run(cfg, run_dir, result.state.params, eval_tasks)
+            _export(cfg, workdir, run_name, result.state.params, md)
+            records = heldout.evaluate_run(
+                cfg, run_dir, result.state.params, eval_tasks, renderer=md.renderer
+            )
             runs.append(
                 report.load_run_result(
                     run_dir, records, group=ARMS[arm].group, description=ARMS[arm].description
@@ -223,11 +275,14 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
     # Fail before any work on a bad arm name or override.
-    arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
+    for arm in config.pipeline.arms:
+        arm_config(config, arm)
     sources = run_data(config, workdir)
-    base_params, base_result, attempts = run_base_model(config, workdir, sources)
+    md, base_result, attempts = base_model_dir(config, workdir, sources)
+    config = hf_dir.resolve_config(config, md)
+    arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
     protocol.preregister(config, workdir, arms_cfgs)  # before the first RL step
-    runs = _run_arms(config, workdir, arms_cfgs, base_params, sources)
+    runs = _run_arms(config, workdir, arms_cfgs, md, sources)
     context = {
         "machine": protocol.machine_info(),
         "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),
@@ -240,7 +295,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         os.path.join(workdir, REPORT_DIR),
         runs,
         config.eval,
-        sft_wall_s=None if None in walls else sum(walls),
+        sft_wall_s=None if (None in walls or not walls) else sum(walls),
         context=context,
     )
     print(headline(res))

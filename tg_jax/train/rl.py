@@ -38,7 +38,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -361,6 +361,7 @@ def run_rl(
     eval_tasks: Sequence[Any] | None = None,
     renderer: ChatRenderer | None = None,
     stop_after: int | None = None,
+    exporter: Callable[[Any, str], None] | None = None,
 ) -> RLResult:
     """Trains one arm with one seed from `init_params` (or resumes it); see the module docstring.
 
@@ -379,6 +380,8 @@ def run_rl(
         `rl_loop.eval_tasks` of sources["heldout"].
       renderer: chat renderer (default: the byte tokenizer's).
       stop_after: stop with a checkpoint once this many steps are done (tests; as if preempted).
+      exporter: `exporter(params, out_dir)` writes params as a checkpoint directory; called
+        every `rl_loop.export_every` steps with out_dir = workdir/export/step_<N> (0 = never).
 
     Returns:
       RLResult. A run already at `rl_loop.steps` returns its restored state at once.
@@ -402,7 +405,7 @@ def run_rl(
         if threading.current_thread() is threading.main_thread():
             checkpointing.install_sigterm_handler()
         tasks, eval_tasks = _tasks(config, workdir, seed, sources, eval_tasks, data_state)
-        return _train(parts, ckpt, tasks, eval_tasks, state, session, end)
+        return _train(parts, ckpt, tasks, eval_tasks, state, session, end, exporter)
     finally:
         ckpt.close()
 
@@ -415,10 +418,12 @@ def _train(
     state: TrainState,
     session: _Session,
     end: int,
+    exporter: Callable[[Any, str], None] | None = None,
 ) -> RLResult:
     """This session's steps, session.start_step -> `end` (or a preemption), then its summary."""
     lc = parts.config.rl_loop
     num_steps, eval_every, start = int(lc.steps), int(lc.eval_every), session.start_step
+    export_every = int(lc.export_every) if exporter is not None else 0
     data_state = tasks.get_state()
     source = _rollout_source(parts, tasks, data_state["next_index"])
     try:
@@ -459,6 +464,8 @@ def _train(
                 preempted = checkpointing.preemption_requested(done) or done == end
                 if preempted or ckpt.should_save(done):
                     _checkpoint(done)
+                if export_every > 0 and done % export_every == 0:
+                    exporter(state.params, os.path.join(parts.workdir, "export", f"step_{done}"))
                 if preempted:
                     break
             lagged.flush()
