@@ -193,6 +193,16 @@ def test_check_passes_on_qwen3(hf_tok, hint_role):
     check_chat_template(ChatRenderer(ByteTokenizer(), hint_role=hint_role), qwen3_chat_template())
 
 
+def test_check_fails_on_a_template_that_reorders(hf_tok):
+    """Messages rendered in role order: appending an assistant turn moves it before the user's."""
+    template = qwen3_chat_template().replace(
+        "{%- for message in messages %}", "{%- for message in messages|sort(attribute='role') %}"
+    )
+    with pytest.raises(TemplateError, match="not append-only") as info:
+        check_chat_template(ChatRenderer(hf_tok), template)
+    assert "'tool episode'" in str(info.value) and "message 1 (user)" in str(info.value)
+
+
 def test_check_fails_on_a_template_that_drops_earlier_thinking(hf_tok):
     template = qwen3_chat_template().replace(
         "{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if loop.last %}"
