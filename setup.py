@@ -14,6 +14,7 @@ INSTALL_REQUIRES = [
     "absl-py",
     "numpy",
     "tokenizers",
+    "jinja2",  # Hugging Face chat templates (tg_jax.text.template).
     "safetensors",
     "tensorboardX",
     "matplotlib",
@@ -44,6 +45,7 @@ setup(
     version="0.1.0",
     description="Targeted guidance (hinted self-distillation) on top of GRPO for agentic RL, in JAX.",
     packages=find_packages(include=["tg_jax", "tg_jax.*"]),
+    package_data={"tg_jax.text": ["*.jinja"]},  # Qwen3's chat template.
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

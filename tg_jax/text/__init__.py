@@ -1,6 +1,13 @@
-"""Tokenizers and Qwen3 chat rendering (token-in/token-out, append-only)."""
+"""Tokenizers, Qwen3 chat rendering (token-in/token-out, append-only), HF chat templates."""
 
+from tg_jax.text.byte_hf import write_byte_tokenizer
 from tg_jax.text.chat import ChatRenderer, Drift, Message, Role, hint_message
+from tg_jax.text.template import (
+    TemplateError,
+    check_chat_template,
+    qwen3_chat_template,
+    render_template,
+)
 from tg_jax.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -10,7 +17,12 @@ __all__ = [
     "HFTokenizer",
     "Message",
     "Role",
+    "TemplateError",
     "Tokenizer",
+    "check_chat_template",
     "hint_message",
     "load_tokenizer",
+    "qwen3_chat_template",
+    "render_template",
+    "write_byte_tokenizer",
 ]

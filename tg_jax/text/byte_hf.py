@@ -1,0 +1,101 @@
+"""The byte tokenizer as a Hugging Face tokenizer directory (tokenizer.json and friends).
+
+`write_byte_tokenizer(out_dir)` writes files with which `HFTokenizer.from_dir(out_dir)` and
+`transformers.AutoTokenizer.from_pretrained(out_dir)` encode and decode exactly as
+`ByteTokenizer` does: byte b is id b, `BYTE_SPECIAL_TOKENS[i]` is id 256 + i. The model is a BPE
+with an empty merge list over the 256 ByteLevel characters (GPT-2's byte-to-unicode map) in
+byte order, after a ByteLevel pre-tokenizer that neither splits nor adds a prefix space, and a
+ByteLevel decoder; the specials are added tokens, matched in text before anything else. The
+chat template is Qwen3's, so a checkpoint of the embedded default model speaks the Qwen3 format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+from tg_jax.text.template import qwen3_chat_template
+from tg_jax.text.tokenizer import BYTE_SPECIAL_TOKENS, ByteTokenizer
+
+
+def byte_level_alphabet() -> list[str]:
+    """The character ByteLevel maps each byte 0..255 to (GPT-2's `bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_hf_tokenizer(special_tokens: Sequence[str] = BYTE_SPECIAL_TOKENS):
+    """A `tokenizers.Tokenizer` with ByteTokenizer's ids (specials at 256 + i)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: b for b, c in enumerate(byte_level_alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens])
+    for i, s in enumerate(special_tokens):
+        if tok.token_to_id(s) != 256 + i:
+            raise ValueError(f"special token {s!r} got id {tok.token_to_id(s)}, not {256 + i}")
+    return tok
+
+
+def write_byte_tokenizer(
+    out_dir: str,
+    *,
+    special_tokens: Sequence[str] = BYTE_SPECIAL_TOKENS,
+    model_max_length: int = 4096,
+) -> None:
+    """Writes `ByteTokenizer(special_tokens)` as a Hugging Face tokenizer into `out_dir`.
+
+    Files: tokenizer.json; tokenizer_config.json (eos and pad tokens: ByteTokenizer's `eos_id`
+    and `pad_id`; `model_max_length`); chat_template.jinja (Qwen3's template);
+    generation_config.json (`eos_token_id`: <|im_end|> and <|endoftext|>, the ids that end a
+    turn, and `pad_token_id`). The model's vocab_size (ByteTokenizer's, padded to a multiple of
+    8) belongs in its config.json; the tokenizer itself knows 256 + len(special_tokens) ids.
+
+    Args:
+      out_dir: the directory (created if needed).
+      special_tokens: the byte tokenizer's specials, in id order.
+      model_max_length: the longest sequence the model takes, in tokens.
+    """
+    byte = ByteTokenizer(special_tokens)
+    name = {256 + i: s for i, s in enumerate(special_tokens)}
+    os.makedirs(out_dir, exist_ok=True)
+    byte_hf_tokenizer(special_tokens).save(os.path.join(out_dir, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(256 + i): {
+                "content": s,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for i, s in enumerate(special_tokens)
+        },
+        "bos_token": None,
+        "eos_token": name[byte.eos_id],
+        "pad_token": name[byte.pad_id],
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    turn_ends = [byte.special_id(s) for s in ("<|im_end|>", "<|endoftext|>")]
+    generation = {"eos_token_id": turn_ends, "pad_token_id": byte.pad_id}
+    files = {
+        "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+        "chat_template.jinja": qwen3_chat_template(),
+        "generation_config.json": json.dumps(generation, indent=2) + "\n",
+    }
+    for filename, text in files.items():
+        with open(os.path.join(out_dir, filename), "w") as f:
+            f.write(text)
