@@ -1,22 +1,25 @@
-"""Qwen3-1.7B (dense) + targeted guidance on one TPU host (v5p-8: 4 chips).
+"""Qwen3-1.7B (dense) + targeted guidance on one TPU host (v5p-8: 4 chips), from its checkpoint.
 
 The published TG recipe (200 steps, 32 groups x 32 rollouts, one epoch, async sampling) at a
 size one host trains: for trying the method on a real checkpoint before paying for a pod
-slice. Builds on configs/default.py; sections not set here are the default's.
+slice. RL starts from the Hugging Face checkpoint (no SFT); builds on configs/hf_tg.py.
 
-Launch on a single-host slice (the same launcher as the pods):
+Launch on a single-host slice (the same launcher as the pods; it copies the checkpoint to the
+worker and passes it as model.hf_checkpoint):
     bash launch/tpu.sh --name=tg-1p7b --zone=us-east5-a --project=PROJECT --topology=v5p:2x2x1 \
         --config=configs/qwen3_1p7b_tg.py --workdir=gs://BUCKET/runs/tg-1p7b \
         --hf-checkpoint=gs://BUCKET/Qwen3-1.7B
 
-or directly on a TPU VM:
-    python -m tg_jax.main --config=configs/qwen3_1p7b_tg.py --workdir=gs://BUCKET/runs/tg-1p7b
+or directly on a TPU VM with the checkpoint on local disk:
+    python -m tg_jax.main --config=configs/qwen3_1p7b_tg.py --workdir=gs://BUCKET/runs/tg-1p7b \
+        --config.model.hf_checkpoint=/path/to/Qwen3-1.7B
 
-Check the fit on a CPU machine first:
+Check the fit on a CPU machine first (README: measured figures):
     PYTHONPATH=LIBTPU_DIR python -m tg_jax.tpu.aot --config=configs/qwen3_1p7b_tg.py \
         --topology=v5p:2x2x1
-(measured: train step 29.0 GiB per chip, sampler decode step at 256 rows x 8192 slots
-57.7 GiB, of a v5p chip's 95 GiB).
+
+`configs/qwen3_1p7b_tg.py:runlocal` keeps these settings' structure but takes the architecture
+from the checkpoint and shrinks the loop (a tiny checkpoint on a CPU; the tests use it).
 """
 
 import os
@@ -29,9 +32,13 @@ ROWS_PER_MICRO_BATCH = 8  # rows of one micro-batch over the 4 chips (2 per chip
 
 
 def get_config(arg=None):
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"), arg)
-    # Architecture of Qwen/Qwen3-1.7B (its config.json); checkpoint_io checks it on import.
-    c.model = config_lib.model_config(
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
+    c.tg.gate = "failed_turns"  # distil failed turns only
+    c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
+    if arg == "runlocal":
+        return c
+    # Architecture of Qwen/Qwen3-1.7B (its config.json), checked against the checkpoint's.
+    c.model.update(
         vocab_size=151_936,  # Qwen3 tokenizer
         d_model=2048,  # hidden_size
         num_layers=28,  # num_hidden_layers
@@ -42,6 +49,10 @@ def get_config(arg=None):
         rope_theta=1_000_000.0,  # rope_theta
         rms_norm_eps=1e-6,  # rms_norm_eps
         tie_embeddings=True,  # tie_word_embeddings
+        num_experts=0,  # dense
+        experts_per_token=0,
+        moe_mlp_dim=0,
+        norm_topk_prob=True,
         param_dtype="float32",  # fp32 master weights and AdamW moments
         dtype="bfloat16",  # bf16 activations and matmuls on TPU
         remat_policy="full",  # recompute each layer in the backward pass (long sequences)
@@ -50,9 +61,6 @@ def get_config(arg=None):
     c.mesh.shape = (1, 4, 1, 1)  # data, fsdp, tensor, expert: 4-way FSDP over the host's chips
     c.rl.micro_batches = GROUPS * ROLLOUTS // ROWS_PER_MICRO_BATCH  # gradient accumulation
     c.rl.max_staleness = 1  # async: rollouts from the previous policy version are accepted
-    c.tg.enabled = True  # the TG arm (False = the GRPO baseline with the same settings)
-    c.tg.gate = "failed_turns"  # distil failed turns only
-    c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
     c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)
     c.optim.lr = 1e-6  # RL fine-tuning: small, constant
     c.optim.total_steps = 200  # schedule length = the run

@@ -1,9 +1,9 @@
 """Qwen3-Coder-30B-A3B + targeted guidance at the published settings, on a TPU v5p slice.
 
 200 RL steps of 32 groups x 32 rollouts, one epoch over the tasks, async sampling (docs/design.md
-section 1), from the Hugging Face checkpoint, bf16 compute with fp32 master weights, full
-rematerialisation, expert parallelism. Builds on configs/default.py: every section not set
-here (env, tasks, tg options, ...) is the default's.
+section 1), RL from the Hugging Face checkpoint (no SFT), bf16 compute with fp32 master
+weights, full rematerialisation, expert parallelism. Builds on configs/hf_tg.py: every section
+not set here (env, tasks, tg options, ...) is that config's.
 
 Launch (creates the slice, installs on every worker, runs, resumes after preemption):
     bash launch/tpu.sh --name=tg-30b --zone=us-east5-a --project=PROJECT --topology=v5p:2x4x4 \
@@ -13,10 +13,12 @@ Launch (creates the slice, installs on every worker, runs, resumes after preempt
 Check first, on any CPU machine, that the train and sample steps fit the slice's HBM:
     PYTHONPATH=LIBTPU_DIR python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py \
         --topology=v5p:2x4x4
-(measured: train step 51.4 GiB per chip, sampler decode step at 1024 rows x 8192 slots
-28.7 GiB, of a v5p chip's 95 GiB).
+(README: measured figures).
 
-Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=...`.
+Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=...
+--config.model.hf_checkpoint=DIR` (the launcher passes the copy it made on each worker).
+`configs/qwen3_coder_30b_a3b_tg.py:runlocal` takes the architecture from the checkpoint and
+shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
 """
 
 import os
@@ -29,10 +31,14 @@ GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
 
 
 def get_config(arg=None):
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"), arg)
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
+    c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
+    c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
+    if arg == "runlocal":
+        return c
     # Architecture of Qwen/Qwen3-Coder-30B-A3B-Instruct (its config.json): 30.5B parameters,
-    # 3.3B active per token. tg_jax.models.checkpoint_io checks these against the checkpoint.
-    c.model = config_lib.model_config(
+    # 3.3B active per token, checked against the checkpoint's config.json.
+    c.model.update(
         vocab_size=151_936,  # Qwen3 tokenizer
         d_model=2048,  # hidden_size
         num_layers=48,  # num_hidden_layers
@@ -51,7 +57,7 @@ def get_config(arg=None):
         experts_per_token=8,  # num_experts_per_tok
         moe_mlp_dim=768,  # moe_intermediate_size
         norm_topk_prob=True,  # norm_topk_prob
-        router_aux_loss_coef=0.0,  # router_aux_loss_coef of the release: no balancing loss
+        router_aux_loss_coef=0.0,  # load-balancing loss weight in the train step: off
     )
     # v5p-64 (2x4x4 = 32 chips): 8-way FSDP x 4-way expert parallelism; the batch is split
     # over all 32 chips (expert axis included: the MoE all-gathers tokens over it, see
@@ -64,9 +70,6 @@ def get_config(arg=None):
     c.rl.micro_batches = GROUPS * ROLLOUTS // 32  # one row per chip per micro-batch (HBM)
     c.rl.max_staleness = 1  # async: rollouts from the previous policy version are accepted
     c.rl.temperature = 1.0  # sampling temperature (trainer logits divided by it)
-    c.tg.enabled = True  # the TG arm (False = the GRPO baseline with the same settings)
-    c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
-    c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
     c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)
     c.optim.lr = 1e-6  # RL fine-tuning of a 30B model: small, constant
     c.optim.total_steps = 200  # schedule length = the run

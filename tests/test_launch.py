@@ -56,6 +56,8 @@ def test_dry_run_queued_resource_and_checkpoint(capsys):
     ) in out
     assert "'--format=value(state.state)'" in out
     assert "gcloud storage cp -r gs://bucket/qwen ~/hf_checkpoint" in out
+    # ... and the run reads it: the copied directory is the model.
+    assert '--config.model.hf_checkpoint="$HOME/hf_checkpoint"' in out
     assert f"queued-resources delete tg-30b {WHERE} --force --quiet" in out
 
 

@@ -147,9 +147,11 @@ def install_commands(job: Job) -> list[list[str]]:
 def run_command(job: Job) -> list[str]:
     """The job on all workers at once; each joins the others through tg_jax.tpu.distributed."""
     args = [f"--config={job.config}", f"--workdir={job.workdir}", *job.extra_args]
+    # The checkpoint copied to every worker by the set-up is the run's model.
+    ckpt = ' --config.model.hf_checkpoint="$HOME/hf_checkpoint"' if job.hf_checkpoint else ""
     remote = (
         f"set -o pipefail; cd {REMOTE_DIR} && TG_JAX_DISTRIBUTED=1 "
-        f".venv/bin/python -m tg_jax.main {shlex.join(args)} 2>&1 | tee -a ~/tg_jax_run.log"
+        f".venv/bin/python -m tg_jax.main {shlex.join(args)}{ckpt} 2>&1 | tee -a ~/tg_jax_run.log"
     )
     return ssh_command(job, remote)
 
