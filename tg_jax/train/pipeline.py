@@ -35,7 +35,7 @@ import os
 import sys
 from typing import Any
 
-from tg_jax import checkpointing, config_lib
+from tg_jax import checkpointing, config_lib, paths
 from tg_jax.evaluation import heldout, protocol
 from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates
 
@@ -114,7 +114,7 @@ def run_data(config: Any, workdir: str) -> dict[str, Any]:
     """Data stage: writes (or reuses) the train / held-out task datasets."""
     sources = data_stage.prepare_tasks(config, workdir)
     sizes = {split: len(src) for split, src in sources.items()}
-    print(f"data: {sizes} tasks in {os.path.join(workdir, data_stage.TFDS_DIR)}")
+    print(f"data: {sizes} tasks in {data_stage.tasks_dir(workdir)}")
     return sources
 
 
@@ -125,8 +125,7 @@ def _preempted(stage: str, workdir: str) -> checkpointing.Preempted:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
+    return paths.read_json(path)
 
 
 def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = None) -> Any:
@@ -139,7 +138,7 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
     state = sft.run_sft(config, workdir)
     if checkpointing.preemption_requested() or not sft.sft_finished(config, workdir):
         raise _preempted("SFT", workdir)
-    if os.path.exists(os.path.join(workdir, sft_eval.EVAL_FILE)):
+    if paths.as_path(os.path.join(workdir, sft_eval.EVAL_FILE)).exists():
         print(f"sft: finished checkpoint and {sft_eval.EVAL_FILE} found in {workdir}")
         return state.params
     sources = sources if sources is not None else data_stage.prepare_tasks(config, workdir)
