@@ -7,6 +7,7 @@ INSTALL_REQUIRES = [
     "flax>=0.12",
     "optax",
     "orbax-checkpoint",
+    "etils[epath]",  # user paths (tg_jax.paths); gs:// also needs gcsfs (etils[epath-gcs])
     "grain",
     "ml-collections",
     "tensorflow-datasets",

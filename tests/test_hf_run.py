@@ -121,7 +121,11 @@ def test_hf_tg_runlocal_moe_export(tmp_path):
 def test_qwen3_configs_one_step_from_checkpoint(tmp_path, config, arch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, arch)
-    extra = ["--config.rl_loop.steps=1", "--config.optim.total_steps=1", "--config.eval.num_tasks=2"]
+    extra = [
+        "--config.rl_loop.steps=1",
+        "--config.optim.total_steps=1",
+        "--config.eval.num_tasks=2",
+    ]
     _run(_command(f"{config}:runlocal", work, ckpt, *extra))
     summary = json.loads((work / "runs" / "tg_seed0" / "rl_summary.json").read_text())
     assert summary["step"] == 1 and summary["finished"]

@@ -59,6 +59,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
+from tg_jax import paths
+
 _STATE = "state"
 _META = "meta"
 
@@ -98,8 +100,9 @@ class TrainingCheckpointer:
           async_save: write files in a background thread.
           read_only: never write; the directory must exist.
         """
-        self.directory = os.path.abspath(os.fspath(directory))
-        if read_only and not os.path.isdir(self.directory):
+        # A URL (gs://...) reaches orbax unchanged; only local paths are made absolute.
+        self.directory = os.fspath(paths.as_path(directory))
+        if read_only and not paths.as_path(self.directory).is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist")
         options = ocp.CheckpointManagerOptions(
             read_only=read_only,
@@ -226,7 +229,7 @@ class TrainingCheckpointer:
             raise CheckpointError(
                 f"no checkpoint step {step} in {self.directory}; steps: {self.all_steps()}"
             )
-        step_dir = os.path.join(self.directory, str(step))
+        step_dir = os.fspath(paths.as_path(self.directory) / str(step))
         target = _abstract_target(abstract_state)
         try:
             stored = self._manager.item_metadata(step)[_STATE]
@@ -268,12 +271,12 @@ def restore_checkpoint(
 
     ``directory`` is a checkpoint root or one step directory inside it (``root/<step>``).
     """
-    directory = os.path.abspath(os.fspath(directory))
-    if not os.path.isdir(directory):
+    directory = paths.as_path(directory)
+    if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    base = os.path.basename(directory)
-    if step is None and base.isdigit() and os.path.isdir(os.path.join(directory, _STATE)):
-        directory, step = os.path.dirname(directory), int(base)
+    base = directory.name
+    if step is None and base.isdigit() and (directory / _STATE).is_dir():
+        directory, step = directory.parent, int(base)
     ckpt = TrainingCheckpointer(directory, read_only=True)
     try:
         return ckpt.restore(abstract_state, step=step)

@@ -90,8 +90,19 @@ def hf_model_config(**overrides: Any) -> ml_collections.ConfigDict:
     """The model section of a run from `hf_checkpoint`: architecture fields unset (None, filled
     from its config.json; setting one makes it a checked expectation), run settings here."""
     c = model_config()
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "mlp_dim", "num_experts", "experts_per_token", "moe_mlp_dim", "max_seq_len"):
+    for name in (
+        "vocab_size",
+        "d_model",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "num_experts",
+        "experts_per_token",
+        "moe_mlp_dim",
+        "max_seq_len",
+    ):
         c[name] = ml_collections.config_dict.placeholder(int)
     for name in ("rope_theta", "rms_norm_eps", "router_aux_loss_coef"):
         c[name] = ml_collections.config_dict.placeholder(float)

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tg_jax import paths
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, reports.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -136,7 +138,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def check_workdir(workdir: str) -> None:
     """Creates a local workdir; a path that is a file (or cannot be made) is a usage error."""
-    if "://" in workdir:  # gs:// workdirs are handled by orbax / tensorboard, not os
+    if paths.is_url(workdir):  # gs://: no directories to make; stages write through epath
         return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         _fail(f"--workdir {workdir} is a file")

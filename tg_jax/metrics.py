@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax import paths
+
 METRICS_FILE = "metrics.jsonl"
 _RESERVED = ("step", "stage", "time")
 
@@ -87,7 +89,7 @@ class MetricsWriter:
             None disables wandb. wandb is imported only here, and only then.
           enabled: whether this process writes; default: only JAX process 0 writes.
         """
-        self.workdir = os.fspath(workdir)
+        self.workdir = os.fspath(paths.as_path(workdir))
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._use_tensorboard = use_tensorboard
         self._tb: dict[str, Any] = {}
@@ -95,8 +97,9 @@ class MetricsWriter:
         self._file = None
         if not self.enabled:
             return
-        os.makedirs(self.workdir, exist_ok=True)
-        self._file = open(os.path.join(self.workdir, METRICS_FILE), "a", encoding="utf-8")
+        path = paths.as_path(self.workdir) / METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = _ObjectFile(path) if paths.is_url(path) else path.open("a")
         if wandb_config is not None:
             try:
                 import wandb
@@ -134,7 +137,9 @@ class MetricsWriter:
         if stage not in self._tb:
             from tensorboardX import SummaryWriter
 
-            self._tb[stage] = SummaryWriter(os.path.join(self.workdir, "tb", stage), flush_secs=30)
+            logdir = os.fspath(paths.as_path(self.workdir) / "tb" / stage)
+            _check_tensorboard_url(logdir)
+            self._tb[stage] = SummaryWriter(logdir, flush_secs=30)
         return self._tb[stage]
 
     def flush(self) -> None:
@@ -161,6 +166,39 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _ObjectFile:
+    """Appends to an object-store file (which has no append): each flush rewrites the object."""
+
+    def __init__(self, path):
+        self._path = path
+        self._text = path.read_text() if path.exists() else ""  # a resumed run keeps its lines
+
+    def write(self, text: str) -> None:
+        self._text += text
+
+    def flush(self) -> None:
+        self._path.write_text(self._text)
+
+    def close(self) -> None:
+        self.flush()
+
+
+def _check_tensorboard_url(logdir: str) -> None:
+    """tensorboardX writes URLs itself (gs:// via google-cloud-storage, s3:// via boto3)."""
+    if not paths.is_url(logdir):
+        return
+    from tensorboardX import record_writer
+
+    scheme = logdir.split("://", 1)[0]
+    if scheme not in record_writer.REGISTERED_FACTORIES:
+        raise ValueError(f"tensorboardX cannot write to {logdir}; pass use_tensorboard=False")
+    if scheme == "gs" and not record_writer.GCS_ENABLED:
+        raise ImportError(
+            f"TensorBoard logs to {logdir} need google-cloud-storage (tensorboardX writes gs:// "
+            "itself): pip install google-cloud-storage, or pass use_tensorboard=False"
+        )
 
 
 class LaggedMetrics:
@@ -204,11 +242,10 @@ def read_metrics(workdir: str | os.PathLike, *, stage: str | None = None) -> lis
     A torn last line (the writer was killed mid-write) is skipped; a bad line elsewhere raises
     ValueError naming the file and line.
     """
-    path = os.path.join(os.fspath(workdir), METRICS_FILE)
-    if not os.path.exists(path):
+    path = paths.as_path(workdir) / METRICS_FILE
+    if not path.exists():
         return []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    lines = path.read_text().split("\n")
     records = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -235,5 +272,4 @@ RL_SUMMARY_FILE = "rl_summary.json"  # written by tg_jax.train.rl in each run di
 
 def read_rl_summary(workdir: str) -> dict[str, Any]:
     """rl_summary.json of a run (arm, seed, steps, finished, costs, sessions)."""
-    with open(os.path.join(workdir, RL_SUMMARY_FILE)) as f:
-        return json.load(f)
+    return paths.read_json(paths.as_path(workdir) / RL_SUMMARY_FILE)

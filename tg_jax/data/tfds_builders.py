@@ -35,6 +35,8 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.core.utils import py_utils, tqdm_utils
 
+from tg_jax import paths
+
 SPLITS = ("train", "heldout")
 FILE_FORMAT = "array_record"
 
@@ -74,7 +76,7 @@ def iter_jsonl_tasks(
     """
     path = os.fspath(path)
     seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
+    with paths.as_path(path).open() as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -254,6 +256,14 @@ def prepare(builder: TaskDataset, *, quiet: bool = True) -> dict[str, Any]:
     return builder.as_data_source()
 
 
+def _check_local(data_dir: str | os.PathLike) -> None:
+    if paths.is_url(data_dir):
+        raise ValueError(
+            f"cannot prepare task data in {os.fspath(data_dir)}: array_record writes local "
+            "files only; use a local data directory"
+        )
+
+
 def prepare_task_dataset(
     data_dir: str | os.PathLike,
     *,
@@ -263,6 +273,7 @@ def prepare_task_dataset(
     splits: Sequence[str] = SPLITS,
 ) -> dict[str, Any]:
     """Builds (or reuses) a ``TaskDataset`` from ``generate`` and returns its data sources."""
+    _check_local(data_dir)
     builder = TaskDataset(
         data_dir=data_dir,
         config_name=config_name,
@@ -281,6 +292,7 @@ def prepare_jsonl_task_dataset(
     validate_fn: ValidateFn | None = None,
 ) -> dict[str, Any]:
     """Imports (or reuses) JSONL task files as a ``JsonlTaskDataset``; returns data sources."""
+    _check_local(data_dir)
     builder = JsonlTaskDataset(
         data_dir=data_dir, config_name=config_name, files=files, validate_fn=validate_fn
     )

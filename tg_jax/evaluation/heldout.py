@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax import paths
 from tg_jax.envs.coding import CodingEnv, coding_env_config
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
@@ -116,17 +117,16 @@ HELDOUT_SUMMARY_FILE = "heldout_summary.json"  # {"wall_s", "episodes"} of the e
 
 def save_records(path: str | os.PathLike, records: Sequence[EpisodeRecord]) -> None:
     """Writes records as JSON lines, atomically (a reader never sees a partial file)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r.to_dict()) + "\n")
-    os.replace(tmp, path)
+    path = paths.as_path(path)
+    tmp = path.parent / f"{path.name}.tmp"
+    tmp.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
+    tmp.replace(path)
 
 
 def load_records(path: str | os.PathLike) -> list[EpisodeRecord]:
     """Reads records written by `save_records`."""
-    with open(path, encoding="utf-8") as f:
-        return [EpisodeRecord.from_dict(json.loads(line)) for line in f if line.strip()]
+    lines = paths.as_path(path).read_text().splitlines()
+    return [EpisodeRecord.from_dict(json.loads(line)) for line in lines if line.strip()]
 
 
 def evaluate_run(
@@ -138,16 +138,14 @@ def evaluate_run(
     delete it to evaluate again (e.g. after changing the eval config). The evaluation's wall
     time goes to `workdir/heldout_summary.json` (the report counts it in the protocol's cost).
     """
-    path = os.path.join(workdir, HELDOUT_FILE)
-    if os.path.exists(path):
+    path = paths.as_path(workdir) / HELDOUT_FILE
+    if path.exists():
         return load_records(path)
     start = time.perf_counter()
     records = evaluate_heldout(config, params, tasks, **kwargs)
     wall_s = time.perf_counter() - start
-    os.makedirs(workdir, exist_ok=True)
-    summary = os.path.join(workdir, HELDOUT_SUMMARY_FILE)
-    with open(summary + ".tmp", "w") as f:
-        json.dump({"wall_s": wall_s, "episodes": len(records)}, f)
-    os.replace(summary + ".tmp", summary)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"wall_s": wall_s, "episodes": len(records)}
+    paths.write_json_atomic(path.parent / HELDOUT_SUMMARY_FILE, summary)
     save_records(path, records)
     return records

@@ -5,10 +5,13 @@ Inputs are `tg_jax.evaluation.report.compute_results` dicts (or their results.js
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
 import numpy as np
+
+from tg_jax.paths import as_path
 
 CURVE_METRICS = ("compliance", "task_success")
 CURVE_SOURCES = (("train", "rollout/{}", "training rollouts"), ("eval", "heldout/{}", "held-out"))
@@ -75,11 +78,18 @@ def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
             suffix = "" if group == "main" else f" ({group})"
             fig.suptitle(f"mean over training seeds, band = +-1 std over seeds{suffix}")
             fig.tight_layout()
-            path = os.path.join(out_dir, curve_file(metric, group))
-            fig.savefig(path, dpi=100)
+            path = os.fspath(as_path(out_dir) / curve_file(metric, group))
+            _save_png(fig, path)
             plt.close(fig)
             paths.append(path)
     return paths
+
+
+def _save_png(fig: Any, path: str) -> None:
+    """Renders into memory and writes the bytes once (``path`` may be a gs:// URL)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    as_path(path).write_bytes(buf.getvalue())
 
 
 FOREST_FILE = "heldout_differences.png"
@@ -122,7 +132,7 @@ def plot_differences(res: dict[str, Any], out_dir: str) -> str | None:
         "(blue: main, orange: ablation, red: stress)"
     )
     fig.tight_layout()
-    path = os.path.join(out_dir, FOREST_FILE)
-    fig.savefig(path, dpi=100)
+    path = os.fspath(as_path(out_dir) / FOREST_FILE)
+    _save_png(fig, path)
     plt.close(fig)
     return path

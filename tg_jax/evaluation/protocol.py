@@ -19,6 +19,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from tg_jax import paths
+
 PREREGISTRATION_FILE = "preregistration.json"
 # The fields compared between the file and the config (besides the arms' configs).
 EVAL_FIELDS = ("margin", "floor", "ni_interval", "baseline", "candidate", "level")
@@ -46,13 +48,11 @@ def _plain(x: Any) -> Any:
 
 def preregister(config: Any, workdir: str, arms_configs: Mapping[str, Any]) -> dict[str, str]:
     """Writes workdir/preregistration.json if absent, else checks it; returns {path, sha256}."""
-    path = os.path.join(workdir, PREREGISTRATION_FILE)
-    if not os.path.exists(path):
-        os.makedirs(workdir, exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(preregistration(config, arms_configs), f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+    path = paths.as_path(workdir) / PREREGISTRATION_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = preregistration(config, arms_configs)
+        paths.write_json_atomic(path, record, indent=1, sort_keys=True)
     return check_preregistration(config, workdir, arms_configs)
 
 
@@ -65,11 +65,10 @@ def check_preregistration(
       PreregistrationMismatch: the file is missing, or margin, floor, interval kind, baseline,
         candidate, level or an arm (name or config) differ from the config.
     """
-    path = os.path.join(workdir, PREREGISTRATION_FILE)
-    if not os.path.exists(path):
+    path = paths.as_path(workdir) / PREREGISTRATION_FILE
+    if not path.exists():
         raise PreregistrationMismatch(f"{path} is missing: the RL runs were not pre-registered")
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = path.read_bytes()
     stored, now = json.loads(raw), preregistration(config, arms_configs)
     diffs = [f"eval.{k}: file {stored.get(k)!r}, config {now[k]!r}" for k in EVAL_FIELDS
              if stored.get(k) != now[k]]  # fmt: skip
@@ -84,7 +83,7 @@ def check_preregistration(
             + "\nRun with the registered settings, or use a new workdir for a new protocol "
             "(deleting the file after seeing results defeats its purpose)."
         )  # fmt: skip
-    return {"path": path, "sha256": hashlib.sha256(raw).hexdigest()}
+    return {"path": os.fspath(path), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
 def machine_info() -> dict[str, Any]:

@@ -23,7 +23,6 @@ Metric names in metrics.jsonl (written by `tg_jax.train.rl`): stage "train" has
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from tg_jax import paths
 from tg_jax.evaluation import stats
 from tg_jax.evaluation.markdown import COST_KEYS, render_markdown
 from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups: public here too)
@@ -232,19 +232,15 @@ def write_report(
     """
     if not isinstance(settings, ReportSettings):
         settings = ReportSettings.from_config(settings)
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = os.fspath(paths.as_path(out_dir))
+    paths.as_path(out_dir).mkdir(parents=True, exist_ok=True)
     res = compute_results(runs, settings, sft_wall_s)
     res["context"] = dict(context or {})
     res = _json_safe(res)
-    tmp = os.path.join(out_dir, RESULTS_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(res, f, indent=1, allow_nan=False)
-    os.replace(tmp, os.path.join(out_dir, RESULTS_FILE))
+    paths.write_json_atomic(paths.as_path(out_dir) / RESULTS_FILE, res, indent=1, allow_nan=False)
     plot_curves(res, out_dir)
     plot_differences(res, out_dir)
-    with open(os.path.join(out_dir, REPORT_FILE), "w", encoding="utf-8") as f:
-        f.write(render_markdown(res))
+    (paths.as_path(out_dir) / REPORT_FILE).write_text(render_markdown(res))
     return res
 
 
@@ -263,15 +259,14 @@ def load_run_result(
 
     summary = read_rl_summary(workdir)
     costs = {k: float(summary["costs"][k]) for k in COST_KEYS if k in summary["costs"]}
-    eval_summary = os.path.join(workdir, HELDOUT_SUMMARY_FILE)
-    if os.path.exists(eval_summary):
+    eval_summary = paths.as_path(workdir) / HELDOUT_SUMMARY_FILE
+    if eval_summary.exists():
         try:
-            with open(eval_summary) as f:
-                costs["eval_wall_time_s"] = float(json.load(f)["wall_s"])
+            costs["eval_wall_time_s"] = float(paths.read_json(eval_summary)["wall_s"])
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(
                 f"{eval_summary} is not a valid evaluation summary ({e!r}); delete it and "
-                f"{os.path.join(workdir, HELDOUT_FILE)} to evaluate the run again"
+                f"{paths.as_path(workdir) / HELDOUT_FILE} to evaluate the run again"
             ) from e
     return RunResult(
         arm=summary["arm"],

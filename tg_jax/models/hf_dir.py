@@ -225,30 +225,34 @@ def resolve_config(config: Any, md: ModelDir) -> Any:
     return config_lib.apply_overrides(config, {f"model.{k}": v for k, v in fields.items()})
 
 
+def copy_dir(src: str, dst: str) -> None:
+    """Copies the files of local directory `src` to `dst` (local or URL), config.json last:
+    a directory with a config.json is complete."""
+    target = epath.Path(dst)
+    target.mkdir(parents=True, exist_ok=True)
+    names = sorted(os.listdir(src), key=lambda n: n == CONFIG_FILE)
+    for name in names:
+        epath.Path(os.path.join(src, name)).copy(target / name, overwrite=True)
+
+
 def export_model_dir(
     out_dir: str, params: Any, cfg: ModelConfig, source: ModelDir | None = None, *,
     dtype: str | None = None,
-) -> list[str]:  # fmt: skip
+) -> None:  # fmt: skip
     """Writes `params` as a checkpoint directory at `out_dir` (local or URL), with the
-    tokenizer, template and generation files of `source` copied. Every process calls it (params
-    may span hosts); process 0 writes. Returns the file names."""
+    tokenizer, template and generation files of `source` copied; config.json is written last
+    (its presence marks a complete export). Every process calls it (params may span hosts);
+    process 0 writes."""
     import jax  # noqa: PLC0415
 
-    target = epath.Path(out_dir)
-    local = os.fspath(target) if not _is_url(out_dir) else tempfile.mkdtemp(prefix="tg_export_")
-    files = checkpoint_io.save_hf_checkpoint(
-        local, params, cfg, dtype=dtype, base_hf_config=source.hf_config if source else None
-    )
-    if jax.process_index() != 0:
-        return files
-    if source is not None:
-        for name in TOKENIZER_FILES:
-            src = os.path.join(source.local_path, name)
-            if os.path.exists(src):
-                epath.Path(src).copy(epath.Path(local) / name, overwrite=True)
-                files.append(name)
-    if _is_url(out_dir):
-        target.mkdir(parents=True, exist_ok=True)
-        for name in files:
-            (epath.Path(local) / name).copy(target / name, overwrite=True)
-    return files
+    with tempfile.TemporaryDirectory(prefix="tg_export_") as tmp:
+        if source is not None and jax.process_index() == 0:
+            for name in TOKENIZER_FILES:
+                src = os.path.join(source.local_path, name)
+                if os.path.exists(src):
+                    epath.Path(src).copy(epath.Path(tmp) / name, overwrite=True)
+        checkpoint_io.save_hf_checkpoint(
+            tmp, params, cfg, dtype=dtype, base_hf_config=source.hf_config if source else None
+        )
+        if jax.process_index() == 0:
+            copy_dir(tmp, out_dir)

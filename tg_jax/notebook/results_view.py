@@ -11,13 +11,13 @@ their figure.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from tg_jax import paths
 from tg_jax.evaluation import report
 from tg_jax.evaluation.stats import RATE_METRICS
 from tg_jax.metrics import METRICS_FILE, last_per_step, read_metrics
@@ -33,13 +33,14 @@ def find_results_file(workdir: str | os.PathLike) -> str:
       FileNotFoundError: none, or several with none at the usual places.
     """
     workdir = os.fspath(workdir)
-    for candidate in (workdir, os.path.join(workdir, "report")):
-        path = os.path.join(candidate, report.RESULTS_FILE)
-        if os.path.isfile(path):
-            return path
+    root = paths.as_path(workdir)
+    for candidate in (root, root / "report"):
+        path = candidate / report.RESULTS_FILE
+        if path.is_file():
+            return os.fspath(path)
     found = sorted(
-        os.path.join(d, report.RESULTS_FILE)
-        for d, _, files in os.walk(workdir)
+        os.fspath(d / report.RESULTS_FILE)
+        for d, _, files in root.walk()
         if report.RESULTS_FILE in files
     )
     if len(found) != 1:
@@ -50,8 +51,7 @@ def find_results_file(workdir: str | os.PathLike) -> str:
 
 def load_results(workdir: str | os.PathLike) -> dict[str, Any]:
     """The report's results.json of `workdir` (see `find_results_file`)."""
-    with open(find_results_file(workdir), encoding="utf-8") as f:
-        return json.load(f)
+    return paths.read_json(find_results_file(workdir))
 
 
 def load_run_metrics(workdir: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
@@ -60,11 +60,11 @@ def load_run_metrics(workdir: str | os.PathLike) -> dict[str, list[dict[str, Any
     Records are deduplicated after resumes (the last one of each (stage, step) wins) and
     ordered by stage, then step.
     """
-    workdir = os.fspath(workdir)
+    root = paths.as_path(workdir)
     out = {}
-    for d, _, files in sorted(os.walk(workdir)):
+    for d, _, files in sorted(root.walk(), key=lambda w: os.fspath(w[0])):
         if METRICS_FILE in files:
-            out[os.path.relpath(d, workdir)] = last_per_step(read_metrics(d))
+            out[os.fspath(d.relative_to(root))] = last_per_step(read_metrics(d))
     return out
 
 

@@ -11,9 +11,11 @@ through grain (`tg_jax.data.pipeline.TaskIterator`); evaluations read the held-o
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from tg_jax import paths
 from tg_jax.data import tfds_builders
 from tg_jax.envs.tasks import Task, check_families, generate_tasks
 
@@ -41,6 +43,14 @@ def _generate(config: Any):
     return generate
 
 
+def tasks_dir(workdir: str) -> str:
+    """Where the task datasets live: `workdir/tfds`, or for a gs:// workdir a local directory
+    (array_record writes local files only; the datasets are regenerated from the config)."""
+    if paths.is_url(workdir):
+        return os.path.join(tempfile.gettempdir(), "tg_jax", TFDS_DIR)
+    return os.path.join(workdir, TFDS_DIR)
+
+
 def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
     """Builds (or reuses) the task datasets; returns `{"train": source, "heldout": source}`.
 
@@ -48,7 +58,7 @@ def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
     task record (`Task.from_record` validates it).
     """
     return tfds_builders.prepare_task_dataset(
-        os.path.join(workdir, TFDS_DIR),
+        tasks_dir(workdir),
         config_name=tasks_dataset_name(config),
         generate=_generate(config),
         validate_fn=Task.from_record,

@@ -38,11 +38,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import sys
+import tempfile
 from typing import Any
 
-from tg_jax import checkpointing, config_lib, sharding
+from tg_jax import checkpointing, config_lib, paths, sharding
 from tg_jax.evaluation import heldout, protocol
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates
@@ -122,7 +122,7 @@ def run_data(config: Any, workdir: str) -> dict[str, Any]:
     """Data stage: writes (or reuses) the train / held-out task datasets."""
     sources = data_stage.prepare_tasks(config, workdir)
     sizes = {split: len(src) for split, src in sources.items()}
-    print(f"data: {sizes} tasks in {os.path.join(workdir, data_stage.TFDS_DIR)}")
+    print(f"data: {sizes} tasks in {data_stage.tasks_dir(workdir)}")
     return sources
 
 
@@ -133,8 +133,7 @@ def _preempted(stage: str, workdir: str) -> checkpointing.Preempted:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
+    return paths.read_json(path)
 
 
 def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = None) -> Any:
@@ -147,7 +146,7 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
     state = sft.run_sft(config, workdir)
     if checkpointing.preemption_requested() or not sft.sft_finished(config, workdir):
         raise _preempted("SFT", workdir)
-    if os.path.exists(os.path.join(workdir, sft_eval.EVAL_FILE)):
+    if paths.as_path(os.path.join(workdir, sft_eval.EVAL_FILE)).exists():
         print(f"sft: finished checkpoint and {sft_eval.EVAL_FILE} found in {workdir}")
         return state.params
     sources = sources if sources is not None else data_stage.prepare_tasks(config, workdir)
@@ -216,23 +215,20 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
     from tg_jax.text import byte_hf  # noqa: PLC0415
 
     params, result, attempts = run_base_model(config, workdir, sources)
-    out = os.path.join(workdir, BASE_MODEL_DIR)
-    if not os.path.exists(os.path.join(out, hf_dir.CONFIG_FILE)):
-        tmp = f"{out}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        byte_hf.write_byte_tokenizer(tmp)
-        model_cfg = ModelConfig.from_config(config.model)
-        hf_dir.export_model_dir(tmp, params, model_cfg)  # beside the tokenizer files
-        os.replace(tmp, out)
-    return hf_dir.open_model_dir(out), result, attempts
+    out = paths.as_path(workdir) / BASE_MODEL_DIR
+    if not (out / hf_dir.CONFIG_FILE).exists():
+        with tempfile.TemporaryDirectory(prefix="tg_base_model_") as tmp:
+            byte_hf.write_byte_tokenizer(tmp)
+            hf_dir.export_model_dir(tmp, params, ModelConfig.from_config(config.model))
+            hf_dir.copy_dir(tmp, str(out))
+    return hf_dir.open_model_dir(str(out)), result, attempts
 
 
 def _export(cfg: Any, workdir: str, run_name: str, params: Any, md: Any) -> None:
     """The run's final policy as a checkpoint directory `workdir/export/<run>` (once)."""
-    out = os.path.join(workdir, EXPORT_DIR, run_name)
-    if not os.path.exists(os.path.join(out, hf_dir.CONFIG_FILE)):
-        hf_dir.export_model_dir(out, params, ModelConfig.from_config(cfg.model), md)
+    out = paths.as_path(workdir) / EXPORT_DIR / run_name
+    if not (out / hf_dir.CONFIG_FILE).exists():
+        hf_dir.export_model_dir(str(out), params, ModelConfig.from_config(cfg.model), md)
 
 
 def _run_arms(config, workdir, arms_cfgs, md, sources) -> list[Any]:

@@ -32,7 +32,6 @@ and peak memory (device `peak_bytes_in_use` where the backend reports it, else h
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import resource
@@ -45,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tg_jax import checkpointing, sharding
+from tg_jax import checkpointing, paths, sharding
 from tg_jax.data.pipeline import TaskIterator, to_record
 from tg_jax.envs.coding import CodingEnv, coding_env_config
 from tg_jax.envs.tasks import Task
@@ -323,17 +322,13 @@ def _host_metrics(
 
 
 def _write_summary(workdir: str, record: dict[str, Any]) -> None:
-    path = os.path.join(workdir, SUMMARY_FILE)
+    path = paths.as_path(workdir) / SUMMARY_FILE
     sessions = []
-    if os.path.exists(path):
-        with open(path) as f:
-            sessions = json.load(f).get("sessions", [])
+    if path.exists():
+        sessions = paths.read_json(path).get("sessions", [])
     sessions.append(record["session"])
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({**{k: v for k, v in record.items() if k != "session"}, "sessions": sessions},
-                  f, indent=1)  # fmt: skip
-    os.replace(tmp, path)
+    out = {**{k: v for k, v in record.items() if k != "session"}, "sessions": sessions}
+    paths.write_json_atomic(path, out, indent=1)
 
 
 def _summarize(parts: _Parts, session: _Session, done: int) -> None:
@@ -391,7 +386,7 @@ def run_rl(
     end = num_steps if stop_after is None else min(num_steps, int(stop_after))
     renderer = renderer or ChatRenderer(ByteTokenizer())
     parts = _build(config, workdir, init_params, arm_name, seed, renderer)
-    os.makedirs(workdir, exist_ok=True)
+    paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),
         max_to_keep=int(lc.keep_checkpoints),

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tg_jax import checkpointing, sharding
+from tg_jax import checkpointing, paths, sharding
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.progress import ProgressBar
@@ -172,7 +172,7 @@ def sft_checkpoint_dir(workdir: str) -> str:
 def sft_finished(config: Any, workdir: str) -> bool:
     """Whether `workdir` holds the final SFT checkpoint (step == config.sft.steps)."""
     directory = sft_checkpoint_dir(workdir)
-    if not os.path.isdir(directory):
+    if not paths.as_path(directory).is_dir():
         return False
     with checkpointing.TrainingCheckpointer(directory, read_only=True) as ckpt:
         return ckpt.latest_step() == int(config.sft.steps)
@@ -256,25 +256,22 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
 
 def _write_summary(workdir, stats, start, done, data_s, train_s) -> None:
     """Appends this session's data statistics and timings to sft_summary.json."""
-    path = os.path.join(workdir, SFT_DIR, SUMMARY_FILE)
+    path = paths.as_path(workdir) / SFT_DIR / SUMMARY_FILE
     sessions = []
-    if os.path.exists(path):
-        with open(path) as f:
-            sessions = json.load(f).get("sessions", [])
+    if path.exists():
+        sessions = paths.read_json(path).get("sessions", [])
     sessions.append({"start_step": start, "end_step": done, "data_s": data_s, "train_s": train_s})
     total = sum(s["data_s"] + s["train_s"] for s in sessions)
-    with open(path, "w") as f:
-        json.dump({"data": stats, "sessions": sessions, "wall_s": total}, f, indent=2)
+    path.write_text(json.dumps({"data": stats, "sessions": sessions, "wall_s": total}, indent=2))
 
 
 def read_sft_wall_s(workdir: str) -> float | None:
     """The SFT stage's wall time over all its sessions (sft_summary.json); None if not recorded."""
-    path = os.path.join(workdir, SFT_DIR, SUMMARY_FILE)
-    if not os.path.exists(path):
+    path = paths.as_path(workdir) / SFT_DIR / SUMMARY_FILE
+    if not path.exists():
         return None
     try:
-        with open(path) as f:
-            wall_s = json.load(f).get("wall_s")
+        wall_s = paths.read_json(path).get("wall_s")
         return None if wall_s is None else float(wall_s)
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} is not a valid SFT summary: {e}") from e
@@ -283,9 +280,7 @@ def read_sft_wall_s(workdir: str) -> float | None:
 def selected_step(config: Any, workdir: str) -> int:
     """The SFT step that is the base model: the dev-selected one, else the last step."""
     sft_dir = os.path.join(workdir, SFT_DIR)
-    if config.sft.select.enabled and os.path.exists(
-        os.path.join(sft_dir, sft_select.SELECTION_FILE)
-    ):
+    if config.sft.select.enabled and (paths.as_path(sft_dir) / sft_select.SELECTION_FILE).exists():
         best = sft_select.read_selection(sft_dir).get("best_step")
         if best is not None:
             return int(best)

@@ -16,7 +16,6 @@ Figures per mode (`summarize`):
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax import paths
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig, coding_env_config
 from tg_jax.envs.tasks import Task
 from tg_jax.models import ModelConfig, Transformer
@@ -122,8 +122,7 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     result["requirements"] = list(config.env.requirements)
     result["num_params"] = model_cfg.num_params()
     result["selected_step"] = sft.selected_step(config, workdir)
-    if os.path.exists(os.path.join(workdir, sft.SFT_DIR, sft.SUMMARY_FILE)):
+    if (paths.as_path(workdir) / sft.SFT_DIR / sft.SUMMARY_FILE).exists():
         result["sft_wall_s"] = sft.read_sft_wall_s(workdir)
-    with open(os.path.join(workdir, EVAL_FILE), "w") as f:
-        json.dump(result, f, indent=2)
+    (paths.as_path(workdir) / EVAL_FILE).write_text(json.dumps(result, indent=2))
     return result

@@ -22,13 +22,12 @@ SFT continues the selection where it stopped and the report can show the traject
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 import ml_collections
 
-from tg_jax import checkpointing
+from tg_jax import checkpointing, paths
 from tg_jax.envs.coding import coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.text import ChatRenderer
@@ -130,7 +129,8 @@ class DevSelector:
         self.renderer = renderer
         self.path = os.path.join(sft_dir, SELECTION_FILE)
         self.best_dir = os.path.join(sft_dir, BEST_DIR)
-        self.entries = read_selection(sft_dir)["evaluations"] if os.path.exists(self.path) else []
+        exists = paths.as_path(self.path).exists()
+        self.entries = read_selection(sft_dir)["evaluations"] if exists else []
         self._tasks = None
 
     def tasks(self):
@@ -173,22 +173,17 @@ class DevSelector:
             "best_step": None if best is None else best["step"],
             "best_eligible": None if best is None else best["eligible"],
         }
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f, indent=2)
-        os.replace(tmp, self.path)
+        paths.write_json_atomic(self.path, out, indent=2)
 
 
 def read_selection(sft_dir: str) -> dict[str, Any]:
     """selection.json of an SFT directory; a clear error when it is not valid JSON."""
-    path = os.path.join(sft_dir, SELECTION_FILE)
+    path = paths.as_path(sft_dir) / SELECTION_FILE
     try:
-        with open(path) as f:
-            out = json.load(f)
+        out = paths.read_json(path)
         out["evaluations"]  # noqa: B018 (the key must be there)
         return out
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(
-            f"{path} is not a valid SFT selection record ({e}); delete {os.path.dirname(path)} "
-            "to redo SFT"
+            f"{path} is not a valid SFT selection record ({e}); delete {path.parent} to redo SFT"
         ) from e

@@ -1,0 +1,42 @@
+"""User paths (workdirs, checkpoints, reports, data dirs): local or object-store URLs.
+
+Every user path goes through ``as_path``, an etils ``epath.Path`` (the path type orbax uses),
+so ``gs://bucket/run`` stays a URL end to end instead of becoming a local folder named ``gs:``
+(what ``os.path.abspath`` and ``open`` make of it). ``gs://`` needs gcsfs at run time
+(``pip install 'etils[epath-gcs]'``); local paths need nothing extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from etils import epath
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a URL (``gs://...``, ``s3://...``) rather than a local path."""
+    return bool(_URL.match(os.fspath(path)))
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    """An ``epath.Path``: local paths made absolute, URLs left exactly as given."""
+    path = os.fspath(path)
+    return epath.Path(path if is_url(path) else os.path.abspath(path))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value stored at ``path``."""
+    return json.loads(as_path(path).read_text())
+
+
+def write_json_atomic(path: str | os.PathLike, value: Any, **dump_kwargs: Any) -> None:
+    """Writes ``value`` as JSON via ``<path>.tmp`` then a rename, so readers never see half."""
+    path = as_path(path)
+    tmp = path.parent / (path.name + ".tmp")
+    tmp.write_text(json.dumps(value, **dump_kwargs))
+    tmp.replace(path)
