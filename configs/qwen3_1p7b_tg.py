@@ -53,6 +53,7 @@ def get_config(arg=None):
         experts_per_token=0,
         moe_mlp_dim=0,
         norm_topk_prob=True,
+        router_aux_loss_coef=0.0,
         param_dtype="float32",  # fp32 master weights and AdamW moments
         dtype="bfloat16",  # bf16 activations and matmuls on TPU
         remat_policy="full",  # recompute each layer in the backward pass (long sequences)
