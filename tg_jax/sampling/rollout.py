@@ -107,6 +107,7 @@ class Episode:
     termination: str = ""
     truncated_turns: int = 0
     step_infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    stream_id: int = 0  # its random stream (play_episodes' stream_ids)
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
         self.tokens += [int(t) for t in ids]
@@ -146,6 +147,7 @@ def play_episodes(
     rng: jax.Array,
     group_ids: Sequence[int] | None = None,
     hint_before_every_turn: bool = False,
+    stream_ids: Sequence[int] | None = None,
 ) -> list[Episode]:
     """Plays one episode per entry of `tasks`, all live episodes batched turn by turn.
 
@@ -160,6 +162,9 @@ def play_episodes(
       group_ids: per episode; default 0..len(tasks)-1.
       hint_before_every_turn: insert a hint message for every requirement right before every
         assistant turn (the "hinted" evaluation; its tokens are in `tokens` with Role.HINT).
+      stream_ids: per episode, the id of its random stream (`Sampler.sample`'s row_ids): its
+        turns then sample the same whichever other episodes share the batch (e.g. on another
+        host). None: by position among the live episodes.
     Returns:
       The finished episodes, in the order of `tasks`.
     """
@@ -171,6 +176,7 @@ def play_episodes(
         ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
         gid = i if group_ids is None else int(group_ids[i])
         ep = Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
+        ep.stream_id = i if stream_ids is None else int(stream_ids[i])
         ep.turn_ids, ep.logprobs = [-1] * len(ids), [0.0] * len(ids)
         episodes.append(ep)
     hint_ids: list[int] = []
@@ -208,6 +214,7 @@ def play_episodes(
                 top_k=config.top_k,
                 top_p=config.top_p,
                 rng=jax.random.fold_in(rng, turn),
+                row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
             )
             texts = []
             for k, ep in enumerate(live):
@@ -303,7 +310,7 @@ def rollout_groups(
     rng: jax.Array,
     policy_version: int,
     first_group_id: int = 0,
-    hint_picker: Callable[[str], str] | None = None,
+    hint_picker: Callable[[str, int], str] | None = None,
 ) -> list[Trajectory]:
     """G rollouts of each of N tasks (GRPO groups), as Trajectory records.
 
@@ -311,24 +318,30 @@ def rollout_groups(
       tasks: the N tasks; task n's rollouts get group id `first_group_id + n`.
       rollouts_per_task: G.
       policy_version: version of `params`, recorded in every trajectory.
-      hint_picker: requirement name -> hint text for the teacher (e.g. imperfect feedback via
-        tg_jax.envs.hints.pick_hint); default: the environment's own hint. Called once per
-        requirement and trajectory; the texts are recorded in info["hint_texts"].
+      hint_picker: (requirement name, group id) -> hint text for the teacher (e.g. imperfect
+        feedback via tg_jax.envs.hints.pick_hint); default: the environment's own hint. Called
+        once per requirement and trajectory; the texts are recorded in info["hint_texts"].
       (others: see `play_episodes`.)
     Returns:
-      N * G trajectories, grouped task by task.
+      N * G trajectories, grouped task by task. Rollout g of group id k samples from its own
+      stream k * G + g (`play_episodes`' stream_ids): what a group samples does not depend on
+      the other groups of the call, so hosts that each roll out a share of a batch's groups
+      sample what one host sampling them all would.
     """
-    flat = [t for t in tasks for _ in range(rollouts_per_task)]
-    gids = [first_group_id + n for n in range(len(tasks)) for _ in range(rollouts_per_task)]
+    g = rollouts_per_task
+    flat = [t for t in tasks for _ in range(g)]
+    gids = [first_group_id + n for n in range(len(tasks)) for _ in range(g)]
+    streams = [k * g + r % g for r, k in enumerate(gids)]
     episodes = play_episodes(
-        sampler, params, renderer, env_factory, flat, config=config, rng=rng, group_ids=gids
-    )
+        sampler, params, renderer, env_factory, flat, config=config, rng=rng, group_ids=gids,
+        stream_ids=streams,
+    )  # fmt: skip
     out = []
     default_hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
     for ep in episodes:
         hints, extra = default_hints, {}
         if hint_picker is not None:
-            texts = {r.name: hint_picker(r.name) for r in ep.env.requirements}
+            texts = {r.name: hint_picker(r.name, ep.group_id) for r in ep.env.requirements}
             hints = {n: renderer.render_message(hint_message(t)) for n, t in texts.items()}
             extra = {"hint_texts": texts}
         out.append(to_trajectory(ep, hints, policy_version, extra))

@@ -1,0 +1,65 @@
+"""One process of a tiny RL run on simulated CPU devices, alone or under `jax.distributed`.
+
+    python -m tests.multihost_driver WORKDIR --devices 8                        # 1 process
+    TG_JAX_DISTRIBUTED=1 TG_JAX_COORDINATOR=localhost:PORT TG_JAX_NUM_PROCESSES=2 \\
+      TG_JAX_PROCESS_ID=i python -m tests.multihost_driver WORKDIR --devices 4  # process i
+
+tests/rl_loop_driver.py's config (configs/tiny.py, TG arm) for --steps steps, exporting the
+params at the last step. Process 0 writes WORKDIR/final_params.npz (every param leaf by path,
+gathered from all processes) when the run finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--async", dest="async_sampling", action="store_true")
+    args = parser.parse_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+
+    from tg_jax.tpu import distributed
+
+    distributed.initialize_from_env()  # before any other JAX call
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from tests import rl_loop_driver as driver
+    from tg_jax.train import rl
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    if os.environ.get("TG_JAX_COMPILATION_CACHE"):
+        jax.config.update("jax_compilation_cache_dir", os.environ["TG_JAX_COMPILATION_CACHE"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    def exporter(params, out_dir):
+        os.makedirs(out_dir)
+        np.savez(os.path.join(out_dir, "params.npz"), **driver.flat_params(params))
+
+    config = driver.make_config("tg", args.async_sampling, args.steps)
+    config.rl_loop.export_every = args.steps
+    result = rl.run_rl(
+        config, args.workdir, driver.initial_params(config), arm_name="tg", seed=0,
+        sources=driver.make_sources(), exporter=exporter,
+    )  # fmt: skip
+    params = multihost_utils.process_allgather(result.state.params, tiled=True)
+    if result.finished and jax.process_index() == 0:
+        np.savez(os.path.join(args.workdir, "final_params.npz"), **driver.flat_params(params))
+    print(
+        f"driver: process {jax.process_index()}/{jax.process_count()} step {result.step} "
+        f"finished {result.finished}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
