@@ -22,10 +22,12 @@ import pytest
 
 from tests import rl_loop_driver as driver
 from tg_jax import multihost
+from tg_jax.envs.hints import FeedbackRates
 from tg_jax.metrics import read_metrics, read_rl_summary
 from tg_jax.models import ModelConfig, Transformer
+from tg_jax.sampling.loop import RolloutGroup
 from tg_jax.sampling.sampler import Sampler
-from tg_jax.train import rl
+from tg_jax.train import rl, rl_rollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, ASYNC_STEPS = 3, 2
@@ -198,3 +200,62 @@ def test_row_ids_make_a_row_sample_the_same_in_any_batch():
     np.testing.assert_allclose(alone.logprobs[0], whole.logprobs[2], rtol=1e-5, atol=1e-6)
     other = sampler.sample(params, prompts[2:3], row_ids=[7], **kw)
     assert not np.array_equal(other.tokens[0], whole.tokens[2])  # the id matters
+
+
+def test_a_process_share_rolls_out_what_the_whole_batch_does(monkeypatch):
+    """BatchRollout on process 1 of 2: the batch's last two groups, with the group ids, sampling
+    key and imperfect-feedback picks that one process rolling out every group gives them."""
+    calls = []
+
+    def fake_rollout_groups(sampler, params, renderer, env_factory, tasks, **kw):
+        gids = [kw["first_group_id"] + n for n in range(len(tasks))]
+        picks = {g: [kw["hint_picker"]("fence", g) for _ in range(20)] for g in gids}
+        calls.append((list(tasks), gids, picks, np.asarray(jax.random.key_data(kw["rng"]))))
+        return []
+
+    monkeypatch.setattr(rl_rollouts.rollout, "rollout_groups", fake_rollout_groups)
+    rates = FeedbackRates(correct=0.5, irrelevant=0.25, wrong=0.25)
+    fn = rl_rollouts.BatchRollout(
+        None, None, None, rollouts_per_group=2, config=None, sampling_key=jax.random.key(0),
+        seed=3, rates=rates,
+    )  # fmt: skip
+    tasks = ["a", "b", "c", "d"]
+    fn(None, 5, tasks, 0)
+    share = multihost.process_slice
+    monkeypatch.setattr(rl_rollouts.multihost, "process_slice", lambda n: share(n, 1, 2))
+    fn(None, 5, tasks, 0)
+    (t_all, g_all, p_all, k_all), (t_1, g_1, p_1, k_1) = calls
+    assert t_all == tasks and g_all == [20, 21, 22, 23]
+    assert t_1 == ["c", "d"] and g_1 == [22, 23]
+    assert p_1 == {g: p_all[g] for g in g_1}
+    assert p_all[20] != p_all[21]  # each group its own picks
+    np.testing.assert_array_equal(k_1, k_all)
+
+
+def test_process_gather_merges_the_groups_in_process_order(monkeypatch):
+    trajs = [[f"p0-{i}" for i in range(2)], [f"p1-{i}" for i in range(2)]]
+    groups = [
+        RolloutGroup(trajs[0], policy_version=4, batch_index=7, seconds=1.0, staleness=0),
+        RolloutGroup(trajs[1], policy_version=3, batch_index=6, seconds=2.0, staleness=1),
+    ]
+
+    class FakeLoop:
+        published = None
+
+        def publish(self, params, version):
+            self.published = (params, version)
+
+        def get(self, max_staleness, timeout=None):
+            return groups[0]
+
+    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, groups[1]])
+    fake = FakeLoop()
+    gather = rl_rollouts.ProcessGather(fake, lambda p: ("local", p))
+    gather.publish("params", 4)
+    assert fake.published == (("local", "params"), 4)
+    merged = gather.get(1)
+    assert merged.trajectories == trajs[0] + trajs[1]
+    assert (merged.policy_version, merged.batch_index) == (3, 6)
+    assert (merged.seconds, merged.staleness) == (2.0, 1)
+    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, None])
+    assert gather.get(1) is None  # one process ran out of tasks: all stop

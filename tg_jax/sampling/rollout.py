@@ -136,6 +136,26 @@ def _termination(env: Environment) -> str:
     return "max_turns" if env.summary().end_reason == "max_turns" else "done"
 
 
+def _start_episodes(
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    group_ids: Sequence[int] | None,
+    stream_ids: Sequence[int] | None,
+) -> list[Episode]:
+    """One fresh episode per task: a new environment, the rendered user prompt."""
+    episodes = []
+    for i, task in enumerate(tasks):
+        env = env_factory()
+        ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
+        gid = i if group_ids is None else int(group_ids[i])
+        ep = Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
+        ep.stream_id = i if stream_ids is None else int(stream_ids[i])
+        ep.turn_ids, ep.logprobs = [-1] * len(ids), [0.0] * len(ids)
+        episodes.append(ep)
+    return episodes
+
+
 def play_episodes(
     sampler: Sampler,
     params: Any,
@@ -170,15 +190,7 @@ def play_episodes(
     """
     header = renderer.assistant_header()
     im_end = renderer.end_of_turn_ids[0]
-    episodes: list[Episode] = []
-    for i, task in enumerate(tasks):
-        env = env_factory()
-        ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
-        gid = i if group_ids is None else int(group_ids[i])
-        ep = Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
-        ep.stream_id = i if stream_ids is None else int(stream_ids[i])
-        ep.turn_ids, ep.logprobs = [-1] * len(ids), [0.0] * len(ids)
-        episodes.append(ep)
+    episodes = _start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     hint_ids: list[int] = []
     if hint_before_every_turn and episodes:
         every = [r.name for r in episodes[0].env.requirements]

@@ -269,7 +269,7 @@ class Sampler:
             self._traced, static_argnames=("max_new_bucket", "per_shard", "per_row")
         )
 
-    def _traced(self, params, *arrays, max_new_bucket: int, per_shard: bool, per_row: bool):
+    def _traced(self, params, *arrays, max_new_bucket: int, per_shard: bool, per_row: bool = False):
         """`sample_tokens` on the padded arrays (the last one the rng; with `per_row`, the one
         before it the row ids); with `per_shard`, one decode loop per shard of rows
         (`_row_axes`)."""

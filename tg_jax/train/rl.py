@@ -23,6 +23,11 @@ Resuming from the latest checkpoint is automatic. In the deterministic mode
 exactly (tests/test_rl_loop.py); with the sampling thread it cannot, since which policy
 version samples which batch depends on timing.
 
+Several processes (`jax.distributed`, docs/design.md section 5): each rolls out its share of a
+step's groups on its own devices (tg_jax.train.rl_rollouts), all build the same batch from the
+gathered trajectories and place their own rows of it; process 0 writes metrics.jsonl,
+rl_summary.json and exports, every process saves its shards of the checkpoints.
+
 Costs per run (rl_summary.json and the metrics under `cost/`, `sys/`): wall time (summed over
 sessions; time after the last checkpoint of a killed session is lost), sampled tokens,
 teacher forward FLOPs = ModelConfig.flops_per_token(T_t) x real (non-padding) teacher tokens,
@@ -154,7 +159,7 @@ def _sampler(
 ) -> tuple[Sampler, Callable[[Any], Any] | None]:
     """(rollout sampler, params -> its params or None). One process: on the trainer's mesh.
     Several: on this process's devices (rows split over them, params replicated), since each
-    process samples its own share of the groups (docs/design.md, scale path)."""
+    process samples its own share of the groups (docs/design.md section 5)."""
     pad_id = renderer.tokenizer.pad_id
     if jax.process_count() == 1:
         sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
