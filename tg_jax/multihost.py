@@ -19,6 +19,7 @@ code paths run unchanged.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -64,7 +65,8 @@ def allgather_objects(obj: Any) -> list[Any]:
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
     sizes = sizes.reshape(-1)
-    buf = np.zeros(int(sizes.max()), np.uint8)
+    # Power-of-two buffers: the gather compiles once per size bucket, not once per call.
+    buf = np.zeros(1 << max(12, (int(sizes.max()) - 1).bit_length()), np.uint8)
     buf[: data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(buf))
     return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(len(sizes))]
@@ -75,6 +77,13 @@ def local_mesh(axis: str = "sampler") -> Mesh:
     return Mesh(np.asarray(jax.local_devices()), (axis,))
 
 
+@functools.cache
+def _replicator(mesh: Mesh) -> Any:
+    """A jitted copy onto `mesh`, replicated (one per mesh, so its compilations are reused)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)
+
+
 def local_replica(tree: Any, mesh: Mesh, target: Mesh) -> Any:
     """`tree` (arrays on the global `mesh`) replicated over the process-local mesh `target`.
 
@@ -82,8 +91,7 @@ def local_replica(tree: Any, mesh: Mesh, target: Mesh) -> Any:
     copies then become arrays on `target` without another copy. The result is new buffers,
     so donating `tree` afterwards cannot free them.
     """
-    replicated = NamedSharding(mesh, PartitionSpec())
-    full = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)(tree)
+    full = _replicator(mesh)(tree)
     out_sharding = NamedSharding(target, PartitionSpec())
 
     def wrap(x: jax.Array) -> jax.Array:
