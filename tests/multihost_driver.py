@@ -8,14 +8,16 @@ WORKDIR/det: tests/rl_loop_driver.py's config (configs/tiny.py, TG arm) in the d
 mode for --steps steps (held-out evaluation at steps 0, 2 and the last), exporting the params
 at the last step; process 0 writes det/final_params.npz (every param leaf by path, gathered
 from all processes) when it finishes.
-Then, with --async-steps N > 0, WORKDIR/async: N steps with the sampling thread, without
-evaluation (the same processes, so the start-up is paid once).
+Then, with --async-steps N > 0, WORKDIR/async: a copy of det resumed from its last checkpoint
+for N more steps with the sampling thread, without evaluation (the same processes, so the
+start-up is paid once).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 
 def main() -> None:
@@ -69,7 +71,10 @@ def main() -> None:
 
     run("det", False, args.steps)
     if args.async_steps > 0:
-        run("async", True, args.async_steps)
+        if jax.process_index() == 0:
+            shutil.copytree(os.path.join(args.workdir, "det"), os.path.join(args.workdir, "async"))
+        multihost_utils.sync_global_devices("async workdir copied")
+        run("async", True, args.steps + args.async_steps)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ The runs are subprocesses of tests/multihost_driver.py, all three started at onc
 process with 8 devices, and two processes with 4 devices each that join through
 `jax.distributed.initialize` on a free localhost port (TG_JAX_DISTRIBUTED=1 and friends, as
 tg_jax.main does; gloo runs the CPU collectives). Each runs 3 deterministic TG steps of the
-tiny config, then the two-process pair runs 2 steps with the sampling thread. Every process is
-killed if the test fails or a run exceeds its time limit.
+tiny config, then the two-process pair resumes its run from the last checkpoint for 2 more steps
+with the sampling thread. Every process is killed if the test fails or a run exceeds its time
+limit.
 """
 
 import os
@@ -163,14 +164,21 @@ def test_two_process_checkpoint_and_export(runs):
         np.testing.assert_array_equal(exported[k], final[k], err_msg=k)
 
 
-def test_two_processes_async_sampling_runs(runs):
-    mh = runs["mh"] / "async"
+def test_two_processes_resume_and_sample_async(runs):
+    """The two processes restore the deterministic run's last checkpoint (and its task
+    position) and continue with the sampling thread."""
+    mh, end = runs["mh"] / "async", STEPS + ASYNC_STEPS
     assert (mh / "final_params.npz").exists()
-    train = [r for r in read_metrics(mh) if r["stage"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, ASYNC_STEPS + 1))
+    train = {r["step"]: r for r in read_metrics(mh) if r["stage"] == "train"}
+    assert sorted(train) == list(range(1, end + 1))
     config = driver.make_config("tg", async_sampling=True)
-    assert all(r["staleness"] <= config.rl.max_staleness for r in train)
-    assert read_rl_summary(str(mh))["costs"]["sampled_tokens"] > 0
+    assert all(train[s]["staleness"] <= config.rl.max_staleness for s in range(STEPS + 1, end + 1))
+    assert train[STEPS + 1]["batch_index"] >= STEPS  # the task iterator resumed, not restarted
+    summary = read_rl_summary(str(mh))
+    assert [s["start_step"] for s in summary["sessions"]] == [0, STEPS]
+    assert summary["finished"] and summary["step"] == end
+    det_tokens = read_rl_summary(str(runs["mh"] / "det"))["costs"]["sampled_tokens"]
+    assert summary["costs"]["sampled_tokens"] > det_tokens  # carried on from the checkpoint
 
 
 def test_process_slice_shares_without_overlap():
