@@ -1,6 +1,7 @@
 """The SWE environment: generator and splits, scripted agents, tools, runner, requirement
 checkers on passing and failing turns, limits, importer and the data stage."""
 
+import dataclasses
 import json
 import random
 
@@ -17,7 +18,7 @@ from tg_jax.envs.swe.importer import TaskImportError, load_swe_tasks, normalize_
 from tg_jax.envs.swe.runner import SandboxRunner, parse_pytest_summary, register_runner
 from tg_jax.envs.swe.task import SweTask
 from tg_jax.envs.swe.templates import HELDOUT_TEMPLATES, POOLS, TRAIN_TEMPLATES
-from tg_jax.envs.swe.tools import format_call, parse_call
+from tg_jax.envs.swe.tools import TOOL_SCHEMAS, TOOLS, format_call, parse_call
 from tg_jax.envs.tasks import EASY_FAMILIES, generate_tasks
 
 N_HELDOUT = 50
@@ -318,6 +319,12 @@ def test_expert_styles_fail_the_requirements_they_drop(heldout, env):
     assert all(tr.rewards[n] == 0.0 for n in reqs.REQUIREMENT_NAMES), tr.rewards
 
 
+def test_tool_schemas_name_every_tool():
+    assert [s["function"]["name"] for s in TOOL_SCHEMAS] == list(TOOLS)
+    required = TOOL_SCHEMAS[TOOLS.index("str_replace")]["function"]["parameters"]["required"]
+    assert required == ["path", "old", "new"]
+
+
 def test_parse_call_strictness():
     assert parse_call(_call("run_tests")).strict
     assert parse_call("<think>hm</think>" + _call("list_files")).strict
@@ -378,6 +385,12 @@ def test_data_stage_swe_kind_and_coding_unchanged(tmp_path):
         t.to_record() for t in generate_swe_tasks("heldout", 4)
     ]
     assert isinstance(make_env(cfg.env), SweEnv)
+    user = tmp_path / "user.jsonl"  # a user's held-out tasks through the data stage
+    user.write_text(json.dumps({**_task().to_record(), "split": "train"}) + "\n")
+    imported = config_lib.apply_overrides(cfg, {"tasks.heldout_source": str(user)})
+    assert data_stage.tasks_dataset_name(imported) != data_stage.tasks_dataset_name(cfg)
+    (got,) = data_stage.load_tasks(data_stage.prepare_tasks(imported, str(tmp_path)), "heldout")
+    assert got == dataclasses.replace(_task(), split="heldout")
     coding = config_lib.load_config_file("configs/hf_tg.py", "runlocal")
     assert (
         data_stage.tasks_dataset_name(coding) == "coding_add-sub-vee-bowl_seed0_train32_heldout16"

@@ -44,6 +44,34 @@ _STR_ARGS = {
     "write_file": ("path", "content"),
     "ask_user": ("question",),
 }
+
+
+def _schema(name: str, doc: str, **params: str) -> dict[str, Any]:
+    props = {k: {"type": v.rstrip("?")} for k, v in params.items()}
+    required = [k for k, v in params.items() if not v.endswith("?")]
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": doc,
+            "parameters": {"type": "object", "properties": props, "required": required},
+        },
+    }
+
+
+# The tools as JSON schemas, for the chat template's tools block (`ChatRenderer.prompt_text(
+# ..., tools=TOOL_SCHEMAS)`); the task prompt lists them in one line instead, to stay short.
+TOOL_SCHEMAS = (
+    _schema("list_files", "List the repository's files."),
+    _schema("read_file", "Read a file, lines start..end.", path="string", start="integer?",
+            end="integer?"),
+    _schema("str_replace", "Replace the one occurrence of old by new.", path="string",
+            old="string", new="string"),
+    _schema("write_file", "Create or overwrite a file.", path="string", content="string"),
+    _schema("ask_user", "Ask the user a question.", question="string"),
+    _schema("run_tests", "Run the visible tests."),
+    _schema("submit", "Submit; the message text is the final report."),
+)  # fmt: skip
 _THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.S)
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _LEGACY = re.compile(r"^[ \t]*CALL[ \t]+(\w+)[ \t]*(\{.*\})?[ \t]*$", re.M)
