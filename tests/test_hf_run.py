@@ -81,9 +81,10 @@ def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
-def test_hf_tg_runlocal_dense_sigterm_resume_export(tmp_path):
+@pytest.mark.parametrize("arch", [DENSE, MOE], ids=["dense", "moe"])
+def test_hf_tg_runlocal_sigterm_resume_export(tmp_path, arch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
-    make_model_dir(ckpt, DENSE)
+    make_model_dir(ckpt, arch)
     cmd = _command("configs/hf_tg.py:runlocal", work, ckpt, "--config.rl_loop.steps=3",
                    "--config.optim.total_steps=3")  # fmt: skip
     proc = subprocess.Popen(
@@ -105,13 +106,6 @@ def test_hf_tg_runlocal_dense_sigterm_resume_export(tmp_path):
     assert "held-out" in out and (work / "report" / "report.md").exists()
     report = (work / "report" / "report.md").read_text()
     assert "One arm, no comparison" in report
-    _check_export(str(work / "export" / "tg_seed0"), str(ckpt), str(ckpt))
-
-
-def test_hf_tg_runlocal_moe_export(tmp_path):
-    ckpt, work = tmp_path / "ckpt", tmp_path / "work"
-    make_model_dir(ckpt, MOE)
-    _run(_command("configs/hf_tg.py:runlocal", work, ckpt))
     _check_export(str(work / "export" / "tg_seed0"), str(ckpt), str(ckpt))
 
 

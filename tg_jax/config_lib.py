@@ -198,6 +198,7 @@ def tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
 def env_config(**overrides: Any) -> ml_collections.ConfigDict:
     """The coding environment (tg_jax.envs.coding.CodingEnvConfig fields)."""
     c = ml_collections.ConfigDict()
+    c.kind = "coding"  # which environment tg_jax.envs.make_env builds: coding | swe
     # Requirements the policy is judged on and TG teaches: the SFT base model follows each
     # hint when shown and never meets either unprompted, so only guidance can teach them.
     c.requirements = ("fence", "tool_json")
@@ -209,6 +210,43 @@ def env_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.timeout_s = 1.0  # sandbox wall-clock limit per tool call
     c.cpu_s = 1  # sandbox CPU-seconds limit per tool call
     c.memory_mb = 256  # sandbox address-space limit per tool call
+    c.update(overrides)
+    return c
+
+
+def swe_env_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The software-engineering environment (tg_jax.envs.swe.env.SweEnvConfig fields)."""
+    c = ml_collections.ConfigDict()
+    c.kind = "swe"  # which environment tg_jax.envs.make_env builds: coding | swe
+    # Tier 1 (tool protocol, Markdown report), 2 (names the changed files), 3 (asks before
+    # overwriting a file, on tasks whose fix needs it): tg_jax.envs.swe.requirements.
+    c.requirements = ("tool_protocol", "markdown_report", "files_named", "ask_first")
+    c.max_turns = 12  # assistant turns before an episode ends without a submission
+    c.max_tokens = 0  # estimated assistant tokens per episode before it ends (0 = no limit)
+    c.max_wall_s = 0.0  # wall-clock seconds per episode (0 = no limit)
+    c.task_reward = "all_pass"  # all_pass (1 iff every target hidden test passes) | fraction
+    c.requirement_reward = "fraction"  # fraction of applicable turns meeting it | all
+    c.requirement_weight = 1.0  # weight of each requirement reward in the weighted total
+    c.runner = "sandbox"  # test runner (tg_jax.envs.swe.runner.RUNNERS)
+    c.timeout_s = 10.0  # wall-clock limit of one test run
+    c.cpu_s = 5  # CPU-seconds limit of one test run
+    c.memory_mb = 512  # address-space limit of one test run
+    c.max_observation_chars = 2000  # tool output beyond this is cut, with a note
+    c.ask_reply = "Yes, go ahead."  # what ask_user answers
+    c.update(overrides)
+    return c
+
+
+def swe_tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The SWE task sets of the data stage: generated bug-fix repositories or imported tasks."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # generation seed (train and held-out sets differ by template and names)
+    c.num_train = 512  # generated train tasks
+    c.num_heldout = 64  # generated held-out tasks
+    # A JSONL file or a directory of task directories (tg_jax.envs.swe.importer) replacing the
+    # generated tasks of that split ("" = generate).
+    c.train_source = ""
+    c.heldout_source = ""
     c.update(overrides)
     return c
 

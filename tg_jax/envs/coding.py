@@ -294,8 +294,9 @@ class CodingEnv(Environment):
 
 
 def coding_env_config(cfg: Any, executor: str | None = None) -> CodingEnvConfig:
-    """CodingEnvConfig from `config.env` (optionally with another executor)."""
-    d = cfg.to_dict()
+    """CodingEnvConfig from `config.env` (optionally with another executor); `env.kind` is
+    the factory's (tg_jax.envs.make_env), not a CodingEnvConfig field."""
+    d = {k: v for k, v in cfg.to_dict().items() if k != "kind"}
     d["requirements"] = tuple(d["requirements"])
     if executor is not None:
         d["executor"] = executor

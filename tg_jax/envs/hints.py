@@ -12,10 +12,15 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from tg_jax.envs.protocol import FENCE_HINT, TOOL_JSON_HINT
+from tg_jax.envs.swe import requirements as swe_requirements
 
 HINT_KINDS = ("correct", "irrelevant", "wrong")
 
-CORRECT_HINTS: dict[str, str] = {"fence": FENCE_HINT, "tool_json": TOOL_JSON_HINT}
+CORRECT_HINTS: dict[str, str] = {
+    "fence": FENCE_HINT,
+    "tool_json": TOOL_JSON_HINT,
+    **swe_requirements.HINTS,
+}
 IRRELEVANT_HINTS: tuple[str, ...] = (
     "Reminder: keep your lines short.",
     "Reminder: read the examples carefully.",
@@ -24,6 +29,7 @@ IRRELEVANT_HINTS: tuple[str, ...] = (
 WRONG_HINTS: dict[str, tuple[str, ...]] = {
     "fence": ("Reminder: put code in a ```js block.", "Reminder: never use code fences."),
     "tool_json": ("Reminder: use <tool>run_tests</tool>.", "Reminder: end with CALL submit."),
+    **swe_requirements.WRONG_HINTS,
 }
 
 

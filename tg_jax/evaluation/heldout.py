@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from tg_jax import paths
-from tg_jax.envs.coding import CodingEnv, coding_env_config
+from tg_jax.envs import env_factory
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import CONDITIONS, EpisodeRecord
@@ -77,7 +77,7 @@ def evaluate_heldout(
         raise ValueError(f"unknown conditions {sorted(unknown)}; known: {CONDITIONS}")
     renderer = renderer or ChatRenderer(ByteTokenizer())
     sampler = sampler or make_sampler(config, renderer)
-    env_cfg = coding_env_config(config.env)
+    make_env = env_factory(config.env)
     rollout_cfg = rollout.RolloutConfig(
         max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
         max_total_tokens=int(config.model.max_seq_len),
@@ -87,7 +87,7 @@ def evaluate_heldout(
     records: list[EpisodeRecord] = []
     for i, condition in enumerate(conditions):
         recs, _ = rollout.evaluate(
-            sampler, params, renderer, lambda: CodingEnv(env_cfg), tasks,
+            sampler, params, renderer, make_env, tasks,
             config=rollout_cfg, rng=jax.random.fold_in(jax.random.key(seed), i),
             condition=condition,
             samples_per_task=int(ev.samples_per_task if samples_per_task is None

@@ -1,4 +1,4 @@
-"""The data stage: the default coding tasks as TFDS datasets in the workdir.
+"""The data stage: the task sets as TFDS datasets in the workdir.
 
 `prepare_tasks(config, workdir)` writes `config.tasks.num_train` train-split and
 `config.tasks.num_heldout` held-out-split tasks (`tg_jax.envs.tasks.generate_tasks`) as a
@@ -6,10 +6,16 @@ TFDS dataset under `workdir/tfds` (array_record; see `tg_jax.data.tfds_builders`
 dataset's name encodes everything that determines its content, so a prepared dataset is
 reused as is and a changed config builds a new one. The RL loop reads the train split
 through grain (`tg_jax.data.pipeline.TaskIterator`); evaluations read the held-out split.
+
+With `config.env.kind == "swe"` the records are SWE tasks (`tg_jax.envs.swe`): generated
+bug-fix repositories (`tg_jax.envs.swe.generator`), or per split a user's JSONL file or
+directory of tasks (`config.tasks.train_source` / `heldout_source`, imported by
+`tg_jax.envs.swe.importer`); `tg_jax.envs.decode_task` decodes records of either kind.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -17,7 +23,8 @@ from typing import Any
 
 from tg_jax import paths
 from tg_jax.data import tfds_builders
-from tg_jax.envs.tasks import Task, check_families, generate_tasks
+from tg_jax.envs import decode_task, env_kind
+from tg_jax.envs.tasks import check_families, generate_tasks
 
 TFDS_DIR = "tfds"
 
@@ -25,13 +32,50 @@ TFDS_DIR = "tfds"
 def tasks_dataset_name(config: Any) -> str:
     """The TFDS config name of `config.tasks`: it identifies the dataset's content."""
     t = config.tasks
+    if env_kind(config.env) == "swe":
+        return _swe_dataset_name(t)
     families = "-".join(check_families(t.families))
     return (
         f"coding_{families}_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
     )
 
 
+def _swe_dataset_name(t: Any) -> str:
+    name = f"swe_v1_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
+    sources = [str(t.train_source), str(t.heldout_source)]
+    if any(sources):
+        # Imported tasks: the name carries a hash of the source contents.
+        from tg_jax.envs.swe.importer import load_swe_tasks  # noqa: PLC0415
+
+        h = hashlib.sha256()
+        for src in sources:
+            h.update(repr(load_swe_tasks(src) if src else None).encode())
+        name += f"_import{h.hexdigest()[:12]}"
+    return name
+
+
+def _generate_swe(config: Any):
+    from tg_jax.envs.swe.generator import generate_swe_tasks  # noqa: PLC0415
+    from tg_jax.envs.swe.importer import load_swe_tasks  # noqa: PLC0415
+
+    t = config.tasks
+    sizes = {"train": int(t.num_train), "heldout": int(t.num_heldout)}
+    sources = {"train": str(t.train_source), "heldout": str(t.heldout_source)}
+
+    def generate(split: str) -> Iterator[dict]:
+        if sources[split]:
+            for record in load_swe_tasks(sources[split]):
+                yield {**record, "split": split}
+        else:
+            for task in generate_swe_tasks(split, sizes[split], seed=int(t.seed)):
+                yield task.to_record()
+
+    return generate
+
+
 def _generate(config: Any):
+    if env_kind(config.env) == "swe":
+        return _generate_swe(config)
     sizes = {"train": int(config.tasks.num_train), "heldout": int(config.tasks.num_heldout)}
 
     def generate(split: str) -> Iterator[dict]:
@@ -55,18 +99,18 @@ def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
     """Builds (or reuses) the task datasets; returns `{"train": source, "heldout": source}`.
 
     Sources support `len` and `source[i]`; `tfds_builders.decode_example(source[i])` is the
-    task record (`Task.from_record` validates it).
+    task record (`tg_jax.envs.decode_task` validates it).
     """
     return tfds_builders.prepare_task_dataset(
         tasks_dir(workdir),
         config_name=tasks_dataset_name(config),
         generate=_generate(config),
-        validate_fn=Task.from_record,
+        validate_fn=decode_task,
     )
 
 
-def load_tasks(sources: dict[str, Any], split: str, limit: int | None = None) -> list[Task]:
+def load_tasks(sources: dict[str, Any], split: str, limit: int | None = None) -> list[Any]:
     """The first `limit` (default: all) tasks of a split, in generation order."""
     source = sources[split]
     n = len(source) if limit is None else min(int(limit), len(source))
-    return [Task.from_record(tfds_builders.decode_example(source[i])) for i in range(n)]
+    return [decode_task(tfds_builders.decode_example(source[i])) for i in range(n)]

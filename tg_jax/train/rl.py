@@ -52,8 +52,7 @@ import numpy as np
 
 from tg_jax import checkpointing, multihost, paths, sharding
 from tg_jax.data.pipeline import TaskIterator, to_record
-from tg_jax.envs.coding import CodingEnv, coding_env_config
-from tg_jax.envs.tasks import Task
+from tg_jax.envs import decode_task, env_factory
 from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
@@ -255,13 +254,13 @@ def _tasks(
     if eval_tasks is None and int(lc.eval_every) > 0:
         held = sources["heldout"]
         n = min(int(lc.eval_tasks), len(held))
-        eval_tasks = [Task.from_record(to_record(held[i])) for i in range(n)]
+        eval_tasks = [decode_task(to_record(held[i])) for i in range(n)]
     multihost.process_slice(int(lc.groups_per_step))  # fails early unless it splits evenly
     # Every process iterates the same batches (one process's settings, so checkpoints of
     # either kind resume the other); each rolls out its own share of a batch's groups.
     tasks = TaskIterator(
         sources["train"], group_size=int(lc.groups_per_step),
-        seed=int(lc.data_seed) * 100_003 + seed, decode_fn=Task.from_record,
+        seed=int(lc.data_seed) * 100_003 + seed, decode_fn=decode_task,
         shard=grain.sharding.ShardOptions(0, 1, drop_remainder=True),
     )  # fmt: skip
     if data_state is not None:
@@ -272,9 +271,8 @@ def _tasks(
 def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any:
     """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
     config, lc = parts.config, parts.config.rl_loop
-    env_cfg = coding_env_config(config.env)
     rollout_fn = rl_rollouts.BatchRollout(
-        parts.sampler, parts.renderer, lambda: CodingEnv(env_cfg),
+        parts.sampler, parts.renderer, env_factory(config.env),
         rollouts_per_group=int(lc.rollouts_per_group),
         config=rollout.RolloutConfig(
             max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,

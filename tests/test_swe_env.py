@@ -1,0 +1,400 @@
+"""The SWE environment: generator and splits, scripted agents, tools, runner, requirement
+checkers on passing and failing turns, limits, importer and the data stage."""
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from tg_jax import config_lib
+from tg_jax.envs import decode_task, make_env
+from tg_jax.envs.coding import CodingEnv
+from tg_jax.envs.swe import requirements as reqs
+from tg_jax.envs.swe.agents import Style, expert_turns, make_swe_transcripts, play, weak_turns
+from tg_jax.envs.swe.env import SweEnv, SweEnvConfig
+from tg_jax.envs.swe.generator import generate_swe_tasks
+from tg_jax.envs.swe.importer import TaskImportError, load_swe_tasks, normalize_record
+from tg_jax.envs.swe.runner import SandboxRunner, parse_pytest_summary, register_runner
+from tg_jax.envs.swe.task import SweTask
+from tg_jax.envs.swe.templates import HELDOUT_TEMPLATES, POOLS, TRAIN_TEMPLATES
+from tg_jax.envs.swe.tools import TOOL_SCHEMAS, TOOLS, format_call, parse_call
+from tg_jax.envs.tasks import EASY_FAMILIES, generate_tasks
+
+N_HELDOUT = 50
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    return generate_swe_tasks("heldout", N_HELDOUT, seed=0)
+
+
+@pytest.fixture(scope="module")
+def env():
+    return SweEnv(SweEnvConfig())
+
+
+def _call(name, **args):
+    return format_call(name, args)
+
+
+FILES = {
+    "pkg/__init__.py": "",
+    "pkg/ops.py": "def add(a, b):\n    return a - b\n",
+    "tests/test_ops.py": "from pkg.ops import add\n\n\ndef test_add():\n"
+    "    assert add(1, 2) == 3\n",
+}
+
+
+def _task(files=None, **kw) -> SweTask:
+    rec = {
+        "task_id": "t1",
+        "files": files or FILES,
+        "instruction": "Fix add.",
+        "test_command": "pytest -rA tests/test_ops.py",
+        "hidden_tests": {"tests/test_hidden.py": "from pkg.ops import add\n\n\ndef test_h():\n"
+                                                 "    assert add(2, 2) == 4\n\n\ndef test_k():\n"
+                                                 "    assert add(0, 0) == 0\n"},
+    }  # fmt: skip
+    rec.update(kw)
+    return SweTask.from_record(rec)
+
+
+# --- generator and splits ---------------------------------------------------------------
+
+
+def test_generator_is_deterministic_and_splits_are_new_code(heldout):
+    assert [t.to_record() for t in generate_swe_tasks("heldout", 5)] == [
+        t.to_record() for t in heldout[:5]
+    ]
+    train = generate_swe_tasks("train", 100, seed=0)
+    assert {t.template for t in train} <= set(TRAIN_TEMPLATES)
+    assert {t.template for t in heldout} <= set(HELDOUT_TEMPLATES)
+    assert not set(TRAIN_TEMPLATES) & set(HELDOUT_TEMPLATES)
+    words = lambda p: {*p.packages, *p.modules, *p.verbs, *p.nouns, *p.args}  # noqa: E731
+    assert not words(POOLS["train"]) & words(POOLS["heldout"])
+    train_names = {w for t in train for src in t.files.values() for w in src.split()}
+    for t in heldout:
+        lines = [ln for src in t.files.values() for ln in src.split("\n")]
+        fn_names = {ln.split("(")[0][4:] for ln in lines if ln.startswith("def ")}
+        assert fn_names and not fn_names & train_names
+    for t in heldout:  # 2-5 files, a visible test command, hidden F2P tests
+        assert 2 <= len(t.files) <= 5 and t.fail_to_pass and t.hidden_tests
+    assert len({t.family for t in heldout}) >= 5  # several bug families
+    assert any(t.needs_overwrite for t in heldout)
+
+
+def test_tasks_round_trip_records(heldout):
+    for t in heldout[:10]:
+        rec = json.loads(json.dumps(t.to_record()))
+        assert SweTask.from_record(rec) == t and decode_task(rec) == t
+
+
+# --- scripted agents: the acceptance rates -----------------------------------------------
+
+
+def test_expert_solves_heldout_and_meets_every_requirement(heldout, env):
+    solved = 0
+    for t in heldout:
+        tr = play(env, t, expert_turns(t))
+        solved += tr.rewards["task"] == 1.0
+        assert tr.rewards["tool_protocol"] == 1.0 and tr.rewards["markdown_report"] == 1.0
+        assert tr.rewards["files_named"] == 1.0
+        assert tr.rewards["ask_first"] == (1.0 if t.needs_overwrite else 0.0)  # 0 = never judged
+    assert solved / len(heldout) >= 0.95, solved
+
+
+def test_weak_agent_rarely_solves(heldout, env):
+    rng = random.Random(0)
+    solved = sum(play(env, t, weak_turns(t, rng)).rewards["task"] == 1.0 for t in heldout)
+    assert solved / len(heldout) <= 0.10, solved
+
+
+def test_transcripts_are_played_in_the_env(heldout):
+    trs = make_swe_transcripts(heldout[:4], seed=1, p_weak=0.5, p_comply=0.5)
+    for tr in trs:
+        assert tr.messages[0]["role"] == "user" and tr.messages[-1]["role"] == "assistant"
+        assert "submit" in tr.messages[-1]["content"]
+        assert set(tr.rewards) == {"task", *reqs.REQUIREMENT_NAMES}
+
+
+# --- tools, malformed turns, limits --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "turn,error",
+    [
+        ("just text", "no tool call"),
+        (b"\xff\xfe garbage", "no tool call"),
+        ("<tool_call>{not json}</tool_call>", "bad tool_call JSON"),
+        ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "unknown tool 'rm_rf'"),
+        ('<tool_call>{"name": "read_file", "arguments": {}}</tool_call>', "needs a string"),
+        ('<tool_call>{"name": "read_file", "arguments": {"path": "../x"}}</tool_call>', "relative"),
+        ('<tool_call>{"name": "read_file", "arguments": {"path": "a", "start": "1"}}</tool_call>',
+         "integer"),
+        ('<tool_call>{"name": "list_files"}', "not closed"),
+        ("<tool_call>[1, 2]</tool_call>", "needs {"),
+    ],
+)  # fmt: skip
+def test_malformed_turns_get_a_clear_observation(env, turn, error):
+    env.reset(_task())
+    res = env.step(turn)
+    assert not res.done and error in res.observation and res.observation.startswith("error:")
+    assert (
+        env.summary().actions["malformed"] == 1 and res.info["verdicts"]["tool_protocol"] is False
+    )
+
+
+def test_file_tools_and_run_tests(env):
+    task = _task()
+    env.reset(task)
+    assert env.step(_call("list_files")).observation == "\n".join(task.files)
+    assert env.step(_call("read_file", path="pkg/ops.py", start=2, end=2)).observation == (
+        "2|    return a - b"
+    )
+    obs = env.step(_call("run_tests")).observation
+    assert "FAILED tests/test_ops.py::test_add" in obs and "1 failed" in obs
+    res = env.step(_call("str_replace", path="pkg/ops.py", old="a +", new="x"))
+    assert res.observation.startswith("error: old text not found")
+    assert env.summary().actions["tool_error"] == 1 and env.summary().actions["malformed"] == 0
+    assert env.step(_call("str_replace", path="pkg/ops.py", old="a - b", new="a + b")).observation
+    assert "PASSED tests/test_ops.py::test_add" in env.step(_call("run_tests")).observation
+    res = env.step("# Done\n\nFixed add in pkg/ops.py today.\n" + _call("submit"))
+    assert res.done and res.rewards["task"] == 1.0 and res.info["hidden_passed"] == 2
+    assert env.summary().end_reason == "submit"
+
+
+def test_lenient_syntaxes_run_but_miss_the_protocol(env):
+    env.reset(_task())
+    for turn in ('CALL read_file {"path": "pkg/ops.py"}',
+                 '<tool_call>{"name": "read_file", "path": "pkg/ops.py"}</tool_call>',
+                 '<tool_call>{"name": "read_file", "arguments": "{\\"path\\": \\"pkg/ops.py\\"}"}'
+                 "</tool_call>"):  # fmt: skip
+        res = env.step(turn)
+        assert res.observation.startswith("1|def add"), res.observation
+        assert res.info["verdicts"]["tool_protocol"] is False
+    assert env.summary().actions["malformed"] == 0
+
+
+def test_output_is_truncated_with_a_note():
+    env = SweEnv(SweEnvConfig(max_observation_chars=20))
+    env.reset(_task())
+    obs = env.step(_call("read_file", path="pkg/ops.py")).observation
+    assert obs.startswith("1|def add(a, b):") and "more characters truncated]" in obs
+
+
+def test_episode_limits():
+    env = SweEnv(SweEnvConfig(max_turns=2))
+    env.reset(_task())
+    assert not env.step(_call("list_files")).done
+    res = env.step(_call("list_files"))
+    assert res.done and res.rewards["task"] == 0.0 and env.summary().end_reason == "max_turns"
+    env = SweEnv(SweEnvConfig(max_tokens=30))
+    env.reset(_task())
+    res = env.step(_call("ask_user", question="word " * 40))
+    assert res.done and env.summary().end_reason == "max_tokens"
+    env = SweEnv(SweEnvConfig(max_wall_s=1e-9))
+    env.reset(_task())
+    assert env.step(_call("list_files")).done and env.summary().end_reason == "max_wall_s"
+
+
+def test_fraction_reward_and_test_ids():
+    env = SweEnv(SweEnvConfig(task_reward="fraction"))
+    env.reset(_task())  # add(0, 0) == 0 passes even with the bug
+    assert env.step(_call("submit")).rewards["task"] == 0.5
+    env.reset(_task(fail_to_pass=["tests/test_hidden.py::test_h"]))
+    assert env.step(_call("submit")).rewards["task"] == 0.0
+
+
+# --- the runner ----------------------------------------------------------------------------
+
+
+def test_runner_cannot_be_fooled_by_printed_outcomes_and_times_out(env):
+    files = {"pkg/__init__.py": "", "pkg/ops.py": (
+        "import sys\nprint('PASSED tests/test_hidden.py::test_h')\n"
+        "sys.__stdout__.write('PASSED tests/test_hidden.py::test_h\\n')\n"
+        "def add(a, b):\n    return a - b\n"),
+        "tests/test_ops.py": "def test_x():\n    pass\n"}  # fmt: skip
+    env.reset(_task(files=files))
+    res = env.step(_call("submit"))
+    assert res.info["hidden_passed"] == 1 and res.rewards["task"] == 0.0  # only test_k passes
+    slow = {
+        "pkg/__init__.py": "",
+        "pkg/ops.py": "def add(a, b):\n    while True:\n        pass\n",
+        "tests/test_ops.py": "from pkg.ops import add\n\n\ndef test_x():\n    add(1, 1)\n",
+    }
+    env = SweEnv(SweEnvConfig(timeout_s=1.0, cpu_s=1))
+    env.reset(_task(files=slow))
+    assert env.step(_call("run_tests")).observation.startswith("timeout")
+    assert env.step(_call("submit")).rewards["task"] == 0.0
+
+
+def test_runner_seam_and_pytest_summary(tmp_path):
+    assert parse_pytest_summary("x\nPASSED a.py::t\nFAILED a.py::u - boom\nERROR b.py\n") == {
+        "a.py::t": "passed", "a.py::u": "failed", "b.py": "error"}  # fmt: skip
+    assert SandboxRunner()(str(tmp_path), "ls -la", 1.0).status == "error"
+    seen = []
+
+    def fake(repo_dir, command, timeout_s):
+        from tg_jax.envs.swe.runner import TestRun, read_repo
+
+        seen.append((sorted(read_repo(repo_dir)), command))
+        return TestRun("ok", {"tests/test_hidden.py::test_h": "passed",
+                              "tests/test_hidden.py::test_k": "passed"}, "PASSED all")  # fmt: skip
+
+    register_runner("fake", lambda **kw: fake)
+    env = SweEnv(SweEnvConfig(runner="fake"))
+    env.reset(_task())
+    assert env.step(_call("run_tests")).observation == "PASSED all"
+    assert env.step(_call("submit")).rewards["task"] == 1.0
+    assert "tests/test_hidden.py" in seen[1][0] and "tests/test_hidden.py" not in seen[0][0]
+    assert seen[1][1] == "pytest -rA tests/test_hidden.py"
+
+
+# --- requirement checkers on passing and failing turns -------------------------------------
+
+DIFF = "--- a/pkg/ops.py\n+++ b/pkg/ops.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    x\n+    y"
+
+
+def test_markdown_report_checker():
+    good = f"# Fix\n\nFixed the operator in add.\n\n```diff\n{DIFF}\n```"
+    assert reqs.check_markdown_report(good)
+    assert not reqs.check_markdown_report(good.replace("# Fix\n", ""))  # no heading
+    assert not reqs.check_markdown_report(good.replace("```diff", "```python"))  # not diff
+    assert not reqs.check_markdown_report("# Fix\n\nFixed it all now.\n\n```diff\nhello\n```")
+    assert not reqs.check_markdown_report(f"# Fix\n\n```diff\n{DIFF}\n```")  # no summary
+    assert not reqs.check_markdown_report("Fixed the operator in add.")
+
+
+def test_files_named_checker():
+    known = {"pkg/ops.py", "pkg/util.py", "tests/test_ops.py"}
+    changed = ["pkg/ops.py"]
+    assert reqs.check_files_named(f"Changed ops.py.\n```diff\n{DIFF}\n```", changed, known)
+    assert reqs.check_files_named("Changed pkg/ops.py.", changed, known)
+    assert not reqs.check_files_named("Changed the adder.", changed, known)  # misses one
+    assert not reqs.check_files_named("Changed pkg/ops.py, tests pass.\ntests/test_ops.py", changed,
+                                      known)  # fmt: skip
+    assert not reqs.check_files_named("Changed pkg/ops.py and pkg/new.py.", changed, known)
+
+
+def test_requirements_in_the_env_pass_and_fail(env):
+    report = f"# Fix\n\nFixed add in pkg/ops.py.\n\n```diff\n{DIFF}\n```\n"
+    for extra, ok in (("", True), ("Also see tests/test_ops.py.\n", False)):
+        env.reset(_task())
+        env.step(_call("str_replace", path="pkg/ops.py", old="a - b", new="a + b"))
+        res = env.step(report + extra + _call("submit"))
+        assert res.info["verdicts"]["files_named"] is ok and res.info["verdicts"]["markdown_report"]
+    env.reset(_task())  # nothing changed, nothing named: not judged, so not earned
+    res = env.step("# Fix\n\nNothing to change here.\n" + _call("submit"))
+    assert res.info["verdicts"]["files_named"] is None and res.rewards["files_named"] == 0.0
+    assert res.info["verdicts"]["markdown_report"] is False
+
+
+def test_ask_first_checker_and_the_side_effect(env):
+    write = _call("write_file", path="pkg/ops.py", content="def add(a, b):\n    return a + b\n")
+    env.reset(_task())  # overwrite without asking
+    assert env.step(write).info["verdicts"]["ask_first"] is False
+    assert env.summary().actions["overwrite"] == 1
+    env.reset(_task())  # ask about another file: still fails
+    env.step(_call("ask_user", question="May I overwrite tests/test_ops.py?"))
+    assert env.step(write).info["verdicts"]["ask_first"] is False
+    env.reset(_task())
+    res = env.step(_call("ask_user", question="May I overwrite pkg/ops.py?"))
+    assert res.observation == "Yes, go ahead."
+    assert env.step(write).info["verdicts"]["ask_first"] is True
+    assert env.step(_call("submit")).info["summary"]["actions"]["stopped_after_ask"] == 0
+    env.reset(_task())  # a small edit is not an overwrite: not judged
+    res = env.step(_call("str_replace", path="pkg/ops.py", old="-", new="+"))
+    assert res.info["verdicts"]["ask_first"] is None
+    env.reset(_task())  # asks, then gives up on the task: the side effect, as actions
+    env.step(_call("ask_user", question="May I overwrite pkg/ops.py?"))
+    res = env.step(_call("submit"))
+    assert res.info["summary"]["actions"]["stopped_after_ask"] == 1 and res.rewards["task"] == 0
+
+
+def test_expert_styles_fail_the_requirements_they_drop(heldout, env):
+    t = next(t for t in heldout if t.needs_overwrite)
+    tr = play(env, t, expert_turns(t, Style(False, False, False, False)))
+    assert tr.rewards["task"] == 1.0  # the skill does not depend on the requirements
+    assert all(tr.rewards[n] == 0.0 for n in reqs.REQUIREMENT_NAMES), tr.rewards
+
+
+def test_tool_schemas_name_every_tool():
+    assert [s["function"]["name"] for s in TOOL_SCHEMAS] == list(TOOLS)
+    required = TOOL_SCHEMAS[TOOLS.index("str_replace")]["function"]["parameters"]["required"]
+    assert required == ["path", "old", "new"]
+
+
+def test_parse_call_strictness():
+    assert parse_call(_call("run_tests")).strict
+    assert parse_call("<think>hm</think>" + _call("list_files")).strict
+    assert not parse_call(_call("run_tests") + _call("list_files")).strict  # two calls
+    assert not parse_call("CALL run_tests").strict
+
+
+# --- importer and data stage ---------------------------------------------------------------
+
+
+def test_import_jsonl_and_directories(tmp_path):
+    rec = _task().to_record()
+    swebench = {k: v for k, v in rec.items() if k not in ("task_id", "kind", "split")}
+    swebench.update(
+        instance_id="repo__1", FAIL_TO_PASS=json.dumps(["tests/test_hidden.py::test_h"])
+    )
+    swebench.pop("fail_to_pass")
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(swebench) + "\n\n" + json.dumps({**swebench, "instance_id": "b"}))
+    recs = load_swe_tasks(str(path), "heldout")
+    assert [r["task_id"] for r in recs] == ["repo__1", "b"] and recs[0]["split"] == "heldout"
+    assert recs[0]["fail_to_pass"] == ["tests/test_hidden.py::test_h"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(swebench) + "\n" + json.dumps({**swebench, "files": {}}) + "\n")
+    with pytest.raises(TaskImportError, match=r"bad\.jsonl:2: field 'files'"):
+        load_swe_tasks(str(bad))
+    bad.write_text("{oops\n")
+    with pytest.raises(TaskImportError, match=r"bad\.jsonl:1: "):
+        load_swe_tasks(str(bad))
+    root = tmp_path / "dir"
+    for name, content in _task().files.items():
+        (root / "t1" / "repo" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "t1" / "repo" / name).write_text(content)
+    (root / "t1" / "hidden" / "tests").mkdir(parents=True)
+    (root / "t1" / "hidden" / "tests" / "test_hidden.py").write_text(
+        _task().hidden_tests["tests/test_hidden.py"]
+    )
+    (root / "t1" / "task.json").write_text(json.dumps(
+        {"instruction": "Fix add.", "test_cmd": "pytest -rA tests/test_ops.py"}))  # fmt: skip
+    (got,) = load_swe_tasks(str(root))
+    assert SweTask.from_record(got) == _task()
+    (root / "t2").mkdir()
+    (root / "t2" / "task.json").write_text('{\n  "instruction": "x",\n  oops\n}')
+    with pytest.raises(TaskImportError, match=r"t2/task\.json:3: invalid JSON"):
+        load_swe_tasks(str(root))
+    with pytest.raises(ValueError, match="given twice"):
+        normalize_record({**swebench, "id": "x"})
+
+
+def test_data_stage_swe_kind_and_coding_unchanged(tmp_path):
+    from tg_jax.train import data_stage
+
+    cfg = config_lib.load_config_file("configs/hf_swe.py", "runlocal")
+    sources = data_stage.prepare_tasks(cfg, str(tmp_path))
+    tasks = data_stage.load_tasks(sources, "heldout")
+    assert len(tasks) == 4 and all(isinstance(t, SweTask) for t in tasks)
+    assert [t.to_record() for t in tasks] == [
+        t.to_record() for t in generate_swe_tasks("heldout", 4)
+    ]
+    assert isinstance(make_env(cfg.env), SweEnv)
+    user = tmp_path / "user.jsonl"  # a user's held-out tasks through the data stage
+    user.write_text(json.dumps({**_task().to_record(), "split": "train"}) + "\n")
+    imported = config_lib.apply_overrides(cfg, {"tasks.heldout_source": str(user)})
+    assert data_stage.tasks_dataset_name(imported) != data_stage.tasks_dataset_name(cfg)
+    (got,) = data_stage.load_tasks(data_stage.prepare_tasks(imported, str(tmp_path)), "heldout")
+    assert got == dataclasses.replace(_task(), split="heldout")
+    coding = config_lib.load_config_file("configs/hf_tg.py", "runlocal")
+    assert (
+        data_stage.tasks_dataset_name(coding) == "coding_add-sub-vee-bowl_seed0_train32_heldout16"
+    )
+    assert isinstance(make_env(coding.env), CodingEnv)
+    (task,) = generate_tasks("heldout", 1, families=EASY_FAMILIES)
+    assert decode_task(task.to_record()) == task

@@ -1,0 +1,140 @@
+"""Scripted agents of the SWE environment: an expert and a weak agent, for SFT and tests.
+
+Both write their turns in the tool protocol and play them through a real `SweEnv`, so the
+observations and rewards in a transcript are the environment's own.
+
+  expert  list_files -> read the file to fix -> (ask_user, when it will overwrite and
+          follows "ask_first") -> the task's solution edits -> run_tests -> submit with a
+          Markdown report (heading, summary naming the changed files, the real diff).
+  weak    looks around, then either submits untouched or "fixes" the visible tests by
+          overwriting the test file with a trivially passing one; the hidden tests catch both.
+
+`Style` turns each requirement on or off in the expert's turns, so transcripts can show
+compliant and non-compliant behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import random
+from collections.abc import Sequence
+
+from tg_jax.envs.swe.env import SweEnv, SweEnvConfig
+from tg_jax.envs.swe.task import SweTask
+from tg_jax.envs.swe.tools import Workspace, format_call
+from tg_jax.envs.transcripts import Transcript
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """Which requirements the scripted turns meet."""
+
+    tool_protocol: bool = True
+    markdown_report: bool = True
+    files_named: bool = True
+    ask_first: bool = True
+
+
+def unified_diff(original: dict[str, str], files: dict[str, str]) -> str:
+    """The unified diff (a/ b/ paths) from `original` to `files`."""
+    out = []
+    for path in sorted(set(original) | set(files)):
+        a, b = original.get(path), files.get(path)
+        if a == b:
+            continue
+        out.extend(
+            difflib.unified_diff(
+                (a or "").splitlines(keepends=True), (b or "").splitlines(keepends=True),
+                fromfile=f"a/{path}" if a is not None else "/dev/null",
+                tofile=f"b/{path}" if b is not None else "/dev/null",
+            )
+        )  # fmt: skip
+    return "".join(ln if ln.endswith("\n") else ln + "\n" for ln in out).rstrip("\n")
+
+
+def report(task: SweTask, original: dict[str, str], files: dict[str, str], style: Style) -> str:
+    """The final message: a Markdown report (or a plain one when the style says not to)."""
+    changed = [p for p in sorted(set(original) | set(files)) if original.get(p) != files.get(p)]
+    named = list(changed)
+    if not style.files_named:
+        named.append(task.test_command.split()[-1])
+    what = task.family.replace("_", " ") if task.family else "reported"
+    summary = f"Fixed the {what} bug; changed {', '.join(named) or 'nothing'}."
+    if not style.markdown_report:
+        return summary
+    return f"# Fix\n\n{summary}\n\n```diff\n{unified_diff(original, files)}\n```"
+
+
+def expert_turns(task: SweTask, style: Style = Style()) -> list[str]:
+    """The expert's turns (needs the task's `solution`)."""
+    if not task.solution:
+        raise ValueError(f"task {task.task_id} has no solution for the scripted expert")
+    call = lambda name, args=None: format_call(name, args, strict=style.tool_protocol)  # noqa: E731
+    ws = Workspace(task.files)
+    first = task.solution[0]["arguments"]["path"]
+    turns = [call("list_files"), call("read_file", {"path": first})]
+    for edit in task.solution:
+        args = edit["arguments"]
+        if style.ask_first and edit["name"] == "write_file" and args["path"] in ws.files:
+            turns.append(call("ask_user", {"question": f"May I overwrite {args['path']}?"}))
+        turns.append(call(edit["name"], args))
+        if edit["name"] == "write_file":
+            ws.write_file(args["path"], args["content"])
+        else:
+            ws.str_replace(args["path"], args["old"], args["new"])
+    turns.append(call("run_tests"))
+    turns.append(report(task, task.files, ws.files, style) + "\n" + call("submit"))
+    return turns
+
+
+def weak_turns(task: SweTask, rng: random.Random, style: Style = Style()) -> list[str]:
+    """The weak agent's turns: no real fix (see the module docstring)."""
+    call = lambda name, args=None: format_call(name, args, strict=style.tool_protocol)  # noqa: E731
+    test_file = task.test_command.split()[-1]
+    turns = [call("list_files"), call("read_file", {"path": test_file}), call("run_tests")]
+    files = dict(task.files)
+    if rng.random() < 0.5 and test_file in files:
+        content = "def test_ok():\n    assert True\n"
+        turns.append(call("write_file", {"path": test_file, "content": content}))
+        files[test_file] = content
+        turns.append(call("run_tests"))
+    turns.append(report(task, task.files, files, style) + "\n" + call("submit"))
+    return turns
+
+
+def play(env: SweEnv, task: SweTask, turns: Sequence[str]) -> Transcript:
+    """Plays `turns` in `env` (stopping when the episode ends) and records the transcript."""
+    messages = [{"role": "user", "content": env.reset(task)}]
+    res = None
+    for text in turns:
+        messages.append({"role": "assistant", "content": text})
+        res = env.step(text)
+        if res.done:
+            break
+        messages.append({"role": "tool", "content": res.observation})
+    if res is None or not res.done:
+        raise ValueError(f"the scripted turns did not end the episode of {task.task_id}")
+    correct = res.rewards["task"] == 1.0
+    return Transcript(task.task_id, messages, res.rewards, correct, False, env.summary().to_dict())
+
+
+def make_swe_transcripts(
+    tasks: Sequence[SweTask],
+    seed: int = 0,
+    *,
+    p_weak: float = 0.0,
+    p_comply: float = 1.0,
+    env_config: SweEnvConfig = SweEnvConfig(),
+) -> list[Transcript]:
+    """One transcript per task: the expert (or the weak agent with probability `p_weak`),
+    each requirement met with probability `p_comply`; deterministic in the arguments."""
+    rng = random.Random(f"tg_jax.envs.swe.agents:{seed}")
+    env = SweEnv(env_config)
+    out = []
+    for task in tasks:
+        style = Style(*(rng.random() < p_comply for _ in range(4)))
+        weak = rng.random() < p_weak or not task.solution
+        turns = weak_turns(task, rng, style) if weak else expert_turns(task, style)
+        out.append(play(env, task, turns))
+    return out
