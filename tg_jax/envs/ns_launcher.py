@@ -1,0 +1,227 @@
+"""The trusted launcher of the namespace sandbox (run by tg_jax.envs.ns_sandbox, stdlib only).
+
+Started as host root with `python -I -S ns_launcher.py PARAMS_FD STATUS_FD` and an empty
+environment. Three processes:
+
+1. L (this process, host PID namespace): unshares the mount, PID, network, IPC and UTS
+   namespaces, forks I, writes "pid <I's host pid>" on the status pipe, waits for I.
+2. I (PID 1 of the new PID namespace, still host root, in a mount namespace owned by the
+   host's initial user namespace): builds the new root on a size-limited tmpfs (read-only
+   binds of the interpreter and system libraries, a private copy of the repository at /repo,
+   private /tmp and /dev/shm, a fresh /proc, a few device nodes), pivots into it, drops to
+   the unprivileged host uid `uid`, unshares a user namespace mapping uid 1000 -> `uid`,
+   forks C, reaps everything, and when C exits writes "status <wait status>" and exits;
+   the kernel then kills every process left in the PID namespace.
+3. C: sets no_new_privs and the rlimits, then execs the command as uid 1000 in /repo.
+
+Any failure before the exec is written as "setup <what failed>: <errno text>" on the
+status pipe (exit 111); the command's own stdout/stderr are never written to by L or I.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+INNER_ID = 1000  # the command's uid/gid inside the user namespace
+DEVICES = ("null", "zero", "full", "random", "urandom")
+SETUP_RC = 111
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+
+
+def _fail(status_fd, what):
+    os.write(status_fd, f"setup {what}\n".encode())
+    os._exit(SETUP_RC)
+
+
+class Setup:
+    """Checked system calls; every failure names the step and the errno."""
+
+    def __init__(self, status_fd):
+        self.status_fd = status_fd
+
+    def check(self, ret, what):
+        if ret != 0:
+            _fail(self.status_fd, f"{what}: {os.strerror(ctypes.get_errno())}")
+
+    def mount(self, src, dst, fstype, flags, data=None):
+        enc = [None if s is None else s.encode() for s in (src, dst, fstype, data)]
+        self.check(_libc.mount(enc[0], enc[1], enc[2], flags, enc[3]), f"mount {dst}")
+
+    def bind(self, src, dst, readonly):
+        self.mount(src, dst, None, MS_BIND)
+        flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (MS_RDONLY if readonly else 0)
+        self.mount(None, dst, None, flags)
+
+    def write(self, path, text):
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as e:
+            _fail(self.status_fd, f"write {path}: {e.strerror}")
+
+
+def _populate(s, root, p):
+    """The new root's tree under `root` (host view), before the pivot."""
+    links = []
+    for path in p["ro"]:
+        if os.path.islink(path):
+            links.append(path)
+        elif os.path.isdir(path):
+            os.makedirs(root + path, exist_ok=True)
+            s.bind(path, root + path, readonly=True)
+    for path in links:  # after the binds, so makedirs never walks through a new link
+        if not os.path.lexists(root + path):
+            os.makedirs(os.path.dirname(root + path), exist_ok=True)
+            os.symlink(os.readlink(path), root + path)
+    os.makedirs(root + "/etc", exist_ok=True)
+    for path in p["etc"]:
+        if os.path.isfile(path):
+            open(root + path, "w").close()
+            s.bind(path, root + path, readonly=True)
+    s.write(root + "/etc/passwd", f"sandbox:x:{INNER_ID}:{INNER_ID}::/tmp:/bin/sh\n")
+    s.write(root + "/etc/group", f"sandbox:x:{INNER_ID}:\n")
+    s.write(root + "/etc/hostname", "sandbox\n")
+    os.makedirs(root + "/dev/shm")
+    for name in DEVICES:
+        open(f"{root}/dev/{name}", "w").close()
+        s.mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
+        os.symlink(target, f"{root}/dev/{name}")
+    os.symlink("/proc/self/fd/1", root + "/dev/stdout")
+    os.symlink("/proc/self/fd/2", root + "/dev/stderr")
+    work = root + "/repo"
+    try:
+        if p["repo"]:
+            shutil.copytree(p["repo"], work, symlinks=True)
+        os.makedirs(work, exist_ok=True)
+        for rel, text in p["files"].items():
+            os.makedirs(os.path.dirname(os.path.join(work, rel)), exist_ok=True)
+            with open(os.path.join(work, rel), "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+    except OSError as e:
+        _fail(s.status_fd, f"copy of the repository: {e}")
+    uid = p["uid"]
+    for top, dirs, names in os.walk(work):
+        for name in (top, *(os.path.join(top, n) for n in dirs + names)):
+            os.lchown(name, uid, uid)
+    os.makedirs(root + "/tmp")
+    os.chmod(root + "/tmp", 0o1777)
+    os.chmod(root + "/dev/shm", 0o1777)
+    for path in ("/repo", "/tmp", "/dev/shm"):  # stay writable when the root goes read-only
+        s.bind(root + path, root + path, readonly=False)
+    os.makedirs(root + "/proc")
+    s.mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def _enter_root(s, p):
+    """Private propagation, the tmpfs root, the pivot; runs as PID 1 of the new namespace."""
+    s.mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = p["mountpoint"]
+    opts = f"size={p['disk_mb']}m,nr_inodes={p['inodes']},mode=755"
+    s.mount("tg_sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    _populate(s, root, p)
+    s.mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(root)
+    nr = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if nr is None:
+        _fail(s.status_fd, f"pivot_root: unknown syscall number on {os.uname().machine}")
+    s.check(_libc.syscall(nr, b".", b"."), "pivot_root")
+    s.check(_libc.umount2(b".", MNT_DETACH), "detach the old root")
+    os.chdir("/")
+
+
+def _drop_privileges(s, uid):
+    """Host root -> host `uid` (no capabilities) -> a user namespace where it is uid 1000."""
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    s.check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    s.check(_libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+    s.write("/proc/self/setgroups", "deny")
+    s.write("/proc/self/uid_map", f"{INNER_ID} {uid} 1")
+    s.write("/proc/self/gid_map", f"{INNER_ID} {uid} 1")
+    # No user namespaces below this one: nested ones are the usual kernel attack surface.
+    s.write("/proc/sys/user/max_user_namespaces", "0")
+    s.check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
+def _exec_command(p, status_fd):
+    """C: limits, then exec. Never returns."""
+    try:
+        os.close(status_fd)
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        r = resource
+        for lim, val in (
+            (r.RLIMIT_CPU, p["cpu_s"]),
+            (r.RLIMIT_AS, p["memory_mb"] << 20),
+            (r.RLIMIT_FSIZE, p["max_file_mb"] << 20),
+            (r.RLIMIT_NOFILE, p["max_open_files"]),
+            (r.RLIMIT_NPROC, p["nproc"]),
+            (r.RLIMIT_CORE, 0),
+        ):
+            r.setrlimit(lim, (val, val))
+        os.chdir("/repo")
+        os.execvpe(p["argv"][0], p["argv"], p["env"])
+    except BaseException as e:  # noqa: BLE001 - the child must never return into I's code
+        os.write(2, f"sandbox: cannot run {p['argv'][0]!r}: {e}\n".encode())
+        os._exit(127)
+
+
+def _init(p, status_fd):
+    """I: PID 1. Builds the sandbox, runs C, exits when C does."""
+    s = Setup(status_fd)
+    # PID 1 gets only the signals it handles from inside its namespace: handle none.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _enter_root(s, p)
+    _drop_privileges(s, p["uid"])
+    child = os.fork()
+    if child == 0:
+        _exec_command(p, status_fd)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == child:
+            os.write(status_fd, f"status {status}\n".encode())
+            os._exit(0)
+
+
+def main():
+    params_fd, status_fd = int(sys.argv[1]), int(sys.argv[2])
+    chunks = []
+    while chunk := os.read(params_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(params_fd)
+    p = json.loads(b"".join(chunks))
+    if _libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS):
+        err = os.strerror(ctypes.get_errno())
+        _fail(status_fd, f"unshare(mount, pid, net, ipc, uts namespaces): {err}")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _init(p, status_fd)
+        except BaseException as e:  # noqa: BLE001 - report, never fall through into L's code
+            _fail(status_fd, f"{type(e).__name__}: {e}")
+    os.write(status_fd, f"pid {pid}\n".encode())
+    os.close(status_fd)
+    # A backstop for a supervisor that died: I (and with it the namespace) dies at the limit.
+    signal.signal(signal.SIGALRM, lambda signum, frame: os.kill(pid, signal.SIGKILL))
+    signal.alarm(int(p["timeout_s"]) + 2)
+    os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    main()
