@@ -167,14 +167,14 @@ def _exec_command(p, status_fd):
             signal.signal(sig, signal.SIG_DFL)
         r = resource
         for lim, val in (
-            (r.RLIMIT_CPU, p["cpu_s"]),
+            (r.RLIMIT_CPU, p["cpu_s"]),  # SIGXCPU, then SIGKILL a second later
             (r.RLIMIT_AS, p["memory_mb"] << 20),
             (r.RLIMIT_FSIZE, p["max_file_mb"] << 20),
             (r.RLIMIT_NOFILE, p["max_open_files"]),
             (r.RLIMIT_NPROC, p["nproc"]),
             (r.RLIMIT_CORE, 0),
         ):
-            r.setrlimit(lim, (val, val))
+            r.setrlimit(lim, (val, val + (lim == r.RLIMIT_CPU)))
         os.chdir("/repo")
         os.execvpe(p["argv"][0], p["argv"], p["env"])
     except BaseException as e:  # noqa: BLE001 - the child must never return into I's code

@@ -180,6 +180,12 @@ def run_command(
     """
     if not argv:
         raise ValueError("argv must not be empty")
+    if os.geteuid() != 0:
+        raise SandboxUnavailable(
+            f"namespace sandbox needs root on the host (it mounts the private root and drops "
+            f"to host uid {HOST_UID}); running as uid {os.geteuid()}: run as root or use "
+            f"env.sandbox='audit'"
+        )
     os.makedirs(MOUNTPOINT, mode=0o700, exist_ok=True)
     params = _params(argv, repo, files or {}, env or {}, limits)
     return _supervise(json.dumps(params).encode(), limits)
@@ -328,14 +334,20 @@ def _result(reason, fields, out, err, wall, limits: Limits, pid) -> sandbox.Sand
         rc = os.waitstatus_to_exitcode(int(fields["status"]))
     if reason == "output_limit":
         status, msg = reason, f"output_limit: output exceeded {limits.max_output_bytes} bytes"
-    elif reason == "timeout" or rc is None:
+    elif reason == "timeout":
         status, msg = "timeout", f"timeout: wall-clock limit {limits.timeout_s:g} s exceeded"
+    elif rc is None:
+        status, msg = "killed", "killed: the sandbox's PID 1 died without a status"
     elif rc == -signal.SIGXCPU:
         status, msg = "timeout", f"timeout: CPU time limit {limits.cpu_s} s exceeded"
     elif rc == sandbox.MEMORY_RC:
         status, msg = "memory", f"memory: memory limit {limits.memory_mb} MB exceeded"
     elif rc < 0:
-        status, msg = "killed", f"killed: signal {signal.Signals(-rc).name}"
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = str(-rc)
+        status, msg = "killed", f"killed: signal {name}"
     elif rc == 0:
         status, msg = "ok", "ok"
     else:
