@@ -272,3 +272,16 @@ def test_unaudited_root_primitives_are_removed():
         print([n for n in names if hasattr(os, n)], hasattr(signal, "pidfd_send_signal"))
     """)
     assert res.stdout == "[] False\n"
+
+
+def test_backends_agree_on_an_ordinary_script():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        run_python("print(1)", backend="docker")
+    if os.geteuid() != 0:
+        pytest.skip("the namespace backend needs root")
+    code = "import math\nprint(math.isqrt(49))\nopen('x.txt', 'w').write('y')\n"
+    audit, ns = (run_python(code, backend=b) for b in ("audit", "namespace"))
+    assert audit.status == ns.status == "ok" and audit.stdout == ns.stdout == "7\n"
+    assert _live_processes_of(ns.pid) == []
+    res = run_python("import subprocess\nsubprocess.run(['true'])\n", backend="namespace")
+    assert res.status == "error" and "_posixsubprocess is blocked" in res.message

@@ -179,6 +179,10 @@ def env_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.timeout_s = 1.0  # sandbox wall-clock limit per tool call
     c.cpu_s = 1  # sandbox CPU-seconds limit per tool call
     c.memory_mb = 256  # sandbox address-space limit per tool call
+    # Sandbox backend (tg_jax.envs.sandbox.run_python): audit (a subprocess under an in-process
+    # audit hook, ~28 ms a call) | namespace (the same inside kernel namespaces as an
+    # unprivileged uid, ~45-75 ms a call on the 2-core VM, +2-5 s per ~100-call RL step).
+    c.sandbox = "audit"
     c.update(overrides)
     return c
 

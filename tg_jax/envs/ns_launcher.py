@@ -18,12 +18,12 @@ Any failure before the exec is written as "setup <what failed>: <errno text>" on
 status pipe (exit 111); the command's own stdout/stderr are never written to by L or I.
 """
 
+# `_signal`, not `signal`: the latter's enum import alone costs more than the rest of start-up.
+import _signal
 import ctypes
-import json
+import marshal
 import os
 import resource
-import shutil
-import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
@@ -73,6 +73,22 @@ class Setup:
             _fail(self.status_fd, f"write {path}: {e.strerror}")
 
 
+def _copy_tree(src, dst):
+    """shutil.copytree(src, dst, symlinks=True) without importing shutil (start-up time)."""
+    os.mkdir(dst)
+    for entry in os.scandir(src):
+        target = os.path.join(dst, entry.name)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        elif entry.is_dir():
+            _copy_tree(entry.path, target)
+        elif entry.is_file():
+            with open(entry.path, "rb") as fin, open(target, "wb") as fout:
+                while chunk := fin.read(1 << 20):
+                    fout.write(chunk)
+            os.chmod(target, entry.stat().st_mode & 0o755)
+
+
 def _populate(s, root, p):
     """The new root's tree under `root` (host view), before the pivot."""
     links = []
@@ -105,7 +121,7 @@ def _populate(s, root, p):
     work = root + "/repo"
     try:
         if p["repo"]:
-            shutil.copytree(p["repo"], work, symlinks=True)
+            _copy_tree(p["repo"], work)
         os.makedirs(work, exist_ok=True)
         for rel, text in p["files"].items():
             os.makedirs(os.path.dirname(os.path.join(work, rel)), exist_ok=True)
@@ -163,8 +179,8 @@ def _exec_command(p, status_fd):
     try:
         os.close(status_fd)
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in (_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGINT):
+            _signal.signal(sig, _signal.SIG_DFL)
         r = resource
         for lim, val in (
             (r.RLIMIT_CPU, p["cpu_s"]),  # SIGXCPU, then SIGKILL a second later
@@ -186,7 +202,7 @@ def _init(p, status_fd):
     """I: PID 1. Builds the sandbox, runs C, exits when C does."""
     s = Setup(status_fd)
     # PID 1 gets only the signals it handles from inside its namespace: handle none.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     _enter_root(s, p)
     _drop_privileges(s, p["uid"])
     child = os.fork()
@@ -205,7 +221,7 @@ def main():
     while chunk := os.read(params_fd, 1 << 16):
         chunks.append(chunk)
     os.close(params_fd)
-    p = json.loads(b"".join(chunks))
+    p = marshal.loads(b"".join(chunks))
     if _libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS):
         err = os.strerror(ctypes.get_errno())
         _fail(status_fd, f"unshare(mount, pid, net, ipc, uts namespaces): {err}")
@@ -218,8 +234,8 @@ def main():
     os.write(status_fd, f"pid {pid}\n".encode())
     os.close(status_fd)
     # A backstop for a supervisor that died: I (and with it the namespace) dies at the limit.
-    signal.signal(signal.SIGALRM, lambda signum, frame: os.kill(pid, signal.SIGKILL))
-    signal.alarm(int(p["timeout_s"]) + 2)
+    _signal.signal(_signal.SIGALRM, lambda signum, frame: os.kill(pid, _signal.SIGKILL))
+    _signal.alarm(int(p["timeout_s"]) + 2)
     os.waitpid(pid, 0)
 
 

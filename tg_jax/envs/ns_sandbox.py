@@ -54,6 +54,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import marshal
 import os
 import selectors
 import signal
@@ -188,7 +189,7 @@ def run_command(
         )
     os.makedirs(MOUNTPOINT, mode=0o700, exist_ok=True)
     params = _params(argv, repo, files or {}, env or {}, limits)
-    return _supervise(json.dumps(params).encode(), limits)
+    return _supervise(marshal.dumps(params), limits)
 
 
 def _spawn(payload: bytes) -> tuple[subprocess.Popen, int]:
