@@ -28,7 +28,9 @@ if os.geteuid() != 0:
 
 
 def _host_leftovers() -> list[str]:
-    """Live host processes running as the sandbox's uid, or children of this test process."""
+    """Live host processes running as the sandbox's uid, children of this test process other
+    than the launcher server, or children of the server (launchers)."""
+    server = ns_sandbox.server_pid()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -41,8 +43,11 @@ def _host_leftovers() -> list[str]:
         if fields.get("State", "").strip().startswith("Z"):
             continue
         uid = int(fields["Uid"].split()[0])
-        if uid == ns_sandbox.HOST_UID or int(fields["PPid"]) == os.getpid():
-            found.append(f"{entry} {fields['Name'].strip()} uid={uid}")
+        ppid = int(fields["PPid"])
+        if int(entry) == server:
+            continue
+        if uid == ns_sandbox.HOST_UID or ppid == os.getpid() or ppid == server:
+            found.append(f"{entry} {fields['Name'].strip()} uid={uid} ppid={ppid} server={server}")
     return found
 
 
@@ -141,8 +146,36 @@ def test_fork_bomb_hits_the_process_limit(tmp_path):
     assert res.wall_s < 3.0
 
 
+def test_process_limit_is_counted_per_sandbox(tmp_path):
+    # RLIMIT_NPROC counts per (user namespace, uid): two bombs of the same host uid running
+    # at once each get their own nproc processes, not a shared pool.
+    bomb = """
+        import os, time
+        def test_bomb():
+            n = 0
+            try:
+                while n < 100:
+                    if os.fork() == 0:
+                        time.sleep(60)
+                        os._exit(0)
+                    n += 1
+            except BlockingIOError:
+                pass
+            print("forks", n, flush=True)
+            time.sleep(1.0)
+        """
+    repo = _repo(tmp_path, bomb)
+    job = dict(argv=ns_sandbox.light_runner_argv("tests"), repo=repo, limits=FAST)
+    results = ns_sandbox.run_many([job, job], workers=2)
+    for res in results:
+        assert res.status == "ok", res.stdout + res.stderr
+        forks = int(res.stdout.split("forks ")[1].split()[0])
+        assert FAST.nproc - 4 <= forks < FAST.nproc
+
+
 def test_shell_fork_bomb_is_killed_at_the_deadline(tmp_path):
-    bomb = "import subprocess\n    subprocess.run(['sh', '-c', 'b() { b | b & }; b; sleep 60'])"
+    bomb = "import subprocess, time\n    subprocess.run(['sh', '-c', 'b() { b | b & }; b'])\n"
+    bomb += "    time.sleep(60)"
     limits = dataclasses.replace(FAST, timeout_s=1.5)
     res = _attack(tmp_path, f"def test_bomb():\n    {bomb}\n", limits)
     assert res.status == "timeout" and "Cannot fork" in res.stderr

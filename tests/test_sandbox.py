@@ -6,14 +6,16 @@ import textwrap
 
 import pytest
 
+from tg_jax.envs import ns_sandbox
 from tg_jax.envs.sandbox import run_python, sandbox_info
 
 
 def _live_processes_of(pid: int) -> list[str]:
-    """Live processes in the process group/session `pid`, or children of this test process."""
+    """Live processes in the process group/session `pid`, or children of this test process
+    (but the namespace backend's launcher server, which outlives runs by design)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == ns_sandbox.server_pid():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tg_jax.envs import ns_sandbox
 from tg_jax.envs.base import REQUIREMENT_REWARD_MODES, Environment, EpisodeSummary, StepResult
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
 from tg_jax.envs.sandbox import BACKENDS, run_python
@@ -221,6 +222,8 @@ class CodingEnv(Environment):
         if config.executor == "trusted":
             self._execute = run_trusted
         else:
+            if config.sandbox == "namespace":
+                ns_sandbox.check_available()  # fail here, not at the first tool call
             self._execute = lambda code, xs: run_candidate(
                 code, xs, timeout_s=config.timeout_s, cpu_s=config.cpu_s,
                 memory_mb=config.memory_mb, sandbox=config.sandbox,

@@ -1,10 +1,12 @@
 """The trusted launcher of the namespace sandbox (run by tg_jax.envs.ns_sandbox, stdlib only).
 
-Started as host root with `python -I -S ns_launcher.py PARAMS_FD STATUS_FD` and an empty
-environment. Three processes:
+Started once per supervising process, as host root with `python -I -S ns_launcher.py
+SOCK_FD` and an empty environment: a server that forks one launcher per request (see
+`_serve`), so a run costs no interpreter start-up. Per run, three processes:
 
-1. L (this process, host PID namespace): unshares the mount, PID, network, IPC and UTS
-   namespaces, forks I, writes "pid <I's host pid>" on the status pipe, waits for I.
+1. L (a child of the server, host PID namespace, its own session): writes "launcher <pid>"
+   on the status pipe, reads the parameters (marshal), unshares the mount, PID, network,
+   IPC and UTS namespaces, forks I, writes "pid <I's host pid>", waits for I.
 2. I (PID 1 of the new PID namespace, still host root, in a mount namespace owned by the
    host's initial user namespace): builds the new root on a size-limited tmpfs (read-only
    binds of the interpreter and system libraries, a private copy of the repository at /repo,
@@ -192,6 +194,7 @@ def _exec_command(p, status_fd):
         ):
             r.setrlimit(lim, (val, val + (lim == r.RLIMIT_CPU)))
         os.chdir("/repo")
+        os.closerange(3, 1 << 20)  # only stdin, stdout and stderr reach the command
         os.execvpe(p["argv"][0], p["argv"], p["env"])
     except BaseException as e:  # noqa: BLE001 - the child must never return into I's code
         os.write(2, f"sandbox: cannot run {p['argv'][0]!r}: {e}\n".encode())
@@ -215,8 +218,8 @@ def _init(p, status_fd):
             os._exit(0)
 
 
-def main():
-    params_fd, status_fd = int(sys.argv[1]), int(sys.argv[2])
+def _launch(params_fd, status_fd):
+    """L: reads the parameters, unshares, forks I, waits for it. Never returns."""
     chunks = []
     while chunk := os.read(params_fd, 1 << 16):
         chunks.append(chunk)
@@ -237,7 +240,45 @@ def main():
     _signal.signal(_signal.SIGALRM, lambda signum, frame: os.kill(pid, _signal.SIGKILL))
     _signal.alarm(int(p["timeout_s"]) + 2)
     os.waitpid(pid, 0)
+    os._exit(0)
+
+
+def _serve(sock_fd):
+    """The server: one L per request, forked from this warm interpreter (no start-up cost).
+
+    A request is one message with four descriptors: the parameters pipe (read end), the
+    status pipe, the command's stdout and stderr (write ends). EOF on the socket (the
+    supervisor exited or closed it) ends the server. No reply: L answers on the pipes.
+    """
+    import socket  # noqa: PLC0415 - only the server needs it
+
+    sock = socket.socket(fileno=sock_fd)
+    _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)  # the kernel reaps finished launchers
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 16, 4)
+        if not msg:
+            os._exit(0)
+        if len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            continue
+        if os.fork() == 0:
+            sock.close()  # nothing below may reach the server
+            _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
+            os.setsid()
+            params_fd, status_fd, out_fd, err_fd = fds
+            null = os.open("/dev/null", os.O_RDONLY)
+            for src, dst in ((null, 0), (out_fd, 1), (err_fd, 2)):
+                os.dup2(src, dst)
+                os.close(src)
+            os.write(status_fd, f"launcher {os.getpid()}\n".encode())
+            try:
+                _launch(params_fd, status_fd)
+            finally:
+                os._exit(SETUP_RC)
+        for fd in fds:
+            os.close(fd)
 
 
 if __name__ == "__main__":
-    main()
+    _serve(int(sys.argv[1]))

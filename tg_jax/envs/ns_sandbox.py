@@ -7,9 +7,14 @@ and stderr tails, wall_s, message). `run_command` is the library form, `run_pyth
 script with the audit hook of tg_jax.envs.sandbox as an inner layer, `run_many` runs jobs
 from a thread pool (the waits release the GIL; the work is in the children).
 
-Isolation (set up by the trusted launcher tg_jax/envs/ns_launcher.py, util-linux is not
-needed: Python's ctypes makes the unshare/mount/pivot_root calls, which saves an exec per
-run and lets the launcher order the steps, see below):
+Mechanism: the first run starts a launcher server (tg_jax/envs/ns_launcher.py, host root,
+empty environment, stdlib only) that forks one launcher per run from a warm interpreter; a
+run's pipes reach it over a socketpair. The launcher makes the unshare/mount/pivot_root
+calls itself through ctypes: neither util-linux `unshare` nor bubblewrap is needed (no exec
+per step, and the steps can be ordered as below, which `unshare` cannot: mounts first, the
+user namespace last). The server exits when this process does (EOF on its socket).
+
+Isolation:
 
 * Namespaces: new mount, PID, network, IPC and UTS namespaces, then a user namespace.
   The mount and network namespaces are owned by the host's initial user namespace, because
@@ -50,16 +55,20 @@ and every run raise SandboxUnavailable naming the step that failed; nothing fall
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import functools
 import json
 import marshal
 import os
+import select
 import selectors
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -192,26 +201,86 @@ def run_command(
     return _supervise(marshal.dumps(params), limits)
 
 
-def _spawn(payload: bytes) -> tuple[subprocess.Popen, int]:
+class _Server:
+    """This process's launcher server (ns_launcher.py): one warm root interpreter that forks
+    a launcher per run, so a run costs a fork instead of an interpreter start-up."""
+
+    def __init__(self):
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-B", LAUNCHER, str(theirs.fileno())],
+                env={},
+                cwd="/",
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            theirs.close()
+        self.sock, self.owner = mine, os.getpid()
+
+    def alive(self) -> bool:
+        return self.owner == os.getpid() and self.proc.poll() is None
+
+    def close(self) -> None:
+        self.sock.close()  # EOF: the server exits
+        try:
+            self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_server: _Server | None = None
+_server_lock = threading.Lock()
+
+
+def server_pid() -> int | None:
+    """Host pid of this process's launcher server, None before the first run."""
+    server = _server
+    return server.proc.pid if server is not None and server.alive() else None
+
+
+@atexit.register
+def _close_server() -> None:
+    global _server
+    with _server_lock:
+        if _server is not None and _server.owner == os.getpid():
+            _server.close()
+        _server = None
+
+
+def _request(fds: list[int]) -> None:
+    global _server
+    with _server_lock:
+        for _ in range(2):  # a server that died (or belongs to the parent of a fork) is replaced
+            if _server is None or not _server.alive():
+                _server = _Server()
+            try:
+                socket.send_fds(_server.sock, [b"run"], fds)
+                return
+            except OSError:
+                _server = None
+    raise SandboxUnavailable("namespace sandbox: the launcher server accepts no requests")
+
+
+def _spawn(payload: bytes) -> tuple[int, int, int]:
+    """Starts one run; returns the read ends (status, stdout, stderr)."""
     p_read, p_write = os.pipe()
     s_read, s_write = os.pipe()
+    o_read, o_write = os.pipe()
+    e_read, e_write = os.pipe()
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", LAUNCHER, str(p_read), str(s_write)],
-            env={},
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            pass_fds=(p_read, s_write),
-        )
+        _request([p_read, s_write, o_write, e_write])
     except BaseException:
-        os.close(s_read)
+        for fd in (p_write, s_read, o_read, e_read):
+            os.close(fd)
         raise
     finally:
-        os.close(p_read)
-        os.close(s_write)
+        for fd in (p_read, s_write, o_write, e_write):
+            os.close(fd)
     try:
         view = memoryview(payload)
         while view:
@@ -220,113 +289,125 @@ def _spawn(payload: bytes) -> tuple[subprocess.Popen, int]:
         pass  # the launcher died before reading: its status says why
     finally:
         os.close(p_write)
-    return proc, s_read
+    return s_read, o_read, e_read
 
 
-def _pump(proc, status_fd, deadline, cap) -> tuple[dict, bytearray, str]:
-    """Reads output and status until both output pipes close, the deadline or a flood."""
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    bufs = {out_fd: bytearray(), err_fd: bytearray()}
-    total = dict.fromkeys(bufs, 0)
-    status = bytearray()
-    sel = selectors.DefaultSelector()
-    for fd in (out_fd, err_fd, status_fd):
-        os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    reason = ""
-    try:
-        while out_fd in sel.get_map() or err_fd in sel.get_map():
+class _Pump:
+    """Reads stdout, stderr (keeping tails of `cap` bytes) and the status pipe."""
+
+    def __init__(self, status_fd: int, out_fd: int, err_fd: int, cap: int):
+        self.cap, self.status_fd = cap, status_fd
+        self.bufs = {out_fd: bytearray(), err_fd: bytearray()}
+        self.total = dict.fromkeys(self.bufs, 0)
+        self.status = bytearray()
+        self.sel = selectors.DefaultSelector()
+        for fd in (status_fd, out_fd, err_fd):
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ)
+
+    def outputs_open(self) -> bool:
+        return any(fd in self.sel.get_map() for fd in self.bufs)
+
+    def run(self, deadline: float, capped: bool = True) -> str:
+        """Until both outputs close (the launcher exited): "", "timeout" or (if `capped`)
+        "output_limit"."""
+        while self.outputs_open():
             left = deadline - time.monotonic()
             if left <= 0:
-                return bufs, status, "timeout"
-            for key, _ in sel.select(timeout=left):
+                return "timeout"
+            for key, _ in self.sel.select(timeout=left):
                 try:
                     chunk = os.read(key.fd, _READ_CHUNK)
                 except BlockingIOError:
                     continue
                 if not chunk:
-                    sel.unregister(key.fd)
-                elif key.fd == status_fd:
-                    status += chunk
+                    self.sel.unregister(key.fd)
+                    os.close(key.fd)
+                elif key.fd == self.status_fd:
+                    self.status += chunk
                 else:
-                    total[key.fd] += len(chunk)
-                    buf = bufs[key.fd]
+                    buf = self.bufs[key.fd]
                     buf += chunk
-                    del buf[: max(0, len(buf) - cap)]  # keep the tail
-                    if total[key.fd] > cap:
-                        reason = "output_limit"
-            if reason:
-                return bufs, status, reason
-        # Output closed: the command (and so PID 1) is exiting; collect the status line.
-        os.set_blocking(status_fd, True)
-        while chunk := _read_until(status_fd, deadline):
-            status += chunk
-        return bufs, status, "" if time.monotonic() < deadline else "timeout"
-    finally:
-        sel.close()
+                    del buf[: max(0, len(buf) - self.cap)]  # keep the tail
+                    self.total[key.fd] += len(chunk)
+                    if capped and self.total[key.fd] > self.cap:
+                        return "output_limit"
+        return ""
+
+    def drain_status(self) -> None:
+        """The rest of the status pipe; its writers (the launcher, I) are gone by now."""
+        while self.status_fd in self.sel.get_map():
+            try:
+                chunk = os.read(self.status_fd, _READ_CHUNK)
+            except BlockingIOError:
+                return
+            if not chunk:
+                self.sel.unregister(self.status_fd)
+                os.close(self.status_fd)
+            self.status += chunk
+
+    def fields(self) -> dict[str, str]:
+        out = {}
+        for line in self.status.decode("utf-8", "replace").splitlines():
+            key, _, value = line.partition(" ")
+            out[key] = value
+        return out
+
+    def close(self) -> None:
+        for key in list(self.sel.get_map().values()):
+            os.close(key.fd)
+        self.sel.close()
 
 
-def _read_until(fd: int, deadline: float) -> bytes:
-    left = deadline - time.monotonic()
-    if left <= 0 or not selectors.select.select([fd], [], [], left)[0]:
-        return b""
-    return os.read(fd, _READ_CHUNK)
+def _kill(fields: dict[str, str]) -> None:
+    """Kills PID 1 of the namespace (which kills the rest), else the launcher's group.
+
+    Called only while the launcher holds the output pipes open, so it is alive and I, its
+    child, is unreaped: neither pid can have been reused."""
+    for key, kill in (("pid", os.kill), ("launcher", os.killpg)):
+        if fields.get(key, "").isdigit():
+            try:
+                kill(int(fields[key]), signal.SIGKILL)
+                return
+            except ProcessLookupError:
+                continue
 
 
-def _parse_status(text: str) -> dict[str, str]:
-    out = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        out[key] = value
-    return out
-
-
-def _kill(proc: subprocess.Popen, init_pid: int | None) -> None:
-    """Kills PID 1 of the namespace (its child, unreaped: no pid reuse) and the launcher."""
-    if init_pid is not None and proc.poll() is None:
-        try:
-            os.kill(init_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=2.0)  # the launcher reaps PID 1 once the namespace is empty
-            return
-        except subprocess.TimeoutExpired:
-            pass
+def _await_exit(pid: int, timeout_s: float = 2.0) -> None:
+    """Waits out the launcher's last microseconds: its pipes close before it is gone."""
+    if pid <= 0:
+        return
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        select.select([fd], [], [], timeout_s)
+    finally:
+        os.close(fd)
 
 
 def _supervise(payload: bytes, limits: Limits) -> sandbox.SandboxResult:
     start = time.monotonic()
-    deadline = start + limits.timeout_s
-    proc, status_fd = _spawn(payload)
+    pump = _Pump(*_spawn(payload), limits.max_output_bytes)
     try:
-        bufs, raw, reason = _pump(proc, status_fd, deadline, limits.max_output_bytes)
-        fields = _parse_status(raw.decode("utf-8", "replace"))
-        init_pid = int(fields["pid"]) if fields.get("pid", "").isdigit() else None
-        if reason or "status" not in fields:
-            _kill(proc, init_pid)
-        proc.wait()
-        fields.update(_parse_status(_drain(status_fd)))
+        reason = pump.run(start + limits.timeout_s)
+        if reason:
+            pump.drain_status()  # "launcher" is its first line, "pid" follows I's fork
+            _kill(pump.fields())
+            pump.run(time.monotonic() + 5.0, capped=False)  # until the launcher reaped PID 1
+            if pump.outputs_open():
+                _kill({"launcher": pump.fields().get("launcher", "")})
+        pump.drain_status()
+        fields = pump.fields()
+        out, err = (bytes(b).decode("utf-8", "replace") for b in pump.bufs.values())
     finally:
-        for f in (proc.stdout, proc.stderr):
-            f.close()
-        os.close(status_fd)
+        pump.close()
+    pid = int(fields["launcher"]) if fields.get("launcher", "").isdigit() else -1
+    _await_exit(pid)
     if "setup" in fields:
         raise SandboxUnavailable(f"namespace sandbox set-up failed: {fields['setup']}")
-    out, err = (bytes(b).decode("utf-8", "replace") for b in bufs.values())
-    return _result(reason, fields, out, err, time.monotonic() - start, limits, proc.pid)
-
-
-def _drain(fd: int) -> str:
-    os.set_blocking(fd, False)
-    try:
-        return os.read(fd, _READ_CHUNK).decode("utf-8", "replace")
-    except (BlockingIOError, OSError):
-        return ""
+    return _result(reason, fields, out, err, time.monotonic() - start, limits, pid)
 
 
 def _result(reason, fields, out, err, wall, limits: Limits, pid) -> sandbox.SandboxResult:
@@ -389,11 +470,7 @@ def run_python(
     )  # fmt: skip
     prelude = sandbox.prelude(WORKDIR, cpu_s, memory_mb, max_file_mb, max_open_files, audit)
     argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", prelude]
-    res = run_command(argv, files={"main.py": code}, limits=limits)
-    if len(res.stdout) >= max_output_bytes or len(res.stderr) >= max_output_bytes:
-        # run_python keeps heads, not tails; with the audit hook this is rare (an exact fit).
-        res = dataclasses.replace(res, stdout=res.stdout[:max_output_bytes])
-    return res
+    return run_command(argv, files={"main.py": code}, limits=limits)
 
 
 def run_many(
@@ -424,13 +501,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repo", required=True, help="directory copied to the sandbox's /repo")
     parser.add_argument("--timeout", type=float, default=Limits.timeout_s, help="seconds")
     parser.add_argument("--memory_mb", type=int, default=Limits.memory_mb)
+    parser.add_argument("--disk_mb", type=int, default=Limits.disk_mb, help="copy + /tmp size")
     parser.add_argument("--tail", type=int, default=4000, help="characters of output kept")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no command given (usage: --repo DIR -- CMD ARGS...)")
-    limits = Limits(timeout_s=args.timeout, cpu_s=int(args.timeout) + 1, memory_mb=args.memory_mb)
+    limits = Limits(
+        timeout_s=args.timeout, cpu_s=int(args.timeout) + 1, memory_mb=args.memory_mb,
+        disk_mb=args.disk_mb,
+    )  # fmt: skip
     try:
         res = run_command(cmd, repo=args.repo, limits=limits)
     except SandboxUnavailable as e:

@@ -33,7 +33,8 @@ through `_imp`, or exploits an interpreter bug). That matters most when the chil
 (no uid drop possible, e.g. the interpreter lives under a 0700 home): then the kernel does not
 enforce RLIMIT_NPROC, and code that escapes the hook could write anywhere or fork and setsid
 to outlive the run. Directory listings outside the working dir are readable. For adversarial
-workloads, run the whole trainer inside a container or VM.
+workloads use `backend="namespace"` (tg_jax.envs.ns_sandbox: the same prelude inside kernel
+namespaces as an unprivileged uid), which is also what `python -m tg_jax.envs.sandbox` runs.
 
 No `preexec_fn` is used: it is unsafe in a threaded parent (JAX runs many threads), so limits
 are set by a trusted prelude in the child before any user code runs.
