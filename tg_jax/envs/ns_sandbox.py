@@ -46,10 +46,11 @@ Isolation:
   the run is killed when either exceeds `max_output_bytes` (the result keeps the tails).
 * Environment: the command gets only PATH, HOME, TMPDIR, LANG and what `env` adds.
 
-Not contained: kernel bugs (the command makes arbitrary system calls: no seccomp filter),
-CPU and memory bandwidth shared with the host (no cgroup), the total memory of many
-processes beyond nproc x memory_mb plus the tmpfs. Where namespaces cannot be created
-(not root, user namespaces disabled, a seccomp-confined container) `check_available`
+Not contained: kernel bugs (the command makes arbitrary system calls: no seccomp filter);
+CPU time and memory bandwidth are shared with the host, and total memory is bounded only by
+nproc x memory_mb plus the tmpfs (no cgroup); /proc and the read-only system directories
+are readable (kernel and distribution facts, no host secrets). Where namespaces cannot be
+created (not root, user namespaces disabled, a seccomp-confined container) `check_available`
 and every run raise SandboxUnavailable naming the step that failed; nothing falls back.
 """
 
