@@ -6,7 +6,7 @@ SOCK_FD` and an empty environment: a server that forks one launcher per request 
 
 1. L (a child of the server, host PID namespace, its own session): writes "launcher <pid>"
    on the status pipe, reads the parameters (marshal), unshares the mount, PID, network,
-   IPC and UTS namespaces, forks I, writes "pid <I's host pid>", waits for I.
+   IPC, UTS and cgroup namespaces, forks I, writes "pid <I's host pid>", waits for I.
 2. I (PID 1 of the new PID namespace, still host root, in a mount namespace owned by the
    host's initial user namespace): builds the new root on a size-limited tmpfs (read-only
    binds of the interpreter and system libraries, a private copy of the repository at /repo,
@@ -28,7 +28,8 @@ import os
 import resource
 import sys
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x20000, 0x2000000, 0x4000000
+CLONE_NEWIPC = 0x8000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -106,9 +107,13 @@ def _populate(s, root, p):
             os.symlink(os.readlink(path), root + path)
     os.makedirs(root + "/etc", exist_ok=True)
     for path in p["etc"]:
-        if os.path.isfile(path):
+        if os.path.isdir(path):
+            os.makedirs(root + path)
+        elif os.path.isfile(path):
             open(root + path, "w").close()
-            s.bind(path, root + path, readonly=True)
+        else:
+            continue
+        s.bind(path, root + path, readonly=True)
     s.write(root + "/etc/passwd", f"sandbox:x:{INNER_ID}:{INNER_ID}::/tmp:/bin/sh\n")
     s.write(root + "/etc/group", f"sandbox:x:{INNER_ID}:\n")
     s.write(root + "/etc/hostname", "sandbox\n")
@@ -225,9 +230,11 @@ def _launch(params_fd, status_fd):
         chunks.append(chunk)
     os.close(params_fd)
     p = marshal.loads(b"".join(chunks))
-    if _libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS):
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    if _libc.unshare(flags | CLONE_NEWCGROUP):
         err = os.strerror(ctypes.get_errno())
-        _fail(status_fd, f"unshare(mount, pid, net, ipc, uts namespaces): {err}")
+        _fail(status_fd, f"unshare(mount, pid, net, ipc, uts, cgroup namespaces): {err}")
+    _libc.sethostname(b"sandbox", 7)
     pid = os.fork()
     if pid == 0:
         try:

@@ -16,7 +16,7 @@ user namespace last). The server exits when this process does (EOF on its socket
 
 Isolation:
 
-* Namespaces: new mount, PID, network, IPC and UTS namespaces, then a user namespace.
+* Namespaces: new mount, PID, network, IPC, UTS and cgroup namespaces, then a user one.
   The mount and network namespaces are owned by the host's initial user namespace, because
   the user namespace is created only after the mounts and after the drop to an unprivileged
   host uid: the command has no capability over its mounts (it cannot remount the read-only
