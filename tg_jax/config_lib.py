@@ -180,7 +180,7 @@ def env_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.cpu_s = 1  # sandbox CPU-seconds limit per tool call
     c.memory_mb = 256  # sandbox address-space limit per tool call
     # Sandbox of the tool calls: namespace (kernel namespaces, unprivileged uid, the audit hook
-    # inside; needs root) | audit (the audit hook alone; the child runs as root here). A call
+    # inside) | audit (the audit hook alone; as root, the child runs as root here). A call
     # measured interleaved on the loaded 2-core VM: 41 vs 29 ms median, 23 vs 17 ms best, so
     # +0.6-1.4 min on the demo's ~7000 calls (10.3 min): inside its 15-minute budget.
     c.sandbox = "namespace"

@@ -32,7 +32,8 @@ CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x20000, 0x2000000, 0x4000000
 CLONE_NEWIPC = 0x8000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
+MS_REC, MS_PRIVATE = 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 4, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
@@ -66,6 +67,10 @@ class Setup:
     def bind(self, src, dst, readonly):
         self.mount(src, dst, None, MS_BIND)
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (MS_RDONLY if readonly else 0)
+        # Keep the source's noexec/atime flags: in a user namespace they are locked.
+        have = os.statvfs(dst).f_flag
+        for st_flag, ms_flag in ((8, MS_NOEXEC), (1024, MS_NOATIME), (2048, MS_NODIRATIME)):
+            flags |= ms_flag if have & st_flag else 0
         self.mount(None, dst, None, flags)
 
     def write(self, path, text):
@@ -137,7 +142,7 @@ def _populate(s, root, p):
     except OSError as e:
         _fail(s.status_fd, f"copy of the repository: {e}")
     uid = p["uid"]
-    for top, dirs, names in os.walk(work):
+    for top, dirs, names in os.walk(work) if uid is not None else ():
         for name in (top, *(os.path.join(top, n) for n in dirs + names)):
             os.lchown(name, uid, uid)
     os.makedirs(root + "/tmp")
@@ -167,18 +172,28 @@ def _enter_root(s, p):
 
 
 def _drop_privileges(s, uid):
-    """Host root -> host `uid` (no capabilities) -> a user namespace where it is uid 1000."""
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    s.check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    """Host root -> host `uid` (no capabilities) -> a user namespace where it is uid 1000.
+
+    Rootless (`uid` None): root of the outer user namespace -> a nested one, uid 1000."""
+    outer = 0
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        s.check(_libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+        outer = uid
     s.check(_libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
-    s.write("/proc/self/setgroups", "deny")
-    s.write("/proc/self/uid_map", f"{INNER_ID} {uid} 1")
-    s.write("/proc/self/gid_map", f"{INNER_ID} {uid} 1")
+    _map_ids(s, outer, outer, INNER_ID)
     # No user namespaces below this one: nested ones are the usual kernel attack surface.
     s.write("/proc/sys/user/max_user_namespaces", "0")
     s.check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
+def _map_ids(s, uid, gid, inner):
+    """The calling process's own ids (in the parent user namespace) -> `inner` in its new one."""
+    s.write("/proc/self/setgroups", "deny")
+    s.write("/proc/self/uid_map", f"{inner} {uid} 1")
+    s.write("/proc/self/gid_map", f"{inner} {gid} 1")
 
 
 def _exec_command(p, status_fd):
@@ -230,6 +245,11 @@ def _launch(params_fd, status_fd):
         chunks.append(chunk)
     os.close(params_fd)
     p = marshal.loads(b"".join(chunks))
+    s = Setup(status_fd)
+    if p["uid"] is None:  # rootless: first a user namespace in which this process is root
+        uid, gid = os.geteuid(), os.getegid()
+        s.check(_libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER) (rootless)")
+        _map_ids(s, uid, gid, 0)
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     if _libc.unshare(flags | CLONE_NEWCGROUP):
         err = os.strerror(ctypes.get_errno())

@@ -26,6 +26,10 @@ Isolation:
   tmpfs, configure its net namespace) but never touch host resources; here the command is
   not even that: it runs as uid 1000 in its user namespace (host uid `HOST_UID`), with no
   capabilities anywhere, no_new_privs set, nested user namespaces disabled.
+  Rootless (the supervisor is not root): the launcher first enters a user namespace where
+  it is root (its own uid mapped to 0), which then owns the other namespaces; the command
+  runs in a nested user namespace as uid 1000 (= the caller's uid on the host), with no
+  capability in the one owning its mounts, so the same holds.
 * Files: the root is a tmpfs of `disk_mb` MiB (it also holds /repo, /tmp and /dev/shm, so
   one cap bounds a disk filler; RLIMIT_FSIZE caps single files), read-only after set-up.
   Visible: read-only binds of /usr, /bin, /lib*, /sbin, the interpreter's prefixes (the
@@ -36,11 +40,11 @@ Isolation:
   repository made by the launcher into the tmpfs, so no host file changes and nothing is
   left to clean up: it vanishes with the mount namespace.
 * Processes: subprocesses are allowed. RLIMIT_NPROC (`nproc`) is counted per user
-  namespace and uid, and enforced because the host uid is not root: a fork bomb gets
-  EAGAIN. The launcher is PID 1 of the namespace; when the command exits it exits, and the
-  kernel kills everything left (daemons that setsid included). The wall-clock deadline kills
-  PID 1, which kills the namespace. Nothing inside can signal a host process (none is
-  visible) or its PID 1 (which handles no signal).
+  namespace and uid (so per sandbox), and enforced because the host uid is not root: a
+  fork bomb gets EAGAIN. The launcher is PID 1 of the namespace; when the command exits it
+  exits, and the kernel kills everything left (daemons that setsid included). The
+  wall-clock deadline kills PID 1, which kills the namespace. Nothing inside can signal a
+  host process (none is visible) or its PID 1 (which handles no signal).
 * Limits: RLIMIT_CPU, RLIMIT_AS (per process; nproc x memory_mb bounds the total),
   RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE = 0; stdout/stderr are read as they arrive and
   the run is killed when either exceeds `max_output_bytes` (the result keeps the tails).
@@ -50,7 +54,7 @@ Not contained: kernel bugs (the command makes arbitrary system calls: no seccomp
 CPU time and memory bandwidth are shared with the host, and total memory is bounded only by
 nproc x memory_mb plus the tmpfs (no cgroup); /proc and the read-only system directories
 are readable (kernel and distribution facts, no host secrets). Where namespaces cannot be
-created (not root, user namespaces disabled, a seccomp-confined container) `check_available`
+created (user namespaces disabled, a seccomp-confined container) `check_available`
 and every run raise SandboxUnavailable naming the step that failed; nothing falls back.
 """
 
@@ -78,7 +82,7 @@ from tg_jax.envs import sandbox
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ns_launcher.py")
 HOST_UID = 2_000_000  # host uid of every sandboxed process (unprivileged, in no /etc/passwd)
-MOUNTPOINT = "/tmp/tg_ns_sandbox_root"  # empty host dir the private tmpfs root covers
+MOUNTPOINT = "/tmp/tg_ns_sandbox_root"  # empty host dir the private tmpfs root covers (+"-UID")
 WORKDIR = "/repo"  # the working copy inside the sandbox
 _SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/alternatives")
@@ -128,6 +132,10 @@ def ro_paths() -> tuple[str, ...]:
     return tuple(paths)
 
 
+def _mountpoint() -> str:
+    return MOUNTPOINT if os.geteuid() == 0 else f"{MOUNTPOINT}-{os.geteuid()}"
+
+
 def _default_env() -> dict[str, str]:
     bindir = os.path.dirname(sys.executable)
     return {
@@ -152,8 +160,8 @@ def _params(argv, repo, files, env, limits: Limits) -> dict[str, Any]:
         "env": {**_default_env(), **dict(env)},
         "ro": list(ro_paths()),
         "etc": list(_ETC),
-        "mountpoint": MOUNTPOINT,
-        "uid": HOST_UID,
+        "mountpoint": _mountpoint(),
+        "uid": HOST_UID if os.geteuid() == 0 else None,  # None: rootless
         "timeout_s": limits.timeout_s,
         "cpu_s": max(1, int(limits.cpu_s)),
         "memory_mb": int(limits.memory_mb),
@@ -191,13 +199,7 @@ def run_command(
     """
     if not argv:
         raise ValueError("argv must not be empty")
-    if os.geteuid() != 0:
-        raise SandboxUnavailable(
-            f"namespace sandbox needs root on the host (it mounts the private root and drops "
-            f"to host uid {HOST_UID}); running as uid {os.geteuid()}: run as root or use "
-            f"env.sandbox='audit'"
-        )
-    os.makedirs(MOUNTPOINT, mode=0o700, exist_ok=True)
+    os.makedirs(_mountpoint(), mode=0o700, exist_ok=True)
     params = _params(argv, repo, files or {}, env or {}, limits)
     return _supervise(marshal.dumps(params), limits)
 
