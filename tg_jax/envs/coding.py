@@ -222,8 +222,12 @@ class CodingEnv(Environment):
         if config.executor == "trusted":
             self._execute = run_trusted
         else:
-            if config.sandbox == "namespace":
-                ns_sandbox.check_available()  # fail here, not at the first tool call
+            if config.sandbox == "namespace":  # fail here, not at the first tool call
+                try:
+                    ns_sandbox.check_available()
+                except ns_sandbox.SandboxUnavailable as e:
+                    hint = "; env.sandbox='audit' runs the tool calls under the audit hook alone"
+                    raise ns_sandbox.SandboxUnavailable(f"{e}{hint}") from e
             self._execute = lambda code, xs: run_candidate(
                 code, xs, timeout_s=config.timeout_s, cpu_s=config.cpu_s,
                 memory_mb=config.memory_mb, sandbox=config.sandbox,
