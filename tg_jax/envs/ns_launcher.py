@@ -64,8 +64,8 @@ class Setup:
         enc = [None if s is None else s.encode() for s in (src, dst, fstype, data)]
         self.check(_libc.mount(enc[0], enc[1], enc[2], flags, enc[3]), f"mount {dst}")
 
-    def bind(self, src, dst, readonly):
-        self.mount(src, dst, None, MS_BIND)
+    def bind(self, src, dst, readonly, recursive=False):
+        self.mount(src, dst, None, MS_BIND | (MS_REC if recursive else 0))
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (MS_RDONLY if readonly else 0)
         # Keep the source's noexec/atime flags: in a user namespace they are locked.
         have = os.statvfs(dst).f_flag
@@ -145,11 +145,11 @@ def _populate(s, root, p):
     for top, dirs, names in os.walk(work) if uid is not None else ():
         for name in (top, *(os.path.join(top, n) for n in dirs + names)):
             os.lchown(name, uid, uid)
-    os.makedirs(root + "/tmp")
+    os.makedirs(root + "/tmp", exist_ok=True)  # exists if an interpreter lives under /tmp
     os.chmod(root + "/tmp", 0o1777)
     os.chmod(root + "/dev/shm", 0o1777)
     for path in ("/repo", "/tmp", "/dev/shm"):  # stay writable when the root goes read-only
-        s.bind(root + path, root + path, readonly=False)
+        s.bind(root + path, root + path, readonly=False, recursive=True)
     os.makedirs(root + "/proc")
     s.mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
