@@ -6,9 +6,10 @@ Cases (each a batch of identical runs from a pool of `workers` threads; the firs
 of a case are a warm-up and not timed):
   * audit/python, namespace/python: one coding-env tool call (tg_jax.envs.coding's test
     harness on 8 inputs) with tg_jax.envs.sandbox.run_python, backend "audit" or "namespace";
-  * namespace/light, namespace/pytest: the tests of a 5-file repository (two modules, two
-    test files, pytest.ini) as a command in tg_jax.envs.ns_sandbox, run by the light runner
-    or by `python -m pytest -q`.
+  * namespace/light, namespace/pytest, namespace/pytest_noplugins: the tests of a 5-file
+    repository (two modules, two test files, pytest.ini) as a command in
+    tg_jax.envs.ns_sandbox, run by the light runner, by `python -m pytest -q`, or by the
+    same with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1.
 
 Figures per case: runs_per_s (runs / wall time of the batch), p50_ms and p95_ms (latency of
 one run, spawn to reap), n, workers, load (the 1-minute load average after the batch).
@@ -97,12 +98,15 @@ def sandbox_bench(n: int = 40, n_pytest: int = 12, workers: int = 2) -> dict[str
             out[f"{backend}/python/w{w}"] = _case(run, n, w)
     with tempfile.TemporaryDirectory(prefix="tg_bench_repo_") as root:
         repo = write_repo(root)
+        pytest = [sys.executable, "-m", "pytest", "-q"]
         commands = {
-            "light": (ns_sandbox.light_runner_argv("tests"), n),
-            "pytest": ([sys.executable, "-m", "pytest", "-q"], n_pytest),
+            "light": (ns_sandbox.light_runner_argv("tests"), {}, n),
+            "pytest": (pytest, {}, n_pytest),
+            # Without the venv's pytest plugins (entry-point scan, anyio): half the start-up.
+            "pytest_noplugins": (pytest, {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, n_pytest),
         }
-        for name, (argv, count) in commands.items():
-            run = lambda a=argv: ns_sandbox.run_command(a, repo=repo)  # noqa: E731
+        for name, (argv, env, count) in commands.items():
+            run = lambda a=argv, e=env: ns_sandbox.run_command(a, repo=repo, env=e)  # noqa: E731
             for w in sorted({1, workers}):
                 out[f"namespace/{name}/w{w}"] = _case(run, count, w)
     return out
