@@ -272,6 +272,22 @@ def test_writes_outside_the_copy_change_nothing(tmp_path):
     assert not os.path.exists(os.path.join(repo, "lib_link")), "the copy is throwaway"
 
 
+def test_symlinks_in_the_repository_do_not_lead_writes_or_copies_out(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("host secret")
+    repo = _repo(tmp_path, "def test_nothing():\n    pass\n")
+    os.symlink(str(outside), os.path.join(repo, "dir_link"))
+    os.symlink(str(outside / "secret.txt"), os.path.join(repo, "file_link"))
+    files = {"dir_link/planted.txt": "x", "dir_link/sub/planted.txt": "x"}
+    res = run_command(["true"], repo=repo, files=files, limits=FAST)
+    assert res.status == "error" and "cannot write the files into /repo" in res.message
+    res = run_command(["sh", "-c", "cat file_link; ls -l"], repo=repo, limits=FAST)
+    assert res.status == "ok" and "host secret" not in res.stdout
+    assert "file_link -> " + str(outside / "secret.txt") in res.stdout, "copied as a link"
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+
+
 def test_host_files_and_environment_are_not_readable(tmp_path, monkeypatch):
     secret = "tg-ns-sandbox-secret-4711"
     monkeypatch.setenv("TG_NS_SECRET", secret)

@@ -91,7 +91,8 @@ def _copy_tree(src, dst):
         elif entry.is_dir():
             _copy_tree(entry.path, target)
         elif entry.is_file():
-            with open(entry.path, "rb") as fin, open(target, "wb") as fout:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+            with open(fd, "rb") as fin, open(target, "wb") as fout:
                 while chunk := fin.read(1 << 20):
                     fout.write(chunk)
             os.chmod(target, entry.stat().st_mode & 0o755)
@@ -135,10 +136,6 @@ def _populate(s, root, p):
         if p["repo"]:
             _copy_tree(p["repo"], work)
         os.makedirs(work, exist_ok=True)
-        for rel, text in p["files"].items():
-            os.makedirs(os.path.dirname(os.path.join(work, rel)), exist_ok=True)
-            with open(os.path.join(work, rel), "w", encoding="utf-8", errors="replace") as f:
-                f.write(text)
     except OSError as e:
         _fail(s.status_fd, f"copy of the repository: {e}")
     uid = p["uid"]
@@ -189,6 +186,19 @@ def _drop_privileges(s, uid):
     s.check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
 
 
+def _write_files(s, files):
+    """`files` into /repo, after the pivot and the drop: a symlink in the copy can lead a
+    write only where the command itself could write."""
+    try:
+        for rel, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join("/repo", rel)), exist_ok=True)
+            with open(os.path.join("/repo", rel), "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+    except OSError as e:  # the caller's input, not the sandbox, is at fault: no "setup"
+        os.write(s.status_fd, f"input cannot write the files into /repo: {e}\n".encode())
+        os._exit(SETUP_RC)
+
+
 def _map_ids(s, uid, gid, inner):
     """The calling process's own ids (in the parent user namespace) -> `inner` in its new one."""
     s.write("/proc/self/setgroups", "deny")
@@ -228,6 +238,7 @@ def _init(p, status_fd):
     _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     _enter_root(s, p)
     _drop_privileges(s, p["uid"])
+    _write_files(s, p["files"])
     child = os.fork()
     if child == 0:
         _exec_command(p, status_fd)

@@ -410,6 +410,9 @@ def _supervise(payload: bytes, limits: Limits) -> sandbox.SandboxResult:
     _await_exit(pid)
     if "setup" in fields:
         raise SandboxUnavailable(f"namespace sandbox set-up failed: {fields['setup']}")
+    if "input" in fields:
+        msg = f"error: {fields['input']}"
+        return sandbox.SandboxResult("error", out, err, None, time.monotonic() - start, msg, pid)
     return _result(reason, fields, out, err, time.monotonic() - start, limits, pid)
 
 
