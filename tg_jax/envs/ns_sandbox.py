@@ -87,7 +87,6 @@ WORKDIR = "/repo"  # the working copy inside the sandbox
 _SYSTEM_RO = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/alternatives")
 _READ_CHUNK = 65536
-_SETUP_RC = 111
 
 
 class SandboxUnavailable(RuntimeError):
@@ -428,8 +427,6 @@ def _result(reason, fields, out, err, wall, limits: Limits, pid) -> sandbox.Sand
         status, msg = "killed", "killed: the sandbox's PID 1 died without a status"
     elif rc == -signal.SIGXCPU:
         status, msg = "timeout", f"timeout: CPU time limit {limits.cpu_s} s exceeded"
-    elif rc == sandbox.MEMORY_RC:
-        status, msg = "memory", f"memory: memory limit {limits.memory_mb} MB exceeded"
     elif rc < 0:
         try:
             name = signal.Signals(-rc).name
@@ -476,7 +473,11 @@ def run_python(
     )  # fmt: skip
     prelude = sandbox.prelude(WORKDIR, cpu_s, memory_mb, max_file_mb, max_open_files, audit)
     argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", prelude]
-    return run_command(argv, files={"main.py": code}, limits=limits)
+    res = run_command(argv, files={"main.py": code}, limits=limits)
+    if res.status == "error" and res.returncode == sandbox.MEMORY_RC:  # the prelude's code
+        msg = f"memory: memory limit {memory_mb} MB exceeded"
+        res = dataclasses.replace(res, status="memory", message=msg)
+    return res
 
 
 def run_many(
