@@ -233,7 +233,10 @@ def swe_env_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.task_reward = "all_pass"  # all_pass (1 iff every target hidden test passes) | fraction
     c.requirement_reward = "fraction"  # fraction of applicable turns meeting it | all
     c.requirement_weight = 1.0  # weight of each requirement reward in the weighted total
-    c.runner = "sandbox"  # test runner (tg_jax.envs.swe.runner.RUNNERS)
+    # Test runner (tg_jax.envs.swe.runner.RUNNERS): "sandbox" = a light pytest-compatible runner
+    # in the audit-hook sandbox (no fixtures, no subprocesses); "namespace" = the real pytest in
+    # the kernel-enforced sandbox (imported tasks that need fixtures or spawn processes).
+    c.runner = "sandbox"
     c.timeout_s = 10.0  # wall-clock limit of one test run
     c.cpu_s = 5  # CPU-seconds limit of one test run
     c.memory_mb = 512  # address-space limit of one test run
