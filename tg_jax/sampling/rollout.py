@@ -10,10 +10,12 @@ An episode's tokens grow append-only; nothing is ever re-rendered:
     observation message (rendered as `observation_role`)               ENV
     [hint] + header + next sampled turn ...
 
-Every turn of every live episode is sampled in one batched `Sampler.sample` call, which
-re-prefills each episode's whole context (one batched forward; the KV cache is not kept across
-turns). The turn text (sampled tokens minus the stop token, thinking included) goes to
-`env.step`; tool calls of one turn run in a thread pool (sandbox subprocesses release the GIL).
+Every turn of every live episode is sampled in one batched `Sampler.sample` call. The
+episodes' keys and values stay on the device between turns (`tg_jax.sampling.turn_cache`): a
+turn prefills only what was appended since the last one (observation, hint, header), and the
+G rollouts of a prompt prefill it once (info["prefill_tokens"] counts the prefilled tokens).
+The turn text (sampled tokens minus the stop token, thinking included) goes to `env.step`;
+tool calls of one turn run in a thread pool (sandbox subprocesses release the GIL).
 
 Limits:
   * A turn that reaches its token budget without a stop token is still recorded and sent to the
@@ -48,6 +50,7 @@ from tg_jax.envs.base import Environment
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Role, Trajectory
+from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 
 TERMINATIONS = ("done", "max_turns", "max_tokens")
@@ -106,6 +109,7 @@ class Episode:
     rewards: dict[str, float] | None = None
     termination: str = ""
     truncated_turns: int = 0
+    prefill_tokens: float = 0.0
     step_infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
@@ -192,6 +196,7 @@ def play_episodes(
 
     live = list(episodes)
     turn = 0
+    cache = TurnCache()  # keyed by id(): the episodes outlive it
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.env_workers)) as pool:
         while live:
             budgets = [min(config.max_new_tokens, room(ep)) for ep in live]
@@ -208,9 +213,13 @@ def play_episodes(
                 top_k=config.top_k,
                 top_p=config.top_p,
                 rng=jax.random.fold_in(rng, turn),
+                cache=cache,
+                keys=[id(ep) for ep in live],
             )
             texts = []
             for k, ep in enumerate(live):
+                if out.prefill_tokens is not None:
+                    ep.prefill_tokens += float(out.prefill_tokens[k])
                 k_turn = len(ep.turn_starts) - 1
                 new = [int(t) for t in out.tokens[k]]
                 think = renderer.split_thinking(header + new)[len(header) :]
@@ -272,6 +281,7 @@ def to_trajectory(
         "truncated_turns": ep.truncated_turns,
         "num_tokens": len(ep.tokens),
         "sampled_tokens": int(sum(t >= 0 for t in ep.turn_ids)),
+        "prefill_tokens": ep.prefill_tokens,
         "steps": ep.step_infos,
         **(extra_info or {}),
     }
