@@ -303,8 +303,9 @@ _KINDS = {"prompt": sample_tokens, "prefilled": sample_prefilled, "appended": sa
 class Sampler:
     """Host-side driver: pads a batch of prompts to the buckets and runs the jitted sampler.
 
-    Compiles once per (batch bucket, prompt bucket, new-token bucket, stop width); everything
-    else is an argument. `num_traces` counts traces of the jitted function (for tests/logs).
+    Compiles once per (batch bucket, prompt bucket, new-token bucket, stop width), and with a
+    `TurnCache` per appended-block bucket too; everything else is an argument. `num_traces`
+    counts traces of the jitted function (for tests/logs).
     """
 
     def __init__(
@@ -347,7 +348,9 @@ class Sampler:
         decode loop per shard of rows (`_row_axes`)."""
         self.num_traces += 1  # Runs only while tracing: counts compilations.
         *rows, rng = arrays
-        u_BxR = step_uniforms(rng, rows[-5].shape[0], max_new_bucket)  # rows of max_new_B
+        # Every kind's arguments end with (max_new_B, stop_ids_BxW, temperature_B, top_k_B,
+        # top_p_B): the padded batch is max_new_B's.
+        u_BxR = step_uniforms(rng, rows[-5].shape[0], max_new_bucket)
         fn = functools.partial(_KINDS[kind], self.model, pad_id=self.pad_id, segment=self.segment)
         if per_shard:
             spec = jax.P(self._row_axes())
