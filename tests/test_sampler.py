@@ -472,3 +472,21 @@ def test_turn_cache_sharded_matches_single_device(setup):
     ref = _turns(sampler, params, **kw)
     _assert_same_turns(ref, _turns(sharded, sharded_params, **kw))
     _assert_same_turns(ref, _turns(split, replicated, **kw))
+
+
+def test_turn_cache_rejects_contexts_that_do_not_extend_the_cached_ones(setup):
+    from tg_jax.sampling.turn_cache import TurnCache
+
+    _, _, params, sampler = setup
+    cache, prompt = TurnCache(), _prompts((6,), seed=2)[0]
+    kw = dict(max_new_tokens=4, temperature=0.0, rng=jax.random.key(0), cache=cache)
+    with pytest.raises(ValueError, match="one distinct key per prompt"):
+        sampler.sample(params, [prompt, prompt], keys=["a", "a"], **kw)
+    out = sampler.sample(params, [prompt], keys=["a"], **kw)
+    assert cache.cached["a"] == prompt + out.tokens[0][:-1].tolist()
+    with pytest.raises(ValueError, match="does not extend"):
+        sampler.sample(params, [prompt[:-1] + [1, 2]], keys=["a"], **kw)  # rewritten
+    with pytest.raises(ValueError, match="does not extend"):
+        sampler.sample(params, [prompt + out.tokens[0][:-1].tolist()], keys=["a"], **kw)  # none
+    with pytest.raises(ValueError, match="does not extend"):
+        sampler.sample(params, [prompt], keys=["b"], **kw)  # not cached
