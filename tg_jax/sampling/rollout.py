@@ -48,7 +48,7 @@ import numpy as np
 
 from tg_jax.envs.base import Environment
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
-from tg_jax.sampling.sampler import Sampler
+from tg_jax.sampling.sampler import Sampler, SampleResult
 from tg_jax.sampling.trajectory import Role, Trajectory
 from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
@@ -139,6 +139,27 @@ def _termination(env: Environment) -> str:
     return "max_turns" if env.summary().end_reason == "max_turns" else "done"
 
 
+def _record_turn(ep: Episode, renderer: ChatRenderer, out: SampleResult, k: int) -> str:
+    """Appends row k of a sampled turn to its episode; returns the turn's text (no stop token).
+
+    A turn cut at its budget is closed by an `<|im_end|>` the policy did not sample.
+    """
+    if out.prefill_tokens is not None:
+        ep.prefill_tokens += float(out.prefill_tokens[k])
+    header = renderer.assistant_header()
+    k_turn = len(ep.turn_starts) - 1
+    new = [int(t) for t in out.tokens[k]]
+    think = renderer.split_thinking(header + new)[len(header) :]
+    for t, lp, is_think in zip(new, out.logprobs[k], think, strict=True):
+        ep.append([t], Role.THINK if is_think else Role.ANSWER, k_turn, [lp])
+    if out.stopped[k]:
+        new = new[:-1]
+    else:
+        ep.truncated_turns += 1
+        ep.append([renderer.end_of_turn_ids[0]], Role.PROMPT)  # not sampled: closes the turn
+    return renderer.tokenizer.decode(new)
+
+
 def play_episodes(
     sampler: Sampler,
     params: Any,
@@ -168,7 +189,6 @@ def play_episodes(
       The finished episodes, in the order of `tasks`.
     """
     header = renderer.assistant_header()
-    im_end = renderer.end_of_turn_ids[0]
     episodes: list[Episode] = []
     for i, task in enumerate(tasks):
         env = env_factory()
@@ -216,21 +236,7 @@ def play_episodes(
                 cache=cache,
                 keys=[id(ep) for ep in live],
             )
-            texts = []
-            for k, ep in enumerate(live):
-                if out.prefill_tokens is not None:
-                    ep.prefill_tokens += float(out.prefill_tokens[k])
-                k_turn = len(ep.turn_starts) - 1
-                new = [int(t) for t in out.tokens[k]]
-                think = renderer.split_thinking(header + new)[len(header) :]
-                for t, lp, is_think in zip(new, out.logprobs[k], think, strict=True):
-                    ep.append([t], Role.THINK if is_think else Role.ANSWER, k_turn, [lp])
-                if out.stopped[k]:
-                    new = new[:-1]
-                else:
-                    ep.truncated_turns += 1
-                    ep.append([im_end], Role.PROMPT)  # not sampled: closes the cut turn
-                texts.append(renderer.tokenizer.decode(new))
+            texts = [_record_turn(ep, renderer, out, k) for k, ep in enumerate(live)]
             results = list(pool.map(lambda ep, text: ep.env.step(text), live, texts))
 
             still = []
