@@ -153,8 +153,8 @@ def test_unrolled_layer_loop_matches_scan():
     from tg_jax.models import ModelConfig, Transformer, forward, init_params
 
     base = config_lib.tiny_model_config().to_dict()
-    scanned = Transformer(ModelConfig(**base))
-    unrolled = Transformer(ModelConfig(**{**base, "scan_unroll": base["num_layers"]}))
+    scanned = Transformer(ModelConfig.from_config(base))
+    unrolled = Transformer(ModelConfig.from_config({**base, "scan_unroll": base["num_layers"]}))
     params = init_params(scanned, jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 272, (2, 16)), jnp.int32)
 
