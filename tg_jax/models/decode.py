@@ -24,6 +24,9 @@ layout was much slower.
     weights = decode_weights(model, params)
     logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, r, weights=weights)
     logits_BxV, cache = decode_one(model, weights, tokens_B, index, cache)
+
+`forward_from_prefix` runs a block of tokens that continues a prefix whose keys and values
+another pass computed (the TG teacher after its first hint, on the student's prefix).
 """
 
 from __future__ import annotations
@@ -323,6 +326,71 @@ def decode_one(
     return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
+def forward_from_prefix(
+    model: Transformer,
+    params: Any,
+    tokens_BxT: Array,
+    positions_BxT: Array,
+    segment_ids_BxT: Array,
+    prefix_k_LxBxSxKxH: Array,
+    prefix_v_LxBxSxKxH: Array,
+    prefix_lengths_B: Array,
+    weights: DecodeWeights | None = None,
+) -> Array:
+    """Final-norm hidden states [B, T, D] of a block that continues a prefix already computed.
+
+    Row b's block follows a prefix of `prefix_lengths_B[b]` tokens whose per-layer keys (after
+    q/k norm and RoPE) and values are given, in the full-sequence model's [B, S, K, H] layout;
+    a block token sees the prefix slots s < prefix_lengths_B[b] and the block tokens at or
+    before it with a non-zero segment id. Same layer math as `prefill` (fused matmuls), in
+    causal query blocks (keys past a block's last query are never scored). The teacher of
+    targeted guidance runs only the tokens from its first hint on this way, the prefix's keys
+    and values coming from the student's pass.
+
+    Args:
+      tokens_BxT, positions_BxT, segment_ids_BxT: the block (positions continue the prefix).
+      prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH: per-layer prefix keys and values, S slots.
+      prefix_lengths_B: [B] int32 valid prefix slots of each row (0 <= L_b <= S).
+      weights: `decode_weights(model, params)` when the caller has them.
+    Returns:
+      [B, T, D] hidden states after the final norm (the input of `unembed`).
+    """
+    cfg = model.config
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t = tokens_BxT.shape
+    s = prefix_k_LxBxSxKxH.shape[2]
+    weights = decode_weights(model, params) if weights is None else weights
+    cos_BxTx1xH2, sin_BxTx1xH2 = rope_tables(positions_BxT, h, cfg.rope_theta)
+    t_T = jnp.arange(t)
+    prefix_BxS = jnp.arange(s)[None, :] < prefix_lengths_B[:, None]
+    block_BxTxT = (t_T[None, :] <= t_T[:, None])[None] & (segment_ids_BxT[:, None, :] != 0)
+    x_BxTxD = _embed(model, weights, tokens_BxT)
+    for i, w in enumerate(weights.layers):
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _attention_inputs(
+            cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
+        )
+        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h)
+        outs = []
+        for lo in range(0, t, _PREFILL_QUERY_BLOCK):
+            hi = min(lo + _PREFILL_QUERY_BLOCK, t)
+            keys = jnp.concatenate([prefix_k_LxBxSxKxH[i].astype(dt), k_BxTxKxH[:, :hi]], 1)
+            values = jnp.concatenate([prefix_v_LxBxSxKxH[i].astype(dt), v_BxTxKxH[:, :hi]], 1)
+            visible = jnp.concatenate(
+                [jnp.broadcast_to(prefix_BxS[:, None, :], (b, hi - lo, s)),
+                 block_BxTxT[:, lo:hi, :hi]], axis=-1,
+            )  # fmt: skip
+            scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH[:, lo:hi], keys)
+            scores = jnp.where(
+                visible[:, None, None], scores.astype(jnp.float32) * (h**-0.5), _MASKED
+            )
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            outs.append(jnp.einsum("bkgts,bskh->btkgh", probs, values))
+        out_BxTxNxH = jnp.concatenate(outs, axis=1).reshape(b, t, n, h)
+        x_BxTxD = _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH)
+    return _norm(cfg, x_BxTxD, weights.params["final_norm"])
+
+
 __all__ = [
     "DecodeCache",
     "DecodeWeights",
@@ -330,6 +398,7 @@ __all__ = [
     "decode_one",
     "decode_weights",
     "extend",
+    "forward_from_prefix",
     "prefill",
     "rope_tables",
 ]
