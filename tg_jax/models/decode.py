@@ -43,6 +43,7 @@ from tg_jax.models.qwen3 import Transformer, make_ffn
 Array = jax.Array
 _MASKED = jnp.finfo(jnp.float32).min  # score of a slot a query must not see
 _PREFILL_QUERY_BLOCK = 128  # prefill attention in causal query blocks of this many tokens
+_PREFIX_QUERY_BLOCK = 64  # the same for `forward_from_prefix` (faster there on CPU than 128)
 
 
 @flax.struct.dataclass
@@ -362,31 +363,39 @@ def forward_from_prefix(
     s = prefix_k_LxBxSxKxH.shape[2]
     weights = decode_weights(model, params) if weights is None else weights
     cos_BxTx1xH2, sin_BxTx1xH2 = rope_tables(positions_BxT, h, cfg.rope_theta)
-    t_T = jnp.arange(t)
-    prefix_BxS = jnp.arange(s)[None, :] < prefix_lengths_B[:, None]
-    block_BxTxT = (t_T[None, :] <= t_T[:, None])[None] & (segment_ids_BxT[:, None, :] != 0)
+    # visible [B, T, S + T]: slots 0..S-1 the prefix, S + j block token j.
+    slot_1x1xS = jnp.arange(s + t)[None, None, :]
+    block_seg_BxS = jnp.pad(segment_ids_BxT, ((0, 0), (s, 0)))
+    in_block_BxTxS = (slot_1x1xS - s <= jnp.arange(t)[None, :, None]) & (
+        block_seg_BxS[:, None, :] != 0
+    )
+    visible_BxTxS = jnp.where(
+        slot_1x1xS < s, slot_1x1xS < prefix_lengths_B[:, None, None], in_block_BxTxS
+    )
     x_BxTxD = _embed(model, weights, tokens_BxT)
     for i, w in enumerate(weights.layers):
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _attention_inputs(
             cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
         )
-        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h)
+        # The decode layout (keys slot-minor), as in `_causal_attention`.
+        k_all = jnp.concatenate([prefix_k_LxBxSxKxH[i].astype(dt), k_BxTxKxH.astype(dt)], 1)
+        v_all = jnp.concatenate([prefix_v_LxBxSxKxH[i].astype(dt), v_BxTxKxH.astype(dt)], 1)
+        k_BxKxHxS = jnp.transpose(k_all, (0, 2, 3, 1))
+        v_BxKxSxH = jnp.transpose(v_all, (0, 2, 1, 3))
+        q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
         outs = []
-        for lo in range(0, t, _PREFILL_QUERY_BLOCK):
-            hi = min(lo + _PREFILL_QUERY_BLOCK, t)
-            keys = jnp.concatenate([prefix_k_LxBxSxKxH[i].astype(dt), k_BxTxKxH[:, :hi]], 1)
-            values = jnp.concatenate([prefix_v_LxBxSxKxH[i].astype(dt), v_BxTxKxH[:, :hi]], 1)
-            visible = jnp.concatenate(
-                [jnp.broadcast_to(prefix_BxS[:, None, :], (b, hi - lo, s)),
-                 block_BxTxT[:, lo:hi, :hi]], axis=-1,
-            )  # fmt: skip
-            scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH[:, lo:hi], keys)
-            scores = jnp.where(
-                visible[:, None, None], scores.astype(jnp.float32) * (h**-0.5), _MASKED
+        for lo in range(0, t, _PREFIX_QUERY_BLOCK):
+            # Query block [lo, hi) scores the prefix and block keys [0, hi) only.
+            hi = min(lo + _PREFIX_QUERY_BLOCK, t)
+            scores = jnp.einsum(
+                "bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS[..., : s + hi]
             )
+            scores = scores.astype(jnp.float32) * (h**-0.5)
+            scores = jnp.where(visible_BxTxS[:, None, None, lo:hi, : s + hi], scores, _MASKED)
             probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-            outs.append(jnp.einsum("bkgts,bskh->btkgh", probs, values))
-        out_BxTxNxH = jnp.concatenate(outs, axis=1).reshape(b, t, n, h)
+            outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH[:, :, : s + hi]))
+        out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
+        out_BxTxNxH = jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
         x_BxTxD = _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH)
     return _norm(cfg, x_BxTxD, weights.params["final_norm"])
 
