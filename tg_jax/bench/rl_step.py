@@ -131,8 +131,9 @@ def bench(
 ) -> dict[str, float]:
     """Times GRPO and the TG arms; prints and returns the timings, ratios and FLOPs saved.
 
-    The arms run interleaved (GRPO, TG, ..., GRPO, TG, ...) after one compile call each, so
-    that a change in machine load during the run hits all alike. Two clocks: wall time, and
+    The arms run interleaved, one step each per round (the order reversed every other round,
+    so that no arm always follows the same one), after one compile call each, so that a change
+    in machine load during the run hits all alike. Two clocks: wall time, and
     the CPU time of this process (all its threads), which other processes on a shared machine
     do not inflate; on an accelerator only wall time means anything. Ratios are of medians.
     Keys: `<arm>_<clock>_s`, `ratio_<clock>` (the "tg" arm), `<arm>_ratio_<clock>` and
@@ -156,8 +157,8 @@ def bench(
         step_fns[arm] = make_train_step(cfg, model, mesh, rules)
         states[arm], metrics = step_fns[arm](states[arm], batches[arm])  # compile
         jax.block_until_ready(metrics)
-    for _ in range(steps):
-        for arm in arms:
+    for r in range(steps):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
             start, start_cpu = time.perf_counter(), time.process_time()
             states[arm], metrics = step_fns[arm](states[arm], batches[arm])
             jax.block_until_ready((states[arm].params, metrics))
