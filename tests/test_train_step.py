@@ -201,8 +201,10 @@ def test_compact_teacher_equals_full_rows(which, mode, overrides):
     loss_a, sums_a, grads_a = _loss_and_grad(cfg, full)
     loss_b, sums_b, grads_b = _loss_and_grad(cfg, compact)
     assert (float(sums_a["tg_loss"]) > 1e-5) == (n_rows > 0)
+    # The compact pass runs the decode path's fused matmuls: hidden states agree to float32
+    # rounding, so a KL of ~3e-4 (a difference of log-probs) agrees to ~1e-7 absolute.
     for k in sums_a:
-        np.testing.assert_allclose(sums_a[k], sums_b[k], rtol=1e-5, atol=1e-8, err_msg=k)
+        np.testing.assert_allclose(sums_a[k], sums_b[k], rtol=1e-5, atol=1e-7, err_msg=k)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6, atol=1e-7)
     _tree_close(grads_a, grads_b, atol=1e-6, rtol=1e-4)
 

@@ -32,7 +32,7 @@ distill_mask_BxT is 0.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -115,7 +115,7 @@ def compact_teacher(
     per_token: dict[str, np.ndarray],
     trajectories: Sequence[Trajectory],
     hints: Sequence[dict[int, np.ndarray]],
-    turn_mask_fn,
+    turn_mask_fn: Callable[[Trajectory, int], np.ndarray],
     *,
     mode: str,
     rows: int,
@@ -174,14 +174,22 @@ def compact_teacher(
                  teacher_max_len, pad_multiple)  # fmt: skip
 
 
-def _pack(per_micro, cap, micro_batches, batch_multiple, student_len, teacher_max_len, multiple):
-    """The teacher arrays of the rows collected per micro-batch, and the prefix slots."""
+def _pack(
+    per_micro: list[list[tuple[int, int, np.ndarray]]],
+    cap: int,
+    micro_batches: int,
+    batch_multiple: int,
+    student_len: int,
+    teacher_max_len: int,
+    multiple: int,
+) -> tuple[dict[str, np.ndarray], int]:
+    """The teacher arrays of the rows collected per micro-batch ((student row b, p, sequence)
+    each), and the prefix slots."""
     rows_per_micro = row_bucket(max(len(r) for r in per_micro), cap, batch_multiple)
     entries = [e for r in per_micro for e in r]
     longest = max((len(seq) for _, _, seq in entries), default=1)
     t_len = bucket_length(longest, teacher_max_len, multiple)
-    prefix = min(student_len, bucket_length(max((p for _, p, _ in entries), default=0),
-                                            student_len, multiple))  # fmt: skip
+    prefix = bucket_length(max((p for _, p, _ in entries), default=0), student_len, multiple)
     num = rows_per_micro * micro_batches
     out = {
         "tokens": np.zeros((num, t_len), np.int32),
