@@ -28,6 +28,9 @@ layout was much slower.
 Multi-turn sampling keeps the cache between calls: `keep_context` makes each row's context
 contiguous again (prompt and generated tokens, slot == position) and `prefill_append` prefills
 only the tokens appended to it.
+
+`forward_from_prefix` runs a block of tokens that continues a prefix whose keys and values
+another pass computed (the TG teacher after its first hint, on the student's prefix).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from tg_jax.models.qwen3 import Transformer, make_ffn
 Array = jax.Array
 _MASKED = jnp.finfo(jnp.float32).min  # score of a slot a query must not see
 _PREFILL_QUERY_BLOCK = 128  # prefill attention in causal query blocks of this many tokens
+_PREFIX_QUERY_BLOCK = 64  # the same for `forward_from_prefix` (faster there on CPU than 128)
 
 
 @flax.struct.dataclass
@@ -461,6 +465,79 @@ def decode_one(
     return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
+def forward_from_prefix(
+    model: Transformer,
+    params: Any,
+    tokens_BxT: Array,
+    positions_BxT: Array,
+    segment_ids_BxT: Array,
+    prefix_k_LxBxSxKxH: Array,
+    prefix_v_LxBxSxKxH: Array,
+    prefix_lengths_B: Array,
+    weights: DecodeWeights | None = None,
+) -> Array:
+    """Final-norm hidden states [B, T, D] of a block that continues a prefix already computed.
+
+    Row b's block follows a prefix of `prefix_lengths_B[b]` tokens whose per-layer keys (after
+    q/k norm and RoPE) and values are given, in the full-sequence model's [B, S, K, H] layout;
+    a block token sees the prefix slots s < prefix_lengths_B[b] and the block tokens at or
+    before it with a non-zero segment id. Same layer math as `prefill` (fused matmuls), in
+    causal query blocks (keys past a block's last query are never scored). The teacher of
+    targeted guidance runs only the tokens from its first hint on this way, the prefix's keys
+    and values coming from the student's pass.
+
+    Args:
+      tokens_BxT, positions_BxT, segment_ids_BxT: the block (positions continue the prefix).
+      prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH: per-layer prefix keys and values, S slots.
+      prefix_lengths_B: [B] int32 valid prefix slots of each row (0 <= L_b <= S).
+      weights: `decode_weights(model, params)` when the caller has them.
+    Returns:
+      [B, T, D] hidden states after the final norm (the input of `unembed`).
+    """
+    cfg = model.config
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t = tokens_BxT.shape
+    s = prefix_k_LxBxSxKxH.shape[2]
+    weights = decode_weights(model, params) if weights is None else weights
+    cos_BxTx1xH2, sin_BxTx1xH2 = rope_tables(positions_BxT, h, cfg.rope_theta)
+    # visible [B, T, S + T]: slots 0..S-1 the prefix, S + j block token j.
+    slot_1x1xS = jnp.arange(s + t)[None, None, :]
+    block_seg_BxS = jnp.pad(segment_ids_BxT, ((0, 0), (s, 0)))
+    in_block_BxTxS = (slot_1x1xS - s <= jnp.arange(t)[None, :, None]) & (
+        block_seg_BxS[:, None, :] != 0
+    )
+    visible_BxTxS = jnp.where(
+        slot_1x1xS < s, slot_1x1xS < prefix_lengths_B[:, None, None], in_block_BxTxS
+    )
+    x_BxTxD = _embed(model, weights, tokens_BxT)
+    for i, w in enumerate(weights.layers):
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _attention_inputs(
+            cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
+        )
+        # The decode layout (keys slot-minor), as in `_causal_attention`.
+        k_all = jnp.concatenate([prefix_k_LxBxSxKxH[i].astype(dt), k_BxTxKxH.astype(dt)], 1)
+        v_all = jnp.concatenate([prefix_v_LxBxSxKxH[i].astype(dt), v_BxTxKxH.astype(dt)], 1)
+        k_BxKxHxS = jnp.transpose(k_all, (0, 2, 3, 1))
+        v_BxKxSxH = jnp.transpose(v_all, (0, 2, 1, 3))
+        q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
+        outs = []
+        for lo in range(0, t, _PREFIX_QUERY_BLOCK):
+            # Query block [lo, hi) scores the prefix and block keys [0, hi) only.
+            hi = min(lo + _PREFIX_QUERY_BLOCK, t)
+            scores = jnp.einsum(
+                "bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS[..., : s + hi]
+            )
+            scores = scores.astype(jnp.float32) * (h**-0.5)
+            scores = jnp.where(visible_BxTxS[:, None, None, lo:hi, : s + hi], scores, _MASKED)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH[:, :, : s + hi]))
+        out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
+        out_BxTxNxH = jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+        x_BxTxD = _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH)
+    return _norm(cfg, x_BxTxD, weights.params["final_norm"])
+
+
 __all__ = [
     "DecodeCache",
     "DecodeWeights",
@@ -468,6 +545,7 @@ __all__ = [
     "decode_one",
     "decode_weights",
     "extend",
+    "forward_from_prefix",
     "keep_context",
     "prefill",
     "prefill_append",
