@@ -178,6 +178,8 @@ class TGConfig:
     """per_trajectory (hints before every failed turn) | per_turn (read by batch building)."""
     max_teacher_rows: int = 64
     """per_turn: teacher rows per batch (static), extra turns dropped."""
+    compact: bool = True
+    """Compact teacher rows (read by batch building: tg_jax.rl.compact)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
     schedule: LambdaSchedule = LambdaSchedule()
