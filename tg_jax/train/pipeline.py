@@ -173,7 +173,7 @@ def run_base_model(
       sft_gates.BaseModelGateError: every attempt failed (nothing downstream ran).
     """
     attempts = []
-    for k in range(int(config.sft.get("retry_seeds", 0)) + 1):
+    for k in range(int(config.sft.retry_seeds) + 1):
         cfg, sft_dir = sft_attempt(config, workdir, k)
         params = run_sft_stage(cfg, sft_dir, sources)
         result = _read_json(os.path.join(sft_dir, sft_eval.EVAL_FILE))
