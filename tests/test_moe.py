@@ -1,5 +1,7 @@
 """Qwen3-MoE block: numpy reference, both dispatch modes, HF aux loss, sharded values and grads."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,48 @@ def test_sharded_values_and_grads_equal_single_device():
     np.testing.assert_allclose(float(v), float(ref_v), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4), g, ref_g)
     assert float(jnp.abs(g["layers"]["mlp"]["router"]).max()) > 0  # router gets gradients
+
+
+def test_router_aux_loss_enters_the_rl_loss_with_its_coefficient():
+    """model.router_aux_loss_coef > 0: the RL loss gains coef x the load-balancing loss of the
+    student forward (weighted by the batch's token share), and the routers get its gradient."""
+    from tg_jax.rl import train_step as ts
+    from tg_jax.rl.batch import build_batch
+    from tg_jax.rl.step_config import StepConfig
+    from tg_jax.testing import synthetic_trajectories
+
+    trajs = synthetic_trajectories(np.random.default_rng(0), 4, 24, vocab_size=64, hint_len=4)
+    batch = build_batch(trajs, max_len=32, teacher_max_len=32, requirement_names=("fence",))
+    cfg = config_lib.apply_overrides(
+        ml_collections_config(), {"tg.enabled": False, "rl.reward_weights": {"task": 1.0}}
+    )
+    typed = StepConfig.from_config(cfg)
+
+    def run(coef):
+        model = Transformer(ModelConfig(**CFG, router_aux_loss_coef=coef))
+        fn = functools.partial(ts.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg)
+        return jax.value_and_grad(fn, has_aux=True)(params, batch), model
+
+    params = init_params(Transformer(ModelConfig(**CFG)), jax.random.key(0))
+    ((loss0, _), g0), _ = run(0.0)
+    ((loss1, (sums, _)), g1), model = run(0.5)
+    _, state = model.apply(
+        {"params": params}, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT,
+        mutable=["intermediates"],
+    )  # fmt: skip
+    want = moe_lib.load_balancing_loss(state["intermediates"], model.config)  # whole batch
+    assert float(want) > 0
+    np.testing.assert_allclose(float(loss1 - loss0), float(want), rtol=1e-5)
+    np.testing.assert_allclose(float(sums["router_aux_loss"]), float(want), rtol=1e-5)
+    diff = g1["layers"]["mlp"]["router"] - g0["layers"]["mlp"]["router"]
+    assert float(jnp.abs(diff).max()) > 0  # the routers are pulled toward balance
+
+
+def ml_collections_config():
+    import ml_collections
+
+    c = ml_collections.ConfigDict()
+    c.rl = config_lib.rl_config()
+    c.tg = config_lib.tg_config()
+    c.optim = config_lib.optim_config()
+    return c

@@ -30,7 +30,7 @@ def _teacher_at_students(model, params, batch):
     """Teacher hidden states gathered to student positions (the student pass included)."""
 
     def fn(params, batch):
-        _, prefix = teacher.student_forward(model, params, batch, keep_prefix=True)
+        _, prefix, _ = teacher.student_forward(model, params, batch, keep_prefix=True)
         rows = teacher.teacher_rows_hidden(model, params, batch, prefix)
         return teacher.gather_teacher(rows, batch)
 
@@ -78,7 +78,7 @@ def test_forward_from_prefix_continues_a_sequence():
     full = hidden_states(model, params, tokens, positions, jnp.ones_like(tokens))
     lengths = np.array([40, 70])
     fake_batch = _prefix_batch(tokens, positions, s)
-    _, prefix = teacher.student_forward(model, params, fake_batch, keep_prefix=True)
+    _, prefix, _ = teacher.student_forward(model, params, fake_batch, keep_prefix=True)
     keys, values = teacher._prefix_keys_values(model, params, prefix, fake_batch)
     t = n - int(lengths.max())
     block = jnp.stack([tokens[r, lengths[r] : lengths[r] + t] for r in range(b)])

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from tg_jax.models import hidden_states
 from tg_jax.models.decode import forward_from_prefix
 from tg_jax.models.layers import RMSNorm, rope
+from tg_jax.models.moe import load_balancing_loss
 from tg_jax.rl.batch import Batch
 
 
@@ -47,22 +48,28 @@ def _capture(module: nn.Module, method: str) -> bool:
 
 
 def student_forward(
-    model: nn.Module, params: Any, batch: Batch, *, keep_prefix: bool
-) -> tuple[jax.Array, StudentPrefix | None]:
-    """Student final hidden states [B, T, D], and with keep_prefix the `StudentPrefix`."""
+    model: nn.Module, params: Any, batch: Batch, *, keep_prefix: bool, router_loss: bool = False
+) -> tuple[jax.Array, StudentPrefix | None, jax.Array | None]:
+    """Student final hidden states [B, T, D]; with keep_prefix the `StudentPrefix`; with
+    router_loss (MoE) the load-balancing loss of this forward (`moe.load_balancing_loss`:
+    router_aux_loss_coef x HF's Switch-style loss, from the routers' sown loads)."""
     tokens, positions, segments = batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT
-    if not keep_prefix:
-        return hidden_states(model, params, tokens, positions, segments), None
+    if not keep_prefix and not router_loss:
+        return hidden_states(model, params, tokens, positions, segments), None, None
     hidden_BxTxD, state = model.apply(
         {"params": params}, tokens, positions, segments, True,
-        capture_intermediates=_capture, mutable=["intermediates"],
+        capture_intermediates=_capture if keep_prefix else False, mutable=["intermediates"],
     )  # fmt: skip
-    layers = state["intermediates"]["layers"]
-    prefix = StudentPrefix(
-        attn_in_LxBxTxD=layers["attn_norm"]["__call__"][0],
-        k_normed_LxBxTxKxH=layers["attn"]["k_norm"]["__call__"][0],
-    )
-    return hidden_BxTxD, prefix
+    prefix = aux = None
+    if keep_prefix:
+        layers = state["intermediates"]["layers"]
+        prefix = StudentPrefix(
+            attn_in_LxBxTxD=layers["attn_norm"]["__call__"][0],
+            k_normed_LxBxTxKxH=layers["attn"]["k_norm"]["__call__"][0],
+        )
+    if router_loss:
+        aux = load_balancing_loss(state["intermediates"], model.config)
+    return hidden_BxTxD, prefix, aux
 
 
 def _prefix_keys_values(

@@ -151,22 +151,26 @@ def token_stats(
     rl_cfg: RLConfig,
     tg_cfg: TGConfig,
     teacher_hidden_BxTxD: jax.Array | None = None,
-) -> TokenStats:
-    """Student forward (+ the teacher's when TG is on) -> log-probs, entropy, D per token.
+) -> tuple[TokenStats, jax.Array]:
+    """Student forward (+ the teacher's when TG is on) -> log-probs, entropy, D per token, and
+    the MoE router load-balancing loss (0 unless the model sets router_aux_loss_coef).
 
     The teacher is the same params under stop_gradient on the hinted teacher tokens
     (`tg_jax.rl.teacher`: compact rows continue the student's prefix keys and values),
     gathered to student positions (`gather_teacher`); `teacher_hidden_BxTxD` replaces it.
     """
     run_teacher = tg_cfg.enabled and teacher_hidden_BxTxD is None
-    hidden_BxTxD, prefix = student_forward(
-        model, params, batch, keep_prefix=run_teacher and batch.teacher_compact
-    )
+    cfg = model.config
+    with_router = bool(cfg.is_moe and cfg.router_aux_loss_coef > 0)
+    hidden_BxTxD, prefix, router = student_forward(
+        model, params, batch, keep_prefix=run_teacher and batch.teacher_compact,
+        router_loss=with_router,
+    )  # fmt: skip
     if run_teacher:
         # The teacher forward sees stop-gradiented params (and prefix): no backward pass.
         teacher_BtxTtxD = teacher_rows_hidden(model, params, batch, prefix)
         teacher_hidden_BxTxD = gather_teacher(teacher_BtxTtxD, batch)
-    return chunked_token_stats(
+    stats = chunked_token_stats(
         hidden_BxTxD,
         batch.targets_BxT,
         _unembed_fn(model, params, rl_cfg.temperature),
@@ -177,6 +181,7 @@ def token_stats(
         estimator=tg_cfg.estimator,
         top_k=tg_cfg.top_k,
     )
+    return stats, router if router is not None else jnp.zeros((), jnp.float32)
 
 
 def policy_term(
@@ -362,7 +367,7 @@ def loss_fn(
     if norms is None:
         norms = normalizers(batch, tg_cfg)
     share = shares(batch, norms, rl_cfg)
-    stats = token_stats(
+    stats, router = token_stats(
         params, batch, model=model, rl_cfg=rl_cfg, tg_cfg=tg_cfg,
         teacher_hidden_BxTxD=teacher_hidden_BxTxD,
     )  # fmt: skip
@@ -373,9 +378,12 @@ def loss_fn(
         stats.logprob_BxT, batch, model=model, ref_params=ref_params, rl_cfg=rl_cfg,
         tg_cfg=tg_cfg, share=share,
     )  # fmt: skip
-    loss = policy + tg.loss + reference
+    # The router loss is a mean over this batch's tokens: weighted like the other token means.
+    router = router * share.tokens
+    loss = policy + tg.loss + reference + router
 
-    return loss, loss_metrics(loss, policy, pm, tg, ref_kl, stats, batch, norms, share)
+    sums, maxes = loss_metrics(loss, policy, pm, tg, ref_kl, stats, batch, norms, share)
+    return loss, ({**sums, "router_aux_loss": jax.lax.stop_gradient(router)}, maxes)
 
 
 def batch_advantages(
