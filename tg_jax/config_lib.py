@@ -153,6 +153,7 @@ def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.include_thinking = False  # also distil the <think> tokens of the selected turns
     c.teacher_mode = "per_trajectory"  # per_trajectory (hints before every failed turn) | per_turn
     c.max_teacher_rows = 64  # per_turn: teacher rows per batch (static), extra turns dropped
+    c.mask_hint_copies = False  # drop from the TG KL the tokens that copy the hint (rl/hint_copies)
     c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
     c.schedule = ml_collections.ConfigDict()
     c.schedule.kind = "constant"  # lambda_tg schedule: constant | linear_warmup | cosine

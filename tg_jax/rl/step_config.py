@@ -178,6 +178,9 @@ class TGConfig:
     """per_trajectory (hints before every failed turn) | per_turn (read by batch building)."""
     max_teacher_rows: int = 64
     """per_turn: teacher rows per batch (static), extra turns dropped."""
+    mask_hint_copies: bool = False
+    """Leave out of the TG KL the student tokens that copy their turn's hint (read by batch
+    building, tg_jax.rl.hint_copies)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
     schedule: LambdaSchedule = LambdaSchedule()
@@ -213,6 +216,7 @@ class TGConfig:
             include_thinking=bool(v["include_thinking"]),
             teacher_mode=str(v["teacher_mode"]),
             max_teacher_rows=int(v["max_teacher_rows"]),
+            mask_hint_copies=bool(v.get("mask_hint_copies", False)),
             chunk_size=int(v["chunk_size"]),
             schedule=LambdaSchedule.from_config(v["schedule"]),
         )
