@@ -26,7 +26,10 @@ version samples which batch depends on timing.
 Costs per run (rl_summary.json and the metrics under `cost/`, `sys/`): wall time (summed over
 sessions; time after the last checkpoint of a killed session is lost), sampled tokens,
 teacher forward FLOPs = ModelConfig.flops_per_token(T_t) x real (non-padding) teacher tokens,
-and peak memory (device `peak_bytes_in_use` where the backend reports it, else host max RSS).
+distilled tokens (the student tokens under the TG KL mask: the budget the thinking-token
+control pair is compared at), and the run's own peak memory (`tg_jax.train.memory.PeakMemory`:
+device memory where the backend reports it, else host RSS, measured from the session's first
+step, the max over sessions; not the process's lifetime peak, which grows across arms).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
+from tg_jax.rl import tg_loss
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
@@ -58,6 +62,7 @@ from tg_jax.sampling import rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import rl_rollouts
+from tg_jax.train.memory import PeakMemory
 
 CHECKPOINT_DIR = "checkpoints"
 SUMMARY_FILE = RL_SUMMARY_FILE
@@ -100,6 +105,7 @@ class _Costs:
     sampled_tokens: int = 0
     teacher_tokens: int = 0
     teacher_forward_flops: float = 0.0
+    distilled_tokens: int = 0
     peak_memory_bytes: int = 0
     peak_memory_source: str = ""
     dropped_groups: int = 0
@@ -117,11 +123,14 @@ class _Session:
     wall0: float  # wall time of the earlier sessions
     dropped0: int  # groups the earlier sessions dropped
     started: float = 0.0  # time.time() when its first step began
+    peak0: int = 0  # peak memory of the earlier sessions
+    memory: PeakMemory | None = None  # this session's, from its first step
 
     def stamp(self) -> dict[str, Any]:
         """Costs so far, with the wall time and peak memory of now."""
         self.costs.wall_time_s = self.wall0 + time.time() - self.started
-        self.costs.peak_memory_bytes, self.costs.peak_memory_source = peak_memory_bytes()
+        peak, source = self.memory.peak() if self.memory is not None else peak_memory_bytes()
+        self.costs.peak_memory_bytes, self.costs.peak_memory_source = max(peak, self.peak0), source
         return self.costs.as_dict()
 
 
@@ -208,7 +217,10 @@ def _resume(
     _check_resume(restored.metadata, arm_name, seed, ckpt.directory)
     costs = _Costs(**restored.metadata.get("costs", {}))
     logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, restored.step)
-    session = _Session(restored.step, costs, costs.wall_time_s, costs.dropped_groups)
+    session = _Session(
+        restored.step, costs, costs.wall_time_s, costs.dropped_groups,
+        peak0=costs.peak_memory_bytes,
+    )  # fmt: skip
     return restored.state, session, restored.metadata["data"]
 
 
@@ -282,6 +294,16 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
     )  # fmt: skip
 
 
+def distilled_tokens(tg: Any, batch: Batch) -> int:
+    """Student tokens under the TG KL mask of `batch` (`tg_loss.tg_mask`, host arrays)."""
+    mask = tg_loss.tg_mask(
+        np.asarray(batch.distill_mask_BxT), np.asarray(batch.thinking_mask_BxT),
+        np.asarray(batch.failed_turn_mask_BxT), np.asarray(batch.loss_mask_BxT),
+        include_thinking=bool(tg.include_thinking), gate=str(tg.gate),
+    )  # fmt: skip
+    return int(np.sum(mask))
+
+
 def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropped: float) -> None:
     costs = session.costs
     costs.sampled_tokens += rl_rollouts.sampled_tokens(group.trajectories)
@@ -290,6 +312,7 @@ def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropp
         t_len = int(batch.teacher_tokens_BtxTt.shape[1])
         costs.teacher_tokens += real
         costs.teacher_forward_flops += parts.model_cfg.flops_per_token(t_len) * real
+        costs.distilled_tokens += distilled_tokens(parts.config.tg, batch)
     costs.dropped_groups = session.dropped0 + int(dropped)
 
 
@@ -307,6 +330,7 @@ def _host_metrics(
             "batch_index": float(group.batch_index),
             "cost/sampled_tokens": float(costs.sampled_tokens),
             "cost/teacher_forward_flops": float(costs.teacher_forward_flops),
+            "cost/distilled_tokens": float(costs.distilled_tokens),
             "cost/dropped_groups": float(costs.dropped_groups),
             "time/sample_wait_s": t1 - t0,
             "time/rollout_s": group.seconds,
@@ -444,7 +468,8 @@ def _train(
             ckpt.save(done, state, metadata=meta, force=True)
 
         done, session.started = start, time.time()  # the setup above is not counted
-        with writer, bar:
+        session.memory = PeakMemory()
+        with writer, bar, session.memory:
             if start == 0 and eval_every > 0:
                 _eval(0)
             for step in range(start, end):
