@@ -88,7 +88,7 @@ def test_rollout_metric_and_heldout_value():
     trajs = rollout_groups(
         ScriptedSampler(RENDERER, [clean] * 3), None, RENDERER, _env, tasks[:1],
         rollouts_per_task=1, config=CONFIG, rng=jax.random.key(0), policy_version=0,
-        hint_picker=lambda name: picked,
+        hint_picker=lambda name, group_id: picked,
     )  # fmt: skip
     assert trajs[0].info["hint_leaking_turns"] == 3
     assert trajs[0].info["turn_hint_texts"] == [{"fence": picked, "tool_json": picked}] * 3

@@ -6,14 +6,16 @@ import textwrap
 
 import pytest
 
+from tg_jax.envs import ns_sandbox
 from tg_jax.envs.sandbox import run_python, sandbox_info
 
 
 def _live_processes_of(pid: int) -> list[str]:
-    """Live processes in the process group/session `pid`, or children of this test process."""
+    """Live processes in the process group/session `pid`, or children of this test process
+    (but the namespace backend's launcher server, which outlives runs by design)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == ns_sandbox.server_pid():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
@@ -272,3 +274,18 @@ def test_unaudited_root_primitives_are_removed():
         print([n for n in names if hasattr(os, n)], hasattr(signal, "pidfd_send_signal"))
     """)
     assert res.stdout == "[] False\n"
+
+
+def test_backends_agree_on_an_ordinary_script():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        run_python("print(1)", backend="docker")
+    try:
+        ns_sandbox.check_available()
+    except ns_sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e))
+    code = "import math\nprint(math.isqrt(49))\nopen('x.txt', 'w').write('y')\n"
+    audit, ns = (run_python(code, backend=b) for b in ("audit", "namespace"))
+    assert audit.status == ns.status == "ok" and audit.stdout == ns.stdout == "7\n"
+    assert _live_processes_of(ns.pid) == []
+    res = run_python("import subprocess\nsubprocess.run(['true'])\n", backend="namespace")
+    assert res.status == "error" and "_posixsubprocess is blocked" in res.message

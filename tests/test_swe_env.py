@@ -398,3 +398,32 @@ def test_data_stage_swe_kind_and_coding_unchanged(tmp_path):
     assert isinstance(make_env(coding.env), CodingEnv)
     (task,) = generate_tasks("heldout", 1, families=EASY_FAMILIES)
     assert decode_task(task.to_record()) == task
+
+
+def test_namespace_runner_agrees_with_the_light_runner_on_held_out_tasks(heldout, tmp_path):
+    """The real pytest in the kernel sandbox: the same outcomes as the light runner on the
+    buggy repositories, the expert's episode earns the same rewards, and a test with a
+    fixture and a subprocess (which the light runner cannot run) passes."""
+    from tg_jax.envs.swe.runner import NamespaceRunner
+
+    ns, light = NamespaceRunner(), SandboxRunner()
+    for task in heldout[:3]:
+        d = tmp_path / task.task_id
+        for path, text in task.files.items():
+            (d / path).parent.mkdir(parents=True, exist_ok=True)
+            (d / path).write_text(text)
+        a, b = ns(str(d), task.test_command, 20.0), light(str(d), task.test_command, 20.0)
+        assert a.status == b.status == "ok", (a.output[-500:], b.output[-500:])
+        assert a.outcomes == b.outcomes and set(a.outcomes.values()) != {"passed"}  # the bug
+        rewards = [play(SweEnv(SweEnvConfig(runner=r)), task, expert_turns(task)).rewards
+                   for r in ("namespace", "sandbox")]  # fmt: skip
+        assert rewards[0] == rewards[1] and rewards[0]["task"] == 1.0
+    d = tmp_path / "fixture"
+    (d / "tests").mkdir(parents=True)
+    (d / "tests" / "test_fx.py").write_text(
+        "import subprocess, sys\n\nimport pytest\n\n\n@pytest.fixture\ndef two():\n"
+        "    return 2\n\n\ndef test_fx(two):\n    out = subprocess.run([sys.executable, '-c', "
+        "'print(2)'], capture_output=True, text=True).stdout\n    assert int(out) == two\n"
+    )
+    res = ns(str(d), "pytest -rA tests/test_fx.py", 20.0)
+    assert res.outcomes == {"tests/test_fx.py::test_fx": "passed"}, res.output[-800:]

@@ -211,6 +211,12 @@ def env_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.timeout_s = 1.0  # sandbox wall-clock limit per tool call
     c.cpu_s = 1  # sandbox CPU-seconds limit per tool call
     c.memory_mb = 256  # sandbox address-space limit per tool call
+    # Sandbox of the tool calls: namespace (kernel namespaces, unprivileged uid, the audit hook
+    # inside) | audit (the audit hook alone; as root, the child runs as root here). One call,
+    # interleaved A/B on the 2-core VM at load 7-9: namespace 41-72 vs audit 29-40 ms median,
+    # 22-32 vs 17-26 ms best; ~+6 ms best case is ~+1 min on the demo's ~8000 calls (10.3 min
+    # measured idle), the loaded medians' +12-32 ms would be +2-4 min: inside 15 minutes.
+    c.sandbox = "namespace"
     c.update(overrides)
     return c
 
@@ -228,7 +234,10 @@ def swe_env_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.task_reward = "all_pass"  # all_pass (1 iff every target hidden test passes) | fraction
     c.requirement_reward = "fraction"  # fraction of applicable turns meeting it | all
     c.requirement_weight = 1.0  # weight of each requirement reward in the weighted total
-    c.runner = "sandbox"  # test runner (tg_jax.envs.swe.runner.RUNNERS)
+    # Test runner (tg_jax.envs.swe.runner.RUNNERS): "sandbox" = a light pytest-compatible runner
+    # in the audit-hook sandbox (no fixtures, no subprocesses); "namespace" = the real pytest in
+    # the kernel-enforced sandbox (imported tasks that need fixtures or spawn processes).
+    c.runner = "sandbox"
     c.timeout_s = 10.0  # wall-clock limit of one test run
     c.cpu_s = 5  # CPU-seconds limit of one test run
     c.memory_mb = 512  # address-space limit of one test run

@@ -35,6 +35,7 @@ GOALS = {
     "rl/tg_over_grpo": "<= 1.35",
     "kl/chunked_over_naive": "<= 0.10 at T=8192",
     "overlap/async_over_max": "<= 1.15",
+    "sandbox/namespace/light/w2/runs_per_s": ">= 10",
 }
 _TUNABLES, _HUGETLB = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"
 _SKIP = ("/load", "/hf_load", "/batch", "/seq_len", "/prompt_len", "/new_tokens", "/length",
@@ -92,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workdir", default=None, help="a finished main-job workdir (e2e)")
     parser.add_argument("--config", default=suites.DEFAULT_CONFIG, help="the run config file")
     parser.add_argument(
-        "--sections", default="", help="comma-separated subset: sampler,train,rl,kl,overlap,e2e"
+        "--sections",
+        default="",
+        help="comma-separated subset: sampler,train,rl,kl,overlap,sandbox,e2e",
     )
     parser.add_argument(
         "--no_hugepages", action="store_true", help="do not set glibc.malloc.hugetlb=1"

@@ -25,6 +25,7 @@ import ml_collections
 
 from tg_jax import config_lib
 from tg_jax.bench import e2e, hf_reference, measure, overlap, throughput
+from tg_jax.bench import sandbox as sandbox_bench
 from tg_jax.models import ModelConfig
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "default.py")
@@ -379,7 +380,7 @@ def run_suite(
 ) -> dict[str, Any]:
     """Runs the suite's sections; returns {"suite", "machine", "sections", "figures"}."""
     config = run_config(suite, config_path)
-    wanted = sections or ("peak", "sampler", "train", "rl", "kl", "overlap", "e2e")
+    wanted = sections or ("peak", "sampler", "train", "rl", "kl", "overlap", "sandbox", "e2e")
     machine = {
         "cpus": measure.cpu_count(),
         "platform": jax.devices()[0].platform,
@@ -399,6 +400,9 @@ def run_suite(
         "rl": lambda: rl_section(suite, config),
         "kl": lambda: kl_section(suite),
         "overlap": lambda: overlap_section(suite, config),
+        "sandbox": lambda: sandbox_bench.sandbox_bench(
+            **({"n": 6, "n_pytest": 3} if suite.tiny_models else {})
+        ),
         "e2e": lambda: e2e.read_workdir(workdir) or {"status": "not measured"},
     }
     seconds = {}

@@ -21,9 +21,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tg_jax.envs import ns_sandbox
 from tg_jax.envs.base import REQUIREMENT_REWARD_MODES, Environment, EpisodeSummary, StepResult
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
-from tg_jax.envs.sandbox import run_python
+from tg_jax.envs.sandbox import BACKENDS, run_python
 from tg_jax.envs.tasks import Task
 
 TASK_REWARD_MODES = ("all_pass", "fraction")
@@ -97,13 +98,21 @@ class ExecOutcome:
 
 
 def run_candidate(
-    code: str, xs: Sequence[int], *, timeout_s: float = 1.0, cpu_s: int = 1, memory_mb: int = 256
+    code: str,
+    xs: Sequence[int],
+    *,
+    timeout_s: float = 1.0,
+    cpu_s: int = 1,
+    memory_mb: int = 256,
+    sandbox: str = "audit",
 ) -> ExecOutcome:
-    """Runs `code` and evaluates f on `xs` in one sandboxed subprocess."""
+    """Runs `code` and evaluates f on `xs` in one sandboxed subprocess (`sandbox`: the
+    tg_jax.envs.sandbox backend, "audit" or "namespace")."""
     script = f"{_HARNESS_LIB}\nSRC = {code!r}\nXS = {list(xs)!r}\n{_HARNESS_RUN}"
     res = run_python(
-        script, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_bytes=4096
-    )
+        script, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_bytes=4096,
+        backend=sandbox,
+    )  # fmt: skip
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(_MARK)]
     if res.status == "ok" and lines:
         try:
@@ -171,6 +180,8 @@ class CodingEnvConfig:
       executor: "sandbox" (subprocess, for model outputs) or "trusted" (in-process, only for
         code written by this package, e.g. expert transcripts; same observations).
       timeout_s, cpu_s, memory_mb: sandbox limits per tool call.
+      sandbox: "audit" (a subprocess under the audit hook) or "namespace" (the same inside
+        kernel namespaces, tg_jax.envs.ns_sandbox); see tg_jax.envs.sandbox.run_python.
     """
 
     requirements: tuple[str, ...] = REQUIREMENT_NAMES
@@ -182,6 +193,7 @@ class CodingEnvConfig:
     timeout_s: float = 1.0
     cpu_s: int = 1
     memory_mb: int = 256
+    sandbox: str = "audit"
 
     def __post_init__(self):
         if not set(self.requirements) <= set(REQUIREMENT_NAMES):
@@ -194,6 +206,8 @@ class CodingEnvConfig:
             raise ValueError(f"requirement_reward must be one of {REQUIREMENT_REWARD_MODES}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}")
+        if self.sandbox not in BACKENDS:
+            raise ValueError(f"sandbox must be one of {BACKENDS}")
 
 
 class CodingEnv(Environment):
@@ -208,9 +222,16 @@ class CodingEnv(Environment):
         if config.executor == "trusted":
             self._execute = run_trusted
         else:
+            if config.sandbox == "namespace":  # fail here, not at the first tool call
+                try:
+                    ns_sandbox.check_available()
+                except ns_sandbox.SandboxUnavailable as e:
+                    hint = "; env.sandbox='audit' runs the tool calls under the audit hook alone"
+                    raise ns_sandbox.SandboxUnavailable(f"{e}{hint}") from e
             self._execute = lambda code, xs: run_candidate(
-                code, xs, timeout_s=config.timeout_s, cpu_s=config.cpu_s, memory_mb=config.memory_mb
-            )
+                code, xs, timeout_s=config.timeout_s, cpu_s=config.cpu_s,
+                memory_mb=config.memory_mb, sandbox=config.sandbox,
+            )  # fmt: skip
         self._task: Task | None = None
         self._done = True
 

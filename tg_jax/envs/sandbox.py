@@ -33,7 +33,8 @@ through `_imp`, or exploits an interpreter bug). That matters most when the chil
 (no uid drop possible, e.g. the interpreter lives under a 0700 home): then the kernel does not
 enforce RLIMIT_NPROC, and code that escapes the hook could write anywhere or fork and setsid
 to outlive the run. Directory listings outside the working dir are readable. For adversarial
-workloads, run the whole trainer inside a container or VM.
+workloads use `backend="namespace"` (tg_jax.envs.ns_sandbox: the same prelude inside kernel
+namespaces as an unprivileged uid), which is also what `python -m tg_jax.envs.sandbox` runs.
 
 No `preexec_fn` is used: it is unsafe in a threaded parent (JAX runs many threads), so limits
 are set by a trusted prelude in the child before any user code runs.
@@ -53,7 +54,8 @@ import tempfile
 import time
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
-_MEMORY_RC = 90  # exit code the prelude uses for an uncaught MemoryError
+BACKENDS = ("audit", "namespace")
+MEMORY_RC = 90  # exit code the prelude uses for an uncaught MemoryError
 _NOBODY = 65534
 _READ_CHUNK = 65536
 
@@ -323,6 +325,7 @@ def run_python(
     isolate_network: bool = True,
     drop_privileges: bool = True,
     audit: bool = True,
+    backend: str = "audit",
 ) -> SandboxResult:
     """Runs `code` as a script in a sandboxed interpreter and returns what happened.
 
@@ -337,10 +340,24 @@ def run_python(
       isolate_network: also run in a fresh network namespace when `unshare` allows it.
       drop_privileges: when running as root, run the child as uid 65534 if that works here.
       audit: install the audit hook (only tests of the OS-level backstops turn it off).
+      backend: "audit" (this module: a subprocess under the audit hook) or "namespace"
+        (tg_jax.envs.ns_sandbox: the same hook inside kernel namespaces; isolate_network and
+        drop_privileges are implied there).
 
     Returns:
-      A SandboxResult; this function never raises for anything the code does.
+      A SandboxResult; this function never raises for anything the code does (the
+      namespace backend raises SandboxUnavailable where it cannot be set up).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "namespace":
+        from tg_jax.envs import ns_sandbox  # noqa: PLC0415 - it imports this module
+
+        return ns_sandbox.run_python(
+            code, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
+            max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
+            max_open_files=max_open_files, audit=audit,
+        )  # fmt: skip
     lau = _launcher(isolate_network, drop_privileges)
     return _run(
         code, lau, timeout_s, cpu_s, memory_mb, max_output_bytes, max_file_mb, max_open_files, audit
@@ -365,21 +382,28 @@ def _run(
         if lau.drop_uid:
             os.chown(workdir, _NOBODY, _NOBODY)
             os.chown(os.path.join(workdir, "main.py"), _NOBODY, _NOBODY)
-        params = (
-            workdir,
-            max(1, int(cpu_s)),
-            int(memory_mb) << 20,
-            int(max_file_mb) << 20,
-            int(max_open_files),
-            _BLOCKED_IMPORTS,
-            audit,
-        )
-        prelude = _PRELUDE.replace("PARAMS", repr(params)).replace("MEMORY_RC", str(_MEMORY_RC))
-        argv = [*lau.prefix, sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", prelude]
+        code = prelude(workdir, cpu_s, memory_mb, max_file_mb, max_open_files, audit)
+        argv = [*lau.prefix, sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", code]
         extra = dict(user=_NOBODY, group=_NOBODY, extra_groups=[]) if lau.popen_user else {}
         return _supervise(argv, workdir, extra, timeout_s, cpu_s, memory_mb, max_output_bytes)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def prelude(
+    root: str, cpu_s: int, memory_mb: int, max_file_mb: int, max_open_files: int, audit: bool
+) -> str:
+    """The `-c` program that sets the limits, installs the audit hook and runs root/main.py."""
+    params = (
+        root,
+        max(1, int(cpu_s)),
+        int(memory_mb) << 20,
+        int(max_file_mb) << 20,
+        int(max_open_files),
+        _BLOCKED_IMPORTS,
+        audit,
+    )
+    return _PRELUDE.replace("PARAMS", repr(params)).replace("MEMORY_RC", str(MEMORY_RC))
 
 
 def _kill_group(pgid: int) -> None:
@@ -495,7 +519,7 @@ def _supervise(
         status, msg = "timeout", f"timeout: wall-clock limit {timeout_s:g} s exceeded"
     elif rc == -signal.SIGXCPU:
         status, msg = "timeout", f"timeout: CPU time limit {cpu_s} s exceeded"
-    elif rc == _MEMORY_RC:
+    elif rc == MEMORY_RC:
         status, msg = "memory", f"memory: memory limit {memory_mb} MB exceeded"
     elif rc is not None and rc < 0:
         try:
@@ -509,3 +533,10 @@ def _supervise(
         last = [ln for ln in stderr.splitlines() if ln.strip()]
         status, msg = "error", "error: " + (last[-1].strip() if last else f"exit status {rc}")
     return SandboxResult(status, stdout, stderr, rc, wall, msg, proc.pid)
+
+
+if __name__ == "__main__":
+    # The CLI of the namespace sandbox: python -m tg_jax.envs.sandbox --repo DIR -- CMD ...
+    from tg_jax.envs import ns_sandbox
+
+    sys.exit(ns_sandbox.main())

@@ -14,6 +14,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -127,14 +128,24 @@ def create_train_state(
     init_rng, state_rng = jax.random.split(rng)
     if params is None:
         params, _ = sharding.create_sharded_params(model, init_rng, mesh, rules, check=False)
+    elif jax.process_count() > 1:  # arrays on this host's devices cannot enter a global jit
+        params = jax.tree.map(
+            lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x,
+            params,
+        )
     # Fresh buffers, never aliases of the caller's params (device_put may reuse a shard when
     # resharding): the step donates the state, which must not delete the caller's arrays.
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(params)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     replicated = NamedSharding(mesh, PartitionSpec())
+    # From host data: device_put cannot reach other hosts' devices.
+    rng_data = np.asarray(jax.random.key_data(state_rng))
     return TrainState(
         params=params,
         opt_state=opt_state,
-        step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-        rng=jax.device_put(state_rng, replicated),
+        step=jax.make_array_from_process_local_data(replicated, np.zeros((), np.int32), ()),
+        rng=jax.random.wrap_key_data(
+            jax.make_array_from_process_local_data(replicated, rng_data, rng_data.shape),
+            impl=jax.random.key_impl(state_rng),
+        ),
     )

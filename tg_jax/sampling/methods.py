@@ -141,11 +141,24 @@ def step_uniforms(rng: Array, batch: int, steps: int) -> Array:
     return jax.vmap(lambda k: uniforms(k, batch))(keys).T
 
 
+def row_uniforms(rng: Array, row_ids_B: Array, steps: int) -> Array:
+    """[B, R] uniform numbers: entry (b, i) is `uniforms(fold_in(fold_in(rng, row_ids_B[b]),
+    i), 1)`, so a row's draws depend only on its id, not on its position or the batch."""
+
+    def row(row_id):
+        key = jax.random.fold_in(rng, row_id)
+        cols = jnp.arange(steps, dtype=jnp.int32)
+        return jax.vmap(lambda i: uniforms(jax.random.fold_in(key, i), 1)[0])(cols)
+
+    return jax.vmap(row)(row_ids_B)
+
+
 __all__ = [
     "blocked_cumsum",
     "draw_with_uniforms",
     "filter_logits",
     "first_argmax",
+    "row_uniforms",
     "step_uniforms",
     "uniforms",
 ]

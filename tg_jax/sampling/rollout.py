@@ -109,6 +109,7 @@ class Episode:
     termination: str = ""
     truncated_turns: int = 0
     step_infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    stream_id: int = 0  # its random stream (play_episodes' stream_ids)
     texts: list[str] = dataclasses.field(default_factory=list)  # per turn, as sent to the env
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
@@ -138,6 +139,26 @@ def _termination(env: Environment) -> str:
     return "max_turns" if env.summary().end_reason == "max_turns" else "done"
 
 
+def _start_episodes(
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    group_ids: Sequence[int] | None,
+    stream_ids: Sequence[int] | None,
+) -> list[Episode]:
+    """One fresh episode per task: a new environment, the rendered user prompt."""
+    episodes = []
+    for i, task in enumerate(tasks):
+        env = env_factory()
+        ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
+        gid = i if group_ids is None else int(group_ids[i])
+        ep = Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
+        ep.stream_id = i if stream_ids is None else int(stream_ids[i])
+        ep.turn_ids, ep.logprobs = [-1] * len(ids), [0.0] * len(ids)
+        episodes.append(ep)
+    return episodes
+
+
 def play_episodes(
     sampler: Sampler,
     params: Any,
@@ -149,6 +170,7 @@ def play_episodes(
     rng: jax.Array,
     group_ids: Sequence[int] | None = None,
     hint_before_every_turn: bool = False,
+    stream_ids: Sequence[int] | None = None,
 ) -> list[Episode]:
     """Plays one episode per entry of `tasks`, all live episodes batched turn by turn.
 
@@ -163,19 +185,15 @@ def play_episodes(
       group_ids: per episode; default 0..len(tasks)-1.
       hint_before_every_turn: insert a hint message for every requirement right before every
         assistant turn (the "hinted" evaluation; its tokens are in `tokens` with Role.HINT).
+      stream_ids: per episode, the id of its random stream (`Sampler.sample`'s row_ids): its
+        turns then sample the same whichever other episodes share the batch (e.g. on another
+        host). None: by position among the live episodes.
     Returns:
       The finished episodes, in the order of `tasks`.
     """
     header = renderer.assistant_header()
     im_end = renderer.end_of_turn_ids[0]
-    episodes: list[Episode] = []
-    for i, task in enumerate(tasks):
-        env = env_factory()
-        ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
-        gid = i if group_ids is None else int(group_ids[i])
-        ep = Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
-        ep.turn_ids, ep.logprobs = [-1] * len(ids), [0.0] * len(ids)
-        episodes.append(ep)
+    episodes = _start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     hint_ids: list[int] = []
     if hint_before_every_turn and episodes:
         every = [r.name for r in episodes[0].env.requirements]
@@ -211,6 +229,7 @@ def play_episodes(
                 top_k=config.top_k,
                 top_p=config.top_p,
                 rng=jax.random.fold_in(rng, turn),
+                row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
             )
             texts = []
             for k, ep in enumerate(live):
@@ -268,11 +287,14 @@ def hint_leaking_turns(ep: Episode, turn_hints: Sequence[Sequence[str]] | None =
 
 
 def _picked_hints(
-    ep: Episode, renderer: ChatRenderer, picker: Callable[[str], str], cache: dict[str, list[int]]
+    ep: Episode,
+    renderer: ChatRenderer,
+    picker: Callable[[str, int], str],
+    cache: dict[str, list[int]],
 ) -> tuple[list[dict[str, list[int]]], list[dict[str, str]]]:
-    """(per turn {name: hint message tokens}, per turn {name: text}): one pick per judged
-    requirement of every turn (`pick_turn_hints`)."""
-    texts = pick_turn_hints(ep.verdicts, picker)
+    """(per turn {name: hint message tokens}, per turn {name: text}): one pick
+    `picker(name, ep.group_id)` per judged requirement of every turn (`pick_turn_hints`)."""
+    texts = pick_turn_hints(ep.verdicts, lambda name: picker(name, ep.group_id))
     for t in {t for turn in texts for t in turn.values()} - set(cache):
         cache[t] = renderer.render_message(hint_message(t))
     return [{n: cache[t] for n, t in turn.items()} for turn in texts], texts
@@ -327,7 +349,7 @@ def rollout_groups(
     rng: jax.Array,
     policy_version: int,
     first_group_id: int = 0,
-    hint_picker: Callable[[str], str] | None = None,
+    hint_picker: Callable[[str, int], str] | None = None,
 ) -> list[Trajectory]:
     """G rollouts of each of N tasks (GRPO groups), as Trajectory records.
 
@@ -335,21 +357,27 @@ def rollout_groups(
       tasks: the N tasks; task n's rollouts get group id `first_group_id + n`.
       rollouts_per_task: G.
       policy_version: version of `params`, recorded in every trajectory.
-      hint_picker: requirement name -> hint text for the teacher (e.g. imperfect feedback via
-        tg_jax.envs.hints.pick_hint); default: the environment's own hint. Called once per
-        assistant turn and requirement judged on it (`pick_turn_hints`), episode by episode;
-        the texts are recorded per turn in info["turn_hint_texts"] and the tokens in
+      hint_picker: (requirement name, group id) -> hint text for the teacher (e.g. imperfect
+        feedback via tg_jax.envs.hints.pick_hint); default: the environment's own hint. Called
+        once per assistant turn and requirement judged on it (`pick_turn_hints`), episode by
+        episode; the texts are recorded per turn in info["turn_hint_texts"] and the tokens in
         `Trajectory.turn_hint_tokens`. info["hint_leaking_turns"]: turns that reproduce a
         hint n-gram (`hint_leaking_turns`).
       (others: see `play_episodes`.)
     Returns:
-      N * G trajectories, grouped task by task.
+      N * G trajectories, grouped task by task. Rollout g of group id k samples from its own
+      stream k * G + g (`play_episodes`' stream_ids): what a group samples does not depend on
+      the other groups of the call, so hosts that each roll out a share of a batch's groups
+      sample what one host sampling them all would.
     """
-    flat = [t for t in tasks for _ in range(rollouts_per_task)]
-    gids = [first_group_id + n for n in range(len(tasks)) for _ in range(rollouts_per_task)]
+    g = rollouts_per_task
+    flat = [t for t in tasks for _ in range(g)]
+    gids = [first_group_id + n for n in range(len(tasks)) for _ in range(g)]
+    streams = [k * g + r % g for r, k in enumerate(gids)]
     episodes = play_episodes(
-        sampler, params, renderer, env_factory, flat, config=config, rng=rng, group_ids=gids
-    )
+        sampler, params, renderer, env_factory, flat, config=config, rng=rng, group_ids=gids,
+        stream_ids=streams,
+    )  # fmt: skip
     out = []
     default_hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
     cache: dict[str, list[int]] = {}

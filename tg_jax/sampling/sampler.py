@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tg_jax.models import Transformer, decode, forward
-from tg_jax.sampling.methods import draw_with_uniforms, step_uniforms
+from tg_jax.sampling.methods import draw_with_uniforms, row_uniforms, step_uniforms
 
 Array = jax.Array
 
@@ -265,14 +265,21 @@ class Sampler:
         segment_ends(1, segment)  # validates it
         self.segment = int(segment)
         self.num_traces = 0
-        self._jitted = jax.jit(self._traced, static_argnames=("max_new_bucket", "per_shard"))
+        self._jitted = jax.jit(
+            self._traced, static_argnames=("max_new_bucket", "per_shard", "per_row")
+        )
 
-    def _traced(self, params, *arrays, max_new_bucket: int, per_shard: bool):
-        """`sample_tokens` on the padded arrays (the last one the rng); with `per_shard`, one
-        decode loop per shard of rows (`_row_axes`)."""
+    def _traced(self, params, *arrays, max_new_bucket: int, per_shard: bool, per_row: bool = False):
+        """`sample_tokens` on the padded arrays (the last one the rng; with `per_row`, the one
+        before it the row ids); with `per_shard`, one decode loop per shard of rows
+        (`_row_axes`)."""
         self.num_traces += 1  # Runs only while tracing: counts compilations.
         *rows, rng = arrays
-        u_BxR = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
+        if per_row:
+            *rows, row_ids_B = rows
+            u_BxR = row_uniforms(rng, row_ids_B, max_new_bucket)
+        else:
+            u_BxR = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
         fn = functools.partial(sample_tokens, self.model, pad_id=self.pad_id, segment=self.segment)
         if per_shard:
             spec = jax.P(self._row_axes())
@@ -304,6 +311,7 @@ class Sampler:
         top_k: int | Sequence[int] = 0,
         top_p: float | Sequence[float] = 1.0,
         rng: Array,
+        row_ids: Sequence[int] | None = None,
     ) -> SampleResult:
         """Samples a continuation of every prompt.
 
@@ -314,6 +322,10 @@ class Sampler:
           stop_ids: one list shared by every row, or one list per row.
           temperature, top_k, top_p: per row or shared (module docstring).
           rng: PRNG key.
+          row_ids: per row, an int32 id of its random stream: row b's draws then depend only
+            on (rng, row_ids[b]) (`row_uniforms`), not on its position or the batch size, so
+            a row samples the same in any batch (e.g. on whichever host samples it). None:
+            draws by position in the batch (`step_uniforms`).
         Returns:
           SampleResult with B rows.
         """
@@ -355,7 +367,12 @@ class Sampler:
             pad_rows(_per_row(top_k, n_rows, np.int32), 0),
             pad_rows(_per_row(top_p, n_rows, np.float32), 1.0),
         )
-        out = self._run(params, args, rng, n)
+        if row_ids is not None:
+            ids = np.asarray(row_ids, np.int32)
+            if ids.shape != (n_rows,):
+                raise ValueError(f"row_ids has shape {ids.shape}, expected ({n_rows},)")
+            args += (pad_rows(ids, 0),)
+        out = self._run(params, args, rng, n, per_row=row_ids is not None)
         out = jax.device_get(out)
         ln = out.lengths_B
         return SampleResult(
@@ -365,9 +382,10 @@ class Sampler:
             stopped=np.asarray(out.stopped_B[:n_rows]),
         )
 
-    def _run(self, params, args, rng, n: int) -> SampleOutput:
+    def _run(self, params, args, rng, n: int, per_row: bool = False) -> SampleOutput:
+        static = {"max_new_bucket": n, "per_row": per_row}
         if self.mesh is None:
-            return self._jitted(params, *args, rng, max_new_bucket=n, per_shard=False)
+            return self._jitted(params, *args, rng, per_shard=False, **static)
         from tg_jax import sharding  # noqa: PLC0415 (only the sharded path needs it)
 
         placed = [
@@ -378,9 +396,9 @@ class Sampler:
             for x in jax.tree.leaves(params)
         )
         if replicated and self._row_axes() is not None:
-            return self._jitted(params, *placed, rng, max_new_bucket=n, per_shard=True)
+            return self._jitted(params, *placed, rng, per_shard=True, **static)
         with sharding.activation_sharding(self.mesh, self.rules):
-            return self._jitted(params, *placed, rng, max_new_bucket=n, per_shard=False)
+            return self._jitted(params, *placed, rng, per_shard=False, **static)
 
 
 def sequence_logprobs(

@@ -12,11 +12,13 @@ runs, tests and notebooks are unaffected:
 * TG_JAX_DISTRIBUTED=1 (set by launch/tpu.sh): on Cloud TPU, JAX discovers the coordinator,
   process count and process id from the TPU metadata server, so no arguments are needed.
 * Elsewhere (e.g. a GPU cluster or a test of several local processes) also set
-  TG_JAX_COORDINATOR=host:port, TG_JAX_NUM_PROCESSES and TG_JAX_PROCESS_ID.
+  TG_JAX_COORDINATOR=host:port, TG_JAX_NUM_PROCESSES and TG_JAX_PROCESS_ID. With
+  JAX_PLATFORMS=cpu the processes' collectives go through gloo (tests/test_multihost.py).
 
 After it, `jax.devices()` lists the devices of ALL hosts (the meshes in tg_jax span the whole
-slice) and `jax.local_devices()` those of this host. Only process 0 should write reports;
-checkpoints (orbax) and metrics writers coordinate across processes themselves.
+slice) and `jax.local_devices()` those of this host. Only process 0 writes metrics, summaries,
+reports and exports; every process saves checkpoints (orbax coordinates them). What the
+processes exchange is in tg_jax.multihost.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
         return _initialized
     import jax  # noqa: PLC0415 (imported late so the environment check stays cheap)
 
+    env = os.environ if environ is None else environ
+    if env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        # CPU processes have no collectives of their own; gloo runs them over TCP.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**initialize_kwargs(environ))
     _initialized = True
     print(

@@ -23,6 +23,11 @@ Resuming from the latest checkpoint is automatic. In the deterministic mode
 exactly (tests/test_rl_loop.py); with the sampling thread it cannot, since which policy
 version samples which batch depends on timing.
 
+Several processes (`jax.distributed`, docs/design.md section 5): each rolls out its share of a
+step's groups on its own devices (tg_jax.train.rl_rollouts), all build the same batch from the
+gathered trajectories and place their own rows of it; process 0 writes metrics.jsonl,
+rl_summary.json and exports, every process saves its shards of the checkpoints.
+
 Costs per run (rl_summary.json and the metrics under `cost/`, `sys/`): wall time (summed over
 sessions; time after the last checkpoint of a killed session is lost), sampled tokens,
 teacher forward FLOPs = ModelConfig.flops_per_token(T_t) x real (non-padding) teacher tokens,
@@ -43,11 +48,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tg_jax import checkpointing, paths, sharding
+from tg_jax import checkpointing, multihost, paths, sharding
 from tg_jax.data.pipeline import TaskIterator, to_record
 from tg_jax.envs import decode_task, env_factory
 from tg_jax.evaluation import heldout
@@ -58,7 +64,7 @@ from tg_jax.rl import tg_loss
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
-from tg_jax.sampling import rollout
+from tg_jax.sampling import loop, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import rl_rollouts
@@ -152,6 +158,25 @@ class _Parts:
     sampler: Sampler
     renderer: ChatRenderer
     key: jax.Array  # the run's key: fold_in 0 = state init, 1 = rollout sampling
+    batch_sharding: Any  # of the train batch's leading axis on the trainer's mesh
+    to_sampler: Callable[[Any], Any] | None  # several processes: params -> the sampler's
+
+
+def _sampler(
+    model: Transformer, renderer: ChatRenderer, mesh: Any, rules: Any, divisor: int
+) -> tuple[Sampler, Callable[[Any], Any] | None]:
+    """(rollout sampler, params -> its params or None). One process: on the trainer's mesh.
+    Several: on this process's devices (rows split over them, params replicated), since each
+    process samples its own share of the groups (docs/design.md section 5)."""
+    pad_id = renderer.tokenizer.pad_id
+    if jax.process_count() == 1:
+        sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
+        return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw), None
+    local, local_rules = loop.data_parallel_mesh(jax.local_devices())
+    sampler = Sampler(
+        model, pad_id=pad_id, batch_divisor=local.devices.size, mesh=local, rules=local_rules
+    )
+    return sampler, lambda params: multihost.local_replica(params, mesh, local)
 
 
 def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
@@ -188,13 +213,13 @@ def _build(
     if float(config.rl.kl_coef) > 0:
         ref_params = jax.tree.map(jnp.copy, state.params)  # frozen: the starting policy
     divisor = sharding.batch_divisor(mesh, rules)
-    sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
-    sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id, batch_divisor=divisor, **sampler_kw)
+    sampler, to_sampler = _sampler(model, renderer, mesh, rules, divisor)
     return _Parts(
         config=config, workdir=workdir, arm_name=arm_name, seed=seed, model_cfg=model_cfg,
         divisor=divisor, student_max=student_max, teacher_max=teacher_max, state=state,
         ref_params=ref_params, step_fn=make_train_step(config, model, mesh, rules),
-        sampler=sampler, renderer=renderer, key=key,
+        sampler=sampler, renderer=renderer, key=key, to_sampler=to_sampler,
+        batch_sharding=sharding.data_sharding(mesh, rules, ndim=1),
     )  # fmt: skip
 
 
@@ -242,9 +267,13 @@ def _tasks(
         held = sources["heldout"]
         n = min(int(lc.eval_tasks), len(held))
         eval_tasks = [decode_task(to_record(held[i])) for i in range(n)]
+    multihost.process_slice(int(lc.groups_per_step))  # fails early unless it splits evenly
+    # Every process iterates the same batches (one process's settings, so checkpoints of
+    # either kind resume the other); each rolls out its own share of a batch's groups.
     tasks = TaskIterator(
         sources["train"], group_size=int(lc.groups_per_step),
         seed=int(lc.data_seed) * 100_003 + seed, decode_fn=decode_task,
+        shard=grain.sharding.ShardOptions(0, 1, drop_remainder=True),
     )  # fmt: skip
     if data_state is not None:
         tasks.set_state(data_state)
@@ -266,12 +295,14 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
     )  # fmt: skip
     return rl_rollouts.rollout_source(
         rollout_fn, tasks, first_index=first_index, async_sampling=bool(lc.async_sampling),
-        queue_size=int(lc.queue_size),
+        queue_size=int(lc.queue_size), to_sampler=parts.to_sampler,
     )  # fmt: skip
 
 
 def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str, float]:
-    """Held-out evaluation metrics (stage "eval") of `params`."""
+    """Held-out evaluation metrics (stage "eval") of `params` (every process plays them all)."""
+    if parts.to_sampler is not None:
+        params = parts.to_sampler(params)
     # The rollout sampler (jit is thread-safe): its compiled buckets are reused.
     recs = heldout.evaluate_heldout(
         parts.config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
@@ -354,7 +385,10 @@ def _write_summary(workdir: str, record: dict[str, Any]) -> None:
 
 
 def _summarize(parts: _Parts, session: _Session, done: int) -> None:
-    """Appends this session to rl_summary.json (run costs so far and the session's span)."""
+    """Appends this session to rl_summary.json (run costs so far and the session's span);
+    process 0 writes it."""
+    if not multihost.is_primary():
+        return
     finished = done >= int(parts.config.rl_loop.steps)
     _write_summary(
         parts.workdir,
@@ -450,6 +484,7 @@ def _train(
         bar = ProgressBar(
             num_steps, initial=start, keys=PROGRESS_KEYS,
             desc=f"rl {parts.arm_name}/{parts.seed}", log_every=int(lc.log_every),
+            enabled=multihost.is_primary(),
         )  # fmt: skip
 
         def _eval(step: int) -> None:
@@ -483,7 +518,7 @@ def _train(
                 if preempted or ckpt.should_save(done):
                     _checkpoint(done)
                 if export_every > 0 and done % export_every == 0:
-                    exporter(state.params, os.path.join(parts.workdir, "export", f"step_{done}"))
+                    _export(parts, exporter, state.params, done)
                 if preempted:
                     break
             lagged.flush()
@@ -493,6 +528,14 @@ def _train(
         return RLResult(state, done, done >= num_steps, session.costs.as_dict(), parts.workdir)
     finally:
         source.close()
+
+
+def _export(parts: _Parts, exporter: Callable[[Any, str], None], params: Any, done: int) -> None:
+    """workdir/export/step_<done>, written by process 0 (after all gathered the params)."""
+    if parts.to_sampler is not None:
+        params = parts.to_sampler(params)  # every process: a collective
+    if multihost.is_primary():
+        exporter(params, os.path.join(parts.workdir, "export", f"step_{done}"))
 
 
 def _train_step(
@@ -511,7 +554,9 @@ def _train_step(
     t1 = time.perf_counter()
     batch = _build_batch(parts, group.trajectories)
     t2 = time.perf_counter()
-    args = (state, batch) if parts.ref_params is None else (state, batch, parts.ref_params)
+    # Every process built the same whole batch; each places its own devices' rows.
+    placed = multihost.host_to_global(batch, parts.batch_sharding)
+    args = (state, placed) if parts.ref_params is None else (state, placed, parts.ref_params)
     state, metrics = parts.step_fn(*args)
     source.publish(state.params, done)
     # Waiting here costs only the overlap of the next build_batch with this step (the next

@@ -2,11 +2,20 @@
 
 Every rollout batch has an absolute index i in the train split's task order (the task
 iterator's group index, which survives resumes); the sampling loop hands it to `BatchRollout`
-with the tasks. Everything random about batch i derives from i alone: its sampling key is
-fold_in(sampling_key, i) and its imperfect-feedback picks (one per assistant turn and judged
-requirement, `tg_jax.envs.hints.pick_turn_hints`) come from a generator seeded with
-(run seed, i). So a resumed run samples exactly what an uninterrupted one would, given the
-same params (the deterministic mode relies on it), and both loops sample the same batch alike.
+with the tasks. Everything random about batch i derives from i and the group alone: its
+sampling key is fold_in(sampling_key, i), each rollout draws from its own stream of that key
+(`rollout.rollout_groups`), and the imperfect-feedback picks of group k (one per assistant turn
+and judged requirement, `tg_jax.envs.hints.pick_turn_hints`) come from a generator seeded with
+(run seed, i, k). So a resumed run samples exactly what an uninterrupted one would,
+given the same params (the deterministic mode relies on it), both loops sample the same batch
+alike, and so do several processes that each sample a share of the batch's groups.
+
+Several processes (`jax.distributed`): every process iterates the same task batches;
+`BatchRollout` rolls out this process's contiguous share of each batch's groups
+(`multihost.process_slice`) on its own devices, and `ProcessGather` (what `rollout_source`
+returns then) publishes the params to those devices and hands the trainer the whole batch's
+trajectories, gathered in process order: the same list, in the same order, as one process
+sampling every group.
 
 `rollout_source` picks the loop (one interface: `publish`, `get`, `close`, `stats`):
   * `tg_jax.sampling.loop.InlineLoop` (deterministic mode): `get` samples the next batch in the
@@ -24,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax import multihost
 from tg_jax.envs.base import Environment
 from tg_jax.envs.hints import (
     CORRECT_HINTS,
@@ -35,7 +45,7 @@ from tg_jax.envs.hints import (
 )
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import episode_compliance
-from tg_jax.sampling.loop import InlineLoop, SamplingLoop
+from tg_jax.sampling.loop import InlineLoop, RolloutGroup, SamplingLoop
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ChatRenderer, hint_message
@@ -85,26 +95,65 @@ class BatchRollout:
     def __call__(
         self, params: Any, index: int, tasks: Sequence[Any], version: int
     ) -> list[Trajectory]:
-        picker, kinds = None, []
+        """Rolls out this process's share of batch `index` (all of it with one process)."""
+        picker, kinds, gens = None, [], {}
         if self.rates != FeedbackRates():
-            gen = random.Random(f"feedback-{self.seed}-{index}")
 
-            def picker(name: str) -> str:
-                kind, text = pick_hint(name, gen, self.rates)
+            def picker(name: str, group_id: int | None = None) -> str:
+                if group_id not in gens:
+                    suffix = "" if group_id is None else f"-{group_id}"
+                    gens[group_id] = random.Random(f"feedback-{self.seed}-{index}{suffix}")
+                kind, text = pick_hint(name, gens[group_id], self.rates)
                 kinds.append(kind)
                 return text
 
+        share = multihost.process_slice(len(tasks))
         trajectories = rollout.rollout_groups(
-            self.sampler, params, self.renderer, self.env_factory, tasks,
+            self.sampler, params, self.renderer, self.env_factory, tasks[share],
             rollouts_per_task=self.rollouts_per_group, config=self.config,
             rng=jax.random.fold_in(self.sampling_key, index), policy_version=version,
-            first_group_id=index * len(tasks), hint_picker=picker,
+            first_group_id=index * len(tasks) + share.start, hint_picker=picker,
         )  # fmt: skip
         for t in trajectories:
             t.info["batch_index"] = index
-        if kinds:
+        if kinds and trajectories:
             trajectories[0].info["feedback_kinds"] = kinds
         return trajectories
+
+
+class ProcessGather:
+    """A sampling loop of a multi-process run, as the trainer sees it (the same interface).
+
+    `publish` hands the loop `to_sampler(params)` (global params -> this host's sampler
+    devices; a collective, so it runs in the trainer's thread on every process); `get` gathers
+    every process's group into one (a collective too): trajectories in process order, the
+    oldest policy version and batch index, the longest rollout time.
+    """
+
+    def __init__(self, loop: InlineLoop | SamplingLoop, to_sampler: Callable[[Any], Any]):
+        self._loop, self._to_sampler = loop, to_sampler
+
+    def publish(self, params: Any, version: int) -> None:
+        self._loop.publish(self._to_sampler(params), version)
+
+    def get(self, max_staleness: int, timeout: float | None = None) -> RolloutGroup | None:
+        """Every process's next group, merged; None once any process's tasks ran out."""
+        groups = multihost.allgather_objects(self._loop.get(max_staleness, timeout))
+        if any(g is None for g in groups):
+            return None
+        return RolloutGroup(
+            trajectories=[t for g in groups for t in g.trajectories],
+            policy_version=min(g.policy_version for g in groups),
+            batch_index=min(g.batch_index for g in groups),
+            seconds=max(g.seconds for g in groups),
+            staleness=max(g.staleness for g in groups),
+        )
+
+    def stats(self) -> dict[str, float]:
+        return self._loop.stats()
+
+    def close(self) -> None:
+        self._loop.close()
 
 
 def rollout_source(
@@ -115,22 +164,28 @@ def rollout_source(
     async_sampling: bool,
     queue_size: int = 2,
     devices: Sequence[jax.Device] | None = None,
-) -> InlineLoop | SamplingLoop:
+    to_sampler: Callable[[Any], Any] | None = None,
+) -> InlineLoop | SamplingLoop | ProcessGather:
     """The sampling loop over `task_batches`, whose first batch has index `first_index`.
 
     Args:
       rollout_fn: the batch rollout.
-      task_batches: task batches in the train order, from the iterator's restored position.
+      task_batches: task batches in the train order, from the iterator's restored position
+        (the same batches on every process).
       first_index: that position (the absolute index of the first batch).
       async_sampling: True = `SamplingLoop` (a thread samples ahead), False = `InlineLoop`.
       queue_size, devices: the `SamplingLoop`'s (ignored inline).
+      to_sampler: with several processes, global params -> the sampler's (process-local)
+        params; the loop then comes wrapped in a `ProcessGather`.
     """
     if async_sampling:
-        return SamplingLoop(
+        loop = SamplingLoop(
             rollout_fn, task_batches, first_index=first_index, queue_size=queue_size,
             devices=devices,
         )  # fmt: skip
-    return InlineLoop(rollout_fn, task_batches, first_index=first_index)
+    else:
+        loop = InlineLoop(rollout_fn, task_batches, first_index=first_index)
+    return loop if to_sampler is None else ProcessGather(loop, to_sampler)
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

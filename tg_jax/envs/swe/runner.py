@@ -286,7 +286,36 @@ class SandboxRunner:
         return TestRun("ok", outcomes, output, res.wall_s)
 
 
-RUNNERS: dict[str, Callable[..., Runner]] = {"sandbox": SandboxRunner}
+class NamespaceRunner:
+    """The "namespace" runner: the real pytest (plugin autoload off) over a copy of the
+    repository in the kernel-enforced sandbox (`tg_jax.envs.ns_sandbox`: namespaces, no
+    network, rlimits, wall-clock kill of the PID namespace); subprocesses are allowed, so
+    fixtures, conftest.py and tests that spawn work. Needs pytest in the interpreter."""
+
+    def __init__(self, *, cpu_s: int = 10, memory_mb: int = 1024):
+        from tg_jax.envs import ns_sandbox  # noqa: PLC0415 (Linux namespaces only)
+
+        ns_sandbox.check_available()
+        self._ns, self.cpu_s, self.memory_mb = ns_sandbox, cpu_s, memory_mb
+
+    def __call__(self, repo_dir: str, command: str, timeout_s: float) -> TestRun:
+        args = parse_command(command)
+        if args is None:
+            return TestRun("error", {}, f"error: only pytest commands can run here: {command!r}")
+        limits = self._ns.Limits(timeout_s=timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb)
+        res = self._ns.run_command(
+            ["python", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args],
+            repo=repo_dir, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, limits=limits,
+        )  # fmt: skip
+        outcomes = parse_pytest_summary(res.stdout)
+        if res.status not in ("ok", "error") or not outcomes:  # exit 1 = some tests failed
+            return TestRun(
+                res.status if res.status != "ok" else "error", {}, res.message, res.wall_s
+            )
+        return TestRun("ok", outcomes, res.stdout, res.wall_s)
+
+
+RUNNERS: dict[str, Callable[..., Runner]] = {"sandbox": SandboxRunner, "namespace": NamespaceRunner}
 
 
 def register_runner(name: str, factory: Callable[..., Runner]) -> None:

@@ -1,0 +1,81 @@
+"""One process of tiny RL runs on simulated CPU devices, alone or under `jax.distributed`.
+
+    python -m tests.multihost_driver WORKDIR --devices 8                        # 1 process
+    TG_JAX_DISTRIBUTED=1 TG_JAX_COORDINATOR=localhost:PORT TG_JAX_NUM_PROCESSES=2 \\
+      TG_JAX_PROCESS_ID=i python -m tests.multihost_driver WORKDIR --devices 4  # process i
+
+WORKDIR/det: tests/rl_loop_driver.py's config (configs/tiny.py, TG arm) in the deterministic
+mode for --steps steps (held-out evaluation at steps 0, 2 and the last), exporting the params
+at the last step; process 0 writes det/final_params.npz (every param leaf by path, gathered
+from all processes) when it finishes.
+Then, with --async-steps N > 0, WORKDIR/async: a copy of det resumed from its last checkpoint
+for N more steps with the sampling thread, without evaluation (the same processes, so the
+start-up is paid once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--async-steps", type=int, default=0)
+    args = parser.parse_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+
+    from tg_jax.tpu import distributed
+
+    distributed.initialize_from_env()  # before any other JAX call
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from tests import rl_loop_driver as driver
+    from tg_jax.train import rl
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    if os.environ.get("TG_JAX_COMPILATION_CACHE"):
+        jax.config.update("jax_compilation_cache_dir", os.environ["TG_JAX_COMPILATION_CACHE"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    def exporter(params, out_dir):
+        os.makedirs(out_dir)
+        np.savez(os.path.join(out_dir, "params.npz"), **driver.flat_params(params))
+
+    def run(name, async_sampling, steps):
+        workdir = os.path.join(args.workdir, name)
+        config = driver.make_config("tg", async_sampling, steps)
+        config.rl_loop.export_every = steps
+        if async_sampling:  # only shows that it runs: no evaluation (fewer compilations)
+            config.rl_loop.eval_every = 0
+        result = rl.run_rl(
+            config, workdir, driver.initial_params(config), arm_name="tg", seed=0,
+            sources=driver.make_sources(), exporter=exporter,
+        )  # fmt: skip
+        params = multihost_utils.process_allgather(result.state.params, tiled=True)
+        if result.finished and jax.process_index() == 0:
+            np.savez(os.path.join(workdir, "final_params.npz"), **driver.flat_params(params))
+        print(
+            f"driver: {name} process {jax.process_index()}/{jax.process_count()} step "
+            f"{result.step} finished {result.finished}",
+            flush=True,
+        )
+
+    run("det", False, args.steps)
+    if args.async_steps > 0:
+        if jax.process_index() == 0:
+            shutil.copytree(os.path.join(args.workdir, "det"), os.path.join(args.workdir, "async"))
+        multihost_utils.sync_global_devices("async workdir copied")
+        run("async", True, args.steps + args.async_steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Multi-host correctness: 2 processes x 4 CPU devices under `jax.distributed` == 1 x 8.
+
+The runs are subprocesses of tests/multihost_driver.py, all three started at once: a reference
+process with 8 devices, and two processes with 4 devices each that join through
+`jax.distributed.initialize` on a free localhost port (TG_JAX_DISTRIBUTED=1 and friends, as
+tg_jax.main does; gloo runs the CPU collectives). Each runs 3 deterministic TG steps of the
+tiny config, then the two-process pair resumes its run from the last checkpoint for 2 more steps
+with the sampling thread. Every process is killed if the test fails or a run exceeds its time
+limit.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests import rl_loop_driver as driver
+from tg_jax import multihost
+from tg_jax.envs.hints import FeedbackRates
+from tg_jax.metrics import read_metrics, read_rl_summary
+from tg_jax.models import ModelConfig, Transformer
+from tg_jax.sampling.loop import RolloutGroup
+from tg_jax.sampling.sampler import Sampler
+from tg_jax.train import rl, rl_rollouts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, ASYNC_STEPS = 3, 2
+TIMEOUT_S = 300  # all runs together; about 1-2 min on 2 busy cores
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _start(workdir, devices: int, log: str, env=None, async_steps: int = 0) -> subprocess.Popen:
+    env = dict(os.environ, **(env or {}))
+    env.pop("XLA_FLAGS", None)  # the driver sets its own device count
+    env["TG_JAX_COMPILATION_CACHE"] = jax.config.jax_compilation_cache_dir or ""
+    cmd = [sys.executable, "-m", "tests.multihost_driver", str(workdir), "--devices",
+           str(devices), "--steps", str(STEPS), "--async-steps", str(async_steps)]  # fmt: skip
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, str], timeout_s: float):
+    """Waits for every process; on a failure or the deadline kills them all and fails."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        _kill(procs)
+    bad = {n: p.returncode for n, p in procs.items() if p.returncode != 0}
+    if bad:
+        tails = "\n".join(f"--- {n}:\n{_tail(logs[n])}" for n in bad)
+        pytest.fail(f"runs failed or timed out after {timeout_s} s: {bad}\n{tails}")
+
+
+def _kill(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGKILLs every process still running (and its process group), then reaps it."""
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-n:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"ref": 1 x 8 workdir, "mh": 2 x 4 workdir}, all runs finished."""
+    base = tmp_path_factory.mktemp("multihost")
+    ref, mh = base / "ref", base / "mh"
+    port = _free_port()
+    logs = {"ref": f"{ref}.log", "p0": f"{mh}.0.log", "p1": f"{mh}.1.log"}
+    procs = {}
+    try:
+        procs["ref"] = _start(ref, 8, logs["ref"])
+        for i in range(2):
+            env = {
+                "TG_JAX_DISTRIBUTED": "1", "TG_JAX_COORDINATOR": f"localhost:{port}",
+                "TG_JAX_NUM_PROCESSES": "2", "TG_JAX_PROCESS_ID": str(i),
+            }  # fmt: skip
+            procs[f"p{i}"] = _start(mh, 4, logs[f"p{i}"], env, async_steps=ASYNC_STEPS)
+    except BaseException:
+        _kill(procs)
+        raise
+    _wait_all(procs, logs, TIMEOUT_S)
+    return {"ref": ref, "mh": mh, "logs": logs}
+
+
+def _train_and_eval(workdir):
+    return {(r["stage"], r["step"]): r for r in read_metrics(workdir)}
+
+
+def test_two_processes_equal_one(runs):
+    ref, mh = runs["ref"] / "det", runs["mh"] / "det"
+    a, b = np.load(ref / "final_params.npz"), np.load(mh / "final_params.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=TOL, atol=TOL, err_msg=k)
+
+    # One writer: each (stage, step) once in metrics.jsonl; the same records and values.
+    recs = read_metrics(mh)
+    assert len(recs) == len({(r["stage"], r["step"]) for r in recs})
+    ma, mb = _train_and_eval(ref), _train_and_eval(mh)
+    assert sorted(ma) == sorted(mb)
+    assert [s for st, s in sorted(ma) if st == "train"] == list(range(1, STEPS + 1))
+    assert any(st == "eval" for st, _ in ma)
+    for step in range(1, STEPS + 1):  # every step really moved the params
+        train = ma[("train", step)]
+        assert train["grad_norm"] > 0 and train["update_skipped"] == 0 and train["lr"] > 0
+    for key, ra in ma.items():
+        rb = mb[key]
+        names = {n for n in ra if n != "time" and not n.startswith("time/")}
+        assert names == {n for n in rb if n != "time" and not n.startswith("time/")}, key
+        for n in names:
+            if isinstance(ra[n], str):
+                assert ra[n] == rb[n], (key, n)
+            else:
+                assert rb[n] == pytest.approx(ra[n], rel=TOL, abs=TOL), (key, n)
+    sa, sb = read_rl_summary(str(ref)), read_rl_summary(str(mh))
+    assert len(sb["sessions"]) == 1 and sb["finished"]
+    for k in ("sampled_tokens", "teacher_tokens", "teacher_forward_flops"):
+        assert sb["costs"][k] == sa["costs"][k], k
+    assert sa["costs"]["teacher_forward_flops"] > 0  # TG really ran a teacher
+
+
+def test_two_process_checkpoint_and_export(runs):
+    """Both processes wrote their shards of each checkpoint (orbax); it restores on one
+    process to the final params; process 0 exported them."""
+    mh = runs["mh"] / "det"
+    final = np.load(mh / "final_params.npz")
+    step_dir = mh / rl.CHECKPOINT_DIR / str(STEPS) / "state"
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(step_dir))
+    meta = ocp.StandardCheckpointer().metadata(step_dir).item_metadata.tree
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), meta)
+    restored = ocp.StandardCheckpointer().restore(step_dir, abstract)
+    got = driver.flat_params(restored["params"])
+    assert sorted(got) == sorted(final.files)
+    for k, v in got.items():
+        np.testing.assert_array_equal(v, final[k], err_msg=k)
+    exported = np.load(mh / "export" / f"step_{STEPS}" / "params.npz")
+    for k in final.files:
+        np.testing.assert_array_equal(exported[k], final[k], err_msg=k)
+
+
+def test_two_processes_resume_and_sample_async(runs):
+    """The two processes restore the deterministic run's last checkpoint (and its task
+    position) and continue with the sampling thread."""
+    mh, end = runs["mh"] / "async", STEPS + ASYNC_STEPS
+    assert (mh / "final_params.npz").exists()
+    train = {r["step"]: r for r in read_metrics(mh) if r["stage"] == "train"}
+    assert sorted(train) == list(range(1, end + 1))
+    config = driver.make_config("tg", async_sampling=True)
+    assert all(train[s]["staleness"] <= config.rl.max_staleness for s in range(STEPS + 1, end + 1))
+    assert train[STEPS + 1]["batch_index"] >= STEPS  # the task iterator resumed, not restarted
+    summary = read_rl_summary(str(mh))
+    assert [s["start_step"] for s in summary["sessions"]] == [0, STEPS]
+    assert summary["finished"] and summary["step"] == end
+    det_tokens = read_rl_summary(str(runs["mh"] / "det"))["costs"]["sampled_tokens"]
+    assert summary["costs"]["sampled_tokens"] > det_tokens  # carried on from the checkpoint
+
+
+def test_process_slice_shares_without_overlap():
+    shares = [multihost.process_slice(6, i, 3) for i in range(3)]
+    assert [list(range(6))[s] for s in shares] == [[0, 1], [2, 3], [4, 5]]
+    assert multihost.process_slice(4) == slice(0, 4)  # one process: everything
+    with pytest.raises(ValueError, match="evenly"):
+        multihost.process_slice(5, 0, 2)
+    assert multihost.allgather_objects({"a": 1}) == [{"a": 1}]
+
+
+def test_row_ids_make_a_row_sample_the_same_in_any_batch():
+    """What lets each host sample its share: a row's draws depend on its id, not its batch."""
+    config = driver.make_config()
+    model = Transformer(ModelConfig.from_config(config.model))
+    params = driver.initial_params(config)
+    sampler = Sampler(model, pad_id=0, batch_divisor=4)  # one batch bucket: one compilation
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    rng = jax.random.key(3)
+    kw = {"max_new_tokens": 12, "rng": rng}
+    whole = sampler.sample(params, prompts, row_ids=[40, 41, 42, 43], **kw)
+    alone = sampler.sample(params, prompts[2:3], row_ids=[42], **kw)
+    pair = sampler.sample(params, prompts[3:1:-1], row_ids=[43, 42], **kw)
+    np.testing.assert_array_equal(alone.tokens[0], whole.tokens[2])
+    np.testing.assert_array_equal(pair.tokens[1], whole.tokens[2])
+    np.testing.assert_array_equal(pair.tokens[0], whole.tokens[3])
+    np.testing.assert_allclose(alone.logprobs[0], whole.logprobs[2], rtol=1e-5, atol=1e-6)
+    other = sampler.sample(params, prompts[2:3], row_ids=[7], **kw)
+    assert not np.array_equal(other.tokens[0], whole.tokens[2])  # the id matters
+
+
+def test_a_process_share_rolls_out_what_the_whole_batch_does(monkeypatch):
+    """BatchRollout on process 1 of 2: the batch's last two groups, with the group ids, sampling
+    key and imperfect-feedback picks that one process rolling out every group gives them."""
+    calls = []
+
+    def fake_rollout_groups(sampler, params, renderer, env_factory, tasks, **kw):
+        gids = [kw["first_group_id"] + n for n in range(len(tasks))]
+        picks = {g: [kw["hint_picker"]("fence", g) for _ in range(20)] for g in gids}
+        calls.append((list(tasks), gids, picks, np.asarray(jax.random.key_data(kw["rng"]))))
+        return []
+
+    monkeypatch.setattr(rl_rollouts.rollout, "rollout_groups", fake_rollout_groups)
+    rates = FeedbackRates(correct=0.5, irrelevant=0.25, wrong=0.25)
+    fn = rl_rollouts.BatchRollout(
+        None, None, None, rollouts_per_group=2, config=None, sampling_key=jax.random.key(0),
+        seed=3, rates=rates,
+    )  # fmt: skip
+    tasks = ["a", "b", "c", "d"]
+    fn(None, 5, tasks, 0)
+    share = multihost.process_slice
+    monkeypatch.setattr(rl_rollouts.multihost, "process_slice", lambda n: share(n, 1, 2))
+    fn(None, 5, tasks, 0)
+    (t_all, g_all, p_all, k_all), (t_1, g_1, p_1, k_1) = calls
+    assert t_all == tasks and g_all == [20, 21, 22, 23]
+    assert t_1 == ["c", "d"] and g_1 == [22, 23]
+    assert p_1 == {g: p_all[g] for g in g_1}
+    assert p_all[20] != p_all[21]  # each group its own picks
+    np.testing.assert_array_equal(k_1, k_all)
+
+
+def test_process_gather_merges_the_groups_in_process_order(monkeypatch):
+    trajs = [[f"p0-{i}" for i in range(2)], [f"p1-{i}" for i in range(2)]]
+    groups = [
+        RolloutGroup(trajs[0], policy_version=4, batch_index=7, seconds=1.0, staleness=0),
+        RolloutGroup(trajs[1], policy_version=3, batch_index=6, seconds=2.0, staleness=1),
+    ]
+
+    class FakeLoop:
+        published = None
+
+        def publish(self, params, version):
+            self.published = (params, version)
+
+        def get(self, max_staleness, timeout=None):
+            return groups[0]
+
+    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, groups[1]])
+    fake = FakeLoop()
+    gather = rl_rollouts.ProcessGather(fake, lambda p: ("local", p))
+    gather.publish("params", 4)
+    assert fake.published == (("local", "params"), 4)
+    merged = gather.get(1)
+    assert merged.trajectories == trajs[0] + trajs[1]
+    assert (merged.policy_version, merged.batch_index) == (3, 6)
+    assert (merged.seconds, merged.staleness) == (2.0, 1)
+    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, None])
+    assert gather.get(1) is None  # one process ran out of tasks: all stop

@@ -1,0 +1,123 @@
+"""What several JAX processes (hosts) exchange, and how host data becomes global arrays.
+
+Under `jax.distributed` (tg_jax.tpu.distributed) every process runs the same program over a
+mesh that spans all hosts, but each process only holds the devices it addresses. Three things
+therefore differ from a single process:
+
+* host numpy data cannot go into a jit over the global mesh as is: `host_to_global` makes a
+  global array of it (`jax.make_array_from_process_local_data`; every process holds the same
+  whole array and places only its own devices' rows);
+* a global array cannot be fetched by one process (`jax.device_get` of rows on other hosts
+  fails): `local_replica` all-gathers it over the global mesh (a collective: every process
+  calls it, in the same order) and re-wraps this host's full copies as an array on a
+  process-local mesh, which local computations (the sampler) use and `device_get` can fetch;
+* Python objects (rollout trajectories) travel with `allgather_objects`, in process order.
+
+With one process every function here is the identity (or a plain device_put), so single-host
+code paths run unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    """True on the process that writes metrics, summaries, reports and exports (process 0)."""
+    return jax.process_index() == 0
+
+
+def process_slice(n: int, index: int | None = None, count: int | None = None) -> slice:
+    """Process `index`'s contiguous, non-overlapping share of `n` items (n % count == 0).
+
+    Raises:
+      ValueError: `n` is not a multiple of the process count (shares would be unequal).
+    """
+    index = jax.process_index() if index is None else int(index)
+    count = jax.process_count() if count is None else int(count)
+    if n % count:
+        raise ValueError(f"{n} items cannot be split evenly over {count} processes")
+    per = n // count
+    return slice(index * per, (index + 1) * per)
+
+
+def allgather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj` (picklable), in process order; [obj] with one process.
+
+    A collective: every process must call it at the same point of the program.
+    """
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-process only)
+
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+    sizes = sizes.reshape(-1)
+    # Power-of-two buffers: the gather compiles once per size bucket, not once per call.
+    buf = np.zeros(1 << max(12, (int(sizes.max()) - 1).bit_length()), np.uint8)
+    buf[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf))
+    return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(len(sizes))]
+
+
+def local_mesh(axis: str = "sampler") -> Mesh:
+    """A one-axis mesh over this process's devices."""
+    return Mesh(np.asarray(jax.local_devices()), (axis,))
+
+
+@functools.cache
+def _replicator(mesh: Mesh) -> Any:
+    """A jitted copy onto `mesh`, replicated (one per mesh, so its compilations are reused)."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)
+
+
+def local_replica(tree: Any, mesh: Mesh, target: Mesh) -> Any:
+    """`tree` (arrays on the global `mesh`) replicated over the process-local mesh `target`.
+
+    One jitted copy all-gathers every leaf over `mesh` (a collective); this process's full
+    copies then become arrays on `target` without another copy. The result is new buffers,
+    so donating `tree` afterwards cannot free them.
+    """
+    full = _replicator(mesh)(tree)
+    out_sharding = NamedSharding(target, PartitionSpec())
+
+    def wrap(x: jax.Array) -> jax.Array:
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        shards = [by_device[d] for d in target.devices.flat]
+        return jax.make_array_from_single_device_arrays(x.shape, out_sharding, shards)
+
+    return jax.tree.map(wrap, full)
+
+
+def host_to_global(tree: Any, sharding: NamedSharding) -> Any:
+    """Host numpy leaves (the same whole arrays on every process) as global arrays.
+
+    Each leaf is split along dim 0 by `sharding`'s spec (its first entry; trailing dims
+    unsharded); each process transfers only the rows of its own devices.
+    """
+    spec = tuple(sharding.spec)[:1]
+
+    def put(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        leaf_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+        return jax.make_array_from_process_local_data(leaf_sharding, x, x.shape)
+
+    return jax.tree.map(put, tree)
+
+
+def same_on_all(values: Sequence[Any]) -> bool:
+    """Whether every process reported the same value (`allgather_objects`' result)."""
+    return all(v == values[0] for v in values)
