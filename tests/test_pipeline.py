@@ -89,6 +89,19 @@ def test_task_only_arms_and_aliases():
     assert dict(got) == {"task": 1.0, "tool_protocol": 0.0, "markdown_report": 0.0}
 
 
+def test_preregistration_accepts_arms_in_any_order(tmp_path):
+    # The file is written with sorted keys; the protocol's arm order (experiment.py: the
+    # order of ARMS) is not sorted, and must not read as a different protocol.
+    config = _config()
+    order = ("tg", "grpo_task_only", "grpo")
+    arms = {a: pipeline.arm_config(config, a) for a in order}
+    out = protocol.preregister(config, str(tmp_path), arms)
+    assert out == protocol.check_preregistration(config, str(tmp_path), arms)
+    arms.pop("grpo")
+    with pytest.raises(protocol.PreregistrationMismatch, match="arms: file"):
+        protocol.check_preregistration(config, str(tmp_path), arms)
+
+
 def test_bad_arm_fails_before_any_work(tmp_path):
     config = config_lib.apply_overrides(_config(), {"pipeline.arms": ("grpo", "tgg")})
     with pytest.raises(ValueError, match="unknown arm 'tgg'"):
