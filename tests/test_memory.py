@@ -43,6 +43,12 @@ def test_peak_per_arm_does_not_depend_on_the_order():
             proc = FakeProcess()
             got = {arm: _run(proc, arms[arm], device=device) for arm in order}
             assert got == {"big": (900, source), "small": (350, source)}, (device, order)
+    # What the process holds when a run starts is its baseline (peak - baseline: its own).
+    proc = FakeProcess(base=400)
+    pm = memory.PeakMemory(interval_s=60.0, host_fn=proc.host, device_fn=dict).start()
+    proc.set(650)
+    pm.stop()
+    assert (pm.baseline, pm.peak()[0]) == (400, 650)
 
 
 def test_a_new_record_between_samples_is_exact():
@@ -77,3 +83,16 @@ def test_real_process_second_run_not_charged_with_the_first():
     assert p1 >= base + 150 * 2**20  # the first run saw its 200 MiB
     # ru_maxrss would charge the second run with the first's peak.
     assert base + 10 * 2**20 <= p2 < base + 100 * 2**20
+
+
+def test_resumed_run_keeps_the_max_over_sessions():
+    from tg_jax.train import rl
+
+    proc = FakeProcess(base=200)
+    session = rl._Session(5, rl._Costs(), 0.0, 0, peak0=(800, 300), started=0.0)
+    session.memory = memory.PeakMemory(interval_s=60.0, host_fn=proc.host, device_fn=dict)
+    with session.memory:
+        proc.set(600)  # this session: peak 600, 400 above its start; the earlier one: 800, 300
+        costs = session.stamp()
+    assert (costs["peak_memory_bytes"], costs["peak_memory_above_start_bytes"]) == (800, 400)
+    assert costs["peak_memory_source"] == "host_rss"

@@ -17,6 +17,7 @@ COST_KEYS = (
     "teacher_forward_flops",
     "distilled_tokens",
     "peak_memory_bytes",
+    "peak_memory_above_start_bytes",
 )
 # The thinking-token control pair: compared at their distilled-token costs.
 THINKING_PAIR = ("tg", "tg_think")
@@ -274,12 +275,15 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
         rows.append([arm] + cells)
     lines = ["## Costs per arm (mean over seeds)", ""]
     header = ["arm", "RL wall time (s)", "held-out eval (s)", "sampled tokens",
-              "teacher forward FLOPs", "distilled tokens", "peak memory (B, this run)"]  # fmt: skip
+              "teacher forward FLOPs", "distilled tokens", "peak memory (B, this run)",
+              "above the run's start (B)"]  # fmt: skip
     lines += _table(header, rows) + [""]
     lines += [
         "Distilled tokens: student tokens under the TG KL mask, summed over the run. Peak "
         "memory: measured per run from its first step (device memory where the backend "
-        "reports it, else host RSS), not the process's lifetime peak.",
+        "reports it, else host RSS), not the process's lifetime peak; what earlier runs of "
+        "the same process left allocated is in it, and the last column is the run's own "
+        "addition (peak minus the memory in use when it started).",
         "",
     ] + _thinking_control(res)
     ct = res.get("compute_time") or {}
@@ -381,7 +385,7 @@ def _budget_section(res: dict[str, Any]) -> list[str]:
         f"Every arm ({arms}) trained with the same budget: {b['steps']} RL steps of "
         f"{b['groups_per_step']} groups x {b['rollouts_per_group']} rollouts "
         f"({b['episodes']} episodes), at most {b['max_new_tokens_per_turn']} new tokens per "
-        f"turn and {b['max_turns'] or 'environment-set'} turns per episode (sampled-token cap "
+        f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
         f"{cap}), learning rate {b['lr']:g} ({b['lr_schedule']}), training seeds "
         f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
         + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). " if equal

@@ -12,7 +12,10 @@ the first arm's peak. A `PeakMemory` measures from its `start`:
   peak. Else the run stayed under an earlier run's peak and the sampled maximum is used (a
   spike shorter than the interval can then be missed: a lower bound).
 
-So an arm's figure does not depend on which arms ran before it in the same process.
+So an arm's figure does not depend on which arms ran before it in the same process, except
+for what those arms left allocated (host RSS keeps the compiled programs and freed-but-kept
+heap of earlier runs): `baseline`, the bytes in use at `start`, says how much that is, and
+peak - baseline is what the run itself added on top.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class PeakMemory:
         self.source = "device" if device_reading(device_fn()) is not None else "host_rss"
         self._max = 0
         self._peak0 = 0
+        self.baseline = 0  # bytes in use at `start`
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -97,7 +101,7 @@ class PeakMemory:
 
     def start(self) -> PeakMemory:
         now, self._peak0 = self._read()
-        self._max = now
+        self._max = self.baseline = now
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="peak-memory", daemon=True)
         self._thread.start()

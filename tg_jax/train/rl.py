@@ -113,6 +113,7 @@ class _Costs:
     teacher_forward_flops: float = 0.0
     distilled_tokens: int = 0
     peak_memory_bytes: int = 0
+    peak_memory_above_start_bytes: int = 0  # peak - bytes in use when the session started
     peak_memory_source: str = ""
     dropped_groups: int = 0
 
@@ -129,14 +130,19 @@ class _Session:
     wall0: float  # wall time of the earlier sessions
     dropped0: int  # groups the earlier sessions dropped
     started: float = 0.0  # time.time() when its first step began
-    peak0: int = 0  # peak memory of the earlier sessions
+    peak0: tuple[int, int] = (0, 0)  # (peak, peak above start) of the earlier sessions
     memory: PeakMemory | None = None  # this session's, from its first step
 
     def stamp(self) -> dict[str, Any]:
         """Costs so far, with the wall time and peak memory of now."""
         self.costs.wall_time_s = self.wall0 + time.time() - self.started
         peak, source = self.memory.peak() if self.memory is not None else peak_memory_bytes()
-        self.costs.peak_memory_bytes, self.costs.peak_memory_source = max(peak, self.peak0), source
+        above = peak - self.memory.baseline if self.memory is not None else 0
+        self.costs.peak_memory_bytes, self.costs.peak_memory_source = (
+            max(peak, self.peak0[0]),
+            source,
+        )
+        self.costs.peak_memory_above_start_bytes = max(above, self.peak0[1])
         return self.costs.as_dict()
 
 
@@ -244,7 +250,7 @@ def _resume(
     logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, restored.step)
     session = _Session(
         restored.step, costs, costs.wall_time_s, costs.dropped_groups,
-        peak0=costs.peak_memory_bytes,
+        peak0=(costs.peak_memory_bytes, costs.peak_memory_above_start_bytes),
     )  # fmt: skip
     return restored.state, session, restored.metadata["data"]
 
