@@ -4,7 +4,7 @@ The hinted teacher, having just read "Reminder: put code in a ```python block.",
 mass on continuing that text; distilling those tokens teaches the student to reproduce a
 message it never sees (privilege drift, see tg_jax.envs.leakage). With
 `tg.mask_hint_copies` the batch builder drops from the distillation mask every target token
-of a targeted turn that lies in a copied span:
+of a targeted turn that lies in a copied span (`mask_hint_copies`, applied to a built batch):
 
   a span = `NGRAM_TOKENS` (12) consecutive target tokens of the turn that also occur,
   contiguously and in the same order, in that turn's hint tokens (the rendered hint
@@ -20,8 +20,11 @@ row, so the mask leaves the behaviour's own tokens distilled.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+
+from tg_jax.sampling.trajectory import Trajectory
 
 NGRAM_TOKENS = 12
 
@@ -77,3 +80,34 @@ def hint_copy_mask_BxT(
             if idx.size:
                 out[b, idx] = copy_mask(targets_BxT[b, idx], hint, n)
     return out
+
+
+def targeted_hints(traj: Trajectory, gate: str) -> dict[int, np.ndarray]:
+    """{turn k: the hint tokens its teacher sees} for the turns the batch builder targets
+    (tg_jax.rl.batch: gate "failed_turns" = the failed requirements' hints, "all_turns" =
+    every judged requirement's; sorted names; turns with an empty hint left out)."""
+    out = {}
+    for k, verdicts in enumerate(traj.turn_verdicts):
+        if gate == "failed_turns":
+            names = sorted(n for n, ok in verdicts.items() if ok is not None and not ok)
+        elif gate == "all_turns":
+            names = sorted(n for n, ok in verdicts.items() if ok is not None)
+        else:
+            raise ValueError(f"unknown gate {gate!r}")
+        hint = traj.hint_ids(k, names) if names else np.zeros((0,), np.int32)
+        if hint.size:
+            out[k] = hint
+    return out
+
+
+def mask_hint_copies(
+    batch: Any, trajectories: Sequence[Trajectory], gate: str, n: int = NGRAM_TOKENS
+) -> tuple[Any, int]:
+    """`batch` (a tg_jax.rl.batch.Batch of host arrays, row b = trajectories[b]) with the
+    hint-copying targets removed from `distill_mask_BxT`, and how many were removed."""
+    distill = np.asarray(batch.distill_mask_BxT, bool)
+    hints = [targeted_hints(t, gate) for t in trajectories]
+    copies = hint_copy_mask_BxT(
+        np.asarray(batch.targets_BxT), np.asarray(batch.turn_ids_BxT), distill, hints, n
+    )
+    return batch.replace(distill_mask_BxT=distill & ~copies), int(copies.sum())

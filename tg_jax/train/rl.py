@@ -60,7 +60,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
-from tg_jax.rl import tg_loss
+from tg_jax.rl import hint_copies, tg_loss
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
@@ -319,9 +319,11 @@ def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str
 
 
 def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
+    """The step's batch; with `tg.mask_hint_copies` the hint-copying targets are left out of
+    the TG KL (tg_jax.rl.hint_copies)."""
     config = parts.config
     tg_on = bool(config.tg.enabled)
-    return build_batch(
+    batch = build_batch(
         trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
@@ -329,6 +331,9 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=int(config.rl.micro_batches),
     )  # fmt: skip
+    if tg_on and bool(config.tg.get("mask_hint_copies", False)):
+        batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
+    return batch
 
 
 def distilled_tokens(tg: Any, batch: Batch) -> int:
