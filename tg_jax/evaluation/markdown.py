@@ -83,7 +83,8 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
         return [
             f"**One arm, no comparison.** The baseline arm `{st['baseline']}` was not run "
             "(`pipeline.arms`), so there is no non-inferiority verdict; run both arms (e.g. "
-            "`--config.pipeline.arms=grpo,tg`) to test it.",
+            "`--config.pipeline.arms=\"('grpo','tg')\"`; a bare grpo,tg is one arm name) to "
+            "test it.",
             "",
         ]
     if not ni:
