@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from tg_jax.rl.batch import bucket_length, build_batch, split_batch, split_microbatches
+from tg_jax.rl.compact import row_bucket
 from tg_jax.sampling.trajectory import Role, Trajectory
 
 P, TH, A, E = Role.PROMPT, Role.THINK, Role.ANSWER, Role.ENV
@@ -177,3 +178,100 @@ def test_padding_rows_and_buckets():
     assert not b.loss_mask_BxT[1:].any() and b.group_ids_B[0] == 7
     assert bucket_length(17, 100, 16) == 32 and bucket_length(90, 100, 64) == 100
     assert bucket_length(5, 100, 0) == 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Compact teacher rows (build_batch(compact=True), tg_jax.rl.compact).
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_compact_map(batch, b, start, end):
+    """Row b's map is valid on every prediction position whose target lies in [start, end)."""
+    mask = np.zeros_like(batch.loss_mask_BxT)
+    mask[b, start - 1 : end - 1] = True
+    _check_index_map(batch, mask)
+
+
+def test_compact_per_trajectory_starts_at_first_hint():
+    traj = _two_turns()
+    full = build_batch([traj], max_len=64, teacher_max_len=64, pad_to_multiple=8)
+    b = build_batch([traj], max_len=64, teacher_max_len=64, pad_to_multiple=8, compact=True)
+    assert b.teacher_compact and not full.teacher_compact
+    n_full = int(full.teacher_segment_ids_BtxTt[0].sum())
+    expected = full.teacher_tokens_BtxTt[0, 3:n_full]  # the hinted sequence from index 3 on
+    assert b.teacher_tokens_BtxTt.shape == (1, 24)  # 19 tokens -> bucket of 8
+    np.testing.assert_array_equal(b.teacher_tokens_BtxTt[0, : len(expected)], expected)
+    assert b.teacher_segment_ids_BtxTt[0].sum() == len(expected) == 19
+    np.testing.assert_array_equal(b.teacher_positions_BtxTt[0], 3 + np.arange(24))
+    assert b.teacher_start_Bt.tolist() == [3] and b.teacher_src_row_Bt.tolist() == [0]
+    assert b.teacher_prefix_len == 8  # p = 3 rounded up to the bucket of 8
+    np.testing.assert_array_equal(b.distill_mask_BxT, full.distill_mask_BxT)
+    _check_compact_map(b, 0, 3, 17)
+    # The compact map is the full one shifted by the prefix.
+    dist = b.distill_mask_BxT
+    np.testing.assert_array_equal(b.teacher_pos_BxT[dist] + 3, full.teacher_pos_BxT[dist])
+    assert (b.teacher_pos_BxT[0, :2] == 0).all()  # no teacher token: (0, 0), masked
+
+
+def test_compact_cuts_after_last_targeted_turn_and_skips_untargeted_rows():
+    fail0 = _two_turns(verdicts=[{"fence": False}, {"fence": True}], task="a")
+    passing = _two_turns(verdicts=[{"fence": True}, {"fence": True}], task="b")
+    b = build_batch([passing, fail0, passing], max_len=64, teacher_max_len=64,
+                    pad_to_multiple=8, compact=True)  # fmt: skip
+    # One teacher row (for student row 1): fence hint + turn 0 (student tokens 3..9).
+    assert b.teacher_tokens_BtxTt.shape == (1, 16)
+    seq = [*HINTS["fence"], *HEADER, 20, 21, 30, 31, 32]
+    np.testing.assert_array_equal(b.teacher_tokens_BtxTt[0, : len(seq)], seq)
+    assert b.teacher_segment_ids_BtxTt[0].sum() == len(seq)
+    assert b.teacher_src_row_Bt.tolist() == [1] and b.teacher_start_Bt.tolist() == [3]
+    assert np.nonzero(b.distill_mask_BxT[1])[0].tolist() == [4, 5, 6, 7, 8]
+    assert not b.distill_mask_BxT[[0, 2]].any()
+    _check_compact_map(b, 1, 3, 10)
+
+
+def test_compact_without_targeted_turns_is_a_minimal_teacher():
+    passing = _two_turns(verdicts=[{"fence": True}, {"fence": True}])
+    for mode in ("per_trajectory", "per_turn"):
+        b = build_batch([passing] * 3, max_len=64, teacher_max_len=64, mode=mode,
+                        max_teacher_rows=8, pad_to_multiple=8, batch_multiple=2,
+                        compact=True)  # fmt: skip
+        assert b.tokens_BxT.shape[0] == 4
+        assert b.teacher_tokens_BtxTt.shape == (2, 8) and b.teacher_prefix_len == 0
+        assert not b.teacher_segment_ids_BtxTt.any() and not b.distill_mask_BxT.any()
+
+
+def test_compact_micro_batches_and_per_turn():
+    trajs = [_two_turns(task=f"t{i}") for i in range(3)]
+    trajs.append(_two_turns(verdicts=[{"fence": True}, {"fence": True}], task="pass"))
+    b = build_batch(trajs, max_len=64, teacher_max_len=64, pad_to_multiple=8, micro_batches=2,
+                    compact=True)  # fmt: skip
+    # Micro-batch 0: student rows 0, 2 (both failing); micro-batch 1: rows 1, 3 (3 passes).
+    assert b.teacher_tokens_BtxTt.shape[0] == 4
+    assert b.teacher_src_row_Bt.tolist() == [0, 0, 1, 0]  # local student rows
+    assert b.teacher_segment_ids_BtxTt[3].sum() == 0  # micro-batch 1 has one row: padding
+    for mb in split_batch(b, 2):
+        _check_index_map(mb, mb.distill_mask_BxT)
+    np.testing.assert_array_equal(b.distill_mask_BxT[:3], np.repeat(b.distill_mask_BxT[:1], 3, 0))
+
+    t = build_batch(trajs, max_len=64, teacher_max_len=64, mode="per_turn", max_teacher_rows=8,
+                    pad_to_multiple=8, micro_batches=2, compact=True)  # fmt: skip
+    # One row per failed turn: hint + that turn, starting at the turn's start.
+    turn0 = [*HINTS["fence"], *HEADER, 20, 21, 30, 31, 32]
+    turn1 = [*HINTS["explain"], *HEADER, 50, 51]
+    assert t.teacher_tokens_BtxTt.shape[0] == 8  # micro-batch 0 has 4 rows (cap 4)
+    for g, seq, start in [(0, turn0, 3), (2, turn1, 13), (1, turn0, 3), (3, turn1, 13)]:
+        np.testing.assert_array_equal(t.teacher_tokens_BtxTt[g, : len(seq)], seq)
+        assert t.teacher_start_Bt[g] == start and t.teacher_segment_ids_BtxTt[g].sum() == len(seq)
+    for mb in split_batch(t, 2):
+        _check_index_map(mb, mb.distill_mask_BxT)
+    full = build_batch(trajs, max_len=64, teacher_max_len=64, mode="per_turn",
+                       max_teacher_rows=8, pad_to_multiple=8, micro_batches=2)  # fmt: skip
+    np.testing.assert_array_equal(t.distill_mask_BxT, full.distill_mask_BxT)
+
+
+def test_row_buckets():
+    assert [row_bucket(n, 32, 1) for n in (0, 1, 4, 5, 8, 9, 17, 32)] == [1, 4, 4, 8, 8, 16, 32, 32]
+    assert [row_bucket(n, 16, 4) for n in (0, 1, 4, 5, 9)] == [4, 4, 4, 8, 16]
+    assert row_bucket(2, 3, 1) == 2
+    with pytest.raises(ValueError, match="cap"):
+        row_bucket(5, 4, 1)

@@ -37,6 +37,11 @@ REQUIRED = (
     "rl/grpo_step_s",
     "rl/tg_step_s",
     "rl/tg_over_grpo",
+    "rl/tg_over_grpo_50pct",
+    "rl/tg_over_grpo_10pct",
+    "rl/tg_full_over_grpo",
+    "rl/teacher_flops_saved",
+    "rl/teacher_flops_saved_10pct",
     "kl/chunked_mib",
     "kl/naive_mib",
     "kl/chunked_over_naive",
@@ -153,8 +158,8 @@ def test_unrolled_layer_loop_matches_scan():
     from tg_jax.models import ModelConfig, Transformer, forward, init_params
 
     base = config_lib.tiny_model_config().to_dict()
-    scanned = Transformer(ModelConfig(**base))
-    unrolled = Transformer(ModelConfig(**{**base, "scan_unroll": base["num_layers"]}))
+    scanned = Transformer(ModelConfig.from_config(base))
+    unrolled = Transformer(ModelConfig.from_config({**base, "scan_unroll": base["num_layers"]}))
     params = init_params(scanned, jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 272, (2, 16)), jnp.int32)
 

@@ -11,6 +11,7 @@ from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling.rollout import RolloutConfig, evaluate, rollout_groups
 from tg_jax.sampling.sampler import Sampler, SampleResult, sequence_logprobs
 from tg_jax.text import ByteTokenizer, ChatRenderer, Role
+from tg_jax.train import rl_rollouts
 
 RENDERER = ChatRenderer(ByteTokenizer())
 TASKS = generate_tasks("heldout", 2, seed=0)
@@ -191,3 +192,67 @@ def test_evaluate_plain_vs_hinted():
     assert [r.task_success for r in results["hinted"]] == success
     assert all(r.joint == r.task_success for r in results["hinted"])
     assert not any(r.joint for r in results["plain"])
+
+
+class Reprefill:
+    """The reference: the sampler without the rollout's TurnCache, so that every turn
+    re-prefills every episode's whole context."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def sample(self, params, prompts, *, cache=None, keys=None, **kw):
+        del cache, keys
+        return self.sampler.sample(params, prompts, **kw)
+
+
+def _expected_prefill(traj, group_size):
+    """Tokens a rollout with the kept cache prefills: the prompt once per group, then what each
+    turn appended (starting with the previous turn's last sampled token, never fed)."""
+    header = len(RENDERER.assistant_header())
+    contexts = [int(k) + header for k in traj.turn_starts]
+    sampled = [int((traj.turn_ids == k).sum()) for k in range(len(contexts))]
+    later = [c - (p + n - 1) for c, p, n in zip(contexts[1:], contexts, sampled, strict=False)]
+    return contexts[0] / group_size + sum(later), sum(contexts)
+
+
+def test_rollout_with_kept_cache_samples_what_reprefill_samples():
+    """Multi-turn episodes of a random model (turns cut at their budgets, episodes ending at
+    different turns on the context limit): the kept KV cache gives the re-prefill's tokens,
+    log-probs to float rounding, and prefills only the appended tokens; so does the hinted
+    held-out evaluation."""
+    cfg = ModelConfig.from_config(config_lib.tiny_model_config())
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(0))
+    sampler = Sampler(model, pad_id=RENDERER.tokenizer.pad_id, segment=8)
+    # 256 tokens: the third turns get per-row budgets, and one group ends on the limit.
+    config = RolloutConfig(max_new_tokens=24, max_total_tokens=256, min_turn_tokens=4)
+    kw = dict(rollouts_per_task=3, config=config, rng=jax.random.key(1), policy_version=0)
+    ref = rollout_groups(Reprefill(sampler), params, RENDERER, _env, TASKS, **kw)
+    out = rollout_groups(sampler, params, RENDERER, _env, TASKS, **kw)
+    assert {t.info["termination"] for t in out} == {"max_tokens", "max_turns"}
+    assert {t.num_turns for t in out} == {2, 3}
+    assert any(t.info["truncated_turns"] < t.num_turns for t in out)  # turns ended on <|im_end|>
+    for r, t in zip(ref, out, strict=True):
+        np.testing.assert_array_equal(r.tokens, t.tokens)
+        np.testing.assert_array_equal(r.roles, t.roles)
+        np.testing.assert_allclose(r.behaviour_logprobs, t.behaviour_logprobs, atol=1e-5)
+        cached, reprefill = _expected_prefill(t, 3)
+        assert t.info["prefill_tokens"] == pytest.approx(cached)
+        assert r.info["prefill_tokens"] == reprefill
+    metrics = rl_rollouts.rollout_metrics(out)
+    assert metrics["rollout/prefill_tokens"] == pytest.approx(
+        np.mean([_expected_prefill(t, 3)[0] for t in out])
+    )
+    assert (
+        metrics["rollout/prefill_tokens"]
+        < 0.5 * rl_rollouts.rollout_metrics(ref)["rollout/prefill_tokens"]
+    )
+    config = RolloutConfig(max_new_tokens=24, max_total_tokens=512)  # room for the hints
+    eval_kw = dict(config=config, rng=jax.random.key(2), condition="hinted")
+    _, ref_eval = evaluate(Reprefill(sampler), params, RENDERER, _env, TASKS, **eval_kw)
+    _, out_eval = evaluate(sampler, params, RENDERER, _env, TASKS, **eval_kw)
+    for r, t in zip(ref_eval, out_eval, strict=True):
+        assert t.num_turns > 1 and (t.roles == Role.HINT).sum() > 0
+        np.testing.assert_array_equal(r.tokens, t.tokens)
+        np.testing.assert_allclose(r.behaviour_logprobs, t.behaviour_logprobs, atol=1e-5)

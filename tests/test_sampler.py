@@ -376,3 +376,117 @@ def test_precomputed_rope_equals_the_model_rope():
     gathered = (cos_1xSx1xH2[0, positions], sin_1xSx1xH2[0, positions])  # [3, 1, 1, H / 2]
     # (compiled trigonometry of large angles may round differently from eager: float level)
     np.testing.assert_allclose(apply_rope(x, *gathered), expected, atol=1e-5)
+
+
+def _turns(sampler, params, *, cached: bool, stops, turns: int = 3, seed: int = 0, **kw):
+    """Multi-turn contexts driven like a rollout: per call, every live row's sampled tokens
+    (and a closing token when its turn was cut) plus a random number of appended tokens; rows
+    end after different turns. Rows 0-1 and 2-4 start from one prompt each (GRPO groups).
+
+    With `cached` the calls go through one TurnCache; else every call re-prefills every
+    context (the reference). `stops`: the stop ids of each row (key). Returns per call (live
+    keys, SampleResult, context lengths)."""
+    from tg_jax.sampling.turn_cache import TurnCache
+
+    gen = np.random.default_rng(seed)
+    a, b, c = _prompts((5, 13, 3), seed=seed)
+    contexts = {k: list(p) for k, p in enumerate((a, a, b, b, b, c))}
+    appended = {(k, t): list(gen.integers(1, CFG.vocab_size, gen.integers(1, 12)))
+                for k in contexts for t in range(turns)}  # fmt: skip
+    ends = {0: 2, 1: 0, 2: 2, 3: 1, 4: 2, 5: 1}  # the last turn of each row
+    budgets = {0: 10, 1: 6, 2: 12, 3: 20, 4: 3, 5: 15}
+    cache = TurnCache() if cached else None
+    live, calls = list(contexts), []
+    for turn in range(turns):
+        out = sampler.sample(
+            params, [contexts[k] for k in live], max_new_tokens=[budgets[k] for k in live],
+            stop_ids=[stops[k] for k in live], rng=jax.random.fold_in(jax.random.key(seed), turn),
+            cache=cache, keys=live if cached else None, **kw,
+        )  # fmt: skip
+        calls.append((list(live), out, [len(contexts[k]) for k in live]))
+        for i, k in enumerate(live):
+            contexts[k] += [int(t) for t in out.tokens[i]] + ([] if out.stopped[i] else [9])
+            contexts[k] += [int(t) for t in appended[k, turn]]
+        live = [k for k in live if ends[k] > turn]
+    return calls
+
+
+def _assert_same_turns(ref_calls, calls, atol=1e-5):
+    for (keys, ref, _), (keys2, out, _) in zip(ref_calls, calls, strict=True):
+        assert keys == keys2
+        np.testing.assert_array_equal(ref.stopped, out.stopped)
+        for i in range(len(keys)):
+            np.testing.assert_array_equal(ref.tokens[i], out.tokens[i])
+            np.testing.assert_allclose(ref.logprobs[i], out.logprobs[i], atol=atol)
+            np.testing.assert_allclose(ref.raw_logprobs[i], out.raw_logprobs[i], atol=atol)
+
+
+# Wide stop lists on rows 2 and 4: turns end on a stop id at different lengths.
+TURN_STOPS = {0: [7, 8], 1: [8], 2: list(range(1, 12)), 3: [], 4: list(range(40, 60)), 5: [5]}
+
+
+def test_turn_cache_samples_what_reprefill_samples_and_prefills_only_appended_tokens(setup):
+    """Kept keys/values across calls: the same tokens as re-prefilling every context (same
+    random numbers), log-probs to float rounding; a call prefills only what was appended (the
+    previous turn's last drawn token included) and a shared prompt once."""
+    _, _, params, sampler = setup
+    for settings in ({"temperature": 1.0}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9}):
+        ref = _turns(sampler, params, cached=False, stops=TURN_STOPS, **settings)
+        out = _turns(sampler, params, cached=True, stops=TURN_STOPS, **settings)
+        _assert_same_turns(ref, out)
+        stopped = np.concatenate([r.stopped for _, r, _ in out])
+        assert stopped.any() and not stopped.all()
+    first = out[0][1]
+    np.testing.assert_allclose(first.prefill_tokens, [5 / 2, 5 / 2, 13 / 3, 13 / 3, 13 / 3, 3])
+    for _, res, lengths in ref:
+        np.testing.assert_array_equal(res.prefill_tokens, lengths)  # re-prefill: everything
+    for (prev_keys, prev, prev_lengths), (keys, res, lengths) in zip(out, out[1:], strict=False):
+        cached = zip(prev_keys, prev_lengths, prev.tokens, strict=True)
+        before = {k: n + len(t) - 1 for k, n, t in cached}  # the last drawn token was not fed
+        expected = [n - before[k] for k, n in zip(keys, lengths, strict=True)]
+        np.testing.assert_array_equal(res.prefill_tokens, expected)
+    assert [len(k) for k, _, _ in out] == [6, 5, 3]  # rows ended after different turns
+
+
+def test_turn_cache_sharded_matches_single_device(setup):
+    """The cached multi-turn calls on 8 devices (params sharded, one loop under the activation
+    rules) and split over 4 devices (one loop per shard) sample what one device samples."""
+    from tg_jax import config_lib, sharding
+    from tg_jax.sampling.loop import data_parallel_mesh
+
+    _, model, params, sampler = setup
+    mesh_cfg = config_lib.mesh_config()
+    mesh = sharding.make_mesh(mesh_cfg)
+    rules = sharding.logical_rules(mesh_cfg)
+    sharded = Sampler(
+        model, pad_id=PAD, length_multiple=32, segment=8, mesh=mesh, rules=rules,
+        batch_divisor=sharding.batch_divisor(mesh, rules),
+    )  # fmt: skip
+    sharded_params = jax.device_put(params, sharding.param_partition_specs(model, mesh, rules))
+    devices = jax.local_devices()[:4]
+    dp_mesh, dp_rules = data_parallel_mesh(devices)
+    split = Sampler(model, pad_id=PAD, length_multiple=32, segment=8, mesh=dp_mesh,
+                    rules=dp_rules, batch_divisor=len(devices))  # fmt: skip
+    replicated = jax.device_put(params, jax.sharding.NamedSharding(dp_mesh, jax.P()))
+    kw = dict(cached=True, stops=TURN_STOPS, temperature=1.0, seed=3)
+    ref = _turns(sampler, params, **kw)
+    _assert_same_turns(ref, _turns(sharded, sharded_params, **kw))
+    _assert_same_turns(ref, _turns(split, replicated, **kw))
+
+
+def test_turn_cache_rejects_contexts_that_do_not_extend_the_cached_ones(setup):
+    from tg_jax.sampling.turn_cache import TurnCache
+
+    _, _, params, sampler = setup
+    cache, prompt = TurnCache(), _prompts((6,), seed=2)[0]
+    kw = dict(max_new_tokens=4, temperature=0.0, rng=jax.random.key(0), cache=cache)
+    with pytest.raises(ValueError, match="one distinct key per prompt"):
+        sampler.sample(params, [prompt, prompt], keys=["a", "a"], **kw)
+    out = sampler.sample(params, [prompt], keys=["a"], **kw)
+    assert cache.cached["a"] == prompt + out.tokens[0][:-1].tolist()
+    with pytest.raises(ValueError, match="does not extend"):
+        sampler.sample(params, [prompt[:-1] + [1, 2]], keys=["a"], **kw)  # rewritten
+    with pytest.raises(ValueError, match="does not extend"):
+        sampler.sample(params, [prompt + out.tokens[0][:-1].tolist()], keys=["a"], **kw)  # none
+    with pytest.raises(ValueError, match="does not extend"):
+        sampler.sample(params, [prompt], keys=["b"], **kw)  # not cached

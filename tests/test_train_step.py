@@ -52,11 +52,11 @@ def _trajectories(num=8, seed=0, **kw):
     return synthetic_trajectories(np.random.default_rng(seed), num, 40, **kw)
 
 
-def _batch(trajs, mode="per_trajectory", micro_batches=1, on_policy_noise=0.1) -> Batch:
+def _batch(trajs, mode="per_trajectory", micro_batches=1, on_policy_noise=0.1, **kw) -> Batch:
     """A batch whose behaviour log-probs are the model's own plus noise (ratios near 1)."""
     batch = build_batch(
         trajs, max_len=64, teacher_max_len=64, mode=mode, max_teacher_rows=16,
-        requirement_names=("fence",), pad_to_multiple=16, micro_batches=micro_batches,
+        requirement_names=("fence",), pad_to_multiple=16, micro_batches=micro_batches, **kw,
     )  # fmt: skip
     model, params = _model_and_params()
     logits = _forward()(params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT)
@@ -158,6 +158,57 @@ def test_per_turn_equals_per_trajectory_with_one_failed_turn():
     _tree_close(grads_a, grads_b, atol=1e-6, rtol=1e-4)
 
 
+def _with_failures(trajs, which):
+    """Verdicts: no turn fails ("none"), turn 0 fails in every third row and turn 1 in every
+    fourth ("some"), every turn fails ("all")."""
+    out = []
+    for i, t in enumerate(trajs):
+        if which == "none":
+            fail = [False, False]
+        elif which == "some":
+            fail = [i % 3 == 0, i % 4 == 1]
+        else:
+            fail = [True, True]
+        out.append(dataclasses.replace(t, turn_verdicts=[{"fence": not f} for f in fail]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "which,mode,overrides",
+    [
+        ("none", "per_trajectory", {}),
+        ("some", "per_trajectory", {}),
+        ("all", "per_trajectory", {"tg.include_thinking": True}),
+        ("some", "per_turn", {"tg.include_thinking": True}),
+        ("all", "per_turn", {}),
+        ("some", "per_trajectory", {"tg.gate": "all_turns"}),
+        ("none", "per_turn", {"tg.gate": "all_turns", "tg.kind": "jsd"}),
+    ],
+)
+def test_compact_teacher_equals_full_rows(which, mode, overrides):
+    """Compact rows (first hint on, student prefix keys/values, rows for targeted turns only)
+    give the loss, metrics and gradients of full teacher rows. With the all-turns gate every
+    turn is targeted, so compaction saves only the prefix before the first turn."""
+    cfg = _config(**{"tg.teacher_mode": mode, **overrides})
+    gate = cfg.tg.gate
+    trajs = _with_failures(_trajectories(), which)
+    full = _batch(trajs, mode, gate=gate)
+    compact = _batch(trajs, mode, gate=gate, compact=True)
+    assert compact.teacher_compact and not full.teacher_compact
+    np.testing.assert_array_equal(compact.distill_mask_BxT, full.distill_mask_BxT)
+    n_rows = int(compact.teacher_segment_ids_BtxTt.any(-1).sum())
+    assert (n_rows == 0) == (which == "none" and gate == "failed_turns")
+    loss_a, sums_a, grads_a = _loss_and_grad(cfg, full)
+    loss_b, sums_b, grads_b = _loss_and_grad(cfg, compact)
+    assert (float(sums_a["tg_loss"]) > 1e-5) == (n_rows > 0)
+    # The compact pass runs the decode path's fused matmuls: hidden states agree to float32
+    # rounding, so a KL of ~3e-4 (a difference of log-probs) agrees to ~1e-7 absolute.
+    for k in sums_a:
+        np.testing.assert_allclose(sums_a[k], sums_b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6, atol=1e-7)
+    _tree_close(grads_a, grads_b, atol=1e-6, rtol=1e-4)
+
+
 def _run_steps(cfg, batches, mesh, *, ref=False):
     model, params = _model_and_params()
     rules = sharding.logical_rules(cfg.mesh)
@@ -209,21 +260,37 @@ def test_sharded_step_equals_single_device():
     assert single[1][0]["logprob_mismatch_max"] > 0.1  # the noise of `_batch`
 
 
+def test_sharded_compact_step_equals_single_device():
+    cfg = _config(**STEP_OVERRIDES, **{"rl.micro_batches": 2})
+    mesh8 = sharding.make_mesh(config_lib.mesh_config((2, 2, 2, 1)))
+    divisor = sharding.batch_divisor(mesh8, sharding.logical_rules(cfg.mesh))
+    batch = _batch(_trajectories(16), micro_batches=2, compact=True, batch_multiple=divisor)
+    assert batch.teacher_compact and batch.teacher_tokens_BtxTt.shape[0] % (2 * divisor) == 0
+    sharded = _run_steps(cfg, [batch, batch], mesh8)
+    single = _run_steps(cfg, [batch, batch], _single_mesh())
+    _assert_same_run(sharded, single)
+    assert single[1][0]["tg_loss"] > 0
+
+
 @pytest.mark.parametrize(
-    "agg,mode,kl",
+    "agg,mode,kl,compact",
     [
-        ("token_mean", "per_trajectory", 0.0),
-        ("seq_mean_token_mean", "per_turn", 0.1),
-        ("seq_mean_token_sum_norm", "per_trajectory", 0.0),
+        ("token_mean", "per_trajectory", 0.0, False),
+        ("seq_mean_token_mean", "per_turn", 0.1, False),
+        ("seq_mean_token_sum_norm", "per_trajectory", 0.0, False),
+        ("token_mean", "per_trajectory", 0.0, True),
+        ("seq_mean_token_mean", "per_turn", 0.1, True),
     ],
 )
-def test_micro_batches_equal_one_big_batch(agg, mode, kl):
+def test_micro_batches_equal_one_big_batch(agg, mode, kl, compact):
     trajs = _trajectories()
     overrides = {"rl.agg_mode": agg, "tg.teacher_mode": mode, "rl.kl_coef": kl, **STEP_OVERRIDES}
-    big = _run_steps(_config(**overrides), [_batch(trajs, mode)], _single_mesh(), ref=kl > 0)
+    big = _run_steps(
+        _config(**overrides), [_batch(trajs, mode, compact=compact)], _single_mesh(), ref=kl > 0
+    )
     micro = _run_steps(
-        _config(**overrides, **{"rl.micro_batches": 4}), [_batch(trajs, mode, micro_batches=4)],
-        _single_mesh(), ref=kl > 0,
+        _config(**overrides, **{"rl.micro_batches": 4}),
+        [_batch(trajs, mode, micro_batches=4, compact=compact)], _single_mesh(), ref=kl > 0,
     )  # fmt: skip
     _assert_same_run(big, micro)
     assert big[1][0]["tg_loss"] > 0 and (kl == 0 or big[1][0]["ref_kl"] > 0)

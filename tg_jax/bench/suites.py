@@ -308,6 +308,7 @@ def rl_section(suite: Suite, config: Any) -> dict[str, Any]:
         "tg_step_s": tg,
         "tg_over_grpo": tg / grpo,
         "tg_over_grpo_cpu": r["tg_cpu_s"] / r["grpo_cpu_s"],
+        **bench_step.share_figures(r),
         "grpo_tok_s": tokens / grpo,
         "tg_tok_s": tokens / tg,
         "load": measure.load_average(),

@@ -24,6 +24,13 @@ layout was much slower.
     weights = decode_weights(model, params)
     logits_BxV, cache = prefill(model, params, prompt_BxP, prompt_lengths_B, r, weights=weights)
     logits_BxV, cache = decode_one(model, weights, tokens_B, index, cache)
+
+Multi-turn sampling keeps the cache between calls: `keep_context` makes each row's context
+contiguous again (prompt and generated tokens, slot == position) and `prefill_append` prefills
+only the tokens appended to it.
+
+`forward_from_prefix` runs a block of tokens that continues a prefix whose keys and values
+another pass computed (the TG teacher after its first hint, on the student's prefix).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from tg_jax.models.qwen3 import Transformer, make_ffn
 Array = jax.Array
 _MASKED = jnp.finfo(jnp.float32).min  # score of a slot a query must not see
 _PREFILL_QUERY_BLOCK = 128  # prefill attention in causal query blocks of this many tokens
+_PREFIX_QUERY_BLOCK = 64  # the same for `forward_from_prefix` (faster there on CPU than 128)
 
 
 @flax.struct.dataclass
@@ -197,6 +205,119 @@ def extend(cache: DecodeCache, slots: int) -> DecodeCache:
     return cache.replace(k=k, v=v)
 
 
+def keep_context(
+    cache: DecodeCache, rows_B: Array, generated_B: Array, prompt_slots: int
+) -> DecodeCache:
+    """Rows of a cache after a decode loop, each row's context contiguous again (one gather).
+
+    Row b's context is its prompt (slots 0..L-1) and its first g_b generated tokens (slots
+    P0..P0+g_b-1): they move to slots 0..L+g_b-1 of a prompt block of `prompt_slots` slots, so
+    slot == position as after `prefill`; slots past a row's context hold stale entries that
+    nothing sees. `prefill_append` then adds the next tokens (multi-turn sampling).
+
+    Args:
+      cache: a cache of B0 rows with P0 prompt slots and any number of generated slots.
+      rows_B: [B] int32 rows of `cache` to keep (repeats allowed).
+      generated_B: [B] int32 g_b, generated tokens of each kept row whose keys and values are
+        in the cache (a row's last drawn token was never fed: it is not).
+      prompt_slots: P of the new block (>= L + g_b of every row).
+    Returns:
+      DecodeCache of B rows and P slots, prompt_lengths_B = L + g_b (RoPE tables unchanged).
+    """
+    total = cache.v[0].shape[2]
+    lengths_B = cache.prompt_lengths_B[rows_B]
+    slot_1xS = jnp.arange(prompt_slots, dtype=jnp.int32)[None, :]
+    from_generated_BxS = cache.prompt_slots + slot_1xS - lengths_B[:, None]
+    src_BxS = jnp.where(slot_1xS < lengths_B[:, None], slot_1xS, from_generated_BxS)
+    src_BxS = jnp.clip(src_BxS, 0, total - 1)
+    k = tuple(jnp.take_along_axis(x[rows_B], src_BxS[:, None, None, :], axis=3) for x in cache.k)
+    v = tuple(jnp.take_along_axis(x[rows_B], src_BxS[:, None, :, None], axis=2) for x in cache.v)
+    return cache.replace(
+        k=k, v=v, prompt_lengths_B=lengths_B + generated_B, prompt_slots=prompt_slots
+    )
+
+
+def prefill_append(
+    model: Transformer,
+    weights: DecodeWeights,
+    cache: DecodeCache,
+    tokens_BxA: Array,
+    lengths_B: Array,
+    max_new: int,
+    slots: int | None = None,
+) -> tuple[Array, DecodeCache]:
+    """`prefill` of a block of tokens appended to each row's context already in the cache.
+
+    Row b's context fills slots 0..C_b-1 (C_b = cache.prompt_lengths_B, slot == position, as
+    `prefill` and `keep_context` leave it); its new tokens tokens_BxA[b, :A_b] take positions
+    and slots C_b..C_b+A_b-1 and attend to the context and causally to each other. Same layer
+    math as `prefill` (the last layer runs for each row's last new token only).
+
+    Args:
+      weights: `decode_weights(model, params)`.
+      cache: P prompt slots and no generated slots, C_b + A_b <= P.
+      tokens_BxA: [B, A] int32 right-padded new tokens.
+      lengths_B: [B] int32 A_b, 1 <= A_b <= A.
+      max_new, slots: as in `prefill`.
+    Returns:
+      (fp32 logits [B, V] at each row's last new token, DecodeCache with prompt lengths
+      C_b + A_b and P + slots slots).
+    """
+    cfg = model.config
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, a = tokens_BxA.shape
+    p = cache.prompt_slots
+    if cache.v[0].shape[2] != p:
+        raise ValueError("prefill_append needs a cache without generated slots (keep_context)")
+    slots = max_new if slots is None else slots
+    start_B = cache.prompt_lengths_B
+    cos_1xSx1xH2, sin_1xSx1xH2 = rope_tables(
+        jnp.arange(p + max_new, dtype=jnp.int32)[None, :], h, cfg.rope_theta
+    )
+    # Padding tokens past the block take any position in it: nothing reads their outputs.
+    positions_BxA = jnp.minimum(start_B[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :], p - 1)
+    cos = cos_1xSx1xH2[0, :, 0][positions_BxA][:, :, None, :]  # [B, A, 1, H / 2]
+    sin = sin_1xSx1xH2[0, :, 0][positions_BxA][:, :, None, :]
+    slot_P = jnp.arange(p, dtype=jnp.int32)
+    # Cache slot s of row b takes new token s - C_b when that is one of the row's A_b tokens.
+    j_BxP = slot_P[None, :] - start_B[:, None]
+    is_new_BxP = (j_BxP >= 0) & (j_BxP < lengths_B[:, None])
+    j_BxP = jnp.clip(j_BxP, 0, a - 1)
+    visible_BxAxP = slot_P[None, None, :] <= positions_BxA[:, :, None]  # causal by position
+    end_B = start_B + lengths_B
+    last_Bx1x1 = (lengths_B - 1)[:, None, None]
+
+    x_BxAxD = _embed(model, weights, tokens_BxA)
+    ks, vs = [], []
+    for i, w in enumerate(weights.layers):
+        q_BxAxNxH, k_BxAxKxH, v_BxAxKxH = _attention_inputs(cfg, w, x_BxAxD, cos, sin)
+        k_BxKxHxA = jnp.transpose(k_BxAxKxH, (0, 2, 3, 1)).astype(dt)
+        v_BxKxAxH = jnp.transpose(v_BxAxKxH, (0, 2, 1, 3)).astype(dt)
+        placed_k = jnp.take_along_axis(k_BxKxHxA, j_BxP[:, None, None, :], axis=3)
+        placed_v = jnp.take_along_axis(v_BxKxAxH, j_BxP[:, None, :, None], axis=2)
+        k_BxKxHxP = jnp.where(is_new_BxP[:, None, None, :], placed_k, cache.k[i])
+        v_BxKxPxH = jnp.where(is_new_BxP[:, None, :, None], placed_v, cache.v[i])
+        ks.append(k_BxKxHxP)
+        vs.append(v_BxKxPxH)
+        if i < len(weights.layers) - 1:
+            out_BxAxNxH = _masked_attention(cfg, q_BxAxNxH, k_BxKxHxP, v_BxKxPxH, visible_BxAxP)
+            x_BxAxD = _attention_output_and_ffn(cfg, w, x_BxAxD, out_BxAxNxH)
+        else:
+            q_BxNxH = jnp.take_along_axis(q_BxAxNxH, last_Bx1x1[..., None], axis=1)[:, 0]
+            visible_Bx1x1xP = (slot_P[None, :] < end_B[:, None])[:, None, None, :]
+            out_BxKxGxH = _attend(
+                q_BxNxH.reshape(b, n_kv, n // n_kv, h), k_BxKxHxP, v_BxKxPxH, visible_Bx1x1xP, dt
+            )
+            x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
+            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n, h))
+
+    out = DecodeCache(
+        tuple(ks), tuple(vs), end_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0], prompt_slots=p
+    )
+    return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(out, slots)
+
+
 def _write(cache: Array, new: Array, col: Array, slot_axis: int) -> Array:
     """Writes one shared column in place (a dynamic_update_slice, not a scatter)."""
     start = tuple(col if a == slot_axis else 0 for a in range(cache.ndim))
@@ -269,6 +390,27 @@ def _causal_attention(cfg, q_BxPxNxH: Array, k_BxKxHxP: Array, v_BxKxPxH: Array)
     return jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n, h)
 
 
+def _masked_attention(
+    cfg, q_BxTxNxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, visible_BxTxS: Array
+) -> Array:
+    """Attention of T query tokens per row over the cache slots each may see: [B, T, N, H]
+    (in query blocks of `_PREFILL_QUERY_BLOCK`, which bound the scores' size)."""
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t = q_BxTxNxH.shape[:2]
+    q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
+    outs = []
+    for lo in range(0, t, _PREFILL_QUERY_BLOCK):
+        hi = min(lo + _PREFILL_QUERY_BLOCK, t)
+        scores = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS)
+        scores = scores.astype(jnp.float32) * (h**-0.5)
+        scores = jnp.where(visible_BxTxS[:, None, None, lo:hi], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH))
+    out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
+    return jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+
+
 def _attend(q_BxKxGxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, visible, dt) -> Array:
     """One query token per row against the cache slots it may see: [B, K, G, H]."""
     h = q_BxKxGxH.shape[-1]
@@ -323,6 +465,79 @@ def decode_one(
     return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
+def forward_from_prefix(
+    model: Transformer,
+    params: Any,
+    tokens_BxT: Array,
+    positions_BxT: Array,
+    segment_ids_BxT: Array,
+    prefix_k_LxBxSxKxH: Array,
+    prefix_v_LxBxSxKxH: Array,
+    prefix_lengths_B: Array,
+    weights: DecodeWeights | None = None,
+) -> Array:
+    """Final-norm hidden states [B, T, D] of a block that continues a prefix already computed.
+
+    Row b's block follows a prefix of `prefix_lengths_B[b]` tokens whose per-layer keys (after
+    q/k norm and RoPE) and values are given, in the full-sequence model's [B, S, K, H] layout;
+    a block token sees the prefix slots s < prefix_lengths_B[b] and the block tokens at or
+    before it with a non-zero segment id. Same layer math as `prefill` (fused matmuls), in
+    causal query blocks (keys past a block's last query are never scored). The teacher of
+    targeted guidance runs only the tokens from its first hint on this way, the prefix's keys
+    and values coming from the student's pass.
+
+    Args:
+      tokens_BxT, positions_BxT, segment_ids_BxT: the block (positions continue the prefix).
+      prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH: per-layer prefix keys and values, S slots.
+      prefix_lengths_B: [B] int32 valid prefix slots of each row (0 <= L_b <= S).
+      weights: `decode_weights(model, params)` when the caller has them.
+    Returns:
+      [B, T, D] hidden states after the final norm (the input of `unembed`).
+    """
+    cfg = model.config
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t = tokens_BxT.shape
+    s = prefix_k_LxBxSxKxH.shape[2]
+    weights = decode_weights(model, params) if weights is None else weights
+    cos_BxTx1xH2, sin_BxTx1xH2 = rope_tables(positions_BxT, h, cfg.rope_theta)
+    # visible [B, T, S + T]: slots 0..S-1 the prefix, S + j block token j.
+    slot_1x1xS = jnp.arange(s + t)[None, None, :]
+    block_seg_BxS = jnp.pad(segment_ids_BxT, ((0, 0), (s, 0)))
+    in_block_BxTxS = (slot_1x1xS - s <= jnp.arange(t)[None, :, None]) & (
+        block_seg_BxS[:, None, :] != 0
+    )
+    visible_BxTxS = jnp.where(
+        slot_1x1xS < s, slot_1x1xS < prefix_lengths_B[:, None, None], in_block_BxTxS
+    )
+    x_BxTxD = _embed(model, weights, tokens_BxT)
+    for i, w in enumerate(weights.layers):
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _attention_inputs(
+            cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
+        )
+        # The decode layout (keys slot-minor), as in `_causal_attention`.
+        k_all = jnp.concatenate([prefix_k_LxBxSxKxH[i].astype(dt), k_BxTxKxH.astype(dt)], 1)
+        v_all = jnp.concatenate([prefix_v_LxBxSxKxH[i].astype(dt), v_BxTxKxH.astype(dt)], 1)
+        k_BxKxHxS = jnp.transpose(k_all, (0, 2, 3, 1))
+        v_BxKxSxH = jnp.transpose(v_all, (0, 2, 1, 3))
+        q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
+        outs = []
+        for lo in range(0, t, _PREFIX_QUERY_BLOCK):
+            # Query block [lo, hi) scores the prefix and block keys [0, hi) only.
+            hi = min(lo + _PREFIX_QUERY_BLOCK, t)
+            scores = jnp.einsum(
+                "bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS[..., : s + hi]
+            )
+            scores = scores.astype(jnp.float32) * (h**-0.5)
+            scores = jnp.where(visible_BxTxS[:, None, None, lo:hi, : s + hi], scores, _MASKED)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH[:, :, : s + hi]))
+        out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
+        out_BxTxNxH = jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+        x_BxTxD = _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH)
+    return _norm(cfg, x_BxTxD, weights.params["final_norm"])
+
+
 __all__ = [
     "DecodeCache",
     "DecodeWeights",
@@ -330,6 +545,9 @@ __all__ = [
     "decode_one",
     "decode_weights",
     "extend",
+    "forward_from_prefix",
+    "keep_context",
     "prefill",
+    "prefill_append",
     "rope_tables",
 ]

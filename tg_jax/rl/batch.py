@@ -27,6 +27,9 @@ Teacher modes:
     tokens[turn_starts[k]:end of turn k] (what follows is dropped). Exact per-turn contexts;
     B_t = `max_teacher_rows`, static; targeted turns beyond it are not distilled (warning).
   none: no teacher (the GRPO arm): [B, 1] placeholder teacher arrays.
+compact=True keeps either mode's teacher contexts but stores only what the teacher must
+compute: rows for targeted trajectories (turns) only, each from its first hint to the end of
+its last targeted turn; the layout and its index map are in `tg_jax.rl.compact`.
 A turn is *targeted* when it failed a requirement (gate="failed_turns"; its hint = the hint
 messages of its failed requirements, in sorted order) or, with gate="all_turns", whenever it
 has verdicts (hint = those of all its requirements). A targeted turn whose hint has no tokens
@@ -44,7 +47,11 @@ import flax.struct
 import jax
 import numpy as np
 
+from tg_jax.rl.compact import bucket_length, compact_teacher, turn_end
 from tg_jax.sampling.trajectory import Role, Trajectory
+
+__all__ = ["Batch", "bucket_length", "build_batch", "filter_stale", "num_rows", "split_batch",
+           "split_microbatches"]  # fmt: skip
 
 TeacherMode = Literal["per_trajectory", "per_turn", "none"]
 
@@ -78,8 +85,13 @@ class Batch:
       group_ids_B: int32 GRPO group of each row.
       policy_version_B: int32 policy version that sampled each row (-1 on padding rows).
       valid_B: bool, False for padding rows.
+      teacher_src_row_Bt, teacher_start_Bt: compact teacher rows only (else None): int32 the
+        student row (local to the micro-batch) whose prefix the row continues, and the
+        student position p of its first hint (`tg_jax.rl.compact`).
       requirement_names: static tuple of requirement names (the ids' meaning).
       teacher_mode: static, the `TeacherMode` the teacher rows were built with.
+      teacher_compact: static, the teacher rows are compact (`tg_jax.rl.compact`).
+      teacher_prefix_len: static, compact rows: the student key/value slots the teacher sees.
     """
 
     tokens_BxT: Any
@@ -103,18 +115,12 @@ class Batch:
     group_ids_B: Any
     policy_version_B: Any
     valid_B: Any
+    teacher_src_row_Bt: Any = None
+    teacher_start_Bt: Any = None
     requirement_names: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
     teacher_mode: str = flax.struct.field(pytree_node=False, default="per_trajectory")
-
-
-def bucket_length(length: int, max_len: int, multiple: int) -> int:
-    """Padded length: `length` rounded up to a multiple of `multiple`, capped at `max_len`.
-
-    multiple = 0 always pads to max_len (one shape for the whole run).
-    """
-    if multiple <= 0:
-        return max_len
-    return min(max_len, -(-length // multiple) * multiple)
+    teacher_compact: bool = flax.struct.field(pytree_node=False, default=False)
+    teacher_prefix_len: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def _failed(traj: Trajectory, turn: int) -> list[str]:
@@ -133,12 +139,6 @@ def _targeted_requirements(traj: Trajectory, turn: int, gate: str) -> list[str]:
 
 def _hint(traj: Trajectory, names: Sequence[str], turn: int) -> np.ndarray:
     return traj.hint_ids(turn, names)  # the hints picked for that turn (Trajectory)
-
-
-def _turn_end(traj: Trajectory, turn: int) -> int:
-    """One past the last token of assistant turn `turn`."""
-    (idx,) = np.nonzero(np.asarray(traj.turn_ids) == turn)
-    return int(idx[-1]) + 1 if idx.size else int(traj.turn_starts[turn]) + 1
 
 
 def _fill_row(dst: dict[str, np.ndarray], row: int, seq: np.ndarray, length: int) -> None:
@@ -246,7 +246,7 @@ def _fill_per_turn_teacher(
     tokens = np.asarray(traj.tokens, np.int32)
     num = len(tokens)
     s = slice(0, num - 1)
-    start, end = int(traj.turn_starts[k]), _turn_end(traj, k)
+    start, end = int(traj.turn_starts[k]), turn_end(traj, k)
     seq = np.concatenate([tokens[:start], hint, tokens[start:end]])
     if len(seq) > teacher_max_len:
         raise ValueError(
@@ -406,6 +406,7 @@ def build_batch(
     teacher_pad_to_multiple: int | None = None,
     batch_multiple: int = 1,
     micro_batches: int = 1,
+    compact: bool = False,
 ) -> Batch:
     """Pads trajectories into a `Batch` (see the module docstring for conventions).
 
@@ -427,6 +428,10 @@ def build_batch(
       batch_multiple: rows per micro-batch are a multiple of this (the mesh's batch divisor);
         padding rows are added (valid_B False, every mask 0).
       micro_batches: number of micro-batches the train step will split the batch into.
+      compact: teacher rows only where a turn is targeted, from the first hint to the end of
+        the last targeted turn (`tg_jax.rl.compact`); the train step then reuses the
+        student's keys and values for the shared prefix. B_t is bucketed (per_turn: at most
+        max_teacher_rows).
 
     Returns:
       A `Batch` of numpy arrays.
@@ -457,7 +462,15 @@ def build_batch(
     t_multiple = pad_to_multiple if teacher_pad_to_multiple is None else teacher_pad_to_multiple
     shared = {"micro_batches": micro_batches, "teacher_max_len": teacher_max_len,
               "pad_multiple": t_multiple}  # fmt: skip
-    if mode == "per_trajectory":
+    compact = compact and mode != "none"
+    prefix_len = 0
+    if compact:
+        teacher, prefix_len = compact_teacher(
+            per_token, trajectories, hints, _turn_mask, mode=mode, rows=rows,
+            student_len=length, batch_multiple=batch_multiple,
+            max_teacher_rows=max_teacher_rows, **shared,
+        )  # fmt: skip
+    elif mode == "per_trajectory":
         teacher = _per_trajectory_teacher(per_token, trajectories, hints, rows=rows, **shared)
     elif mode == "per_turn":
         teacher = _per_turn_teacher(
@@ -486,8 +499,12 @@ def build_batch(
         teacher_positions_BtxTt=teacher["positions"],
         teacher_segment_ids_BtxTt=teacher["segments"],
         **_row_fields(trajectories, rows, reward_names),
+        teacher_src_row_Bt=teacher.get("src_row"),
+        teacher_start_Bt=teacher.get("start"),
         requirement_names=tuple(requirement_names),
         teacher_mode=mode,
+        teacher_compact=compact,
+        teacher_prefix_len=prefix_len,
     )
 
 

@@ -178,6 +178,8 @@ class TGConfig:
     """per_trajectory (hints before every failed turn) | per_turn (read by batch building)."""
     max_teacher_rows: int = 64
     """per_turn: teacher rows per batch (static), extra turns dropped."""
+    compact: bool = True
+    """Compact teacher rows (read by batch building: tg_jax.rl.compact)."""
     mask_hint_copies: bool = False
     """Leave out of the TG KL the student tokens that copy their turn's hint (read by batch
     building, tg_jax.rl.hint_copies)."""

@@ -10,8 +10,9 @@ One call of `train_step(state, batch)`:
  3. Per micro-batch (`lax.scan` over `rl.micro_batches`, gradients summed), `loss_fn`:
     a. student forward to final hidden states [B, T, D];
     b. when TG is on, teacher forward on the hinted teacher tokens with the SAME params under
-       stop_gradient, gathered to student positions through the batch's index map (the GRPO
-       arm skips it entirely);
+       stop_gradient (compact teacher rows start at the first hint and reuse the student's
+       keys and values for the prefix, `tg_jax.rl.teacher`), gathered to student positions
+       through the batch's index map (the GRPO arm skips it entirely);
     c. `chunked_token_stats`: student log-prob of each target, entropy and the divergence to
        the teacher, chunk by chunk along T (never the whole [B, T, V] of either model);
     d. the README equation, one named term each:
@@ -56,6 +57,7 @@ from tg_jax.rl.advantages import AdvantageMetrics, compute_advantages
 from tg_jax.rl.batch import Batch, split_microbatches
 from tg_jax.rl.policy_loss import PolicyLossMetrics, ppo_loss, reference_kl
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
+from tg_jax.rl.teacher import gather_teacher, student_forward, teacher_rows_hidden
 from tg_jax.rl.tg_loss import TokenStats, chunked_token_stats, lambda_schedule, tg_loss, tg_mask
 from tg_jax.rl.train_state import (
     TrainState,
@@ -131,22 +133,6 @@ def shares(batch: Batch, norms: Normalizers, rl_cfg: RLConfig) -> Shares:
     return Shares(agg=agg, tokens=tokens)
 
 
-def gather_teacher(teacher_hidden_BtxTtxD: jax.Array, batch: Batch) -> jax.Array:
-    """Teacher hidden states at the student positions of the index map -> [B, T, D].
-
-    per_trajectory: teacher row b serves student row b, so the gather stays within a row (and
-    within a device's shard); per_turn: a general row gather.
-    """
-    pos_BxT, mode = batch.teacher_pos_BxT, batch.teacher_mode
-    if mode == "per_trajectory":
-        if teacher_hidden_BtxTtxD.shape[0] != pos_BxT.shape[0]:
-            raise ValueError("per_trajectory needs one teacher row per student row")
-        return jax.vmap(lambda h_TtxD, p_T: h_TtxD[p_T])(teacher_hidden_BtxTtxD, pos_BxT)
-    if mode == "per_turn":
-        return teacher_hidden_BtxTtxD[batch.teacher_row_BxT, pos_BxT]
-    raise ValueError(f"TG needs a batch built with teacher rows, got teacher_mode {mode!r}")
-
-
 def _unembed_fn(model: nn.Module, params: Any, temperature: float) -> Callable:
     """h [B, C, D] -> logits [B, C, V] / temperature (the sampler's distribution)."""
 
@@ -168,21 +154,17 @@ def token_stats(
 ) -> TokenStats:
     """Student forward (+ the teacher's when TG is on) -> log-probs, entropy, D per token.
 
-    The teacher is the same params under stop_gradient on the hinted teacher tokens, gathered
-    to student positions (`gather_teacher`); `teacher_hidden_BxTxD` replaces that forward.
+    The teacher is the same params under stop_gradient on the hinted teacher tokens
+    (`tg_jax.rl.teacher`: compact rows continue the student's prefix keys and values),
+    gathered to student positions (`gather_teacher`); `teacher_hidden_BxTxD` replaces it.
     """
-    hidden_BxTxD = hidden_states(
-        model, params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT
+    run_teacher = tg_cfg.enabled and teacher_hidden_BxTxD is None
+    hidden_BxTxD, prefix = student_forward(
+        model, params, batch, keep_prefix=run_teacher and batch.teacher_compact
     )
-    if tg_cfg.enabled and teacher_hidden_BxTxD is None:
-        # stop_gradient on the params keeps the whole teacher forward out of the backward pass.
-        teacher_BtxTtxD = hidden_states(
-            model,
-            jax.lax.stop_gradient(params),
-            batch.teacher_tokens_BtxTt,
-            batch.teacher_positions_BtxTt,
-            batch.teacher_segment_ids_BtxTt,
-        )
+    if run_teacher:
+        # The teacher forward sees stop-gradiented params (and prefix): no backward pass.
+        teacher_BtxTtxD = teacher_rows_hidden(model, params, batch, prefix)
         teacher_hidden_BxTxD = gather_teacher(teacher_BtxTtxD, batch)
     return chunked_token_stats(
         hidden_BxTxD,

@@ -10,10 +10,12 @@ An episode's tokens grow append-only; nothing is ever re-rendered:
     observation message (rendered as `observation_role`)               ENV
     [hint] + header + next sampled turn ...
 
-Every turn of every live episode is sampled in one batched `Sampler.sample` call, which
-re-prefills each episode's whole context (one batched forward; the KV cache is not kept across
-turns). The turn text (sampled tokens minus the stop token, thinking included) goes to
-`env.step`; tool calls of one turn run in a thread pool (sandbox subprocesses release the GIL).
+Every turn of every live episode is sampled in one batched `Sampler.sample` call. The
+episodes' keys and values stay on the device between turns (`tg_jax.sampling.turn_cache`): a
+turn prefills only what was appended since the last one (observation, hint, header), and the
+G rollouts of a prompt prefill it once (info["prefill_tokens"] counts the prefilled tokens).
+The turn text (sampled tokens minus the stop token, thinking included) goes to `env.step`;
+tool calls of one turn run in a thread pool (sandbox subprocesses release the GIL).
 
 Limits:
   * A turn that reaches its token budget without a stop token is still recorded and sent to the
@@ -48,8 +50,9 @@ from tg_jax.envs import leakage
 from tg_jax.envs.base import Environment
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
-from tg_jax.sampling.sampler import Sampler
+from tg_jax.sampling.sampler import Sampler, SampleResult
 from tg_jax.sampling.trajectory import Role, Trajectory
+from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 
 TERMINATIONS = ("done", "max_turns", "max_tokens")
@@ -108,6 +111,7 @@ class Episode:
     rewards: dict[str, float] | None = None
     termination: str = ""
     truncated_turns: int = 0
+    prefill_tokens: float = 0.0
     step_infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     stream_id: int = 0  # its random stream (play_episodes' stream_ids)
     texts: list[str] = dataclasses.field(default_factory=list)  # per turn, as sent to the env
@@ -159,6 +163,28 @@ def _start_episodes(
     return episodes
 
 
+def _record_turn(ep: Episode, renderer: ChatRenderer, out: SampleResult, k: int) -> str:
+    """Appends row k of a sampled turn to its episode; returns the turn's text (no stop token).
+
+    A turn cut at its budget is closed by an `<|im_end|>` the policy did not sample.
+    """
+    if out.prefill_tokens is not None:
+        ep.prefill_tokens += float(out.prefill_tokens[k])
+    header = renderer.assistant_header()
+    k_turn = len(ep.turn_starts) - 1
+    new = [int(t) for t in out.tokens[k]]
+    think = renderer.split_thinking(header + new)[len(header) :]
+    for t, lp, is_think in zip(new, out.logprobs[k], think, strict=True):
+        ep.append([t], Role.THINK if is_think else Role.ANSWER, k_turn, [lp])
+    if out.stopped[k]:
+        new = new[:-1]
+    else:
+        ep.truncated_turns += 1
+        ep.append([renderer.end_of_turn_ids[0]], Role.PROMPT)  # not sampled: closes the turn
+    ep.texts.append(renderer.tokenizer.decode(new))
+    return ep.texts[-1]
+
+
 def play_episodes(
     sampler: Sampler,
     params: Any,
@@ -192,7 +218,6 @@ def play_episodes(
       The finished episodes, in the order of `tasks`.
     """
     header = renderer.assistant_header()
-    im_end = renderer.end_of_turn_ids[0]
     episodes = _start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     hint_ids: list[int] = []
     if hint_before_every_turn and episodes:
@@ -213,6 +238,7 @@ def play_episodes(
 
     live = list(episodes)
     turn = 0
+    cache = TurnCache()  # keyed by id(): the episodes outlive it
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.env_workers)) as pool:
         while live:
             budgets = [min(config.max_new_tokens, room(ep)) for ep in live]
@@ -230,21 +256,10 @@ def play_episodes(
                 top_p=config.top_p,
                 rng=jax.random.fold_in(rng, turn),
                 row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
+                cache=cache,
+                keys=[id(ep) for ep in live],
             )
-            texts = []
-            for k, ep in enumerate(live):
-                k_turn = len(ep.turn_starts) - 1
-                new = [int(t) for t in out.tokens[k]]
-                think = renderer.split_thinking(header + new)[len(header) :]
-                for t, lp, is_think in zip(new, out.logprobs[k], think, strict=True):
-                    ep.append([t], Role.THINK if is_think else Role.ANSWER, k_turn, [lp])
-                if out.stopped[k]:
-                    new = new[:-1]
-                else:
-                    ep.truncated_turns += 1
-                    ep.append([im_end], Role.PROMPT)  # not sampled: closes the cut turn
-                texts.append(renderer.tokenizer.decode(new))
-                ep.texts.append(texts[-1])
+            texts = [_record_turn(ep, renderer, out, k) for k, ep in enumerate(live)]
             results = list(pool.map(lambda ep, text: ep.env.step(text), live, texts))
 
             still = []
@@ -317,6 +332,7 @@ def to_trajectory(
         "truncated_turns": ep.truncated_turns,
         "num_tokens": len(ep.tokens),
         "sampled_tokens": int(sum(t >= 0 for t in ep.turn_ids)),
+        "prefill_tokens": ep.prefill_tokens,
         "steps": ep.step_infos,
         **(extra_info or {}),
     }

@@ -14,16 +14,18 @@ log-prob is recorded) is `tg_jax.sampling.methods`; the trainer's importance rat
 
 Everything that varies between calls within a bucket (prompt lengths, stop ids, max new tokens,
 temperature, top-k, top-p, rng) is an array, so only the bucketed shapes (B, P, R, W) trigger
-compilation. Multi-turn rollouts re-prefill the whole context each turn (see
-tg_jax.sampling.rollout): one batched forward, cheap next to the token-by-token decode.
+compilation. Multi-turn rollouts pass a `TurnCache` (tg_jax.sampling.turn_cache): the rows'
+keys and values stay on the device between calls and a call prefills only the appended tokens
+(`sample_appended`), or each distinct prompt once (`sample_prefilled`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -32,6 +34,9 @@ import numpy as np
 
 from tg_jax.models import Transformer, decode, forward
 from tg_jax.sampling.methods import draw_with_uniforms, row_uniforms, step_uniforms
+
+if TYPE_CHECKING:
+    from tg_jax.sampling.turn_cache import TurnCache
 
 Array = jax.Array
 
@@ -144,12 +149,72 @@ def sample_tokens(
     Returns:
       SampleOutput with [B, R] tokens / log-probs and [B] lengths / stopped flags.
     """
-    b, r = u_BxR.shape
-    ends = segment_ends(r, segment)
+    r = u_BxR.shape[1]
     weights = decode.decode_weights(model, params)
     logits_BxV, cache = decode.prefill(
-        model, params, prompt_BxP, prompt_lengths_B, r, slots=ends[0], weights=weights
+        model, params, prompt_BxP, prompt_lengths_B, r, slots=segment_ends(r, segment)[0],
+        weights=weights,
+    )  # fmt: skip
+    settings = (max_new_B, stop_ids_BxW, temperature_B, top_k_B, top_p_B, u_BxR)
+    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id,
+                       segment=segment)[0]  # fmt: skip
+
+
+def sample_prefilled(
+    model: Transformer, params: Any, logits_BxV: Array, cache: decode.DecodeCache, *settings,
+    pad_id: int, segment: int = 0,
+) -> tuple[SampleOutput, decode.DecodeCache]:  # fmt: skip
+    """`sample_tokens` from an already prefilled cache (`prefill`'s logits and cache, with
+    `segment_ends(R, segment)[0]` generated slots); `settings` are `sample_tokens`' arguments
+    from `max_new_B` on. Returns the output and the cache after the loop."""
+    weights = decode.decode_weights(model, params)
+    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id,
+                       segment=segment)  # fmt: skip
+
+
+def sample_appended(
+    model: Transformer, params: Any, cache: decode.DecodeCache, new_BxA: Array,
+    new_lengths_B: Array, *settings, pad_id: int, segment: int = 0,
+) -> tuple[SampleOutput, decode.DecodeCache]:  # fmt: skip
+    """`sample_tokens` of contexts kept in `cache` (`decode.keep_context`) followed by
+    new_BxA[b, :new_lengths_B[b]] (`decode.prefill_append` prefills only those); `settings`
+    as in `sample_prefilled`. Returns the output and the cache after the loop."""
+    r = settings[-1].shape[1]
+    weights = decode.decode_weights(model, params)
+    logits_BxV, cache = decode.prefill_append(
+        model, weights, cache, new_BxA, new_lengths_B, r, slots=segment_ends(r, segment)[0]
     )
+    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id,
+                       segment=segment)  # fmt: skip
+
+
+def decode_loop(
+    model: Transformer,
+    weights: decode.DecodeWeights,
+    logits_BxV: Array,
+    cache: decode.DecodeCache,
+    max_new_B: Array,
+    stop_ids_BxW: Array,
+    temperature_B: Array,
+    top_k_B: Array,
+    top_p_B: Array,
+    u_BxR: Array,
+    *,
+    pad_id: int,
+    segment: int = 0,
+) -> tuple[SampleOutput, decode.DecodeCache]:
+    """The decode loop after a prefill: draws token 0 from `logits_BxV` (the logits at each
+    row's last prompt token), then token i + 1 after feeding token i (`decode_one`).
+
+    Args:
+      cache: the prefilled cache with `segment_ends(R, segment)[0]` generated slots.
+      (others: see `sample_tokens`.)
+    Returns:
+      (SampleOutput, the cache after the loop: P + R slots, generated token i of row b at
+      slot P + i for i < lengths_B[b] - 1; the last drawn token is never fed).
+    """
+    b, r = u_BxR.shape
+    ends = segment_ends(r, segment)
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
         tokens_BxR=jnp.full((b, r), pad_id, jnp.int32),
@@ -179,13 +244,14 @@ def sample_tokens(
         state = jax.lax.while_loop(
             lambda s, end=end: (s.step < end) & ~jnp.all(s.done_B), body, state
         )
-    return SampleOutput(
+    out = SampleOutput(
         tokens_BxR=state.tokens_BxR,
         logprobs_BxR=state.logprobs_BxR,
         raw_logprobs_BxR=state.raw_logprobs_BxR,
         lengths_B=state.lengths_B,
         stopped_B=state.stopped_B,
     )
+    return out, state.cache
 
 
 def length_bucket(n: int, multiple: int = 64, minimum: int = 8) -> int:
@@ -214,12 +280,15 @@ class SampleResult:
       logprobs: per row, [n_b] f32 log-probs under the sampling distribution.
       raw_logprobs: per row, [n_b] f32 temperature-1 log-probs.
       stopped: [B] bool, the row ended on a stop id (else it hit its max new tokens).
+      prefill_tokens: [B] f32 prompt tokens the call ran through the model for the row (a
+        prefill shared by k rows counts 1 / k to each); None when not counted.
     """
 
     tokens: list[np.ndarray]
     logprobs: list[np.ndarray]
     raw_logprobs: list[np.ndarray]
     stopped: np.ndarray
+    prefill_tokens: np.ndarray | None = None
 
 
 def _per_row(value, batch: int, dtype) -> np.ndarray:
@@ -227,11 +296,16 @@ def _per_row(value, batch: int, dtype) -> np.ndarray:
     return np.broadcast_to(arr, (batch,)).copy() if arr.ndim == 0 else arr
 
 
+# The jitted entry points by kind: what precedes the shared sampling settings in their arguments.
+_KINDS = {"prompt": sample_tokens, "prefilled": sample_prefilled, "appended": sample_appended}
+
+
 class Sampler:
     """Host-side driver: pads a batch of prompts to the buckets and runs the jitted sampler.
 
-    Compiles once per (batch bucket, prompt bucket, new-token bucket, stop width); everything
-    else is an argument. `num_traces` counts traces of the jitted function (for tests/logs).
+    Compiles once per (batch bucket, prompt bucket, new-token bucket, stop width), and with a
+    `TurnCache` per appended-block bucket too; everything else is an argument. `num_traces`
+    counts traces of the jitted function (for tests/logs).
     """
 
     def __init__(
@@ -266,27 +340,33 @@ class Sampler:
         self.segment = int(segment)
         self.num_traces = 0
         self._jitted = jax.jit(
-            self._traced, static_argnames=("max_new_bucket", "per_shard", "per_row")
+            self._traced, static_argnames=("kind", "max_new_bucket", "per_shard", "per_row")
         )
 
-    def _traced(self, params, *arrays, max_new_bucket: int, per_shard: bool, per_row: bool = False):
-        """`sample_tokens` on the padded arrays (the last one the rng; with `per_row`, the one
-        before it the row ids); with `per_shard`, one decode loop per shard of rows
-        (`_row_axes`)."""
+    def _traced(
+        self, params, *arrays, kind: str, max_new_bucket: int, per_shard: bool, per_row: bool
+    ):
+        """`_KINDS[kind]` on the padded arrays (the last one the rng; with `per_row`, the one
+        before it the rows' random-stream ids); with `per_shard`, one decode loop per shard of
+        rows (`_row_axes`)."""
         self.num_traces += 1  # Runs only while tracing: counts compilations.
         *rows, rng = arrays
         if per_row:
             *rows, row_ids_B = rows
             u_BxR = row_uniforms(rng, row_ids_B, max_new_bucket)
         else:
-            u_BxR = step_uniforms(rng, rows[0].shape[0], max_new_bucket)
-        fn = functools.partial(sample_tokens, self.model, pad_id=self.pad_id, segment=self.segment)
+            # Every kind's arguments end with (max_new_B, stop_ids_BxW, temperature_B, top_k_B,
+            # top_p_B): the padded batch is max_new_B's.
+            u_BxR = step_uniforms(rng, rows[-5].shape[0], max_new_bucket)
+        fn = functools.partial(_KINDS[kind], self.model, pad_id=self.pad_id, segment=self.segment)
         if per_shard:
             spec = jax.P(self._row_axes())
+            specs = [_row_specs(x, spec) for x in rows]
+            caches = [s for s in specs if isinstance(s, decode.DecodeCache)]
+            out_specs = (spec, *caches) if caches else spec  # (output, cache) when cached
             fn = jax.shard_map(
-                fn, mesh=self.mesh, in_specs=(jax.P(), *[spec] * len(rows), spec),
-                out_specs=spec,
-            )  # fmt: skip
+                fn, mesh=self.mesh, in_specs=(jax.P(), *specs, spec), out_specs=out_specs
+            )
         return fn(params, *rows, u_BxR)
 
     def _row_axes(self) -> tuple[str, ...] | None:
@@ -312,6 +392,8 @@ class Sampler:
         top_p: float | Sequence[float] = 1.0,
         rng: Array,
         row_ids: Sequence[int] | None = None,
+        cache: TurnCache | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> SampleResult:
         """Samples a continuation of every prompt.
 
@@ -326,6 +408,10 @@ class Sampler:
             on (rng, row_ids[b]) (`row_uniforms`), not on its position or the batch size, so
             a row samples the same in any batch (e.g. on whichever host samples it). None:
             draws by position in the batch (`step_uniforms`).
+          cache: keeps every row's keys and values for the next call (multi-turn): a row whose
+            key it holds prefills only what its prompt appends to that row's context
+            (`tg_jax.sampling.turn_cache`). Same tokens as without it (to float rounding).
+          keys: with `cache`, the rows' ids in it.
         Returns:
           SampleResult with B rows.
         """
@@ -334,71 +420,127 @@ class Sampler:
         if n_rows == 0 or lengths.min() < 1:
             raise ValueError("sample() needs at least one row and non-empty prompts")
         max_new = _per_row(max_new_tokens, n_rows, np.int32)
-        b = batch_bucket(n_rows, self.batch_divisor)
-        p = length_bucket(int(lengths.max()), self.length_multiple)
-        n = length_bucket(max(int(max_new.max()), 1), self.length_multiple)
-
-        prompt_BxP = np.full((b, p), self.pad_id, np.int32)
-        for i, ids in enumerate(prompts):
-            prompt_BxP[i, : len(ids)] = ids
-        rows_stop = (
-            [list(s) for s in stop_ids]
-            if len(stop_ids) and isinstance(stop_ids[0], Sequence | np.ndarray)
-            else [list(stop_ids)] * n_rows
-        )
-        if len(rows_stop) != n_rows:
-            raise ValueError(f"{len(rows_stop)} stop-id lists for {n_rows} prompts")
         if max_new.shape != (n_rows,):
             raise ValueError(f"max_new_tokens has shape {max_new.shape}, expected ({n_rows},)")
-        width = max(self.stop_width, max(len(s) for s in rows_stop))
-        stop_BxW = np.full((b, width), -1, np.int32)
-        for i, s in enumerate(rows_stop):
-            stop_BxW[i, : len(s)] = s
+        b = batch_bucket(n_rows, self.batch_divisor)
+        n = length_bucket(max(int(max_new.max()), 1), self.length_multiple)
 
         def pad_rows(x, fill):
             return np.concatenate([x, np.full((b - n_rows,), fill, x.dtype)])
 
-        args = (
-            prompt_BxP,
-            pad_rows(lengths, 1),
+        settings = (
             pad_rows(max_new, 0),
-            stop_BxW,
+            _stop_block(stop_ids, n_rows, b, self.stop_width),
             pad_rows(_per_row(temperature, n_rows, np.float32), 1.0),
             pad_rows(_per_row(top_k, n_rows, np.int32), 0),
             pad_rows(_per_row(top_p, n_rows, np.float32), 1.0),
         )
+        row_ids_B = None
         if row_ids is not None:
             ids = np.asarray(row_ids, np.int32)
             if ids.shape != (n_rows,):
                 raise ValueError(f"row_ids has shape {ids.shape}, expected ({n_rows},)")
-            args += (pad_rows(ids, 0),)
-        out = self._run(params, args, rng, n, per_row=row_ids is not None)
+            row_ids_B = pad_rows(ids, 0)
+        if cache is None:
+            prompt_BxP, _ = self.pad_block(prompts, b)
+            args = (prompt_BxP, pad_rows(lengths, 1), *settings)
+            out = self.run("prompt", params, args, rng, n, row_ids_B=row_ids_B)
+            prefilled = lengths.astype(np.float32)
+        else:
+            out, prefilled = cache.run(
+                self, params, prompts, keys, settings, rng, n, row_ids_B=row_ids_B
+            )
         out = jax.device_get(out)
         ln = out.lengths_B
-        return SampleResult(
+        result = SampleResult(
             tokens=[out.tokens_BxR[i, : ln[i]] for i in range(n_rows)],
             logprobs=[out.logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
             raw_logprobs=[out.raw_logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
             stopped=np.asarray(out.stopped_B[:n_rows]),
+            prefill_tokens=prefilled,
         )
+        if cache is not None:
+            cache.record(prompts, keys, result.tokens)
+        return result
 
-    def _run(self, params, args, rng, n: int, per_row: bool = False) -> SampleOutput:
-        static = {"max_new_bucket": n, "per_row": per_row}
+    def pad_block(self, rows: Sequence[Sequence[int]], b: int) -> tuple[np.ndarray, np.ndarray]:
+        """([b, length bucket] right-padded token block, [b] lengths (padding rows: 1))."""
+        lengths = np.ones((b,), np.int32)
+        lengths[: len(rows)] = [len(r) for r in rows]
+        block = np.full((b, length_bucket(int(lengths.max()), self.length_multiple)), self.pad_id,
+                        np.int32)  # fmt: skip
+        for i, ids in enumerate(rows):
+            block[i, : len(ids)] = ids
+        return block, lengths
+
+    def in_mesh(self, params: Any) -> tuple[bool, Any]:
+        """(one decode loop per shard of rows, the context to run jitted code in)."""
         if self.mesh is None:
-            return self._jitted(params, *args, rng, per_shard=False, **static)
+            return False, contextlib.nullcontext()
         from tg_jax import sharding  # noqa: PLC0415 (only the sharded path needs it)
 
-        placed = [
-            jax.device_put(a, sharding.data_sharding(self.mesh, self.rules, a.ndim)) for a in args
-        ]
         replicated = all(
             getattr(x, "sharding", None) is not None and x.sharding.is_fully_replicated
             for x in jax.tree.leaves(params)
         )
         if replicated and self._row_axes() is not None:
-            return self._jitted(params, *placed, rng, per_shard=True, **static)
-        with sharding.activation_sharding(self.mesh, self.rules):
-            return self._jitted(params, *placed, rng, per_shard=False, **static)
+            return True, contextlib.nullcontext()
+        return False, sharding.activation_sharding(self.mesh, self.rules)
+
+    def place(self, args: Sequence[Any]) -> list[Any]:
+        """Host arrays (rows first) placed with the mesh's batch sharding; device values kept."""
+        if self.mesh is None:
+            return list(args)
+        from tg_jax import sharding  # noqa: PLC0415 (only the sharded path needs it)
+
+        return [
+            jax.device_put(a, sharding.data_sharding(self.mesh, self.rules, a.ndim))
+            if isinstance(a, np.ndarray) else a
+            for a in args
+        ]  # fmt: skip
+
+    def run(
+        self, kind: str, params: Any, args: Sequence[Any], rng: Array, n: int,
+        row_ids_B: np.ndarray | None = None,
+    ) -> Any:  # fmt: skip
+        """The jitted `_KINDS[kind]` on `args` (its arguments between params and the uniform
+        numbers) with R = n output columns: a SampleOutput, and for the cached kinds the cache
+        after the loop too. With `row_ids_B`, row b draws from its own stream (`row_uniforms`)."""
+        per_shard, context = self.in_mesh(params)
+        per_row = row_ids_B is not None
+        args = (*args, row_ids_B) if per_row else tuple(args)
+        with context:
+            return self._jitted(
+                params, *self.place(args), rng, kind=kind, max_new_bucket=n, per_shard=per_shard,
+                per_row=per_row,
+            )  # fmt: skip
+
+
+def _stop_block(stop_ids, n_rows: int, b: int, stop_width: int) -> np.ndarray:
+    """[b, W] stop ids per row padded with -1 (one list shared by all rows, or one per row)."""
+    rows_stop = (
+        [list(s) for s in stop_ids]
+        if len(stop_ids) and isinstance(stop_ids[0], Sequence | np.ndarray)
+        else [list(stop_ids)] * n_rows
+    )
+    if len(rows_stop) != n_rows:
+        raise ValueError(f"{len(rows_stop)} stop-id lists for {n_rows} prompts")
+    width = max(stop_width, max(len(s) for s in rows_stop))
+    stop_BxW = np.full((b, width), -1, np.int32)
+    for i, s in enumerate(rows_stop):
+        stop_BxW[i, : len(s)] = s
+    return stop_BxW
+
+
+def _row_specs(x: Any, spec: Any) -> Any:
+    """shard_map specs of a row-major argument: `spec` for arrays, and for a decode cache its
+    per-row arrays split like rows (its RoPE tables replicated)."""
+    if isinstance(x, decode.DecodeCache):
+        return x.replace(
+            k=(spec,) * len(x.k), v=(spec,) * len(x.v), prompt_lengths_B=spec,
+            rope_cos=jax.P(), rope_sin=jax.P(),
+        )  # fmt: skip
+    return spec
 
 
 def sequence_logprobs(
@@ -439,8 +581,11 @@ __all__ = [
     "Sampler",
     "SamplingState",
     "batch_bucket",
+    "decode_loop",
     "length_bucket",
     "logprob_mismatch",
+    "sample_appended",
+    "sample_prefilled",
     "sample_tokens",
     "segment_ends",
     "sequence_logprobs",

@@ -329,7 +329,7 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
         requirement_names=tuple(config.env.requirements),
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
-        micro_batches=int(config.rl.micro_batches),
+        micro_batches=int(config.rl.micro_batches), compact=tg_on and bool(config.tg.compact),
     )  # fmt: skip
     if tg_on and bool(config.tg.get("mask_hint_copies", False)):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))

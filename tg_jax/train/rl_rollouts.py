@@ -191,8 +191,8 @@ def rollout_source(
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Training-time rollout statistics (host numbers, no device sync): rates per episode,
     per-requirement compliance, actions, terminations, feedback kinds (shares of the per-turn
-    picks) and hint leakage (`rollout/hint_leakage`: share of the assistant turns that
-    reproduce a hint n-gram, tg_jax.envs.leakage)."""
+    picks), prompt tokens prefilled per episode, and hint leakage (`rollout/hint_leakage`:
+    share of the assistant turns that reproduce a hint n-gram, tg_jax.envs.leakage)."""
     n = max(len(trajectories), 1)
     comp, success = [], []
     per_req: dict[str, list[float]] = {}
@@ -220,6 +220,9 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
                 np.mean([t.info.get("truncated_turns", 0) for t in trajectories] or [0])
             ),
             "rollout/length": float(np.mean([len(t.tokens) for t in trajectories] or [0])),
+            "rollout/prefill_tokens": float(
+                np.mean([t.info.get("prefill_tokens", 0.0) for t in trajectories] or [0])
+            ),
         }
     )
     out.update({f"rollout/compliance/{k}": float(np.mean(v)) for k, v in per_req.items()})
