@@ -1,8 +1,10 @@
 """The full evaluation protocol on the embedded default (docs/design.md section 4).
 
 Same data, base model and RL budget as configs/default.py; every arm of
-tg_jax.train.pipeline.ARMS (GRPO, TG, TG with thinking tokens, the ablations and the
-imperfect-feedback stress test) with 3 training seeds each:
+tg_jax.train.pipeline.ARMS (GRPO, TG, TG with thinking tokens, the task-reward-only pair
+grpo_task_only / tg_no_req_reward, the other ablations and the imperfect-feedback stress test)
+with 3 training seeds each, at the same budget (the report's "Equal tuning budget" section
+states it; no setting is tuned on the held-out tasks):
     python -m tg_jax.main --config=configs/experiment.py --workdir=./workdir_experiment
 
 A workdir that already holds a finished SFT with the same SFT settings reuses it. The demo's

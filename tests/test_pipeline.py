@@ -45,10 +45,18 @@ def test_every_arm_applies_to_the_default_and_experiment_configs():
         config = config_lib.load_config_file(os.path.join(CONFIG_DIR, name))
         for arm, spec in pipeline.ARMS.items():
             cfg = pipeline.arm_config(config, arm)
+            overrides = pipeline.arm_overrides(config, arm)
             for key, value in spec.overrides.items():
+                if key == pipeline.EVERY_REQUIREMENT_WEIGHT:
+                    assert {k: cfg.rl.reward_weights[k] for k in config.rl.reward_weights} == {
+                        k: config.rl.reward_weights[k] if k == "task" else value
+                        for k in config.rl.reward_weights
+                    }, (name, arm)
+                    continue
                 if key.startswith("rl.reward_weights.") and key.split(".")[-1] not in (
                     config.rl.reward_weights
                 ):
+                    assert key not in overrides
                     continue  # a requirement this config does not reward: left out
                 node = cfg
                 for part in key.split("."):
@@ -57,6 +65,41 @@ def test_every_arm_applies_to_the_default_and_experiment_configs():
     experiment = config_lib.load_config_file(os.path.join(CONFIG_DIR, "experiment.py"))
     assert set(experiment.pipeline.arms) == set(pipeline.ARMS)
     assert len(experiment.eval.train_seeds) >= 3
+
+
+def test_task_only_arms_and_aliases():
+    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
+    assert config.rl.reward_weights["tool_json"] > 0  # the shared config rewards a requirement
+    grpo_task = pipeline.arm_config(config, "grpo_task_only")
+    assert not grpo_task.tg.enabled
+    assert dict(grpo_task.rl.reward_weights) == {"task": 1.0, "tool_json": 0.0}
+    tg_task = pipeline.arm_config(config, "tg_task_only")  # alias of tg_no_req_reward
+    assert tg_task.to_dict() == pipeline.arm_config(config, "tg_no_req_reward").to_dict()
+    assert tg_task.tg.enabled and dict(tg_task.rl.reward_weights)["tool_json"] == 0.0
+    # The pair differs only in tg.enabled.
+    a, b = grpo_task.to_dict(), tg_task.to_dict()
+    a["tg"].pop("enabled"), b["tg"].pop("enabled")
+    assert a == b
+    assert pipeline.get_arm("tg_task_only") is pipeline.ARMS["tg_no_req_reward"]
+    # Every requirement weight, whatever the environment names them.
+    swe = config_lib.apply_overrides(config, {})
+    swe.unlock()
+    swe.rl.reward_weights = {"task": 1.0, "tool_protocol": 0.3, "markdown_report": 0.2}
+    got = pipeline.arm_config(swe, "grpo_task_only").rl.reward_weights
+    assert dict(got) == {"task": 1.0, "tool_protocol": 0.0, "markdown_report": 0.0}
+
+
+def test_preregistration_accepts_arms_in_any_order(tmp_path):
+    # The file is written with sorted keys; the protocol's arm order (experiment.py: the
+    # order of ARMS) is not sorted, and must not read as a different protocol.
+    config = _config()
+    order = ("tg", "grpo_task_only", "grpo")
+    arms = {a: pipeline.arm_config(config, a) for a in order}
+    out = protocol.preregister(config, str(tmp_path), arms)
+    assert out == protocol.check_preregistration(config, str(tmp_path), arms)
+    arms.pop("grpo")
+    with pytest.raises(protocol.PreregistrationMismatch, match="arms: file"):
+        protocol.check_preregistration(config, str(tmp_path), arms)
 
 
 def test_bad_arm_fails_before_any_work(tmp_path):

@@ -153,3 +153,61 @@ def test_async_resume_continues_the_batch_indices(tmp_path):
     records = [r for r in read_metrics(str(tmp_path)) if r["stage"] == "train"]
     assert [(r["step"], r["batch_index"]) for r in records] == [(1, 0.0), (2, 1.0), (3, 2.0)]
     assert metrics.read_rl_summary(str(tmp_path))["sessions"][-1]["start_step"] == 1
+
+
+def test_feedback_kind_is_drawn_per_turn_at_the_rates():
+    import random
+
+    from tg_jax.envs.hints import hint_kind, pick_hint, pick_turn_hints
+
+    rates = FeedbackRates(correct=0.5, irrelevant=0.25, wrong=0.25)
+    gen = random.Random(0)
+    verdicts = [{"fence": False, "tool_json": None}] * 4  # 4 failed turns, one unjudged
+    kinds, mixed = [], 0
+    for _ in range(3000):
+        turns = pick_turn_hints(verdicts, lambda n: pick_hint(n, gen, rates)[1])
+        assert [set(t) for t in turns] == [{"fence"}] * 4  # no pick for an unjudged requirement
+        ks = [hint_kind("fence", t["fence"]) for t in turns]
+        kinds += ks
+        mixed += len(set(ks)) > 1
+    for kind, rate in (("correct", 0.5), ("irrelevant", 0.25), ("wrong", 0.25)):
+        assert kinds.count(kind) / len(kinds) == pytest.approx(rate, abs=0.015), kind
+    # Per turn, not per episode: 4 turns share one kind with p = .5^4 + 2 * .25^4 = 0.0703.
+    assert mixed / 3000 == pytest.approx(1 - 0.0703, abs=0.02)
+    with pytest.raises(ValueError, match="no hint of requirement"):
+        hint_kind("fence", "Reminder: something else.")
+
+
+def test_per_turn_feedback_reaches_the_teacher_rows():
+    from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+    from tg_jax.envs.hints import hint_kind
+    from tg_jax.envs.tasks import generate_tasks
+    from tg_jax.rl.batch import build_batch
+    from tg_jax.sampling.rollout import RolloutConfig
+    from tg_jax.sampling.scripted import ScriptedSampler
+
+    renderer = ChatRenderer(ByteTokenizer())
+    turn = 'def f(x): return x\n<tool_call>{"name": "run_tests"}</tool_call>'  # fence fails
+    fn = rl_rollouts.BatchRollout(
+        ScriptedSampler(renderer, [turn] * 4), renderer,
+        lambda: CodingEnv(CodingEnvConfig(max_turns=4, requirements=("fence", "tool_json"))),
+        rollouts_per_group=4, config=RolloutConfig(max_new_tokens=96, max_total_tokens=1536),
+        sampling_key=jax.random.key(0), seed=1,
+        rates=FeedbackRates(correct=0.5, irrelevant=0.25, wrong=0.25),
+    )  # fmt: skip
+    trajs = fn(None, 0, generate_tasks("heldout", 2, seed=0), 0)
+    per_turn = [[hint_kind("fence", h["fence"]) for h in t.info["turn_hint_texts"]] for t in trajs]
+    assert all(len(k) == 4 for k in per_turn)
+    assert any(len(set(k)) > 1 for k in per_turn)  # kinds differ between turns of an episode
+    batch = build_batch(trajs, max_len=1536, teacher_max_len=2048, pad_to_multiple=0)
+    for b, t in enumerate(trajs):
+        row = renderer.tokenizer.decode(
+            batch.teacher_tokens_BtxTt[b][batch.teacher_segment_ids_BtxTt[b] > 0].tolist()
+        )
+        at = 0
+        for k, texts in enumerate(t.info["turn_hint_texts"]):
+            ids = t.hint_ids(k, ["fence"])
+            assert renderer.tokenizer.decode(ids.tolist()).count(texts["fence"]) == 1
+            found = row.find(texts["fence"], at)  # turn k's own pick, in turn order
+            assert found >= 0, (b, k)
+            at = found + 1

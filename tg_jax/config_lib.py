@@ -157,6 +157,7 @@ def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
     # the last targeted turn, continuing the student's prefix keys/values (tg_jax.rl.compact):
     # the same loss and gradients as full teacher rows (tests/test_teacher.py), less compute.
     c.compact = True
+    c.mask_hint_copies = False  # drop from the TG KL the tokens that copy the hint (rl/hint_copies)
     c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
     c.schedule = ml_collections.ConfigDict()
     c.schedule.kind = "constant"  # lambda_tg schedule: constant | linear_warmup | cosine

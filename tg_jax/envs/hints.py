@@ -1,6 +1,7 @@
 """Imperfect feedback: pick a correct, an irrelevant or a wrong hint at set rates.
 
 Used to measure how sensitive targeted guidance is to feedback quality (docs/design.md section 4).
+The kind is drawn per targeted turn (`pick_turn_hints`), not per episode.
 A wrong hint points at a different format (it would make the turn fail the requirement); an
 irrelevant hint is true-sounding advice that says nothing about the requirement.
 """
@@ -8,7 +9,7 @@ irrelevant hint is true-sounding advice that says nothing about the requirement.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from tg_jax.envs.protocol import FENCE_HINT, TOOL_JSON_HINT
@@ -88,3 +89,33 @@ def pick_hints(
     """
     picks = [pick_hint(n, rng, rates) for n in names]
     return [k for k, _ in picks], "\n".join(t for _, t in picks)
+
+
+def pick_turn_hints(
+    turn_verdicts: Sequence[Mapping[str, bool | None]], pick: Callable[[str], str]
+) -> list[dict[str, str]]:
+    """One feedback pick per assistant turn and requirement judged on it.
+
+    Each turn a requirement was judged on (verdict not None: the turns either gate can
+    target) gets its own `pick(name)`, so the kind (correct / irrelevant / wrong) is drawn
+    per turn at the configured rates: two failed turns of one episode can be shown
+    different kinds of feedback.
+
+    Returns:
+      per turn, {requirement name: hint text}, in turn and then verdict order.
+    """
+    return [
+        {name: pick(name) for name, ok in verdicts.items() if ok is not None}
+        for verdicts in turn_verdicts
+    ]
+
+
+def hint_kind(name: str, text: str) -> str:
+    """Which kind a hint text of requirement `name` is (inverse of `pick_hint`)."""
+    if text == CORRECT_HINTS.get(name):
+        return "correct"
+    if text in IRRELEVANT_HINTS:
+        return "irrelevant"
+    if text in WRONG_HINTS.get(name, ()):
+        return "wrong"
+    raise ValueError(f"{text!r} is no hint of requirement {name!r}")

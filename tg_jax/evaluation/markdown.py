@@ -15,8 +15,12 @@ COST_KEYS = (
     "eval_wall_time_s",
     "sampled_tokens",
     "teacher_forward_flops",
+    "distilled_tokens",
     "peak_memory_bytes",
+    "peak_memory_above_start_bytes",
 )
+# The thinking-token control pair: compared at their distilled-token costs.
+THINKING_PAIR = ("tg", "tg_think")
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -79,7 +83,8 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
         return [
             f"**One arm, no comparison.** The baseline arm `{st['baseline']}` was not run "
             "(`pipeline.arms`), so there is no non-inferiority verdict; run both arms (e.g. "
-            "`--config.pipeline.arms=grpo,tg`) to test it.",
+            "`--config.pipeline.arms=\"('grpo','tg')\"`; a bare grpo,tg is one arm name) to "
+            "test it.",
             "",
         ]
     if not ni:
@@ -271,8 +276,17 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
         rows.append([arm] + cells)
     lines = ["## Costs per arm (mean over seeds)", ""]
     header = ["arm", "RL wall time (s)", "held-out eval (s)", "sampled tokens",
-              "teacher forward FLOPs", "peak memory (B)"]  # fmt: skip
+              "teacher forward FLOPs", "distilled tokens", "peak memory (B, this run)",
+              "above the run's start (B)"]  # fmt: skip
     lines += _table(header, rows) + [""]
+    lines += [
+        "Distilled tokens: student tokens under the TG KL mask, summed over the run. Peak "
+        "memory: measured per run from its first step (device memory where the backend "
+        "reports it, else host RSS), not the process's lifetime peak; what earlier runs of "
+        "the same process left allocated is in it, and the last column is the run's own "
+        "addition (peak minus the memory in use when it started).",
+        "",
+    ] + _thinking_control(res)
     ct = res.get("compute_time") or {}
     if ct:
         eval_s = ct["eval_s"] if ct["eval_runs"] else None
@@ -287,6 +301,101 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
             "",
         ]
     return lines
+
+
+def _thinking_control(res: dict[str, Any]) -> list[str]:
+    """Whether the thinking-token control pair was compared at an equal distilled budget."""
+    base, think = (res["arms"].get(a, {}).get("costs", {}).get("distilled_tokens")
+                   for a in THINKING_PAIR)  # fmt: skip
+    if not base or not think:
+        return []
+    ratio = think["mean"] / base["mean"] if base["mean"] else float("nan")
+    equal = abs(ratio - 1.0) <= 0.1
+    return [
+        f"Thinking-token control: `{THINKING_PAIR[1]}` distilled {_big(think['mean'])} tokens, "
+        f"`{THINKING_PAIR[0]}` {_big(base['mean'])} (ratio {_num(ratio)}): "
+        + ("an equal distilled-token budget (within 10%), so their difference is the "
+           "thinking tokens' effect." if equal else
+           "NOT an equal distilled-token budget (more than 10% apart): part of their "
+           "difference may be the amount of distillation, not the thinking tokens."),
+        "",
+    ]  # fmt: skip
+
+
+def _stability_section(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm, a in res["arms"].items():
+        st = a.get("stability") or {}
+        b = a["heldout"].get("plain", {}).get("bootstrap", {})
+        rows.append([
+            arm, _pm(st.get("oscillation"), 3), _pm(st.get("malformed_train")),
+            _ci(b.get("actions/malformed")),
+        ])  # fmt: skip
+    if not rows:
+        return []
+    steps = next(iter(res["arms"].values())).get("stability", {}).get("steps", "n/a")
+    lines = [
+        "## Stability",
+        "",
+        f"Oscillation: std of the training compliance over each run's last {steps} steps "
+        "(0 = learned and kept; up to 0.5 = flipping), mean +- std over training seeds. "
+        f"Malformed turns per episode: training (last {steps} steps, mean +- std over seeds) "
+        f"and held-out ({round(100 * res['settings']['level'])}% cluster bootstrap CI).",
+        "",
+    ]
+    header = ["arm", "oscillation", "malformed / episode (train)",
+              "malformed / episode (held-out)"]  # fmt: skip
+    return lines + _table(header, rows) + [""]
+
+
+def _leakage_section(res: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm, a in res["arms"].items():
+        st, h = a.get("stability") or {}, a["heldout"]
+        boots = [h.get(c, {}).get("bootstrap", {}) for c in ("plain", "hinted")]
+        cells = [_ci(b.get("hint_leakage")) for b in boots]
+        rows.append([arm, _pm(st.get("hint_leakage_train"), 3)] + cells)
+    if all(r[1:] == ["n/a"] * 3 for r in rows):
+        return []
+    lines = [
+        "## Privilege-drift guard: hint leakage",
+        "",
+        "Share of assistant turns that reproduce a 6-word n-gram of a hint (lowercased words, "
+        "punctuation dropped; references: every requirement's own hint and, in training, the "
+        "hint the teacher was shown for that turn). The student never sees a hint in training "
+        "or on plain prompts, so leakage there means it learned the teacher's privileged "
+        "context; on hinted prompts the hint is in its context.",
+        "",
+    ]
+    header = ["arm", "train (last steps, mean +- std over seeds)", "held-out plain",
+              "held-out hinted"]  # fmt: skip
+    return lines + _table(header, rows) + [""]
+
+
+def _budget_section(res: dict[str, Any]) -> list[str]:
+    b = (res.get("context") or {}).get("budget")
+    if not b:
+        return []
+    tokens = b.get("sampled_token_budget")
+    cap = "no fixed cap (turns left to the environment)" if tokens is None else _big(tokens)
+    equal = (res.get("context") or {}).get("budget_equal", True)
+    arms = ", ".join(f"`{a}`" for a in res["arms"])
+    return [
+        "## Equal tuning budget",
+        "",
+        f"Every arm ({arms}) trained with the same budget: {b['steps']} RL steps of "
+        f"{b['groups_per_step']} groups x {b['rollouts_per_group']} rollouts "
+        f"({b['episodes']} episodes), at most {b['max_new_tokens_per_turn']} new tokens per "
+        f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
+        f"{cap}), learning rate {b['lr']:g} ({b['lr_schedule']}), training seeds "
+        f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
+        + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). " if equal
+           else "**The arms' budgets differ: the comparison is not at an equal budget.** ")
+        + "No learning rate or other setting was tuned on the held-out tasks: they are "
+        "evaluated once, after training; the settings were fixed in the config and the "
+        "pre-registration before the first RL step.",
+        "",
+    ]  # fmt: skip
 
 
 def _group_sections(res: dict[str, Any]) -> list[str]:
@@ -337,7 +446,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     """report.md from `compute_results` output, section by section."""
     sections = (_verdict_section, _context_section, _train_section, _heldout_section,
                 _differences_section, _diagnostic_section, _side_effects_section,
-                _costs_section, _group_sections, _plots_section)  # fmt: skip
+                _costs_section, _stability_section, _leakage_section, _budget_section,
+                _group_sections, _plots_section)  # fmt: skip
     lines = ["# GRPO vs targeted guidance: report", ""]
     for section in sections:
         lines += section(res)

@@ -73,7 +73,7 @@ def check_preregistration(
     diffs = [f"eval.{k}: file {stored.get(k)!r}, config {now[k]!r}" for k in EVAL_FIELDS
              if stored.get(k) != now[k]]  # fmt: skip
     old_arms, new_arms = stored.get("arms", {}), now["arms"]
-    if list(old_arms) != list(new_arms):
+    if sorted(old_arms) != sorted(new_arms):  # the file's keys are sorted; order is no setting
         diffs.append(f"arms: file {sorted(old_arms)}, config {sorted(new_arms)}")
     else:
         diffs += [f"arm {a!r}: its config differs" for a in new_arms if old_arms[a] != new_arms[a]]

@@ -12,7 +12,9 @@ its metrics.jsonl records (training curves) and its costs. Output, in `out_dir`:
   resampled together) and, separately, the spread over training seeds, arm differences with
   paired CIs, the non-inferiority verdict ("not meaningful" when the baseline's task success
   is under the floor), the plain-vs-hinted diagnostic, side effects (actions per episode),
-  costs per arm, then stress-test and ablation rows as their runs exist.
+  costs per arm (distilled tokens, and peak memory measured per run), stability (oscillation of
+  the training compliance, malformed turns), the hint-leakage guard, the arms' shared tuning
+  budget (`context["budget"]`), then stress-test and ablation rows as their runs exist.
 * `curve_<metric>.png`: per arm the mean over seeds and a +-1 std band over seeds, for the
   training rollouts and for the periodic held-out evaluation.
 
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tg_jax import paths
-from tg_jax.evaluation import stats
+from tg_jax.evaluation import stability, stats
 from tg_jax.evaluation.markdown import COST_KEYS, render_markdown
 from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups: public here too)
     CURVE_METRICS,
@@ -169,6 +171,7 @@ def compute_results(
                 m: stats.last_k_mean_std(train, f"rollout/{m}", settings.last_k)
                 for m in stats.RATE_METRICS
             },
+            "stability": stability.arm_stability(train, level=settings.level),
             "costs": {
                 k: stats.seed_interval([r.costs[k] for r in rs], level=settings.level)
                 for k in COST_KEYS
@@ -225,7 +228,9 @@ def write_report(
       context: what the numbers stand on, stored as results["context"] and shown under
         "Setting": "machine" (`evaluation.protocol.machine_info`), "preregistration"
         ({"path", "sha256"}), "base_model" (headline figures of sft_eval.json),
-        "sft_attempts" (one {"attempt", "seed", "data_seed", "workdir", "verdict"} each).
+        "sft_attempts" (one {"attempt", "seed", "data_seed", "workdir", "verdict"} each),
+        "budget" (`evaluation.stability.tuning_budget`) and "budget_equal" (every arm's
+        budget is the same).
 
     Returns:
       The results dict written to results.json (NaN written as null).

@@ -137,9 +137,8 @@ def _targeted_requirements(traj: Trajectory, turn: int, gate: str) -> list[str]:
     raise ValueError(f"unknown gate {gate!r}")
 
 
-def _hint(traj: Trajectory, names: Sequence[str]) -> np.ndarray:
-    parts = [np.asarray(traj.hint_tokens.get(n, ()), np.int32) for n in names]
-    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+def _hint(traj: Trajectory, names: Sequence[str], turn: int) -> np.ndarray:
+    return traj.hint_ids(turn, names)  # the hints picked for that turn (Trajectory)
 
 
 def _fill_row(dst: dict[str, np.ndarray], row: int, seq: np.ndarray, length: int) -> None:
@@ -189,7 +188,7 @@ def _fill_student_targets(
         if unknown:
             raise ValueError(f"task {traj.task_id}: unknown requirement(s) {unknown}")
         per_token["req"][b, s][in_turn] = req_index[targeted[0]]
-        hint = _hint(traj, targeted)
+        hint = _hint(traj, targeted, k)
         if hint.size:
             hints[k] = hint
     return hints

@@ -180,6 +180,9 @@ class TGConfig:
     """per_turn: teacher rows per batch (static), extra turns dropped."""
     compact: bool = True
     """Compact teacher rows (read by batch building: tg_jax.rl.compact)."""
+    mask_hint_copies: bool = False
+    """Leave out of the TG KL the student tokens that copy their turn's hint (read by batch
+    building, tg_jax.rl.hint_copies)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
     schedule: LambdaSchedule = LambdaSchedule()
@@ -215,6 +218,7 @@ class TGConfig:
             include_thinking=bool(v["include_thinking"]),
             teacher_mode=str(v["teacher_mode"]),
             max_teacher_rows=int(v["max_teacher_rows"]),
+            mask_hint_copies=bool(v.get("mask_hint_copies", False)),
             chunk_size=int(v["chunk_size"]),
             schedule=LambdaSchedule.from_config(v["schedule"]),
         )

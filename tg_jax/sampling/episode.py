@@ -26,6 +26,9 @@ class EpisodeRecord:
       cluster_id: the bootstrap cluster of the task: tasks sharing a hidden function are not
         independent items, so they share one cluster (`Task.function_id`). Empty (records
         written before clusters existed, synthetic ones) = the task's own cluster, task_id.
+      hint_leaking_turns: assistant turns that reproduce a word n-gram of a requirement's
+        hint text (privilege drift, tg_jax.envs.leakage); None = not measured (older
+        records), then no "hint_leakage" value.
     """
 
     task_id: str
@@ -36,6 +39,7 @@ class EpisodeRecord:
     actions: dict[str, int]
     turns: int
     cluster_id: str = ""
+    hint_leaking_turns: int | None = None
 
     def __post_init__(self):
         if self.condition not in CONDITIONS:
@@ -54,13 +58,16 @@ class EpisodeRecord:
         return self.compliant and self.task_success
 
     def values(self) -> dict[str, float]:
-        """Every per-episode number: rates, per-requirement compliance, actions, turns."""
+        """Every per-episode number: rates, per-requirement compliance, actions, turns and
+        hint leakage (the share of the episode's turns that reproduce a hint n-gram)."""
         out = {
             "compliance": float(self.compliant),
             "task_success": float(self.task_success),
             "joint": float(self.joint),
             "turns": float(self.turns),
         }
+        if self.hint_leaking_turns is not None:
+            out["hint_leakage"] = self.hint_leaking_turns / max(self.turns, 1)
         out.update({f"compliance/{k}": float(v) for k, v in sorted(self.compliance.items())})
         out.update({f"actions/{k}": float(v) for k, v in sorted(self.actions.items())})
         return out

@@ -46,7 +46,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax.envs import leakage
 from tg_jax.envs.base import Environment
+from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler, SampleResult
 from tg_jax.sampling.trajectory import Role, Trajectory
@@ -112,6 +114,7 @@ class Episode:
     prefill_tokens: float = 0.0
     step_infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     stream_id: int = 0  # its random stream (play_episodes' stream_ids)
+    texts: list[str] = dataclasses.field(default_factory=list)  # per turn, as sent to the env
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
         self.tokens += [int(t) for t in ids]
@@ -178,7 +181,8 @@ def _record_turn(ep: Episode, renderer: ChatRenderer, out: SampleResult, k: int)
     else:
         ep.truncated_turns += 1
         ep.append([renderer.end_of_turn_ids[0]], Role.PROMPT)  # not sampled: closes the turn
-    return renderer.tokenizer.decode(new)
+    ep.texts.append(renderer.tokenizer.decode(new))
+    return ep.texts[-1]
 
 
 def play_episodes(
@@ -290,13 +294,35 @@ def requirement_hint_tokens(renderer: ChatRenderer, env: Environment) -> dict[st
     }
 
 
+def hint_leaking_turns(ep: Episode, turn_hints: Sequence[Sequence[str]] | None = None) -> int:
+    """Assistant turns of `ep` that reproduce a hint n-gram (tg_jax.envs.leakage): of any
+    requirement's own hint, or of the texts in turn_hints[k] (the teacher's, turn k)."""
+    own = [ep.env.hint([r.name]) for r in ep.env.requirements]
+    return leakage.leaking_turns(ep.texts, own, turn_hints)
+
+
+def _picked_hints(
+    ep: Episode,
+    renderer: ChatRenderer,
+    picker: Callable[[str, int], str],
+    cache: dict[str, list[int]],
+) -> tuple[list[dict[str, list[int]]], list[dict[str, str]]]:
+    """(per turn {name: hint message tokens}, per turn {name: text}): one pick
+    `picker(name, ep.group_id)` per judged requirement of every turn (`pick_turn_hints`)."""
+    texts = pick_turn_hints(ep.verdicts, lambda name: picker(name, ep.group_id))
+    for t in {t for turn in texts for t in turn.values()} - set(cache):
+        cache[t] = renderer.render_message(hint_message(t))
+    return [{n: cache[t] for n, t in turn.items()} for turn in texts], texts
+
+
 def to_trajectory(
     ep: Episode,
     hint_tokens: dict[str, list[int]],
     policy_version: int,
     extra_info: dict[str, Any] | None = None,
+    turn_hint_tokens: list[dict[str, list[int]]] | None = None,
 ) -> Trajectory:
-    """The Trajectory record of a finished episode."""
+    """The Trajectory record of a finished episode (`turn_hint_tokens`: see Trajectory)."""
     summary = ep.env.summary()
     info = {
         "termination": ep.termination,
@@ -323,6 +349,7 @@ def to_trajectory(
         policy_version=int(policy_version),
         task_id=ep.task_id,
         info=info,
+        turn_hint_tokens=turn_hint_tokens,
     )
 
 
@@ -348,7 +375,10 @@ def rollout_groups(
       policy_version: version of `params`, recorded in every trajectory.
       hint_picker: (requirement name, group id) -> hint text for the teacher (e.g. imperfect
         feedback via tg_jax.envs.hints.pick_hint); default: the environment's own hint. Called
-        once per requirement and trajectory; the texts are recorded in info["hint_texts"].
+        once per assistant turn and requirement judged on it (`pick_turn_hints`), episode by
+        episode; the texts are recorded per turn in info["turn_hint_texts"] and the tokens in
+        `Trajectory.turn_hint_tokens`. info["hint_leaking_turns"]: turns that reproduce a
+        hint n-gram (`hint_leaking_turns`).
       (others: see `play_episodes`.)
     Returns:
       N * G trajectories, grouped task by task. Rollout g of group id k samples from its own
@@ -366,13 +396,14 @@ def rollout_groups(
     )  # fmt: skip
     out = []
     default_hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
+    cache: dict[str, list[int]] = {}
     for ep in episodes:
-        hints, extra = default_hints, {}
+        per_turn, extra = None, {"hint_leaking_turns": hint_leaking_turns(ep)}
         if hint_picker is not None:
-            texts = {r.name: hint_picker(r.name, ep.group_id) for r in ep.env.requirements}
-            hints = {n: renderer.render_message(hint_message(t)) for n, t in texts.items()}
-            extra = {"hint_texts": texts}
-        out.append(to_trajectory(ep, hints, policy_version, extra))
+            per_turn, texts = _picked_hints(ep, renderer, hint_picker, cache)
+            shown = [list(t.values()) for t in texts]
+            extra = {"hint_leaking_turns": hint_leaking_turns(ep, shown), "turn_hint_texts": texts}
+        out.append(to_trajectory(ep, default_hints, policy_version, extra, per_turn))
     if out:
         terms = {t: sum(tr.info["termination"] == t for tr in out) for t in TERMINATIONS}
         logging.debug("rollouts: %d trajectories, terminations %s", len(out), terms)
@@ -425,6 +456,7 @@ def evaluate(
                     compliance=episode_compliance(verdicts),
                     actions=dict(ep.env.summary().actions),
                     turns=len(ep.turn_starts),
+                    hint_leaking_turns=hint_leaking_turns(ep),
                 )
             )
             trajectories.append(to_trajectory(ep, hints, -1, {"condition": condition}))

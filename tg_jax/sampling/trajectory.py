@@ -11,6 +11,7 @@ teacher sequence (see tg_jax.rl.batch).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,6 +40,9 @@ class Trajectory:
       policy_version: version of the weights that sampled it.
       task_id: the task's id.
       info: free-form episode summary (actions taken, termination reason, ...).
+      turn_hint_tokens: per assistant turn, {requirement name: token ids of the hint message
+        the teacher sees before that turn} (imperfect feedback picks one per turn); None =
+        `hint_tokens` for every turn.
     """
 
     tokens: np.ndarray
@@ -53,6 +57,7 @@ class Trajectory:
     policy_version: int
     task_id: str
     info: dict = dataclasses.field(default_factory=dict)
+    turn_hint_tokens: list[dict[str, list[int]]] | None = None
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -61,10 +66,19 @@ class Trajectory:
                 raise ValueError(f"Trajectory.{name} has length {len(getattr(self, name))} != {n}")
         if len(self.turn_starts) != len(self.turn_verdicts):
             raise ValueError("one verdict dict per assistant turn is required")
+        if self.turn_hint_tokens is not None and len(self.turn_hint_tokens) != self.num_turns:
+            raise ValueError("turn_hint_tokens needs one dict per assistant turn")
 
     @property
     def num_turns(self) -> int:
         return len(self.turn_verdicts)
+
+    def hint_ids(self, turn: int, names: Sequence[str]) -> np.ndarray:
+        """[H] int32: the hint messages of `names` (in that order) shown before turn `turn`;
+        a requirement without hint tokens adds nothing."""
+        table = self.hint_tokens if self.turn_hint_tokens is None else self.turn_hint_tokens[turn]
+        parts = [np.asarray(table.get(n, ()), np.int32) for n in names]
+        return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
     def failed_requirements(self, turn: int) -> list[str]:
         """Names of the requirements assistant turn `turn` broke (sorted; None = not applicable)."""

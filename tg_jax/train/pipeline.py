@@ -43,7 +43,7 @@ import tempfile
 from typing import Any
 
 from tg_jax import checkpointing, config_lib, paths, sharding
-from tg_jax.evaluation import heldout, protocol
+from tg_jax.evaluation import heldout, protocol, stability
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates
 
@@ -59,10 +59,18 @@ class Arm:
     description: str
 
 
+# Every requirement-reward weight (every rl.reward_weights key but "task"), in an override.
+EVERY_REQUIREMENT_WEIGHT = "rl.reward_weights.*"
+
 # Every arm differs from the shared config only by these overrides (docs/design.md section 4:
 # same data, sampling budget and tuning budget for all of them).
 ARMS: dict[str, Arm] = {
     "grpo": Arm({"tg.enabled": False}, "main", "GRPO with task and requirement rewards, no hints"),
+    "grpo_task_only": Arm(
+        {"tg.enabled": False, EVERY_REQUIREMENT_WEIGHT: 0.0},
+        "ablation",
+        "GRPO with the task reward only (requirement reward weights 0), no hints",
+    ),
     "tg": Arm(
         {"tg.enabled": True},
         "main",
@@ -71,7 +79,8 @@ ARMS: dict[str, Arm] = {
     "tg_think": Arm(
         {"tg.enabled": True, "tg.include_thinking": True},
         "main",
-        "TG that also distils the <think> tokens of failed turns",
+        "TG that also distils the <think> tokens of failed turns (compare with tg at their "
+        "distilled-token costs)",
     ),
     "tg_all_turns": Arm(
         {"tg.enabled": True, "tg.gate": "all_turns"},
@@ -79,9 +88,9 @@ ARMS: dict[str, Arm] = {
         "TG on every turn, failed or not (gate ablation)",
     ),
     "tg_no_req_reward": Arm(
-        {"tg.enabled": True, "rl.reward_weights.fence": 0.0, "rl.reward_weights.tool_json": 0.0},
+        {"tg.enabled": True, EVERY_REQUIREMENT_WEIGHT: 0.0},
         "ablation",
-        "TG with the requirement rewards removed (task reward only)",
+        "TG with the requirement rewards removed (task reward only; pairs with grpo_task_only)",
     ),
     "tg_lambda_high": Arm(
         {"tg.enabled": True, "tg.schedule.value": 4.0}, "ablation", "TG with lambda_tg x4"
@@ -102,20 +111,37 @@ ARMS: dict[str, Arm] = {
 }
 
 
-def arm_config(config: Any, arm: str) -> Any:
-    """`config` with the overrides of `arm` (a new config; the original is untouched).
+# Other names of arms: `pipeline.arms` may use them (runs, report and preregistration are
+# then under the name given).
+ARM_ALIASES: dict[str, str] = {"tg_task_only": "tg_no_req_reward"}
 
-    A requirement-reward override for a requirement the config does not reward is left out;
-    any other unknown key raises.
-    """
-    if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}; known: {sorted(ARMS)}")
-    overrides = {
-        k: v
-        for k, v in ARMS[arm].overrides.items()
-        if not k.startswith("rl.reward_weights.") or k.rsplit(".", 1)[1] in config.rl.reward_weights
-    }
-    return config_lib.apply_overrides(config, overrides)
+
+def get_arm(name: str) -> Arm:
+    """The arm `name` (or an alias of it, `ARM_ALIASES`)."""
+    arm = ARMS.get(ARM_ALIASES.get(name, name))
+    if arm is None:
+        raise ValueError(f"unknown arm {name!r}; known: {sorted(ARMS)} (aliases {ARM_ALIASES})")
+    return arm
+
+
+def arm_overrides(config: Any, arm: str) -> dict[str, Any]:
+    """The concrete overrides of `arm` on `config`: `EVERY_REQUIREMENT_WEIGHT` becomes one
+    key per requirement weight of the config, and a requirement-reward override for a
+    requirement the config does not reward is left out."""
+    weights = [k for k in config.rl.reward_weights if k != "task"]
+    out = {}
+    for k, v in get_arm(arm).overrides.items():
+        if k == EVERY_REQUIREMENT_WEIGHT:
+            out.update({f"rl.reward_weights.{w}": v for w in weights})
+        elif not k.startswith("rl.reward_weights.") or k.rsplit(".", 1)[1] in weights + ["task"]:
+            out[k] = v
+    return out
+
+
+def arm_config(config: Any, arm: str) -> Any:
+    """`config` with the overrides of `arm` (`arm_overrides`; a new config, the original is
+    untouched). Any unknown key raises."""
+    return config_lib.apply_overrides(config, arm_overrides(config, arm))
 
 
 def run_data(config: Any, workdir: str) -> dict[str, Any]:
@@ -260,8 +286,11 @@ def _run_arms(config, workdir, arms_cfgs, md, sources) -> list[Any]:
             )
             runs.append(
                 report.load_run_result(
-                    run_dir, records, group=ARMS[arm].group, description=ARMS[arm].description
-                )
+                    run_dir,
+                    records,
+                    group=get_arm(arm).group,
+                    description=get_arm(arm).description,
+                )  # fmt: skip
             )
     return runs
 
@@ -285,6 +314,9 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "base_model": _base_figures(base_result),
         "sft_attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "workdir",
                                             "verdict")} for a in attempts],
+        "budget": stability.tuning_budget(config),
+        "budget_equal": len({json.dumps(stability.tuning_budget(c), sort_keys=True)
+                             for c in arms_cfgs.values()}) <= 1,
     }  # fmt: skip
     walls = [sft.read_sft_wall_s(sft_attempt(config, workdir, a["attempt"])[1]) for a in attempts]
     res = report.write_report(

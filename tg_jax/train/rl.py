@@ -31,7 +31,10 @@ rl_summary.json and exports, every process saves its shards of the checkpoints.
 Costs per run (rl_summary.json and the metrics under `cost/`, `sys/`): wall time (summed over
 sessions; time after the last checkpoint of a killed session is lost), sampled tokens,
 teacher forward FLOPs = ModelConfig.flops_per_token(T_t) x real (non-padding) teacher tokens,
-and peak memory (device `peak_bytes_in_use` where the backend reports it, else host max RSS).
+distilled tokens (the student tokens under the TG KL mask: the budget the thinking-token
+control pair is compared at), and the run's own peak memory (`tg_jax.train.memory.PeakMemory`:
+device memory where the backend reports it, else host RSS, measured from the session's first
+step, the max over sessions; not the process's lifetime peak, which grows across arms).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
+from tg_jax.rl import hint_copies, tg_loss
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
@@ -64,6 +68,7 @@ from tg_jax.sampling import loop, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import rl_rollouts
+from tg_jax.train.memory import PeakMemory
 
 CHECKPOINT_DIR = "checkpoints"
 SUMMARY_FILE = RL_SUMMARY_FILE
@@ -106,7 +111,9 @@ class _Costs:
     sampled_tokens: int = 0
     teacher_tokens: int = 0
     teacher_forward_flops: float = 0.0
+    distilled_tokens: int = 0
     peak_memory_bytes: int = 0
+    peak_memory_above_start_bytes: int = 0  # peak - bytes in use when the session started
     peak_memory_source: str = ""
     dropped_groups: int = 0
 
@@ -123,11 +130,19 @@ class _Session:
     wall0: float  # wall time of the earlier sessions
     dropped0: int  # groups the earlier sessions dropped
     started: float = 0.0  # time.time() when its first step began
+    peak0: tuple[int, int] = (0, 0)  # (peak, peak above start) of the earlier sessions
+    memory: PeakMemory | None = None  # this session's, from its first step
 
     def stamp(self) -> dict[str, Any]:
         """Costs so far, with the wall time and peak memory of now."""
         self.costs.wall_time_s = self.wall0 + time.time() - self.started
-        self.costs.peak_memory_bytes, self.costs.peak_memory_source = peak_memory_bytes()
+        peak, source = self.memory.peak() if self.memory is not None else peak_memory_bytes()
+        above = peak - self.memory.baseline if self.memory is not None else 0
+        self.costs.peak_memory_bytes, self.costs.peak_memory_source = (
+            max(peak, self.peak0[0]),
+            source,
+        )
+        self.costs.peak_memory_above_start_bytes = max(above, self.peak0[1])
         return self.costs.as_dict()
 
 
@@ -233,7 +248,10 @@ def _resume(
     _check_resume(restored.metadata, arm_name, seed, ckpt.directory)
     costs = _Costs(**restored.metadata.get("costs", {}))
     logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, restored.step)
-    session = _Session(restored.step, costs, costs.wall_time_s, costs.dropped_groups)
+    session = _Session(
+        restored.step, costs, costs.wall_time_s, costs.dropped_groups,
+        peak0=(costs.peak_memory_bytes, costs.peak_memory_above_start_bytes),
+    )  # fmt: skip
     return restored.state, session, restored.metadata["data"]
 
 
@@ -301,9 +319,11 @@ def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str
 
 
 def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
+    """The step's batch; with `tg.mask_hint_copies` the hint-copying targets are left out of
+    the TG KL (tg_jax.rl.hint_copies)."""
     config = parts.config
     tg_on = bool(config.tg.enabled)
-    return build_batch(
+    batch = build_batch(
         trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
@@ -311,6 +331,19 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=int(config.rl.micro_batches), compact=tg_on and bool(config.tg.compact),
     )  # fmt: skip
+    if tg_on and bool(config.tg.get("mask_hint_copies", False)):
+        batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
+    return batch
+
+
+def distilled_tokens(tg: Any, batch: Batch) -> int:
+    """Student tokens under the TG KL mask of `batch` (`tg_loss.tg_mask`, host arrays)."""
+    mask = tg_loss.tg_mask(
+        np.asarray(batch.distill_mask_BxT), np.asarray(batch.thinking_mask_BxT),
+        np.asarray(batch.failed_turn_mask_BxT), np.asarray(batch.loss_mask_BxT),
+        include_thinking=bool(tg.include_thinking), gate=str(tg.gate),
+    )  # fmt: skip
+    return int(np.sum(mask))
 
 
 def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropped: float) -> None:
@@ -321,6 +354,7 @@ def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropp
         t_len = int(batch.teacher_tokens_BtxTt.shape[1])
         costs.teacher_tokens += real
         costs.teacher_forward_flops += parts.model_cfg.flops_per_token(t_len) * real
+        costs.distilled_tokens += distilled_tokens(parts.config.tg, batch)
     costs.dropped_groups = session.dropped0 + int(dropped)
 
 
@@ -338,6 +372,7 @@ def _host_metrics(
             "batch_index": float(group.batch_index),
             "cost/sampled_tokens": float(costs.sampled_tokens),
             "cost/teacher_forward_flops": float(costs.teacher_forward_flops),
+            "cost/distilled_tokens": float(costs.distilled_tokens),
             "cost/dropped_groups": float(costs.dropped_groups),
             "time/sample_wait_s": t1 - t0,
             "time/rollout_s": group.seconds,
@@ -479,7 +514,8 @@ def _train(
             ckpt.save(done, state, metadata=meta, force=True)
 
         done, session.started = start, time.time()  # the setup above is not counted
-        with writer, bar:
+        session.memory = PeakMemory()
+        with writer, bar, session.memory:
             if start == 0 and eval_every > 0:
                 _eval(0)
             for step in range(start, end):

@@ -4,8 +4,9 @@ Every rollout batch has an absolute index i in the train split's task order (the
 iterator's group index, which survives resumes); the sampling loop hands it to `BatchRollout`
 with the tasks. Everything random about batch i derives from i and the group alone: its
 sampling key is fold_in(sampling_key, i), each rollout draws from its own stream of that key
-(`rollout.rollout_groups`), and the imperfect-feedback picks of group k come from a generator
-seeded with (run seed, i, k). So a resumed run samples exactly what an uninterrupted one would,
+(`rollout.rollout_groups`), and the imperfect-feedback picks of group k (one per assistant turn
+and judged requirement, `tg_jax.envs.hints.pick_turn_hints`) come from a generator seeded with
+(run seed, i, k). So a resumed run samples exactly what an uninterrupted one would,
 given the same params (the deterministic mode relies on it), both loops sample the same batch
 alike, and so do several processes that each sample a share of the batch's groups.
 
@@ -189,8 +190,9 @@ def rollout_source(
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Training-time rollout statistics (host numbers, no device sync): rates per episode,
-    per-requirement compliance, actions, terminations, feedback kinds, prompt tokens prefilled
-    per episode."""
+    per-requirement compliance, actions, terminations, feedback kinds (shares of the per-turn
+    picks), prompt tokens prefilled per episode, and hint leakage (`rollout/hint_leakage`:
+    share of the assistant turns that reproduce a hint n-gram, tg_jax.envs.leakage)."""
     n = max(len(trajectories), 1)
     comp, success = [], []
     per_req: dict[str, list[float]] = {}
@@ -224,6 +226,11 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         }
     )
     out.update({f"rollout/compliance/{k}": float(np.mean(v)) for k, v in per_req.items()})
+    measured = [t for t in trajectories if "hint_leaking_turns" in t.info]
+    if measured:
+        turns = sum(t.num_turns for t in measured)
+        leaks = sum(int(t.info["hint_leaking_turns"]) for t in measured)
+        out["rollout/hint_leakage"] = leaks / max(turns, 1)
     kinds = [k for t in trajectories for k in t.info.get("feedback_kinds", ())]
     if kinds:
         out.update({f"feedback/{k}": kinds.count(k) / len(kinds) for k in HINT_KINDS})

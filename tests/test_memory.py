@@ -1,0 +1,98 @@
+"""Peak memory per run: independent of the runs before it in the same process."""
+
+import time
+
+import numpy as np
+
+from tg_jax.train import memory
+
+
+class FakeProcess:
+    """A process's memory: in use now, and the lifetime peak (which never goes down)."""
+
+    def __init__(self, base=100):
+        self.now = self.peak = base
+
+    def set(self, now):
+        self.now, self.peak = now, max(self.peak, now)
+
+    def host(self):
+        return self.now, self.peak
+
+    def device(self):
+        return {"bytes_in_use": self.now, "peak_bytes_in_use": self.peak}
+
+
+def _run(proc, usage, *, device):
+    """One 'arm': its memory goes through `usage`, sampled after each change."""
+    kw = {"device_fn": proc.device} if device else {"host_fn": proc.host, "device_fn": dict}
+    pm = memory.PeakMemory(interval_s=60.0, **kw).start()  # the test samples, not the thread
+    for u in usage:
+        proc.set(u)
+        pm.sample()
+    proc.set(100)  # the arm's arrays freed
+    pm.stop()
+    return pm.peak()
+
+
+def test_peak_per_arm_does_not_depend_on_the_order():
+    arms = {"big": [300, 900, 400], "small": [200, 350, 150]}
+    for device in (False, True):
+        source = "device" if device else "host_rss"
+        for order in (("big", "small"), ("small", "big")):
+            proc = FakeProcess()
+            got = {arm: _run(proc, arms[arm], device=device) for arm in order}
+            assert got == {"big": (900, source), "small": (350, source)}, (device, order)
+    # What the process holds when a run starts is its baseline (peak - baseline: its own).
+    proc = FakeProcess(base=400)
+    pm = memory.PeakMemory(interval_s=60.0, host_fn=proc.host, device_fn=dict).start()
+    proc.set(650)
+    pm.stop()
+    assert (pm.baseline, pm.peak()[0]) == (400, 650)
+
+
+def test_a_new_record_between_samples_is_exact():
+    # The sampler never saw 700 (a spike between samples), but the lifetime peak rose
+    # during the run, so that record is this run's peak.
+    proc = FakeProcess()
+    pm = memory.PeakMemory(interval_s=60.0, host_fn=proc.host, device_fn=dict).start()
+    proc.set(700)
+    proc.set(200)
+    assert pm.peak() == (700, "host_rss")
+    pm.stop()
+    # Under an earlier record, the sampled maximum (a lower bound for spikes) is reported.
+    pm = memory.PeakMemory(interval_s=60.0, host_fn=proc.host, device_fn=dict).start()
+    proc.set(300)
+    pm.sample()
+    proc.set(100)
+    assert pm.peak() == (300, "host_rss")
+    pm.stop()
+
+
+def test_real_process_second_run_not_charged_with_the_first():
+    base, _ = memory.host_reading()
+    with memory.PeakMemory(interval_s=0.01, device_fn=dict) as first:
+        big = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
+        time.sleep(0.1)
+        del big
+    with memory.PeakMemory(interval_s=0.01, device_fn=dict) as second:
+        small = np.ones(20 * 2**20 // 8)
+        time.sleep(0.1)
+        del small
+    p1, p2 = first.peak()[0], second.peak()[0]
+    assert p1 >= base + 150 * 2**20  # the first run saw its 200 MiB
+    # ru_maxrss would charge the second run with the first's peak.
+    assert base + 10 * 2**20 <= p2 < base + 100 * 2**20
+
+
+def test_resumed_run_keeps_the_max_over_sessions():
+    from tg_jax.train import rl
+
+    proc = FakeProcess(base=200)
+    session = rl._Session(5, rl._Costs(), 0.0, 0, peak0=(800, 300), started=0.0)
+    session.memory = memory.PeakMemory(interval_s=60.0, host_fn=proc.host, device_fn=dict)
+    with session.memory:
+        proc.set(600)  # this session: peak 600, 400 above its start; the earlier one: 800, 300
+        costs = session.stamp()
+    assert (costs["peak_memory_bytes"], costs["peak_memory_above_start_bytes"]) == (800, 400)
+    assert costs["peak_memory_source"] == "host_rss"
