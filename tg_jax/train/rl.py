@@ -331,7 +331,7 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=int(config.rl.micro_batches), compact=tg_on and bool(config.tg.compact),
     )  # fmt: skip
-    if tg_on and bool(config.tg.get("mask_hint_copies", False)):
+    if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
     return batch
 
