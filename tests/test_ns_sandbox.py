@@ -27,27 +27,58 @@ if os.geteuid() != 0:  # the scans below look for HOST_UID, the uid of root's sa
     pytest.skip("these tests run the sandbox as root", allow_module_level=True)
 
 
-def _host_leftovers() -> list[str]:
-    """Live host processes running as the sandbox's uid, children of this test process other
-    than the launcher server, or children of the server (launchers)."""
-    server = ns_sandbox.server_pid()
-    found = []
+def _processes() -> dict[int, dict[str, str]]:
+    procs = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                fields["cmdline"] = f.read().decode(errors="replace")
         except OSError:
             continue
-        if fields.get("State", "").strip().startswith("Z"):
+        procs[int(entry)] = fields
+    return procs
+
+
+def _host_leftovers() -> list[str]:
+    """Live host processes running as the sandbox's uid, children of this test process other
+    than the launcher server, or children of the server (launchers). Sandboxes that another
+    test process runs at the same time (pytest-xdist workers), i.e. processes below another
+    process's launcher server, are not this test's."""
+    server = ns_sandbox.server_pid()
+    procs = _processes()
+
+    def parent(pid: int) -> int:
+        return int(procs.get(pid, {}).get("PPid", 0) or 0)
+
+    # Launcher servers and launchers (same command line) not started from this process.
+    name = os.path.basename(ns_sandbox.LAUNCHER)
+    foreign = {
+        pid for pid, f in procs.items()
+        if name in f["cmdline"] and os.getpid() not in (parent(pid), parent(parent(pid)))
+    }  # fmt: skip
+
+    def below_foreign(pid: int) -> bool:
+        seen = set()
+        while pid > 1 and pid not in seen:
+            seen.add(pid)
+            if pid in foreign:
+                return True
+            pid = parent(pid)
+        return False
+
+    found = []
+    for pid, fields in procs.items():
+        if fields.get("State", "").strip().startswith("Z") or pid == server:
             continue
         uid = int(fields["Uid"].split()[0])
         ppid = int(fields["PPid"])
-        if int(entry) == server:
-            continue
-        if uid == ns_sandbox.HOST_UID or ppid == os.getpid() or ppid == server:
-            found.append(f"{entry} {fields['Name'].strip()} uid={uid} ppid={ppid} server={server}")
+        mine = ppid == os.getpid() or ppid == server
+        if mine or (uid == ns_sandbox.HOST_UID and not below_foreign(pid)):
+            found.append(f"{pid} {fields['Name'].strip()} uid={uid} ppid={ppid} server={server}")
     return found
 
 
