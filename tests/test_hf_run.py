@@ -85,8 +85,11 @@ def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 600) -> None:
 def test_hf_tg_runlocal_sigterm_resume_export(tmp_path, arch):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, arch)
-    cmd = _command("configs/hf_tg.py:runlocal", work, ckpt, "--config.rl_loop.steps=3",
-                   "--config.optim.total_steps=3")  # fmt: skip
+    # 6 steps: the SIGTERM after the first checkpoint lands well before the last step (with 3,
+    # a fast run could finish its steps first: then the pipeline stops before the evaluation
+    # and the rerun only evaluates, a valid path but not the resume this test is about).
+    cmd = _command("configs/hf_tg.py:runlocal", work, ckpt, "--config.rl_loop.steps=6",
+                   "--config.optim.total_steps=6")  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -100,7 +103,7 @@ def test_hf_tg_runlocal_sigterm_resume_export(tmp_path, arch):
     out = _run(cmd).stdout  # the same command resumes and finishes
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     train_steps = [m["step"] for m in metrics if m.get("stage") == "train"]
-    assert train_steps == [1, 2, 3], train_steps  # resumed, no step lost or repeated
+    assert train_steps == [1, 2, 3, 4, 5, 6], train_steps  # resumed, no step lost or repeated
     sessions = json.loads((run_dir / "rl_summary.json").read_text())["sessions"]
     assert len(sessions) == 2 and sessions[1]["start_step"] >= 1, sessions
     assert "held-out" in out and (work / "report" / "report.md").exists()
