@@ -427,17 +427,8 @@ def _result(reason, fields, out, err, wall, limits: Limits, pid) -> sandbox.Sand
         status, msg = "killed", "killed: the sandbox's PID 1 died without a status"
     elif rc == -signal.SIGXCPU:
         status, msg = "timeout", f"timeout: CPU time limit {limits.cpu_s} s exceeded"
-    elif rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:
-            name = str(-rc)
-        status, msg = "killed", f"killed: signal {name}"
-    elif rc == 0:
-        status, msg = "ok", "ok"
     else:
-        last = [ln for ln in err.splitlines() if ln.strip()]
-        status, msg = "error", "error: " + (last[-1].strip() if last else f"exit status {rc}")
+        status, msg = sandbox.exit_status(rc, err)
     return sandbox.SandboxResult(status, out, err, rc, wall, msg, pid)
 
 

@@ -521,18 +521,24 @@ def _supervise(
         status, msg = "timeout", f"timeout: CPU time limit {cpu_s} s exceeded"
     elif rc == MEMORY_RC:
         status, msg = "memory", f"memory: memory limit {memory_mb} MB exceeded"
-    elif rc is not None and rc < 0:
+    else:
+        status, msg = exit_status(rc, stderr)
+    return SandboxResult(status, stdout, stderr, rc, wall, msg, proc.pid)
+
+
+def exit_status(rc: int | None, stderr: str) -> tuple[str, str]:
+    """(status, message) of a process that exited with `rc` (no limit hit): "killed" by a
+    signal, "ok", or "error" with the last line of stderr."""
+    if rc is not None and rc < 0:
         try:
             name = signal.Signals(-rc).name
         except ValueError:
             name = str(-rc)
-        status, msg = "killed", f"killed: signal {name}"
-    elif rc == 0:
-        status, msg = "ok", "ok"
-    else:
-        last = [ln for ln in stderr.splitlines() if ln.strip()]
-        status, msg = "error", "error: " + (last[-1].strip() if last else f"exit status {rc}")
-    return SandboxResult(status, stdout, stderr, rc, wall, msg, proc.pid)
+        return "killed", f"killed: signal {name}"
+    if rc == 0:
+        return "ok", "ok"
+    last = [ln for ln in stderr.splitlines() if ln.strip()]
+    return "error", "error: " + (last[-1].strip() if last else f"exit status {rc}")
 
 
 if __name__ == "__main__":
