@@ -110,6 +110,22 @@ class EpisodeSummary:
         return dataclasses.asdict(self)
 
 
+def turn_text(assistant_message: Any, *, done: bool) -> str:
+    """The text of a turn given to `Environment.step` (bytes decoded, invalid UTF-8 replaced).
+
+    Raises:
+      RuntimeError: the episode is not running (`done`: before reset or after its end).
+      TypeError: not text.
+    """
+    if done:
+        raise RuntimeError("step() called before reset() or after the episode ended")
+    if isinstance(assistant_message, bytes):
+        assistant_message = assistant_message.decode("utf-8", "replace")
+    if not isinstance(assistant_message, str):
+        raise TypeError(f"assistant_message must be str, got {type(assistant_message)}")
+    return assistant_message
+
+
 def hint_text(requirements: Sequence[Requirement], names: Sequence[str]) -> str:
     """Hint message text for the named requirements, one line each, in requirement order."""
     unknown = set(names) - {r.name for r in requirements}

@@ -22,7 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tg_jax.envs import ns_sandbox
-from tg_jax.envs.base import REQUIREMENT_REWARD_MODES, Environment, EpisodeSummary, StepResult
+from tg_jax.envs.base import (
+    REQUIREMENT_REWARD_MODES,
+    Environment,
+    EpisodeSummary,
+    StepResult,
+    turn_text,
+)
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
 from tg_jax.envs.sandbox import BACKENDS, run_python
 from tg_jax.envs.tasks import Task
@@ -255,12 +261,7 @@ class CodingEnv(Environment):
         Raises:
           RuntimeError: if called before reset or after the episode ended.
         """
-        if self._done:
-            raise RuntimeError("step() called before reset() or after the episode ended")
-        if isinstance(assistant_message, bytes):
-            assistant_message = assistant_message.decode("utf-8", "replace")
-        if not isinstance(assistant_message, str):
-            raise TypeError(f"assistant_message must be str, got {type(assistant_message)}")
+        assistant_message = turn_text(assistant_message, done=self._done)
         task, summ = self._task, self._summary
         summ.turns += 1
         verdicts = self.judge(assistant_message)

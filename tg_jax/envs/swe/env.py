@@ -32,7 +32,13 @@ import tempfile
 import time
 from typing import Any
 
-from tg_jax.envs.base import REQUIREMENT_REWARD_MODES, Environment, EpisodeSummary, StepResult
+from tg_jax.envs.base import (
+    REQUIREMENT_REWARD_MODES,
+    Environment,
+    EpisodeSummary,
+    StepResult,
+    turn_text,
+)
 from tg_jax.envs.swe import requirements as reqs
 from tg_jax.envs.swe.runner import RUNNERS, Runner, TestRun, make_runner
 from tg_jax.envs.swe.task import SweTask
@@ -181,12 +187,7 @@ class SweEnv(Environment):
         Raises:
           RuntimeError: if called before reset or after the episode ended.
         """
-        if self._done:
-            raise RuntimeError("step() called before reset() or after the episode ended")
-        if isinstance(assistant_message, bytes):
-            assistant_message = assistant_message.decode("utf-8", "replace")
-        if not isinstance(assistant_message, str):
-            raise TypeError(f"assistant_message must be str, got {type(assistant_message)}")
+        assistant_message = turn_text(assistant_message, done=self._done)
         summ, cfg = self._summary, self.config
         summ.turns += 1
         verdicts = self.judge(assistant_message)
