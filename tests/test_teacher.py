@@ -1,17 +1,22 @@
-"""Compact teacher forward (first hint on, the student's prefix keys/values) == full rows."""
+"""Compact teacher forward (first hint on, the student's prefix keys/values) == full rows; the
+divergence at the compact rows' slots (loss and gradients) == over all student positions."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from tg_jax import config_lib
-from tg_jax.models import ModelConfig, Transformer, hidden_states, init_params
+from tg_jax.models import ModelConfig, Transformer, forward, hidden_states, init_params
 from tg_jax.models.decode import forward_from_prefix
-from tg_jax.rl import teacher
+from tg_jax.rl import teacher, train_step
 from tg_jax.rl.batch import build_batch
+from tg_jax.rl.step_config import StepConfig
+from tg_jax.rl.tg_loss import chunked_token_stats
 from tg_jax.testing import synthetic_trajectories
 
 TINY = dict(
@@ -95,7 +100,6 @@ def test_forward_from_prefix_continues_a_sequence():
 
 def _prefix_batch(tokens, positions, s):
     """A stand-in `Batch` with what `student_forward` / `_prefix_keys_values` read."""
-    import dataclasses  # noqa: PLC0415
 
     @dataclasses.dataclass
     class _B:
@@ -106,3 +110,165 @@ def _prefix_batch(tokens, positions, s):
         teacher_prefix_len: int
 
     return _B(tokens, positions, jnp.ones_like(tokens), jnp.arange(tokens.shape[0]), s)
+
+
+# ---------------------------------------------------------------------------------------------
+# The divergence at the compact teacher rows' slots (`teacher.slot_divergence`).
+# ---------------------------------------------------------------------------------------------
+
+
+def _failing(trajs, which):
+    """Verdicts: no turn fails ("none"), a mix ("some": turn k of row i fails when
+    (i + k) % 3 == 0, so some rows have none, some one and some two), every turn ("all")."""
+    out = []
+    for i, t in enumerate(trajs):
+        fail = [{"none": False, "some": (i + k) % 3 == 0, "all": True}[which]
+                for k in range(t.num_turns)]  # fmt: skip
+        out.append(dataclasses.replace(t, turn_verdicts=[{"fence": not f} for f in fail]))
+    return out
+
+
+def _slot_batches(which, mode, gate="failed_turns", micro_batches=1):
+    trajs = _failing(synthetic_trajectories(np.random.default_rng(5), 6, 60, hint_len=5,
+                                            num_turns=3), which)  # fmt: skip
+    kw = dict(max_len=64, teacher_max_len=80, mode=mode, gate=gate, max_teacher_rows=24,
+              requirement_names=("fence",), pad_to_multiple=16,
+              micro_batches=micro_batches)  # fmt: skip
+    return build_batch(trajs, **kw), build_batch(trajs, **kw, compact=True)
+
+
+@pytest.mark.parametrize("mode", ["per_trajectory", "per_turn"])
+def test_teacher_slots_invert_the_index_map(mode):
+    """Batch contract: where a teacher token exists (distill_mask) the map points at the
+    teacher's copy of the target in a row that continues that student row, one to one;
+    `teacher_slots` inverts it exactly there and marks every other slot empty."""
+    _, batch = _slot_batches("some", mode, micro_batches=2)
+    assert batch.distill_mask_BxT.sum() > 20
+    slots = jax.jit(teacher.teacher_slots)
+    for mb in _split(batch):
+        mask = mb.distill_mask_BxT
+        b_idx, t_idx = np.nonzero(mask)
+        rows, pos = mb.teacher_row_BxT[b_idx, t_idx], mb.teacher_pos_BxT[b_idx, t_idx]
+        np.testing.assert_array_equal(mb.teacher_tokens_BtxTt[rows, pos + 1], mb.targets_BxT[mask])
+        assert mb.teacher_segment_ids_BtxTt[rows, pos + 1].all()
+        np.testing.assert_array_equal(mb.teacher_src_row_Bt[rows], b_idx)
+        assert len(set(zip(rows.tolist(), pos.tolist(), strict=True))) == len(rows)
+        pos_BtxTt, valid_BtxTt = map(np.asarray, slots(jax.tree.map(jnp.asarray, mb), mask))
+        assert valid_BtxTt.sum() == mask.sum() and valid_BtxTt[rows, pos].all()
+        np.testing.assert_array_equal(pos_BtxTt[rows, pos], t_idx)
+        assert (pos_BtxTt[~valid_BtxTt] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "kind,estimator,top_k", [("reverse", "full", None), ("forward", "full", None),
+                             ("jsd", "full", 5), ("jsd", "sampled", None)],
+)  # fmt: skip
+def test_slot_divergence_equals_divergence_at_student_positions(kind, estimator, top_k):
+    """Pure check on random hidden states: D (value and gradient) at the teacher's slots ==
+    D over all B x T positions with the teacher gathered there, on the mask; exactly 0 off it,
+    and finite with NaN in the empty slots of the teacher."""
+    _, batch = _slot_batches("some", "per_trajectory")
+    batch = jax.tree.map(jnp.asarray, batch)
+    rows, length = batch.targets_BxT.shape
+    t_rows, t_len = batch.teacher_tokens_BtxTt.shape
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(2), 4)
+    h_BxTxD = jax.random.normal(k1, (rows, length, 8))
+    t_BtxTtxD = jax.random.normal(k2, (t_rows, t_len, 8))
+    w_DxV = jax.random.normal(k3, (8, 24))
+    weight_BxT = jax.random.uniform(k4, (rows, length))
+    targets = batch.targets_BxT % 24
+    batch = batch.replace(targets_BxT=targets)
+    mask = batch.distill_mask_BxT & (jnp.arange(length) % 4 != 0)[None]  # a strict subset
+    opts = dict(chunk_size=16, kind=kind, beta=0.3, estimator=estimator, top_k=top_k)
+
+    def unembed(x):
+        return x @ w_DxV
+
+    def reference(h):
+        gathered = t_BtxTtxD[batch.teacher_row_BxT, batch.teacher_pos_BxT]
+        d = chunked_token_stats(h, targets, unembed, teacher_hidden_BxTxD=gathered, **opts)
+        return jnp.where(mask, d.divergence_BxT, 0.0)
+
+    def slots(h, t=t_BtxTtxD):
+        return teacher.slot_divergence(h, t, batch, unembed, mask, **opts)
+
+    want, got = jax.jit(reference)(h_BxTxD), jax.jit(slots)(h_BxTxD)
+    assert float(jnp.abs(want).sum()) > 1.0
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert (np.asarray(got)[~np.asarray(mask)] == 0).all()
+    g_want = jax.grad(lambda h: (reference(h) * weight_BxT).sum())(h_BxTxD)
+    g_got = jax.grad(lambda h: (slots(h) * weight_BxT).sum())(h_BxTxD)
+    assert float(jnp.abs(g_want).max()) > 1e-3
+    np.testing.assert_allclose(g_got, g_want, atol=1e-6, rtol=1e-5)
+    # NaN teacher states in slots that predict no masked target reach neither D nor grads.
+    _, valid = teacher.teacher_slots(batch, mask)
+    poisoned = jnp.where(valid[..., None], t_BtxTtxD, jnp.nan)
+    g_poisoned = jax.grad(lambda h: (slots(h, poisoned) * weight_BxT).sum())(h_BxTxD)
+    np.testing.assert_allclose(slots(h_BxTxD, poisoned), got, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(g_poisoned, g_got, atol=1e-6, rtol=1e-5)
+
+
+def _loss_and_grads(cfg, batch, model, params):
+    typed = StepConfig.from_config(cfg)
+    fn = functools.partial(train_step.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg)
+    (loss, (sums, _)), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
+        params, jax.tree.map(jnp.asarray, batch)
+    )
+    return loss, sums, grads
+
+
+def _on_policy(batch, model, params):
+    """The batch with behaviour log-probs = the model's own (ratios 1: the PG term's gradient
+    is not clipped away)."""
+    logits = jax.jit(functools.partial(forward, model))(
+        params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT
+    )
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))
+    logp = np.take_along_axis(logp, batch.targets_BxT[..., None], -1)[..., 0]
+    return dataclasses.replace(batch, behaviour_logprobs_BxT=np.where(
+        batch.loss_mask_BxT, logp, 0.0).astype(np.float32))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "which,mode,overrides",
+    [
+        ("none", "per_trajectory", {}),
+        ("some", "per_trajectory", {}),
+        ("all", "per_trajectory", {"tg.kind": "forward", "tg.include_thinking": True}),
+        ("some", "per_turn", {"tg.kind": "jsd", "tg.include_thinking": True}),
+        ("all", "per_turn", {"tg.kind": "jsd", "tg.beta": 0.3}),
+        ("some", "per_trajectory", {"tg.gate": "all_turns", "tg.kind": "forward"}),
+        ("none", "per_turn", {"tg.gate": "all_turns"}),
+        ("some", "per_trajectory", {"tg.estimator": "sampled", "tg.kind": "jsd"}),
+        ("some", "per_turn", {"tg.top_k": 64}),
+    ],
+)
+def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides):
+    """The train step's loss, metrics and gradients with compact rows (D at the teacher's
+    slots) == full rows (D over all B x T positions): the reference path of tg.compact=False.
+    Without a targeted turn the TG step is the GRPO step exactly."""
+    model, params = _model(**TINY)
+    cfg = ml_collections.ConfigDict()
+    cfg.model = config_lib.model_config(**TINY)
+    cfg.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
+    cfg.tg = config_lib.tg_config(chunk_size=16, max_teacher_rows=24, teacher_mode=mode)
+    cfg.optim = config_lib.optim_config()
+    cfg = config_lib.apply_overrides(cfg, overrides)
+    full, compact = _slot_batches(which, mode, gate=cfg.tg.gate)
+    full, compact = _on_policy(full, model, params), _on_policy(compact, model, params)
+    np.testing.assert_array_equal(compact.distill_mask_BxT, full.distill_mask_BxT)
+    loss_a, sums_a, grads_a = _loss_and_grads(cfg, full, model, params)
+    loss_b, sums_b, grads_b = _loss_and_grads(cfg, compact, model, params)
+    targeted = which != "none" or cfg.tg.gate == "all_turns"
+    assert (float(sums_a["tg_loss"]) > 1e-5) == targeted
+    for k in sums_a:
+        np.testing.assert_allclose(sums_a[k], sums_b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6, atol=1e-7)
+    for x, y in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-4)
+    if not targeted:
+        grpo = _loss_and_grads(config_lib.apply_overrides(cfg, {"tg.enabled": False}), compact,
+                               model, params)  # fmt: skip
+        assert float(grpo[0]) == float(loss_b)
+        for x, y in zip(jax.tree.leaves(grpo[2]), jax.tree.leaves(grads_b), strict=True):
+            np.testing.assert_array_equal(x, y)

@@ -14,11 +14,16 @@ layouts of its rows (`tg_jax.rl.batch`):
     from the first hint over those prefix slots (`models.decode.forward_from_prefix`).
 
 Both give the same teacher hidden states at every distilled position (up to float rounding:
-the compact pass uses the decode path's fused matmuls).
+the compact pass uses the decode path's fused matmuls). Full rows are gathered to the student
+positions (`gather_teacher`) and the divergence runs over all B x T of them; with compact rows
+it runs over the B_t x T_t teacher slots instead (`slot_divergence`: the student's hidden
+states are gathered to the slots through the inverted index map, `teacher_slots`), so the
+full-vocabulary work also shrinks with the share of failed trajectories.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -30,6 +35,7 @@ from tg_jax.models.decode import forward_from_prefix
 from tg_jax.models.layers import RMSNorm, rope
 from tg_jax.models.moe import load_balancing_loss
 from tg_jax.rl.batch import Batch
+from tg_jax.rl.tg_loss import chunked_divergence
 
 
 class StudentPrefix(NamedTuple):
@@ -129,3 +135,72 @@ def gather_teacher(teacher_hidden_BtxTtxD: jax.Array, batch: Batch) -> jax.Array
     if mode in ("per_trajectory", "per_turn"):
         return teacher_hidden_BtxTtxD[batch.teacher_row_BxT, pos_BxT]
     raise ValueError(f"TG needs a batch built with teacher rows, got teacher_mode {mode!r}")
+
+
+def teacher_slots(batch: Batch, mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The compact index map inverted on `mask_BxT`: for each teacher slot (r, j), the student
+    position t (in row `teacher_src_row_Bt[r]`) whose target the slot's logits predict.
+
+    The map is one to one on the distilled positions (a student target has one teacher copy,
+    a teacher token copies one student target), so the scatter has no collisions there.
+
+    Args:
+      batch: a batch (or micro-batch) with compact teacher rows.
+      mask_BxT: [B, T] the student positions to invert; within `distill_mask_BxT`.
+
+    Returns:
+      pos_BtxTt: int32 student position of each slot, 0 where none.
+      valid_BtxTt: bool, the slot predicts the target of a masked student position.
+    """
+    t_rows, t_len = batch.teacher_tokens_BtxTt.shape
+    size = t_rows * t_len
+    slot_BxT = batch.teacher_row_BxT * t_len + batch.teacher_pos_BxT
+    slot_N = jnp.where(mask_BxT.astype(bool), slot_BxT, size).reshape(-1)  # size: dropped
+    pos_BxT = jnp.broadcast_to(jnp.arange(mask_BxT.shape[1], dtype=jnp.int32), mask_BxT.shape)
+    pos = jnp.zeros((size,), jnp.int32).at[slot_N].set(pos_BxT.reshape(-1), mode="drop")
+    valid = jnp.zeros((size,), bool).at[slot_N].set(True, mode="drop")
+    return pos.reshape(t_rows, t_len), valid.reshape(t_rows, t_len)
+
+
+def slot_divergence(
+    student_hidden_BxTxD: jax.Array,
+    teacher_hidden_BtxTtxD: jax.Array,
+    batch: Batch,
+    unembed_fn: Callable[[jax.Array], jax.Array],
+    mask_BxT: jax.Array,
+    **options: Any,
+) -> jax.Array:
+    """D_t on `mask_BxT`, computed in the compact teacher rows' layout, 0 elsewhere.
+
+    The full-vocabulary divergence runs over the B_t x T_t teacher slots, not all B x T
+    student positions: each slot that predicts a masked student target gets that student
+    position's hidden state and target (`teacher_slots`), `chunked_divergence` compares the
+    two distributions there, and the result is read back through the index map. Empty slots
+    (hint tokens, untargeted stretches, padding) see zero hidden states on both sides, so
+    they are finite and get no gradient.
+
+    Args:
+      student_hidden_BxTxD: [B, T, D] student final hidden states (differentiated).
+      teacher_hidden_BtxTtxD: [B_t, T_t, D] `teacher_rows_hidden` (stop-gradiented).
+      batch: a batch (or micro-batch) with compact teacher rows.
+      unembed_fn: hidden -> logits, as for `chunked_token_stats`.
+      mask_BxT: [B, T] the distilled positions M (within `distill_mask_BxT`).
+      **options: chunk_size, kind, beta, estimator, top_k of `chunked_divergence`.
+
+    Returns:
+      divergence_BxT: float32 [B, T].
+    """
+    if not batch.teacher_compact:
+        raise ValueError("slot_divergence needs compact teacher rows")
+    pos_BtxTt, valid_BtxTt = teacher_slots(batch, mask_BxT)
+    src_Bt = batch.teacher_src_row_Bt
+    take = jax.vmap(lambda x_TxD, p_Tt: x_TxD[p_Tt])
+    valid_BtxTtx1 = valid_BtxTt[..., None]
+    student_BtxTtxD = jnp.where(valid_BtxTtx1, take(student_hidden_BxTxD[src_Bt], pos_BtxTt), 0)
+    teacher_BtxTtxD = jnp.where(valid_BtxTtx1, jax.lax.stop_gradient(teacher_hidden_BtxTtxD), 0)
+    targets_BtxTt = take(batch.targets_BxT[src_Bt], pos_BtxTt)
+    d_BtxTt = chunked_divergence(
+        student_BtxTtxD, teacher_BtxTtxD, targets_BtxTt, unembed_fn, **options
+    )
+    d_BxT = jnp.where(valid_BtxTt, d_BtxTt, 0.0)[batch.teacher_row_BxT, batch.teacher_pos_BxT]
+    return jnp.where(mask_BxT.astype(bool), d_BxT, 0.0)

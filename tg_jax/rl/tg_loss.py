@@ -268,6 +268,47 @@ class TokenStats(NamedTuple):
     divergence_BxT: jax.Array | None
 
 
+def _scan_chunks(
+    body: Callable[..., tuple[jax.Array | None, ...]],
+    xs: tuple[jax.Array | None, ...],
+    chunk_size: int,
+) -> tuple[jax.Array | None, ...]:
+    """`body` over axis 1 of the [R, N, ...] arrays `xs` (None passes through), C =
+    min(chunk_size, N) positions at a time (N zero-padded to a multiple of C); its [R, C]
+    outputs are stitched back to [R, N]. The body is rematerialised (`jax.checkpoint`): the
+    backward pass recomputes each chunk's [R, C, V] logits instead of keeping them."""
+    rows, length = next(x for x in xs if x is not None).shape[:2]
+    chunk = min(chunk_size, length)
+    num_chunks = -(-length // chunk)
+    padded = num_chunks * chunk
+
+    def to_chunks(x_RxN_: jax.Array | None) -> jax.Array | None:
+        """[R, N, ...] -> [num_chunks, R, C, ...], zero-padded along N."""
+        if x_RxN_ is None:
+            return None
+        pad = [(0, 0)] * x_RxN_.ndim
+        pad[1] = (0, padded - length)
+        x = jnp.pad(x_RxN_, pad).reshape(rows, num_chunks, chunk, *x_RxN_.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    def from_chunks(y_KxRxC: jax.Array | None) -> jax.Array | None:
+        if y_KxRxC is None:
+            return None
+        return jnp.moveaxis(y_KxRxC, 0, 1).reshape(rows, padded)[:, :length]
+
+    # prevent_cse=False: scan already keeps the recomputation from being CSE'd away.
+    step = jax.checkpoint(body, prevent_cse=False)
+    chunks = tuple(to_chunks(x) for x in xs)
+    _, ys = jax.lax.scan(lambda c, x: (c, step(*x)), None, chunks)
+    return tuple(from_chunks(y) for y in ys)
+
+
+def _check_static_options(hidden_RxNxD: jax.Array, unembed_fn: Callable, options: dict) -> None:
+    """`_check_divergence_options` once, outside the traced loop (V from `unembed_fn`)."""
+    vocab = jax.eval_shape(unembed_fn, hidden_RxNxD[:, :1]).shape[-1]
+    _check_divergence_options(**options, vocab=vocab)
+
+
 def chunked_token_stats(
     student_hidden_BxTxD: jax.Array,
     targets_BxT: jax.Array,
@@ -295,32 +336,17 @@ def chunked_token_stats(
         the teacher, since the teacher is the same weights.
       teacher_hidden_BxTxD: optional [B, T, D] teacher hidden states already gathered to
         student positions; stop-gradiented here again, and so are the teacher logits, so the
-        unembedding gets no gradient through the teacher either.
+        unembedding gets no gradient through the teacher either. Where only a few positions
+        have a teacher, `chunked_divergence` on those positions is cheaper.
       chunk_size: positions per chunk.
       kind, beta, estimator, top_k: see `token_divergence`.
 
     Returns:
       `TokenStats` with [B, T] arrays.
     """
-    batch, length, _ = student_hidden_BxTxD.shape
-    chunk = min(chunk_size, length)
-    num_chunks = -(-length // chunk)
-    padded = num_chunks * chunk
-
-    def to_chunks(x_BxT_: jax.Array) -> jax.Array:
-        """[B, T, ...] -> [num_chunks, B, C, ...], zero-padded along T."""
-        pad = [(0, 0)] * x_BxT_.ndim
-        pad[1] = (0, padded - length)
-        x = jnp.pad(x_BxT_, pad).reshape(batch, num_chunks, chunk, *x_BxT_.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
-
-    def from_chunks(x_NxBxC: jax.Array) -> jax.Array:
-        return jnp.moveaxis(x_NxBxC, 0, 1).reshape(batch, padded)[:, :length]
-
+    options = dict(kind=kind, beta=beta, estimator=estimator, top_k=top_k)
     if teacher_hidden_BxTxD is not None:
-        # Check the static options once, outside the traced loop.
-        vocab = jax.eval_shape(unembed_fn, student_hidden_BxTxD[:, :1]).shape[-1]
-        _check_divergence_options(kind, beta, estimator, top_k, vocab)
+        _check_static_options(student_hidden_BxTxD, unembed_fn, options)
         teacher_hidden_BxTxD = jax.lax.stop_gradient(teacher_hidden_BxTxD)
 
     def chunk_body(
@@ -331,28 +357,55 @@ def chunked_token_stats(
         entropy_BxC = -jnp.sum(jnp.exp(log_s_BxCxV) * log_s_BxCxV, axis=-1)
         if teacher_BxCxD is None:
             return logprob_BxC, entropy_BxC, None
-        teacher_logits_BxCxV = jax.lax.stop_gradient(unembed_fn(teacher_BxCxD))
+        log_t_BxCxV = _log_probs(jax.lax.stop_gradient(unembed_fn(teacher_BxCxD)))
         divergence_BxC = _divergence_from_log_probs(
-            log_s_BxCxV,
-            _log_probs(teacher_logits_BxCxV),
-            kind=kind,
-            beta=beta,
-            estimator=estimator,
-            sampled_token=targets_BxC,
-            top_k=top_k,
+            log_s_BxCxV, log_t_BxCxV, sampled_token=targets_BxC, **options
         )
         return logprob_BxC, entropy_BxC, divergence_BxC
 
-    # prevent_cse=False: scan already keeps the recomputation from being CSE'd away.
-    body = jax.checkpoint(chunk_body, prevent_cse=False)
-    teacher_chunks = None if teacher_hidden_BxTxD is None else to_chunks(teacher_hidden_BxTxD)
-    xs = (to_chunks(student_hidden_BxTxD), to_chunks(targets_BxT), teacher_chunks)
-    _, (logprob, entropy, divergence) = jax.lax.scan(lambda c, x: (c, body(*x)), None, xs)
-    return TokenStats(
-        logprob_BxT=from_chunks(logprob),
-        entropy_BxT=from_chunks(entropy),
-        divergence_BxT=None if divergence is None else from_chunks(divergence),
-    )
+    xs = (student_hidden_BxTxD, targets_BxT, teacher_hidden_BxTxD)
+    logprob, entropy, divergence = _scan_chunks(chunk_body, xs, chunk_size)
+    return TokenStats(logprob_BxT=logprob, entropy_BxT=entropy, divergence_BxT=divergence)
+
+
+def chunked_divergence(
+    student_hidden_RxNxD: jax.Array,
+    teacher_hidden_RxNxD: jax.Array,
+    targets_RxN: jax.Array,
+    unembed_fn: Callable[[jax.Array], jax.Array],
+    *,
+    chunk_size: int = 512,
+    kind: DivergenceKind = "reverse",
+    beta: float = 0.5,
+    estimator: Estimator = "full",
+    top_k: int | None = None,
+) -> jax.Array:
+    """The divergence D of `chunked_token_stats` alone, at any [R, N] layout of positions.
+
+    The caller gathers the student's hidden states and targets to the positions that have a
+    teacher (`tg_jax.rl.teacher.slot_divergence`: the compact teacher rows' slots), so the
+    full-vocabulary work is done there only; same chunks along N, rematerialisation and
+    stop-gradient on the teacher as `chunked_token_stats`.
+
+    Args:
+      student_hidden_RxNxD, teacher_hidden_RxNxD: [R, N, D] hidden states at the positions.
+      targets_RxN: [R, N] the produced tokens there (the sampled estimator's samples).
+      unembed_fn, chunk_size, kind, beta, estimator, top_k: see `chunked_token_stats`.
+
+    Returns:
+      divergence_RxN: float32.
+    """
+    options = dict(kind=kind, beta=beta, estimator=estimator, top_k=top_k)
+    _check_static_options(student_hidden_RxNxD, unembed_fn, options)
+
+    def chunk_body(hidden_RxCxD, teacher_RxCxD, targets_RxC) -> tuple[jax.Array]:
+        log_s_RxCxV = _log_probs(unembed_fn(hidden_RxCxD))
+        log_t_RxCxV = _log_probs(jax.lax.stop_gradient(unembed_fn(teacher_RxCxD)))
+        return (_divergence_from_log_probs(log_s_RxCxV, log_t_RxCxV, sampled_token=targets_RxC,
+                                           **options),)  # fmt: skip
+
+    xs = (student_hidden_RxNxD, jax.lax.stop_gradient(teacher_hidden_RxNxD), targets_RxN)
+    return _scan_chunks(chunk_body, xs, chunk_size)[0]
 
 
 # ---------------------------------------------------------------------------------------------
