@@ -4,11 +4,12 @@
     python -m tg_jax.bench.rl_step --batch=16 --seq_len=128 --steps=3   # quicker
 
 What to expect: the TG step adds one forward pass of the teacher (no backward) to a
-forward+backward step, plus the full-vocabulary divergence per chunk (small at V = 272,
-significant at V = 151,936). The teacher runs only where it teaches (compact rows,
+forward+backward step, plus the full-vocabulary divergence and its backward (small at
+V = 272, significant at V = 151,936). The teacher runs only where it teaches (compact rows,
 `tg_jax.rl.compact`): rows for the trajectories with a failed turn, from the first hint (the
-prefix's keys and values are the student's) to the end of the last failed turn. So its cost
-falls with the share of trajectories that fail a requirement: the arms "tg" (every
+prefix's keys and values are the student's) to the end of the last failed turn, and the
+divergence runs over those rows' slots only (`tg_jax.rl.teacher.slot_divergence`). So both
+costs fall with the share of trajectories that fail a requirement: the arms "tg" (every
 trajectory has a failed turn, as at the first steps), "tg_50pct" and "tg_10pct" (the
 behaviour mostly learnt); turns fail independently at the rate that gives that share
 (`with_failure_share`: at 100% every turn fails). "tg_full" is the uncompacted step (a
