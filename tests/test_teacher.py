@@ -243,10 +243,12 @@ def _on_policy(batch, model, params):
         ("some", "per_turn", {"tg.top_k": 64}),
     ],
 )
-def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides):
+def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides, monkeypatch):
     """The train step's loss, metrics and gradients with compact rows (D at the teacher's
-    slots) == full rows (D over all B x T positions): the reference path of tg.compact=False.
-    Without a targeted turn the TG step is the GRPO step exactly."""
+    slots, forced on at any share of slots) == full rows (D over all B x T positions): the
+    reference path of tg.compact=False. Without a targeted turn the TG step is the GRPO step
+    exactly."""
+    monkeypatch.setattr(teacher, "MAX_SLOT_SHARE", 10.0)
     model, params = _model(**TINY)
     cfg = ml_collections.ConfigDict()
     cfg.model = config_lib.model_config(**TINY)
@@ -255,6 +257,7 @@ def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides):
     cfg.optim = config_lib.optim_config()
     cfg = config_lib.apply_overrides(cfg, overrides)
     full, compact = _slot_batches(which, mode, gate=cfg.tg.gate)
+    assert teacher.divergence_at_slots(compact) and not teacher.divergence_at_slots(full)
     full, compact = _on_policy(full, model, params), _on_policy(compact, model, params)
     np.testing.assert_array_equal(compact.distill_mask_BxT, full.distill_mask_BxT)
     loss_a, sums_a, grads_a = _loss_and_grads(cfg, full, model, params)
@@ -272,3 +275,11 @@ def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides):
         assert float(grpo[0]) == float(loss_b)
         for x, y in zip(jax.tree.leaves(grpo[2]), jax.tree.leaves(grads_b), strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+def test_divergence_at_slots_only_when_the_slots_are_few():
+    _, some = _slot_batches("some", "per_trajectory")
+    _, every = _slot_batches("all", "per_trajectory")
+    share = lambda b: b.teacher_tokens_BtxTt.size / b.targets_BxT.size  # noqa: E731
+    assert share(some) <= teacher.MAX_SLOT_SHARE < share(every)
+    assert teacher.divergence_at_slots(some) and not teacher.divergence_at_slots(every)

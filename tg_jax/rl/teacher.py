@@ -137,6 +137,22 @@ def gather_teacher(teacher_hidden_BtxTtxD: jax.Array, batch: Batch) -> jax.Array
     raise ValueError(f"TG needs a batch built with teacher rows, got teacher_mode {mode!r}")
 
 
+# `slot_divergence` is used when the teacher slots are at most this share of the B x T student
+# positions; above it, D over all positions (one student log-softmax shared with the policy
+# loss, no scatter in the backward pass) costs less, and gives the same loss and gradients.
+MAX_SLOT_SHARE = 0.5
+
+
+def divergence_at_slots(batch: Batch) -> bool:
+    """Whether the train step computes D at the teacher's slots (`slot_divergence`): compact
+    rows whose B_t x T_t slots are at most `MAX_SLOT_SHARE` of the B x T student positions
+    (static: from the shapes)."""
+    if not batch.teacher_compact:
+        return False
+    slots, positions = batch.teacher_tokens_BtxTt.size, batch.targets_BxT.size
+    return slots <= MAX_SLOT_SHARE * positions
+
+
 def teacher_slots(batch: Batch, mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The compact index map inverted on `mask_BxT`: for each teacher slot (r, j), the student
     position t (in row `teacher_src_row_Bt[r]`) whose target the slot's logits predict.

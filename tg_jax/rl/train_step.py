@@ -57,7 +57,13 @@ from tg_jax.rl.advantages import AdvantageMetrics, compute_advantages
 from tg_jax.rl.batch import Batch, split_microbatches
 from tg_jax.rl.policy_loss import PolicyLossMetrics, ppo_loss, reference_kl
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
-from tg_jax.rl.teacher import gather_teacher, slot_divergence, student_forward, teacher_rows_hidden
+from tg_jax.rl.teacher import (
+    divergence_at_slots,
+    gather_teacher,
+    slot_divergence,
+    student_forward,
+    teacher_rows_hidden,
+)
 from tg_jax.rl.tg_loss import TokenStats, chunked_token_stats, lambda_schedule, tg_loss, tg_mask
 from tg_jax.rl.train_state import (
     TrainState,
@@ -157,8 +163,8 @@ def token_stats(
 
     The teacher is the same params under stop_gradient on the hinted teacher tokens
     (`tg_jax.rl.teacher`: compact rows continue the student's prefix keys and values),
-    gathered to student positions (`gather_teacher`; compact rows: D computed at the teacher
-    rows' slots instead, `slot_divergence`); `teacher_hidden_BxTxD` replaces it.
+    gathered to student positions (`gather_teacher`; compact rows with few slots: D computed at
+    the teacher rows' slots instead, `slot_divergence`); `teacher_hidden_BxTxD` replaces it.
     """
     run_teacher = tg_cfg.enabled and teacher_hidden_BxTxD is None
     cfg = model.config
@@ -170,7 +176,7 @@ def token_stats(
     if run_teacher:
         # The teacher forward sees stop-gradiented params (and prefix): no backward pass.
         teacher_BtxTtxD = teacher_rows_hidden(model, params, batch, prefix)
-        if not batch.teacher_compact:  # compact rows: D at the teacher's slots only, below
+        if not divergence_at_slots(batch):  # else D at the teacher's slots only, below
             teacher_hidden_BxTxD = gather_teacher(teacher_BtxTtxD, batch)
     stats = chunked_token_stats(
         hidden_BxTxD,
@@ -183,7 +189,7 @@ def token_stats(
         estimator=tg_cfg.estimator,
         top_k=tg_cfg.top_k,
     )
-    if run_teacher and batch.teacher_compact:
+    if run_teacher and divergence_at_slots(batch):
         stats = stats._replace(divergence_BxT=slot_divergence(
             hidden_BxTxD, teacher_BtxTtxD, batch, _unembed_fn(model, params, rl_cfg.temperature),
             distill_mask(batch, tg_cfg), chunk_size=tg_cfg.chunk_size, kind=tg_cfg.kind,
