@@ -159,6 +159,10 @@ def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.compact = True
     c.mask_hint_copies = False  # drop from the TG KL the tokens that copy the hint (rl/hint_copies)
     c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
+    # Reduction of the TG term: token_mean (sum over M / |M|) | token_sum (sum over M /
+    # (trajectories x norm_length): a failed turn weighs the same however many others fail).
+    c.normalize = "token_mean"
+    c.norm_length = 1.0  # token_sum: tokens per trajectory the sum is divided by
     c.schedule = ml_collections.ConfigDict()
     c.schedule.kind = "constant"  # lambda_tg schedule: constant | linear_warmup | cosine
     c.schedule.value = 1.0  # peak lambda_tg

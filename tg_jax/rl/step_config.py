@@ -20,6 +20,7 @@ DIVERGENCES = ("reverse", "forward", "jsd")
 ESTIMATORS = ("full", "sampled")
 GATES = ("failed_turns", "all_turns")
 TEACHER_MODES = ("per_trajectory", "per_turn")
+TG_NORMALIZE = ("token_mean", "token_sum")
 LAMBDA_KINDS = ("constant", "linear_warmup", "cosine")
 LR_SCHEDULES = ("constant", "warmup_cosine")
 
@@ -185,6 +186,10 @@ class TGConfig:
     building, tg_jax.rl.hint_copies)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
+    normalize: str = "token_mean"
+    """token_mean: sum_M D / |M| | token_sum: sum_M D / (trajectories x norm_length)."""
+    norm_length: float = 1.0
+    """token_sum: tokens per trajectory the sum is normalised by (> 0)."""
     schedule: LambdaSchedule = LambdaSchedule()
     """The lambda_tg schedule."""
 
@@ -194,6 +199,8 @@ class TGConfig:
         _check_choice(s, "estimator", self.estimator, ESTIMATORS)
         _check_choice(s, "gate", self.gate, GATES)
         _check_choice(s, "teacher_mode", self.teacher_mode, TEACHER_MODES)
+        _check_choice(s, "normalize", self.normalize, TG_NORMALIZE)
+        _check(self.norm_length > 0, s, "norm_length", "> 0", self.norm_length)
         if self.kind == "jsd":
             _check(0 < self.beta < 1, s, "beta", "in (0, 1) for jsd", self.beta)
         _check(self.top_k is None or self.top_k > 0, s, "top_k", ">= 0", self.top_k)
@@ -220,6 +227,8 @@ class TGConfig:
             max_teacher_rows=int(v["max_teacher_rows"]),
             mask_hint_copies=bool(v.get("mask_hint_copies", False)),
             chunk_size=int(v["chunk_size"]),
+            normalize=str(v.get("normalize", "token_mean")),
+            norm_length=float(v.get("norm_length", 1.0)),
             schedule=LambdaSchedule.from_config(v["schedule"]),
         )
 

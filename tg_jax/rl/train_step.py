@@ -225,7 +225,10 @@ def tg_term(
     norms: Normalizers,
     step: int | jax.Array,
 ) -> TGTerm:
-    """lambda_tg * sum_{t in M} D_t / |M| (this batch's share of it); zeros for the GRPO arm."""
+    """lambda_tg * sum_{t in M} D_t / N (this batch's share of it); zeros for the GRPO arm.
+
+    N = |M| (tg.normalize token_mean) or the whole batch's trajectories x tg.norm_length
+    (token_sum: a micro-batch's sum over that N is already its share)."""
     num_req = len(batch.requirement_names)
     if not tg_cfg.enabled:
         zero = jnp.zeros((), jnp.float32)
@@ -237,11 +240,13 @@ def tg_term(
         assistant_mask_BxT=batch.loss_mask_BxT.astype(bool),
         requirement_ids_BxT=batch.requirement_ids_BxT,
         num_requirements=num_req,
+        normalize=tg_cfg.normalize,
+        norm_constant=jnp.maximum(norms.num_seqs, 1.0) * tg_cfg.norm_length,
     )
     share = _share(tm.num_distilled, norms.num_distilled)
     req_share_R = tm.per_requirement_tokens / jnp.maximum(norms.req_tokens_R, 1.0)
     return TGTerm(
-        loss=local * share,
+        loss=local * (1.0 if tg_cfg.normalize == "token_sum" else share),
         kl=tm.divergence_mean * share,
         kl_R=tm.per_requirement_divergence * req_share_R,
     )
