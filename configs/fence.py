@@ -15,8 +15,12 @@ Why these choices:
     saturate on near-disjoint distributions); the forward KL's is p_student - p_teacher.
   * lambda_tg 0.05: at 1.0 the forward KL's gradient is ~20x GRPO's and is clipped, the task
     reward stops counting and the policy degenerates (runs of backticks, task success ~0).
+  * tg.normalize token_sum over 32 trajectories x 50 tokens: at the start the same weight as
+    the token mean (~1600 distilled tokens), then the TG term shrinks with the number of failed
+    turns instead of putting the same weight on fewer tokens; one seed, docs/experiments.md.
   * The teacher is the current policy: it drifts with it (the hinted policy itself learns to
-    write a fourth backtick), so nothing here stops a long run from drifting further.
+    write a fourth backtick, and held-out hinted compliance falls far below plain), so nothing
+    here stops a longer run from drifting further.
 """
 
 import os
@@ -33,7 +37,10 @@ def get_config(arg=None):
     c.env.requirements = ("fence",)  # the requirement RL judges and TG teaches
     # GRPO (both arms): task reward plus the fence reward.
     c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5})
-    # Targeted guidance: forward KL at lambda_tg 0.05 (the module docstring says why).
+    # Targeted guidance: forward KL at lambda_tg 0.05, summed over the distilled tokens and
+    # divided by trajectories x 50 tokens (the module docstring says why).
     c.tg.kind = "forward"
     c.tg.schedule.value = 0.05
+    c.tg.normalize = "token_sum"
+    c.tg.norm_length = 50.0
     return c
