@@ -137,6 +137,11 @@ def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.temperature = 1.0  # sampling temperature: trainer logits are divided by it
     c.max_staleness = 1  # rollouts more than this many policy versions old are refused
     c.micro_batches = 1  # gradient accumulation steps inside one train step
+    # PPO update phase per rollout batch: num_updates epochs, each shuffling the batch into
+    # num_minibatches minibatches with one optimizer update each; >1 update = decoupled PPO
+    # (ratio to the params at the phase's start, weight pi_prox / pi_b capped by tis_cap).
+    c.num_updates = 1  # epochs over the rollout batch (1 = today's single update)
+    c.num_minibatches = 1  # minibatches per epoch; must split the rollouts evenly
     c.update(overrides)
     return c
 
