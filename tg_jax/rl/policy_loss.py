@@ -218,7 +218,8 @@ def ppo_loss(
       clip_low: r is clipped below at 1 - clip_low.
       clip_high: r is clipped above at 1 + clip_high (clip-higher: clip_high > clip_low).
       dual_clip: constant c > 1, or None for no dual clip.
-      tis_cap: cap of the TIS weight pi_prox / pi_b, or None for no TIS.
+      tis_cap: cap of the TIS weight pi_prox / pi_b (math.inf: the uncapped weight of
+        decoupled PPO), or None for no TIS.
       agg_mode: see `aggregate`.
       norm_length: L for "seq_mean_token_sum_norm".
       logp_ref_BxT: optional [B, T] frozen reference log-probs; adds kl_coef * KL.
