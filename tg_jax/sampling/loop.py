@@ -26,11 +26,13 @@ fold_in(base_key, index)) samples batch i the same way in every session and in b
 `get` samples the next batch in the caller's thread with the newest published params
 (staleness 0). Both sample a batch with the same `sample_group`.
 
-Devices: with `devices`, published params are copied there (replicated); build the rollout
-function's sampler on the same devices with `data_parallel_mesh(devices)` (rows split over
-them). Without, the loop shares the trainer's devices and still copies the params
+Devices: with `place`, published params are `place(params)` (e.g. a
+`tg_jax.sampling.placement.WeightPublisher`: resharded onto the sampler's own mesh, device to
+device); with `devices`, they are copied there (replicated); build the rollout function's
+sampler on the same devices with `data_parallel_mesh(devices)` (rows split over them). With
+neither, the loop shares the trainer's devices and still copies the params
 (`may_alias=False`), so a train step that donates its params can never free the buffers a
-rollout is reading.
+rollout is reading. `place` must return new buffers for the same reason.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class SamplingLoop:
         first_index: int = 0,
         queue_size: int = 2,
         devices: Sequence[jax.Device] | None = None,
+        place: Callable[[Any], Any] | None = None,
         poll_s: float = 0.1,
     ):
         """Args:
@@ -121,6 +124,7 @@ class SamplingLoop:
         first_index: batch index of the first batch (the next ones count up from it).
         queue_size: rollout groups held ahead of the trainer.
         devices: devices of the sampler (params are copied there); None = default placement.
+        place: params -> the sampler's copy of them (new buffers), instead of `devices`.
         poll_s: how often blocked calls check for errors and shutdown.
         """
         self._rollout_fn = rollout_fn
@@ -128,7 +132,8 @@ class SamplingLoop:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self._poll_s = poll_s
         self._target = None
-        if devices:
+        self._place = place
+        if devices and place is None:
             devices = list(devices)
             if len(devices) == 1:
                 self._target = jax.sharding.SingleDeviceSharding(devices[0])
@@ -152,7 +157,10 @@ class SamplingLoop:
 
     def publish(self, params: Any, version: int) -> None:
         """Makes `params` (policy version `version`) the weights of the next rollout batch."""
-        copy = jax.device_put(params, self._target, may_alias=False)
+        if self._place is not None:
+            copy = self._place(params)
+        else:
+            copy = jax.device_put(params, self._target, may_alias=False)
         with self._lock:
             if version < self._version:
                 raise ValueError(f"policy version went back from {self._version} to {version}")
@@ -283,9 +291,16 @@ class InlineLoop:
     """The synchronous `SamplingLoop`: each `get` samples the next batch now, in this thread."""
 
     def __init__(
-        self, rollout_fn: RolloutFn, task_batches: Iterable[Sequence[Any]], *, first_index: int = 0
+        self,
+        rollout_fn: RolloutFn,
+        task_batches: Iterable[Sequence[Any]],
+        *,
+        first_index: int = 0,
+        place: Callable[[Any], Any] | None = None,
     ):
-        """Args: as `SamplingLoop`'s (no queue, no devices: it samples where the caller is)."""
+        """Args: as `SamplingLoop`'s (no queue, no devices: it samples in the caller's thread,
+        on the trainer's devices unless `place` puts the params elsewhere)."""
+        self._place = place
         self._rollout_fn = rollout_fn
         self._batches = enumerate(task_batches, start=int(first_index))
         self._params: Any = None
@@ -293,10 +308,11 @@ class InlineLoop:
         self._delivered = 0
 
     def publish(self, params: Any, version: int) -> None:
-        """As `SamplingLoop.publish`, without the copy: sampling ends before the next
-        (donating) train step is dispatched."""
+        """As `SamplingLoop.publish`, without the copy (but `place`'s): sampling ends before
+        the next (donating) train step is dispatched."""
         if version < self._version:
             raise ValueError(f"policy version went back from {self._version} to {version}")
+        params = self._place(params) if self._place is not None else params
         self._params, self._version = params, int(version)
 
     @property
