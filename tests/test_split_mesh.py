@@ -231,3 +231,51 @@ def test_command_line_split_runs_end_to_end(tmp_path):
         "error: invalid config: sampler_mesh.num_devices=8 must be below the 8 devices: the "
         "trainer needs at least one"
     ]
+
+
+def test_two_step_place_copies_in_the_loop_thread_between_batches(monkeypatch):
+    """The trainer's publish only stages; the sampling thread copies a staged policy at a batch
+    boundary once it is computed, and samples with the policy it has until then."""
+    import threading
+    import time
+
+    from tg_jax.sampling import loop
+
+    ready = threading.Event()
+    monkeypatch.setattr(loop, "_ready", lambda tree: ready.is_set())
+    threads = []
+
+    class Place:
+        def stage(self, params):
+            threads.append(("stage", threading.current_thread().name))
+            return {"staged": params}
+
+        def copy(self, staged):
+            threads.append(("copy", threading.current_thread().name))
+            return staged["staged"]
+
+    used = []
+
+    def rollout_fn(params, index, tasks, version):
+        used.append((index, params, version))
+        time.sleep(0.01)
+        return []
+
+    sampling = loop.SamplingLoop(rollout_fn, [[i] for i in range(400)], queue_size=1, place=Place())
+    try:
+        sampling.publish(100, 0)  # the first batch copies it at once, computed or not
+        sampling.get(max_staleness=10)
+        sampling.publish(101, 1)
+        assert sampling.version == 1
+        for _ in range(3):
+            group = sampling.get(max_staleness=10)
+            assert group.policy_version == 0  # not computed yet: the old policy samples
+        ready.set()
+        deadline = time.monotonic() + 30
+        while sampling.get(max_staleness=10).policy_version != 1:
+            assert time.monotonic() < deadline
+    finally:
+        sampling.close()
+    assert all(p == 100 + v for _, p, v in used)
+    assert {t for kind, t in threads if kind == "stage"} == {threading.current_thread().name}
+    assert {t for kind, t in threads if kind == "copy"} == {"tg_jax-sampling-loop"}

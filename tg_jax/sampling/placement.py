@@ -22,9 +22,11 @@ The publisher, in two steps that both stay on devices:
                                            each is one device-to-device copy
 
 (a plain device_put straight from the trainer's sharding would fetch to the host whenever no
-trainer shard equals a sampler shard). Both steps are dispatched asynchronously: the trainer's
-thread returns at once and its next step queues behind the small staging gather, while the
-copies run; the sampler's next batch waits for them.
+trainer shard equals a sampler shard). The staging gather is dispatched in the trainer's thread
+(its next step queues behind it); the copy waits for the staged arrays, so the sampling loop
+makes it in its own thread, between batches, once they are computed
+(`tg_jax.sampling.loop.SamplingLoop`'s two-step `place`): publishing never blocks the
+trainer, and the sampler keeps sampling with the previous policy until the new one is there.
 """
 
 from __future__ import annotations
@@ -68,9 +70,18 @@ class WeightPublisher:
         # A copy, never the input buffer itself: the train step donates the params it is given.
         self._stage = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.staging)
 
+    def stage(self, params: Any) -> Any:
+        """Step 1, in the trainer's thread: new buffers in the staging layout (dispatched)."""
+        return self._stage(params)
+
+    def copy(self, staged: Any) -> Any:
+        """Step 2: the sampler's copy of `stage`'s output (waits for it to be computed, then
+        dispatches the device-to-device copies)."""
+        return jax.device_put(staged, self.shardings)
+
     def __call__(self, params: Any) -> Any:
-        """The sampler's copy of `params` (dispatched; returns before the copies finish)."""
-        return jax.device_put(self._stage(params), self.shardings)
+        """Both steps: the sampler's copy of `params`."""
+        return self.copy(self.stage(params))
 
 
 def own_mesh_sampler(
