@@ -28,7 +28,10 @@ async_over_max = async_step_s / max(sampling_s, training_s) (goal <= 1.15) and
 async_over_sequential; sampler_idle and trainer_idle, the shares of the window the sampler
 spent outside rollouts and the trainer outside build_batch + step + publish (waiting for a
 group); sampling_in_async_s / training_in_async_s, the same work timed inside the window
-(what running side by side costs each); dropped_groups, stale groups sampled and refused.
+(what running side by side costs each); dropped_groups, stale groups sampled and refused;
+sequential_cpu_per_s / async_cpu_per_s, the process's CPU seconds per wall second in each
+mode (on a machine shared with other jobs, a mode with more busy threads gets a larger share
+of the cores: then async_over_max can fall below 1 without any real overlap).
 
 On a CPU the simulated devices share the machine's cores: the split gives the sampler no
 compute of its own, so async_over_max there measures how much the two compete for the cores,
@@ -162,7 +165,7 @@ def measure_layout(
     tasks = generate_tasks("train", 4 * (async_warmup + steps) * groups, seed=seed)
     batches = [tasks[i : i + groups] for i in range(0, len(tasks), groups)]
     max_staleness = int(cfg.rl.max_staleness)
-    sampling, training = _sequential(run, batches[: warmup + steps], warmup, max_staleness)
+    sampling, training, seq_cpu = _sequential(run, batches[: warmup + steps], warmup, max_staleness)
     window = _async(run, batches, async_warmup, steps, queue_size, max_staleness)
     s, t = statistics.fmean(sampling), statistics.fmean(training)
     a = window["seconds"] / steps
@@ -178,6 +181,8 @@ def measure_layout(
         "sampling_in_async_s": window["sampling"],
         "training_in_async_s": window["training"],
         "dropped_groups": window["dropped"],
+        "sequential_cpu_per_s": seq_cpu,
+        "async_cpu_per_s": window["cpu_per_s"],
         "episodes_per_step": float(groups * rollouts),
         "load": load_average(),
     }
@@ -185,12 +190,13 @@ def measure_layout(
 
 def _sequential(
     run: _Run, batches: list[Any], warmup: int, max_staleness: int
-) -> tuple[list[float], list[float]]:
-    """(sampling seconds, training seconds) of the timed steps, one after the other."""
+) -> tuple[list[float], list[float], float]:
+    """(sampling seconds, training seconds) of the timed steps, one after the other, and the
+    process's CPU seconds per wall second over them."""
     source = InlineLoop(run.rollout_fn, batches, place=run.place)
-    sampling, training = [], []
+    sampling, training, cpu = [], [], 0.0
     for i in range(len(batches)):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         source.publish(run.state.params, i)
         group = _next_group(source, max_staleness)
         t1 = time.perf_counter()
@@ -198,7 +204,8 @@ def _sequential(
         if i >= warmup:
             sampling.append(t1 - t0)
             training.append(time.perf_counter() - t1)
-    return sampling, training
+            cpu += time.process_time() - c0
+    return sampling, training, cpu / (sum(sampling) + sum(training))
 
 
 def _async(
@@ -209,12 +216,13 @@ def _async(
     run.spans.clear()
     source = SamplingLoop(run.timed_rollout, batches, queue_size=queue_size, place=run.place)
     busy, trained, sampled = [], [], []
-    start, dropped0 = 0.0, 0.0
+    start, cpu0, dropped0 = 0.0, 0.0, 0.0
     try:
         source.publish(run.state.params, 0)
         for i in range(warmup + steps):
             if i == warmup:
-                start, dropped0 = time.perf_counter(), source.stats()["groups_dropped_stale"]
+                start, cpu0 = time.perf_counter(), time.process_time()
+                dropped0 = source.stats()["groups_dropped_stale"]
             group = _next_group(source, max_staleness)
             t1 = time.perf_counter()
             run.state = run.train(run.state, group)
@@ -224,7 +232,7 @@ def _async(
                 busy.append(time.perf_counter() - t1)
                 trained.append(t2 - t1)
                 sampled.append(group.seconds)
-        end = time.perf_counter()
+        end, cpu = time.perf_counter(), time.process_time() - cpu0
         dropped = source.stats()["groups_dropped_stale"] - dropped0
     finally:
         source.close()
@@ -236,6 +244,7 @@ def _async(
         "sampling": statistics.fmean(sampled),
         "training": statistics.fmean(trained),
         "dropped": float(dropped),
+        "cpu_per_s": cpu / (end - start),
     }
 
 
