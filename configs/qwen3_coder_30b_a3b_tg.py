@@ -19,9 +19,13 @@ Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --
 --config.model.hf_checkpoint=DIR` (the launcher passes the copy it made on each worker).
 `configs/qwen3_coder_30b_a3b_tg.py:runlocal` takes the architecture from the checkpoint and
 shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
+`configs/qwen3_coder_30b_a3b_tg.py:split` puts the trainer and the sampler on their own 16
+chips each (`config.sampler_mesh`; README: both steps' fit).
 """
 
 import os
+
+import ml_collections
 
 from tg_jax import config_lib
 
@@ -31,7 +35,10 @@ GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
 
 
 def get_config(arg=None):
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
+    if arg not in (None, "", "runlocal", "split"):
+        raise ValueError(f"{__file__} takes no argument, 'runlocal' or 'split', not {arg!r}")
+    base_arg = None if arg == "split" else arg
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
     c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
     c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
     if arg == "runlocal":
@@ -81,4 +88,22 @@ def get_config(arg=None):
     c.rl_loop.max_new_tokens = 2048  # decode budget per assistant turn
     c.rl_loop.checkpoint_every = 10  # preemptible slices: lose at most 10 steps
     c.rl_loop.eval_every = 50  # held-out evaluation interval
+    if arg == "split":
+        _split(c)
     return c
+
+
+def _split(c):
+    """`:split`: the trainer and the sampler on their own halves of the v5p-64 slice (16 chips
+    each): the trainer 4-way FSDP x 4-way expert parallel, the sampler 4 replicas of 4-way
+    tensor parallelism (4 KV heads: one per chip)."""
+    c.mesh.shape = (1, 4, 1, 4)  # data, fsdp, tensor, expert over the first 16 chips
+    c.rl.micro_batches = GROUPS * ROLLOUTS // 16  # one row per trainer chip per micro-batch
+    with c.unlocked():
+        c.sampler_mesh = ml_collections.ConfigDict(
+            {
+                "num_devices": 16,  # the last 16 chips sample
+                "axes": ("data", "tensor"),
+                "shape": (-1, 4),  # 4 data-parallel replicas x 4-way tensor parallel
+            }
+        )
