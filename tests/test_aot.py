@@ -2,13 +2,16 @@
 
 import functools
 import importlib.util
+import json
 import os
 
 import jax
+import ml_collections
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from tg_jax import config_lib, sharding
+from tg_jax.models import hf_dir
 from tg_jax.tpu import aot
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -82,3 +85,106 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
     report = aot.memory_report(train, "train", hbm)
     assert 0 < report.total < hbm  # a tiny model: far below a v5e chip's 16 GiB
     assert report.arguments > 0
+
+
+def _with_sampler_mesh(cfg, num_devices, shape=(-1, 2)):
+    cfg = config_lib.apply_overrides(cfg, {})
+    with cfg.unlocked():
+        cfg.sampler_mesh = ml_collections.ConfigDict(
+            {"num_devices": num_devices, "axes": ("data", "tensor"), "shape": shape}
+        )
+    return cfg
+
+
+def test_split_devices_last_n_sample():
+    devices = jax.devices()
+    cfg = _tiny_config((1, 2, 1, 2))
+    assert aot.split_devices(cfg, devices) == (devices, None)  # no sampler_mesh: colocated
+    assert aot.split_devices(_with_sampler_mesh(cfg, 0), devices) == (devices, None)
+    trainer, sampler = aot.split_devices(_with_sampler_mesh(cfg, 4), devices)
+    assert trainer == devices[:4] and sampler == devices[4:]
+    with pytest.raises(ValueError, match="leaves none"):
+        aot.split_devices(_with_sampler_mesh(cfg, 8), devices)
+
+
+def test_meshes_colocated_and_split():
+    devices = jax.devices()
+    colocated = aot.make_meshes(_tiny_config((1, -1, 1, 1)), devices)
+    assert not colocated.split and colocated.sampler is colocated.trainer
+    assert colocated.trainer.devices.size == 8
+    meshes = aot.make_meshes(_with_sampler_mesh(_tiny_config((1, 2, 1, 2)), 4), devices)
+    assert meshes.split
+    assert list(meshes.trainer.devices.flat) == devices[:4]
+    assert list(meshes.sampler.devices.flat) == devices[4:]
+    assert dict(meshes.sampler.shape) == {"data": 2, "tensor": 2}
+    assert sharding.batch_divisor(meshes.sampler, meshes.sampler_rules) == 2  # rows over data
+    rules = dict(meshes.sampler_rules)
+    assert rules["heads"] == rules["kv_heads"] == rules["mlp"] == "tensor"
+
+
+def test_train_shapes_are_the_largest_batch_of_the_config():
+    cfg = config_lib.apply_overrides(
+        _tiny_config((1, 2, 1, 2)),
+        {"rl_loop.groups_per_step": 3, "rl_loop.rollouts_per_group": 3, "rl_loop.seq_len": 32},
+    )
+    shapes = aot.train_shapes(cfg, divisor=4)  # 9 rows padded to 4 x 2 micro-batches
+    assert shapes == aot.TrainShapes(16, 32, 16, 64, 32)
+    per_turn = config_lib.apply_overrides(cfg, {"tg.teacher_mode": "per_turn"})
+    assert aot.train_shapes(per_turn, divisor=4).teacher_rows == per_turn.tg.max_teacher_rows
+    assert aot.train_shapes(cfg, divisor=4, rows=8, teacher_len=40).teacher_len == 40
+
+
+def test_compile_programs_split_on_cpu():
+    """The TG train step on the first 4 devices, the sample step on the last 4 (CPU)."""
+    devices = jax.devices()
+    cfg = config_lib.apply_overrides(_tiny_config((1, 2, 1, 2)), {"rl_loop.seq_len": 32})
+    cfg = _with_sampler_mesh(cfg, 4)
+    programs = list(aot.compile_programs(cfg, devices, ["train", "sample"], rows=8))
+    assert [name.split()[0] for name, _, _ in programs] == ["train", "sample"]
+    for (_, compiled, mesh), want in zip(programs, (devices[:4], devices[4:]), strict=True):
+        assert set(mesh.devices.flat) == set(want)
+        used = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
+        assert used == set(want)
+        assert aot.memory_report(compiled, "cpu", hbm=2.0**30).arguments > 0
+
+
+def test_architecture_from_config_json_only(tmp_path):
+    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "hf_tg.py"))
+    with pytest.raises(ValueError, match="hf_checkpoint"):
+        aot.resolve_architecture(cfg)  # the architecture is unset and no config.json
+    hf = json.load(open(os.path.join(CONFIG_DIR, "hf", "qwen3_1p7b", "config.json")))
+    (tmp_path / "config.json").write_text(json.dumps(hf))  # no weights, no tokenizer
+    resolved = aot.resolve_architecture(
+        config_lib.apply_overrides(cfg, {"model.hf_checkpoint": str(tmp_path)})
+    )
+    assert resolved.model.num_layers == 28 and resolved.model.vocab_size == 151_936
+    assert resolved.model.max_seq_len == 8192 + 512  # the run's context, not config.json's
+    hf["num_hidden_layers"] = 27
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    qwen = config_lib.load_config_file(os.path.join(CONFIG_DIR, "qwen3_1p7b_tg.py"))
+    with pytest.raises(hf_dir.ModelDirError, match="num_layers = 28"):
+        aot.resolve_architecture(
+            config_lib.apply_overrides(qwen, {"model.hf_checkpoint": str(tmp_path)})
+        )
+
+
+@pytest.mark.parametrize(
+    "config,arg,hf",
+    [
+        ("qwen3_1p7b_tg.py", None, "qwen3_1p7b"),
+        ("qwen3_coder_30b_a3b_tg.py", None, "qwen3_coder_30b_a3b"),
+        ("qwen3_coder_30b_a3b_tg.py", "split", "qwen3_coder_30b_a3b"),
+    ],
+)
+def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
+    """configs/hf/*/config.json (the published files) agree with the configs' architecture."""
+    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, config), arg)
+    ckpt = os.path.join(CONFIG_DIR, "hf", hf)
+    resolved = aot.resolve_architecture(
+        config_lib.apply_overrides(cfg, {"model.hf_checkpoint": ckpt})
+    )
+    assert resolved.model.to_dict() == {**cfg.model.to_dict(), "hf_checkpoint": ckpt}
+    assert resolved.model.vocab_size == 151_936
+    if arg == "split":
+        trainer, sampler = aot.split_devices(resolved, list(range(32)))
+        assert len(trainer) == 16 and sampler == list(range(16, 32))

@@ -468,7 +468,9 @@ def compile_programs(
             compiled = compile_tg_train_step(config, mesh, rules, shapes)
             label = f"train step (TG, {micro} micro-batches of {shapes.rows // micro} rows)"
         elif name == "train":
-            compiled = compile_lm_train_step(config, mesh, rules, shapes.rows, shapes.seq_len, chunk)
+            compiled = compile_lm_train_step(
+                config, mesh, rules, shapes.rows, shapes.seq_len, chunk
+            )
             label = f"train step (LM baseline, {shapes.rows} rows)"
         elif name == "sample":
             drows, cache = decode_rows or shapes.rows, cache_len or shapes.seq_len
