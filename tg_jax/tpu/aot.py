@@ -1,23 +1,30 @@
 """Does a config fit a TPU slice? Compile its steps ahead of time on a CPU host and read memory.
 
-    PYTHONPATH=/path/to/libtpu_site python -m tg_jax.tpu.aot \
-        --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 [--config.a.b=v]
+    python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 \
+        [--config.model.hf_checkpoint=configs/hf/qwen3_coder_30b_a3b] [--config.a.b=v]
 
 libtpu describes any TPU topology without the hardware (`jax.experimental.topologies`); a mesh
 over those devices, abstract inputs (`jax.ShapeDtypeStruct` with their shardings) and
 `jax.jit(...).lower(...).compile()` give the real XLA:TPU executable, whose
 `memory_analysis()` is the per-chip HBM it needs: arguments + outputs - donated aliases +
 temporaries + code. Nothing runs and no weights exist; only libtpu must be importable (the
-`tpu` extra, or `pip install --target DIR libtpu==<jax's pin>` and DIR on PYTHONPATH).
+`aot` extra: `pip install -e .[aot]`).
 
-Two programs are compiled:
-* train: the real TG/GRPO train step (`tg_jax.rl.train_step.make_train_step`) on a batch of
-  `--train_rows` student rows of `--seq_len` tokens and as many teacher rows of
-  `--teacher_len` (per-trajectory hinted contexts), with `config.rl.micro_batches`; or, with
-  `--step=lm`, a next-token loss + AdamW step of the same shapes (no teacher), the baseline.
+The architecture is the config's, or that of `model.hf_checkpoint`'s config.json (only that
+file is read; configs/hf/ has the published ones of the Qwen3 checkpoints the qwen3 configs
+are for). Two programs are compiled:
+* train: the real RL train step as `tg_jax.train.rl` builds it (`make_train_step`, RL from the
+  checkpoint's params) on the largest batch `build_batch` makes for the config (`train_shapes`:
+  `--train_rows` student rows of `--seq_len` tokens; `--teacher_rows` teacher rows of
+  `--teacher_len`, compact ones with `--prefix_len` student key/value slots when
+  tg.compact), with `config.rl.micro_batches`; or, with `--step=lm`, a next-token loss +
+  AdamW step of the same student shapes (no teacher), the baseline.
 * sample: one step of the sampler's decode loop (`tg_jax.models.decode.decode_one`)
-  for `--decode_rows` rows with a KV cache of `--cache_len` slots (prompt + generated), on
-  the same mesh and param shardings.
+  for `--decode_rows` rows with a KV cache of `--cache_len` slots (prompt + generated).
+
+With `config.sampler_mesh.num_devices = N > 0` the train step compiles over the first
+(total - N) devices (config.mesh) and the sample step over the last N (the sampler's
+("data", "tensor") mesh, `config.sampler_mesh.shape`); otherwise both over all devices.
 """
 
 from __future__ import annotations
@@ -140,6 +147,17 @@ def abstract_params(model: Transformer, mesh: Mesh, rules: sharding.Rules) -> An
 
 def _batch_spec(mesh: Mesh, rules: sharding.Rules, ndim: int) -> PartitionSpec:
     return sharding.data_sharding(mesh, rules, ndim).spec
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainShapes:
+    """Sizes of a train step's batch (see `tg_jax.rl.batch.Batch`)."""
+
+    rows: int  # B: student rows, a multiple of the batch divisor x micro-batches
+    seq_len: int  # T: student positions
+    teacher_rows: int  # B_t
+    teacher_len: int  # T_t
+    prefix_len: int  # compact teacher rows: the student key/value slots the teacher sees
 
 
 def abstract_tg_batch(
@@ -389,17 +407,6 @@ def make_meshes(config: Any, devices: Sequence[Any]) -> Meshes:
     if sampler_devices is None:
         return Meshes(mesh, rules, mesh, rules)
     return Meshes(mesh, rules, *make_sampler_mesh(config.sampler_mesh, sampler_devices))
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainShapes:
-    """Sizes of a train step's batch (see `tg_jax.rl.batch.Batch`)."""
-
-    rows: int  # B: student rows, a multiple of the batch divisor x micro-batches
-    seq_len: int  # T: student positions
-    teacher_rows: int  # B_t
-    teacher_len: int  # T_t
-    prefix_len: int  # compact teacher rows: the student key/value slots the teacher sees
 
 
 def train_shapes(config: Any, divisor: int, **given: int) -> TrainShapes:
