@@ -81,7 +81,8 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
     hbm = aot.hbm_bytes_per_device("v5e:2x2", len(devices))
     # The real TG train step with the MoE's shard_map (ragged_dot / one-hot experts) on TPU;
     # the sample step's lowering is covered on CPU above (it compiles for TPU the same way).
-    train = aot.compile_tg_train_step(cfg, mesh, rules, rows=8, seq_len=64, teacher_len=64)
+    shapes = aot.TrainShapes(rows=8, seq_len=64, teacher_rows=8, teacher_len=64, prefix_len=64)
+    train = aot.compile_tg_train_step(cfg, mesh, rules, shapes)
     report = aot.memory_report(train, "train", hbm)
     assert 0 < report.total < hbm  # a tiny model: far below a v5e chip's 16 GiB
     assert report.arguments > 0

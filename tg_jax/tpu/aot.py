@@ -59,8 +59,10 @@ def topology_devices(topology: str) -> list[jax.Device]:
     """The devices of a TPU topology such as "v5p:2x4x4" (libtpu, no hardware needed)."""
     from jax.experimental import topologies  # noqa: PLC0415 (needs libtpu)
 
-    # Off a TPU VM libtpu cannot discover worker hostnames; AOT does not need them.
+    # Off a TPU VM libtpu cannot discover worker hostnames; AOT does not need them. Nor does
+    # it hold a chip: several compiles may run at once (libtpu's lockfile is for chips).
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
 
 
