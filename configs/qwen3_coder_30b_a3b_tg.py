@@ -19,8 +19,8 @@ Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --
 --config.model.hf_checkpoint=DIR` (the launcher passes the copy it made on each worker).
 `configs/qwen3_coder_30b_a3b_tg.py:runlocal` takes the architecture from the checkpoint and
 shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
-`configs/qwen3_coder_30b_a3b_tg.py:split` puts the trainer and the sampler on their own 16
-chips each (`config.sampler_mesh`; README: both steps' fit).
+`configs/qwen3_coder_30b_a3b_tg.py:split` puts the trainer and the sampler on their own 32
+chips each of a v5p-128 (`config.sampler_mesh`; README: both steps' fit).
 """
 
 import os
@@ -94,16 +94,15 @@ def get_config(arg=None):
 
 
 def _split(c):
-    """`:split`: the trainer and the sampler on their own halves of the v5p-64 slice (16 chips
-    each): the trainer 4-way FSDP x 4-way expert parallel, the sampler 4 replicas of 4-way
-    tensor parallelism (4 KV heads: one per chip)."""
-    c.mesh.shape = (1, 4, 1, 4)  # data, fsdp, tensor, expert over the first 16 chips
-    c.rl.micro_batches = GROUPS * ROLLOUTS // 16  # one row per trainer chip per micro-batch
+    """`:split`: the trainer and the sampler on their own 32 chips each of a v5p-128 (4x4x4):
+    the trainer as above on the first 32, the sampler 8 replicas of 4-way tensor parallelism
+    (4 KV heads: one per chip) on the last 32. On a v5p-64 (16 + 16 chips) the sampler's
+    1024-row, 8192-slot KV cache, decode weights and its copy of the fp32 params do not fit."""
     with c.unlocked():
         c.sampler_mesh = ml_collections.ConfigDict(
             {
-                "num_devices": 16,  # the last 16 chips sample
+                "num_devices": 32,  # the last 32 chips sample
                 "axes": ("data", "tensor"),
-                "shape": (-1, 4),  # 4 data-parallel replicas x 4-way tensor parallel
+                "shape": (-1, 4),  # 8 data-parallel replicas x 4-way tensor parallel
             }
         )

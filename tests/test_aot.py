@@ -1,5 +1,6 @@
 """Ahead-of-time compilation: memory accounting, and small compiles on CPU and (libtpu) TPU."""
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -44,6 +45,7 @@ def test_hbm_per_device():
 def test_memory_report_total_counts_donated_buffers_once():
     r = aot.MemoryReport("step", arguments=10, outputs=8, aliased=6, temps=3, code=1, hbm=20.0)
     assert r.total == 16
+    assert dataclasses.replace(r, resident=2).total == 18
     assert "fits" in r.format() and "80%" in r.format()
     assert "DOES NOT FIT" in aot.MemoryReport("s", 30, 0, 0, 0, 0, 20.0).format()
 
@@ -141,8 +143,10 @@ def test_compile_programs_split_on_cpu():
     cfg = config_lib.apply_overrides(_tiny_config((1, 2, 1, 2)), {"rl_loop.seq_len": 32})
     cfg = _with_sampler_mesh(cfg, 4)
     programs = list(aot.compile_programs(cfg, devices, ["train", "sample"], rows=8))
-    assert [name.split()[0] for name, _, _ in programs] == ["train", "sample"]
-    for (_, compiled, mesh), want in zip(programs, (devices[:4], devices[4:]), strict=True):
+    assert [p.name.split()[0] for p in programs] == ["train", "sample"]
+    # The split sampler's own copy of the published params counts on its devices.
+    assert programs[0].resident == 0 and programs[1].resident > 0
+    for (_, compiled, mesh, _), want in zip(programs, (devices[:4], devices[4:]), strict=True):
         assert set(mesh.devices.flat) == set(want)
         used = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
         assert used == set(want)
@@ -187,5 +191,5 @@ def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
     assert resolved.model.to_dict() == {**cfg.model.to_dict(), "hf_checkpoint": ckpt}
     assert resolved.model.vocab_size == 151_936
     if arg == "split":
-        trainer, sampler = aot.split_devices(resolved, list(range(32)))
-        assert len(trainer) == 16 and sampler == list(range(16, 32))
+        trainer, sampler = aot.split_devices(resolved, list(range(64)))
+        assert len(trainer) == 32 and sampler == list(range(32, 64))

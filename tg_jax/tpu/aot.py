@@ -37,7 +37,7 @@ import os
 import re
 import types
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -86,10 +86,11 @@ class MemoryReport:
     temps: int
     code: int
     hbm: float
+    resident: int = 0  # buffers the program does not see that stay on its devices meanwhile
 
     @property
     def total(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temps + self.code
+        return self.arguments + self.outputs - self.aliased + self.temps + self.code + self.resident
 
     def format(self) -> str:
         def g(x):
@@ -101,10 +102,11 @@ class MemoryReport:
             f"{100 * self.total / self.hbm:.0f}%)\n"
             f"  arguments {g(self.arguments)}  outputs {g(self.outputs)}  "
             f"aliased {g(self.aliased)}  temps {g(self.temps)}  code {g(self.code)}"
+            + (f"  + resident {g(self.resident)}" if self.resident else "")
         )
 
 
-def memory_report(compiled: Any, name: str, hbm: float) -> MemoryReport:
+def memory_report(compiled: Any, name: str, hbm: float, resident: int = 0) -> MemoryReport:
     m = compiled.memory_analysis()
     return MemoryReport(
         name=name,
@@ -114,6 +116,15 @@ def memory_report(compiled: Any, name: str, hbm: float) -> MemoryReport:
         temps=int(m.temp_size_in_bytes),
         code=int(m.generated_code_size_in_bytes),
         hbm=hbm,
+        resident=resident,
+    )
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded abstract arrays (its shard of each)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
     )
 
 
@@ -462,8 +473,8 @@ def _config_max_new(config: Any) -> int:
 def compile_programs(
     config: Any, devices: Sequence[Any], what: Sequence[str], *, step: str = "tg",
     chunk: int = 512, decode_rows: int = 0, cache_len: int = 0, **given: int,
-) -> Iterator[tuple[str, Any, Mesh]]:  # fmt: skip
-    """(name, compiled program, its mesh) of each of `what` ("train", "sample") for `config` on
+) -> Iterator[Program]:  # fmt: skip
+    """The `Program` of each of `what` ("train", "sample") for `config` on
     `devices`: the train step on the trainer's mesh, the sample step on the sampler's
     (`make_meshes`); `given` = `train_shapes` overrides."""
     config = resolve_architecture(config)
@@ -490,7 +501,26 @@ def compile_programs(
             label = f"sample step ({drows} rows, cache {cache})"
         else:
             raise ValueError(f"unknown program {name!r} (train, sample)")
-        yield label, compiled, meshes.trainer if name == "train" else meshes.sampler
+        yield Program(label, compiled, meshes.trainer if name == "train" else meshes.sampler,
+                      _sampler_resident(config, meshes) if name == "sample" else 0)  # fmt: skip
+
+
+def _sampler_resident(config: Any, meshes: Meshes) -> int:
+    """Bytes per device of the params published to a split sampler (in param_dtype): its own
+    copy, live on its devices while the step runs; 0 when colocated (the train state's)."""
+    if not meshes.split:
+        return 0
+    model = Transformer(ModelConfig.from_config(config.model))
+    return bytes_per_device(abstract_params(model, meshes.sampler, meshes.sampler_rules))
+
+
+class Program(NamedTuple):
+    """A compiled program of `compile_programs`."""
+
+    name: str
+    compiled: Any
+    mesh: Mesh
+    resident: int  # bytes per device that stay on its devices outside it (`MemoryReport`)
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
@@ -523,9 +553,9 @@ def main(argv: Sequence[str]) -> None:
         seq_len=_SEQ.value, teacher_rows=_TROWS.value, teacher_len=_TEACHER.value,
         prefix_len=_PREFIX.value,
     )  # fmt: skip
-    for name, compiled, mesh in programs:
-        print(f"{name} on mesh {dict(mesh.shape)}", flush=True)
-        print(memory_report(compiled, name, hbm).format(), flush=True)
+    for p in programs:
+        print(f"{p.name} on mesh {dict(p.mesh.shape)}", flush=True)
+        print(memory_report(p.compiled, p.name, hbm, p.resident).format(), flush=True)
 
 
 if __name__ == "__main__":
