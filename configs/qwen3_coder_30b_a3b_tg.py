@@ -10,9 +10,10 @@ Launch (creates the slice, installs on every worker, runs, resumes after preempt
         --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=gs://BUCKET/runs/tg-30b \
         --hf-checkpoint=gs://BUCKET/Qwen3-Coder-30B-A3B-Instruct --spot --queued
 
-Check first, on any CPU machine, that the train and sample steps fit the slice's HBM:
-    PYTHONPATH=LIBTPU_DIR python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py \
-        --topology=v5p:2x4x4
+Check first, on any CPU machine, that the train and sample steps fit the slice's HBM
+(`pip install -e .[aot]`; configs/hf/qwen3_coder_30b_a3b holds the published config.json):
+    python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 \
+        --config.model.hf_checkpoint=configs/hf/qwen3_coder_30b_a3b
 (README: measured figures).
 
 Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=...
