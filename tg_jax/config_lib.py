@@ -129,14 +129,20 @@ def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.clip_low = 0.2  # ratio clipped below at 1 - clip_low
     c.clip_high = 0.28  # ratio clipped above at 1 + clip_high (clip-higher)
     c.dual_clip = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
-    c.tis_cap = 0.0  # truncated IS cap on pi_trainer / pi_sampler (proximal = trainer); 0 = off
+    c.tis_cap = 0.0  # truncated IS cap on pi_prox / pi_sampler (pi_prox = trainer); 0 = off
     c.agg_mode = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     c.norm_length = 0  # L of seq_mean_token_sum_norm (max generation length); 0 = padded T
     c.kl_coef = 0.0  # weight of the KL to a frozen reference policy; 0 = no reference forward
     c.kl_estimator = "k3"  # k1 | k2 | k3 per-token estimator of KL(pi_theta || pi_ref)
     c.temperature = 1.0  # sampling temperature: trainer logits are divided by it
     c.max_staleness = 1  # rollouts more than this many policy versions old are refused
-    c.micro_batches = 1  # gradient accumulation steps inside one train step
+    c.micro_batches = 1  # gradient accumulation steps inside one optimizer update
+    # PPO update phase per rollout batch: num_updates epochs, each shuffling the batch into
+    # num_minibatches minibatches with one optimizer update each; >1 update = decoupled PPO
+    # (ratio to the params at the phase's start, weight pi_prox / pi_b capped by tis_cap, or
+    # uncapped with tis_cap 0); optim's lr schedule counts updates.
+    c.num_updates = 1  # epochs over the rollout batch (1 x 1 = one update per batch)
+    c.num_minibatches = 1  # minibatches per epoch; must split the rollouts evenly
     c.update(overrides)
     return c
 

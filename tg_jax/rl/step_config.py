@@ -45,7 +45,8 @@ def _fields(cls: type, section: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """GRPO: advantages, the clipped surrogate, aggregation, reference KL, micro-batches."""
+    """GRPO: advantages, the clipped surrogate, aggregation, reference KL, micro-batches, and
+    the PPO update phase (epochs x minibatches)."""
 
     advantage_mode: str = "grpo"
     """grpo (divide by the group std) | dr_grpo (do not)."""
@@ -60,7 +61,8 @@ class RLConfig:
     dual_clip: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None = off."""
     tis_cap: float | None = None
-    """Truncated IS cap on pi_trainer / pi_sampler (proximal = trainer); None = off."""
+    """Truncated IS cap on pi_prox / pi_b (pi_prox = the params at the start of the update
+    phase); None = off (with decoupled updates: the weight is not capped)."""
     agg_mode: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum_norm."""
     norm_length: int | None = None
@@ -74,7 +76,21 @@ class RLConfig:
     max_staleness: int = 1
     """Rollouts more than this many policy versions old are refused (read by the loop)."""
     micro_batches: int = 1
-    """Gradient accumulation steps inside one train step."""
+    """Gradient accumulation steps inside one optimizer update."""
+    num_updates: int = 1
+    """Epochs of the PPO update phase over one rollout batch."""
+    num_minibatches: int = 1
+    """Minibatches per epoch, one optimizer update each (of micro_batches micro-batches)."""
+
+    @property
+    def num_chunks(self) -> int:
+        """K: the batch is laid out (`build_batch(micro_batches=K)`) in minibatches x micro."""
+        return self.num_minibatches * self.micro_batches
+
+    @property
+    def decoupled(self) -> bool:
+        """More than one optimizer update per rollout batch: decoupled PPO (`ppo_updates`)."""
+        return self.num_updates * self.num_minibatches > 1
 
     def __post_init__(self):
         s = "rl"
@@ -93,6 +109,23 @@ class RLConfig:
         _check(self.temperature > 0, s, "temperature", "> 0", self.temperature)
         _check(self.max_staleness >= 0, s, "max_staleness", ">= 0", self.max_staleness)
         _check(self.micro_batches >= 1, s, "micro_batches", ">= 1", self.micro_batches)
+        _check(self.num_updates >= 1, s, "num_updates", ">= 1", self.num_updates)
+        _check(self.num_minibatches >= 1, s, "num_minibatches", ">= 1", self.num_minibatches)
+
+    def check_rows(self, num_rows: int, divisor: int) -> None:
+        """Raises unless `num_rows` rollouts split into num_minibatches equal minibatches of
+        micro_batches micro-batches whose rows are a multiple of the mesh's batch `divisor`
+        (static shapes; with one minibatch the batch is padded instead, as before)."""
+        if self.num_minibatches == 1:
+            return
+        unit = self.num_minibatches * self.micro_batches * divisor
+        if num_rows % unit:
+            raise ValueError(
+                f"rl.num_minibatches={self.num_minibatches}: the {num_rows} rollout rows per "
+                f"step must split into {self.num_minibatches} minibatches of "
+                f"rl.micro_batches={self.micro_batches} micro-batches of a multiple of the "
+                f"mesh's batch divisor {divisor} rows (rows a multiple of {unit})"
+            )
 
     @classmethod
     def from_config(cls, rl: Mapping[str, Any] | RLConfig) -> RLConfig:
@@ -115,6 +148,8 @@ class RLConfig:
             temperature=float(v["temperature"]),
             max_staleness=int(v["max_staleness"]),
             micro_batches=int(v["micro_batches"]),
+            num_updates=int(v.get("num_updates", 1)),
+            num_minibatches=int(v.get("num_minibatches", 1)),
         )
 
 

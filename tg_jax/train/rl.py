@@ -8,8 +8,10 @@ One step:
      deterministic mode; see tg_jax.train.rl_rollouts); groups older than
      `config.rl.max_staleness` policy versions are refused by the sampling loop;
   2. `build_batch`: student rows, and for the TG arm (`config.tg.enabled`) the hinted teacher
-     rows; the hint texts come from the imperfect-feedback picker (`rl_loop.feedback` rates);
-  3. the jitted, state-donating `train_step` (GRPO, or GRPO + TG);
+     rows, laid out in `rl.num_minibatches` x `rl.micro_batches` chunks; the hint texts come
+     from the imperfect-feedback picker (`rl_loop.feedback` rates);
+  3. the jitted, state-donating `train_step` (GRPO, or GRPO + TG): one optimizer update, or
+     `rl.num_updates` epochs x `rl.num_minibatches` PPO updates (tg_jax.rl.updates);
   4. the new params are published to the sampler as policy version step + 1;
   5. metrics to metrics.jsonl / TensorBoard, fetched one step late; held-out evaluation every
      `eval_every` steps (stage "eval"); a checkpoint every `checkpoint_every` steps, on the
@@ -62,6 +64,7 @@ from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl import hint_copies, tg_loss
 from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.step_config import RLConfig
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import loop, rollout
@@ -329,7 +332,8 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
         requirement_names=tuple(config.env.requirements),
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
-        micro_batches=int(config.rl.micro_batches), compact=tg_on and bool(config.tg.compact),
+        micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
+        compact=tg_on and bool(config.tg.compact),
     )  # fmt: skip
     if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
@@ -453,6 +457,9 @@ def run_rl(
     end = num_steps if stop_after is None else min(num_steps, int(stop_after))
     renderer = renderer or ChatRenderer(ByteTokenizer())
     parts = _build(config, workdir, init_params, arm_name, seed, renderer)
+    # Minibatches of static shape: fail before the first rollout, not at the first step.
+    rows = int(lc.groups_per_step) * int(lc.rollouts_per_group)
+    RLConfig.from_config(config.rl).check_rows(rows, parts.divisor)
     paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),
