@@ -1,12 +1,12 @@
 """Every config section, and loading / overriding of `configs/*.py` files.
 
 Config files (`configs/NAME.py`) define `get_config(arg=None)` returning a locked
-`ml_collections.ConfigDict` assembled from the section builders below (model, mesh, tasks,
-env, transcripts, sft, sft_eval, rl, tg, optim, rl_loop, eval). Locking makes an override of
-an unknown key fail with the key's name, and ConfigDict's type safety makes an override of the
-wrong type fail. Code never mutates a config: derived values are computed where they are
-needed. The sections that jitted code reads are made typed and validated once, at the boundary
-(`tg_jax.models.ModelConfig`, `tg_jax.rl.step_config`).
+`ml_collections.ConfigDict` assembled from the section builders below (model, mesh,
+sampler_mesh, tasks, env, transcripts, sft, sft_eval, rl, tg, optim, rl_loop, eval). Locking
+makes an override of an unknown key fail with the key's name, and ConfigDict's type safety
+makes an override of the wrong type fail. Code never mutates a config: derived values are
+computed where they are needed. The sections that jitted code reads are made typed and
+validated once, at the boundary (`tg_jax.models.ModelConfig`, `tg_jax.rl.step_config`).
 
 Defaults are those of the embedded CPU run (configs/default.py); the `tiny_*` builders and
 configs/tiny.py shrink them for tests.
@@ -48,6 +48,18 @@ def mesh_config(shape=(1, -1, 1, 1)) -> ml_collections.ConfigDict:
     c.axes = ("data", "fsdp", "tensor", "expert")  # mesh axis names
     c.shape = tuple(shape)  # size per axis; one -1 takes the remaining devices
     c.rules = DEFAULT_RULES  # logical axis name -> mesh axis (or tuple of axes, or None)
+    return c
+
+
+def sampler_mesh_config(num_devices: int = 0, shape=(-1, 1)) -> ml_collections.ConfigDict:
+    """The sampler's own devices and mesh (tg_jax.sharding.split_devices, make_sampler_mesh)."""
+    c = ml_collections.ConfigDict()
+    # 0 = colocated: the sampler uses the trainer's devices and mesh. N > 0: the last N devices
+    # are the sampler's, the trainer's mesh (`mesh`) is built over the others, and each train
+    # step's weights are resharded onto the sampler's devices (one process only, for now).
+    c.num_devices = num_devices
+    c.axes = ("data", "tensor")  # data-parallel replicas x tensor parallelism (heads, mlp)
+    c.shape = tuple(shape)  # size per axis; one -1 takes the rest of the sampler's devices
     return c
 
 

@@ -182,6 +182,13 @@ def main(argv):
 
     # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
     distributed.initialize_from_env()
+    if "sampler_mesh" in config:  # the devices now known: a split that cannot be built
+        from tg_jax import sharding
+
+        try:
+            sharding.split_devices(config)
+        except ValueError as e:
+            _fail(f"invalid config: {e}")
     from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
 
