@@ -26,8 +26,6 @@ chips each of a v5p-128 (`config.sampler_mesh`; README: both steps' fit).
 
 import os
 
-import ml_collections
-
 from tg_jax import config_lib
 
 # One train step = GROUPS x ROLLOUTS rows; padded to SEQ_LEN tokens (multi-turn agentic coding
@@ -99,11 +97,5 @@ def _split(c):
     the trainer as above on the first 32, the sampler 8 replicas of 4-way tensor parallelism
     (4 KV heads: one per chip) on the last 32. On a v5p-64 (16 + 16 chips) the sampler's
     1024-row, 8192-slot KV cache, decode weights and its copy of the fp32 params do not fit."""
-    with c.unlocked():
-        c.sampler_mesh = ml_collections.ConfigDict(
-            {
-                "num_devices": 32,  # the last 32 chips sample
-                "axes": ("data", "tensor"),
-                "shape": (-1, 4),  # 8 data-parallel replicas x 4-way tensor parallel
-            }
-        )
+    # The last 32 chips sample: 8 data-parallel replicas x 4-way tensor parallel.
+    c.sampler_mesh = config_lib.sampler_mesh_config(num_devices=32, shape=(-1, 4))

@@ -7,7 +7,6 @@ import json
 import os
 
 import jax
-import ml_collections
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -91,23 +90,19 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
 
 
 def _with_sampler_mesh(cfg, num_devices, shape=(-1, 2)):
-    cfg = config_lib.apply_overrides(cfg, {})
-    with cfg.unlocked():
-        cfg.sampler_mesh = ml_collections.ConfigDict(
-            {"num_devices": num_devices, "axes": ("data", "tensor"), "shape": shape}
-        )
-    return cfg
+    return config_lib.apply_overrides(
+        cfg, {"sampler_mesh.num_devices": num_devices, "sampler_mesh.shape": shape}
+    )
 
 
 def test_split_devices_last_n_sample():
     devices = jax.devices()
     cfg = _tiny_config((1, 2, 1, 2))
-    assert aot.split_devices(cfg, devices) == (devices, None)  # no sampler_mesh: colocated
-    assert aot.split_devices(_with_sampler_mesh(cfg, 0), devices) == (devices, None)
-    trainer, sampler = aot.split_devices(_with_sampler_mesh(cfg, 4), devices)
+    assert sharding.split_devices(cfg, devices) == (devices, None)  # num_devices 0: colocated
+    trainer, sampler = sharding.split_devices(_with_sampler_mesh(cfg, 4), devices)
     assert trainer == devices[:4] and sampler == devices[4:]
-    with pytest.raises(ValueError, match="leaves none"):
-        aot.split_devices(_with_sampler_mesh(cfg, 8), devices)
+    with pytest.raises(ValueError, match="trainer needs at least one"):
+        sharding.split_devices(_with_sampler_mesh(cfg, 8), devices)
 
 
 def test_meshes_colocated_and_split():
@@ -144,8 +139,8 @@ def test_compile_programs_split_on_cpu():
     cfg = _with_sampler_mesh(cfg, 4)
     programs = list(aot.compile_programs(cfg, devices, ["train", "sample"], rows=8))
     assert [p.name.split()[0] for p in programs] == ["train", "sample"]
-    # The split sampler's own copy of the published params counts on its devices.
-    assert programs[0].resident == 0 and programs[1].resident > 0
+    # The published params' staged copy (trainer) and the sampler's own copy count.
+    assert programs[0].resident > 0 and programs[1].resident > 0
     for (_, compiled, mesh, _), want in zip(programs, (devices[:4], devices[4:]), strict=True):
         assert set(mesh.devices.flat) == set(want)
         used = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
@@ -191,5 +186,5 @@ def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
     assert resolved.model.to_dict() == {**cfg.model.to_dict(), "hf_checkpoint": ckpt}
     assert resolved.model.vocab_size == 151_936
     if arg == "split":
-        trainer, sampler = aot.split_devices(resolved, list(range(64)))
+        trainer, sampler = sharding.split_devices(resolved, list(range(64)))
         assert len(trainer) == 32 and sampler == list(range(32, 64))

@@ -42,9 +42,10 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import app, flags
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from tg_jax import config_lib, paths, sharding
@@ -365,38 +366,6 @@ def resolve_architecture(config: Any) -> Any:
     return config
 
 
-# The sampler's logical rules on its own ("data", "tensor") mesh: rows over "data", heads,
-# MLP and vocabulary over "tensor", the rest replicated.
-SAMPLER_RULES = (
-    ("batch", "data"), ("length", None), ("act_embed", None), ("embed", None),
-    ("vocab", "tensor"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
-    ("expert", None), ("moe_mlp", "tensor"), ("head_dim", None), ("layers", None),
-    ("norm", None),
-)  # fmt: skip
-
-
-def split_devices(config: Any, devices: Sequence[Any]) -> tuple[list[Any], list[Any] | None]:
-    """(trainer devices, sampler devices or None): with config.sampler_mesh.num_devices = N
-    > 0 the last N are the sampler's and the trainer's are the rest; None = colocated."""
-    n = int(config.sampler_mesh.num_devices) if "sampler_mesh" in config else 0
-    if n <= 0:
-        return list(devices), None
-    if n >= len(devices):
-        raise ValueError(f"sampler_mesh.num_devices {n} leaves none of {len(devices)} devices")
-    return list(devices[:-n]), list(devices[-n:])
-
-
-def make_sampler_mesh(sampler_mesh_cfg: Any, devices: Sequence[Any]) -> tuple[Mesh, Any]:
-    """(mesh, rules) of a sampler on `devices`: `sampler_mesh_cfg.axes` ("data", "tensor")
-    of `shape` (one -1 = the rest), with `SAMPLER_RULES`."""
-    axes = tuple(sampler_mesh_cfg.axes)
-    shape = sharding.resolve_mesh_shape(sampler_mesh_cfg.shape, len(devices))
-    mesh = jax.make_mesh(
-        shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=list(devices)
-    )
-    return mesh, SAMPLER_RULES
-
-
 @dataclasses.dataclass(frozen=True)
 class Meshes:
     """The trainer's mesh and rules, and the sampler's (the trainer's when colocated)."""
@@ -412,14 +381,14 @@ class Meshes:
 
 
 def make_meshes(config: Any, devices: Sequence[Any]) -> Meshes:
-    """The meshes of `config` over `devices` (`split_devices`, `config.mesh`,
-    `config.sampler_mesh`)."""
-    trainer_devices, sampler_devices = split_devices(config, devices)
+    """The meshes of `config` over `devices` (`sharding.split_devices`: with
+    config.sampler_mesh.num_devices = N > 0 the last N are the sampler's)."""
+    trainer_devices, sampler_devices = sharding.split_devices(config, devices)
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
     if sampler_devices is None:
         return Meshes(mesh, rules, mesh, rules)
-    return Meshes(mesh, rules, *make_sampler_mesh(config.sampler_mesh, sampler_devices))
+    return Meshes(mesh, rules, *sharding.make_sampler_mesh(config.sampler_mesh, sampler_devices))
 
 
 def train_shapes(config: Any, divisor: int, **given: int) -> TrainShapes:
@@ -502,16 +471,23 @@ def compile_programs(
         else:
             raise ValueError(f"unknown program {name!r} (train, sample)")
         yield Program(label, compiled, meshes.trainer if name == "train" else meshes.sampler,
-                      _sampler_resident(config, meshes) if name == "sample" else 0)  # fmt: skip
+                      _split_resident(config, meshes, name))  # fmt: skip
 
 
-def _sampler_resident(config: Any, meshes: Meshes) -> int:
-    """Bytes per device of the params published to a split sampler (in param_dtype): its own
-    copy, live on its devices while the step runs; 0 when colocated (the train state's)."""
+def _split_resident(config: Any, meshes: Meshes, program: str) -> int:
+    """Bytes per device of the published params (param_dtype) that a split layout keeps
+    beside a program (`tg_jax.sampling.placement.WeightPublisher`): the sampler's own copy
+    beside the decode step; the staged copy (the sampler's specs on the trainer's devices)
+    beside the next train step. 0 when colocated."""
     if not meshes.split:
         return 0
     model = Transformer(ModelConfig.from_config(config.model))
-    return bytes_per_device(abstract_params(model, meshes.sampler, meshes.sampler_rules))
+    mesh = meshes.sampler
+    if program == "train":
+        tensor = int(meshes.sampler.shape.get("tensor", 1))
+        devices = np.asarray(list(meshes.trainer.devices.flat)).reshape(-1, tensor)
+        mesh = Mesh(devices, ("data", "tensor"))
+    return bytes_per_device(abstract_params(model, mesh, meshes.sampler_rules))
 
 
 class Program(NamedTuple):
