@@ -274,12 +274,12 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
     Returns:
       The TrainState after the last step run (the restored one when SFT was already done).
     """
-    sft = config.sft
-    num_steps = int(sft.steps)
     t0 = time.time()
     tokenizer, transcripts = prepare_tokenizer(config, workdir)
     config = tokenized_config(config, tokenizer)
     tokenizer_s = time.time() - t0
+    sft = config.sft
+    num_steps = int(sft.steps)
     model = build_model(config, tokenizer)
     mesh = sharding.make_mesh(config.mesh)
     rules = sharding.logical_rules(config.mesh)
