@@ -321,6 +321,10 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     # to follow); empty = env.requirements. RL judges and teaches env.requirements only.
     c.hint_requirements = ()
     c.transcripts = transcripts_config()  # the synthetic expert's knobs
+    # The base model's tokenizer: "byte" (ByteTokenizer) or "bpe" (a byte-level BPE trained on
+    # the train-split transcripts, tg_jax.text.bpe; model.vocab_size then follows it).
+    c.tokenizer = "byte"
+    c.bpe_vocab_size = 512  # "bpe": ids at most (bytes, specials, fences, merges)
     c.optim = optim_config(
         lr=5e-3, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=50, end_lr_fraction=0.05
     )  # AdamW + warmup-cosine
