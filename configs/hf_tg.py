@@ -33,6 +33,7 @@ def get_config(arg=None):
         dtype="bfloat16", remat_policy="full", max_seq_len=8192 + 512
     )
     c.mesh = config_lib.mesh_config()  # FSDP over every device by default
+    c.sampler_mesh = config_lib.sampler_mesh_config()  # sampler's own devices (0 = trainer's)
     c.tasks = config_lib.tasks_config()  # the embedded coding tasks
     c.env = config_lib.env_config(requirements=("tool_json",))  # the tool-call protocol
     c.rl = config_lib.rl_config(

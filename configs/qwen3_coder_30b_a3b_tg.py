@@ -10,15 +10,18 @@ Launch (creates the slice, installs on every worker, runs, resumes after preempt
         --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=gs://BUCKET/runs/tg-30b \
         --hf-checkpoint=gs://BUCKET/Qwen3-Coder-30B-A3B-Instruct --spot --queued
 
-Check first, on any CPU machine, that the train and sample steps fit the slice's HBM:
-    PYTHONPATH=LIBTPU_DIR python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py \
-        --topology=v5p:2x4x4
+Check first, on any CPU machine, that the train and sample steps fit the slice's HBM
+(`pip install -e .[aot]`; configs/hf/qwen3_coder_30b_a3b holds the published config.json):
+    python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 \
+        --config.model.hf_checkpoint=configs/hf/qwen3_coder_30b_a3b
 (README: measured figures).
 
 Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --workdir=...
 --config.model.hf_checkpoint=DIR` (the launcher passes the copy it made on each worker).
 `configs/qwen3_coder_30b_a3b_tg.py:runlocal` takes the architecture from the checkpoint and
 shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
+`configs/qwen3_coder_30b_a3b_tg.py:split` puts the trainer and the sampler on their own 32
+chips each of a v5p-128 (`config.sampler_mesh`; README: both steps' fit).
 """
 
 import os
@@ -31,7 +34,10 @@ GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
 
 
 def get_config(arg=None):
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
+    if arg not in (None, "", "runlocal", "split"):
+        raise ValueError(f"{__file__} takes no argument, 'runlocal' or 'split', not {arg!r}")
+    base_arg = None if arg == "split" else arg
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
     c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
     c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
     if arg == "runlocal":
@@ -81,4 +87,15 @@ def get_config(arg=None):
     c.rl_loop.max_new_tokens = 2048  # decode budget per assistant turn
     c.rl_loop.checkpoint_every = 10  # preemptible slices: lose at most 10 steps
     c.rl_loop.eval_every = 50  # held-out evaluation interval
+    if arg == "split":
+        _split(c)
     return c
+
+
+def _split(c):
+    """`:split`: the trainer and the sampler on their own 32 chips each of a v5p-128 (4x4x4):
+    the trainer as above on the first 32, the sampler 8 replicas of 4-way tensor parallelism
+    (4 KV heads: one per chip) on the last 32. On a v5p-64 (16 + 16 chips) the sampler's
+    1024-row, 8192-slot KV cache, decode weights and its copy of the fp32 params do not fit."""
+    # The last 32 chips sample: 8 data-parallel replicas x 4-way tensor parallel.
+    c.sampler_mesh = config_lib.sampler_mesh_config(num_devices=32, shape=(-1, 4))

@@ -19,6 +19,7 @@ def get_config(arg=None):
     c.model = config_lib.tiny_model_config()  # the Qwen3 architecture
     c.model.max_seq_len = 256  # room for hinted single-turn transcripts
     c.mesh = config_lib.mesh_config()  # device mesh and logical axis rules
+    c.sampler_mesh = config_lib.sampler_mesh_config()  # sampler's own devices (0 = trainer's)
     c.tasks = config_lib.tasks_config(num_train=32, num_heldout=16)  # task sets
     # One requirement, single-turn episodes: short sequences.
     c.env = config_lib.env_config(requirements=("fence",), max_turns=1)  # environment

@@ -1,7 +1,9 @@
 """Ahead-of-time compilation: memory accounting, and small compiles on CPU and (libtpu) TPU."""
 
+import dataclasses
 import functools
 import importlib.util
+import json
 import os
 
 import jax
@@ -9,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tg_jax import config_lib, sharding
+from tg_jax.models import hf_dir
 from tg_jax.tpu import aot
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -41,6 +44,7 @@ def test_hbm_per_device():
 def test_memory_report_total_counts_donated_buffers_once():
     r = aot.MemoryReport("step", arguments=10, outputs=8, aliased=6, temps=3, code=1, hbm=20.0)
     assert r.total == 16
+    assert dataclasses.replace(r, resident=2).total == 18
     assert "fits" in r.format() and "80%" in r.format()
     assert "DOES NOT FIT" in aot.MemoryReport("s", 30, 0, 0, 0, 0, 20.0).format()
 
@@ -78,7 +82,109 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
     hbm = aot.hbm_bytes_per_device("v5e:2x2", len(devices))
     # The real TG train step with the MoE's shard_map (ragged_dot / one-hot experts) on TPU;
     # the sample step's lowering is covered on CPU above (it compiles for TPU the same way).
-    train = aot.compile_tg_train_step(cfg, mesh, rules, rows=8, seq_len=64, teacher_len=64)
+    shapes = aot.TrainShapes(rows=8, seq_len=64, teacher_rows=8, teacher_len=64, prefix_len=64)
+    train = aot.compile_tg_train_step(cfg, mesh, rules, shapes)
     report = aot.memory_report(train, "train", hbm)
     assert 0 < report.total < hbm  # a tiny model: far below a v5e chip's 16 GiB
     assert report.arguments > 0
+
+
+def _with_sampler_mesh(cfg, num_devices, shape=(-1, 2)):
+    return config_lib.apply_overrides(
+        cfg, {"sampler_mesh.num_devices": num_devices, "sampler_mesh.shape": shape}
+    )
+
+
+def test_split_devices_last_n_sample():
+    devices = jax.devices()
+    cfg = _tiny_config((1, 2, 1, 2))
+    assert sharding.split_devices(cfg, devices) == (devices, None)  # num_devices 0: colocated
+    trainer, sampler = sharding.split_devices(_with_sampler_mesh(cfg, 4), devices)
+    assert trainer == devices[:4] and sampler == devices[4:]
+    with pytest.raises(ValueError, match="trainer needs at least one"):
+        sharding.split_devices(_with_sampler_mesh(cfg, 8), devices)
+
+
+def test_meshes_colocated_and_split():
+    devices = jax.devices()
+    colocated = aot.make_meshes(_tiny_config((1, -1, 1, 1)), devices)
+    assert not colocated.split and colocated.sampler is colocated.trainer
+    assert colocated.trainer.devices.size == 8
+    meshes = aot.make_meshes(_with_sampler_mesh(_tiny_config((1, 2, 1, 2)), 4), devices)
+    assert meshes.split
+    assert list(meshes.trainer.devices.flat) == devices[:4]
+    assert list(meshes.sampler.devices.flat) == devices[4:]
+    assert dict(meshes.sampler.shape) == {"data": 2, "tensor": 2}
+    assert sharding.batch_divisor(meshes.sampler, meshes.sampler_rules) == 2  # rows over data
+    rules = dict(meshes.sampler_rules)
+    assert rules["heads"] == rules["kv_heads"] == rules["mlp"] == "tensor"
+
+
+def test_train_shapes_are_the_largest_batch_of_the_config():
+    cfg = config_lib.apply_overrides(
+        _tiny_config((1, 2, 1, 2)),
+        {"rl_loop.groups_per_step": 3, "rl_loop.rollouts_per_group": 3, "rl_loop.seq_len": 32},
+    )
+    shapes = aot.train_shapes(cfg, divisor=4)  # 9 rows padded to 4 x 2 micro-batches
+    assert shapes == aot.TrainShapes(16, 32, 16, 64, 32)
+    per_turn = config_lib.apply_overrides(cfg, {"tg.teacher_mode": "per_turn"})
+    assert aot.train_shapes(per_turn, divisor=4).teacher_rows == per_turn.tg.max_teacher_rows
+    assert aot.train_shapes(cfg, divisor=4, rows=8, teacher_len=40).teacher_len == 40
+
+
+def test_compile_programs_split_on_cpu():
+    """The TG train step on the first 4 devices, the sample step on the last 4 (CPU)."""
+    devices = jax.devices()
+    cfg = config_lib.apply_overrides(_tiny_config((1, 2, 1, 2)), {"rl_loop.seq_len": 32})
+    cfg = _with_sampler_mesh(cfg, 4)
+    programs = list(aot.compile_programs(cfg, devices, ["train", "sample"], rows=8))
+    assert [p.name.split()[0] for p in programs] == ["train", "sample"]
+    # The published params' staged copy (trainer) and the sampler's own copy count.
+    assert programs[0].resident > 0 and programs[1].resident > 0
+    for (_, compiled, mesh, _), want in zip(programs, (devices[:4], devices[4:]), strict=True):
+        assert set(mesh.devices.flat) == set(want)
+        used = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
+        assert used == set(want)
+        assert aot.memory_report(compiled, "cpu", hbm=2.0**30).arguments > 0
+
+
+def test_architecture_from_config_json_only(tmp_path):
+    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "hf_tg.py"))
+    with pytest.raises(ValueError, match="hf_checkpoint"):
+        aot.resolve_architecture(cfg)  # the architecture is unset and no config.json
+    hf = json.load(open(os.path.join(CONFIG_DIR, "hf", "qwen3_1p7b", "config.json")))
+    (tmp_path / "config.json").write_text(json.dumps(hf))  # no weights, no tokenizer
+    resolved = aot.resolve_architecture(
+        config_lib.apply_overrides(cfg, {"model.hf_checkpoint": str(tmp_path)})
+    )
+    assert resolved.model.num_layers == 28 and resolved.model.vocab_size == 151_936
+    assert resolved.model.max_seq_len == 8192 + 512  # the run's context, not config.json's
+    hf["num_hidden_layers"] = 27
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    qwen = config_lib.load_config_file(os.path.join(CONFIG_DIR, "qwen3_1p7b_tg.py"))
+    with pytest.raises(hf_dir.ModelDirError, match="num_layers = 28"):
+        aot.resolve_architecture(
+            config_lib.apply_overrides(qwen, {"model.hf_checkpoint": str(tmp_path)})
+        )
+
+
+@pytest.mark.parametrize(
+    "config,arg,hf",
+    [
+        ("qwen3_1p7b_tg.py", None, "qwen3_1p7b"),
+        ("qwen3_coder_30b_a3b_tg.py", None, "qwen3_coder_30b_a3b"),
+        ("qwen3_coder_30b_a3b_tg.py", "split", "qwen3_coder_30b_a3b"),
+    ],
+)
+def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
+    """configs/hf/*/config.json (the published files) agree with the configs' architecture."""
+    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, config), arg)
+    ckpt = os.path.join(CONFIG_DIR, "hf", hf)
+    resolved = aot.resolve_architecture(
+        config_lib.apply_overrides(cfg, {"model.hf_checkpoint": ckpt})
+    )
+    assert resolved.model.to_dict() == {**cfg.model.to_dict(), "hf_checkpoint": ckpt}
+    assert resolved.model.vocab_size == 151_936
+    if arg == "split":
+        trainer, sampler = sharding.split_devices(resolved, list(range(64)))
+        assert len(trainer) == 32 and sampler == list(range(32, 64))

@@ -24,7 +24,8 @@ def _main(*args: str) -> subprocess.CompletedProcess:
             "--config.rl.clip_lo=0.1",
             "error: unknown config field rl.clip_lo (rl has: adv_eps, advantage_mode, agg_mode, "
             "clip_high, clip_low, dual_clip, kl_coef, kl_estimator, max_staleness, "
-            "micro_batches, norm_length, reward_weights, temperature, tis_cap; did you mean "
+            "micro_batches, norm_length, num_minibatches, num_updates, reward_weights, "
+            "temperature, tis_cap; did you mean "
             "clip_low, clip_high?)",
         ),
         ("--config.rll.kl_coef=1", "error: unknown config field rll.kl_coef (config has: "),
@@ -67,3 +68,17 @@ def test_base_model_outside_the_gates_is_a_clear_error_and_exit_3(tmp_path):
     assert os.path.exists(work / "sft_eval.json")
     assert not os.path.exists(work / "runs") and not os.path.exists(work / "report")
     assert not os.path.exists(work / "preregistration.json")
+
+
+def test_main_job_keeps_its_compiles_in_the_compilation_cache(tmp_path):
+    """launch/local.sh's TG_JAX_COMPILATION_CACHE is where the main job's executables persist."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TG_JAX_COMPILATION_CACHE=str(cache))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py",
+           f"--workdir={tmp_path / 'w'}", "--config.stage=forward"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "forward ok" in proc.stdout
+    assert cache.is_dir() and any(cache.iterdir()), "no executable was written to the cache"

@@ -75,6 +75,8 @@ def test_step_config_typed_once():
         ("tg.kind", "kl", "tg.kind"),
         ("tg.gate", "some_turns", "tg.gate"),
         ("tg.chunk_size", 0, "tg.chunk_size"),
+        ("tg.normalize", "seq_mean", "tg.normalize must be one of"),
+        ("tg.norm_length", 0.0, "tg.norm_length"),
         ("tg.schedule.kind", "step", "tg.schedule.kind"),
         ("optim.schedule", "linear", "optim.schedule"),
         ("optim.b2", 1.0, "optim.b2"),

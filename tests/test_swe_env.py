@@ -74,7 +74,11 @@ def test_generator_is_deterministic_and_splits_are_new_code(heldout):
     words = lambda p: {*p.packages, *p.modules, *p.verbs, *p.nouns, *p.args}  # noqa: E731
     assert not words(POOLS["train"]) & words(POOLS["heldout"])
     train_names = {w for t in train for src in t.files.values() for w in src.split()}
-    for t in heldout:
+    for other in ("train", "heldout"):
+        assert not words(POOLS["dev"]) & words(POOLS[other])
+    dev = generate_swe_tasks("dev", 30, seed=0)
+    assert {t.template for t in dev} <= set(TRAIN_TEMPLATES)  # tuning never sees held-out code
+    for t in [*dev, *heldout]:  # no training repository reappears in dev or held-out
         lines = [ln for src in t.files.values() for ln in src.split("\n")]
         fn_names = {ln.split("(")[0][4:] for ln in lines if ln.startswith("def ")}
         assert fn_names and not fn_names & train_names

@@ -337,6 +337,28 @@ def test_tg_loss_values_and_metrics():
     np.testing.assert_allclose(g, 0.5 * np.asarray(m) / 4)
 
 
+def test_tg_loss_token_sum():
+    d = jnp.array([[1.0, 2.0, 3.0, jnp.nan], [4.0, 5.0, 6.0, 7.0]])
+    m = jnp.array([[1, 1, 0, 0], [0, 1, 1, 0]], bool)
+    # Sum over M = 1 + 2 + 5 + 6 = 14, divided by N = 2 trajectories x norm_length 8 = 16.
+    loss, met = tg.tg_loss(d, m, 0.5, normalize="token_sum", norm_constant=16.0)
+    np.testing.assert_allclose(loss, 0.5 * 14 / 16, rtol=1e-6)
+    np.testing.assert_allclose(met.divergence_mean, 14 / 4, rtol=1e-6)  # still the mean
+    g = jax.grad(lambda x: tg.tg_loss(x, m, 0.5, normalize="token_sum", norm_constant=16.0)[0])(d)
+    np.testing.assert_allclose(g, 0.5 * np.asarray(m) / 16)
+    # Half the failed tokens: token_mean keeps the loss (each token weighs more), token_sum
+    # halves it (each token keeps its weight).
+    half = m.at[1].set(False)
+    mean_half, _ = tg.tg_loss(d, half, 0.5)
+    sum_half, _ = tg.tg_loss(d, half, 0.5, normalize="token_sum", norm_constant=16.0)
+    np.testing.assert_allclose(mean_half, 0.5 * 3 / 2, rtol=1e-6)
+    np.testing.assert_allclose(sum_half, 0.5 * 3 / 16, rtol=1e-6)
+    empty, _ = tg.tg_loss(d, jnp.zeros_like(m), 0.5, normalize="token_sum", norm_constant=16.0)
+    assert float(empty) == 0.0
+    with pytest.raises(ValueError, match="normalize"):
+        tg.tg_loss(d, m, 0.5, normalize="seq_mean")
+
+
 def test_tg_loss_empty_mask_is_exactly_zero():
     d = jnp.array([[1.0, jnp.inf], [2.0, 3.0]])
     empty = jnp.zeros((2, 2), bool)

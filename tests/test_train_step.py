@@ -296,6 +296,23 @@ def test_micro_batches_equal_one_big_batch(agg, mode, kl, compact):
     assert big[1][0]["tg_loss"] > 0 and (kl == 0 or big[1][0]["ref_kl"] > 0)
 
 
+def test_token_sum_micro_batches_equal_one_big_batch():
+    trajs = _trajectories()
+    overrides = {"tg.normalize": "token_sum", "tg.norm_length": 8.0, **STEP_OVERRIDES}
+    big = _run_steps(_config(**overrides), [_batch(trajs)], _single_mesh())
+    micro = _run_steps(
+        _config(**overrides, **{"rl.micro_batches": 4}), [_batch(trajs, micro_batches=4)],
+        _single_mesh(),
+    )  # fmt: skip
+    _assert_same_run(big, micro)
+    mean = _run_steps(_config(**STEP_OVERRIDES), [_batch(trajs)], _single_mesh())
+    # Same divergences; the loss is sum / (8 trajectories x 8) instead of sum / |M|.
+    m0, s0 = mean[1][0], big[1][0]
+    np.testing.assert_allclose(s0["tg_kl"], m0["tg_kl"], rtol=1e-5)
+    expect = m0["tg_loss"] * m0["tg_num_distilled"] / (len(trajs) * 8.0)
+    np.testing.assert_allclose(s0["tg_loss"], expect, rtol=1e-5)
+
+
 def test_nan_guard_and_no_recompiles():
     cfg = _config(**STEP_OVERRIDES)
     batches = [_batch(_trajectories(seed=s)) for s in range(3)]

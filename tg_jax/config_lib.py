@@ -1,12 +1,12 @@
 """Every config section, and loading / overriding of `configs/*.py` files.
 
 Config files (`configs/NAME.py`) define `get_config(arg=None)` returning a locked
-`ml_collections.ConfigDict` assembled from the section builders below (model, mesh, tasks,
-env, transcripts, sft, sft_eval, rl, tg, optim, rl_loop, eval). Locking makes an override of
-an unknown key fail with the key's name, and ConfigDict's type safety makes an override of the
-wrong type fail. Code never mutates a config: derived values are computed where they are
-needed. The sections that jitted code reads are made typed and validated once, at the boundary
-(`tg_jax.models.ModelConfig`, `tg_jax.rl.step_config`).
+`ml_collections.ConfigDict` assembled from the section builders below (model, mesh,
+sampler_mesh, tasks, env, transcripts, sft, sft_eval, rl, tg, optim, rl_loop, eval). Locking
+makes an override of an unknown key fail with the key's name, and ConfigDict's type safety
+makes an override of the wrong type fail. Code never mutates a config: derived values are
+computed where they are needed. The sections that jitted code reads are made typed and
+validated once, at the boundary (`tg_jax.models.ModelConfig`, `tg_jax.rl.step_config`).
 
 Defaults are those of the embedded CPU run (configs/default.py); the `tiny_*` builders and
 configs/tiny.py shrink them for tests.
@@ -48,6 +48,18 @@ def mesh_config(shape=(1, -1, 1, 1)) -> ml_collections.ConfigDict:
     c.axes = ("data", "fsdp", "tensor", "expert")  # mesh axis names
     c.shape = tuple(shape)  # size per axis; one -1 takes the remaining devices
     c.rules = DEFAULT_RULES  # logical axis name -> mesh axis (or tuple of axes, or None)
+    return c
+
+
+def sampler_mesh_config(num_devices: int = 0, shape=(-1, 1)) -> ml_collections.ConfigDict:
+    """The sampler's own devices and mesh (tg_jax.sharding.split_devices, make_sampler_mesh)."""
+    c = ml_collections.ConfigDict()
+    # 0 = colocated: the sampler uses the trainer's devices and mesh. N > 0: the last N devices
+    # are the sampler's, the trainer's mesh (`mesh`) is built over the others, and each train
+    # step's weights are resharded onto the sampler's devices (one process only, for now).
+    c.num_devices = num_devices
+    c.axes = ("data", "tensor")  # data-parallel replicas x tensor parallelism (heads, mlp)
+    c.shape = tuple(shape)  # size per axis; one -1 takes the rest of the sampler's devices
     return c
 
 
@@ -129,14 +141,20 @@ def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.clip_low = 0.2  # ratio clipped below at 1 - clip_low
     c.clip_high = 0.28  # ratio clipped above at 1 + clip_high (clip-higher)
     c.dual_clip = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
-    c.tis_cap = 0.0  # truncated IS cap on pi_trainer / pi_sampler (proximal = trainer); 0 = off
+    c.tis_cap = 0.0  # truncated IS cap on pi_prox / pi_sampler (pi_prox = trainer); 0 = off
     c.agg_mode = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     c.norm_length = 0  # L of seq_mean_token_sum_norm (max generation length); 0 = padded T
     c.kl_coef = 0.0  # weight of the KL to a frozen reference policy; 0 = no reference forward
     c.kl_estimator = "k3"  # k1 | k2 | k3 per-token estimator of KL(pi_theta || pi_ref)
     c.temperature = 1.0  # sampling temperature: trainer logits are divided by it
     c.max_staleness = 1  # rollouts more than this many policy versions old are refused
-    c.micro_batches = 1  # gradient accumulation steps inside one train step
+    c.micro_batches = 1  # gradient accumulation steps inside one optimizer update
+    # PPO update phase per rollout batch: num_updates epochs, each shuffling the batch into
+    # num_minibatches minibatches with one optimizer update each; >1 update = decoupled PPO
+    # (ratio to the params at the phase's start, weight pi_prox / pi_b capped by tis_cap, or
+    # uncapped with tis_cap 0); optim's lr schedule counts updates.
+    c.num_updates = 1  # epochs over the rollout batch (1 x 1 = one update per batch)
+    c.num_minibatches = 1  # minibatches per epoch; must split the rollouts evenly
     c.update(overrides)
     return c
 
@@ -159,6 +177,10 @@ def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.compact = True
     c.mask_hint_copies = False  # drop from the TG KL the tokens that copy the hint (rl/hint_copies)
     c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
+    # Reduction of the TG term: token_mean (sum over M / |M|) | token_sum (sum over M /
+    # (trajectories x norm_length): a failed turn weighs the same however many others fail).
+    c.normalize = "token_mean"
+    c.norm_length = 1.0  # token_sum: tokens per trajectory the sum is divided by
     c.schedule = ml_collections.ConfigDict()
     c.schedule.kind = "constant"  # lambda_tg schedule: constant | linear_warmup | cosine
     c.schedule.value = 1.0  # peak lambda_tg
@@ -299,6 +321,10 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     # to follow); empty = env.requirements. RL judges and teaches env.requirements only.
     c.hint_requirements = ()
     c.transcripts = transcripts_config()  # the synthetic expert's knobs
+    # The base model's tokenizer: "byte" (ByteTokenizer) or "bpe" (a byte-level BPE trained on
+    # the train-split transcripts, tg_jax.text.bpe; model.vocab_size then follows it).
+    c.tokenizer = "byte"
+    c.bpe_vocab_size = 512  # "bpe": ids at most (bytes, specials, fences, merges)
     c.optim = optim_config(
         lr=5e-3, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=50, end_lr_fraction=0.05
     )  # AdamW + warmup-cosine

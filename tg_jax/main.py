@@ -148,6 +148,16 @@ def check_workdir(workdir: str) -> None:
         _fail(f"--workdir {workdir}: {e.strerror or e}")
 
 
+def use_compilation_cache() -> None:
+    """XLA executables persist in $TG_JAX_COMPILATION_CACHE (launch/local.sh sets it), so a rerun
+    or a resumed stage skips compiles; an explicit JAX_COMPILATION_CACHE_DIR wins."""
+    import jax
+
+    cache = os.environ.get("TG_JAX_COMPILATION_CACHE")
+    if cache and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
+
+
 def main(argv):
     del argv
     config = _CONFIG.value
@@ -164,6 +174,7 @@ def main(argv):
             _fail(f"invalid config: {e}")
     from tg_jax.tpu import distributed
 
+    use_compilation_cache()
     # Library INFO lines (orbax logs every checkpoint step) drown the progress lines; pass
     # --verbosity=0 to see them.
     if not flags.FLAGS["verbosity"].present:
@@ -171,6 +182,13 @@ def main(argv):
 
     # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
     distributed.initialize_from_env()
+    if "sampler_mesh" in config:  # the devices now known: a split that cannot be built
+        from tg_jax import sharding
+
+        try:
+            sharding.split_devices(config)
+        except ValueError as e:
+            _fail(f"invalid config: {e}")
     from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
 

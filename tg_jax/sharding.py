@@ -15,6 +15,12 @@ Typical use:
     params, shardings = create_sharded_params(model, rng, mesh, rules)
     with activation_sharding(mesh, rules):
         logits = jitted_forward(params, tokens)
+
+With a sampler on its own devices (`config.sampler_mesh.num_devices` > 0):
+
+    trainer_devices, sampler_devices = split_devices(config)
+    mesh = make_mesh(config.mesh, trainer_devices)
+    sampler_mesh, sampler_rules = make_sampler_mesh(config.sampler_mesh, sampler_devices)
 """
 
 from __future__ import annotations
@@ -31,6 +37,14 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 Rules = tuple[tuple[str, Any], ...]
+
+SAMPLER_AXES = ("data", "tensor")
+# The sampler's logical->mesh rules: rows over "data", the tensor-parallel dims of the params
+# and activations over "tensor"; every other logical axis (embed, head_dim, expert, ...) is
+# replicated, so each data replica holds the whole model split `tensor` ways.
+SAMPLER_RULES: Rules = (("batch", "data"),) + tuple(
+    (name, "tensor") for name in ("heads", "kv_heads", "mlp", "moe_mlp", "vocab")
+)
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
@@ -61,6 +75,68 @@ def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None) -> 
     if len(axes) != len(shape):
         raise ValueError(f"mesh.axes {axes} and mesh.shape {shape} differ in length")
     return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def split_devices(
+    config: Any, devices: Sequence[jax.Device] | None = None
+) -> tuple[list[jax.Device], list[jax.Device] | None]:
+    """(trainer's devices, sampler's devices or None) per `config.sampler_mesh`.
+
+    num_devices 0 (or no sampler_mesh section) = colocated: every device is the trainer's and
+    the sampler shares them (None). N > 0: the last N of `devices` (default `jax.devices()`)
+    are the sampler's, the rest the trainer's.
+
+    Raises:
+      ValueError: N < 0; N leaves no trainer device; several processes (not supported yet);
+        a mesh shape that does not divide its devices; a sampler tensor axis that does not
+        divide the trainer's devices (the weights are staged split that way before the copy).
+    """
+    devices = list(devices) if devices is not None else jax.devices()
+    cfg = config.get("sampler_mesh")
+    n = int(cfg.num_devices) if cfg is not None else 0
+    if n == 0:
+        return devices, None
+    if n < 0:
+        raise ValueError(f"sampler_mesh.num_devices must be >= 0, got {n}")
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"sampler_mesh.num_devices={n} with {jax.process_count()} processes: a sampler on "
+            "its own devices is not supported yet with several processes (set it to 0: each "
+            "process then samples on its own devices)"
+        )
+    if n >= len(devices):
+        raise ValueError(
+            f"sampler_mesh.num_devices={n} must be below the {len(devices)} devices: the "
+            "trainer needs at least one"
+        )
+    trainer, sampler = devices[:-n], devices[-n:]
+    try:
+        resolve_mesh_shape(config.mesh.shape, len(trainer))
+    except ValueError as e:
+        raise ValueError(f"mesh over the trainer's {len(trainer)} devices: {e}") from None
+    try:
+        shape = resolve_mesh_shape(cfg.shape, n)
+    except ValueError as e:
+        raise ValueError(f"sampler_mesh over its {n} devices: {e}") from None
+    axes = tuple(cfg.axes)
+    if len(axes) != len(shape):
+        raise ValueError(f"sampler_mesh.axes {axes} and shape {shape} differ in length")
+    tensor = dict(zip(axes, shape, strict=True)).get("tensor", 1)
+    if len(trainer) % tensor:
+        raise ValueError(
+            f"sampler_mesh tensor axis {tensor} does not divide the trainer's {len(trainer)} "
+            "devices (the published weights are split that way on them first)"
+        )
+    return trainer, sampler
+
+
+def make_sampler_mesh(sampler_mesh_cfg: Any, devices: Sequence[jax.Device]) -> tuple[Mesh, Rules]:
+    """(mesh, logical rules) of a sampler on `devices`: `config.sampler_mesh`'s ("data",
+    "tensor") mesh, rows over "data", heads / kv_heads / mlp / vocab over "tensor"."""
+    axes = tuple(sampler_mesh_cfg.axes)
+    if axes != SAMPLER_AXES:
+        raise ValueError(f"sampler_mesh.axes must be {SAMPLER_AXES}, got {axes}")
+    return make_mesh(sampler_mesh_cfg, devices), SAMPLER_RULES
 
 
 def logical_rules(mesh_config: Any) -> Rules:

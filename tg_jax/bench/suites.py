@@ -1,8 +1,8 @@
 """Benchmark suites (sizes and repeats) and the sections that produce the figures.
 
 quick  a few minutes on a 2-core CPU: batch 64 sampler, one timed step per train config
-       (the mid-size config at 2 x 512), 2 steps per RL arm on 32 x 384, one timed RL step
-       per overlap mode.
+       (the mid-size config at 2 x 512), 2 steps per RL arm on 32 x 384, 3 timed RL steps
+       per overlap mode and layout.
 full   the sizes of the issue: sampler batches 8 / 64 / 256, mid-size at 8 x 512, 3 repeats,
        a full thread sweep of the reference, RL arms on 64 x 384, 3 timed overlap steps.
 micro  seconds, tiny shapes (tests/test_bench.py): every figure exists and is finite.
@@ -81,7 +81,7 @@ class Suite:
     kl_d_model: int = 2048
     kl_vocab: int = 151_936  # the Qwen3 vocabulary
     kl_chunk: int = 512
-    overlap_steps: int = 1
+    overlap_steps: int = 3
     overlap_warmup: int = 1
     overlap_groups: int = 0  # 0 = rl_loop.groups_per_step
     overlap_rollouts: int = 0  # 0 = rl_loop.rollouts_per_group
@@ -335,7 +335,8 @@ def kl_section(suite: Suite) -> dict[str, Any]:
 
 
 def overlap_section(suite: Suite, config: Any) -> dict[str, Any]:
-    """Async RL step vs sampling and training one after the other (`bench.overlap`)."""
+    """Async RL step vs sampling and training one after the other, with the sampler on its
+    own devices and colocated (`bench.overlap`)."""
     return overlap.overlap_bench(
         config, steps=suite.overlap_steps, warmup=suite.overlap_warmup,
         groups=suite.overlap_groups or None, rollouts=suite.overlap_rollouts or None,

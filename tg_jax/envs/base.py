@@ -171,6 +171,18 @@ class Environment(abc.ABC):
         """Verdict of every requirement on one assistant turn."""
         return {r.name: r.verdict(turn_text) for r in self.requirements}
 
+    def begin_turn(
+        self, assistant_message: Any, summary: EpisodeSummary, *, done: bool
+    ) -> tuple[str, dict[str, bool | None]]:
+        """A step's common start: the turn's text (`turn_text`), counted in `summary`, and
+        every requirement's verdict on it, recorded there too."""
+        text = turn_text(assistant_message, done=done)
+        summary.turns += 1
+        verdicts = self.judge(text)
+        for name, v in verdicts.items():
+            summary.verdicts[name].append(v)
+        return text, verdicts
+
     def hint(self, names: Sequence[str]) -> str:
         """Hint text for the named requirements (see `hint_text`)."""
         return hint_text(self.requirements, names)

@@ -27,7 +27,6 @@ from tg_jax.envs.base import (
     Environment,
     EpisodeSummary,
     StepResult,
-    turn_text,
 )
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
 from tg_jax.envs.sandbox import BACKENDS, run_python
@@ -261,12 +260,8 @@ class CodingEnv(Environment):
         Raises:
           RuntimeError: if called before reset or after the episode ended.
         """
-        assistant_message = turn_text(assistant_message, done=self._done)
         task, summ = self._task, self._summary
-        summ.turns += 1
-        verdicts = self.judge(assistant_message)
-        for name, v in verdicts.items():
-            summ.verdicts[name].append(v)
+        assistant_message, verdicts = self.begin_turn(assistant_message, summ, done=self._done)
         parsed = parse_turn(assistant_message)
         info = {"turn": summ.turns, "action": parsed.tool, "error": None, "verdicts": verdicts}
         task_reward, done, obs = 0.0, False, None

@@ -87,6 +87,32 @@ class DecodeWeights:
     params: Any
 
 
+def stacked_layer_weights(model: Transformer, params: Any) -> dict[str, Any]:
+    """The layers' weights in `DecodeWeights.layers`' per-layer form, stacked [L, ...] (q/k/v
+    and gate/up fused): what a `lax.scan` over the layers takes."""
+    cfg = model.config
+    dt = cfg.jnp_dtype
+    d, n_layers = cfg.d_model, cfg.num_layers
+    lp = params["layers"]
+    ap = lp["attn"]
+    qkv = [ap[name].reshape(n_layers, d, -1) for name in ("q_proj", "k_proj", "v_proj")]
+    w = {
+        "attn_norm": lp["attn_norm"],
+        "mlp_norm": lp["mlp_norm"],
+        "q_norm": ap["q_norm"],
+        "k_norm": ap["k_norm"],
+        "qkv": jnp.concatenate(qkv, axis=2).astype(dt),
+        "o": ap["o_proj"].reshape(n_layers, -1, d).astype(dt),
+    }
+    if cfg.is_moe:
+        w["mlp"] = lp["mlp"]
+    else:
+        mp = lp["mlp"]
+        w["gate_up"] = jnp.concatenate([mp["gate_proj"], mp["up_proj"]], axis=2).astype(dt)
+        w["down"] = mp["down_proj"].astype(dt)
+    return w
+
+
 def decode_weights(model: Transformer, params: Any) -> DecodeWeights:
     """Slices the stacked layer params and fuses q/k/v and gate/up into single matmuls.
 
@@ -94,32 +120,12 @@ def decode_weights(model: Transformer, params: Any) -> DecodeWeights:
     jitted sampler, before the loop, so it costs one copy of the weights per call.
     """
     cfg = model.config
-    dt = cfg.jnp_dtype
-    d = cfg.d_model
-    layers = []
-    for i in range(cfg.num_layers):
-        lp = jax.tree.map(lambda a, i=i: a[i], params["layers"])
-        ap = lp["attn"]
-        qkv = [ap[name].reshape(d, -1) for name in ("q_proj", "k_proj", "v_proj")]
-        w = {
-            "attn_norm": lp["attn_norm"],
-            "mlp_norm": lp["mlp_norm"],
-            "q_norm": ap["q_norm"],
-            "k_norm": ap["k_norm"],
-            "qkv": jnp.concatenate(qkv, axis=1).astype(dt),
-            "o": ap["o_proj"].reshape(-1, d).astype(dt),
-        }
-        if cfg.is_moe:
-            w["mlp"] = lp["mlp"]
-        else:
-            mp = lp["mlp"]
-            w["gate_up"] = jnp.concatenate([mp["gate_proj"], mp["up_proj"]], axis=1).astype(dt)
-            w["down"] = mp["down_proj"].astype(dt)
-        layers.append(w)
+    stacked = stacked_layer_weights(model, params)
+    layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.num_layers)]
     # [D, V] for `hidden @ unembed`: with the tied [V, D] embedding used transposed, XLA:CPU
     # repacked it every step.
     unembed = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return DecodeWeights(tuple(layers), unembed.astype(dt), params)
+    return DecodeWeights(tuple(layers), unembed.astype(cfg.jnp_dtype), params)
 
 
 def prefill(
@@ -474,7 +480,6 @@ def forward_from_prefix(
     prefix_k_LxBxSxKxH: Array,
     prefix_v_LxBxSxKxH: Array,
     prefix_lengths_B: Array,
-    weights: DecodeWeights | None = None,
 ) -> Array:
     """Final-norm hidden states [B, T, D] of a block that continues a prefix already computed.
 
@@ -482,25 +487,22 @@ def forward_from_prefix(
     q/k norm and RoPE) and values are given, in the full-sequence model's [B, S, K, H] layout;
     a block token sees the prefix slots s < prefix_lengths_B[b] and the block tokens at or
     before it with a non-zero segment id. Same layer math as `prefill` (fused matmuls), in
-    causal query blocks (keys past a block's last query are never scored). The teacher of
-    targeted guidance runs only the tokens from its first hint on this way, the prefix's keys
-    and values coming from the student's pass.
+    causal query blocks (keys past a block's last query are never scored), the layers under a
+    `lax.scan` unrolled `model.config.scan_unroll` at a time, as the model's own layer loop
+    (so a 48-layer model compiles one layer body). The teacher of targeted guidance runs only
+    the tokens from its first hint on this way, the prefix's keys and values coming from the
+    student's pass.
 
     Args:
       tokens_BxT, positions_BxT, segment_ids_BxT: the block (positions continue the prefix).
       prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH: per-layer prefix keys and values, S slots.
       prefix_lengths_B: [B] int32 valid prefix slots of each row (0 <= L_b <= S).
-      weights: `decode_weights(model, params)` when the caller has them.
     Returns:
       [B, T, D] hidden states after the final norm (the input of `unembed`).
     """
     cfg = model.config
-    dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b, t = tokens_BxT.shape
-    s = prefix_k_LxBxSxKxH.shape[2]
-    weights = decode_weights(model, params) if weights is None else weights
-    cos_BxTx1xH2, sin_BxTx1xH2 = rope_tables(positions_BxT, h, cfg.rope_theta)
+    s, t = prefix_k_LxBxSxKxH.shape[2], tokens_BxT.shape[1]
+    cos_BxTx1xH2, sin_BxTx1xH2 = rope_tables(positions_BxT, cfg.head_dim, cfg.rope_theta)
     # visible [B, T, S + T]: slots 0..S-1 the prefix, S + j block token j.
     slot_1x1xS = jnp.arange(s + t)[None, None, :]
     block_seg_BxS = jnp.pad(segment_ids_BxT, ((0, 0), (s, 0)))
@@ -510,32 +512,51 @@ def forward_from_prefix(
     visible_BxTxS = jnp.where(
         slot_1x1xS < s, slot_1x1xS < prefix_lengths_B[:, None, None], in_block_BxTxS
     )
-    x_BxTxD = _embed(model, weights, tokens_BxT)
-    for i, w in enumerate(weights.layers):
+
+    def layer(x_BxTxD, xs):
+        w, prefix_k_BxSxKxH, prefix_v_BxSxKxH = xs
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _attention_inputs(
             cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
         )
-        # The decode layout (keys slot-minor), as in `_causal_attention`.
-        k_all = jnp.concatenate([prefix_k_LxBxSxKxH[i].astype(dt), k_BxTxKxH.astype(dt)], 1)
-        v_all = jnp.concatenate([prefix_v_LxBxSxKxH[i].astype(dt), v_BxTxKxH.astype(dt)], 1)
-        k_BxKxHxS = jnp.transpose(k_all, (0, 2, 3, 1))
-        v_BxKxSxH = jnp.transpose(v_all, (0, 2, 1, 3))
-        q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
-        outs = []
-        for lo in range(0, t, _PREFIX_QUERY_BLOCK):
-            # Query block [lo, hi) scores the prefix and block keys [0, hi) only.
-            hi = min(lo + _PREFIX_QUERY_BLOCK, t)
-            scores = jnp.einsum(
-                "bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS[..., : s + hi]
-            )
-            scores = scores.astype(jnp.float32) * (h**-0.5)
-            scores = jnp.where(visible_BxTxS[:, None, None, lo:hi, : s + hi], scores, _MASKED)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-            outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH[:, :, : s + hi]))
-        out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
-        out_BxTxNxH = jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
-        x_BxTxD = _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH)
-    return _norm(cfg, x_BxTxD, weights.params["final_norm"])
+        out_BxTxNxH = _prefix_block_attention(
+            cfg, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, prefix_k_BxSxKxH, prefix_v_BxSxKxH,
+            visible_BxTxS,
+        )  # fmt: skip
+        return _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH), None
+
+    x_BxTxD = model.apply({"params": params}, tokens_BxT, method=Transformer.embed_tokens)
+    xs = (stacked_layer_weights(model, params), prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH)
+    x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, xs, unroll=min(cfg.scan_unroll, cfg.num_layers))
+    return _norm(cfg, x_BxTxD, params["final_norm"])
+
+
+def _prefix_block_attention(
+    cfg, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, prefix_k_BxSxKxH, prefix_v_BxSxKxH, visible_BxTxS
+) -> Array:
+    """One layer's attention of a block over the prefix slots and its own keys: [B, T, N, H]."""
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t = q_BxTxNxH.shape[:2]
+    s = prefix_k_BxSxKxH.shape[1]
+    # The decode layout (keys slot-minor), as in `_causal_attention`.
+    k_all = jnp.concatenate([prefix_k_BxSxKxH.astype(dt), k_BxTxKxH.astype(dt)], 1)
+    v_all = jnp.concatenate([prefix_v_BxSxKxH.astype(dt), v_BxTxKxH.astype(dt)], 1)
+    k_BxKxHxS = jnp.transpose(k_all, (0, 2, 3, 1))
+    v_BxKxSxH = jnp.transpose(v_all, (0, 2, 1, 3))
+    q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
+    outs = []
+    for lo in range(0, t, _PREFIX_QUERY_BLOCK):
+        # Query block [lo, hi) scores the prefix and block keys [0, hi) only.
+        hi = min(lo + _PREFIX_QUERY_BLOCK, t)
+        scores = jnp.einsum(
+            "bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS[..., : s + hi]
+        )
+        scores = scores.astype(jnp.float32) * (h**-0.5)
+        scores = jnp.where(visible_BxTxS[:, None, None, lo:hi, : s + hi], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH[:, :, : s + hi]))
+    out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
+    return jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
 
 
 __all__ = [

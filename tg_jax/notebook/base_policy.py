@@ -58,8 +58,8 @@ def load_base_policy(
     Raises:
       FileNotFoundError: `workdir` holds no finished SFT checkpoint for this config.
     """
-    model = Transformer(ModelConfig.from_config(config.model))
     if not workdir:
+        model = Transformer(ModelConfig.from_config(config.model))
         params = init_params(model, jax.random.key(seed))
         return BasePolicy(model, params, f"random init (seed {seed}): no workdir given")
     # Checkpoint reading (orbax) only when there is a checkpoint to read.
@@ -71,6 +71,8 @@ def load_base_policy(
             f"{workdir} holds no finished SFT checkpoint (step {config.sft.steps}) in "
             f"{sft.sft_checkpoint_dir(workdir)}: run the sft stage with this config first"
         )
+    config = sft.tokenized_config(config, sft.sft_tokenizer(config, workdir))  # BPE: its vocab
+    model = Transformer(ModelConfig.from_config(config.model))
     mesh = sharding.make_mesh(config.mesh, devices=list(devices or jax.devices()[:1]))
     state = sft.load_sft_state(config, workdir, model, mesh, sharding.logical_rules(config.mesh))
     source = f"SFT checkpoint step {int(state.step)} of {sft.sft_checkpoint_dir(workdir)}"

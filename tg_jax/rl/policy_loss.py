@@ -4,8 +4,10 @@ Three policies appear in an asynchronous run, each as per-token log-probs of the
 
     behaviour  pi_b    the sampler's policy version that produced the rollout (recorded by the
                        sampler, possibly several versions stale);
-    proximal   pi_prox optional: the trainer's policy at the start of this update, recomputed on
-                       the trainer (the "old" policy of decoupled PPO); without it pi_prox = pi_b;
+    proximal   pi_prox optional: the trainer's policy at the start of the update phase (several
+                       optimizer updates with `rl.num_updates` / `rl.num_minibatches`),
+                       recomputed on the trainer (the "old" policy of decoupled PPO); without it
+                       pi_prox = pi_b;
     current    pi_theta the policy being differentiated.
 
 Per token t of a rollout with advantage A (masked to assistant tokens by `mask_BxT`):
@@ -50,6 +52,7 @@ class PolicyLossMetrics(NamedTuple):
       dual_clip_frac: fraction with A < 0 where the dual clip bound -A c is taken.
       ratio_mean: mean of r = pi_theta / pi_prox.
       ratio_max: max of r (0 when the mask is empty).
+      ratio_abs_dev: mean of |r - 1|.
       approx_kl: mean of (r - 1) - log r, the k3 estimate of KL(pi_prox || pi_theta).
       tis_weight_mean: mean TIS weight (1 when TIS is off).
     """
@@ -61,6 +64,7 @@ class PolicyLossMetrics(NamedTuple):
     dual_clip_frac: jax.Array
     ratio_mean: jax.Array
     ratio_max: jax.Array
+    ratio_abs_dev: jax.Array
     approx_kl: jax.Array
     tis_weight_mean: jax.Array
 
@@ -214,7 +218,8 @@ def ppo_loss(
       clip_low: r is clipped below at 1 - clip_low.
       clip_high: r is clipped above at 1 + clip_high (clip-higher: clip_high > clip_low).
       dual_clip: constant c > 1, or None for no dual clip.
-      tis_cap: cap of the TIS weight pi_prox / pi_b, or None for no TIS.
+      tis_cap: cap of the TIS weight pi_prox / pi_b (math.inf: the uncapped weight of
+        decoupled PPO), or None for no TIS.
       agg_mode: see `aggregate`.
       norm_length: L for "seq_mean_token_sum_norm".
       logp_ref_BxT: optional [B, T] frozen reference log-probs; adds kl_coef * KL.
@@ -292,6 +297,7 @@ def ppo_loss(
         dual_clip_frac=masked_mean(dual_active_BxT, mask_BxT),
         ratio_mean=masked_mean(ratio_sg_BxT, mask_BxT),
         ratio_max=jnp.where(mask_BxT, ratio_sg_BxT, 0.0).max(),
+        ratio_abs_dev=masked_mean(jnp.abs(ratio_sg_BxT - 1.0), mask_BxT),
         approx_kl=masked_mean(jnp.expm1(log_ratio_sg_BxT) - log_ratio_sg_BxT, mask_BxT),
         tis_weight_mean=masked_mean(tis_w_BxT, mask_BxT),
     )

@@ -20,6 +20,7 @@ DIVERGENCES = ("reverse", "forward", "jsd")
 ESTIMATORS = ("full", "sampled")
 GATES = ("failed_turns", "all_turns")
 TEACHER_MODES = ("per_trajectory", "per_turn")
+TG_NORMALIZE = ("token_mean", "token_sum")
 LAMBDA_KINDS = ("constant", "linear_warmup", "cosine")
 LR_SCHEDULES = ("constant", "warmup_cosine")
 
@@ -45,7 +46,8 @@ def _fields(cls: type, section: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """GRPO: advantages, the clipped surrogate, aggregation, reference KL, micro-batches."""
+    """GRPO: advantages, the clipped surrogate, aggregation, reference KL, micro-batches, and
+    the PPO update phase (epochs x minibatches)."""
 
     advantage_mode: str = "grpo"
     """grpo (divide by the group std) | dr_grpo (do not)."""
@@ -60,7 +62,8 @@ class RLConfig:
     dual_clip: float | None = None
     """Dual-clip constant c > 1 for negative advantages; None = off."""
     tis_cap: float | None = None
-    """Truncated IS cap on pi_trainer / pi_sampler (proximal = trainer); None = off."""
+    """Truncated IS cap on pi_prox / pi_b (pi_prox = the params at the start of the update
+    phase); None = off (with decoupled updates: the weight is not capped)."""
     agg_mode: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum_norm."""
     norm_length: int | None = None
@@ -74,7 +77,21 @@ class RLConfig:
     max_staleness: int = 1
     """Rollouts more than this many policy versions old are refused (read by the loop)."""
     micro_batches: int = 1
-    """Gradient accumulation steps inside one train step."""
+    """Gradient accumulation steps inside one optimizer update."""
+    num_updates: int = 1
+    """Epochs of the PPO update phase over one rollout batch."""
+    num_minibatches: int = 1
+    """Minibatches per epoch, one optimizer update each (of micro_batches micro-batches)."""
+
+    @property
+    def num_chunks(self) -> int:
+        """K: the batch is laid out (`build_batch(micro_batches=K)`) in minibatches x micro."""
+        return self.num_minibatches * self.micro_batches
+
+    @property
+    def decoupled(self) -> bool:
+        """More than one optimizer update per rollout batch: decoupled PPO (`ppo_updates`)."""
+        return self.num_updates * self.num_minibatches > 1
 
     def __post_init__(self):
         s = "rl"
@@ -93,6 +110,23 @@ class RLConfig:
         _check(self.temperature > 0, s, "temperature", "> 0", self.temperature)
         _check(self.max_staleness >= 0, s, "max_staleness", ">= 0", self.max_staleness)
         _check(self.micro_batches >= 1, s, "micro_batches", ">= 1", self.micro_batches)
+        _check(self.num_updates >= 1, s, "num_updates", ">= 1", self.num_updates)
+        _check(self.num_minibatches >= 1, s, "num_minibatches", ">= 1", self.num_minibatches)
+
+    def check_rows(self, num_rows: int, divisor: int) -> None:
+        """Raises unless `num_rows` rollouts split into num_minibatches equal minibatches of
+        micro_batches micro-batches whose rows are a multiple of the mesh's batch `divisor`
+        (static shapes; with one minibatch the batch is padded instead, as before)."""
+        if self.num_minibatches == 1:
+            return
+        unit = self.num_minibatches * self.micro_batches * divisor
+        if num_rows % unit:
+            raise ValueError(
+                f"rl.num_minibatches={self.num_minibatches}: the {num_rows} rollout rows per "
+                f"step must split into {self.num_minibatches} minibatches of "
+                f"rl.micro_batches={self.micro_batches} micro-batches of a multiple of the "
+                f"mesh's batch divisor {divisor} rows (rows a multiple of {unit})"
+            )
 
     @classmethod
     def from_config(cls, rl: Mapping[str, Any] | RLConfig) -> RLConfig:
@@ -115,6 +149,8 @@ class RLConfig:
             temperature=float(v["temperature"]),
             max_staleness=int(v["max_staleness"]),
             micro_batches=int(v["micro_batches"]),
+            num_updates=int(v.get("num_updates", 1)),
+            num_minibatches=int(v.get("num_minibatches", 1)),
         )
 
 
@@ -185,6 +221,10 @@ class TGConfig:
     building, tg_jax.rl.hint_copies)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
+    normalize: str = "token_mean"
+    """token_mean: sum_M D / |M| | token_sum: sum_M D / (trajectories x norm_length)."""
+    norm_length: float = 1.0
+    """token_sum: tokens per trajectory the sum is normalised by (> 0)."""
     schedule: LambdaSchedule = LambdaSchedule()
     """The lambda_tg schedule."""
 
@@ -194,6 +234,8 @@ class TGConfig:
         _check_choice(s, "estimator", self.estimator, ESTIMATORS)
         _check_choice(s, "gate", self.gate, GATES)
         _check_choice(s, "teacher_mode", self.teacher_mode, TEACHER_MODES)
+        _check_choice(s, "normalize", self.normalize, TG_NORMALIZE)
+        _check(self.norm_length > 0, s, "norm_length", "> 0", self.norm_length)
         if self.kind == "jsd":
             _check(0 < self.beta < 1, s, "beta", "in (0, 1) for jsd", self.beta)
         _check(self.top_k is None or self.top_k > 0, s, "top_k", ">= 0", self.top_k)
@@ -220,6 +262,8 @@ class TGConfig:
             max_teacher_rows=int(v["max_teacher_rows"]),
             mask_hint_copies=bool(v.get("mask_hint_copies", False)),
             chunk_size=int(v["chunk_size"]),
+            normalize=str(v.get("normalize", "token_mean")),
+            norm_length=float(v.get("norm_length", 1.0)),
             schedule=LambdaSchedule.from_config(v["schedule"]),
         )
 

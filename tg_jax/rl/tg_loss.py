@@ -7,7 +7,7 @@ produced at that position) the loss compares the two next-token distributions ov
 vocabulary:
 
     D_t = KL( p_theta(. | s_k, y_<t) || sg p_theta(. | s_k + h_r, y_<t) )   (default: reverse)
-    L_TG = lambda_tg * sum_{t in M} D_t / max(|M|, 1)
+    L_TG = lambda_tg * sum_{t in M} D_t / max(|M|, 1)   (token_mean; token_sum: see step 5)
     L = L_GRPO + L_TG  (+ optional reference KL, see policy_loss.py)
 
 The algorithm, in the order the code below implements it:
@@ -26,8 +26,10 @@ The algorithm, in the order the code below implements it:
     (with a score-function gradient), or over the student's top-k tokens plus one tail bucket.
  4. `tg_mask` builds M: the answer tokens of failed turns (optionally their thinking tokens
     too; optionally every assistant turn). Prompt, environment and tool tokens never count.
- 5. `tg_loss` averages D over M and scales by lambda_tg (`lambda_schedule`); it is exactly 0
-    when M is empty, so a batch without failed turns is plain GRPO.
+ 5. `tg_loss` averages D over M (normalize="token_mean"), or sums it and divides by a fixed
+    constant (normalize="token_sum", e.g. trajectories x tg.norm_length), and scales by
+    lambda_tg (`lambda_schedule`); it is exactly 0 when M is empty, so a batch without failed
+    turns is plain GRPO.
 
 Suffix `_xV` below means any leading shape followed by the vocabulary axis.
 """
@@ -44,6 +46,7 @@ from tg_jax.rl.step_config import LambdaSchedule
 DivergenceKind = Literal["reverse", "forward", "jsd"]
 Estimator = Literal["full", "sampled"]
 Gate = Literal["failed_turns", "all_turns"]
+Normalize = Literal["token_mean", "token_sum"]
 
 # Log-probs are floored at this finite value instead of -inf (a vocabulary entry masked with
 # -inf, or an empty top-k tail bucket): p = exp(floor) is exactly 0, so p * (log p - log q)
@@ -471,7 +474,7 @@ class TGMetrics(NamedTuple):
     """Diagnostics of the TG loss.
 
     Attributes:
-      loss: lambda_tg * divergence_mean (scalar).
+      loss: lambda_tg * sum_{t in M} D_t / N (scalar; N: see `tg_loss`).
       divergence_mean: mean D over distilled tokens, 0 if none (scalar).
       distilled_fraction: |M| / |assistant tokens| (scalar).
       num_distilled: |M| (scalar).
@@ -495,8 +498,14 @@ def tg_loss(
     assistant_mask_BxT: jax.Array | None = None,
     requirement_ids_BxT: jax.Array | None = None,
     num_requirements: int = 0,
+    normalize: Normalize = "token_mean",
+    norm_constant: float | jax.Array = 1.0,
 ) -> tuple[jax.Array, TGMetrics]:
-    """L_TG = lambda_tg * sum_{t in M} D_t / max(|M|, 1); exactly 0.0 when M is empty.
+    """L_TG = lambda_tg * sum_{t in M} D_t / N; exactly 0.0 when M is empty.
+
+    N = max(|M|, 1) with normalize="token_mean" (every distilled token weighs 1/|M|, so the
+    fewer failed turns a batch has, the more each of their tokens weighs), N = norm_constant
+    with "token_sum" (a token's weight does not depend on how many others are distilled).
 
     Args:
       divergence_BxT: [B, T] D_t (from `chunked_token_stats`).
@@ -507,17 +516,24 @@ def tg_loss(
       requirement_ids_BxT: [B, T] int, the requirement whose hint the teacher saw at each
         token, -1 for none; ids >= num_requirements are ignored.
       num_requirements: R, static.
+      normalize: "token_mean" or "token_sum" (static).
+      norm_constant: N of "token_sum" (> 0), e.g. trajectories x tg.norm_length.
 
     Returns:
       loss: scalar float32.
-      metrics: `TGMetrics`.
+      metrics: `TGMetrics` (divergence_mean is the mean over M in both modes).
     """
+    if normalize not in ("token_mean", "token_sum"):
+        raise ValueError(f"unknown normalize {normalize!r}")
     mask_BxT = mask_BxT.astype(bool)
     # where, not multiply: garbage (inf/NaN) at unmasked positions must not reach the sum.
     d_BxT = jnp.where(mask_BxT, divergence_BxT.astype(jnp.float32), 0.0)
     num_distilled = mask_BxT.sum()
     divergence_mean = d_BxT.sum() / jnp.maximum(num_distilled, 1).astype(jnp.float32)
-    loss = jnp.asarray(lambda_tg, jnp.float32) * divergence_mean
+    if normalize == "token_mean":
+        loss = jnp.asarray(lambda_tg, jnp.float32) * divergence_mean
+    else:
+        loss = jnp.asarray(lambda_tg, jnp.float32) * d_BxT.sum() / norm_constant
 
     if assistant_mask_BxT is None:
         num_assistant = jnp.asarray(mask_BxT.size, jnp.float32)

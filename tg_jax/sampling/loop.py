@@ -26,11 +26,15 @@ fold_in(base_key, index)) samples batch i the same way in every session and in b
 `get` samples the next batch in the caller's thread with the newest published params
 (staleness 0). Both sample a batch with the same `sample_group`.
 
-Devices: with `devices`, published params are copied there (replicated); build the rollout
-function's sampler on the same devices with `data_parallel_mesh(devices)` (rows split over
-them). Without, the loop shares the trainer's devices and still copies the params
-(`may_alias=False`), so a train step that donates its params can never free the buffers a
-rollout is reading.
+Devices: with `place`, published params are `place(params)`; with `devices`, they are copied
+there (replicated); build the rollout function's sampler on the same devices with
+`data_parallel_mesh(devices)` (rows split over them). With neither, the loop shares the
+trainer's devices and still copies the params (`may_alias=False`), so a train step that
+donates its params can never free the buffers a rollout is reading (`place` must return new
+buffers too). A two-step `place` (`stage` and `copy` methods, e.g.
+`tg_jax.sampling.placement.WeightPublisher`: the sampler on its own mesh) stages in `publish`,
+in the trainer's thread, and the loop's thread makes the copy between batches, once the staged
+arrays are computed: until then it samples with the policy it has (the first batch waits).
 """
 
 from __future__ import annotations
@@ -97,6 +101,20 @@ def sample_group(
     return RolloutGroup(list(trajectories), version, index, time.perf_counter() - start)
 
 
+def _two_steps(place: Any) -> tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None]:
+    """(stage, copy) of a `place`: its methods if it has both, else (place, None)."""
+    if place is None:
+        return None, None
+    if callable(getattr(place, "stage", None)) and callable(getattr(place, "copy", None)):
+        return place.stage, place.copy
+    return place, None
+
+
+def _ready(tree: Any) -> bool:
+    """Whether every array of `tree` is computed (reading it would not wait)."""
+    return all(x.is_ready() for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
+
+
 class _Done:
     """Queue sentinel: the task iterator is exhausted."""
 
@@ -112,6 +130,7 @@ class SamplingLoop:
         first_index: int = 0,
         queue_size: int = 2,
         devices: Sequence[jax.Device] | None = None,
+        place: Callable[[Any], Any] | None = None,
         poll_s: float = 0.1,
     ):
         """Args:
@@ -121,6 +140,8 @@ class SamplingLoop:
         first_index: batch index of the first batch (the next ones count up from it).
         queue_size: rollout groups held ahead of the trainer.
         devices: devices of the sampler (params are copied there); None = default placement.
+        place: params -> the sampler's copy of them (new buffers), instead of `devices`; or
+          a two-step one (see the module docstring).
         poll_s: how often blocked calls check for errors and shutdown.
         """
         self._rollout_fn = rollout_fn
@@ -128,7 +149,9 @@ class SamplingLoop:
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
         self._poll_s = poll_s
         self._target = None
-        if devices:
+        self._stage, self._copy = _two_steps(place)
+        self._pending: tuple[Any, int] | None = None  # staged, not yet copied (two-step place)
+        if devices and place is None:
             devices = list(devices)
             if len(devices) == 1:
                 self._target = jax.sharding.SingleDeviceSharding(devices[0])
@@ -138,6 +161,7 @@ class SamplingLoop:
         self._lock = threading.Lock()
         self._params: Any = None
         self._version = -1
+        self._used = -1  # two-step place: the version of self._params
         self._has_params = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -151,12 +175,20 @@ class SamplingLoop:
     # Trainer side.
 
     def publish(self, params: Any, version: int) -> None:
-        """Makes `params` (policy version `version`) the weights of the next rollout batch."""
-        copy = jax.device_put(params, self._target, may_alias=False)
+        """Makes `params` (policy version `version`) the weights of the next rollout batch
+        (two-step place: of the first batch that starts once they are staged)."""
+        if self._stage is not None:
+            copy = self._stage(params)
+        else:
+            copy = jax.device_put(params, self._target, may_alias=False)
         with self._lock:
             if version < self._version:
                 raise ValueError(f"policy version went back from {self._version} to {version}")
-            self._params, self._version = copy, int(version)
+            if self._copy is not None:
+                self._pending = (copy, int(version))
+            else:
+                self._params = copy
+            self._version = int(version)
         self._has_params.set()
 
     @property
@@ -261,6 +293,25 @@ class SamplingLoop:
                 continue
         return False
 
+    def _newest(self) -> tuple[Any, int]:
+        """(params, version) of the next batch. Two-step place: a staged policy is copied once
+        it is computed (or at once, when there are no params yet), else the current ones."""
+        with self._lock:
+            if self._copy is None:
+                return self._params, self._version
+            pending = self._pending
+            if pending is None:
+                return self._params, self._used
+        staged, version = pending
+        if self._params is not None and not _ready(staged):
+            return self._params, self._used
+        params = self._copy(staged)
+        with self._lock:
+            if self._pending is pending:
+                self._pending = None
+            self._params, self._used = params, version
+        return params, version
+
     def _run(self) -> None:
         try:
             self._has_params.wait()
@@ -270,8 +321,7 @@ class SamplingLoop:
                 except StopIteration:
                     self._put(_Done())
                     return
-                with self._lock:
-                    params, version = self._params, self._version
+                params, version = self._newest()
                 if not self._put(sample_group(self._rollout_fn, params, version, index, tasks)):
                     return
         except BaseException as e:  # noqa: BLE001 (handed to the trainer by get())
@@ -283,9 +333,16 @@ class InlineLoop:
     """The synchronous `SamplingLoop`: each `get` samples the next batch now, in this thread."""
 
     def __init__(
-        self, rollout_fn: RolloutFn, task_batches: Iterable[Sequence[Any]], *, first_index: int = 0
+        self,
+        rollout_fn: RolloutFn,
+        task_batches: Iterable[Sequence[Any]],
+        *,
+        first_index: int = 0,
+        place: Callable[[Any], Any] | None = None,
     ):
-        """Args: as `SamplingLoop`'s (no queue, no devices: it samples where the caller is)."""
+        """Args: as `SamplingLoop`'s (no queue, no devices: it samples in the caller's thread,
+        on the trainer's devices unless `place` puts the params elsewhere)."""
+        self._place = place
         self._rollout_fn = rollout_fn
         self._batches = enumerate(task_batches, start=int(first_index))
         self._params: Any = None
@@ -293,10 +350,11 @@ class InlineLoop:
         self._delivered = 0
 
     def publish(self, params: Any, version: int) -> None:
-        """As `SamplingLoop.publish`, without the copy: sampling ends before the next
-        (donating) train step is dispatched."""
+        """As `SamplingLoop.publish`, without the copy (but `place`'s): sampling ends before
+        the next (donating) train step is dispatched."""
         if version < self._version:
             raise ValueError(f"policy version went back from {self._version} to {version}")
+        params = self._place(params) if self._place is not None else params
         self._params, self._version = params, int(version)
 
     @property

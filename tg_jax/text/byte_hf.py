@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 
 from tg_jax.text.template import qwen3_chat_template
-from tg_jax.text.tokenizer import BYTE_SPECIAL_TOKENS, ByteTokenizer
+from tg_jax.text.tokenizer import BYTE_SPECIAL_TOKENS
 
 
 def byte_level_alphabet() -> list[str]:
@@ -55,25 +55,49 @@ def write_byte_tokenizer(
 ) -> None:
     """Writes `ByteTokenizer(special_tokens)` as a Hugging Face tokenizer into `out_dir`.
 
-    Files: tokenizer.json; tokenizer_config.json (eos and pad tokens: ByteTokenizer's `eos_id`
-    and `pad_id`; `model_max_length`); chat_template.jinja (Qwen3's template);
-    generation_config.json (`eos_token_id`: <|im_end|> and <|endoftext|>, the ids that end a
-    turn, and `pad_token_id`). The model's vocab_size (ByteTokenizer's, padded to a multiple of
-    8) belongs in its config.json; the tokenizer itself knows 256 + len(special_tokens) ids.
+    The files are those of `write_tokenizer_dir`. The model's vocab_size (ByteTokenizer's,
+    padded to a multiple of 8) belongs in its config.json; the tokenizer itself knows
+    256 + len(special_tokens) ids.
 
     Args:
       out_dir: the directory (created if needed).
       special_tokens: the byte tokenizer's specials, in id order.
       model_max_length: the longest sequence the model takes, in tokens.
     """
-    byte = ByteTokenizer(special_tokens)
-    name = {256 + i: s for i, s in enumerate(special_tokens)}
+    tok = byte_hf_tokenizer(special_tokens)
+    write_tokenizer_dir(
+        out_dir, tok, special_tokens=special_tokens, model_max_length=model_max_length
+    )
+
+
+def write_tokenizer_dir(
+    out_dir: str,
+    tok,
+    *,
+    special_tokens: Sequence[str] = BYTE_SPECIAL_TOKENS,
+    model_max_length: int = 4096,
+) -> None:
+    """Writes the `tokenizers.Tokenizer` `tok` and the chat files into `out_dir`.
+
+    Files: tokenizer.json; tokenizer_config.json (eos and pad tokens: ByteTokenizer's, i.e.
+    <|endoftext|> and <|pad|> (<|endoftext|> without one); `model_max_length`);
+    chat_template.jinja (Qwen3's template); generation_config.json (`eos_token_id`:
+    <|im_end|> and <|endoftext|>, the ids that end a turn, and `pad_token_id`).
+
+    Args:
+      out_dir: the directory (created if needed).
+      tok: a tokenizer whose added special tokens are `special_tokens`.
+      special_tokens: the chat specials (each a single id of `tok`).
+      model_max_length: the longest sequence the model takes, in tokens.
+    """
+    ids = {s: tok.token_to_id(s) for s in special_tokens}
+    pad = "<|pad|>" if "<|pad|>" in ids else "<|endoftext|>"
     os.makedirs(out_dir, exist_ok=True)
-    byte_hf_tokenizer(special_tokens).save(os.path.join(out_dir, "tokenizer.json"))
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": {
-            str(256 + i): {
+            str(ids[s]): {
                 "content": s,
                 "lstrip": False,
                 "normalized": False,
@@ -81,16 +105,16 @@ def write_byte_tokenizer(
                 "single_word": False,
                 "special": True,
             }
-            for i, s in enumerate(special_tokens)
+            for s in special_tokens
         },
         "bos_token": None,
-        "eos_token": name[byte.eos_id],
-        "pad_token": name[byte.pad_id],
+        "eos_token": "<|endoftext|>",
+        "pad_token": pad,
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
-    turn_ends = [byte.special_id(s) for s in ("<|im_end|>", "<|endoftext|>")]
-    generation = {"eos_token_id": turn_ends, "pad_token_id": byte.pad_id}
+    turn_ends = [ids[s] for s in ("<|im_end|>", "<|endoftext|>")]
+    generation = {"eos_token_id": turn_ends, "pad_token_id": ids[pad]}
     files = {
         "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
         "chat_template.jinja": qwen3_chat_template(),

@@ -1,45 +1,56 @@
 """Does a config fit a TPU slice? Compile its steps ahead of time on a CPU host and read memory.
 
-    PYTHONPATH=/path/to/libtpu_site python -m tg_jax.tpu.aot \
-        --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 [--config.a.b=v]
+    python -m tg_jax.tpu.aot --config=configs/qwen3_coder_30b_a3b_tg.py --topology=v5p:2x4x4 \
+        [--config.model.hf_checkpoint=configs/hf/qwen3_coder_30b_a3b] [--config.a.b=v]
 
 libtpu describes any TPU topology without the hardware (`jax.experimental.topologies`); a mesh
 over those devices, abstract inputs (`jax.ShapeDtypeStruct` with their shardings) and
 `jax.jit(...).lower(...).compile()` give the real XLA:TPU executable, whose
 `memory_analysis()` is the per-chip HBM it needs: arguments + outputs - donated aliases +
 temporaries + code. Nothing runs and no weights exist; only libtpu must be importable (the
-`tpu` extra, or `pip install --target DIR libtpu==<jax's pin>` and DIR on PYTHONPATH).
+`aot` extra: `pip install -e .[aot]`).
 
-Two programs are compiled:
-* train: the real TG/GRPO train step (`tg_jax.rl.train_step.make_train_step`) on a batch of
-  `--train_rows` student rows of `--seq_len` tokens and as many teacher rows of
-  `--teacher_len` (per-trajectory hinted contexts), with `config.rl.micro_batches`; or, with
-  `--step=lm`, a next-token loss + AdamW step of the same shapes (no teacher), the baseline.
+The architecture is the config's, or that of `model.hf_checkpoint`'s config.json (only that
+file is read; configs/hf/ has the published ones of the Qwen3 checkpoints the qwen3 configs
+are for). Two programs are compiled:
+* train: the real RL train step as `tg_jax.train.rl` builds it (`make_train_step`, RL from the
+  checkpoint's params) on the largest batch `build_batch` makes for the config (`train_shapes`:
+  `--train_rows` student rows of `--seq_len` tokens; `--teacher_rows` teacher rows of
+  `--teacher_len`, compact ones with `--prefix_len` student key/value slots when
+  tg.compact), with `config.rl.micro_batches`; or, with `--step=lm`, a next-token loss +
+  AdamW step of the same student shapes (no teacher), the baseline.
 * sample: one step of the sampler's decode loop (`tg_jax.models.decode.decode_one`)
-  for `--decode_rows` rows with a KV cache of `--cache_len` slots (prompt + generated), on
-  the same mesh and param shardings.
+  for `--decode_rows` rows with a KV cache of `--cache_len` slots (prompt + generated).
+
+With `config.sampler_mesh.num_devices = N > 0` the train step compiles over the first
+(total - N) devices (config.mesh) and the sample step over the last N (the sampler's
+("data", "tensor") mesh, `config.sampler_mesh.shape`); otherwise both over all devices.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import os
 import re
-from collections.abc import Sequence
-from typing import Any
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
-from tg_jax import sharding
-from tg_jax.models import ModelConfig, Transformer, hidden_states
+from tg_jax import config_lib, paths, sharding
+from tg_jax.models import ModelConfig, Transformer, hf_dir, hidden_states
+from tg_jax.models.hf_io import model_config_from_hf
 
 HBM_GIB_PER_CHIP = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
 GIB = 2**30
@@ -49,8 +60,10 @@ def topology_devices(topology: str) -> list[jax.Device]:
     """The devices of a TPU topology such as "v5p:2x4x4" (libtpu, no hardware needed)."""
     from jax.experimental import topologies  # noqa: PLC0415 (needs libtpu)
 
-    # Off a TPU VM libtpu cannot discover worker hostnames; AOT does not need them.
+    # Off a TPU VM libtpu cannot discover worker hostnames; AOT does not need them. Nor does
+    # it hold a chip: several compiles may run at once (libtpu's lockfile is for chips).
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
 
 
@@ -74,10 +87,11 @@ class MemoryReport:
     temps: int
     code: int
     hbm: float
+    resident: int = 0  # buffers the program does not see that stay on its devices meanwhile
 
     @property
     def total(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temps + self.code
+        return self.arguments + self.outputs - self.aliased + self.temps + self.code + self.resident
 
     def format(self) -> str:
         def g(x):
@@ -89,10 +103,11 @@ class MemoryReport:
             f"{100 * self.total / self.hbm:.0f}%)\n"
             f"  arguments {g(self.arguments)}  outputs {g(self.outputs)}  "
             f"aliased {g(self.aliased)}  temps {g(self.temps)}  code {g(self.code)}"
+            + (f"  + resident {g(self.resident)}" if self.resident else "")
         )
 
 
-def memory_report(compiled: Any, name: str, hbm: float) -> MemoryReport:
+def memory_report(compiled: Any, name: str, hbm: float, resident: int = 0) -> MemoryReport:
     m = compiled.memory_analysis()
     return MemoryReport(
         name=name,
@@ -102,6 +117,15 @@ def memory_report(compiled: Any, name: str, hbm: float) -> MemoryReport:
         temps=int(m.temp_size_in_bytes),
         code=int(m.generated_code_size_in_bytes),
         hbm=hbm,
+        resident=resident,
+    )
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded abstract arrays (its shard of each)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
     )
 
 
@@ -139,17 +163,38 @@ def _batch_spec(mesh: Mesh, rules: sharding.Rules, ndim: int) -> PartitionSpec:
     return sharding.data_sharding(mesh, rules, ndim).spec
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainShapes:
+    """Sizes of a train step's batch (see `tg_jax.rl.batch.Batch`)."""
+
+    rows: int  # B: student rows, a multiple of the batch divisor x micro-batches
+    seq_len: int  # T: student positions
+    teacher_rows: int  # B_t
+    teacher_len: int  # T_t
+    prefix_len: int  # compact teacher rows: the student key/value slots the teacher sees
+
+
 def abstract_tg_batch(
-    rows: int, seq_len: int, teacher_len: int, mesh: Mesh, rules: sharding.Rules, reqs=("req",)
-) -> Any:
-    """An abstract `tg_jax.rl.batch.Batch`: `rows` student rows and as many teacher rows."""
+    shapes: TrainShapes, mesh: Mesh, rules: sharding.Rules, reqs=("req",), *,
+    compact: bool = False, mode: str = "per_trajectory",
+) -> Any:  # fmt: skip
+    """An abstract `tg_jax.rl.batch.Batch` of `shapes`; compact: with the compact teacher
+    rows' source rows, starts and prefix slots (`tg_jax.rl.compact`)."""
     from tg_jax.rl.batch import Batch  # noqa: PLC0415 (the real step only)
 
     def a(shape, dtype):
         return _abstract(shape, dtype, mesh, _batch_spec(mesh, rules, len(shape)))
 
-    s = functools.partial(a, (rows, seq_len))
-    t = functools.partial(a, (rows, teacher_len))
+    s = functools.partial(a, (shapes.rows, shapes.seq_len))
+    t = functools.partial(a, (shapes.teacher_rows, shapes.teacher_len))
+    rows = functools.partial(a, (shapes.rows,))
+    extra = {}
+    if compact:
+        extra = dict(
+            teacher_src_row_Bt=a((shapes.teacher_rows,), jnp.int32),
+            teacher_start_Bt=a((shapes.teacher_rows,), jnp.int32),
+            teacher_compact=True, teacher_prefix_len=shapes.prefix_len,
+        )  # fmt: skip
     return Batch(
         tokens_BxT=s(jnp.int32), positions_BxT=s(jnp.int32), segment_ids_BxT=s(jnp.int32),
         targets_BxT=s(jnp.int32), loss_mask_BxT=s(jnp.bool_), answer_mask_BxT=s(jnp.bool_),
@@ -159,14 +204,17 @@ def abstract_tg_batch(
         teacher_row_BxT=s(jnp.int32), teacher_pos_BxT=s(jnp.int32),
         teacher_tokens_BtxTt=t(jnp.int32), teacher_positions_BtxTt=t(jnp.int32),
         teacher_segment_ids_BtxTt=t(jnp.int32),
-        rewards={name: a((rows,), jnp.float32) for name in ("task", *reqs)},
-        group_ids_B=a((rows,), jnp.int32), policy_version_B=a((rows,), jnp.int32),
-        valid_B=a((rows,), jnp.bool_), requirement_names=tuple(reqs),
+        rewards={name: rows(jnp.float32) for name in ("task", *reqs)},
+        group_ids_B=rows(jnp.int32), policy_version_B=rows(jnp.int32), valid_B=rows(jnp.bool_),
+        requirement_names=tuple(reqs), teacher_mode=mode, **extra,
     )  # fmt: skip
 
 
-def compile_tg_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: int, teacher_len):
-    """The real train step (`make_train_step`), lowered on abstract state and batch."""
+def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
+    """The real RL train step as `tg_jax.train.rl` builds it (`make_train_step` on the
+    trainer's mesh, the frozen reference params when rl.kl_coef > 0), lowered on an abstract
+    state and a batch laid out as `build_batch` lays it for the config (compact teacher rows
+    when tg.compact; no teacher rows for the GRPO arm, tg.enabled False)."""
     from tg_jax.rl import train_state as tst  # noqa: PLC0415
     from tg_jax.rl import train_step as ts  # noqa: PLC0415
 
@@ -184,7 +232,14 @@ def compile_tg_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
         rng=jax.eval_shape(lambda: jax.random.key(0)),
     )
     state = _with_shardings(state, state_sh)
-    batch = abstract_tg_batch(rows, seq_len, teacher_len, mesh, rules)
+    tg_on = bool(config.tg.enabled)
+    if not tg_on:  # build_batch(mode="none"): one empty teacher token per row
+        shapes = dataclasses.replace(shapes, teacher_rows=shapes.rows, teacher_len=1)
+    reqs = tuple(config.env.requirements) if "env" in config else ("req",)
+    batch = abstract_tg_batch(
+        shapes, mesh, rules, reqs, compact=tg_on and bool(config.tg.get("compact", False)),
+        mode=str(config.tg.teacher_mode) if tg_on else "none",
+    )  # fmt: skip
     args = (state, batch)
     if float(config.rl.kl_coef) > 0:
         args += (state.params,)
@@ -285,18 +340,76 @@ def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: in
         return jitted.lower(params, tokens, index, cache).compile()
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology, e.g. v5p:2x4x4, v5e:4x4.")
-_WHAT = flags.DEFINE_list("what", ["train", "sample"], "Programs to compile: train, sample.")
-_STEP = flags.DEFINE_enum(
-    "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."
-)
-_ROWS = flags.DEFINE_integer("train_rows", 0, "Student rows per train step; 0 = from the config.")
-_SEQ = flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = from the config.")
-_TEACHER = flags.DEFINE_integer("teacher_len", 0, "Teacher tokens per row; 0 = seq_len + 256.")
-_DROWS = flags.DEFINE_integer("decode_rows", 0, "Rows per decode step; 0 = the train rows.")
-_CACHE = flags.DEFINE_integer("cache_len", 0, "KV-cache slots; 0 = the student seq_len.")
-_CHUNK = flags.DEFINE_integer("chunk", 512, "Positions per logits chunk of the LM baseline.")
+# ---------------------------------------------------------------------------------------------
+# A config's architecture, meshes and shapes.
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_architecture(config: Any) -> Any:
+    """`config` with the architecture of `model.hf_checkpoint`'s config.json when one is set
+    (only that file is read: no weights, no tokenizer; fields the config sets are checked
+    against it, as `hf_dir.resolve_config` does). configs/hf/<model>/config.json are the
+    published files of the Qwen3 checkpoints the configs/qwen3_*.py configs are for."""
+    ckpt = config.model.get("hf_checkpoint")
+    if ckpt:
+        hf = paths.read_json(paths.as_path(ckpt) / hf_dir.CONFIG_FILE)
+        md = types.SimpleNamespace(path=str(ckpt), architecture=model_config_from_hf(hf))
+        fields = hf_dir.resolve_model_section(config.model, md)
+        config = config_lib.apply_overrides(config, {f"model.{k}": v for k, v in fields.items()})
+    unset = [name for name in hf_dir.ARCHITECTURE_FIELDS if config.model.get(name) is None]
+    if unset:
+        raise ValueError(
+            f"model.{unset[0]} (and {len(unset) - 1} more) unset: pass "
+            "--config.model.hf_checkpoint=DIR, a directory with the checkpoint's config.json "
+            "(e.g. configs/hf/qwen3_1p7b)"
+        )
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Meshes:
+    """The trainer's mesh and rules, and the sampler's (the trainer's when colocated)."""
+
+    trainer: Mesh
+    trainer_rules: Any
+    sampler: Mesh
+    sampler_rules: Any
+
+    @property
+    def split(self) -> bool:
+        return self.sampler is not self.trainer
+
+
+def make_meshes(config: Any, devices: Sequence[Any]) -> Meshes:
+    """The meshes of `config` over `devices` (`sharding.split_devices`: with
+    config.sampler_mesh.num_devices = N > 0 the last N are the sampler's)."""
+    trainer_devices, sampler_devices = sharding.split_devices(config, devices)
+    mesh = sharding.make_mesh(config.mesh, trainer_devices)
+    rules = sharding.logical_rules(config.mesh)
+    if sampler_devices is None:
+        return Meshes(mesh, rules, mesh, rules)
+    return Meshes(mesh, rules, *sharding.make_sampler_mesh(config.sampler_mesh, sampler_devices))
+
+
+def train_shapes(config: Any, divisor: int, **given: int) -> TrainShapes:
+    """The largest batch `build_batch` makes for `config` (a field of `given` that is > 0
+    replaces its default): B = groups x rollouts padded as build_batch pads it; T =
+    rl_loop.seq_len; B_t = B (per_trajectory: at most a row per trajectory) or
+    tg.max_teacher_rows (per_turn); T_t = model.max_seq_len (a hinted sequence's limit);
+    prefix = T (compact rows starting at the last student position)."""
+    from tg_jax.rl.batch import num_rows  # noqa: PLC0415
+
+    micro = int(config.rl.micro_batches) if "rl" in config else 1
+    rows = num_rows(given.get("rows") or _config_rows(config), divisor, micro)
+    seq_len = given.get("seq_len") or _config_seq_len(config)
+    per_turn = "tg" in config and str(config.tg.teacher_mode) == "per_turn"
+    teacher_rows = given.get("teacher_rows") or (
+        int(config.tg.max_teacher_rows) if per_turn else rows
+    )
+    return TrainShapes(
+        rows, seq_len, teacher_rows, given.get("teacher_len") or int(config.model.max_seq_len),
+        given.get("prefix_len") or seq_len,
+    )  # fmt: skip
 
 
 def _config_rows(config: Any) -> int:
@@ -326,38 +439,99 @@ def _config_max_new(config: Any) -> int:
     return 256
 
 
+def compile_programs(
+    config: Any, devices: Sequence[Any], what: Sequence[str], *, step: str = "tg",
+    chunk: int = 512, decode_rows: int = 0, cache_len: int = 0, **given: int,
+) -> Iterator[Program]:  # fmt: skip
+    """The `Program` of each of `what` ("train", "sample") for `config` on
+    `devices`: the train step on the trainer's mesh, the sample step on the sampler's
+    (`make_meshes`); `given` = `train_shapes` overrides."""
+    config = resolve_architecture(config)
+    meshes = make_meshes(config, devices)
+    mesh, rules = meshes.trainer, meshes.trainer_rules
+    shapes = train_shapes(config, sharding.batch_divisor(mesh, rules), **given)
+    micro = int(config.rl.micro_batches) if "rl" in config else 1
+    logging.info("meshes %s; batch %s", meshes, shapes)
+    for name in what:
+        if name == "train" and step == "tg":
+            compiled = compile_tg_train_step(config, mesh, rules, shapes)
+            label = f"train step (TG, {micro} micro-batches of {shapes.rows // micro} rows)"
+        elif name == "train":
+            compiled = compile_lm_train_step(
+                config, mesh, rules, shapes.rows, shapes.seq_len, chunk
+            )
+            label = f"train step (LM baseline, {shapes.rows} rows)"
+        elif name == "sample":
+            drows, cache = decode_rows or shapes.rows, cache_len or shapes.seq_len
+            max_new = min(_config_max_new(config), cache // 2)
+            compiled = compile_sample_step(
+                config, meshes.sampler, meshes.sampler_rules, drows, cache, max_new
+            )
+            label = f"sample step ({drows} rows, cache {cache})"
+        else:
+            raise ValueError(f"unknown program {name!r} (train, sample)")
+        yield Program(label, compiled, meshes.trainer if name == "train" else meshes.sampler,
+                      _split_resident(config, meshes, name))  # fmt: skip
+
+
+def _split_resident(config: Any, meshes: Meshes, program: str) -> int:
+    """Bytes per device of the published params (param_dtype) that a split layout keeps
+    beside a program (`tg_jax.sampling.placement.WeightPublisher`): the sampler's own copy
+    beside the decode step; the staged copy (the sampler's specs on the trainer's devices)
+    beside the next train step. 0 when colocated."""
+    if not meshes.split:
+        return 0
+    model = Transformer(ModelConfig.from_config(config.model))
+    mesh = meshes.sampler
+    if program == "train":
+        tensor = int(meshes.sampler.shape.get("tensor", 1))
+        devices = np.asarray(list(meshes.trainer.devices.flat)).reshape(-1, tensor)
+        mesh = Mesh(devices, ("data", "tensor"))
+    return bytes_per_device(abstract_params(model, mesh, meshes.sampler_rules))
+
+
+class Program(NamedTuple):
+    """A compiled program of `compile_programs`."""
+
+    name: str
+    compiled: Any
+    mesh: Mesh
+    resident: int  # bytes per device that stay on its devices outside it (`MemoryReport`)
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology, e.g. v5p:2x4x4, v5e:4x4.")
+_WHAT = flags.DEFINE_list("what", ["train", "sample"], "Programs to compile: train, sample.")
+_STEP = flags.DEFINE_enum(
+    "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."
+)
+_ROWS = flags.DEFINE_integer("train_rows", 0, "Student rows per train step; 0 = from the config.")
+_SEQ = flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = from the config.")
+_TROWS = flags.DEFINE_integer("teacher_rows", 0, "Teacher rows; 0 = the most the config makes.")
+_TEACHER = flags.DEFINE_integer("teacher_len", 0, "Teacher tokens per row; 0 = model.max_seq_len.")
+_PREFIX = flags.DEFINE_integer("prefix_len", 0, "Compact rows' prefix slots; 0 = seq_len.")
+_DROWS = flags.DEFINE_integer("decode_rows", 0, "Rows per decode step; 0 = the train rows.")
+_CACHE = flags.DEFINE_integer("cache_len", 0, "KV-cache slots; 0 = the student seq_len.")
+_CHUNK = flags.DEFINE_integer("chunk", 512, "Positions per logits chunk of the LM baseline.")
+
+
 def main(argv: Sequence[str]) -> None:
     del argv
-    config = _CONFIG.value
     topology = _TOPOLOGY.value
     if not re.fullmatch(r"v\w+:\d+(x\d+)*", topology):
         raise app.UsageError(f"--topology must look like v5p:2x4x4, got {topology!r}")
     devices = topology_devices(topology)
     hbm = hbm_bytes_per_device(topology, len(devices))
-    mesh = sharding.make_mesh(config.mesh, devices)
-    rules = sharding.logical_rules(config.mesh)
-    rows = _ROWS.value or _config_rows(config)
-    seq_len = _SEQ.value or _config_seq_len(config)
-    teacher_len = _TEACHER.value or seq_len + 256
-    print(f"topology {topology}: {len(devices)} devices {devices[0].device_kind}, mesh "
-          f"{dict(mesh.shape)}; train rows {rows} x {seq_len} (teacher {teacher_len})")  # fmt: skip
-    micro = int(config.rl.micro_batches) if "rl" in config else 1
-    for what in _WHAT.value:
-        if what == "train" and _STEP.value == "tg":
-            compiled = compile_tg_train_step(config, mesh, rules, rows, seq_len, teacher_len)
-            name = f"train step (TG, {micro} micro-batches of {rows // micro} rows)"
-        elif what == "train":
-            compiled = compile_lm_train_step(config, mesh, rules, rows, seq_len, _CHUNK.value)
-            name = f"train step (LM baseline, {rows} rows)"
-        elif what == "sample":
-            drows = _DROWS.value or rows
-            cache_len = _CACHE.value or seq_len
-            max_new = min(_config_max_new(config), cache_len // 2)
-            compiled = compile_sample_step(config, mesh, rules, drows, cache_len, max_new)
-            name = f"sample step ({drows} rows, cache {cache_len})"
-        else:
-            raise app.UsageError(f"--what: unknown program {what!r}")
-        print(memory_report(compiled, name, hbm).format(), flush=True)
+    print(f"topology {topology}: {len(devices)} devices {devices[0].device_kind}", flush=True)
+    programs = compile_programs(
+        _CONFIG.value, devices, _WHAT.value, step=_STEP.value, chunk=_CHUNK.value,
+        decode_rows=_DROWS.value, cache_len=_CACHE.value, rows=_ROWS.value,
+        seq_len=_SEQ.value, teacher_rows=_TROWS.value, teacher_len=_TEACHER.value,
+        prefix_len=_PREFIX.value,
+    )  # fmt: skip
+    for p in programs:
+        print(f"{p.name} on mesh {dict(p.mesh.shape)}", flush=True)
+        print(memory_report(p.compiled, p.name, hbm, p.resident).format(), flush=True)
 
 
 if __name__ == "__main__":

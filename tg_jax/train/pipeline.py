@@ -6,7 +6,8 @@ Layout of `workdir`:
   tfds/                      the task datasets (data stage)
   sft/, sft_eval.json        the base model's checkpoints and its held-out evaluation
   base_model/                the base model as a Hugging Face checkpoint directory (weights,
-                             byte tokenizer.json, Qwen3 chat template); every RL run starts
+                             tokenizer.json of sft.tokenizer, byte or the BPE SFT trained,
+                             Qwen3 chat template); every RL run starts
                              from it. With `model.hf_checkpoint` there is no SFT: that
                              directory is the base model.
   runs/<arm>_seed<s>/        one RL run per arm and training seed (checkpoints, metrics,
@@ -233,21 +234,27 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
 
     With `model.hf_checkpoint` that directory is the user's (no SFT). Otherwise SFT trains a
     base model that passes the gates (`run_base_model`) and writes it, once, as a checkpoint
-    directory in `workdir/base_model` with the byte tokenizer's files and a Qwen3 chat
-    template: every RL run then loads its policy the way a user's Qwen3 is loaded.
+    directory in `workdir/base_model` with its tokenizer's files (`sft.tokenizer`: byte, or the
+    BPE trained on the SFT transcripts) and a Qwen3 chat template: every RL run then loads its
+    policy the way a user's Qwen3 is loaded.
     """
     if config.model.hf_checkpoint:
         return hf_dir.open_model_dir(config.model.hf_checkpoint), {}, []
-    from tg_jax.text import byte_hf  # noqa: PLC0415
-
     params, result, attempts = run_base_model(config, workdir, sources)
     out = paths.as_path(workdir) / BASE_MODEL_DIR
     if not (out / hf_dir.CONFIG_FILE).exists():
+        sft_dir = attempts[-1]["workdir"]  # the accepted attempt: its tokenizer (sft.tokenizer)
+        model_config = base_config(config, sft_dir).model
         with tempfile.TemporaryDirectory(prefix="tg_base_model_") as tmp:
-            byte_hf.write_byte_tokenizer(tmp)
-            hf_dir.export_model_dir(tmp, params, ModelConfig.from_config(config.model))
+            sft.write_tokenizer_files(config, sft_dir, tmp)
+            hf_dir.export_model_dir(tmp, params, ModelConfig.from_config(model_config))
             hf_dir.copy_dir(tmp, str(out))
     return hf_dir.open_model_dir(str(out)), result, attempts
+
+
+def base_config(config: Any, sft_dir: str) -> Any:
+    """`config` with the vocabulary of the tokenizer SFT trained the base model with."""
+    return sft.tokenized_config(config, sft.sft_tokenizer(config, sft_dir))
 
 
 def _export(cfg: Any, workdir: str, run_name: str, params: Any, md: Any) -> None:
@@ -304,6 +311,8 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         arm_config(config, arm)
     sources = run_data(config, workdir)
     md, base_result, attempts = base_model_dir(config, workdir, sources)
+    if attempts:  # the embedded model: its vocabulary is its tokenizer's (sft.tokenizer)
+        config = base_config(config, attempts[-1]["workdir"])
     config = hf_dir.resolve_config(config, md)
     arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
     protocol.preregister(config, workdir, arms_cfgs)  # before the first RL step

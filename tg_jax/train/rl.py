@@ -8,8 +8,10 @@ One step:
      deterministic mode; see tg_jax.train.rl_rollouts); groups older than
      `config.rl.max_staleness` policy versions are refused by the sampling loop;
   2. `build_batch`: student rows, and for the TG arm (`config.tg.enabled`) the hinted teacher
-     rows; the hint texts come from the imperfect-feedback picker (`rl_loop.feedback` rates);
-  3. the jitted, state-donating `train_step` (GRPO, or GRPO + TG);
+     rows, laid out in `rl.num_minibatches` x `rl.micro_batches` chunks; the hint texts come
+     from the imperfect-feedback picker (`rl_loop.feedback` rates);
+  3. the jitted, state-donating `train_step` (GRPO, or GRPO + TG): one optimizer update, or
+     `rl.num_updates` epochs x `rl.num_minibatches` PPO updates (tg_jax.rl.updates);
   4. the new params are published to the sampler as policy version step + 1;
   5. metrics to metrics.jsonl / TensorBoard, fetched one step late; held-out evaluation every
      `eval_every` steps (stage "eval"); a checkpoint every `checkpoint_every` steps, on the
@@ -22,6 +24,10 @@ Resuming from the latest checkpoint is automatic. In the deterministic mode
 (`rl_loop.async_sampling=False`) a killed and resumed run reproduces the uninterrupted one
 exactly (tests/test_rl_loop.py); with the sampling thread it cannot, since which policy
 version samples which batch depends on timing.
+
+A sampler on devices of its own (`config.sampler_mesh.num_devices` > 0, one process): the
+trainer's mesh covers the other devices, and each published policy is resharded onto the
+sampler's mesh, device to device (tg_jax.sampling.placement).
 
 Several processes (`jax.distributed`, docs/design.md section 5): each rolls out its share of a
 step's groups on its own devices (tg_jax.train.rl_rollouts), all build the same batch from the
@@ -62,9 +68,10 @@ from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl import hint_copies, tg_loss
 from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.step_config import RLConfig
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
-from tg_jax.sampling import loop, rollout
+from tg_jax.sampling import placement, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import rl_rollouts
@@ -165,24 +172,7 @@ class _Parts:
     renderer: ChatRenderer
     key: jax.Array  # the run's key: fold_in 0 = state init, 1 = rollout sampling
     batch_sharding: Any  # of the train batch's leading axis on the trainer's mesh
-    to_sampler: Callable[[Any], Any] | None  # several processes: params -> the sampler's
-
-
-def _sampler(
-    model: Transformer, renderer: ChatRenderer, mesh: Any, rules: Any, divisor: int
-) -> tuple[Sampler, Callable[[Any], Any] | None]:
-    """(rollout sampler, params -> its params or None). One process: on the trainer's mesh.
-    Several: on this process's devices (rows split over them, params replicated), since each
-    process samples its own share of the groups (docs/design.md section 5)."""
-    pad_id = renderer.tokenizer.pad_id
-    if jax.process_count() == 1:
-        sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
-        return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw), None
-    local, local_rules = loop.data_parallel_mesh(jax.local_devices())
-    sampler = Sampler(
-        model, pad_id=pad_id, batch_divisor=local.devices.size, mesh=local, rules=local_rules
-    )
-    return sampler, lambda params: multihost.local_replica(params, mesh, local)
+    to_sampler: Callable[[Any], Any] | None  # params -> the sampler's (None: the same)
 
 
 def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
@@ -207,10 +197,14 @@ def _build(
     """Model, mesh, initial train state, jitted step and sampler of a run."""
     model_cfg = ModelConfig.from_config(config.model)
     model = Transformer(model_cfg)
-    mesh = sharding.make_mesh(config.mesh)
+    trainer_devices, sampler_devices = sharding.split_devices(config)  # config.sampler_mesh
+    mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
     student_max, teacher_max = _lengths(config, renderer)
     key = jax.random.key(seed)
+    if sampler_devices is not None and init_params is not None:  # e.g. SFT's, on every device
+        shardings = sharding.param_partition_specs(model, mesh, rules)
+        init_params = jax.device_put(init_params, shardings)
     state = create_train_state(
         model, make_optimizer(config.optim), mesh, rules, jax.random.fold_in(key, 0),
         params=init_params,
@@ -219,7 +213,10 @@ def _build(
     if float(config.rl.kl_coef) > 0:
         ref_params = jax.tree.map(jnp.copy, state.params)  # frozen: the starting policy
     divisor = sharding.batch_divisor(mesh, rules)
-    sampler, to_sampler = _sampler(model, renderer, mesh, rules, divisor)
+    sampler, to_sampler = placement.rollout_sampler(
+        model, renderer.tokenizer.pad_id, mesh, rules, divisor,
+        sampler_mesh_cfg=config.get("sampler_mesh"), sampler_devices=sampler_devices,
+    )  # fmt: skip
     return _Parts(
         config=config, workdir=workdir, arm_name=arm_name, seed=seed, model_cfg=model_cfg,
         divisor=divisor, student_max=student_max, teacher_max=teacher_max, state=state,
@@ -329,7 +326,8 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
         requirement_names=tuple(config.env.requirements),
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
-        micro_batches=int(config.rl.micro_batches), compact=tg_on and bool(config.tg.compact),
+        micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
+        compact=tg_on and bool(config.tg.compact),
     )  # fmt: skip
     if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
@@ -453,6 +451,9 @@ def run_rl(
     end = num_steps if stop_after is None else min(num_steps, int(stop_after))
     renderer = renderer or ChatRenderer(ByteTokenizer())
     parts = _build(config, workdir, init_params, arm_name, seed, renderer)
+    # Minibatches of static shape: fail before the first rollout, not at the first step.
+    rows = int(lc.groups_per_step) * int(lc.rollouts_per_group)
+    RLConfig.from_config(config.rl).check_rows(rows, parts.divisor)
     paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),

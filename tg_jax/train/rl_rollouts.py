@@ -175,17 +175,20 @@ def rollout_source(
       first_index: that position (the absolute index of the first batch).
       async_sampling: True = `SamplingLoop` (a thread samples ahead), False = `InlineLoop`.
       queue_size, devices: the `SamplingLoop`'s (ignored inline).
-      to_sampler: with several processes, global params -> the sampler's (process-local)
-        params; the loop then comes wrapped in a `ProcessGather`.
+      to_sampler: trainer params -> the sampler's. One process: the loop's `place` (a sampler
+        on its own mesh); several (process-local params): the loop comes wrapped in a
+        `ProcessGather`.
     """
+    gather = to_sampler is not None and jax.process_count() > 1
+    place = None if gather else to_sampler
     if async_sampling:
         loop = SamplingLoop(
             rollout_fn, task_batches, first_index=first_index, queue_size=queue_size,
-            devices=devices,
+            devices=devices, place=place,
         )  # fmt: skip
     else:
-        loop = InlineLoop(rollout_fn, task_batches, first_index=first_index)
-    return loop if to_sampler is None else ProcessGather(loop, to_sampler)
+        loop = InlineLoop(rollout_fn, task_batches, first_index=first_index, place=place)
+    return ProcessGather(loop, to_sampler) if gather else loop
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -2,6 +2,9 @@
 
 `run_sft(config, workdir)`:
 
+ 0. Picks the tokenizer (`sft.tokenizer`): the byte tokenizer, or a BPE trained on the
+    train-split transcripts (`tg_jax.text.bpe`) and kept in `workdir/sft/tokenizer`, which a
+    resumed run reuses; model.vocab_size then follows the BPE (`tokenized_config`).
  1. Builds the sharded model and a `TrainState` (params, AdamW state, step, rng; the same
     state type as the RL trainer, so RL starts from the SFT params directly).
  2. Restores the latest checkpoint of `workdir/sft/checkpoints` if any (resume); returns at
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -31,9 +35,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tg_jax import checkpointing, paths, sharding
+from tg_jax import checkpointing, config_lib, paths, sharding
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
-from tg_jax.models import ModelConfig, Transformer, forward, init_params
+from tg_jax.models import ModelConfig, Transformer, forward, hf_dir, init_params
 from tg_jax.progress import ProgressBar
 from tg_jax.rl.train_state import (
     TrainState,
@@ -42,13 +46,20 @@ from tg_jax.rl.train_state import (
     make_optimizer,
     train_state_shardings,
 )
-from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, Tokenizer, bpe, byte_hf
 from tg_jax.train import sft_select
-from tg_jax.train.sft_data import batch_indices, make_sft_rows
+from tg_jax.train.sft_data import (
+    batch_indices,
+    make_sft_rows,
+    make_sft_transcripts,
+    transcript_texts,
+)
 
 Batch = dict[str, jax.Array]
 SFT_DIR = "sft"
 SUMMARY_FILE = "sft_summary.json"
+TOKENIZER_DIR = "tokenizer"  # the BPE of sft.tokenizer = "bpe", in workdir/sft/
+TOKENIZERS = ("byte", "bpe")
 
 
 def sft_loss(
@@ -150,10 +161,81 @@ def make_sft_step(config: Any, model: Transformer, mesh, rules):
     return optimizer, step
 
 
-def build_model(config: Any) -> Transformer:
-    """The Transformer of `config.model`, checked against the byte tokenizer and SFT rows."""
+def tokenizer_kind(config: Any) -> str:
+    """`config.sft.tokenizer`: "byte" (ByteTokenizer) or "bpe" (trained on the transcripts)."""
+    kind = str(config.sft.get("tokenizer", "byte"))
+    if kind not in TOKENIZERS:
+        raise ValueError(f"sft.tokenizer {kind!r} is not one of {TOKENIZERS}")
+    return kind
+
+
+def tokenizer_dir(workdir: str) -> str:
+    return os.path.join(workdir, SFT_DIR, TOKENIZER_DIR)
+
+
+def _has_tokenizer(workdir: str) -> bool:
+    return (paths.as_path(tokenizer_dir(workdir)) / hf_dir.TOKENIZER_FILE).exists()
+
+
+def sft_tokenizer(config: Any, workdir: str) -> Tokenizer:
+    """The base model's tokenizer: ByteTokenizer, or the BPE `prepare_tokenizer` wrote.
+
+    The BPE's vocab_size (the model's) is its id count padded to a multiple of 8.
+
+    Raises:
+      FileNotFoundError: sft.tokenizer is "bpe" and `workdir` holds no trained BPE.
+    """
+    if tokenizer_kind(config) == "byte":
+        return ByteTokenizer()
+    directory = tokenizer_dir(workdir)
+    if not _has_tokenizer(workdir):
+        raise FileNotFoundError(f"no BPE tokenizer in {directory}: run the sft stage first")
+    local = hf_dir.stage_locally(directory)
+    num_ids = HFTokenizer.from_dir(local).vocab_size
+    return HFTokenizer.from_dir(local, vocab_size=-(-num_ids // 8) * 8)
+
+
+def prepare_tokenizer(config: Any, workdir: str) -> tuple[Tokenizer, list | None]:
+    """(tokenizer, transcripts): `sft_tokenizer`, after training the BPE (sft.tokenizer "bpe",
+    `sft.bpe_vocab_size` ids at most) on the SFT transcripts of the train split and writing
+    it to `workdir/sft/tokenizer` when not there yet; the transcripts when made, else None."""
+    transcripts = None
+    if tokenizer_kind(config) == "bpe" and not _has_tokenizer(workdir):
+        transcripts = make_sft_transcripts(config)
+        texts = transcript_texts(transcripts, ChatRenderer(ByteTokenizer()))
+        with tempfile.TemporaryDirectory(prefix="tg_bpe_") as tmp:
+            bpe.write_bpe_tokenizer(
+                tmp, texts, int(config.sft.bpe_vocab_size),
+                model_max_length=int(config.model.max_seq_len),
+            )  # fmt: skip
+            hf_dir.copy_dir(tmp, tokenizer_dir(workdir))
+    return sft_tokenizer(config, workdir), transcripts
+
+
+def tokenized_config(config: Any, tokenizer: Tokenizer) -> Any:
+    """`config` whose model.vocab_size is the BPE's (a copy); with the byte tokenizer,
+    `config` itself (model.vocab_size covers ByteTokenizer's ids, `build_model` checks)."""
+    if tokenizer_kind(config) == "byte":
+        return config
+    return config_lib.apply_overrides(config, {"model.vocab_size": int(tokenizer.vocab_size)})
+
+
+def write_tokenizer_files(config: Any, workdir: str, out_dir: str) -> None:
+    """The base model's tokenizer as Hugging Face files (tokenizer.json, chat template, ...)
+    in local directory `out_dir`: the byte tokenizer's, or the BPE's of `workdir`."""
+    if tokenizer_kind(config) == "byte":
+        byte_hf.write_byte_tokenizer(out_dir)
+        return
+    src = hf_dir.stage_locally(tokenizer_dir(workdir))
+    for name in os.listdir(src):
+        paths.as_path(os.path.join(src, name)).copy(paths.as_path(out_dir) / name, overwrite=True)
+
+
+def build_model(config: Any, tokenizer: Tokenizer | None = None) -> Transformer:
+    """The Transformer of `config.model`, checked against the tokenizer (default: the byte
+    tokenizer) and the SFT rows."""
     model_cfg = ModelConfig.from_config(config.model)
-    tokenizer = ByteTokenizer()
+    tokenizer = tokenizer or ByteTokenizer()
     if model_cfg.vocab_size < tokenizer.vocab_size:
         raise ValueError(
             f"model.vocab_size {model_cfg.vocab_size} < tokenizer vocab {tokenizer.vocab_size}"
@@ -192,9 +274,13 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
     Returns:
       The TrainState after the last step run (the restored one when SFT was already done).
     """
+    t0 = time.time()
+    tokenizer, transcripts = prepare_tokenizer(config, workdir)
+    config = tokenized_config(config, tokenizer)
+    tokenizer_s = time.time() - t0
     sft = config.sft
     num_steps = int(sft.steps)
-    model = build_model(config)
+    model = build_model(config, tokenizer)
     mesh = sharding.make_mesh(config.mesh)
     rules = sharding.logical_rules(config.mesh)
     if int(sft.batch_size) % sharding.batch_divisor(mesh, rules):
@@ -216,10 +302,10 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
             return selected_state(config, workdir, state)
         checkpointing.install_sigterm_handler()
         t0 = time.time()
-        renderer = ChatRenderer(ByteTokenizer())
+        renderer = ChatRenderer(tokenizer)
         selector = sft_select.DevSelector(config, os.path.join(workdir, SFT_DIR), model, renderer)
-        rows, stats = make_sft_rows(config, renderer)
-        data_s = time.time() - t0
+        rows, stats = make_sft_rows(config, renderer, transcripts)
+        data_s = tokenizer_s + time.time() - t0
         writer = MetricsWriter(workdir)
         lagged = LaggedMetrics(writer, stage="sft")
         if start == 0:

@@ -167,28 +167,48 @@ def transcript_env_config(config: Any) -> CodingEnvConfig:
     return cfg
 
 
-def make_sft_rows(config: Any, renderer: ChatRenderer) -> tuple[PackedRows, dict[str, float]]:
-    """Generates the SFT transcripts of `config` and packs them.
+def make_sft_transcripts(config: Any) -> list[Transcript]:
+    """The expert transcripts of `config`, on tasks of the train split only.
 
     Args:
       config: the full config (sections `tasks` (its families), `env`, `sft`).
-      renderer: chat renderer of the model's tokenizer.
-
-    Returns:
-      (rows, stats): the packed rows and a few data statistics (to log).
     """
     sft = config.sft
     tasks = generate_tasks(
         "train", int(sft.num_transcripts), seed=int(sft.data_seed), families=config.tasks.families
     )
     # Our own expert code: the in-process executor gives the sandbox's observations, faster.
-    transcripts = make_transcripts(
+    return make_transcripts(
         tasks,
         seed=int(sft.data_seed),
         config=transcript_config(sft.transcripts),
         env_config=transcript_env_config(config),
         families=tuple(config.tasks.families),
     )
+
+
+def transcript_texts(transcripts: Sequence[Transcript], renderer: ChatRenderer) -> list[str]:
+    """The text of each transcript as SFT renders it (what a tokenizer is trained on)."""
+    tok = renderer.tokenizer
+    return [tok.decode(render_example(renderer, transcript_messages(t))[0]) for t in transcripts]
+
+
+def make_sft_rows(
+    config: Any, renderer: ChatRenderer, transcripts: Sequence[Transcript] | None = None
+) -> tuple[PackedRows, dict[str, float]]:
+    """Generates the SFT transcripts of `config` (unless given) and packs them.
+
+    Args:
+      config: the full config (sections `tasks` (its families), `env`, `sft`).
+      renderer: chat renderer of the model's tokenizer.
+      transcripts: `make_sft_transcripts(config)`, when already made.
+
+    Returns:
+      (rows, stats): the packed rows and a few data statistics (to log).
+    """
+    sft = config.sft
+    if transcripts is None:
+        transcripts = make_sft_transcripts(config)
     rendered = [render_example(renderer, transcript_messages(t)) for t in transcripts]
     # The few transcripts longer than a row are left out (counted) rather than cut.
     keep = [i for i, (ids, _) in enumerate(rendered) if len(ids) <= int(sft.seq_len)]

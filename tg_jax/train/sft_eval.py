@@ -31,7 +31,7 @@ from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory
-from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.text import ChatRenderer
 from tg_jax.train import sft
 
 EVAL_FILE = "sft_eval.json"
@@ -111,8 +111,9 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     The file also records what was measured: the requirements, the parameter count, the
     evaluation time and the SFT wall time (from sft/sft_summary.json when present).
     """
-    model_cfg = ModelConfig.from_config(config.model)
-    renderer = ChatRenderer(ByteTokenizer())
+    tokenizer = sft.sft_tokenizer(config, workdir)
+    model_cfg = ModelConfig.from_config(sft.tokenized_config(config, tokenizer).model)
+    renderer = ChatRenderer(tokenizer)
     t0 = time.time()
     result = evaluate_base_model(
         Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),

@@ -37,7 +37,6 @@ from tg_jax.envs.base import (
     Environment,
     EpisodeSummary,
     StepResult,
-    turn_text,
 )
 from tg_jax.envs.swe import requirements as reqs
 from tg_jax.envs.swe.runner import RUNNERS, Runner, TestRun, make_runner
@@ -187,12 +186,8 @@ class SweEnv(Environment):
         Raises:
           RuntimeError: if called before reset or after the episode ended.
         """
-        assistant_message = turn_text(assistant_message, done=self._done)
         summ, cfg = self._summary, self.config
-        summ.turns += 1
-        verdicts = self.judge(assistant_message)
-        for name, v in verdicts.items():
-            summ.verdicts[name].append(v)
+        assistant_message, verdicts = self.begin_turn(assistant_message, summ, done=self._done)
         call = parse_call(assistant_message)
         info: dict[str, Any] = {"turn": summ.turns, "action": call.name, "error": call.error}
         info["verdicts"] = verdicts

@@ -8,8 +8,9 @@ overwrites the whole file (the tasks where "ask before overwriting a file" confl
 task). Test expectations come from running the correct code (our own, in-process); the visible
 tests include at least one case the bug breaks, the hidden tests at least two.
 
-Splits: train tasks use `TRAIN_TEMPLATES` and the "train" identifier pool; held-out (and dev)
-tasks use `HELDOUT_TEMPLATES` and a disjoint pool, so held-out repositories are new code.
+Splits: train tasks use `TRAIN_TEMPLATES` and the "train" identifier pool; held-out tasks use
+`HELDOUT_TEMPLATES` and a disjoint pool, so held-out repositories are new code; dev tasks (for
+tuning) use the training templates under a third disjoint pool, never held-out code.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _names(rng: random.Random, pool, tpl, used: set[str]) -> dict[str, str]:
 def make_task(task_id: str, split: str, rng: random.Random) -> SweTask:
     """One generated task (deterministic in the rng state)."""
     pool = POOLS[split]
-    templates = HELDOUT_TEMPLATES if split != "train" else TRAIN_TEMPLATES
+    templates = HELDOUT_TEMPLATES if split == "heldout" else TRAIN_TEMPLATES
     pkg = rng.choice(pool.packages)
     mod1, mod2 = rng.sample(pool.modules, 2)
     tpls = [TEMPLATES[t] for t in rng.sample(templates, 2)]

@@ -187,5 +187,14 @@ POOLS = {
         args=("series", "bound", "amount", "data", "floor", "ceiling", "width", "text"),
         accs=("out", "answer", "running"),
     ),
+    # Dev (validation, e.g. learning-rate trials): the training templates under names of its
+    # own, so tuning never sees held-out code nor a training repository.
+    "dev": NamePool(
+        packages=("canyon", "bakery", "library"),
+        modules=("main", "funcs", "parts"),
+        verbs=("collect", "build", "gather"),
+        nouns=("pebbles", "loaves", "books"),
+        args=("entries", "cap", "number", "numbers", "lo", "hi", "length", "tokens"),
+        accs=("sum_", "res", "agg"),
+    ),
 }
-POOLS["dev"] = POOLS["heldout"]

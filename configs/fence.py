@@ -1,0 +1,46 @@
+"""The code-fence requirement on the embedded default: configs/default.py with env fence.
+
+Same data, SFT base model and RL budget as configs/default.py; RL judges and TG teaches the
+fence requirement (code in a ```python block) instead of the tool-call protocol:
+    python -m tg_jax.main --config=configs/fence.py --workdir=./workdir_fence
+
+The SFT settings are those of configs/default.py: to reuse the demo's base model, copy its
+tfds/, sft/ and base_model/ into ./workdir_fence first (sft_eval.json is then rewritten for
+the fence requirement). Measured results: docs/experiments.md.
+
+Why these choices:
+  * TG is the forward KL: the fence is decided at two tokens per turn (the first answer token
+    and the one after the code), where the base model is sure of its own format and the hinted
+    teacher of a backtick. There the reverse KL's and the JSD's gradients vanish (both
+    saturate on near-disjoint distributions); the forward KL's is p_student - p_teacher.
+  * lambda_tg 0.05: at 1.0 the forward KL's gradient is ~20x GRPO's and is clipped, the task
+    reward stops counting and the policy degenerates (runs of backticks, task success ~0).
+  * tg.normalize token_sum over 32 trajectories x 50 tokens: at the start the same weight as
+    the token mean (~1600 distilled tokens), then the TG term shrinks with the number of failed
+    turns instead of putting the same weight on fewer tokens; one seed, docs/experiments.md.
+  * The teacher is the current policy: it drifts with it (the hinted policy itself learns to
+    write a fourth backtick, and held-out hinted compliance falls far below plain), so nothing
+    here stops a longer run from drifting further.
+"""
+
+import os
+
+import ml_collections
+
+from tg_jax import config_lib
+
+
+def get_config(arg=None):
+    del arg
+    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"))
+    c.unlock()
+    c.env.requirements = ("fence",)  # the requirement RL judges and TG teaches
+    # GRPO (both arms): task reward plus the fence reward.
+    c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5})
+    # Targeted guidance: forward KL at lambda_tg 0.05, summed over the distilled tokens and
+    # divided by trajectories x 50 tokens (the module docstring says why).
+    c.tg.kind = "forward"
+    c.tg.schedule.value = 0.05
+    c.tg.normalize = "token_sum"
+    c.tg.norm_length = 50.0
+    return c
