@@ -99,3 +99,7 @@ def _split(c):
     1024-row, 8192-slot KV cache, decode weights and its copy of the fp32 params do not fit."""
     # The last 32 chips sample: 8 data-parallel replicas x 4-way tensor parallel.
     c.sampler_mesh = config_lib.sampler_mesh_config(num_devices=32, shape=(-1, 4))
+    # Full teacher rows: compact rows keep every layer's student prefix for the teacher (77.9
+    # GiB per chip), which with the staged copy of the params for the sampler (28.5 GiB) would
+    # not fit; full rows: 51.4 + 28.5 GiB (README).
+    c.tg.compact = False
