@@ -526,7 +526,11 @@ def forward_from_prefix(
 
     x_BxTxD = model.apply({"params": params}, tokens_BxT, method=Transformer.embed_tokens)
     xs = (stacked_layer_weights(model, params), prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH)
-    x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, xs, unroll=min(cfg.scan_unroll, cfg.num_layers))
+    if cfg.scan_unroll >= cfg.num_layers:  # all layers unrolled: a plain loop (faster on CPU)
+        for i in range(cfg.num_layers):
+            x_BxTxD, _ = layer(x_BxTxD, jax.tree.map(lambda a, i=i: a[i], xs))
+    else:
+        x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, xs, unroll=cfg.scan_unroll)
     return _norm(cfg, x_BxTxD, params["final_norm"])
 
 
