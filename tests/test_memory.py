@@ -74,10 +74,12 @@ def test_real_process_second_run_not_charged_with_the_first():
     with memory.PeakMemory(interval_s=0.01, device_fn=dict) as first:
         big = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
         time.sleep(0.1)
+        first.sample()  # a reading while it is held, even if the thread was starved of CPU
         del big
     with memory.PeakMemory(interval_s=0.01, device_fn=dict) as second:
         small = np.ones(20 * 2**20 // 8)
         time.sleep(0.1)
+        second.sample()
         del small
     p1, p2 = first.peak()[0], second.peak()[0]
     assert p1 >= base + 150 * 2**20  # the first run saw its 200 MiB
