@@ -24,7 +24,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
-from tg_jax.text.byte_hf import byte_level_alphabet, write_tokenizer_dir
+from tg_jax.text.byte_hf import byte_level_alphabet, byte_level_tokenizer, write_tokenizer_dir
 from tg_jax.text.tokenizer import BYTE_SPECIAL_TOKENS
 
 # Added (not special) tokens: transformers' skip_special_tokens keeps them in decoded text.
@@ -70,8 +70,6 @@ def train_bpe(
     Returns:
       The tokenizer (ByteLevel pre-tokenizer and decoder, specials and fences added).
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     base = 256 + len(special_tokens)
     num_merges = vocab_size - base - len(FENCE_TOKENS)
     if num_merges < 0:
@@ -81,15 +79,9 @@ def train_bpe(
     vocab.update({s: 256 + i for i, s in enumerate(special_tokens)})
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens])
-    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in FENCE_TOKENS])
-    for i, s in enumerate(special_tokens):
-        if tok.token_to_id(s) != 256 + i:
-            raise ValueError(f"special token {s!r} got id {tok.token_to_id(s)}, not {256 + i}")
-    return tok
+    return byte_level_tokenizer(
+        vocab, merges, special_tokens, use_regex=True, added_tokens=FENCE_TOKENS
+    )
 
 
 def write_bpe_tokenizer(

@@ -32,19 +32,39 @@ def byte_level_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def byte_hf_tokenizer(special_tokens: Sequence[str] = BYTE_SPECIAL_TOKENS):
-    """A `tokenizers.Tokenizer` with ByteTokenizer's ids (specials at 256 + i)."""
+def byte_level_tokenizer(
+    vocab: dict[str, int],
+    merges: Sequence[tuple[str, str]],
+    special_tokens: Sequence[str],
+    *,
+    use_regex: bool,
+    added_tokens: Sequence[str] = (),
+):
+    """A ByteLevel BPE `tokenizers.Tokenizer` over `vocab` and `merges` (ByteLevel
+    pre-tokenizer and decoder), the specials added as special tokens at ids 256 + i and
+    `added_tokens` as plain added tokens.
+
+    Raises:
+      ValueError: a special does not land at its id 256 + i.
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {c: b for b, c in enumerate(byte_level_alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in special_tokens])
+    if added_tokens:
+        tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in added_tokens])
     for i, s in enumerate(special_tokens):
         if tok.token_to_id(s) != 256 + i:
             raise ValueError(f"special token {s!r} got id {tok.token_to_id(s)}, not {256 + i}")
     return tok
+
+
+def byte_hf_tokenizer(special_tokens: Sequence[str] = BYTE_SPECIAL_TOKENS):
+    """A `tokenizers.Tokenizer` with ByteTokenizer's ids (specials at 256 + i)."""
+    vocab = {c: b for b, c in enumerate(byte_level_alphabet())}
+    return byte_level_tokenizer(vocab, [], special_tokens, use_regex=False)
 
 
 def write_byte_tokenizer(
