@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.test_pipeline import FAST_PIPELINE
 from tg_jax import config_lib, sharding
 from tg_jax.models import hf_dir
 from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, bpe
@@ -143,19 +144,7 @@ def test_sft_with_bpe_trains_on_bpe_ids_and_resumes(tmp_path):
 
 
 def test_pipeline_runs_with_the_bpe(tmp_path):
-    config = _tiny_config(
-        **{
-            "sft.steps": 2,
-            "sft.eval.num_tasks": 2,
-            "sft.eval.temperatures": (1.0,),
-            "rl_loop.steps": 1,
-            "rl_loop.eval_every": 0,
-            "rl_loop.async_sampling": False,
-            "eval.num_tasks": 2,
-            "eval.last_k": 1,
-            "eval.n_boot": 50,
-        }
-    )
+    config = _tiny_config(**FAST_PIPELINE)
     workdir = str(tmp_path)
     res = pipeline.run_pipeline(config, workdir)
     assert set(res["arms"]) == {"grpo", "tg"}

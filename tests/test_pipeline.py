@@ -13,22 +13,23 @@ from tg_jax.train import pipeline, rl, sft, sft_eval, sft_gates
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 
+# The tiny config's pipeline in seconds: 2 SFT steps, 1 RL step, evaluations on 2 tasks.
+FAST_PIPELINE = {
+    "sft.steps": 2,
+    "sft.eval.num_tasks": 2,
+    "sft.eval.temperatures": (1.0,),
+    "rl_loop.steps": 1,
+    "rl_loop.eval_every": 0,
+    "rl_loop.async_sampling": False,
+    "eval.num_tasks": 2,
+    "eval.last_k": 1,
+    "eval.n_boot": 50,
+}
+
+
 def _config():
     config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
-    return config_lib.apply_overrides(
-        config,
-        {
-            "sft.steps": 2,
-            "sft.eval.num_tasks": 2,
-            "sft.eval.temperatures": (1.0,),
-            "rl_loop.steps": 1,
-            "rl_loop.eval_every": 0,
-            "rl_loop.async_sampling": False,
-            "eval.num_tasks": 2,
-            "eval.last_k": 1,
-            "eval.n_boot": 50,
-        },
-    )
+    return config_lib.apply_overrides(config, FAST_PIPELINE)
 
 
 def test_arms_differ_only_in_their_overrides():
