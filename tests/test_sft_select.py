@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tg_jax import checkpointing, config_lib, sharding
+from tg_jax.metrics import read_metrics
 from tg_jax.train import sft, sft_eval, sft_select
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -118,3 +119,93 @@ def test_corrupt_selection_record_is_a_clear_error(tmp_path):
     (d / sft_select.SELECTION_FILE).write_text(json.dumps({"best_step": 3}))
     with pytest.raises(ValueError, match="delete"):
         sft_select.read_selection(str(d))
+
+
+def test_extension_decision_and_schedule():
+    ext = sft_select.ExtendConfig(steps=500, min_pass_rate=0.25, lr_fraction=0.2)
+    low, high = _entry(2250, 0.22), _entry(2500, 0.30)
+    decided = sft_select.decide_extension([low], 2500, ext)
+    assert decided["extended"] and decided["steps"] == 500
+    assert decided["best_eligible_pass_rate"] == pytest.approx(0.22)
+    assert not sft_select.decide_extension([low, high], 2500, ext)["extended"]
+    # Only eligible evaluations up to sft.steps count; none eligible: extended.
+    broken = _entry(2500, 0.5, hinted=0.5)
+    assert sft_select.decide_extension([broken], 2500, ext)["best_eligible_pass_rate"] is None
+    assert sft_select.decide_extension([broken, _entry(2750, 0.4)], 2500, ext)["extended"]
+    with pytest.raises(ValueError, match="lr_fraction"):
+        sft_select.ExtendConfig(steps=1, min_pass_rate=0.2, lr_fraction=0.0)
+    config = _tiny_config()
+    config.sft.extend.steps = 4
+    config.sft.select.enabled = False
+    with pytest.raises(ValueError, match="needs sft.select.enabled"):
+        sft_select.extend_config(config)
+    # The extension's cosine: 0.2 x lr at sft.steps down to lr x end_lr_fraction.
+    config = config_lib.apply_overrides(
+        _tiny_config(), {"sft.extend.steps": 4, "sft.extend.lr_fraction": 0.2}
+    )
+    lr, end = float(config.sft.optim.lr), float(config.sft.optim.end_lr_fraction)
+    schedule = sft.extension_schedule(config)
+    base = int(config.sft.steps)
+    assert float(schedule(base)) == pytest.approx(0.2 * lr)
+    assert float(schedule(base + 2)) == pytest.approx(end * lr + (0.2 - end) * lr / 2)
+    assert float(schedule(base + 4)) == pytest.approx(end * lr)
+
+
+def _fake_dev_eval(pass_rates, calls):
+    def fake_eval(model, params, renderer, tasks, env_cfg, eval_cfg, max_len):
+        p = pass_rates[len(calls)]
+        calls.append(p)
+        r = env_cfg.requirements[0]
+        mode = lambda pr, c: {"pass_rate": pr, f"compliance/{r}": c}  # noqa: E731
+        return {"modes": {"t1.0/plain": mode(p, 0.0), "t1.0/hinted": mode(0.0, 1.0)}}
+
+    return fake_eval
+
+
+def _params(state):
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def test_tiny_sft_extends_a_low_run_and_resumes_inside_the_extension(tmp_path, monkeypatch):
+    overrides = {"sft.extend.steps": 3, "sft.extend.min_pass_rate": 0.25}
+    config = config_lib.apply_overrides(_tiny_config(), overrides)
+    # Dev pass rates at steps 3, 6 (under 0.25: extended) and 9 (the extension's last step).
+    calls = []
+    monkeypatch.setattr(sft_eval, "evaluate_base_model", _fake_dev_eval([0.1, 0.2, 0.4], calls))
+    work = str(tmp_path / "w")
+    state = sft.run_sft(config, work)
+    assert calls == [0.1, 0.2, 0.4] and int(state.step) == 9
+    record = sft_select.read_selection(os.path.join(work, sft.SFT_DIR))
+    assert record["extension"]["extended"] and record["extension"]["at_step"] == 6
+    assert record["best_step"] == 9 and sft.sft_finished(config, work)
+    assert sft.last_step(config, work) == 9
+    lrs = {m["step"]: m["lr"] for m in read_metrics(work, stage="sft")}
+    schedule = sft.extension_schedule(config)
+    for step in (7, 8, 9):  # the lr logged at step s is the one step s - 1 -> s used
+        assert lrs[step] == pytest.approx(float(schedule(step - 1)))
+
+    # The same run stopped inside the extension and resumed: the same params.
+    calls2 = []
+    monkeypatch.setattr(sft_eval, "evaluate_base_model", _fake_dev_eval([0.1, 0.2, 0.4], calls2))
+    work2 = str(tmp_path / "w2")
+    stopped = sft.run_sft(config, work2, stop_after=7)
+    assert int(stopped.step) == 7 and not sft.sft_finished(config, work2)
+    resumed = sft.run_sft(config, work2)
+    assert int(resumed.step) == 9 and calls2 == [0.1, 0.2, 0.4]
+    for a, b in zip(_params(state), _params(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tiny_sft_not_extended_is_the_run_without_the_option(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        sft_eval, "evaluate_base_model", _fake_dev_eval([0.1, 0.3, 0.1, 0.3], calls)
+    )
+    on = config_lib.apply_overrides(_tiny_config(), {"sft.extend.steps": 3})
+    state_on = sft.run_sft(on, str(tmp_path / "on"))
+    record = sft_select.read_selection(os.path.join(str(tmp_path / "on"), sft.SFT_DIR))
+    assert record["extension"]["extended"] is False and record["extension"]["steps"] == 0
+    state_off = sft.run_sft(_tiny_config(), str(tmp_path / "off"))
+    assert int(state_on.step) == int(state_off.step) == 6 and len(calls) == 4
+    for a, b in zip(_params(state_on), _params(state_off), strict=True):
+        np.testing.assert_array_equal(a, b)

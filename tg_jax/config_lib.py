@@ -337,7 +337,25 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     # Selection's compliance bounds follow the gates' (overriding a gate moves both).
     c.select.unprompted_max = c.require.get_ref("max_unprompted_compliance")
     c.select.hinted_min = c.require.get_ref("min_hinted_compliance")
+    c.extend = sft_extend_config()  # more steps for a run still low on dev at sft.steps
     c.retry_seeds = 0  # on a gate failure retry SFT with seed+1, data_seed+1, this many times
+    c.update(overrides)
+    return c
+
+
+def sft_extend_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """SFT steps after `sft.steps` for a run that has not learnt the tasks by then.
+
+    At step `sft.steps` (after its dev evaluation) the run is extended iff no eligible dev
+    evaluation reached `min_pass_rate`; the extension is a second cosine over `steps` steps,
+    from `lr_fraction` x sft.optim.lr down to the main cosine's end value. A run that is not
+    extended is step for step the run without this option. Needs `sft.select` (the dev
+    figures); the decision is recorded in sft/selection.json, so a resumed run keeps it.
+    """
+    c = ml_collections.ConfigDict()
+    c.steps = 0  # extra steps (0 = never extend)
+    c.min_pass_rate = 0.25  # extend when the best eligible dev pass rate is under this
+    c.lr_fraction = 0.2  # the extension's peak lr, as a fraction of sft.optim.lr
     c.update(overrides)
     return c
 

@@ -95,6 +95,13 @@ class ProgressBar:
         elif step % self.log_every == 0 or step >= self.total:
             self._print_line()
 
+    def set_total(self, total: int) -> None:
+        """A new last step number (a stage that grew, e.g. an extended SFT)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
     def write(self, line: str) -> None:
         """Prints a message line without breaking the bar (e.g. an evaluation's result)."""
         if not self.enabled:

@@ -64,11 +64,15 @@ def _decay_mask(params: Any) -> Any:
     )
 
 
-def make_optimizer(optim_cfg: OptimConfig | Mapping[str, Any]) -> optax.GradientTransformation:
+def make_optimizer(
+    optim_cfg: OptimConfig | Mapping[str, Any], schedule: optax.Schedule | None = None
+) -> optax.GradientTransformation:
     """AdamW with global-norm gradient clipping and `make_lr_schedule`.
 
     Args:
       optim_cfg: an `OptimConfig`, or `config_lib.optim_config()` (made typed here).
+      schedule: another learning-rate schedule (same optimizer state; default
+        `make_lr_schedule(optim_cfg)`).
 
     Returns:
       An optax transformation.
@@ -79,7 +83,7 @@ def make_optimizer(optim_cfg: OptimConfig | Mapping[str, Any]) -> optax.Gradient
         parts.append(optax.clip_by_global_norm(optim_cfg.grad_clip_norm))
     parts.append(
         optax.adamw(
-            learning_rate=make_lr_schedule(optim_cfg),
+            learning_rate=make_lr_schedule(optim_cfg) if schedule is None else schedule,
             b1=optim_cfg.b1,
             b2=optim_cfg.b2,
             eps=optim_cfg.eps,

@@ -133,15 +133,32 @@ def sft_optimizer_config(config: Any) -> ml_collections.ConfigDict:
     return optim
 
 
-def make_sft_step(config: Any, model: Transformer, mesh, rules):
-    """(optimizer, step): `sft_train_step` jitted with explicit shardings, state donated."""
+def extension_schedule(config: Any) -> optax.Schedule:
+    """The lr of the steps after sft.steps (`sft.extend`): a cosine over `extend.steps` from
+    `extend.lr_fraction` x lr down to the main schedule's end value (or no lower than it)."""
+    optim = sft_optimizer_config(config)
+    ext = sft_select.extend_config(config)
+    base = int(config.sft.steps)
+    peak = float(optim.lr) * ext.lr_fraction
+    end = peak
+    if optim.schedule == "warmup_cosine":
+        end = min(peak, float(optim.lr) * float(optim.end_lr_fraction))
+    cosine = optax.cosine_decay_schedule(peak, max(ext.steps, 1), alpha=end / peak)
+    return lambda count: cosine(count - base)
+
+
+def make_sft_step(config: Any, model: Transformer, mesh, rules, *, extension: bool = False):
+    """(optimizer, step): `sft_train_step` jitted with explicit shardings, state donated.
+
+    extension: the step of the steps after sft.steps (`extension_schedule`; the same optimizer
+    state, so it continues the main run's).
+    """
     optim_cfg = sft_optimizer_config(config)
-    optimizer = make_optimizer(optim_cfg)
+    schedule = extension_schedule(config) if extension else make_lr_schedule(optim_cfg)
+    optimizer = make_optimizer(optim_cfg, schedule if extension else None)
     state_sh = train_state_shardings(model, optimizer, mesh, rules)
     batch_sh = sharding.data_sharding(mesh, rules, ndim=1)  # a prefix: dim 0 of every leaf
-    body = functools.partial(
-        sft_train_step, model=model, optimizer=optimizer, lr_schedule=make_lr_schedule(optim_cfg)
-    )
+    body = functools.partial(sft_train_step, model=model, optimizer=optimizer, lr_schedule=schedule)
 
     def fn(state, batch):
         with nn.logical_axis_rules(rules):
@@ -252,12 +269,14 @@ def sft_checkpoint_dir(workdir: str) -> str:
 
 
 def sft_finished(config: Any, workdir: str) -> bool:
-    """Whether `workdir` holds the final SFT checkpoint (step == config.sft.steps)."""
+    """Whether `workdir` holds the final SFT checkpoint (its step is the run's last: sft.steps,
+    or sft.steps + sft.extend.steps when the run was extended)."""
     directory = sft_checkpoint_dir(workdir)
     if not paths.as_path(directory).is_dir():
         return False
+    final = sft_select.final_step(config, os.path.join(workdir, SFT_DIR))
     with checkpointing.TrainingCheckpointer(directory, read_only=True) as ckpt:
-        return ckpt.latest_step() == int(config.sft.steps)
+        return final is not None and ckpt.latest_step() == final
 
 
 def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> TrainState:
@@ -269,7 +288,7 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
         `workdir/metrics.jsonl` (stage "sft") and `workdir/tb/sft`, a data/time summary in
         `workdir/sft/sft_summary.json`.
       stop_after: stop (with a checkpoint) once this many steps are done, as if preempted
-        (tests of resume; None = run to `config.sft.steps`).
+        (tests of resume; None = run to the last step).
 
     Returns:
       The TrainState after the last step run (the restored one when SFT was already done).
@@ -279,7 +298,6 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
     config = tokenized_config(config, tokenizer)
     tokenizer_s = time.time() - t0
     sft = config.sft
-    num_steps = int(sft.steps)
     model = build_model(config, tokenizer)
     mesh = sharding.make_mesh(config.mesh)
     rules = sharding.logical_rules(config.mesh)
@@ -298,7 +316,7 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
         start = 0
         if restored is not None:
             state, start = restored.state, restored.step
-        if start >= num_steps:
+        if sft_finished(config, workdir):
             return selected_state(config, workdir, state)
         checkpointing.install_sigterm_handler()
         t0 = time.time()
@@ -307,37 +325,61 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
         rows, stats = make_sft_rows(config, renderer, transcripts)
         data_s = tokenizer_s + time.time() - t0
         writer = MetricsWriter(workdir)
-        lagged = LaggedMetrics(writer, stage="sft")
         if start == 0:
             writer.write(0, {f"data/{k}": v for k, v in stats.items()}, stage="sft_data")
-        end = num_steps if stop_after is None else min(num_steps, int(stop_after))
-        bar = ProgressBar(
-            num_steps, initial=start, keys=("loss", "accuracy"), desc="sft",
-            log_every=int(sft.log_every),
-        )  # fmt: skip
+        steps = {False: step_fn}  # by "after sft.steps": the extension's step built on demand
+
+        def train(state, step):
+            after = step >= int(sft.steps)
+            if after not in steps:
+                steps[after] = make_sft_step(config, model, mesh, rules, extension=after)[1]
+            idx = batch_indices(rows.num_rows, int(sft.batch_size), step, int(sft.data_seed))
+            return steps[after](state, rows.rows(idx))
+
         t1 = time.time()
-        done = start
-        if start > 0:  # a due evaluation that a preemption skipped
-            selector.maybe_evaluate(start, state)
-        with writer, bar:
-            for step in range(start, end):
-                idx = batch_indices(rows.num_rows, int(sft.batch_size), step, int(sft.data_seed))
-                state, metrics = step_fn(state, rows.rows(idx))
-                logged = lagged.push(step + 1, metrics)
-                bar.update(step + 1, logged[1] if logged else None)
-                done = step + 1
-                preempted = checkpointing.preemption_requested(done)
-                if not preempted and selector.maybe_evaluate(done, state) is not None:
-                    bar.write(sft_select.describe(selector.entries[-1]))
-                if preempted or done == end or ckpt.should_save(done):
-                    ckpt.save(done, state, metadata={"stage": "sft", "step": done}, force=True)
-                if preempted:
-                    break
-            lagged.flush()
+        state, done = _sft_loop(config, state, start, stop_after, train, selector, ckpt, writer)
         _write_summary(workdir, stats, start, done, data_s, time.time() - t1)
-        return selected_state(config, workdir, state) if done == num_steps else state
+        return selected_state(config, workdir, state) if done == selector.final_step else state
     finally:
         ckpt.close()
+
+
+def _sft_loop(config, state, start, stop_after, train, selector, ckpt, writer):
+    """The SFT steps from `start` to the run's last step (or `stop_after`, or a preemption),
+    with the dev evaluations, the extension decision and the checkpoints; (state, steps done)."""
+
+    def end_of(final):
+        return final if stop_after is None else min(final, int(stop_after))
+
+    lagged = LaggedMetrics(writer, stage="sft")
+    bar = ProgressBar(
+        selector.final_step, initial=start, keys=("loss", "accuracy"), desc="sft",
+        log_every=int(config.sft.log_every),
+    )  # fmt: skip
+    done = start
+    if start > 0:  # a due evaluation (and decision) that a preemption skipped
+        selector.maybe_evaluate(start, state)
+        selector.maybe_decide_extension(start)
+    end = end_of(selector.final_step)
+    with writer, bar:
+        while done < end:
+            state, metrics = train(state, done)
+            done += 1
+            logged = lagged.push(done, metrics)
+            bar.update(done, logged[1] if logged else None)
+            preempted = checkpointing.preemption_requested(done)
+            if not preempted and selector.maybe_evaluate(done, state) is not None:
+                bar.write(sft_select.describe(selector.entries[-1]))
+            if not preempted and selector.maybe_decide_extension(done):
+                bar.write(sft_select.describe_extension(selector.extension))
+                bar.set_total(selector.final_step)
+                end = end_of(selector.final_step)
+            if preempted or done == end or ckpt.should_save(done):
+                ckpt.save(done, state, metadata={"stage": "sft", "step": done}, force=True)
+            if preempted:
+                break
+        lagged.flush()
+    return state, done
 
 
 def _write_summary(workdir, stats, start, done, data_s, train_s) -> None:
@@ -370,11 +412,17 @@ def selected_step(config: Any, workdir: str) -> int:
         best = sft_select.read_selection(sft_dir).get("best_step")
         if best is not None:
             return int(best)
-    return int(config.sft.steps)
+    return last_step(config, workdir)
+
+
+def last_step(config: Any, workdir: str) -> int:
+    """The run's last SFT step: sft.steps, + sft.extend.steps when the run was extended."""
+    final = sft_select.final_step(config, os.path.join(workdir, SFT_DIR))
+    return int(config.sft.steps) if final is None else final
 
 
 def _checkpoint_of(config: Any, workdir: str, step: int) -> str:
-    if step == int(config.sft.steps):
+    if step == last_step(config, workdir):
         return sft_checkpoint_dir(workdir)
     return os.path.join(workdir, SFT_DIR, sft_select.BEST_DIR)
 
@@ -382,7 +430,7 @@ def _checkpoint_of(config: Any, workdir: str, step: int) -> str:
 def selected_state(config: Any, workdir: str, final: TrainState) -> TrainState:
     """The base model's TrainState: `final` itself, or the dev-selected checkpoint."""
     step = selected_step(config, workdir)
-    if step == int(config.sft.steps):
+    if step == last_step(config, workdir):
         return final
     restored = checkpointing.restore_checkpoint(
         _checkpoint_of(config, workdir, step), final, step=step

@@ -123,6 +123,7 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     result["requirements"] = list(config.env.requirements)
     result["num_params"] = model_cfg.num_params()
     result["selected_step"] = sft.selected_step(config, workdir)
+    result["sft_steps"] = sft.last_step(config, workdir)  # sft.steps, + an extension if any
     if (paths.as_path(workdir) / sft.SFT_DIR / sft.SUMMARY_FILE).exists():
         result["sft_wall_s"] = sft.read_sft_wall_s(workdir)
     (paths.as_path(workdir) / EVAL_FILE).write_text(json.dumps(result, indent=2))

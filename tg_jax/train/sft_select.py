@@ -17,6 +17,11 @@ kept in `workdir/sft/best/`:
 
 `workdir/sft/selection.json` records every dev evaluation and the chosen step, so a resumed
 SFT continues the selection where it stopped and the report can show the trajectory.
+
+Extension (`sft.extend`): at step `sft.steps`, after its evaluation, a run whose best eligible
+dev pass rate is under `extend.min_pass_rate` (or that has no eligible evaluation) trains
+`extend.steps` more steps (`decide_extension`; the decision is recorded in selection.json);
+its last step is then `final_step`, evaluated like the others.
 """
 
 from __future__ import annotations
@@ -82,6 +87,57 @@ class SelectConfig:
         return self.enabled and step >= self.start and (step % self.every == 0 or step == num_steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExtendConfig:
+    """`config.sft.extend`, typed (`config_lib.sft_extend_config`)."""
+
+    steps: int
+    min_pass_rate: float
+    lr_fraction: float
+
+    def __post_init__(self):
+        if self.steps < 0 or not 0.0 < self.lr_fraction <= 1.0:
+            raise ValueError(f"sft.extend: steps >= 0 and lr_fraction in (0, 1], got {self}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ExtendConfig:
+        return cls(int(cfg.steps), float(cfg.min_pass_rate), float(cfg.lr_fraction))
+
+
+def extend_config(config: Any) -> ExtendConfig:
+    """`config.sft.extend`, checked: an extension needs dev selection to decide on."""
+    ext = ExtendConfig.from_config(config.sft.extend)
+    if ext.steps and not config.sft.select.enabled:
+        raise ValueError(
+            f"sft.extend.steps={ext.steps} needs sft.select.enabled (the extension is decided "
+            "on the dev evaluation at sft.steps); set sft.extend.steps=0 or enable selection"
+        )
+    return ext
+
+
+def decide_extension(entries: list[dict[str, Any]], base_steps: int, ext: ExtendConfig) -> dict:
+    """The extension decision at step `base_steps` from the dev evaluations up to it."""
+    eligible = [e for e in entries if e["eligible"] and e["step"] <= base_steps]
+    best = max((e["figures"]["pass_rate"] for e in eligible), default=None)
+    extended = best is None or best < ext.min_pass_rate
+    return {
+        "at_step": base_steps, "best_eligible_pass_rate": best,
+        "min_pass_rate": ext.min_pass_rate, "extended": extended,
+        "steps": ext.steps if extended else 0,
+    }  # fmt: skip
+
+
+def final_step(config: Any, sft_dir: str) -> int | None:
+    """The last SFT step of this run: sft.steps, plus the extension when it was decided; None
+    while an extension is possible but not yet decided."""
+    base = int(config.sft.steps)
+    if not extend_config(config).steps:
+        return base
+    path = paths.as_path(sft_dir) / SELECTION_FILE
+    decision = read_selection(sft_dir).get("extension") if path.exists() else None
+    return None if decision is None else base + int(decision["steps"])
+
+
 def dev_figures(result: dict[str, Any], requirements: tuple[str, ...]) -> dict[str, float]:
     """The three figures selection reads, from an `sft_eval.evaluate_base_model` result."""
     plain, hinted = result["modes"]["t1.0/plain"], result["modes"]["t1.0/hinted"]
@@ -118,11 +174,24 @@ def describe(entry: dict[str, Any]) -> str:
     )
 
 
+def describe_extension(decision: dict[str, Any]) -> str:
+    """One line for the terminal: the extension decision at sft.steps."""
+    best = decision["best_eligible_pass_rate"]
+    got = "no eligible evaluation" if best is None else f"best eligible dev pass {best:.2f}"
+    if not decision["extended"]:
+        return f"sft: {got} >= {decision['min_pass_rate']:.2f} at step {decision['at_step']}"
+    return (
+        f"sft: {got} < {decision['min_pass_rate']:.2f} at step {decision['at_step']}: "
+        f"extending by {decision['steps']} steps (sft.extend)"
+    )
+
+
 class DevSelector:
     """Evaluates SFT checkpoints on dev tasks and keeps the best in `workdir/sft/best`."""
 
     def __init__(self, config: Any, sft_dir: str, model, renderer: ChatRenderer):
         self.cfg = SelectConfig.from_config(config.sft.select)
+        self.ext = extend_config(config)
         self.num_steps = int(config.sft.steps)
         self.config = config
         self.model = model
@@ -130,8 +199,23 @@ class DevSelector:
         self.path = os.path.join(sft_dir, SELECTION_FILE)
         self.best_dir = os.path.join(sft_dir, BEST_DIR)
         exists = paths.as_path(self.path).exists()
-        self.entries = read_selection(sft_dir)["evaluations"] if exists else []
+        record = read_selection(sft_dir) if exists else {}
+        self.entries = record.get("evaluations", [])
+        self.extension = record.get("extension")  # the decision at sft.steps, once made
         self._tasks = None
+
+    @property
+    def final_step(self) -> int:
+        """The run's last step as known now (sft.steps until an extension is decided)."""
+        return self.num_steps + (int(self.extension["steps"]) if self.extension else 0)
+
+    def maybe_decide_extension(self, step: int) -> bool:
+        """At step sft.steps (once): decides and records the extension; True iff extended."""
+        if not self.ext.steps or step != self.num_steps or self.extension is not None:
+            return False
+        self.extension = decide_extension(self.entries, self.num_steps, self.ext)
+        self._write()
+        return bool(self.extension["extended"])
 
     def tasks(self):
         if self._tasks is None:
@@ -143,7 +227,8 @@ class DevSelector:
 
     def maybe_evaluate(self, step: int, state) -> dict[str, Any] | None:
         """Evaluates `state` if `step` is due (and not done already); returns the entry."""
-        if not self.cfg.due(step, self.num_steps) or any(e["step"] == step for e in self.entries):
+        due = self.cfg.due(step, self.num_steps) or self.cfg.due(step, self.final_step)
+        if not due or any(e["step"] == step for e in self.entries):
             return None
         from tg_jax.train import sft_eval  # noqa: PLC0415 (sft_eval imports sft)
 
@@ -173,6 +258,8 @@ class DevSelector:
             "best_step": None if best is None else best["step"],
             "best_eligible": None if best is None else best["eligible"],
         }
+        if self.extension is not None:
+            out["extension"] = self.extension
         paths.write_json_atomic(self.path, out, indent=2)
 
 
