@@ -154,6 +154,13 @@ def test_baseline_under_the_floor_is_not_meaningful_and_the_setting_is_shown(tmp
     # The same runs with a floor of 0: a pass/fail verdict again.
     other = report.write_report(tmp_path / "b", runs, {"n_boot": 100, "floor": 0.0})
     assert other["noninferiority"]["verdict"] in ("pass", "fail")
+    assert "behaviour's own cost" not in (tmp_path / "b" / "report.md").read_text()
+    # With the base model's hinted pass rate: the behaviour's own cost beside the verdict.
+    context["base_model"]["hinted_pass_rate"] = 0.17
+    report.write_report(tmp_path / "c", runs, {"n_boot": 100, "floor": 0.0}, context=context)
+    md = (tmp_path / "c" / "report.md").read_text()
+    assert "solve 0.17 of the held-out tasks vs 0.25 plain" in md
+    assert "the behaviour's own cost there is -0.080" in md
 
 
 def test_markdown_names_clusters_when_tasks_share_functions(tmp_path):

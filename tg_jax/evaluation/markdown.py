@@ -108,6 +108,23 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
         "before the run; pass iff lower bound >= margin; meaningful iff the baseline's task "
         f"success >= floor {_num(st['floor'], 3)}).",
         "",
+    ] + _behaviour_cost(res)
+
+
+def _behaviour_cost(res: dict[str, Any]) -> list[str]:
+    """What following the requirement already cost the base model (its hinted vs plain pass
+    rate, sft_eval.json): part of a task-success gap between an arm that complies and one
+    that does not can be the behaviour's own cost, not lost skill."""
+    base = (res.get("context") or {}).get("base_model") or {}
+    plain, hinted = base.get("pass_rate"), base.get("hinted_pass_rate")
+    if plain is None or hinted is None:
+        return []
+    return [
+        f"At the base model (sft_eval.json, temperature 1), hinted prompts (the requirement "
+        f"followed) solve {_num(hinted)} of the held-out tasks vs {_num(plain)} plain: the "
+        f"behaviour's own cost there is {_num(hinted - plain, 3)}, to read beside the "
+        "difference above.",
+        "",
     ]
 
 
