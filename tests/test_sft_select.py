@@ -166,7 +166,7 @@ def _params(state):
     return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
-def test_tiny_sft_extends_a_low_run_and_resumes_inside_the_extension(tmp_path, monkeypatch):
+def test_tiny_sft_extends_a_low_run_and_resumes_inside_the_extension(tmp_path, monkeypatch, capsys):
     overrides = {"sft.extend.steps": 3, "sft.extend.min_pass_rate": 0.25}
     config = config_lib.apply_overrides(_tiny_config(), overrides)
     # Dev pass rates at steps 3, 6 (under 0.25: extended) and 9 (the extension's last step).
@@ -192,6 +192,24 @@ def test_tiny_sft_extends_a_low_run_and_resumes_inside_the_extension(tmp_path, m
     assert int(stopped.step) == 7 and not sft.sft_finished(config, work2)
     resumed = sft.run_sft(config, work2)
     assert int(resumed.step) == 9 and calls2 == [0.1, 0.2, 0.4]
+    for a, b in zip(_params(state), _params(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    # Stopped at sft.steps before the decision was recorded (a preemption there): the resumed
+    # run decides, says so, and ends as the uninterrupted one.
+    calls3 = []
+    monkeypatch.setattr(sft_eval, "evaluate_base_model", _fake_dev_eval([0.1, 0.2, 0.4], calls3))
+    work3 = str(tmp_path / "w3")
+    sft.run_sft(config, work3, stop_after=6)
+    sft_dir = os.path.join(work3, sft.SFT_DIR)
+    record = sft_select.read_selection(sft_dir)
+    del record["extension"]
+    (tmp_path / "w3" / sft.SFT_DIR / sft_select.SELECTION_FILE).write_text(json.dumps(record))
+    assert sft_select.final_step(config, sft_dir) is None and not sft.sft_finished(config, work3)
+    capsys.readouterr()
+    resumed = sft.run_sft(config, work3)
+    assert "extending by 3 steps (sft.extend)" in capsys.readouterr().err
+    assert int(resumed.step) == 9 and calls3 == [0.1, 0.2, 0.4]
     for a, b in zip(_params(state), _params(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
 

@@ -357,11 +357,17 @@ def _sft_loop(config, state, start, stop_after, train, selector, ckpt, writer):
         log_every=int(config.sft.log_every),
     )  # fmt: skip
     done = start
-    if start > 0:  # a due evaluation (and decision) that a preemption skipped
-        selector.maybe_evaluate(start, state)
-        selector.maybe_decide_extension(start)
-    end = end_of(selector.final_step)
+
+    def decide(step):
+        if selector.maybe_decide_extension(step):
+            bar.write(sft_select.describe_extension(selector.extension))
+            bar.set_total(selector.final_step)
+        return end_of(selector.final_step)
+
     with writer, bar:
+        if start > 0:  # a due evaluation (and decision) that a preemption skipped
+            selector.maybe_evaluate(start, state)
+        end = decide(start)
         while done < end:
             state, metrics = train(state, done)
             done += 1
@@ -370,10 +376,8 @@ def _sft_loop(config, state, start, stop_after, train, selector, ckpt, writer):
             preempted = checkpointing.preemption_requested(done)
             if not preempted and selector.maybe_evaluate(done, state) is not None:
                 bar.write(sft_select.describe(selector.entries[-1]))
-            if not preempted and selector.maybe_decide_extension(done):
-                bar.write(sft_select.describe_extension(selector.extension))
-                bar.set_total(selector.final_step)
-                end = end_of(selector.final_step)
+            if not preempted:
+                end = decide(done)
             if preempted or done == end or ckpt.should_save(done):
                 ckpt.save(done, state, metadata={"stage": "sft", "step": done}, force=True)
             if preempted:
