@@ -24,8 +24,9 @@ Why these choices:
     tasks on both seeds tried (t=1 0.15 / 0.16 vs byte 0.26 / 0.22, seeds 0/0 and 1/2), below
     the gates' 0.2 (docs/experiments.md has the runs).
   * The SFT trajectory of this tiny model is chaotic (seed and CPU move the result), so the
-    base model is chosen on the dev split (sft.select), gated (sft.require) before any RL,
-    and retrained once with the next seeds when outside the gates (sft.retry_seeds).
+    base model is chosen on the dev split (sft.select), a run still low on dev at the end of
+    its cosine trains longer (sft.extend), and the base model is gated (sft.require) before
+    any RL and retrained once with the next seeds when outside the gates (sft.retry_seeds).
 """
 
 import ml_collections
@@ -51,11 +52,13 @@ def get_config(arg=None):
     # The requirement RL judges and TG teaches: the JSON tool-call protocol (the module
     # docstring says why not fence).
     c.env = config_lib.env_config(requirements=("tool_json",))
-    # SFT of the base model and its evaluation. 2500 steps: 3000 brought the late-starting
-    # seed 2/3 into the gates, but TG then did not learn the protocol within 40 RL steps from
-    # seed 0/1's base (0.00; from its 2500-step base 0.44 by step 30): a late seed outside the
-    # gates is retrained once (sft.retry_seeds) instead (docs/experiments.md).
+    # SFT of the base model and its evaluation. 2500 steps for every run (3000 for all made
+    # TG miss the protocol from seed 0/1's base within 40 RL steps); a run that starts copying
+    # numbers late, still under 0.25 on dev at step 2500, trains 500 more steps (sft.extend:
+    # with it all 5 seed pairs and 2 reduction-order variants tried landed in the gates, where
+    # 2 of them did not without it). Runs already at 0.25 are unchanged by it.
     c.sft = config_lib.sft_config(steps=2500)
+    c.sft.extend.steps = 500
     c.sft.tokenizer = "byte"  # not "bpe": its base models fell below the gates (docstring)
     # The base model learns to follow both hints (fence and tool_json) when they are shown.
     c.sft.hint_requirements = ("fence", "tool_json")

@@ -132,6 +132,12 @@ def test_extension_decision_and_schedule():
     broken = _entry(2500, 0.5, hinted=0.5)
     assert sft_select.decide_extension([broken], 2500, ext)["best_eligible_pass_rate"] is None
     assert sft_select.decide_extension([broken, _entry(2750, 0.4)], 2500, ext)["extended"]
+    # No dev evaluation up to sft.steps (select.start later, a short forced run): not extended.
+    none = sft_select.decide_extension([], 50, ext)
+    assert not none["extended"] and none["steps"] == 0
+    assert (
+        sft_select.describe_extension(none) == "sft: no dev evaluation up to step 50: not extended"
+    )
     with pytest.raises(ValueError, match="lr_fraction"):
         sft_select.ExtendConfig(steps=1, min_pass_rate=0.2, lr_fraction=0.0)
     config = _tiny_config()

@@ -359,8 +359,9 @@ def _sft_loop(config, state, start, stop_after, train, selector, ckpt, writer):
     done = start
 
     def decide(step):
-        if selector.maybe_decide_extension(step):
-            bar.write(sft_select.describe_extension(selector.extension))
+        decision = selector.maybe_decide_extension(step)
+        if decision is not None:
+            bar.write(sft_select.describe_extension(decision))
             bar.set_total(selector.final_step)
         return end_of(selector.final_step)
 

@@ -116,13 +116,15 @@ def extend_config(config: Any) -> ExtendConfig:
 
 
 def decide_extension(entries: list[dict[str, Any]], base_steps: int, ext: ExtendConfig) -> dict:
-    """The extension decision at step `base_steps` from the dev evaluations up to it."""
-    eligible = [e for e in entries if e["eligible"] and e["step"] <= base_steps]
+    """The extension decision at step `base_steps` from the dev evaluations up to it; none
+    (select.start > sft.steps, e.g. a short run forced for a test) -> not extended."""
+    evaluated = [e for e in entries if e["step"] <= base_steps]
+    eligible = [e for e in evaluated if e["eligible"]]
     best = max((e["figures"]["pass_rate"] for e in eligible), default=None)
-    extended = best is None or best < ext.min_pass_rate
+    extended = bool(evaluated) and (best is None or best < ext.min_pass_rate)
     return {
         "at_step": base_steps, "best_eligible_pass_rate": best,
-        "min_pass_rate": ext.min_pass_rate, "extended": extended,
+        "evaluations": len(evaluated), "min_pass_rate": ext.min_pass_rate, "extended": extended,
         "steps": ext.steps if extended else 0,
     }  # fmt: skip
 
@@ -177,6 +179,8 @@ def describe(entry: dict[str, Any]) -> str:
 def describe_extension(decision: dict[str, Any]) -> str:
     """One line for the terminal: the extension decision at sft.steps."""
     best = decision["best_eligible_pass_rate"]
+    if not decision["evaluations"]:
+        return f"sft: no dev evaluation up to step {decision['at_step']}: not extended"
     got = "no eligible evaluation" if best is None else f"best eligible dev pass {best:.2f}"
     if not decision["extended"]:
         return f"sft: {got} >= {decision['min_pass_rate']:.2f} at step {decision['at_step']}"
@@ -209,13 +213,14 @@ class DevSelector:
         """The run's last step as known now (sft.steps until an extension is decided)."""
         return self.num_steps + (int(self.extension["steps"]) if self.extension else 0)
 
-    def maybe_decide_extension(self, step: int) -> bool:
-        """At step sft.steps (once): decides and records the extension; True iff extended."""
+    def maybe_decide_extension(self, step: int) -> dict[str, Any] | None:
+        """At step sft.steps (once): decides and records the extension; the decision when
+        it was made by this call, else None."""
         if not self.ext.steps or step != self.num_steps or self.extension is not None:
-            return False
+            return None
         self.extension = decide_extension(self.entries, self.num_steps, self.ext)
         self._write()
-        return bool(self.extension["extended"])
+        return self.extension
 
     def tasks(self):
         if self._tasks is None:
