@@ -8,6 +8,9 @@ The SFT settings are those of configs/default.py: to reuse the demo's base model
 tfds/, sft/ and base_model/ into ./workdir_fence first (sft_eval.json is then rewritten for
 the fence requirement). Measured results: docs/experiments.md.
 
+`configs/fence.py:runlocal` takes configs/tiny.py's model, task, SFT, loop and evaluation
+sections (single-turn episodes): a CPU smoke run of the config in about a minute (the tests).
+
 Why these choices:
   * TG is the forward KL: the fence is decided at two tokens per turn (the first answer token
     and the one after the code), where the base model is sure of its own format and the hinted
@@ -31,8 +34,10 @@ from tg_jax import config_lib
 
 
 def get_config(arg=None):
-    del arg
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"))
+    if arg not in (None, "", "runlocal"):
+        raise ValueError(f"configs/fence.py takes no argument or 'runlocal', not {arg!r}")
+    here = os.path.dirname(__file__)
+    c = config_lib.load_config_file(os.path.join(here, "default.py"))
     c.unlock()
     c.env.requirements = ("fence",)  # the requirement RL judges and TG teaches
     # GRPO (both arms): task reward plus the fence reward.
@@ -43,4 +48,9 @@ def get_config(arg=None):
     c.tg.schedule.value = 0.05
     c.tg.normalize = "token_sum"
     c.tg.norm_length = 50.0
+    if arg == "runlocal":
+        tiny = config_lib.load_config_file(os.path.join(here, "tiny.py"))
+        for section in ("model", "tasks", "sft", "rl_loop", "eval"):
+            c[section] = tiny[section]
+        c.env.max_turns = tiny.env.max_turns  # single-turn: the hinted rows fit the tiny context
     return c
