@@ -226,3 +226,38 @@ def test_train_step_teacher_stays_at_the_reference():
     assert all(m["tg_teacher_drift"] == 0.0 for m in pol)
     assert abs(pol[2]["tg_teacher_param_norm"] - start_norm) > 1e-4
     assert abs(float(ref[2]["tg_kl"]) - float(pol[2]["tg_kl"])) > 1e-6
+
+
+def test_resumed_run_keeps_the_start_params_as_the_teacher(tmp_path):
+    """The reference is made from run_rl's init_params, not from the restored checkpoint: a
+    run stopped after step 1 and resumed equals the uninterrupted one, teacher included."""
+    from tests import rl_loop_driver as driver
+    from tg_jax.metrics import last_per_step, read_metrics
+    from tg_jax.train import rl
+
+    config = driver.make_config(steps=3)
+    config.tg.teacher_params = "reference"
+    init = driver.initial_params(config)
+    kw = {"arm_name": "tg", "seed": 0, "sources": driver.make_sources()}
+    full = rl.run_rl(config, str(tmp_path / "full"), init, **kw)
+    first = rl.run_rl(config, str(tmp_path / "resumed"), init, stop_after=1, **kw)
+    resumed = rl.run_rl(config, str(tmp_path / "resumed"), init, **kw)
+    assert first.step == 1 and full.finished and resumed.finished
+
+    def train_metrics(workdir):
+        rows = last_per_step(read_metrics(str(workdir)))
+        return {r["step"]: r for r in rows if r["stage"] == "train"}
+
+    a, b = train_metrics(tmp_path / "full"), train_metrics(tmp_path / "resumed")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    start_norm = float(optax.tree.norm(init))
+    for step in (1, 2, 3):
+        for k in ("tg_teacher_param_norm", "tg_teacher_drift", "tg_kl", "loss"):
+            assert a[step][k] == b[step][k], (step, k)
+        np.testing.assert_allclose(b[step]["tg_teacher_param_norm"], start_norm, rtol=1e-6)
+    assert (
+        b[1]["tg_teacher_drift"] == 0.0 and 0 < b[2]["tg_teacher_drift"] < b[3]["tg_teacher_drift"]
+    )
+    fa, fb = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
+    for k in fa:
+        np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
