@@ -261,3 +261,19 @@ def test_resumed_run_keeps_the_start_params_as_the_teacher(tmp_path):
     fa, fb = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
     for k in fa:
         np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+
+
+@pytest.mark.parametrize("teacher", ["policy", "reference"])
+def test_aot_train_step_lowers_with_either_teacher(teacher):
+    """tg_jax.tpu.aot lowers the step as train/rl.py runs it: the reference teacher takes the
+    reference params and full teacher rows."""
+    from tests.test_aot import _tiny_config
+    from tg_jax.tpu import aot
+
+    cfg = config_lib.apply_overrides(
+        _tiny_config((1, 2, 1, 1), moe=False), {"tg.teacher_params": teacher}
+    )
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])
+    shapes = aot.TrainShapes(rows=4, seq_len=32, teacher_rows=4, teacher_len=32, prefix_len=32)
+    compiled = aot.compile_tg_train_step(cfg, mesh, sharding.logical_rules(cfg.mesh), shapes)
+    assert aot.memory_report(compiled, "train", hbm=2.0**30).arguments > 0
