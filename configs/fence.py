@@ -21,9 +21,11 @@ Why these choices:
   * tg.normalize token_sum over 32 trajectories x 50 tokens: at the start the same weight as
     the token mean (~1600 distilled tokens), then the TG term shrinks with the number of failed
     turns instead of putting the same weight on fewer tokens; one seed, docs/experiments.md.
-  * The teacher is the current policy: it drifts with it (the hinted policy itself learns to
-    write a fourth backtick, and held-out hinted compliance falls far below plain), so nothing
-    here stops a longer run from drifting further.
+  * The teacher is the current policy (tg.teacher_params "policy"): it drifts with it, so
+    nothing here stops a longer run from drifting further. A teacher frozen at the base model
+    (tg.teacher_params "reference") learnt the fence as well and no better, at the same task
+    success: the policy's hinted compliance falls with either teacher, so that fall is not the
+    teacher's drift (docs/experiments.md).
 """
 
 import os
