@@ -23,9 +23,10 @@ Why these choices:
     turns instead of putting the same weight on fewer tokens; one seed, docs/experiments.md.
   * The teacher is the current policy (tg.teacher_params "policy"): it drifts with it, so
     nothing here stops a longer run from drifting further. A teacher frozen at the base model
-    (tg.teacher_params "reference") learnt the fence as well and no better, at the same task
-    success: the policy's hinted compliance falls with either teacher, so that fall is not the
-    teacher's drift (docs/experiments.md).
+    (tg.teacher_params "reference") learnt the fence about as well over three seeds, at the
+    same task success and ~2.3x the teacher FLOPs (full teacher rows); the policy's hinted
+    compliance falls with either teacher, so that fall is not the teacher's drift
+    (docs/experiments.md).
 """
 
 import os
