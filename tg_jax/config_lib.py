@@ -171,9 +171,14 @@ def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.include_thinking = False  # also distil the <think> tokens of the selected turns
     c.teacher_mode = "per_trajectory"  # per_trajectory (hints before every failed turn) | per_turn
     c.max_teacher_rows = 64  # per_turn: teacher rows per batch (static), extra turns dropped
+    # The teacher's weights: policy (the current params, drifting with the student) |
+    # reference (frozen at the RL start params; the step then takes them as its reference).
+    c.teacher_params = "policy"
     # Teacher rows only for trajectories with a targeted turn, from the first hint to the end of
     # the last targeted turn, continuing the student's prefix keys/values (tg_jax.rl.compact):
     # the same loss and gradients as full teacher rows (tests/test_teacher.py), less compute.
+    # The reference teacher gets full rows whatever this says (the prefix keys/values are the
+    # policy's): StepConfig's tg.compact_rows.
     c.compact = True
     c.mask_hint_copies = False  # drop from the TG KL the tokens that copy the hint (rl/hint_copies)
     c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL

@@ -6,7 +6,8 @@
  b. when TG is on, teacher forward on the hinted teacher tokens with the SAME params under
     stop_gradient (compact teacher rows start at the first hint and reuse the student's keys
     and values for the prefix, `tg_jax.rl.teacher`), gathered to student positions through
-    the batch's index map (the GRPO arm skips it entirely);
+    the batch's index map (the GRPO arm skips it entirely); with tg.teacher_params
+    "reference", the frozen reference params instead, on full teacher rows;
  c. `chunked_token_stats`: student log-prob of each target, entropy and the divergence to the
     teacher, chunk by chunk along T (never the whole [B, T, V] of either model);
  d. the README equation, one named term each:
@@ -120,6 +121,7 @@ def token_stats(
     rl_cfg: RLConfig,
     tg_cfg: TGConfig,
     teacher_hidden_BxTxD: jax.Array | None = None,
+    teacher_params: Any = None,
 ) -> tuple[TokenStats, jax.Array]:
     """Student forward (+ the teacher's when TG is on) -> log-probs, entropy, D per token, and
     the MoE router load-balancing loss (0 unless the model sets router_aux_loss_coef).
@@ -128,8 +130,21 @@ def token_stats(
     (`tg_jax.rl.teacher`: compact rows continue the student's prefix keys and values),
     gathered to student positions (`gather_teacher`; compact rows with few slots: D computed at
     the teacher rows' slots instead, `slot_divergence`); `teacher_hidden_BxTxD` replaces it.
+    `teacher_params` (e.g. the frozen reference, tg.teacher_params "reference") run the
+    teacher forward and its unembedding instead; they need full teacher rows.
     """
     run_teacher = tg_cfg.enabled and teacher_hidden_BxTxD is None
+    if teacher_params is not None and batch.teacher_compact:
+        raise ValueError(
+            "teacher params other than the policy's need full teacher rows: compact rows "
+            "continue the student's (the policy's) prefix keys and values; build the batch "
+            "with compact=tg.compact_rows (False for tg.teacher_params='reference')"
+        )
+    teacher_unembed_fn = None
+    if teacher_params is None:
+        teacher_params = params
+    else:
+        teacher_unembed_fn = _unembed_fn(model, teacher_params, rl_cfg.temperature)
     cfg = model.config
     with_router = bool(cfg.is_moe and cfg.router_aux_loss_coef > 0)
     hidden_BxTxD, prefix, router = student_forward(
@@ -138,7 +153,7 @@ def token_stats(
     )  # fmt: skip
     if run_teacher:
         # The teacher forward sees stop-gradiented params (and prefix): no backward pass.
-        teacher_BtxTtxD = teacher_rows_hidden(model, params, batch, prefix)
+        teacher_BtxTtxD = teacher_rows_hidden(model, teacher_params, batch, prefix)
         if not divergence_at_slots(batch):  # else D at the teacher's slots only, below
             teacher_hidden_BxTxD = gather_teacher(teacher_BtxTtxD, batch)
     stats = chunked_token_stats(
@@ -146,6 +161,7 @@ def token_stats(
         batch.targets_BxT,
         _unembed_fn(model, params, rl_cfg.temperature),
         teacher_hidden_BxTxD=teacher_hidden_BxTxD if tg_cfg.enabled else None,
+        teacher_unembed_fn=teacher_unembed_fn,
         chunk_size=tg_cfg.chunk_size,
         kind=tg_cfg.kind,
         beta=tg_cfg.beta,
@@ -347,7 +363,8 @@ def loss_fn(
       rl_cfg: the typed `rl` section.
       tg_cfg: the typed `tg` section.
       step: train step, for lambda_schedule.
-      ref_params: frozen reference params; used when rl_cfg.kl_coef > 0.
+      ref_params: frozen reference params; used when rl_cfg.kl_coef > 0, and as the teacher
+        with tg.teacher_params "reference".
       advantages_B: [B] precomputed advantages (whole-batch groups); default: from the batch.
       norms: whole-batch `Normalizers`; default: this batch's.
       teacher_hidden_BxTxD: teacher hidden states already gathered to student positions (e.g.
@@ -364,9 +381,14 @@ def loss_fn(
     if norms is None:
         norms = normalizers(batch, tg_cfg)
     share = shares(batch, norms, rl_cfg)
+    teacher_params = None
+    if tg_cfg.reference_teacher:
+        if ref_params is None:
+            raise ValueError("tg.teacher_params='reference' needs ref_params")
+        teacher_params = ref_params
     stats, router = token_stats(
         params, batch, model=model, rl_cfg=rl_cfg, tg_cfg=tg_cfg,
-        teacher_hidden_BxTxD=teacher_hidden_BxTxD,
+        teacher_hidden_BxTxD=teacher_hidden_BxTxD, teacher_params=teacher_params,
     )  # fmt: skip
 
     policy, pm = policy_term(

@@ -20,6 +20,7 @@ DIVERGENCES = ("reverse", "forward", "jsd")
 ESTIMATORS = ("full", "sampled")
 GATES = ("failed_turns", "all_turns")
 TEACHER_MODES = ("per_trajectory", "per_turn")
+TEACHER_PARAMS = ("policy", "reference")
 TG_NORMALIZE = ("token_mean", "token_sum")
 LAMBDA_KINDS = ("constant", "linear_warmup", "cosine")
 LR_SCHEDULES = ("constant", "warmup_cosine")
@@ -214,8 +215,12 @@ class TGConfig:
     """per_trajectory (hints before every failed turn) | per_turn (read by batch building)."""
     max_teacher_rows: int = 64
     """per_turn: teacher rows per batch (static), extra turns dropped."""
+    teacher_params: str = "policy"
+    """policy (the current params, hint in context) | reference (the frozen reference params
+    the step takes as its third argument: the RL start params)."""
     compact: bool = True
-    """Compact teacher rows (read by batch building: tg_jax.rl.compact)."""
+    """Compact teacher rows (read by batch building: tg_jax.rl.compact); only with the policy
+    teacher (`compact_rows`)."""
     mask_hint_copies: bool = False
     """Leave out of the TG KL the student tokens that copy their turn's hint (read by batch
     building, tg_jax.rl.hint_copies)."""
@@ -234,6 +239,7 @@ class TGConfig:
         _check_choice(s, "estimator", self.estimator, ESTIMATORS)
         _check_choice(s, "gate", self.gate, GATES)
         _check_choice(s, "teacher_mode", self.teacher_mode, TEACHER_MODES)
+        _check_choice(s, "teacher_params", self.teacher_params, TEACHER_PARAMS)
         _check_choice(s, "normalize", self.normalize, TG_NORMALIZE)
         _check(self.norm_length > 0, s, "norm_length", "> 0", self.norm_length)
         if self.kind == "jsd":
@@ -243,6 +249,18 @@ class TGConfig:
             raise ValueError("tg.top_k applies to the full estimator only")
         _check(self.max_teacher_rows >= 1, s, "max_teacher_rows", ">= 1", self.max_teacher_rows)
         _check(self.chunk_size >= 1, s, "chunk_size", ">= 1", self.chunk_size)
+
+    @property
+    def reference_teacher(self) -> bool:
+        """The teacher forward runs on the frozen reference params (TG on)."""
+        return self.enabled and self.teacher_params == "reference"
+
+    @property
+    def compact_rows(self) -> bool:
+        """Whether batches get compact teacher rows: tg.compact, except with the reference
+        teacher, which gets full rows (compact rows continue the student's prefix keys and
+        values, which are the policy's, not the reference's)."""
+        return self.enabled and self.compact and not self.reference_teacher
 
     @classmethod
     def from_config(cls, tg: Mapping[str, Any] | TGConfig) -> TGConfig:
@@ -260,6 +278,8 @@ class TGConfig:
             include_thinking=bool(v["include_thinking"]),
             teacher_mode=str(v["teacher_mode"]),
             max_teacher_rows=int(v["max_teacher_rows"]),
+            teacher_params=str(v.get("teacher_params", "policy")),
+            compact=bool(v.get("compact", True)),
             mask_hint_copies=bool(v.get("mask_hint_copies", False)),
             chunk_size=int(v["chunk_size"]),
             normalize=str(v.get("normalize", "token_mean")),
@@ -337,6 +357,12 @@ class StepConfig:
     """The targeted-guidance term."""
     optim: OptimConfig
     """The optimizer and its learning-rate schedule."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the step takes frozen reference params: for the reference KL (rl.kl_coef >
+        0) or the reference teacher (tg.teacher_params "reference")."""
+        return self.rl.kl_coef > 0 or self.tg.reference_teacher
 
     @classmethod
     def from_config(cls, config: Any) -> StepConfig:

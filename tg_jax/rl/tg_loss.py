@@ -318,6 +318,7 @@ def chunked_token_stats(
     unembed_fn: Callable[[jax.Array], jax.Array],
     *,
     teacher_hidden_BxTxD: jax.Array | None = None,
+    teacher_unembed_fn: Callable[[jax.Array], jax.Array] | None = None,
     chunk_size: int = 512,
     kind: DivergenceKind = "reverse",
     beta: float = 0.5,
@@ -336,7 +337,8 @@ def chunked_token_stats(
       student_hidden_BxTxD: [B, T, D] final hidden states of the student sequence.
       targets_BxT: [B, T] int token ids in [0, V) predicted at each position.
       unembed_fn: hidden_BxCxD -> logits_BxCxV (cast to fp32 here); the same function serves
-        the teacher, since the teacher is the same weights.
+        the teacher, since the teacher is the same weights, unless `teacher_unembed_fn`
+        (a teacher with weights of its own) is given.
       teacher_hidden_BxTxD: optional [B, T, D] teacher hidden states already gathered to
         student positions; stop-gradiented here again, and so are the teacher logits, so the
         unembedding gets no gradient through the teacher either. Where only a few positions
@@ -360,7 +362,8 @@ def chunked_token_stats(
         entropy_BxC = -jnp.sum(jnp.exp(log_s_BxCxV) * log_s_BxCxV, axis=-1)
         if teacher_BxCxD is None:
             return logprob_BxC, entropy_BxC, None
-        log_t_BxCxV = _log_probs(jax.lax.stop_gradient(unembed_fn(teacher_BxCxD)))
+        teacher_logits_BxCxV = (teacher_unembed_fn or unembed_fn)(teacher_BxCxD)
+        log_t_BxCxV = _log_probs(jax.lax.stop_gradient(teacher_logits_BxCxV))
         divergence_BxC = _divergence_from_log_probs(
             log_s_BxCxV, log_t_BxCxV, sampled_token=targets_BxC, **options
         )

@@ -9,7 +9,8 @@ One call of `train_step(state, batch)` (one rollout batch, one `TrainState.step`
     aggregation mode.
  3. Per micro-batch (`lax.scan` over `rl.micro_batches`, gradients summed), `loss_fn`
     (`tg_jax.rl.loss`: student and teacher forwards, L = L_GRPO(A) + lambda_tg *
-    sum_{t in M} D_t / |M| (+ kl_coef * KL to the reference)).
+    sum_{t in M} D_t / |M| (+ kl_coef * KL to the reference)). The teacher runs on the
+    policy's params, or on the frozen reference params with tg.teacher_params "reference".
  4. Global-norm of the gradients; a non-finite loss or gradient skips the update (params and
     optimizer state are kept as they were) and sets `update_skipped`.
  5. AdamW update (clipping and schedule in `make_optimizer`).
@@ -27,7 +28,8 @@ Metrics (float32 scalars; token means over assistant tokens of the whole batch; 
 updates, the update metrics are means over the update phase and maxima its max):
   loss, pg_loss, ref_kl, tg_loss (= lambda_tg * tg_kl), tg_kl (mean D over distilled tokens),
   tg_kl/<requirement>, tg_tokens/<requirement>, tg_distilled_frac (|M| / assistant tokens),
-  tg_num_distilled, num_tokens, lambda_tg, clip_frac_low, clip_frac_high, dual_clip_frac,
+  tg_num_distilled, num_tokens, lambda_tg, tg_teacher_param_norm, tg_teacher_drift
+  (`teacher_metrics`), clip_frac_low, clip_frac_high, dual_clip_frac,
   ratio_mean, ratio_max, ratio_abs_dev (mean |ratio - 1|), approx_kl (KL(proximal || current)
   when the ratio is to the proximal policy), tis_weight_mean, entropy, logprob_mismatch_mean /
   logprob_mismatch_max (|behaviour - trainer log-prob| on assistant tokens: ~0 on-policy),
@@ -68,7 +70,7 @@ from tg_jax.rl.loss import (
     tg_term,
     token_stats,
 )
-from tg_jax.rl.step_config import StepConfig
+from tg_jax.rl.step_config import StepConfig, TGConfig
 from tg_jax.rl.teacher import gather_teacher
 from tg_jax.rl.tg_loss import lambda_schedule
 from tg_jax.rl.train_state import (
@@ -83,8 +85,8 @@ from tg_jax.rl.train_state import (
 __all__ = [
     "Normalizers", "Shares", "TGTerm", "batch_advantages", "distill_mask", "gather_teacher",
     "loss_fn", "loss_metrics", "make_train_step", "normalizers", "optimizer_update",
-    "policy_term", "reference_term", "shares", "single_update", "tg_term", "token_stats",
-    "train_step", "update_phase",
+    "policy_term", "reference_term", "shares", "single_update", "teacher_metrics", "tg_term",
+    "token_stats", "train_step", "update_phase",
 ]  # fmt: skip
 
 Metrics = dict[str, jax.Array]
@@ -209,6 +211,19 @@ def phase_mean(stacked: Metrics) -> Metrics:
     return {k: v.max() if k.endswith("_max") else v.mean() for k, v in stacked.items()}
 
 
+def teacher_metrics(params: Any, ref_params: Any, tg_cfg: TGConfig) -> Metrics:
+    """tg_teacher_param_norm (global norm of the params the teacher forward ran on: constant
+    over a run with the reference teacher) and tg_teacher_drift (global norm of teacher -
+    policy params at the step's start: 0 with the policy teacher)."""
+    if not tg_cfg.reference_teacher:
+        return {"tg_teacher_param_norm": optax.tree.norm(params), "tg_teacher_drift": 0.0}
+    drift = jax.tree.map(lambda t, p: t.astype(jnp.float32) - p, ref_params, params)
+    return {
+        "tg_teacher_param_norm": optax.tree.norm(ref_params),
+        "tg_teacher_drift": optax.tree.norm(drift),
+    }
+
+
 def train_step(
     state: TrainState,
     batch: Batch,
@@ -224,7 +239,8 @@ def train_step(
       state: `TrainState`.
       batch: `Batch` with B and B_t multiples of config.rl.num_chunks (the batch built with
         micro_batches = num_minibatches x micro_batches).
-      ref_params: frozen reference params (needed when config.rl.kl_coef > 0).
+      ref_params: frozen reference params (needed when config.rl.kl_coef > 0 or
+        config.tg.teacher_params is "reference": `StepConfig.needs_reference`).
       model: the Transformer.
       config: the typed `rl`, `tg` and `optim` sections (`StepConfig.from_config`).
       optimizer: from `make_optimizer(config.optim)`.
@@ -265,6 +281,8 @@ def train_step(
         advantage_abs_mean=(jnp.abs(adv_B) * valid_B).sum() / num_valid,
         policy_version_mean=(batch.policy_version_B * valid_B).sum() / num_valid,
     )
+    if tg_cfg.enabled:
+        metrics.update(teacher_metrics(state.params, ref_params, tg_cfg))
     for name, r_B in batch.rewards.items():
         metrics[f"reward/{name}"] = (r_B.astype(jnp.float32) * valid_B).sum() / num_valid
     for r, name in enumerate(batch.requirement_names):
@@ -295,7 +313,7 @@ def make_train_step(
       mesh: the trainer's mesh.
       rules: logical-axis rules.
       with_reference: whether the step takes frozen reference params as a third argument;
-        default: config.rl.kl_coef > 0.
+        default: `StepConfig.needs_reference` (rl.kl_coef > 0, or the reference teacher).
 
     Returns:
       step(state, batch) -> (state, metrics), or step(state, batch, ref_params) with a
@@ -306,7 +324,12 @@ def make_train_step(
     config = StepConfig.from_config(config)
     optimizer = make_optimizer(config.optim)
     if with_reference is None:
-        with_reference = config.rl.kl_coef > 0
+        with_reference = config.needs_reference
+    elif config.needs_reference and not with_reference:
+        raise ValueError(
+            "rl.kl_coef > 0 and tg.teacher_params='reference' need the reference params: "
+            "with_reference=False is not allowed"
+        )
     state_sh = train_state_shardings(model, optimizer, mesh, rules)
     batch_sh = sharding.data_sharding(mesh, rules, ndim=1)  # a prefix: dim 0 of every leaf
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -212,11 +212,15 @@ def abstract_tg_batch(
 
 def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
     """The real RL train step as `tg_jax.train.rl` builds it (`make_train_step` on the
-    trainer's mesh, the frozen reference params when rl.kl_coef > 0), lowered on an abstract
-    state and a batch laid out as `build_batch` lays it for the config (compact teacher rows
-    when tg.compact; no teacher rows for the GRPO arm, tg.enabled False)."""
+    trainer's mesh, the frozen reference params when rl.kl_coef > 0 or for the reference
+    teacher), lowered on an abstract state and a batch laid out as `build_batch` lays it for
+    the config (compact teacher rows when tg.compact_rows; no teacher rows for the GRPO arm,
+    tg.enabled False)."""
     from tg_jax.rl import train_state as tst  # noqa: PLC0415
     from tg_jax.rl import train_step as ts  # noqa: PLC0415
+    from tg_jax.rl.step_config import StepConfig  # noqa: PLC0415
+
+    typed = StepConfig.from_config(config)
 
     model = Transformer(ModelConfig.from_config(config.model))
     step = ts.make_train_step(config, model, mesh, rules)
@@ -237,11 +241,11 @@ def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
         shapes = dataclasses.replace(shapes, teacher_rows=shapes.rows, teacher_len=1)
     reqs = tuple(config.env.requirements) if "env" in config else ("req",)
     batch = abstract_tg_batch(
-        shapes, mesh, rules, reqs, compact=tg_on and bool(config.tg.get("compact", False)),
+        shapes, mesh, rules, reqs, compact=typed.tg.compact_rows,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
     )  # fmt: skip
     args = (state, batch)
-    if float(config.rl.kl_coef) > 0:
+    if typed.needs_reference:
         args += (state.params,)
     with jax.set_mesh(mesh):
         return step.jitted.lower(*args).compile()

@@ -68,7 +68,7 @@ from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl import hint_copies, tg_loss
 from tg_jax.rl.batch import Batch, build_batch
-from tg_jax.rl.step_config import RLConfig
+from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import placement, rollout
@@ -166,7 +166,7 @@ class _Parts:
     student_max: int
     teacher_max: int
     state: TrainState  # the initial state (restored over when resuming)
-    ref_params: Any  # the frozen starting policy of the KL term, None without one
+    ref_params: Any  # the frozen starting policy (KL term, reference teacher), None without
     step_fn: Any
     sampler: Sampler
     renderer: ChatRenderer
@@ -209,9 +209,10 @@ def _build(
         model, make_optimizer(config.optim), mesh, rules, jax.random.fold_in(key, 0),
         params=init_params,
     )  # fmt: skip
+    # Frozen: the starting policy (init_params), also when a checkpoint is restored over state.
     ref_params = None
-    if float(config.rl.kl_coef) > 0:
-        ref_params = jax.tree.map(jnp.copy, state.params)  # frozen: the starting policy
+    if StepConfig.from_config(config).needs_reference:
+        ref_params = jax.tree.map(jnp.copy, state.params)
     divisor = sharding.batch_divisor(mesh, rules)
     sampler, to_sampler = placement.rollout_sampler(
         model, renderer.tokenizer.pad_id, mesh, rules, divisor,
@@ -327,7 +328,7 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         requirement_names=tuple(config.env.requirements),
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
-        compact=tg_on and bool(config.tg.compact),
+        compact=TGConfig.from_config(config.tg).compact_rows,  # full rows: reference teacher
     )  # fmt: skip
     if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
@@ -431,7 +432,8 @@ def run_rl(
         periodic evaluation).
       workdir: this run's own directory (one per arm and seed): checkpoints/, metrics.jsonl,
         tb/, rl_summary.json.
-      init_params: the starting policy (e.g. the SFT params); ignored when resuming.
+      init_params: the starting policy (e.g. the SFT params); when resuming, only the frozen
+        reference (rl.kl_coef > 0, tg.teacher_params "reference") is made from it.
       arm_name: label recorded in checkpoints and summaries ("grpo", "tg", ...).
       seed: training seed (state RNG, sampling keys, feedback picks, task order).
       sources: {"train": ..., "heldout": ...} task sources (`data_stage.prepare_tasks`);
