@@ -40,7 +40,6 @@ REQUIRED = (
     "rl/tg_over_grpo_50pct",
     "rl/tg_over_grpo_10pct",
     "rl/tg_full_over_grpo",
-    "rl/tg_compact_over_grpo",
     "rl/teacher_flops_saved",
     "rl/teacher_flops_saved_10pct",
     "kl/chunked_mib",

@@ -312,17 +312,19 @@ def test_compact_rows_only_where_they_pay(mode):
         np.testing.assert_array_equal(x, y)
 
 
-def test_default_rule_keeps_full_rows_when_only_the_prefix_is_saved():
-    """Every turn failed (per_trajectory): compaction saves only the prefix before the first
-    hint, below MIN_COMPACT_SAVING, so the train loop's rule gives full rows; with some turns
-    failed it keeps compact rows."""
-    from tg_jax.rl.compact import MIN_COMPACT_SAVING  # noqa: PLC0415
+def test_default_rule_keeps_compact_rows_that_save_the_prefix():
+    """The train loop's rule (MIN_COMPACT_SAVING): every turn failed still saves the prefix
+    before the first hint (20% of the slots here), enough to keep compact rows; a saving
+    below the bar falls back to full rows."""
+    from tg_jax.rl.compact import MIN_COMPACT_SAVING, compaction_pays  # noqa: PLC0415
 
     kw = dict(max_len=64, teacher_max_len=80, requirement_names=("fence",), pad_to_multiple=16,
               compact=True, min_compact_saving=MIN_COMPACT_SAVING)  # fmt: skip
     base = synthetic_trajectories(np.random.default_rng(5), 6, 60, hint_len=5, num_turns=3)
-    assert not build_batch(_failing(base, "all"), **kw).teacher_compact
+    assert build_batch(_failing(base, "all"), **kw).teacher_compact
     assert build_batch(_failing(base, "some"), **kw).teacher_compact
+    assert compaction_pays(90, 100, MIN_COMPACT_SAVING)
+    assert not compaction_pays(91, 100, MIN_COMPACT_SAVING)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"attn_query_block": 48}, MOE])

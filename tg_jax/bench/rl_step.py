@@ -13,9 +13,9 @@ costs fall with the share of trajectories that fail a requirement: the arms "tg"
 trajectory has a failed turn, as at the first steps), "tg_50pct" and "tg_10pct" (the
 behaviour mostly learnt); turns fail independently at the rate that gives that share
 (`with_failure_share`: at 100% every turn fails). Their batches are built as the train loop
-builds them: compact rows only where they save at least `compact.MIN_COMPACT_SAVING` of the
-teacher's token slots, so with every turn failed (only the prefix saved) "tg" gets full rows.
-"tg_full" is the uncompacted step on the "tg" batch, "tg_compact" the compact one (forced).
+builds them (compact rows where they save at least `compact.MIN_COMPACT_SAVING` of the
+teacher's token slots, full rows otherwise). "tg_full" is the uncompacted step on the "tg"
+batch (a full-row teacher attends in causal query blocks, `tg_jax.rl.teacher.teacher_model`).
 Goals: TG / GRPO <= 1.35 with every trajectory failing, <= 1.10 at 10%.
 """
 
@@ -104,8 +104,8 @@ def teacher_flops(model_cfg: ModelConfig, batch: Batch) -> float:
 def bench_batches(
     config: ml_collections.ConfigDict, batch_size: int, seq_len: int, seed: int, divisor: int
 ) -> tuple[dict[str, Batch], dict[str, float]]:
-    """{arm: batch} (GRPO, "tg_full" and "tg_compact" on the "tg" trajectories) and {arm:
-    teacher FLOPs saved against full rows}."""
+    """{arm: batch} (GRPO and "tg_full" on the "tg" trajectories) and {arm: teacher FLOPs
+    saved against full rows}."""
     rng = np.random.default_rng(seed)
     base = synthetic_trajectories(rng, batch_size, seq_len)
     kwargs = dict(
@@ -125,9 +125,6 @@ def bench_batches(
         saved[arm] = 1.0 - teacher_flops(model_cfg, batches[arm]) / teacher_flops(model_cfg, full)
         if arm == "tg":
             batches["grpo"], batches["tg_full"] = batches["tg"], full
-            batches["tg_compact"] = build_batch(trajs, compact=True, **kwargs)
-            forced = teacher_flops(model_cfg, batches["tg_compact"])
-            saved["tg_compact"] = 1.0 - forced / teacher_flops(model_cfg, full)
     return batches, saved
 
 
@@ -156,7 +153,7 @@ def bench(
     batches, saved = bench_batches(
         config, batch_size, seq_len, seed, sharding.batch_divisor(mesh, rules)
     )
-    arms = ("grpo", "tg", "tg_50pct", "tg_10pct", "tg_full", "tg_compact")
+    arms = ("grpo", "tg", "tg_50pct", "tg_10pct", "tg_full")
     step_fns, states = {}, {}
     wall, cpu = {arm: [] for arm in arms}, {arm: [] for arm in arms}
     for arm in arms:
@@ -190,23 +187,19 @@ def bench(
 def share_figures(results: dict[str, float]) -> dict[str, float]:
     """The bench section's figures of the other arms: `tg_over_grpo_50pct` /
     `tg_over_grpo_10pct` (wall; `_cpu`: process CPU), `tg_full_over_grpo` (the uncompacted
-    step), `tg_compact_over_grpo` (compact rows forced at 100%) and
-    `teacher_flops_saved[_50pct|_10pct|_compact]`."""
+    step) and `teacher_flops_saved[_50pct|_10pct]`."""
     out = {}
-    names = {"tg_50pct": "tg_over_grpo_50pct", "tg_10pct": "tg_over_grpo_10pct",
-             "tg_full": "tg_full_over_grpo", "tg_compact": "tg_compact_over_grpo"}  # fmt: skip
-    for arm, name in names.items():
+    for arm, suffix in (("tg_50pct", "_50pct"), ("tg_10pct", "_10pct"), ("tg_full", "")):
+        name = "tg_full_over_grpo" if arm == "tg_full" else f"tg_over_grpo{suffix}"
         out[name] = results[f"{arm}_ratio_wall"]
         out[f"{name}_cpu"] = results[f"{arm}_ratio_cpu"]
-    for arm, suffix in (("tg", ""), ("tg_50pct", "_50pct"), ("tg_10pct", "_10pct"),
-                        ("tg_compact", "_compact")):  # fmt: skip
+    for arm, suffix in (("tg", ""), ("tg_50pct", "_50pct"), ("tg_10pct", "_10pct")):
         out[f"teacher_flops_saved{suffix}"] = results[f"{arm}_teacher_flops_saved"]
     return out
 
 
 def _print(results, batches, batch_size, seq_len, steps) -> None:
-    arms = ("tg_full", "tg_compact", *FAIL_SHARES)
-    shapes = {a: batches[a].teacher_tokens_BtxTt.shape for a in arms}
+    shapes = {a: batches[a].teacher_tokens_BtxTt.shape for a in ("tg_full", *FAIL_SHARES)}
     print(
         f"B={batch_size} T={seq_len} on {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s), median of {steps} interleaved steps; teacher "
@@ -214,13 +207,12 @@ def _print(results, batches, batch_size, seq_len, steps) -> None:
     )
     for clock, name in (("wall", "wall"), ("cpu", "process CPU")):
         parts = [f"GRPO {results[f'grpo_{clock}_s']:.3f} s"]
-        for arm in ("tg", "tg_50pct", "tg_10pct", "tg_full", "tg_compact"):
+        for arm in ("tg", "tg_50pct", "tg_10pct", "tg_full"):
             key = f"ratio_{clock}" if arm == "tg" else f"{arm}_ratio_{clock}"
             parts.append(f"{arm} {results[f'{arm}_{clock}_s']:.3f} s ({results[key]:.3f})")
         print(f"  {name}: " + ", ".join(parts))
     print("  teacher FLOPs saved: " + ", ".join(
-        f"{a} {results[f'{a}_teacher_flops_saved']:.2f}" for a in (*FAIL_SHARES, "tg_compact")
-    ))  # fmt: skip
+        f"{a} {results[f'{a}_teacher_flops_saved']:.2f}" for a in FAIL_SHARES))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> None:
