@@ -313,7 +313,7 @@ def test_compact_rows_only_where_they_pay(mode):
 
 
 def test_default_rule_keeps_compact_rows_that_save_the_prefix():
-    """The train loop's rule (MIN_COMPACT_SAVING): every turn failed still saves the prefix
+    """The benchmark's rule (MIN_COMPACT_SAVING): every turn failed still saves the prefix
     before the first hint (20% of the slots here), enough to keep compact rows; a saving
     below the bar falls back to full rows."""
     from tg_jax.rl.compact import MIN_COMPACT_SAVING, compaction_pays  # noqa: PLC0415
@@ -328,9 +328,10 @@ def test_default_rule_keeps_compact_rows_that_save_the_prefix():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"attn_query_block": 48}, MOE])
-def test_full_row_teacher_in_query_blocks_equals_model_forward(overrides):
+def test_full_row_teacher_in_query_blocks_equals_model_forward(overrides, monkeypatch):
     """Full teacher rows run in causal query blocks (`teacher_model`) == the model's own
     forward (one block) on every real teacher token; a model with query blocks keeps its own."""
+    monkeypatch.setattr(teacher, "TEACHER_QUERY_BLOCK", 128)
     model, params = _model(**{**TINY, **overrides})
     tm = teacher.teacher_model(model)
     want_block = overrides.get("attn_query_block", teacher.TEACHER_QUERY_BLOCK)

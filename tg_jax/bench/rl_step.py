@@ -12,10 +12,10 @@ divergence runs over those rows' slots only (`tg_jax.rl.teacher.slot_divergence`
 costs fall with the share of trajectories that fail a requirement: the arms "tg" (every
 trajectory has a failed turn, as at the first steps), "tg_50pct" and "tg_10pct" (the
 behaviour mostly learnt); turns fail independently at the rate that gives that share
-(`with_failure_share`: at 100% every turn fails). Their batches are built as the train loop
-builds them (compact rows where they save at least `compact.MIN_COMPACT_SAVING` of the
-teacher's token slots, full rows otherwise). "tg_full" is the uncompacted step on the "tg"
-batch (a full-row teacher attends in causal query blocks, `tg_jax.rl.teacher.teacher_model`).
+(`with_failure_share`: at 100% every turn fails). Their batches have compact rows where those
+save at least `compact.MIN_COMPACT_SAVING` of the teacher's token slots, full rows otherwise
+(the same at all three shares here). "tg_full" is the uncompacted step on the "tg"
+batch.
 Goals: TG / GRPO <= 1.35 with every trajectory failing, <= 1.10 at 10%.
 """
 

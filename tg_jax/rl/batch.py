@@ -464,8 +464,8 @@ def build_batch(
         max_teacher_rows).
       min_compact_saving: with compact, full rows instead (teacher_compact False) when the
         compact rows' B_t x T_t token slots are more than (1 - min_compact_saving) of the
-        full rows' (`tg_jax.rl.compact.compaction_pays`; the train loop passes
-        `compact.MIN_COMPACT_SAVING`); 0 keeps compact rows whatever they save.
+        full rows' (`tg_jax.rl.compact.compaction_pays`, e.g. `compact.MIN_COMPACT_SAVING`);
+        0 (the default, and the train loop's) keeps compact rows whatever they save.
 
     Returns:
       A `Batch` of numpy arrays.

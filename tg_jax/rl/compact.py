@@ -41,8 +41,8 @@ from tg_jax.sampling.trajectory import Trajectory
 # Teacher rows per micro-batch are rounded up to one of these fractions of the cap.
 _ROW_FRACTIONS = (8, 4, 2, 1)
 
-# build_batch(compact=True, min_compact_saving=MIN_COMPACT_SAVING), as the train loop builds
-# batches, keeps compact rows only when they cut at least this share of the teacher's padded
+# build_batch(compact=True, min_compact_saving=MIN_COMPACT_SAVING) (the RL step benchmark's
+# batches) keeps compact rows only when they cut at least this share of the teacher's padded
 # token slots (B_t x T_t) against full rows (`compaction_pays`). Compaction has fixed costs
 # (the student's prefix capture, the per-row key/value gather and value projection, a second
 # attention code path), so where it saves almost nothing (the first hint near the start of

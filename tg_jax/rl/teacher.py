@@ -5,9 +5,7 @@ layouts of its rows (`tg_jax.rl.batch`):
 
   * full rows (build_batch(compact=False), or compact=True where compaction would save little,
     `tg_jax.rl.compact.compaction_pays`): the whole hinted sequence, run through the model
-    like the student, but with its attention in causal query blocks (`teacher_model`: the
-    teacher has no backward pass, and skipping the masked upper triangle of the scores cuts
-    its forward by about a third on CPU);
+    like the student (optionally with its attention in causal query blocks, `teacher_model`);
   * compact rows (compact=True, `tg_jax.rl.compact`): only the targeted trajectories (turns),
     from the first hint on. Before the first hint the hinted sequence is token for token the
     student's, so its keys and values are the student's: the student forward hands out each
@@ -102,8 +100,9 @@ def _prefix_keys_values(
 
 # The full-row teacher forward attends in causal query blocks of this many tokens when the
 # model's own `attn_query_block` is 0 (one block): exact up to float rounding, since teacher
-# rows are plain causal sequences.
-TEACHER_QUERY_BLOCK = 128
+# rows are plain causal sequences. Off (0) for now: on 8 simulated CPU devices the RL step with
+# it deadlocked in an all-gather rendezvous (the micro bench suite's overlap section).
+TEACHER_QUERY_BLOCK = 0
 
 
 def teacher_model(model: nn.Module) -> nn.Module:

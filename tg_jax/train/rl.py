@@ -66,7 +66,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
-from tg_jax.rl import compact, hint_copies, tg_loss
+from tg_jax.rl import hint_copies, tg_loss
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.step_config import RLConfig
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
@@ -327,7 +327,7 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
         requirement_names=tuple(config.env.requirements),
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
-        compact=tg_on and bool(config.tg.compact), min_compact_saving=compact.MIN_COMPACT_SAVING,
+        compact=tg_on and bool(config.tg.compact),
     )  # fmt: skip
     if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
