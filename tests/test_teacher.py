@@ -283,3 +283,68 @@ def test_divergence_at_slots_only_when_the_slots_are_few():
     share = lambda b: b.teacher_tokens_BtxTt.size / b.targets_BxT.size  # noqa: E731
     assert share(some) <= teacher.MAX_SLOT_SHARE < share(every)
     assert teacher.divergence_at_slots(some) and not teacher.divergence_at_slots(every)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout choice (compact rows only where they pay) and the full-row teacher forward.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["per_trajectory", "per_turn"])
+def test_compact_rows_only_where_they_pay(mode):
+    """build_batch(compact=True, min_compact_saving=s) keeps compact rows exactly when their
+    B_t x T_t token slots are at most (1 - s) of the full rows' (the rule's full-row shape is
+    the real one), and otherwise gives the full-rows batch, array for array."""
+    trajs = _failing(synthetic_trajectories(np.random.default_rng(5), 6, 60, hint_len=5,
+                                            num_turns=3), "all")  # fmt: skip
+    kw = dict(max_len=64, teacher_max_len=80, mode=mode, max_teacher_rows=24,
+              requirement_names=("fence",), pad_to_multiple=16)  # fmt: skip
+    full, forced = build_batch(trajs, **kw), build_batch(trajs, **kw, compact=True)
+    saving = 1.0 - forced.teacher_tokens_BtxTt.size / full.teacher_tokens_BtxTt.size
+    assert forced.teacher_compact and 0.1 < saving < 0.9
+    kept = build_batch(trajs, **kw, compact=True, min_compact_saving=saving - 1e-6)
+    assert kept.teacher_compact
+    for x, y in zip(jax.tree.leaves(kept), jax.tree.leaves(forced), strict=True):
+        np.testing.assert_array_equal(x, y)
+    fallback = build_batch(trajs, **kw, compact=True, min_compact_saving=saving + 1e-6)
+    assert not fallback.teacher_compact and fallback.teacher_prefix_len == 0
+    for x, y in zip(jax.tree.leaves(fallback), jax.tree.leaves(full), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_default_rule_keeps_compact_rows_that_save_the_prefix():
+    """The benchmark's rule (MIN_COMPACT_SAVING): every turn failed still saves the prefix
+    before the first hint (20% of the slots here), enough to keep compact rows; a saving
+    below the bar falls back to full rows."""
+    from tg_jax.rl.compact import MIN_COMPACT_SAVING, compaction_pays  # noqa: PLC0415
+
+    kw = dict(max_len=64, teacher_max_len=80, requirement_names=("fence",), pad_to_multiple=16,
+              compact=True, min_compact_saving=MIN_COMPACT_SAVING)  # fmt: skip
+    base = synthetic_trajectories(np.random.default_rng(5), 6, 60, hint_len=5, num_turns=3)
+    assert build_batch(_failing(base, "all"), **kw).teacher_compact
+    assert build_batch(_failing(base, "some"), **kw).teacher_compact
+    assert compaction_pays(90, 100, MIN_COMPACT_SAVING)
+    assert not compaction_pays(91, 100, MIN_COMPACT_SAVING)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attn_query_block": 48}, MOE])
+def test_full_row_teacher_in_query_blocks_equals_model_forward(overrides, monkeypatch):
+    """Full teacher rows run in causal query blocks (`teacher_model`) == the model's own
+    forward (one block) on every real teacher token; a model with query blocks keeps its own."""
+    monkeypatch.setattr(teacher, "TEACHER_QUERY_BLOCK", 128)
+    model, params = _model(**{**TINY, **overrides})
+    tm = teacher.teacher_model(model)
+    want_block = overrides.get("attn_query_block", teacher.TEACHER_QUERY_BLOCK)
+    assert tm.config.attn_query_block == want_block
+    assert (tm is model) == ("attn_query_block" in overrides)
+    trajs = synthetic_trajectories(np.random.default_rng(3), 4, 200, hint_len=7, num_turns=3)
+    batch = build_batch(trajs, max_len=256, teacher_max_len=256, pad_to_multiple=16)
+    assert batch.teacher_tokens_BtxTt.shape[1] > want_block  # several blocks
+    batch = jax.tree.map(jnp.asarray, batch)
+    got = jax.jit(lambda p: teacher.teacher_rows_hidden(model, p, batch, None))(params)
+    one_block = model.clone(config=dataclasses.replace(model.config, attn_query_block=0))
+    want = jax.jit(lambda p: hidden_states(
+        one_block, p, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
+        batch.teacher_segment_ids_BtxTt))(params)  # fmt: skip
+    real = np.asarray(batch.teacher_segment_ids_BtxTt) > 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5, rtol=1e-4)

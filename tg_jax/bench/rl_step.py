@@ -12,9 +12,11 @@ divergence runs over those rows' slots only (`tg_jax.rl.teacher.slot_divergence`
 costs fall with the share of trajectories that fail a requirement: the arms "tg" (every
 trajectory has a failed turn, as at the first steps), "tg_50pct" and "tg_10pct" (the
 behaviour mostly learnt); turns fail independently at the rate that gives that share
-(`with_failure_share`: at 100% every turn fails). "tg_full" is the uncompacted step (a
-teacher row over every whole trajectory) on the "tg" batch. Goals: TG / GRPO <= 1.35 with
-every trajectory failing, <= 1.10 at 10%.
+(`with_failure_share`: at 100% every turn fails). Their batches have compact rows where those
+save at least `compact.MIN_COMPACT_SAVING` of the teacher's token slots, full rows otherwise
+(the same at all three shares here). "tg_full" is the uncompacted step on the "tg"
+batch.
+Goals: TG / GRPO <= 1.35 with every trajectory failing, <= 1.10 at 10%.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 from tg_jax import config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.compact import MIN_COMPACT_SAVING
 from tg_jax.rl.train_state import create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling.trajectory import Trajectory
@@ -101,7 +104,8 @@ def teacher_flops(model_cfg: ModelConfig, batch: Batch) -> float:
 def bench_batches(
     config: ml_collections.ConfigDict, batch_size: int, seq_len: int, seed: int, divisor: int
 ) -> tuple[dict[str, Batch], dict[str, float]]:
-    """{arm: batch} (GRPO on the "tg" batch) and {arm: teacher FLOPs saved by compaction}."""
+    """{arm: batch} (GRPO and "tg_full" on the "tg" trajectories) and {arm: teacher FLOPs
+    saved against full rows}."""
     rng = np.random.default_rng(seed)
     base = synthetic_trajectories(rng, batch_size, seq_len)
     kwargs = dict(
@@ -114,7 +118,9 @@ def bench_batches(
     batches, saved = {}, {}
     for arm, share in FAIL_SHARES.items():
         trajs = with_failure_share(base, share, rng)
-        batches[arm] = build_batch(trajs, compact=True, **kwargs)
+        batches[arm] = build_batch(
+            trajs, compact=True, min_compact_saving=MIN_COMPACT_SAVING, **kwargs
+        )
         full = build_batch(trajs, **kwargs)
         saved[arm] = 1.0 - teacher_flops(model_cfg, batches[arm]) / teacher_flops(model_cfg, full)
         if arm == "tg":

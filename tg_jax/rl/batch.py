@@ -47,7 +47,13 @@ import flax.struct
 import jax
 import numpy as np
 
-from tg_jax.rl.compact import bucket_length, compact_teacher, turn_end
+from tg_jax.rl.compact import (
+    bucket_length,
+    compact_teacher,
+    compaction_pays,
+    full_teacher_slots,
+    turn_end,
+)
 from tg_jax.sampling.trajectory import Role, Trajectory
 
 __all__ = ["Batch", "bucket_length", "build_batch", "filter_stale", "num_rows", "split_batch",
@@ -372,6 +378,29 @@ def _per_turn_teacher(
     return teacher
 
 
+def _compact_rows(
+    per_token: dict[str, np.ndarray],
+    trajectories: Sequence[Trajectory],
+    hints: Sequence[dict[int, np.ndarray]],
+    *,
+    min_saving: float,
+    **kwargs: Any,
+) -> tuple[dict[str, np.ndarray] | None, int]:
+    """`compact_teacher`'s (teacher arrays, prefix slots) when compaction saves at least
+    `min_saving` of the full rows' token slots; (None, 0), per_token as it was, otherwise."""
+    saved = {k: per_token[k].copy() for k in ("distill", "t_row", "t_pos")}
+    teacher, prefix_len = compact_teacher(per_token, trajectories, hints, _turn_mask, **kwargs)
+    full_slots = full_teacher_slots(
+        trajectories, hints, mode=kwargs["mode"], rows=kwargs["rows"],
+        max_teacher_rows=kwargs["max_teacher_rows"], teacher_max_len=kwargs["teacher_max_len"],
+        pad_multiple=kwargs["pad_multiple"],
+    )  # fmt: skip
+    if compaction_pays(teacher["tokens"].size, full_slots, min_saving):
+        return teacher, prefix_len
+    per_token.update(saved)
+    return None, 0
+
+
 def _row_fields(
     trajectories: Sequence[Trajectory], rows: int, reward_names: Sequence[str]
 ) -> dict[str, Any]:
@@ -407,6 +436,7 @@ def build_batch(
     batch_multiple: int = 1,
     micro_batches: int = 1,
     compact: bool = False,
+    min_compact_saving: float = 0.0,
 ) -> Batch:
     """Pads trajectories into a `Batch` (see the module docstring for conventions).
 
@@ -432,6 +462,10 @@ def build_batch(
         the last targeted turn (`tg_jax.rl.compact`); the train step then reuses the
         student's keys and values for the shared prefix. B_t is bucketed (per_turn: at most
         max_teacher_rows).
+      min_compact_saving: with compact, full rows instead (teacher_compact False) when the
+        compact rows' B_t x T_t token slots are more than (1 - min_compact_saving) of the
+        full rows' (`tg_jax.rl.compact.compaction_pays`, e.g. `compact.MIN_COMPACT_SAVING`);
+        0 (the default, and the train loop's) keeps compact rows whatever they save.
 
     Returns:
       A `Batch` of numpy arrays.
@@ -462,22 +496,22 @@ def build_batch(
     t_multiple = pad_to_multiple if teacher_pad_to_multiple is None else teacher_pad_to_multiple
     shared = {"micro_batches": micro_batches, "teacher_max_len": teacher_max_len,
               "pad_multiple": t_multiple}  # fmt: skip
-    compact = compact and mode != "none"
-    prefix_len = 0
-    if compact:
-        teacher, prefix_len = compact_teacher(
-            per_token, trajectories, hints, _turn_mask, mode=mode, rows=rows,
-            student_len=length, batch_multiple=batch_multiple,
+    teacher, prefix_len = None, 0
+    if compact and mode != "none":
+        teacher, prefix_len = _compact_rows(
+            per_token, trajectories, hints, min_saving=min_compact_saving, mode=mode,
+            rows=rows, student_len=length, batch_multiple=batch_multiple,
             max_teacher_rows=max_teacher_rows, **shared,
         )  # fmt: skip
-    elif mode == "per_trajectory":
+    compact = teacher is not None
+    if mode == "per_trajectory" and not compact:
         teacher = _per_trajectory_teacher(per_token, trajectories, hints, rows=rows, **shared)
-    elif mode == "per_turn":
+    elif mode == "per_turn" and not compact:
         teacher = _per_turn_teacher(
             per_token, trajectories, hints, max_teacher_rows=max_teacher_rows,
             per_micro=per_micro, **shared,
         )  # fmt: skip
-    else:
+    elif not compact:
         teacher = _empty_seqs(rows, 1)
 
     return Batch(

@@ -41,6 +41,16 @@ from tg_jax.sampling.trajectory import Trajectory
 # Teacher rows per micro-batch are rounded up to one of these fractions of the cap.
 _ROW_FRACTIONS = (8, 4, 2, 1)
 
+# build_batch(compact=True, min_compact_saving=MIN_COMPACT_SAVING) (the RL step benchmark's
+# batches) keeps compact rows only when they cut at least this share of the teacher's padded
+# token slots (B_t x T_t) against full rows (`compaction_pays`). Compaction has fixed costs
+# (the student's prefix capture, the per-row key/value gather and value projection, a second
+# attention code path), so where it saves almost nothing (the first hint near the start of
+# every row) full rows are cheaper. With every turn failed it saves the prefix before the
+# first hint (~20% of the slots on the benchmark's batch), and there compact rows were as
+# fast as full rows or faster in repeated alternating timings, so the bar sits below that.
+MIN_COMPACT_SAVING = 0.1
+
 
 def bucket_length(length: int, max_len: int, multiple: int) -> int:
     """Padded length: `length` rounded up to a multiple of `multiple`, capped at `max_len`.
@@ -76,6 +86,35 @@ def row_bucket(rows: int, cap: int, multiple: int) -> int:
         if size >= rows:
             return size
     return cap
+
+
+def full_teacher_slots(
+    trajectories: Sequence[Trajectory],
+    hints: Sequence[dict[int, np.ndarray]],
+    *,
+    mode: str,
+    rows: int,
+    max_teacher_rows: int,
+    teacher_max_len: int,
+    pad_multiple: int,
+) -> int:
+    """B_t x T_t of the full (uncompacted) teacher rows of `build_batch`, from the lengths only
+    (per_turn: T_t over every targeted turn, an upper bound when some are dropped)."""
+    if mode == "per_trajectory":
+        lengths = [len(t.tokens) + sum(len(h) for h in hs.values())
+                   for t, hs in zip(trajectories, hints, strict=True)]  # fmt: skip
+        t_rows = rows
+    else:
+        lengths = [turn_end(t, k) + len(h) for t, hs in zip(trajectories, hints, strict=True)
+                   for k, h in hs.items()]  # fmt: skip
+        t_rows = max_teacher_rows
+    return t_rows * bucket_length(max(lengths, default=1), teacher_max_len, pad_multiple)
+
+
+def compaction_pays(compact_slots: int, full_slots: int, min_saving: float) -> bool:
+    """Whether compact teacher rows of `compact_slots` padded token slots (B_t x T_t) save at
+    least `min_saving` of the full rows' `full_slots` (static: from the shapes)."""
+    return compact_slots <= (1.0 - min_saving) * full_slots
 
 
 def _hinted_span(

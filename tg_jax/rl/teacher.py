@@ -3,8 +3,9 @@
 The teacher is the policy's own weights on the hinted context, under stop-gradient. Two
 layouts of its rows (`tg_jax.rl.batch`):
 
-  * full rows (build_batch(compact=False)): the whole hinted sequence, run through the model
-    like the student;
+  * full rows (build_batch(compact=False), or compact=True where compaction would save little,
+    `tg_jax.rl.compact.compaction_pays`): the whole hinted sequence, run through the model
+    like the student (optionally with its attention in causal query blocks, `teacher_model`);
   * compact rows (compact=True, `tg_jax.rl.compact`): only the targeted trajectories (turns),
     from the first hint on. Before the first hint the hinted sequence is token for token the
     student's, so its keys and values are the student's: the student forward hands out each
@@ -23,6 +24,7 @@ full-vocabulary work also shrinks with the share of failed trajectories.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -96,6 +98,22 @@ def _prefix_keys_values(
     return keys, values
 
 
+# The full-row teacher forward attends in causal query blocks of this many tokens when the
+# model's own `attn_query_block` is 0 (one block): exact up to float rounding, since teacher
+# rows are plain causal sequences. Off (0) for now: on 8 simulated CPU devices the RL step with
+# it deadlocked in an all-gather rendezvous (the micro bench suite's overlap section).
+TEACHER_QUERY_BLOCK = 0
+
+
+def teacher_model(model: nn.Module) -> nn.Module:
+    """The model the full-row teacher forward runs: the same params and layers, attention in
+    causal query blocks (`TEACHER_QUERY_BLOCK`) unless the model already uses them."""
+    cfg = model.config
+    if cfg.attn_query_block > 0 or TEACHER_QUERY_BLOCK <= 0:
+        return model
+    return model.clone(config=dataclasses.replace(cfg, attn_query_block=TEACHER_QUERY_BLOCK))
+
+
 def teacher_rows_hidden(
     model: nn.Module, params: Any, batch: Batch, prefix: StudentPrefix | None
 ) -> jax.Array:
@@ -109,7 +127,7 @@ def teacher_rows_hidden(
     params = jax.lax.stop_gradient(params)
     if not batch.teacher_compact:
         return hidden_states(
-            model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
+            teacher_model(model), params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
             batch.teacher_segment_ids_BtxTt,
         )  # fmt: skip
     if prefix is None:
