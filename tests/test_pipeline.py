@@ -314,3 +314,31 @@ def test_sigterm_during_an_rl_arm_stops_the_job_and_a_rerun_resumes(
     tg = [r for r in res["runs"] if r["arm"] == "tg"][0]
     steps = [s for s, _ in tg["curves"]["train:rollout/compliance"]]
     assert steps == [1, 2]  # resumed at step 1, finished at 2
+
+
+def test_base_model_evaluated_for_other_requirements_is_evaluated_again(tmp_path, capsys):
+    # A finished SFT whose sft_eval.json has no figures for a requirement of the config (the
+    # demo's base copied into a workdir of another requirement) is evaluated again, not
+    # retrained, and not sent to the gates without figures.
+    config = _config()
+    workdir = str(tmp_path)
+    pipeline.run_sft_stage(config, workdir)
+    path = os.path.join(workdir, sft_eval.EVAL_FILE)
+    with open(path) as f:
+        measured = json.load(f)
+    assert sft_eval.unmeasured_requirements(config, measured) == []
+    other = {k: v for k, v in measured.items() if not k.startswith("hinted_compliance/fence")}
+    other["unprompted_compliance/tool_json"] = other.pop("unprompted_compliance/fence")
+    assert sft_eval.unmeasured_requirements(config, other) == ["fence"]
+    with open(path, "w") as f:
+        json.dump(other, f)
+    checkpoints = os.path.join(workdir, "sft", "checkpoints")
+    stamps = {p: os.path.getmtime(os.path.join(checkpoints, p)) for p in os.listdir(checkpoints)}
+    capsys.readouterr()
+    pipeline.run_sft_stage(config, workdir)
+    assert "no figures for requirement(s) ['fence']" in capsys.readouterr().out
+    with open(path) as f:
+        again = json.load(f)
+    assert again["hinted_compliance/fence"] == measured["hinted_compliance/fence"]
+    assert again["unprompted_compliance/fence"] == measured["unprompted_compliance/fence"]
+    assert {p: os.path.getmtime(os.path.join(checkpoints, p)) for p in stamps} == stamps

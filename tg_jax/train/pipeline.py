@@ -173,9 +173,16 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
     state = sft.run_sft(config, workdir)
     if checkpointing.preemption_requested() or not sft.sft_finished(config, workdir):
         raise _preempted("SFT", workdir)
-    if paths.as_path(os.path.join(workdir, sft_eval.EVAL_FILE)).exists():
-        print(f"sft: finished checkpoint and {sft_eval.EVAL_FILE} found in {workdir}")
-        return state.params
+    eval_path = os.path.join(workdir, sft_eval.EVAL_FILE)
+    if paths.as_path(eval_path).exists():
+        missing = sft_eval.unmeasured_requirements(config, _read_json(eval_path))
+        if not missing:
+            print(f"sft: finished checkpoint and {sft_eval.EVAL_FILE} found in {workdir}")
+            return state.params
+        print(
+            f"sft: {sft_eval.EVAL_FILE} in {workdir} has no figures for requirement(s) "
+            f"{missing} of env.requirements: evaluating the base model again"
+        )
     sources = sources if sources is not None else data_stage.prepare_tasks(config, workdir)
     tasks = data_stage.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
     result = sft_eval.write_sft_eval(config, workdir, state.params, tasks)
