@@ -127,11 +127,15 @@ def turn_text(assistant_message: Any, *, done: bool) -> str:
 
 
 def hint_text(requirements: Sequence[Requirement], names: Sequence[str]) -> str:
-    """Hint message text for the named requirements, one line each, in requirement order."""
+    """Hint message text for the named requirements, one line each, in the order of their
+    names: the same text whatever the order of `requirements` (the SFT transcripts' env, the
+    RL env and the hinted evaluation may list them differently; a base model taught one order
+    follows the hints of both requirements at 0.2 in the other)."""
     unknown = set(names) - {r.name for r in requirements}
     if unknown:
         raise ValueError(f"unknown requirement(s) {sorted(unknown)}")
-    return "\n".join(r.hint for r in requirements if r.name in names)
+    hints = {r.name: r.hint for r in requirements}
+    return "\n".join(hints[n] for n in sorted(set(names)))
 
 
 def weighted_total(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,7 +52,7 @@ from tg_jax.envs.base import Environment
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler, SampleResult
-from tg_jax.sampling.trajectory import Role, Trajectory
+from tg_jax.sampling.trajectory import Role, Trajectory, hint_key
 from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 
@@ -288,10 +289,15 @@ def play_episodes(
 
 
 def requirement_hint_tokens(renderer: ChatRenderer, env: Environment) -> dict[str, list[int]]:
-    """Each requirement's hint rendered as its own message (what the teacher sees)."""
-    return {
-        r.name: renderer.render_message(hint_message(env.hint([r.name]))) for r in env.requirements
-    }
+    """The hint messages the teacher sees: each requirement's own, and for every set of two
+    or more requirements the one message that hints them all (key `hint_key`), as the hinted
+    evaluation and the SFT transcripts show it."""
+    names = [r.name for r in env.requirements]
+    out = {n: renderer.render_message(hint_message(env.hint([n]))) for n in names}
+    for k in range(2, len(names) + 1):
+        for subset in itertools.combinations(names, k):
+            out[hint_key(subset)] = renderer.render_message(hint_message(env.hint(subset)))
+    return out
 
 
 def hint_leaking_turns(ep: Episode, turn_hints: Sequence[Sequence[str]] | None = None) -> int:
@@ -310,9 +316,16 @@ def _picked_hints(
     """(per turn {name: hint message tokens}, per turn {name: text}): one pick
     `picker(name, ep.group_id)` per judged requirement of every turn (`pick_turn_hints`)."""
     texts = pick_turn_hints(ep.verdicts, lambda name: picker(name, ep.group_id))
-    for t in {t for turn in texts for t in turn.values()} - set(cache):
-        cache[t] = renderer.render_message(hint_message(t))
-    return [{n: cache[t] for n, t in turn.items()} for turn in texts], texts
+    tokens = []
+    for turn in texts:
+        messages = dict(turn)  # each pick, and the picks of 2+ requirements as one message
+        for k in range(2, len(turn) + 1):
+            for subset in itertools.combinations(sorted(turn), k):
+                messages[hint_key(subset)] = "\n".join(turn[n] for n in subset)
+        for t in set(messages.values()) - set(cache):
+            cache[t] = renderer.render_message(hint_message(t))
+        tokens.append({key: cache[t] for key, t in messages.items()})
+    return tokens, texts
 
 
 def to_trajectory(

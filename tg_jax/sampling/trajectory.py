@@ -18,6 +18,12 @@ import numpy as np
 from tg_jax.text.chat import Role  # PROMPT=0, THINK=1, ANSWER=2, ENV=3, HINT=4
 
 
+def hint_key(names: Sequence[str]) -> str:
+    """The key of the one hint message for several requirements in a hint table
+    (`Trajectory.hint_tokens`, `turn_hint_tokens`): their sorted names joined by "+"."""
+    return "+".join(sorted(set(names)))
+
+
 @dataclasses.dataclass
 class Trajectory:
     """One episode.
@@ -35,13 +41,15 @@ class Trajectory:
         distribution (after temperature / top-k / top-p), 0 for tokens not sampled.
       turn_verdicts: per assistant turn, {requirement name: passed}.
       rewards: reward components, e.g. {"task": 1.0, "fence": 0.0}.
-      hint_tokens: {requirement name: token ids of the rendered hint message}.
+      hint_tokens: {requirement name: token ids of the rendered hint message}, and for a
+        turn that fails several requirements, {hint_key(names): their one message}.
       group_id: rollouts of the same task in the same step share it (GRPO groups).
       policy_version: version of the weights that sampled it.
       task_id: the task's id.
       info: free-form episode summary (actions taken, termination reason, ...).
       turn_hint_tokens: per assistant turn, {requirement name: token ids of the hint message
-        the teacher sees before that turn} (imperfect feedback picks one per turn); None =
+        the teacher sees before that turn} (imperfect feedback picks one per turn; several
+        requirements' picks also under hint_key(names), one message); None =
         `hint_tokens` for every turn.
     """
 
@@ -74,9 +82,15 @@ class Trajectory:
         return len(self.turn_verdicts)
 
     def hint_ids(self, turn: int, names: Sequence[str]) -> np.ndarray:
-        """[H] int32: the hint messages of `names` (in that order) shown before turn `turn`;
-        a requirement without hint tokens adds nothing."""
+        """[H] int32: the hint shown before turn `turn` for the requirements `names`.
+
+        Several names: the one message that hints them all (key `hint_key(names)`, one line
+        per requirement, as the SFT transcripts and the hinted evaluation show it) when the
+        table has it, else each one's message in the order of `names`. A requirement without
+        hint tokens adds nothing."""
         table = self.hint_tokens if self.turn_hint_tokens is None else self.turn_hint_tokens[turn]
+        if len(names) > 1 and hint_key(names) in table:
+            return np.asarray(table[hint_key(names)], np.int32)
         parts = [np.asarray(table.get(n, ()), np.int32) for n in names]
         return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
@@ -85,4 +99,4 @@ class Trajectory:
         return sorted(name for name, ok in self.turn_verdicts[turn].items() if ok is False)
 
 
-__all__ = ["Role", "Trajectory"]
+__all__ = ["Role", "Trajectory", "hint_key"]

@@ -1,0 +1,32 @@
+"""Both requirements at once on the embedded default: the code fence and the tool-call protocol.
+
+configs/fence.py (its TG recipe: forward KL, lambda_tg 0.05, token_sum) with env.requirements
+("fence", "tool_json"): RL judges both, GRPO is rewarded for each, and TG puts one hint
+message before every turn that breaks either, naming each requirement it broke (the message
+the base model learnt to follow in SFT, where half the transcripts are hinted for either or
+both). Compliance is reported per requirement and joint (both met):
+    python -m tg_jax.main --config=configs/joint.py --workdir=./workdir_joint
+
+The SFT settings are those of configs/default.py: to reuse the demo's base model, copy its
+tfds/, sft/ and base_model/ into ./workdir_joint first (the base model is then evaluated for
+both requirements). Measured results: docs/experiments.md.
+
+`configs/joint.py:runlocal`: configs/fence.py:runlocal's tiny sections, a CPU smoke run.
+"""
+
+import os
+
+import ml_collections
+
+from tg_jax import config_lib
+
+
+def get_config(arg=None):
+    if arg not in (None, "", "runlocal"):
+        raise ValueError(f"configs/joint.py takes no argument or 'runlocal', not {arg!r}")
+    here = os.path.dirname(__file__)
+    c = config_lib.load_config_file(os.path.join(here, "fence.py"), arg or None)
+    c.unlock()
+    c.env.requirements = ("fence", "tool_json")
+    c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5, "tool_json": 0.5})
+    return c
