@@ -101,9 +101,7 @@ def test_imperfect_feedback_joins_the_picks_of_a_turn_into_one_message():
     for b, t in enumerate(trajs):
         texts = t.info["turn_hint_texts"][0]
         assert set(texts) == {"fence", "tool_json"}
-        want = RENDERER.render_message(
-            hint_message(f"{texts['fence']}\n{texts['tool_json']}")
-        )
+        want = RENDERER.render_message(hint_message(f"{texts['fence']}\n{texts['tool_json']}"))
         _check_teacher_hint(batch, t, b, 0, want)
 
 

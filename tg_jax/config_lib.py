@@ -181,6 +181,9 @@ def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
     # policy's): StepConfig's tg.compact_rows.
     c.compact = True
     c.mask_hint_copies = False  # drop from the TG KL the tokens that copy the hint (rl/hint_copies)
+    # all | answer_tokens: with include_thinking, distil per step at most as many tokens as the
+    # targeted turns' answer tokens, a random subset of answer + thinking (rl/distill_budget).
+    c.distill_budget = "all"
     c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
     # Reduction of the TG term: token_mean (sum over M / |M|) | token_sum (sum over M /
     # (trajectories x norm_length): a failed turn weighs the same however many others fail).

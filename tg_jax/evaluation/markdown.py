@@ -19,8 +19,10 @@ COST_KEYS = (
     "peak_memory_bytes",
     "peak_memory_above_start_bytes",
 )
-# The thinking-token control pair: compared at their distilled-token costs.
+# The thinking-token control pair: compared at their distilled-token costs; THINKING_ARMS
+# are compared with THINKING_PAIR[0] (tg_think_budget: at most tg's budget per step).
 THINKING_PAIR = ("tg", "tg_think")
+THINKING_ARMS = ("tg_think", "tg_think_budget")
 
 
 def _num(x: float | None, digits: int = 2) -> str:
@@ -321,22 +323,25 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
 
 
 def _thinking_control(res: dict[str, Any]) -> list[str]:
-    """Whether the thinking-token control pair was compared at an equal distilled budget."""
-    base, think = (res["arms"].get(a, {}).get("costs", {}).get("distilled_tokens")
-                   for a in THINKING_PAIR)  # fmt: skip
-    if not base or not think:
-        return []
-    ratio = think["mean"] / base["mean"] if base["mean"] else float("nan")
-    equal = abs(ratio - 1.0) <= 0.1
-    return [
-        f"Thinking-token control: `{THINKING_PAIR[1]}` distilled {_big(think['mean'])} tokens, "
-        f"`{THINKING_PAIR[0]}` {_big(base['mean'])} (ratio {_num(ratio)}): "
-        + ("an equal distilled-token budget (within 10%), so their difference is the "
-           "thinking tokens' effect." if equal else
-           "NOT an equal distilled-token budget (more than 10% apart): part of their "
-           "difference may be the amount of distillation, not the thinking tokens."),
-        "",
-    ]  # fmt: skip
+    """Whether each thinking-token arm was compared with TG at an equal distilled budget."""
+    lines = []
+    base = res["arms"].get(THINKING_PAIR[0], {}).get("costs", {}).get("distilled_tokens")
+    for arm in THINKING_ARMS:
+        think = res["arms"].get(arm, {}).get("costs", {}).get("distilled_tokens")
+        if not base or not think:
+            continue
+        ratio = think["mean"] / base["mean"] if base["mean"] else float("nan")
+        equal = abs(ratio - 1.0) <= 0.1
+        lines += [
+            f"Thinking-token control: `{arm}` distilled {_big(think['mean'])} tokens, "
+            f"`{THINKING_PAIR[0]}` {_big(base['mean'])} (ratio {_num(ratio)}): "
+            + ("an equal distilled-token budget (within 10%), so their difference is the "
+               "thinking tokens' effect." if equal else
+               "NOT an equal distilled-token budget (more than 10% apart): part of their "
+               "difference may be the amount of distillation, not the thinking tokens."),
+            "",
+        ]  # fmt: skip
+    return lines
 
 
 def _stability_section(res: dict[str, Any]) -> list[str]:

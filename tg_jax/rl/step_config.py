@@ -22,6 +22,7 @@ GATES = ("failed_turns", "all_turns")
 TEACHER_MODES = ("per_trajectory", "per_turn")
 TEACHER_PARAMS = ("policy", "reference")
 TG_NORMALIZE = ("token_mean", "token_sum")
+DISTILL_BUDGETS = ("all", "answer_tokens")
 LAMBDA_KINDS = ("constant", "linear_warmup", "cosine")
 LR_SCHEDULES = ("constant", "warmup_cosine")
 
@@ -224,6 +225,11 @@ class TGConfig:
     mask_hint_copies: bool = False
     """Leave out of the TG KL the student tokens that copy their turn's hint (read by batch
     building, tg_jax.rl.hint_copies)."""
+    distill_budget: str = "all"
+    """all | answer_tokens: with include_thinking, distil per step at most as many tokens as
+    the answer tokens of the targeted turns, a random subset of answer + thinking tokens (read
+    by batch building, tg_jax.rl.distill_budget): the thinking-token control at an equal
+    distilled-token budget."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
     normalize: str = "token_mean"
@@ -241,6 +247,13 @@ class TGConfig:
         _check_choice(s, "teacher_mode", self.teacher_mode, TEACHER_MODES)
         _check_choice(s, "teacher_params", self.teacher_params, TEACHER_PARAMS)
         _check_choice(s, "normalize", self.normalize, TG_NORMALIZE)
+        _check_choice(s, "distill_budget", self.distill_budget, DISTILL_BUDGETS)
+        if self.distill_budget != "all" and not self.include_thinking:
+            raise ValueError(
+                f"tg.distill_budget={self.distill_budget!r} caps the thinking arm at the answer "
+                "tokens' count: it needs tg.include_thinking=True (without thinking tokens the "
+                "cap changes nothing)"
+            )
         _check(self.norm_length > 0, s, "norm_length", "> 0", self.norm_length)
         if self.kind == "jsd":
             _check(0 < self.beta < 1, s, "beta", "in (0, 1) for jsd", self.beta)
@@ -281,6 +294,7 @@ class TGConfig:
             teacher_params=str(v.get("teacher_params", "policy")),
             compact=bool(v.get("compact", True)),
             mask_hint_copies=bool(v.get("mask_hint_copies", False)),
+            distill_budget=str(v.get("distill_budget", "all")),
             chunk_size=int(v["chunk_size"]),
             normalize=str(v.get("normalize", "token_mean")),
             norm_length=float(v.get("norm_length", 1.0)),

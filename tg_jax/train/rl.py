@@ -66,7 +66,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
-from tg_jax.rl import hint_copies, tg_loss
+from tg_jax.rl import distill_budget, hint_copies, tg_loss
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
@@ -316,9 +316,10 @@ def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str
     return heldout.heldout_metrics(recs)
 
 
-def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
-    """The step's batch; with `tg.mask_hint_copies` the hint-copying targets are left out of
-    the TG KL (tg_jax.rl.hint_copies)."""
+def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch:
+    """Step `step`'s batch; with `tg.mask_hint_copies` the hint-copying targets are left out of
+    the TG KL (tg_jax.rl.hint_copies), and with `tg.distill_budget` "answer_tokens" the
+    thinking arm's TG mask is cut to its answer tokens' count (tg_jax.rl.distill_budget)."""
     config = parts.config
     tg_on = bool(config.tg.enabled)
     batch = build_batch(
@@ -332,6 +333,8 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any]) -> Batch:
     )  # fmt: skip
     if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
+    if tg_on and str(config.tg.distill_budget) == "answer_tokens":
+        batch, _ = distill_budget.apply_budget(batch, str(config.tg.gate), int(config.seed), step)
     return batch
 
 
@@ -566,7 +569,7 @@ def _train_step(
     if group is None:
         raise RuntimeError("the train task iterator ended before the last step")
     t1 = time.perf_counter()
-    batch = _build_batch(parts, group.trajectories)
+    batch = _build_batch(parts, group.trajectories, done)
     t2 = time.perf_counter()
     # Every process built the same whole batch; each places its own devices' rows.
     placed = multihost.host_to_global(batch, parts.batch_sharding)

@@ -109,10 +109,8 @@ def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
     """The requirements of `config.env.requirements` that an sft_eval.json result has no
     unprompted or hinted compliance for (a base model evaluated for other requirements, e.g.
     the demo's base copied into a fence workdir)."""
-    return [
-        r for r in config.env.requirements
-        if any(f"{kind}/{r}" not in result for kind in ("unprompted_compliance", "hinted_compliance"))
-    ]  # fmt: skip
+    kinds = ("unprompted_compliance", "hinted_compliance")
+    return [r for r in config.env.requirements if any(f"{k}/{r}" not in result for k in kinds)]
 
 
 def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]) -> dict:
