@@ -98,11 +98,11 @@ def _prefix_keys_values(
     return keys, values
 
 
-# The full-row teacher forward attends in causal query blocks of this many tokens when the
-# model's own `attn_query_block` is 0 (one block): exact up to float rounding, since teacher
-# rows are plain causal sequences. Off (0) for now: on 8 simulated CPU devices the RL step with
-# it deadlocked in an all-gather rendezvous (the micro bench suite's overlap section).
-TEACHER_QUERY_BLOCK = 0
+# The full-row teacher forward (the reference teacher's rows, and rows left uncompacted)
+# attends in causal query blocks of this many tokens when the model's own `attn_query_block`
+# is 0 (one block): exact up to float rounding, since teacher rows are plain causal sequences,
+# and keys past a block's last query are never scored. 0 = the model's own attention.
+TEACHER_QUERY_BLOCK = 128
 
 
 def teacher_model(model: nn.Module) -> nn.Module:
