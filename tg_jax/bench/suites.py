@@ -4,7 +4,8 @@ quick  a few minutes on a 2-core CPU: batch 64 sampler, one timed step per train
        (the mid-size config at 2 x 512), 2 steps per RL arm on 32 x 384, 3 timed RL steps
        per overlap mode and layout.
 full   the sizes of the issue: sampler batches 8 / 64 / 256, mid-size at 8 x 512, 3 repeats,
-       a full thread sweep of the reference, RL arms on 64 x 384, 3 timed overlap steps.
+       a full thread sweep of the reference, RL arms on 64 x 384 (9 interleaved steps), 3 timed
+       overlap steps.
 micro  seconds, tiny shapes (tests/test_bench.py): every figure exists and is finite.
 
 Every section returns a dict of figures (float, or str for settings); `run_suite` collects
@@ -103,7 +104,7 @@ SUITES = {
         hf_policies=(None, "PASSIVE"),
         loop_ab=("default", "mid"),
         rl_batch=64,
-        rl_steps=5,
+        rl_steps=9,  # interleaved steps per arm (the ratios are of medians)
         overlap_steps=3,
     ),
     "micro": Suite(
