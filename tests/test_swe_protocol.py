@@ -4,10 +4,15 @@ import json
 
 import pytest
 
+from tg_jax.envs.swe import agents
+from tg_jax.envs.swe.env import SweEnv
+from tg_jax.envs.swe.generator import generate_swe_tasks
 from tg_jax.envs.swe.requirements import REQUIREMENT_NAMES, TIERS
 from tg_jax.evaluation import swe_protocol
 
-NUM_TASKS = 4  # held-out seed 0: task 0 is a "truncated" (overwrite) task, so ask_first applies
+# Held-out seed 0: task 0 is "truncated" (the fix rewrites the file) and task 7's fix is a
+# str_replace of over half its module; the environment judges both overwrites (ask_first).
+NUM_TASKS = 8
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def test_every_arm_ran_on_every_task(result):
 def test_expert_meets_everything(result):
     fig = result[0]["figures"]["expert"]
     assert _mean(fig, "task_success") == 1.0
-    assert fig["applied/ask_first"] >= 1  # the tier-3 requirement is exercised
+    assert fig["applied/ask_first"] == 2  # the tier-3 requirement is exercised
     for name in REQUIREMENT_NAMES:
         assert fig[f"compliance/{name}"]["low"] == 1.0, name
     assert fig["joint_compliance"]["low"] == 1.0
@@ -105,3 +110,16 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
 def test_unknown_arm_in_play_arm_raises():
     with pytest.raises(ValueError, match="unknown arm 'oracle'"):
         swe_protocol.arm_turns("oracle", None, 0)
+
+
+def test_expert_asks_before_a_str_replace_overwrite():
+    task = generate_swe_tasks("heldout", 8, 0)[7]
+    env = SweEnv()
+    plain = agents.play(env, task, agents.expert_turns(task))
+    assert plain.summary["actions"]["overwrite"] == 1 and plain.rewards["ask_first"] == 0.0
+    ours = agents.play(env, task, swe_protocol.arm_turns("expert", task, 0))
+    assert ours.rewards["task"] == 1.0 and ours.rewards["ask_first"] == 1.0
+    assert ours.summary["actions"]["ask_user"] == 1
+    assert swe_protocol.arm_turns("no_ask_first", task, 0) == agents.expert_turns(
+        task, agents.Style(ask_first=False)
+    )
