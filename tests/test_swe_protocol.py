@@ -1,0 +1,125 @@
+"""The SWE protocol run: each scripted arm's figures are what its script implies."""
+
+import json
+
+import pytest
+
+from tg_jax.envs.swe import agents
+from tg_jax.envs.swe.env import SweEnv
+from tg_jax.envs.swe.generator import generate_swe_tasks
+from tg_jax.envs.swe.requirements import REQUIREMENT_NAMES, TIERS
+from tg_jax.evaluation import swe_protocol
+
+# Held-out seed 0: task 0 is "truncated" (the fix rewrites the file) and task 7's fix is a
+# str_replace of over half its module; the environment judges both overwrites (ask_first).
+NUM_TASKS = 8
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("swe_protocol")
+    argv = ["--num_tasks", str(NUM_TASKS), "--out", str(out), "--n_boot", "200", "--no_progress"]
+    assert swe_protocol.main(argv) == 0
+    doc = json.loads((out / swe_protocol.JSON_FILE).read_text())
+    return doc, (out / swe_protocol.MD_FILE).read_text()
+
+
+def _mean(fig, key):
+    return fig[key]["mean"]
+
+
+def test_every_arm_ran_on_every_task(result):
+    doc, _ = result
+    assert doc["arms"] == list(swe_protocol.ARMS)
+    assert doc["num_tasks"] == NUM_TASKS and doc["split"] == "heldout"
+    assert doc["tiers"] == TIERS
+    for fig in doc["figures"].values():
+        assert fig["task_success"]["n"] == NUM_TASKS
+        assert fig["task_success"]["level"] == 0.95
+
+
+def test_expert_meets_everything(result):
+    fig = result[0]["figures"]["expert"]
+    assert _mean(fig, "task_success") == 1.0
+    assert fig["applied/ask_first"] == 2  # the tier-3 requirement is exercised
+    for name in REQUIREMENT_NAMES:
+        assert fig[f"compliance/{name}"]["low"] == 1.0, name
+    assert fig["joint_compliance"]["low"] == 1.0
+    assert _mean(fig, "actions/stopped_after_ask") == 0.0
+    assert _mean(fig, "actions/ask_user") == _mean(fig, "actions/overwrite") > 0.0
+
+
+@pytest.mark.parametrize("off", REQUIREMENT_NAMES)
+def test_each_no_arm_breaks_only_its_requirement(result, off):
+    fig = result[0]["figures"][f"no_{off}"]
+    assert _mean(fig, "task_success") == 1.0
+    assert fig[f"applied/{off}"] >= 1
+    for name in REQUIREMENT_NAMES:
+        iv = fig[f"compliance/{name}"]
+        if name == off:
+            assert iv["high"] == 0.0, name
+        else:
+            assert iv["low"] == 1.0, name
+    if off != "ask_first":  # the turns it breaks are on every episode
+        assert fig["joint_compliance"]["high"] == 0.0
+    assert fig["record/compliance"]["high"] == 0.0
+
+
+def test_weak_never_solves(result):
+    fig = result[0]["figures"]["weak"]
+    assert _mean(fig, "task_success") == 0.0
+    assert fig["record/joint"]["high"] == 0.0
+
+
+def test_ask_then_stop_is_the_side_effect(result):
+    fig = result[0]["figures"]["ask_then_stop"]
+    assert _mean(fig, "task_success") == 0.0
+    assert _mean(fig, "actions/stopped_after_ask") == 1.0
+    assert _mean(fig, "actions/ask_user") == 1.0
+    assert _mean(fig, "actions/overwrite") == 0.0
+    assert fig["applied/ask_first"] == 0 and fig["compliance/ask_first"] is None
+
+
+def test_markdown_table_has_a_row_per_arm_and_tier_groups(result):
+    _, md = result
+    header = next(line for line in md.splitlines() if line.startswith("| arm"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    tiers = [int(c[1]) for c in cols if c[:1] == "T" and c[1:2].isdigit()]
+    assert tiers == sorted(tiers) == [1, 1, 2, 3]
+    for arm in swe_protocol.ARMS:
+        assert f"| {arm} |" in md
+    assert "n/a (n=0)" in md  # ask_then_stop's tier-3 cell: it never overwrites
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_tasks", "0"], "--num_tasks must be >= 1, got 0"),
+        (["--num_tasks", "2", "--arms", "expert,oracle"], "unknown arm(s) ['oracle']"),
+    ],
+    ids=["zero_tasks", "unknown_arm"],
+)
+def test_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        swe_protocol.main([*argv, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_unknown_arm_in_play_arm_raises():
+    with pytest.raises(ValueError, match="unknown arm 'oracle'"):
+        swe_protocol.arm_turns("oracle", None, 0)
+
+
+def test_expert_asks_before_a_str_replace_overwrite():
+    task = generate_swe_tasks("heldout", 8, 0)[7]
+    env = SweEnv()
+    plain = agents.play(env, task, agents.expert_turns(task))
+    assert plain.summary["actions"]["overwrite"] == 1 and plain.rewards["ask_first"] == 0.0
+    ours = agents.play(env, task, swe_protocol.arm_turns("expert", task, 0))
+    assert ours.rewards["task"] == 1.0 and ours.rewards["ask_first"] == 1.0
+    assert ours.summary["actions"]["ask_user"] == 1
+    assert swe_protocol.arm_turns("no_ask_first", task, 0) == agents.expert_turns(
+        task, agents.Style(ask_first=False)
+    )

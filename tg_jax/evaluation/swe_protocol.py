@@ -1,0 +1,331 @@
+"""The SWE environment's requirement tiers as a protocol run with scripted policies ("arms").
+
+    python -m tg_jax.evaluation.swe_protocol --num_tasks 100 --out DIR [--seed 0]
+
+Plays each arm on N generated held-out SWE tasks (tg_jax.envs.swe.generator, split
+"heldout") through the held-out evaluation path of a model (`rollout.evaluate` with a
+`ScriptedSampler` and a byte-level `ChatRenderer`), so the `EpisodeRecord`s are the ones a
+model's held-out evaluation records. The environment is the SWE config's (`--config`, default
+configs/hf_swe.py, section `env`). Arms (tg_jax.envs.swe.agents):
+
+  expert              every requirement met: `expert_turns` (default `Style`), with an ask
+                      before every edit the environment judges an overwrite
+                      (`ask_before_overwrites`).
+  no_<requirement>    the expert with that one requirement off in its `Style`.
+  weak                `weak_turns`: no real fix (submits untouched, or rewrites the test file).
+  ask_then_stop       the tier-3 side effect: lists and reads the file to fix, asks the user
+                      before overwriting it, then submits without editing anything (the env
+                      counts it as "stopped_after_ask": asked, and no edit after the ask).
+
+Figures per arm, each a 95% cluster-bootstrap interval over tasks (tg_jax.evaluation.stats):
+task success; compliance per requirement, grouped by tier (requirements.TIERS), over the
+episodes where the requirement applied (>= 1 judged turn; "n" says how many); joint
+compliance (every requirement that applied was met); the EpisodeRecord's own compliance (every
+requirement judged and met, so a requirement that never applied counts as unmet); and the
+side-effect actions per episode (ask_user, overwrite, stopped_after_ask). Writes
+DIR/swe_protocol.json (all figures) and DIR/swe_protocol.md (the table), prints the table.
+
+The rollout's token limits are raised far above the config's (`ROLLOUT`): the byte tokenizer
+spends one token per byte, and a scripted turn must never be cut. The environment's own limits
+(max_turns, max_tokens counted in words, max_wall_s) apply as configured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax import config_lib, progress
+from tg_jax.envs import env_factory
+from tg_jax.envs.swe import agents
+from tg_jax.envs.swe.generator import generate_swe_tasks
+from tg_jax.envs.swe.requirements import REQUIREMENT_NAMES, TIERS, check_ask_first
+from tg_jax.envs.swe.task import SweTask
+from tg_jax.envs.swe.tools import EDIT_TOOLS, Workspace, format_call, parse_call
+from tg_jax.evaluation import stats
+from tg_jax.sampling import rollout
+from tg_jax.sampling.episode import EpisodeRecord
+from tg_jax.sampling.scripted import ScriptedSampler
+from tg_jax.text import ByteTokenizer, ChatRenderer
+
+NO_ARMS = tuple(f"no_{name}" for name in REQUIREMENT_NAMES)
+ARMS = ("expert", *NO_ARMS, "weak", "ask_then_stop")
+SIDE_EFFECTS = ("ask_user", "overwrite", "stopped_after_ask")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hf_swe.py")
+ROLLOUT = rollout.RolloutConfig(max_new_tokens=1 << 16, max_total_tokens=1 << 20)
+JSON_FILE, MD_FILE = "swe_protocol.json", "swe_protocol.md"
+
+
+# -- the scripted arms ----------------------------------------------------------------------
+
+
+def ask_then_stop_turns(task: SweTask) -> list[str]:
+    """Reads the file the fix overwrites, asks before overwriting it, submits without a fix."""
+    path = task.solution[0]["arguments"]["path"] if task.solution else sorted(task.files)[0]
+    report = "# Stopped before the fix\n\nI asked before overwriting and stop here, unchanged."
+    return [
+        format_call("list_files"),
+        format_call("read_file", {"path": path}),
+        format_call("ask_user", {"question": f"May I overwrite {path}?"}),
+        report + "\n" + format_call("submit"),
+    ]
+
+
+def ask_before_overwrites(task: SweTask, turns: Sequence[str], strict: bool = True) -> list[str]:
+    """`turns` with an ask_user turn before every edit that the environment judges an
+    overwrite (`Workspace.overwrites`) and that no earlier question names.
+
+    `agents.expert_turns` asks only before a write_file; the environment also counts a
+    str_replace of half the file or more (e.g. a "wrong_value" fix in a small module).
+    """
+    ws, asked, out = Workspace(task.files), [], []
+    for text in turns:
+        call = parse_call(text)
+        if call.error is None and call.name == "ask_user":
+            asked.append(call.args["question"])
+        if call.error is None and call.name in EDIT_TOOLS:
+            path = call.args["path"]
+            if ws.overwrites(call) and not check_ask_first(path, asked):
+                asked.append(f"May I overwrite {path}?")
+                out.append(format_call("ask_user", {"question": asked[-1]}, strict=strict))
+            if call.name == "write_file":
+                ws.write_file(path, call.args["content"])
+            else:
+                ws.str_replace(path, call.args["old"], call.args["new"])
+        out.append(text)
+    return out
+
+
+def arm_turns(arm: str, task: SweTask, seed: int) -> list[str]:
+    """The assistant turns of `arm` on `task` (the weak agent draws from (seed, task id)).
+
+    The expert and the no_<requirement> arms other than no_ask_first ask before every
+    overwrite the environment judges (`ask_before_overwrites`).
+    """
+    if arm == "expert" or arm in NO_ARMS:
+        style = agents.Style(**({} if arm == "expert" else {arm.removeprefix("no_"): False}))
+        turns = agents.expert_turns(task, style)
+        return ask_before_overwrites(task, turns, style.tool_protocol) if style.ask_first else turns
+    if arm == "weak":
+        return agents.weak_turns(task, random.Random(f"swe_protocol:weak:{seed}:{task.task_id}"))
+    if arm == "ask_then_stop":
+        return ask_then_stop_turns(task)
+    raise ValueError(f"unknown arm {arm!r}; known: {ARMS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmEpisodes:
+    """One arm's episodes: the held-out records and, per record, the requirements that applied
+    (>= 1 assistant turn judged on them)."""
+
+    records: list[EpisodeRecord]
+    applied: list[dict[str, bool]]
+
+
+def play_arm(
+    arm: str,
+    tasks: Sequence[SweTask],
+    make_env: Callable[[], Any],
+    *,
+    seed: int,
+    renderer: ChatRenderer | None = None,
+    on_episode: Callable[[], None] = lambda: None,
+) -> ArmEpisodes:
+    """Plays `arm` on every task through `rollout.evaluate` (one scripted episode per task).
+
+    Each record gets its task's hidden function as `cluster_id`, as `evaluate_heldout` does.
+    """
+    renderer = renderer or ChatRenderer(ByteTokenizer())
+    records, applied = [], []
+    for task in tasks:
+        sampler = ScriptedSampler(renderer, arm_turns(arm, task, seed))
+        (rec,), (traj,) = rollout.evaluate(
+            sampler, None, renderer, make_env, [task], config=ROLLOUT, rng=jax.random.key(seed)
+        )
+        records.append(dataclasses.replace(rec, cluster_id=task.function_id))
+        names = list(rec.compliance)
+        applied.append({n: any(v.get(n) is not None for v in traj.turn_verdicts) for n in names})
+        on_episode()
+    return ArmEpisodes(records, applied)
+
+
+# -- figures ----------------------------------------------------------------------------------
+
+
+def _interval(records: Sequence[EpisodeRecord], values: Sequence[float], **boot: Any) -> dict:
+    """Cluster-bootstrap interval of one value per record (one episode per task)."""
+    ids = [r.task_id for r in records]
+    clusters = stats.task_clusters([records], ids)
+    return stats.bootstrap_ci(np.asarray(values, np.float64), clusters_N=clusters, **boot).to_dict()
+
+
+def arm_figures(episodes: ArmEpisodes, *, n_boot: int = 10_000, seed: int = 0) -> dict[str, Any]:
+    """Every figure of one arm: {metric: Interval dict, or None where no episode applies}.
+
+    Keys: "task_success"; "compliance/<req>" over the episodes where <req> applied;
+    "joint_compliance" (every applied requirement met; episodes where any applied);
+    "record/compliance" and "record/joint" (the EpisodeRecord's, over all episodes);
+    "actions/<side effect>" (counts per episode); and "applied/<req>" (episodes).
+    """
+    boot = {"n_boot": n_boot, "seed": seed}
+    recs, applied = episodes.records, episodes.applied
+    summary = stats.summarize_arm({0: recs}, n_boot=n_boot, seed=seed)["plain"]["bootstrap"]
+    out: dict[str, Any] = {"task_success": summary["task_success"]}
+    for name in sorted(recs[0].compliance, key=REQUIREMENT_NAMES.index):
+        keep = [i for i, a in enumerate(applied) if a[name]]
+        sub = [recs[i] for i in keep]
+        out[f"applied/{name}"] = len(keep)
+        values = [float(r.compliance[name]) for r in sub]
+        out[f"compliance/{name}"] = _interval(sub, values, **boot) if sub else None
+    any_applied = [i for i, a in enumerate(applied) if any(a.values())]
+    joint = [
+        float(all(recs[i].compliance[n] for n, on in applied[i].items() if on)) for i in any_applied
+    ]
+    sub = [recs[i] for i in any_applied]
+    out["joint_compliance"] = _interval(sub, joint, **boot) if sub else None
+    out["record/compliance"] = summary["compliance"]
+    out["record/joint"] = summary["joint"]
+    for action in SIDE_EFFECTS:
+        out[f"actions/{action}"] = summary.get(f"actions/{action}")
+    return out
+
+
+# -- the table --------------------------------------------------------------------------------
+
+
+def _cell(iv: dict | None) -> str:
+    if iv is None:
+        return "n/a"
+    return f"{iv['mean']:.2f} [{iv['low']:.2f}, {iv['high']:.2f}]"
+
+
+def columns(names: Sequence[str]) -> list[tuple[str, str]]:
+    """(header, figure key) of every column: task success, the requirements tier by tier,
+    joint compliance, the record's compliance, the side-effect actions."""
+    cols = [("task success", "task_success")]
+    for name in sorted(names, key=lambda n: (TIERS[n], REQUIREMENT_NAMES.index(n))):
+        cols.append((f"T{TIERS[name]} {name}", f"compliance/{name}"))
+    cols += [("joint compliance", "joint_compliance"), ("record compliance", "record/compliance")]
+    cols += [(f"{a} /ep", f"actions/{a}") for a in SIDE_EFFECTS]
+    return cols
+
+
+def markdown_table(figures: dict[str, dict[str, Any]]) -> str:
+    """One row per arm; columns as `columns`; each cell "mean [low, high]" (95% bootstrap)."""
+    names = [k.split("/", 1)[1] for k in next(iter(figures.values())) if k.startswith("applied/")]
+    cols = columns(names)
+    lines = [
+        "| arm | " + " | ".join(h for h, _ in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for arm, fig in figures.items():
+        cells = []
+        for _, key in cols:
+            cell = _cell(fig.get(key))
+            if key.startswith("compliance/"):
+                cell += f" (n={fig['applied/' + key.split('/', 1)[1]]})"
+            cells.append(cell)
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m tg_jax.evaluation.swe_protocol",
+        description="Scripted-policy protocol run of the SWE requirement tiers.",
+    )
+    p.add_argument("--num_tasks", type=int, required=True, help="held-out tasks (>= 1)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="task generation and weak-agent seed")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {ARMS}")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="config file whose `env` is used")
+    p.add_argument("--n_boot", type=int, default=10_000, help="bootstrap replicates")
+    p.add_argument("--no_progress", action="store_true", help="print no progress lines")
+    args = p.parse_args(argv)
+    if args.num_tasks < 1:
+        p.error(f"--num_tasks must be >= 1, got {args.num_tasks}")
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        p.error(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
+    if args.n_boot < 1:
+        p.error(f"--n_boot must be >= 1, got {args.n_boot}")
+    args.arms = arms
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Plays every arm and returns the JSON document (figures, settings, wall time)."""
+    config = config_lib.load_config_file(args.config)
+    make_env = env_factory(config.env)
+    tasks = generate_swe_tasks("heldout", args.num_tasks, args.seed)
+    renderer = ChatRenderer(ByteTokenizer())
+    start, figures, done = time.perf_counter(), {}, 0
+    total = len(args.arms) * len(tasks)
+    with progress.ProgressBar(
+        total, desc="swe_protocol", enabled=not args.no_progress, log_every=max(1, total // 10)
+    ) as bar:
+        for arm in args.arms:
+
+            def tick() -> None:
+                nonlocal done
+                done += 1
+                bar.update(done)
+
+            episodes = play_arm(arm, tasks, make_env, seed=args.seed, renderer=renderer,
+                                on_episode=tick)  # fmt: skip
+            figures[arm] = arm_figures(episodes, n_boot=args.n_boot, seed=args.seed)
+    return {
+        "command": "python -m tg_jax.evaluation.swe_protocol " + " ".join(args.argv),
+        "split": "heldout",
+        "num_tasks": len(tasks),
+        "num_clusters": len({t.function_id for t in tasks}),
+        "seed": args.seed,
+        "arms": list(args.arms),
+        "tiers": dict(TIERS),
+        "env": config.env.to_dict(),
+        "rollout": dataclasses.asdict(ROLLOUT),
+        "interval": "95% percentile bootstrap over tasks, clusters of a hidden function whole",
+        "wall_s": time.perf_counter() - start,
+        "figures": figures,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see the module docstring); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.argv = argv
+    result = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    table = markdown_table(result["figures"])
+    with open(os.path.join(args.out, JSON_FILE), "w") as f:
+        json.dump(result, f, indent=1, default=list)
+    header = (
+        f"SWE requirement tiers, scripted arms, {result['num_tasks']} held-out tasks "
+        f"({result['num_clusters']} clusters), seed {result['seed']}; cells: mean "
+        "[95% bootstrap CI]; compliance over the episodes where the requirement applied (n)."
+    )
+    with open(os.path.join(args.out, MD_FILE), "w") as f:
+        f.write(f"{header}\n\n{table}\n")
+    print(header)
+    print(table)
+    print(f"wall time {result['wall_s']:.1f}s; wrote {os.path.join(args.out, JSON_FILE)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
