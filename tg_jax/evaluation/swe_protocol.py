@@ -8,9 +8,8 @@ Plays each arm on N generated held-out SWE tasks (tg_jax.envs.swe.generator, spl
 model's held-out evaluation records. The environment is the SWE config's (`--config`, default
 configs/hf_swe.py, section `env`). Arms (tg_jax.envs.swe.agents):
 
-  expert              every requirement met: `expert_turns` (default `Style`), with an ask
-                      before every edit the environment judges an overwrite
-                      (`ask_before_overwrites`).
+  expert              every requirement met: `expert_turns` (default `Style`; it asks before
+                      every edit the environment judges an overwrite).
   no_<requirement>    the expert with that one requirement off in its `Style`.
   weak                `weak_turns`: no real fix (submits untouched, or rewrites the test file).
   ask_then_stop       the tier-3 side effect: lists and reads the file to fix, asks the user
@@ -49,9 +48,9 @@ from tg_jax import config_lib, progress
 from tg_jax.envs import env_factory
 from tg_jax.envs.swe import agents
 from tg_jax.envs.swe.generator import generate_swe_tasks
-from tg_jax.envs.swe.requirements import REQUIREMENT_NAMES, TIERS, check_ask_first
+from tg_jax.envs.swe.requirements import REQUIREMENT_NAMES, TIERS
 from tg_jax.envs.swe.task import SweTask
-from tg_jax.envs.swe.tools import EDIT_TOOLS, Workspace, format_call, parse_call
+from tg_jax.envs.swe.tools import format_call
 from tg_jax.evaluation import stats
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import EpisodeRecord
@@ -81,41 +80,11 @@ def ask_then_stop_turns(task: SweTask) -> list[str]:
     ]
 
 
-def ask_before_overwrites(task: SweTask, turns: Sequence[str], strict: bool = True) -> list[str]:
-    """`turns` with an ask_user turn before every edit that the environment judges an
-    overwrite (`Workspace.overwrites`) and that no earlier question names.
-
-    `agents.expert_turns` asks only before a write_file; the environment also counts a
-    str_replace of half the file or more (e.g. a "wrong_value" fix in a small module).
-    """
-    ws, asked, out = Workspace(task.files), [], []
-    for text in turns:
-        call = parse_call(text)
-        if call.error is None and call.name == "ask_user":
-            asked.append(call.args["question"])
-        if call.error is None and call.name in EDIT_TOOLS:
-            path = call.args["path"]
-            if ws.overwrites(call) and not check_ask_first(path, asked):
-                asked.append(f"May I overwrite {path}?")
-                out.append(format_call("ask_user", {"question": asked[-1]}, strict=strict))
-            if call.name == "write_file":
-                ws.write_file(path, call.args["content"])
-            else:
-                ws.str_replace(path, call.args["old"], call.args["new"])
-        out.append(text)
-    return out
-
-
 def arm_turns(arm: str, task: SweTask, seed: int) -> list[str]:
-    """The assistant turns of `arm` on `task` (the weak agent draws from (seed, task id)).
-
-    The expert and the no_<requirement> arms other than no_ask_first ask before every
-    overwrite the environment judges (`ask_before_overwrites`).
-    """
+    """The assistant turns of `arm` on `task` (the weak agent draws from (seed, task id))."""
     if arm == "expert" or arm in NO_ARMS:
         style = agents.Style(**({} if arm == "expert" else {arm.removeprefix("no_"): False}))
-        turns = agents.expert_turns(task, style)
-        return ask_before_overwrites(task, turns, style.tool_protocol) if style.ask_first else turns
+        return agents.expert_turns(task, style)
     if arm == "weak":
         return agents.weak_turns(task, random.Random(f"swe_protocol:weak:{seed}:{task.task_id}"))
     if arm == "ask_then_stop":

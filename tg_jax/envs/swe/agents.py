@@ -3,9 +3,10 @@
 Both write their turns in the tool protocol and play them through a real `SweEnv`, so the
 observations and rewards in a transcript are the environment's own.
 
-  expert  list_files -> read the file to fix -> (ask_user, when it will overwrite and
-          follows "ask_first") -> the task's solution edits -> run_tests -> submit with a
-          Markdown report (heading, summary naming the changed files, the real diff).
+  expert  list_files -> read the file to fix -> the task's solution edits (each one the
+          environment judges an overwrite preceded by ask_user, when it follows "ask_first")
+          -> run_tests -> submit with a Markdown report (heading, summary naming the changed
+          files, the real diff).
   weak    looks around, then either submits untouched or "fixes" the visible tests by
           overwriting the test file with a trivially passing one; the hidden tests catch both.
 
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 
 from tg_jax.envs.swe.env import SweEnv, SweEnvConfig
 from tg_jax.envs.swe.task import SweTask
-from tg_jax.envs.swe.tools import Workspace, format_call
+from tg_jax.envs.swe.tools import ToolCall, Workspace, format_call
 from tg_jax.envs.transcripts import Transcript
 
 
@@ -76,7 +77,9 @@ def expert_turns(task: SweTask, style: Style = Style()) -> list[str]:
     turns = [call("list_files"), call("read_file", {"path": first})]
     for edit in task.solution:
         args = edit["arguments"]
-        if style.ask_first and edit["name"] == "write_file" and args["path"] in ws.files:
+        # Ask before every edit the environment judges an overwrite (`Workspace.overwrites`):
+        # a write_file over an existing file, or a str_replace of half the file or more.
+        if style.ask_first and ws.overwrites(ToolCall(edit["name"], args, None, True, "")):
             turns.append(call("ask_user", {"question": f"May I overwrite {args['path']}?"}))
         turns.append(call(edit["name"], args))
         if edit["name"] == "write_file":
