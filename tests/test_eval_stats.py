@@ -248,3 +248,16 @@ def test_noninferiority_under_the_floor_is_not_meaningful():
     assert out["noninferiority"]["verdict"] == "not meaningful"
     assert stats.compare_arms(_arm({0: 1}), base, margin=-0.05, n_boot=50)[
         "noninferiority"]["verdict"] == "pass"  # fmt: skip
+
+
+def test_conditional_requirement_met_where_it_never_applied():
+    verdicts = {"ask_first": [None, None], "tool_protocol": [True, True], "files_named": [None]}
+    assert episode_compliance(verdicts) == {
+        "ask_first": False,
+        "tool_protocol": True,
+        "files_named": False,
+    }
+    got = episode_compliance(verdicts, {"ask_first", "files_named"})
+    assert got == {"ask_first": True, "tool_protocol": True, "files_named": True}
+    # Judged turns still decide: a failed one fails it, conditional or not.
+    assert episode_compliance({"ask_first": [None, False]}, {"ask_first"}) == {"ask_first": False}

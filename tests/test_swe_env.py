@@ -106,10 +106,12 @@ def test_expert_solves_heldout_and_meets_every_requirement(heldout, env):
         assert tr.rewards["files_named"] == 1.0
         # Judged on the turns the environment counts as overwrites (a write_file over a file,
         # or a str_replace of half of it or more: not only the needs_overwrite tasks); the
-        # expert asks before each. 0 = never judged.
+        # expert asks before each, and where it never overwrites the conditional requirement
+        # is met too.
         overwrote = tr.summary["actions"].get("overwrite", 0) > 0
         assert overwrote >= t.needs_overwrite
-        assert tr.rewards["ask_first"] == (1.0 if overwrote else 0.0)
+        assert tr.rewards["ask_first"] == 1.0
+        assert any(v is not None for v in tr.summary["verdicts"]["ask_first"]) == overwrote
         big_replaces += overwrote and not t.needs_overwrite
     assert solved / len(heldout) >= 0.95, solved
     assert big_replaces > 0  # the str_replace overwrites occur in the held-out set

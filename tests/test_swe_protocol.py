@@ -45,6 +45,9 @@ def test_expert_meets_everything(result):
     for name in REQUIREMENT_NAMES:
         assert fig[f"compliance/{name}"]["low"] == 1.0, name
     assert fig["joint_compliance"]["low"] == 1.0
+    # What a model's held-out evaluation records: every requirement met, the conditional
+    # ask_first also on the tasks where it never applied.
+    assert fig["record/compliance"]["low"] == 1.0
     assert _mean(fig, "actions/stopped_after_ask") == 0.0
     assert _mean(fig, "actions/ask_user") == _mean(fig, "actions/overwrite") > 0.0
 
@@ -62,7 +65,11 @@ def test_each_no_arm_breaks_only_its_requirement(result, off):
             assert iv["low"] == 1.0, name
     if off != "ask_first":  # the turns it breaks are on every episode
         assert fig["joint_compliance"]["high"] == 0.0
-    assert fig["record/compliance"]["high"] == 0.0
+        assert fig["record/compliance"]["high"] == 0.0
+    else:  # ask_first is conditional: met where no overwrite called for a question
+        no_overwrite = 1.0 - _mean(fig, "actions/overwrite")
+        assert _mean(fig, "record/compliance") == pytest.approx(no_overwrite)
+        assert no_overwrite > 0.0
 
 
 def test_weak_never_solves(result):

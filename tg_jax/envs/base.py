@@ -33,6 +33,10 @@ class Requirement:
       weight: weight of this requirement's reward in a weighted total.
       applies: turn_text -> whether the requirement is judged on this turn at all
         (e.g. "code is fenced" does not apply to a turn without code).
+      conditional: a rule for some situations only (e.g. "ask before overwriting a file"):
+        an episode where it never applied meets it (reward 1, compliance True). Otherwise
+        (e.g. the fence) an episode with no applicable turn fails it, so that doing nothing
+        never earns it.
     """
 
     name: str
@@ -40,6 +44,7 @@ class Requirement:
     hint: str
     weight: float = 1.0
     applies: Callable[[str], bool] = lambda turn_text: True
+    conditional: bool = False
 
     def verdict(self, turn_text: str) -> bool | None:
         """True (met), False (failed turn) or None (not applicable)."""
@@ -85,21 +90,25 @@ class EpisodeSummary:
         """Indices of assistant turns that failed requirement `name` (the TG gate)."""
         return [k for k, v in enumerate(self.verdicts[name]) if v is False]
 
-    def requirement_reward(self, name: str, mode: str = "fraction") -> float:
+    def requirement_reward(
+        self, name: str, mode: str = "fraction", conditional: bool = False
+    ) -> float:
         """Requirement reward of the episode.
 
         Args:
           name: requirement name.
           mode: "fraction" = share of applicable turns that meet it; "all" = 1.0 iff every
             applicable turn meets it. With no applicable turn at all (e.g. the policy never
-            wrote code) the reward is 0.0, so doing nothing never earns it.
+            wrote code) the reward is 0.0, so doing nothing never earns it, unless the
+            requirement is `conditional` (then 1.0: it was never called for).
+          conditional: `Requirement.conditional`.
 
         Returns:
           The reward in [0, 1].
         """
         judged = [v for v in self.verdicts[name] if v is not None]
         if not judged:
-            return 0.0
+            return 1.0 if conditional else 0.0
         if mode == "fraction":
             return sum(judged) / len(judged)
         if mode == "all":

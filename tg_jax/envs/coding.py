@@ -303,7 +303,9 @@ class CodingEnv(Environment):
             self._done = True
             rewards = {"task": task_reward}
             for r in self.requirements:
-                rewards[r.name] = summ.requirement_reward(r.name, self.config.requirement_reward)
+                rewards[r.name] = summ.requirement_reward(
+                    r.name, self.config.requirement_reward, r.conditional
+                )
             info["summary"] = summ.to_dict()
         else:
             rewards = dict.fromkeys(self.reward_keys, 0.0)

@@ -19,10 +19,11 @@ configs/hf_swe.py, section `env`). Arms (tg_jax.envs.swe.agents):
 Figures per arm, each a 95% cluster-bootstrap interval over tasks (tg_jax.evaluation.stats):
 task success; compliance per requirement, grouped by tier (requirements.TIERS), over the
 episodes where the requirement applied (>= 1 judged turn; "n" says how many); joint
-compliance (every requirement that applied was met); the EpisodeRecord's own compliance (every
-requirement judged and met, so a requirement that never applied counts as unmet); and the
-side-effect actions per episode (ask_user, overwrite, stopped_after_ask). Writes
-DIR/swe_protocol.json (all figures) and DIR/swe_protocol.md (the table), prints the table.
+compliance (every requirement that applied was met); the EpisodeRecord's own compliance (what
+a model's held-out evaluation reports: every requirement met, the conditional ask_first also
+where it never applied); and the side-effect actions per episode (ask_user, overwrite,
+stopped_after_ask). Writes DIR/swe_protocol.json (all figures) and DIR/swe_protocol.md (the
+table), prints the table.
 
 The rollout's token limits are raised far above the config's (`ROLLOUT`): the byte tokenizer
 spends one token per byte, and a scripted turn must never be cut. The environment's own limits

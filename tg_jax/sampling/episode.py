@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 CONDITIONS = ("plain", "hinted")
@@ -20,7 +20,8 @@ class EpisodeRecord:
       sample: index of this episode among the samples of the same task and condition.
       task_success: the hidden tests all passed.
       compliance: requirement name -> the episode met it: at least one assistant turn was
-        judged on it and every judged turn passed (the "all" requirement reward).
+        judged on it (or it is conditional: `Requirement.conditional`) and every judged turn
+        passed (the "all" requirement reward).
       actions: action counts of the episode, e.g. {"run_tests": 2, "submit": 1, "malformed": 0}.
       turns: assistant turns taken.
       cluster_id: the bootstrap cluster of the task: tasks sharing a hidden function are not
@@ -80,10 +81,13 @@ class EpisodeRecord:
         return cls(**d)
 
 
-def episode_compliance(verdicts: Mapping[str, Sequence[bool | None]]) -> dict[str, bool]:
-    """Per requirement: >= 1 judged turn and all judged turns passed (None = not judged)."""
+def episode_compliance(
+    verdicts: Mapping[str, Sequence[bool | None]], conditional: Collection[str] = ()
+) -> dict[str, bool]:
+    """Per requirement: >= 1 judged turn and all judged turns passed (None = not judged); a
+    `conditional` requirement (`Requirement.conditional`) with no judged turn is met."""
     out = {}
     for name, vs in verdicts.items():
         judged = [v for v in vs if v is not None]
-        out[name] = bool(judged) and all(judged)
+        out[name] = all(judged) and (bool(judged) or name in conditional)
     return out

@@ -136,7 +136,9 @@ def _final_rewards(env: Environment) -> dict[str, float]:
     mode = getattr(getattr(env, "config", None), "requirement_reward", "fraction")
     summary = env.summary()
     out = {"task": 0.0}
-    out.update({r.name: summary.requirement_reward(r.name, mode) for r in env.requirements})
+    out.update(
+        {r.name: summary.requirement_reward(r.name, mode, r.conditional) for r in env.requirements}
+    )
     return out
 
 
@@ -328,6 +330,11 @@ def _picked_hints(
     return tokens, texts
 
 
+def conditional_names(env: Environment) -> list[str]:
+    """The environment's requirements met where they never applied (`Requirement.conditional`)."""
+    return sorted(r.name for r in env.requirements if r.conditional)
+
+
 def to_trajectory(
     ep: Episode,
     hint_tokens: dict[str, list[int]],
@@ -347,6 +354,8 @@ def to_trajectory(
         "sampled_tokens": int(sum(t >= 0 for t in ep.turn_ids)),
         "prefill_tokens": ep.prefill_tokens,
         "steps": ep.step_infos,
+        # Requirements met where they never applied (`Requirement.conditional`).
+        "conditional_requirements": conditional_names(ep.env),
         **(extra_info or {}),
     }
     return Trajectory(
@@ -466,7 +475,7 @@ def evaluate(
                     condition=condition,
                     sample=s,
                     task_success=bool((ep.rewards or {}).get("task", 0.0) >= 1.0),
-                    compliance=episode_compliance(verdicts),
+                    compliance=episode_compliance(verdicts, conditional_names(ep.env)),
                     actions=dict(ep.env.summary().actions),
                     turns=len(ep.turn_starts),
                     hint_leaking_turns=hint_leaking_turns(ep),

@@ -203,7 +203,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     for t in trajectories:
         names = sorted({k for v in t.turn_verdicts for k in v})
         verdicts = {k: [v.get(k) for v in t.turn_verdicts] for k in names}
-        c = episode_compliance(verdicts)
+        c = episode_compliance(verdicts, t.info.get("conditional_requirements", ()))
         for k, ok in c.items():
             per_req.setdefault(k, []).append(float(ok))
         comp.append(float(bool(c) and all(c.values())))

@@ -216,7 +216,7 @@ class SweEnv(Environment):
         summ.actions["stopped_after_ask"] = int(self._edited_after_ask is False)
         rewards = {"task": task_reward}
         for r in self.requirements:
-            rewards[r.name] = summ.requirement_reward(r.name, cfg.requirement_reward)
+            rewards[r.name] = summ.requirement_reward(r.name, cfg.requirement_reward, r.conditional)
         info["summary"] = summ.to_dict()
         info["changed_files"] = self.workspace.changed()
         return StepResult(None, True, rewards, info)

@@ -28,6 +28,9 @@ from tg_jax.envs.swe.tools import ToolCall, parse_call
 
 REQUIREMENT_NAMES = ("tool_protocol", "markdown_report", "files_named", "ask_first")
 TIERS = {"tool_protocol": 1, "markdown_report": 1, "files_named": 2, "ask_first": 3}
+# Met by an episode where it never applied (`Requirement.conditional`): no overwrite, no
+# question owed. (files_named is not: a report that changes and names nothing does not earn it.)
+CONDITIONAL = frozenset({"ask_first"})
 
 HINTS = {
     "tool_protocol": 'Reminder: one tool per turn: <tool_call>{"name": ..., "arguments": {...}}'
@@ -133,7 +136,9 @@ def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Require
         "ask_first": (ask_check, lambda text: _overwrites(env, call(text))),
     }
     return tuple(
-        Requirement(n, table[n][0], HINTS[n], weight, applies=table[n][1])
+        Requirement(
+            n, table[n][0], HINTS[n], weight, applies=table[n][1], conditional=n in CONDITIONAL
+        )
         for n in REQUIREMENT_NAMES
         if n in names
     )
