@@ -6,6 +6,7 @@ import pytest
 
 from tg_jax import config_lib
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+from tg_jax.envs.hints import CORRECT_HINTS
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import forward
 from tg_jax.notebook import batch_view, html_render
@@ -45,7 +46,10 @@ def test_scripted_rollout(traj):
     text = RENDERER.tokenizer.decode(traj.tokens)
     assert all(t in text for t in TURNS)
     assert not traj.behaviour_logprobs.any()
-    assert set(traj.hint_tokens) == {"fence", "tool_json"}
+    # Each requirement's hint message, and the one message for a turn that breaks both.
+    assert set(traj.hint_tokens) == {"fence", "tool_json", "fence+tool_json"}
+    both = RENDERER.tokenizer.decode(traj.hint_tokens["fence+tool_json"])
+    assert both.index(CORRECT_HINTS["fence"]) < both.index(CORRECT_HINTS["tool_json"])
     # The think block is THINK, the rest of the turn ANSWER.
     think = traj.tokens[traj.roles == Role.THINK]
     assert RENDERER.tokenizer.decode(think) == "<think>guess</think>"
