@@ -558,3 +558,40 @@ def test_ignored_hints_keep_the_hint_message_but_not_the_format():
     some = hinted_turns(0.25)
     rate = np.mean([not check_tool_json(t) for _, t in some if "CALL" in t or "tool_call" in t])
     assert 0.15 < rate < 0.35, rate
+
+
+def test_result_parsing_is_safe_from_many_threads():
+    # The environment steps of a rollout run in a thread pool, beside the sampling loop's
+    # thread; in CPython 3.11 concurrent AST construction can raise SystemError ("AST
+    # constructor recursion depth mismatch"), which crashed an RL run. Garbage collection with
+    # finalizers inside the AST constructor switches threads there: with bare
+    # ast.literal_eval this loop raises it within the first round; coding.literal serialises.
+    import concurrent.futures
+    import gc
+    import sys
+
+    from tg_jax.envs import coding
+
+    class Cyclic:
+        def __del__(self):
+            sum(range(50))  # Python code run by the collector, a chance to switch threads
+
+    def parse(_):
+        junk = [Cyclic() for _ in range(3)]
+        for j in junk:
+            j.me = j
+        del junk
+        return coding.literal(text)
+
+    text = repr(([[i, [i, (i, {"k": [i] * 3})]] for i in range(40)], None))
+    want = eval(text)  # noqa: S307 - a literal built above
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(1, 1, 1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = [r for _ in range(3) for r in pool.map(parse, range(300))]
+    finally:
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
+    assert len(got) == 900 and all(g == want for g in got)

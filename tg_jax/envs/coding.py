@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,19 @@ from tg_jax.envs.base import (
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
 from tg_jax.envs.sandbox import BACKENDS, run_python
 from tg_jax.envs.tasks import Task
+
+# CPython 3.11 keeps the AST constructor's recursion depth in per-interpreter state, so two
+# threads building ASTs at once (the rollout's environment steps run in a thread pool, beside
+# the sampling loop's thread) can fail with "SystemError: AST constructor recursion depth
+# mismatch". Every AST this module builds goes through this lock.
+_AST_LOCK = threading.Lock()
+
+
+def literal(text: str) -> Any:
+    """`ast.literal_eval(text)`, one thread at a time (`_AST_LOCK`)."""
+    with _AST_LOCK:
+        return ast.literal_eval(text)
+
 
 TASK_REWARD_MODES = ("all_pass", "fraction")
 EXECUTORS = ("sandbox", "trusted")
@@ -121,7 +135,7 @@ def run_candidate(
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(_MARK)]
     if res.status == "ok" and lines:
         try:
-            values, error = ast.literal_eval(lines[-1][len(_MARK) :])
+            values, error = literal(lines[-1][len(_MARK) :])
             if values is not None:
                 values = tuple(str(v) for v in values)
                 if len(values) == len(xs):
