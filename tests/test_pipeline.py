@@ -108,6 +108,11 @@ def test_bad_arm_fails_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="unknown arm 'tgg'"):
         pipeline.run_pipeline(config, str(tmp_path))
     assert os.listdir(tmp_path) == []
+    # Arms without the baseline the report compares with: refused before any work too.
+    config = config_lib.apply_overrides(_config(), {"pipeline.arms": ("tg", "tg_think")})
+    with pytest.raises(ValueError, match="eval.baseline 'grpo' is not among pipeline.arms"):
+        pipeline.run_pipeline(config, str(tmp_path))
+    assert os.listdir(tmp_path) == []
 
 
 def test_pipeline_runs_every_stage_and_caches(tmp_path):

@@ -319,9 +319,17 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     """The whole main job (see the module docstring); returns the report's results dict."""
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
-    # Fail before any work on a bad arm name or override.
-    for arm in config.pipeline.arms:
+    # Fail before any work on a bad arm name or override, or on several arms without the
+    # baseline (the report compares every arm with it; one arm alone is compared with none).
+    arms = tuple(config.pipeline.arms)
+    for arm in arms:
         arm_config(config, arm)
+    if len(arms) > 1 and str(config.eval.baseline) not in arms:
+        raise ValueError(
+            f"eval.baseline {config.eval.baseline!r} is not among pipeline.arms "
+            f"{list(config.pipeline.arms)}: the report compares every arm with it; add it to the "
+            "arms or set eval.baseline to one of them"
+        )
     sources = run_data(config, workdir)
     md, base_result, attempts = base_model_dir(config, workdir, sources)
     if attempts:  # the embedded model: its vocabulary is its tokenizer's (sft.tokenizer)
