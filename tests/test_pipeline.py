@@ -331,10 +331,10 @@ def test_base_model_evaluated_for_other_requirements_is_evaluated_again(tmp_path
     path = os.path.join(workdir, sft_eval.EVAL_FILE)
     with open(path) as f:
         measured = json.load(f)
-    assert sft_eval.unmeasured_requirements(config, measured) == []
+    assert sft_gates.unmeasured_requirements(config, measured) == []
     other = {k: v for k, v in measured.items() if not k.startswith("hinted_compliance/fence")}
     other["unprompted_compliance/tool_json"] = other.pop("unprompted_compliance/fence")
-    assert sft_eval.unmeasured_requirements(config, other) == ["fence"]
+    assert sft_gates.unmeasured_requirements(config, other) == ["fence"]
     with open(path, "w") as f:
         json.dump(other, f)
     checkpoints = os.path.join(workdir, "sft", "checkpoints")

@@ -19,9 +19,9 @@ COST_KEYS = (
     "peak_memory_bytes",
     "peak_memory_above_start_bytes",
 )
-# The thinking-token control pair: compared at their distilled-token costs; THINKING_ARMS
-# are compared with THINKING_PAIR[0] (tg_think_budget: at most tg's budget per step).
-THINKING_PAIR = ("tg", "tg_think")
+# The thinking-token controls: each of THINKING_ARMS is compared with THINKING_BASE at their
+# distilled-token costs (tg_think_budget: at most tg's budget per step).
+THINKING_BASE = "tg"
 THINKING_ARMS = ("tg_think", "tg_think_budget")
 
 
@@ -325,7 +325,7 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
 def _thinking_control(res: dict[str, Any]) -> list[str]:
     """Whether each thinking-token arm was compared with TG at an equal distilled budget."""
     lines = []
-    base = res["arms"].get(THINKING_PAIR[0], {}).get("costs", {}).get("distilled_tokens")
+    base = res["arms"].get(THINKING_BASE, {}).get("costs", {}).get("distilled_tokens")
     for arm in THINKING_ARMS:
         think = res["arms"].get(arm, {}).get("costs", {}).get("distilled_tokens")
         if not base or not think:
@@ -334,7 +334,7 @@ def _thinking_control(res: dict[str, Any]) -> list[str]:
         equal = abs(ratio - 1.0) <= 0.1
         lines += [
             f"Thinking-token control: `{arm}` distilled {_big(think['mean'])} tokens, "
-            f"`{THINKING_PAIR[0]}` {_big(base['mean'])} (ratio {_num(ratio)}): "
+            f"`{THINKING_BASE}` {_big(base['mean'])} (ratio {_num(ratio)}): "
             + ("an equal distilled-token budget (within 10%), so their difference is the "
                "thinking tokens' effect." if equal else
                "NOT an equal distilled-token budget (more than 10% apart): part of their "

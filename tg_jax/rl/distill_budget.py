@@ -18,18 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from tg_jax.rl import tg_loss
+from tg_jax.rl.loss import distill_mask
+from tg_jax.rl.step_config import TGConfig
 
 
 def budget_masks(batch: Any, gate: str) -> tuple[np.ndarray, np.ndarray]:
-    """(M with thinking tokens, M without them) of a host batch (`tg_loss.tg_mask`)."""
-    args = (
-        np.asarray(batch.distill_mask_BxT), np.asarray(batch.thinking_mask_BxT),
-        np.asarray(batch.failed_turn_mask_BxT), np.asarray(batch.loss_mask_BxT),
-    )  # fmt: skip
-    with_thinking = tg_loss.tg_mask(*args, include_thinking=True, gate=gate)
-    answers = tg_loss.tg_mask(*args, include_thinking=False, gate=gate)
-    return np.asarray(with_thinking, bool), np.asarray(answers, bool)
+    """(M with thinking tokens, M without them) of a host batch (`loss.distill_mask`)."""
+    masks = (distill_mask(batch, TGConfig(include_thinking=t, gate=gate)) for t in (True, False))
+    with_thinking, answers = (np.asarray(m, bool) for m in masks)
+    return with_thinking, answers
 
 
 def apply_budget(batch: Any, gate: str, seed: int, step: int) -> tuple[Any, int]:

@@ -181,7 +181,7 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
         raise _preempted("SFT", workdir)
     eval_path = os.path.join(workdir, sft_eval.EVAL_FILE)
     if paths.as_path(eval_path).exists():
-        missing = sft_eval.unmeasured_requirements(config, _read_json(eval_path))
+        missing = sft_gates.unmeasured_requirements(config, _read_json(eval_path))
         if not missing:
             print(f"sft: finished checkpoint and {sft_eval.EVAL_FILE} found in {workdir}")
             return state.params

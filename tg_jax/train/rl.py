@@ -66,8 +66,9 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
-from tg_jax.rl import distill_budget, hint_copies, tg_loss
+from tg_jax.rl import distill_budget, hint_copies
 from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.loss import distill_mask
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
@@ -339,13 +340,8 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
 
 
 def distilled_tokens(tg: Any, batch: Batch) -> int:
-    """Student tokens under the TG KL mask of `batch` (`tg_loss.tg_mask`, host arrays)."""
-    mask = tg_loss.tg_mask(
-        np.asarray(batch.distill_mask_BxT), np.asarray(batch.thinking_mask_BxT),
-        np.asarray(batch.failed_turn_mask_BxT), np.asarray(batch.loss_mask_BxT),
-        include_thinking=bool(tg.include_thinking), gate=str(tg.gate),
-    )  # fmt: skip
-    return int(np.sum(mask))
+    """Student tokens under the TG KL mask of `batch` (`loss.distill_mask`, host arrays)."""
+    return int(np.sum(distill_mask(batch, TGConfig.from_config(tg))))
 
 
 def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropped: float) -> None:

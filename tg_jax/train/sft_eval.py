@@ -105,14 +105,6 @@ def evaluate_base_model(
     return out
 
 
-def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
-    """The requirements of `config.env.requirements` that an sft_eval.json result has no
-    unprompted or hinted compliance for (a base model evaluated for other requirements, e.g.
-    the demo's base copied into a fence workdir)."""
-    kinds = ("unprompted_compliance", "hinted_compliance")
-    return [r for r in config.env.requirements if any(f"{k}/{r}" not in result for k in kinds)]
-
-
 def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]) -> dict:
     """Evaluates the base model on held-out `tasks` and writes `workdir/sft_eval.json`.
 

@@ -24,13 +24,28 @@ class BaseModelGateError(RuntimeError):
     """The SFT base model is outside the gates of `sft.require`; nothing downstream ran."""
 
 
+# The per-requirement figures the gates read from sft_eval.json ("<kind>/<requirement>").
+REQUIREMENT_KINDS = ("unprompted_compliance", "hinted_compliance")
+
+
 def gate_figures(config: Any, result: dict[str, Any]) -> dict[str, float | None]:
     """The gated figures of an sft_eval.json result (None = not measured)."""
     out: dict[str, float | None] = {"pass_rate": result.get("pass_rate")}
     for r in config.env.requirements:
-        for kind in ("unprompted_compliance", "hinted_compliance"):
+        for kind in REQUIREMENT_KINDS:
             out[f"{kind}/{r}"] = result.get(f"{kind}/{r}")
     return out
+
+
+def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
+    """The requirements of `config.env.requirements` whose gated figures an sft_eval.json
+    result lacks (a base model evaluated for other requirements, e.g. the demo's base copied
+    into a fence workdir)."""
+    figures = gate_figures(config, result)
+    return [
+        r for r in config.env.requirements
+        if any(figures[f"{kind}/{r}"] is None for kind in REQUIREMENT_KINDS)
+    ]  # fmt: skip
 
 
 def check_base_model(config: Any, result: dict[str, Any]) -> list[str]:
