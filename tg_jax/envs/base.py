@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 HINT_ROLE = "user"
@@ -143,8 +143,13 @@ def hint_text(requirements: Sequence[Requirement], names: Sequence[str]) -> str:
     unknown = set(names) - {r.name for r in requirements}
     if unknown:
         raise ValueError(f"unknown requirement(s) {sorted(unknown)}")
-    hints = {r.name: r.hint for r in requirements}
-    return "\n".join(hints[n] for n in sorted(set(names)))
+    return join_hints({r.name: r.hint for r in requirements if r.name in names})
+
+
+def join_hints(texts: Mapping[str, str]) -> str:
+    """The one hint message for several requirements, {name: its hint text}: one line each,
+    in name order (`hint_text`; the imperfect-feedback picks of a turn are joined the same)."""
+    return "\n".join(texts[n] for n in sorted(texts))
 
 
 def weighted_total(

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from tg_jax.envs import leakage
-from tg_jax.envs.base import Environment
+from tg_jax.envs.base import Environment, join_hints
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler, SampleResult
@@ -296,10 +296,16 @@ def requirement_hint_tokens(renderer: ChatRenderer, env: Environment) -> dict[st
     evaluation and the SFT transcripts show it."""
     names = [r.name for r in env.requirements]
     out = {n: renderer.render_message(hint_message(env.hint([n]))) for n in names}
-    for k in range(2, len(names) + 1):
-        for subset in itertools.combinations(names, k):
-            out[hint_key(subset)] = renderer.render_message(hint_message(env.hint(subset)))
+    for subset in _joint_subsets(names):
+        out[hint_key(subset)] = renderer.render_message(hint_message(env.hint(subset)))
     return out
+
+
+def _joint_subsets(names: Sequence[str]) -> list[tuple[str, ...]]:
+    """Every set of two or more of `names` (sorted): the turns that break several
+    requirements at once, each hinted with one message (`hint_key`)."""
+    names = sorted(names)
+    return [s for k in range(2, len(names) + 1) for s in itertools.combinations(names, k)]
 
 
 def hint_leaking_turns(ep: Episode, turn_hints: Sequence[Sequence[str]] | None = None) -> int:
@@ -321,9 +327,8 @@ def _picked_hints(
     tokens = []
     for turn in texts:
         messages = dict(turn)  # each pick, and the picks of 2+ requirements as one message
-        for k in range(2, len(turn) + 1):
-            for subset in itertools.combinations(sorted(turn), k):
-                messages[hint_key(subset)] = "\n".join(turn[n] for n in subset)
+        for subset in _joint_subsets(list(turn)):
+            messages[hint_key(subset)] = join_hints({n: turn[n] for n in subset})
         for t in set(messages.values()) - set(cache):
             cache[t] = renderer.render_message(hint_message(t))
         tokens.append({key: cache[t] for key, t in messages.items()})
