@@ -134,3 +134,24 @@ def test_report_compares_each_thinking_arm_with_tg_at_its_distilled_tokens():
     assert "(ratio 0.98): an equal distilled-token budget" in text
     del res["arms"]["tg_think"]
     assert "tg_think`" not in "\n".join(markdown._thinking_control(res))
+
+
+def test_the_budget_arm_from_the_command_line(tmp_path):
+    # The user's command: the tiny pipeline with tg and the budget arm, tg the baseline.
+    import json
+
+    from tests.test_frozen_teacher_cli import _main
+    from tests.test_pipeline import FAST_PIPELINE
+
+    work = tmp_path / "w"
+    overrides = [f"--config.{k}={v}" for k, v in {**FAST_PIPELINE, "rl_loop.steps": 2}.items()]
+    _main("configs/tiny.py", work, "--config.stage=pipeline",
+          "--config.pipeline.arms=('tg','tg_think_budget')",
+          "--config.eval.baseline=tg", *overrides)  # fmt: skip
+    for arm in ("tg", "tg_think_budget"):
+        summary = json.loads((work / "runs" / f"{arm}_seed0" / "rl_summary.json").read_text())
+        assert summary["finished"], summary
+    prereg = json.loads((work / "preregistration.json").read_text())
+    assert prereg["arms"]["tg_think_budget"]["tg"]["distill_budget"] == "answer_tokens"
+    md = (work / "report" / "report.md").read_text()
+    assert "| tg_think_budget |" in md  # compared with tg in the report's tables

@@ -127,3 +127,8 @@ def test_joint_config_runlocal_smoke(tmp_path):
     assert {"hinted_compliance/fence", "hinted_compliance/tool_json"} <= set(base)
     md = (work / "report" / "report.md").read_text()
     assert "held-out" in out and "joint" in md
+
+
+def test_joint_config_rejects_an_unknown_argument():
+    with pytest.raises(ValueError, match="configs/joint.py takes no argument or 'runlocal'"):
+        config_lib.load_config_file(os.path.join(CONFIG_DIR, "joint.py"), "big")
