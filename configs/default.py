@@ -90,7 +90,4 @@ def get_config(arg=None):
     c.eval = config_lib.eval_config(train_seeds=(0,))
     c.pipeline = ml_collections.ConfigDict()  # the main job
     c.pipeline.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS), same budget each
-    # RL runs (arm x seed) trained side by side, one process each (tg_jax.train.workers); the
-    # results do not depend on it. 1 = in turn, in this process.
-    c.pipeline.workers = 1
     return c

@@ -49,7 +49,6 @@ def get_config(arg=None):
     c.eval = config_lib.eval_config(train_seeds=(0,), max_new_tokens=2048)
     c.pipeline = ml_collections.ConfigDict()
     c.pipeline.arms = ("tg",)  # RL arms (tg_jax.train.pipeline.ARMS)
-    c.pipeline.workers = 1  # RL runs side by side, one process each (tg_jax.train.workers)
     if arg == "runlocal":
         c.model.update(dtype="float32", remat_policy="none", max_seq_len=None)
         c.tasks = config_lib.tasks_config(num_train=32, num_heldout=16)

@@ -40,5 +40,4 @@ def get_config(arg=None):
     c.eval = config_lib.tiny_eval_config(max_new_tokens=16)  # held-out evaluation, 1 seed
     c.pipeline = ml_collections.ConfigDict()  # the main job
     c.pipeline.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS)
-    c.pipeline.workers = 1  # RL runs side by side, one process each (tg_jax.train.workers)
     return c

@@ -151,17 +151,6 @@ def _context_section(res: dict[str, Any]) -> list[str]:
     if base:
         figures = ", ".join(f"{k} {_num(v)}" for k, v in base.items())
         lines.append(f"* Base model (SFT, sft_eval.json): {figures}.")
-    if int(ctx.get("workers") or 1) > 1:
-        wall = ctx.get("parallel_rl_wall_s")
-        lines.append(
-            f"* RL runs in {ctx['workers']} worker processes side by side "
-            f"(`pipeline.workers`): each run's wall time includes the others' load"
-            + (
-                f"; the runs trained in this invocation took {wall / 60:.1f} min of wall time."
-                if wall
-                else "."
-            )
-        )
     for a in ctx.get("sft_attempts") or []:
         lines.append(
             f"* SFT attempt {a['attempt']} (seed {a['seed']}, data_seed {a['data_seed']}, "

@@ -252,7 +252,7 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
     policy the way a user's Qwen3 is loaded.
     """
     if config.model.hf_checkpoint:
-        return model_dir_of(config, workdir), {}, []
+        return hf_dir.open_model_dir(config.model.hf_checkpoint), {}, []
     params, result, attempts = run_base_model(config, workdir, sources)
     out = paths.as_path(workdir) / BASE_MODEL_DIR
     if not (out / hf_dir.CONFIG_FILE).exists():
@@ -262,14 +262,7 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
             sft.write_tokenizer_files(config, sft_dir, tmp)
             hf_dir.export_model_dir(tmp, params, ModelConfig.from_config(model_config))
             hf_dir.copy_dir(tmp, str(out))
-    return model_dir_of(config, workdir), result, attempts
-
-
-def model_dir_of(config: Any, workdir: str) -> Any:
-    """The base model's checkpoint directory, opened: `model.hf_checkpoint`, or the one
-    `base_model_dir` wrote in `workdir` (it must exist)."""
-    path = config.model.hf_checkpoint or str(paths.as_path(workdir) / BASE_MODEL_DIR)
-    return hf_dir.open_model_dir(path)
+    return hf_dir.open_model_dir(str(out)), result, attempts
 
 
 def base_config(config: Any, sft_dir: str) -> Any:
@@ -284,72 +277,42 @@ def _export(cfg: Any, workdir: str, run_name: str, params: Any, md: Any) -> None
         hf_dir.export_model_dir(str(out), params, ModelConfig.from_config(cfg.model), md)
 
 
-def base_params_of(config: Any, md: Any) -> Any:
-    """The base model's params from its checkpoint directory `md`, on the config's mesh."""
-    model_cfg = ModelConfig.from_config(config.model)
-    return md.load_params(
-        model_cfg, mesh=sharding.make_mesh(config.mesh), rules=sharding.logical_rules(config.mesh)
-    )
-
-
-def run_dir_of(workdir: str, arm: str, seed: int) -> str:
-    return os.path.join(workdir, RUNS_DIR, f"{arm}_seed{int(seed)}")
-
-
-def train_and_evaluate(
-    cfg: Any, workdir: str, arm: str, seed: int, *, base_params, md, sources, eval_tasks
-) -> list[Any]:
-    """One RL run (arm, seed) from `base_params`, its export and its held-out evaluation; each
-    part cached or resumed. Returns the held-out records.
-
-    Raises:
-      checkpointing.Preempted: the run stopped on a preemption request (checkpoint saved).
-    """
-    run_name, run_dir = f"{arm}_seed{int(seed)}", run_dir_of(workdir, arm, seed)
-    result = rl.run_rl(
-        cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources,
-        renderer=md.renderer,
-        exporter=lambda p, out, c=cfg: hf_dir.export_model_dir(
-            out, p, ModelConfig.from_config(c.model), md
-        ),
-    )  # fmt: skip
-    if checkpointing.preemption_requested() or not result.finished:
-        raise _preempted(f"RL run {arm} seed {int(seed)}", run_dir)
-    _export(cfg, workdir, run_name, result.state.params, md)
-    return heldout.evaluate_run(cfg, run_dir, result.state.params, eval_tasks, renderer=md.renderer)
-
-
-def _run_arms(config, workdir, arms_cfgs, md, sources) -> tuple[list[Any], float | None]:
-    """Every RL run (arm x training seed) and its held-out evaluation, as report RunResults,
-    and the wall time of the parallel pass (None: no workers).
-
-    With `pipeline.workers` > 1 the runs not yet finished train first in that many worker
-    processes (`tg_jax.train.workers`); this loop then reads their cached results back."""
+def _run_arms(config, workdir, arms_cfgs, md, sources) -> list[Any]:
+    """Every RL run (arm x training seed) and its held-out evaluation, as report RunResults."""
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
     eval_tasks = data_stage.load_tasks(sources, "heldout", config.eval.num_tasks)
-    jobs = [(arm, int(seed)) for arm in arms_cfgs for seed in config.eval.train_seeds]
-    parallel_s = None
-    if int(config.pipeline.get("workers", 1)) > 1:
-        from tg_jax.train import workers  # noqa: PLC0415
-
-        parallel_s = workers.run_parallel(config, workdir, jobs, int(config.pipeline.workers))
-    base_params = base_params_of(config, md)
+    model_cfg = ModelConfig.from_config(config.model)
+    base_params = md.load_params(
+        model_cfg, mesh=sharding.make_mesh(config.mesh), rules=sharding.logical_rules(config.mesh)
+    )
     runs = []
-    for arm, seed in jobs:
-        records = train_and_evaluate(
-            arms_cfgs[arm], workdir, arm, seed,
-            base_params=base_params, md=md, sources=sources, eval_tasks=eval_tasks,
-        )  # fmt: skip
-        runs.append(
-            report.load_run_result(
-                run_dir_of(workdir, arm, seed),
-                records,
-                group=get_arm(arm).group,
-                description=get_arm(arm).description,
+    for arm, cfg in arms_cfgs.items():
+        for seed in config.eval.train_seeds:
+            run_name = f"{arm}_seed{int(seed)}"
+            run_dir = os.path.join(workdir, RUNS_DIR, run_name)
+            result = rl.run_rl(
+                cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources,
+                renderer=md.renderer,
+                exporter=lambda p, out, c=cfg: hf_dir.export_model_dir(
+                    out, p, ModelConfig.from_config(c.model), md
+                ),
             )  # fmt: skip
-        )
-    return runs, parallel_s
+            if checkpointing.preemption_requested() or not result.finished:
+                raise _preempted(f"RL run {arm} seed {int(seed)}", run_dir)
+            _export(cfg, workdir, run_name, result.state.params, md)
+            records = heldout.evaluate_run(
+                cfg, run_dir, result.state.params, eval_tasks, renderer=md.renderer
+            )
+            runs.append(
+                report.load_run_result(
+                    run_dir,
+                    records,
+                    group=get_arm(arm).group,
+                    description=get_arm(arm).description,
+                )  # fmt: skip
+            )
+    return runs
 
 
 def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
@@ -374,7 +337,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     config = hf_dir.resolve_config(config, md)
     arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
     protocol.preregister(config, workdir, arms_cfgs)  # before the first RL step
-    runs, parallel_s = _run_arms(config, workdir, arms_cfgs, md, sources)
+    runs = _run_arms(config, workdir, arms_cfgs, md, sources)
     context = {
         "machine": protocol.machine_info(),
         "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),
@@ -384,8 +347,6 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "budget": stability.tuning_budget(config),
         "budget_equal": len({json.dumps(stability.tuning_budget(c), sort_keys=True)
                              for c in arms_cfgs.values()}) <= 1,
-        "workers": int(config.pipeline.get("workers", 1)),
-        "parallel_rl_wall_s": parallel_s,
     }  # fmt: skip
     walls = [sft.read_sft_wall_s(sft_attempt(config, workdir, a["attempt"])[1]) for a in attempts]
     res = report.write_report(
@@ -425,12 +386,6 @@ def headline(res: dict[str, Any]) -> str:
             f"compute time {partial}{ct['total_s'] / 60:.1f} min: SFT {ct['sft_s'] / 60:.1f} + "
             f"RL {ct['rl_s'] / 60:.1f} + held-out evaluation {ct['eval_s'] / 60:.1f} "
             f"({ct['eval_runs']} of {ct['runs']} evaluations timed)"
-        )
-    ctx = res.get("context") or {}
-    if ctx.get("parallel_rl_wall_s"):
-        lines.append(
-            f"RL runs in {ctx['workers']} worker processes: "
-            f"{ctx['parallel_rl_wall_s'] / 60:.1f} min of wall time"
         )
     ni = res.get("noninferiority")
     if ni and ni["verdict"] == "not meaningful":
