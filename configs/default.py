@@ -14,9 +14,17 @@ Why these choices:
   * tasks.families = EASY_FAMILIES (constant copied from f(0)): a base model trained in minutes
     of CPU solves some but not all of them, so both arms have a reward signal to learn from.
   * The requirement is tool_json: the base model follows its hint and never meets it
-    unprompted. The fence requirement is implemented too, but no divergence taught it stably.
-  * TG is JSD(0.5) at lr 3e-4: the reverse KL's gradient vanishes where the student is sure of
-    its own format, and the forward KL drove degenerate outputs; the JSD learns the switch.
+    unprompted. The fence requirement has its own config (configs/fence.py).
+  * TG is the forward KL at lambda_tg 0.05, summed over the distilled tokens and divided by
+    trajectories x 50 tokens (the recipe of configs/fence.py). The format is decided at one
+    token per turn, where the base model is sure of its own format and the hinted teacher of
+    the other: there the reverse KL's and the JSD's gradients vanish (both saturate on
+    near-disjoint distributions), the forward KL's is p_student - p_teacher. JSD(0.5) at
+    lambda 1 learnt the protocol from some base models (those SFT stopped at 2500 steps) and
+    never from others: from a base trained to 3000 steps (sft.extend) its divergence stayed
+    flat at ~0.022 per token and compliance at 0.00 for 40 steps at lambda 1, 2 and 4, where
+    this recipe reached 0.9 by step 15 (docs/experiments.md). The forward KL at lambda 1
+    (token mean) drove degenerate outputs; at this strength it did not.
   * 4 groups x 8 rollouts: learn as fast per step as 8 groups, at half the step time.
   * The byte tokenizer (sft.tokenizer = "byte"), not the transcripts' BPE ("bpe": 512 ids,
     transcripts 2.3x shorter, a fence one token): at 2500 steps with as many transcripts per
@@ -75,10 +83,10 @@ def get_config(arg=None):
     c.rl = config_lib.rl_config(
         reward_weights=ml_collections.ConfigDict({"task": 1.0, "tool_json": 0.5})
     )
-    # Targeted guidance (the TG arm): JSD(0.5). The base model puts ~all its mass on its own
-    # format where the hinted teacher switches; the reverse KL's gradient vanishes there, and
-    # the forward KL learnt the switch but drove degenerate outputs (see the module docstring).
-    c.tg = config_lib.tg_config(kind="jsd", beta=0.5)
+    # Targeted guidance (the TG arm): forward KL at lambda_tg 0.05, token-sum over
+    # trajectories x 50 tokens; the module docstring says why not the reverse KL or the JSD.
+    c.tg = config_lib.tg_config(kind="forward", normalize="token_sum", norm_length=50.0)
+    c.tg.schedule.value = 0.05
     c.optim = config_lib.optim_config(lr=3e-4)  # RL optimizer (both arms)
     # The RL loop: 40 steps of 4 groups x 8 rollouts. Batch lengths in multiples of 128 tokens:
     # few distinct shapes, so few compiles.

@@ -12,15 +12,16 @@ the fence requirement). Measured results: docs/experiments.md.
 sections (single-turn episodes): a CPU smoke run of the config in about a minute (the tests).
 
 Why these choices:
-  * TG is the forward KL: the fence is decided at two tokens per turn (the first answer token
-    and the one after the code), where the base model is sure of its own format and the hinted
-    teacher of a backtick. There the reverse KL's and the JSD's gradients vanish (both
+  * TG is configs/default.py's: the forward KL at lambda_tg 0.05, token-sum over 32
+    trajectories x 50 tokens. The fence is decided at two tokens per turn (the first answer
+    token and the one after the code), where the base model is sure of its own format and the
+    hinted teacher of a backtick: there the reverse KL's and the JSD's gradients vanish (both
     saturate on near-disjoint distributions); the forward KL's is p_student - p_teacher.
   * lambda_tg 0.05: at 1.0 the forward KL's gradient is ~20x GRPO's and is clipped, the task
     reward stops counting and the policy degenerates (runs of backticks, task success ~0).
-  * tg.normalize token_sum over 32 trajectories x 50 tokens: at the start the same weight as
-    the token mean (~1600 distilled tokens), then the TG term shrinks with the number of failed
-    turns instead of putting the same weight on fewer tokens; one seed, docs/experiments.md.
+  * token_sum: at the start the same weight as the token mean (~1600 distilled tokens), then
+    the TG term shrinks with the number of failed turns instead of putting the same weight on
+    fewer tokens; one seed, docs/experiments.md.
   * The teacher is the current policy (tg.teacher_params "policy"): it drifts with it, so
     nothing here stops a longer run from drifting further. A teacher frozen at the base model
     (tg.teacher_params "reference") learnt the fence about as well over three seeds, at the
@@ -45,12 +46,8 @@ def get_config(arg=None):
     c.env.requirements = ("fence",)  # the requirement RL judges and TG teaches
     # GRPO (both arms): task reward plus the fence reward.
     c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5})
-    # Targeted guidance: forward KL at lambda_tg 0.05, summed over the distilled tokens and
-    # divided by trajectories x 50 tokens (the module docstring says why).
-    c.tg.kind = "forward"
-    c.tg.schedule.value = 0.05
-    c.tg.normalize = "token_sum"
-    c.tg.norm_length = 50.0
+    # Targeted guidance: configs/default.py's forward KL at lambda_tg 0.05, token_sum (the
+    # module docstring says why).
     if arg == "runlocal":
         tiny = config_lib.load_config_file(os.path.join(here, "tiny.py"))
         for section in ("model", "tasks", "sft", "rl_loop", "eval"):

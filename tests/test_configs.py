@@ -58,8 +58,9 @@ def test_step_config_typed_once():
     assert typed.rl.tis_cap is None and typed.rl.dual_clip is None  # 0 = off becomes None
     assert typed.rl.norm_length is None and typed.tg.top_k is None
     assert typed.rl.reward_weights == (("task", 1.0), ("tool_json", 0.5))
-    assert typed.tg.kind == "jsd" and typed.tg.beta == 0.5 and typed.optim.lr == 3e-4
-    assert isinstance(typed.tg.schedule.value, float)
+    assert typed.tg.kind == "forward" and typed.tg.normalize == "token_sum"
+    assert typed.tg.norm_length == 50.0 and typed.optim.lr == 3e-4
+    assert isinstance(typed.tg.schedule.value, float) and typed.tg.schedule.value == 0.05
     with pytest.raises(dataclasses.FrozenInstanceError):
         typed.rl.kl_coef = 1.0
 

@@ -59,13 +59,26 @@ def test_every_arm_applies_to_the_default_and_experiment_configs():
                 ):
                     assert key not in overrides
                     continue  # a requirement this config does not reward: left out
-                node = cfg
+                node, base = cfg, config
                 for part in key.split("."):
-                    node = node[part]
+                    node, base = node[part], base[part]
+                if isinstance(value, pipeline.Scale):  # relative to the config's own value
+                    assert node == pytest.approx(base * value.factor), (name, arm, key)
+                    continue
                 assert node == value, (name, arm, key)
     experiment = config_lib.load_config_file(os.path.join(CONFIG_DIR, "experiment.py"))
     assert set(experiment.pipeline.arms) == set(pipeline.ARMS)
     assert len(experiment.eval.train_seeds) >= 3
+
+
+def test_lambda_ablations_scale_the_configs_own_lambda():
+    for name in ("default.py", "fence.py", "joint.py"):
+        config = config_lib.load_config_file(os.path.join(CONFIG_DIR, name))
+        lam = config.tg.schedule.value
+        high = pipeline.arm_config(config, "tg_lambda_high").tg.schedule.value
+        low = pipeline.arm_config(config, "tg_lambda_low").tg.schedule.value
+        assert (high, low) == (pytest.approx(4 * lam), pytest.approx(lam / 4)), name
+        assert config.tg.schedule.value == lam  # the shared config untouched
 
 
 def test_task_only_arms_and_aliases():

@@ -63,6 +63,15 @@ class Arm:
 # Every requirement-reward weight (every rl.reward_weights key but "task"), in an override.
 EVERY_REQUIREMENT_WEIGHT = "rl.reward_weights.*"
 
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """An override value relative to the config's own: that value times `factor` (so an
+    ablation of lambda_tg stays x4 / 4 of whatever lambda the config sets)."""
+
+    factor: float
+
+
 # Every arm differs from the shared config only by these overrides (docs/design.md section 4:
 # same data, sampling budget and tuning budget for all of them).
 ARMS: dict[str, Arm] = {
@@ -100,10 +109,10 @@ ARMS: dict[str, Arm] = {
         "TG with the requirement rewards removed (task reward only; pairs with grpo_task_only)",
     ),
     "tg_lambda_high": Arm(
-        {"tg.enabled": True, "tg.schedule.value": 4.0}, "ablation", "TG with lambda_tg x4"
+        {"tg.enabled": True, "tg.schedule.value": Scale(4.0)}, "ablation", "TG with lambda_tg x4"
     ),
     "tg_lambda_low": Arm(
-        {"tg.enabled": True, "tg.schedule.value": 0.25}, "ablation", "TG with lambda_tg / 4"
+        {"tg.enabled": True, "tg.schedule.value": Scale(0.25)}, "ablation", "TG with lambda_tg / 4"
     ),
     "tg_stress": Arm(
         {
@@ -133,12 +142,18 @@ def get_arm(name: str) -> Arm:
 
 def arm_overrides(config: Any, arm: str) -> dict[str, Any]:
     """The concrete overrides of `arm` on `config`: `EVERY_REQUIREMENT_WEIGHT` becomes one
-    key per requirement weight of the config, and a requirement-reward override for a
-    requirement the config does not reward is left out."""
+    key per requirement weight of the config, a `Scale` the config's value times its factor,
+    and a requirement-reward override for a requirement the config does not reward is left
+    out."""
     weights = [k for k in config.rl.reward_weights if k != "task"]
     out = {}
     for k, v in get_arm(arm).overrides.items():
-        if k == EVERY_REQUIREMENT_WEIGHT:
+        if isinstance(v, Scale):
+            node = config
+            for part in k.split("."):
+                node = node[part]
+            out[k] = float(node) * v.factor
+        elif k == EVERY_REQUIREMENT_WEIGHT:
             out.update({f"rl.reward_weights.{w}": v for w in weights})
         elif not k.startswith("rl.reward_weights.") or k.rsplit(".", 1)[1] in weights + ["task"]:
             out[k] = v
