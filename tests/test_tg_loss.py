@@ -87,6 +87,30 @@ def test_divergence_analytic_gradients():
     np.testing.assert_allclose(g_fwd, ps - pt, rtol=1e-5, atol=1e-7)
 
 
+def test_only_the_forward_kl_moves_a_confident_decision_token():
+    # The default's decision token: the student (base model) puts 1 - 2 eps on its own format
+    # (token 0), the hinted teacher 1 - 2 eps on the other (token 1). The forward KL's logit
+    # gradient is p_s - p_t, about -1 on the teacher's token whatever eps; the reverse KL's
+    # and the JSD's scale with eps (times log 1/eps): the reason for configs/default.py's TG.
+    eps = 1e-4
+    student = jnp.log(jnp.array([[1 - 2 * eps, eps, eps]]))
+    teacher = jnp.log(jnp.array([[eps, 1 - 2 * eps, eps]]))
+    grads = {
+        kind: np.asarray(
+            jax.grad(lambda a, k=kind: tg.token_divergence(a, teacher, kind=k).sum())(student)
+        )[0]
+        for kind in KINDS
+    }
+    np.testing.assert_allclose(grads["forward"], [1 - 3 * eps, -(1 - 3 * eps), 0.0], atol=1e-6)
+    ls, lt = np.asarray(student[0], np.float64), np.asarray(teacher[0], np.float64)
+    ps = np.exp(ls)  # reverse KL: p_s,j (log p_s,j - log p_t,j - KL)
+    np.testing.assert_allclose(
+        grads["reverse"], ps * (ls - lt - (ps * (ls - lt)).sum()), rtol=1e-3, atol=1e-7
+    )
+    assert abs(grads["reverse"][1]) < 20 * eps and abs(grads["jsd"][1]) < 20 * eps
+    assert abs(grads["forward"][1]) > 50 * max(abs(grads["reverse"][1]), abs(grads["jsd"][1]))
+
+
 def test_divergence_known_values():
     z = _logits(4, (3, 6))
     for kind in KINDS:  # D(p, p) = 0
