@@ -22,9 +22,10 @@ Why these choices:
     near-disjoint distributions), the forward KL's is p_student - p_teacher. JSD(0.5) at
     lambda 1 learnt the protocol from some base models (those SFT stopped at 2500 steps) and
     never from others: from a base trained to 3000 steps (sft.extend) its divergence stayed
-    flat at ~0.022 per token and compliance at 0.00 for 40 steps at lambda 1, 2 and 4, where
-    this recipe reached 0.9 by step 15 (docs/experiments.md). The forward KL at lambda 1
-    (token mean) drove degenerate outputs; at this strength it did not.
+    flat at ~0.022 per token and compliance at 0.00 (40 steps at lambda 1; lambda 2 and 4
+    stopped at steps 19 and 16, still at 0.00), where this recipe reached 0.9 by step 15
+    (docs/experiments.md). The forward KL at lambda 1 (token mean) drove degenerate outputs;
+    at this strength it did not.
   * 4 groups x 8 rollouts: learn as fast per step as 8 groups, at half the step time.
   * The byte tokenizer (sft.tokenizer = "byte"), not the transcripts' BPE ("bpe": 512 ids,
     transcripts 2.3x shorter, a fence one token): at 2500 steps with as many transcripts per
