@@ -27,6 +27,7 @@ EXTRAS = {
     "test": [
         "pytest",
         "pytest-xdist",
+        "pytest-timeout",
         "chex",
         "ruff",
         "torch==2.13.0",

@@ -47,7 +47,11 @@ case "$cmd" in
     "$VENV/bin/ruff" check tg_jax tests configs
     "$VENV/bin/ruff" format --check tg_jax tests configs
     echo "[local.sh] pytest"
-    "$PY" -m pytest -q -n 2 --dist loadfile tests "$@"
+    # One line per test, named with its worker (a worker that dies names the test it ran);
+    # a test that runs past 15 min fails with its stack (pytest-timeout), so a hang can
+    # neither stall the run nor hide where it happened; at most 2 crashed workers are replaced.
+    "$PY" -m pytest -v -n 2 --dist loadfile --timeout=900 --max-worker-restart=2 \
+      --durations=30 -rfEs tests "$@"
     ;;
   pin)
     # constraints.txt = its comment header + pip freeze of the venv, without tg_jax itself.

@@ -1,13 +1,19 @@
 """Test-wide JAX settings: CPU, 8 simulated devices, strict rank promotion, persistent cache."""
 
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Nothing is downloaded in tests (CI reaches only the package registries): Hugging Face
+# libraries read local files only, and fail at once instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 _cache = os.environ.get(
@@ -15,3 +21,13 @@ _cache = os.environ.get(
 )
 jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees each test file's compiled programs when it ends: a test worker runs many files,
+    and their in-memory executables would otherwise add up over the whole run (the persistent
+    cache keeps later compiles of the same programs cheap)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
