@@ -97,6 +97,7 @@ def get_config(arg=None):
     # Final held-out evaluation, NI margin, report; one training seed per arm (the main job's
     # budget; configs/experiment.py runs 3).
     c.eval = config_lib.eval_config(train_seeds=(0,))
-    c.pipeline = ml_collections.ConfigDict()  # the main job
-    c.pipeline.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS), same budget each
+    # The main job: RL arms (tg_jax.train.pipeline.ARMS), same budget each; no learning-rate
+    # trials (pipeline.tune.lrs: every arm at optim.lr).
+    c.pipeline = config_lib.pipeline_config(arms=("grpo", "tg"))
     return c

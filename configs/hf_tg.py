@@ -47,8 +47,7 @@ def get_config(arg=None):
         seq_len=8192, length_multiple=512, checkpoint_every=10, eval_every=50,
     )  # fmt: skip
     c.eval = config_lib.eval_config(train_seeds=(0,), max_new_tokens=2048)
-    c.pipeline = ml_collections.ConfigDict()
-    c.pipeline.arms = ("tg",)  # RL arms (tg_jax.train.pipeline.ARMS)
+    c.pipeline = config_lib.pipeline_config(arms=("tg",))  # RL arms (tg_jax.train.pipeline.ARMS)
     if arg == "runlocal":
         c.model.update(dtype="float32", remat_policy="none", max_seq_len=None)
         c.tasks = config_lib.tasks_config(num_train=32, num_heldout=16)

@@ -38,6 +38,6 @@ def get_config(arg=None):
     c.optim = config_lib.optim_config(lr=1e-3)  # RL optimizer (large: visible in a few steps)
     c.rl_loop = config_lib.tiny_loop_config(max_new_tokens=16)  # a few RL steps in seconds
     c.eval = config_lib.tiny_eval_config(max_new_tokens=16)  # held-out evaluation, 1 seed
-    c.pipeline = ml_collections.ConfigDict()  # the main job
-    c.pipeline.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS)
+    c.pipeline = config_lib.pipeline_config(arms=("grpo", "tg"))  # the main job
+    c.pipeline.tune.update(val_tasks=8, samples_per_task=1)  # when trials are asked for
     return c

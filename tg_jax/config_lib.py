@@ -473,6 +473,22 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     return c
 
 
+def pipeline_config(**overrides: Any) -> ml_collections.ConfigDict:
+    """The main job (tg_jax.train.pipeline): its arms and their learning-rate selection."""
+    c = ml_collections.ConfigDict()
+    c.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS), same budget each
+    # Learning-rate trials, the same for every arm (tg_jax.train.tuning): each arm trains once
+    # per rate on the train split minus a validation split, is scored there, and its
+    # eval.train_seeds runs use its best rate. () = no trials: every arm at optim.lr.
+    c.tune = ml_collections.ConfigDict()
+    c.tune.lrs = ()  # learning rates tried per arm, e.g. (1e-4, 3e-4, 1e-3)
+    c.tune.seed = 1000  # training seed of the trials (not one of eval.train_seeds)
+    c.tune.val_tasks = 128  # last tasks of the train split: the trials' validation split
+    c.tune.samples_per_task = 2  # validation episodes per task (plain prompts)
+    c.update(overrides)
+    return c
+
+
 def tiny_eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     """A held-out evaluation that runs in seconds on CPU (tests)."""
     c = eval_config(

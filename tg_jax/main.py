@@ -172,6 +172,13 @@ def main(argv):
             StepConfig.from_config(config)
         except ValueError as e:
             _fail(f"invalid config: {e}")
+    if config.stage == "pipeline" and "pipeline" in config:
+        from tg_jax.train import tuning
+
+        try:  # learning-rate trials that cannot run, before data and SFT
+            tuning.check_tune_config(config)
+        except ValueError as e:
+            _fail(f"invalid config: {e}")
     from tg_jax.tpu import distributed
 
     use_compilation_cache()

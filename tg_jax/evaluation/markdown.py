@@ -309,8 +309,10 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
     ct = res.get("compute_time") or {}
     if ct:
         eval_s = ct["eval_s"] if ct["eval_runs"] else None
-        parts = [f"SFT {_minutes(ct.get('sft_s'))}", f"RL {_minutes(ct['rl_s'])}",
-                 f"held-out evaluation {_minutes(eval_s)}"]  # fmt: skip
+        parts = [f"SFT {_minutes(ct.get('sft_s'))}"]
+        if ct.get("tune_s") is not None:
+            parts.append(f"learning-rate trials {_minutes(ct['tune_s'])}")
+        parts += [f"RL {_minutes(ct['rl_s'])}", f"held-out evaluation {_minutes(eval_s)}"]
         timed = f"{ct['eval_runs']} of {ct['runs']} runs timed"
         lines += [
             "Compute time of the protocol (sum of the stages' wall times; a resumed stage sums "
@@ -401,23 +403,50 @@ def _budget_section(res: dict[str, Any]) -> list[str]:
     tokens = b.get("sampled_token_budget")
     cap = "no fixed cap (turns left to the environment)" if tokens is None else _big(tokens)
     equal = (res.get("context") or {}).get("budget_equal", True)
+    tuning = (res.get("context") or {}).get("tuning")
     arms = ", ".join(f"`{a}`" for a in res["arms"])
-    return [
+    lr = (f"learning rate {b['lr']:g} for every arm, not tuned (one trial each)" if not tuning
+          else "each arm's learning rate chosen by the procedure below")  # fmt: skip
+    lines = [
         "## Equal tuning budget",
         "",
         f"Every arm ({arms}) trained with the same budget: {b['steps']} RL steps of "
         f"{b['groups_per_step']} groups x {b['rollouts_per_group']} rollouts "
         f"({b['episodes']} episodes), at most {b['max_new_tokens_per_turn']} new tokens per "
         f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
-        f"{cap}), learning rate {b['lr']:g} ({b['lr_schedule']}), training seeds "
+        f"{cap}), {lr} ({b['lr_schedule']}), training seeds "
         f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
         + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). " if equal
            else "**The arms' budgets differ: the comparison is not at an equal budget.** ")
         + "No learning rate or other setting was tuned on the held-out tasks: they are "
-        "evaluated once, after training; the settings were fixed in the config and the "
-        "pre-registration before the first RL step.",
+        "evaluated once, after training; the settings, and the tuning procedure if any, were "
+        "fixed in the config and the pre-registration before the first RL step.",
         "",
     ]  # fmt: skip
+    return lines + (_tuning_lines(tuning) if tuning else [])
+
+
+def _tuning_lines(t: dict[str, Any]) -> list[str]:
+    """The learning-rate trials: the procedure, one row per arm, its choice."""
+    lrs = t["lrs"]
+    rows = []
+    for arm, a in t["arms"].items():
+        cells = [f"{x['score']:.3f} (task {x['task_success']:.2f}, compliance "
+                 f"{x['compliance']:.2f})" for x in a["trials"]]  # fmt: skip
+        rows.append([f"`{arm}`", *cells, f"{a['chosen_lr']:g}"])
+    return [
+        f"Learning-rate trials (tg_jax.train.tuning): every arm trained once per rate "
+        f"({', '.join(f'{x:g}' for x in lrs)}; {len(lrs)} trials per arm) with training seed "
+        f"{t['seed']} on the train tasks minus a validation split of {t['val_tasks']} of them, "
+        f"which the trials never trained on; each trial was scored on that split (plain "
+        f"prompts, {t['samples_per_task']} episode(s) per task) by one yardstick for every "
+        f"arm, the {t['score']}; each arm kept its best rate (a tie keeps the first listed) "
+        "and trained its seeds at it on the whole train split. The held-out tasks were not "
+        f"read. Trials' compute: {_minutes(t.get('wall_s'))}.",
+        "",
+        *_table(["arm", *[f"lr {x:g}" for x in lrs], "chosen lr"], rows),
+        "",
+    ]
 
 
 def _group_sections(res: dict[str, Any]) -> list[str]:

@@ -119,8 +119,11 @@ def _curve(records: Sequence[Mapping[str, Any]], stage: str, key: str) -> list[l
     return [[s, latest[s]] for s in sorted(latest)]
 
 
-def compute_time(runs: Sequence[RunResult], sft_wall_s: float | None = None) -> dict[str, Any]:
-    """Summed wall times of the protocol's stages: SFT, every run's RL and held-out evaluation.
+def compute_time(
+    runs: Sequence[RunResult], sft_wall_s: float | None = None, tune_wall_s: float | None = None
+) -> dict[str, Any]:
+    """Summed wall times of the protocol's stages: SFT, the learning-rate trials (`tune_s`,
+    None without them), every run's RL and held-out evaluation.
 
     Runs without a timed evaluation (e.g. evaluated before the time was recorded) count 0 for
     it, and `eval_runs` says how many were timed; `complete` is False when anything was not
@@ -128,14 +131,18 @@ def compute_time(runs: Sequence[RunResult], sft_wall_s: float | None = None) -> 
     """
     rl_s = sum(float(r.costs.get("wall_time_s", 0.0)) for r in runs)
     evals = [float(r.costs["eval_wall_time_s"]) for r in runs if "eval_wall_time_s" in r.costs]
-    total = rl_s + sum(evals) + (sft_wall_s or 0.0)
+    total = rl_s + sum(evals) + (sft_wall_s or 0.0) + (tune_wall_s or 0.0)
     complete = len(evals) == len(runs) and sft_wall_s is not None
-    return {"sft_s": sft_wall_s, "rl_s": rl_s, "eval_s": sum(evals), "runs": len(runs),
-            "eval_runs": len(evals), "total_s": total, "complete": complete}  # fmt: skip
+    return {"sft_s": sft_wall_s, "tune_s": tune_wall_s, "rl_s": rl_s, "eval_s": sum(evals),
+            "runs": len(runs), "eval_runs": len(evals), "total_s": total,
+            "complete": complete}  # fmt: skip
 
 
 def compute_results(
-    runs: Sequence[RunResult], settings: ReportSettings, sft_wall_s: float | None = None
+    runs: Sequence[RunResult],
+    settings: ReportSettings,
+    sft_wall_s: float | None = None,
+    tune_wall_s: float | None = None,
 ) -> dict[str, Any]:
     """Every number of the report, JSON-ready (see the module docstring)."""
     arms = _by_arm(runs)
@@ -194,7 +201,7 @@ def compute_results(
     # One arm alone (e.g. TG from a user's checkpoint): figures, no comparison.
     out["single_arm"] = settings.baseline not in arms
     out["noninferiority"] = out["comparisons"].get(settings.candidate, {}).get("noninferiority")
-    out["compute_time"] = compute_time(runs, sft_wall_s)
+    out["compute_time"] = compute_time(runs, sft_wall_s, tune_wall_s)
     return out
 
 
@@ -217,6 +224,7 @@ def write_report(
     settings: ReportSettings | Mapping[str, Any] | Any = ReportSettings(),
     sft_wall_s: float | None = None,
     context: Mapping[str, Any] | None = None,
+    tune_wall_s: float | None = None,
 ) -> dict[str, Any]:
     """Writes report.md, results.json and curve PNGs to `out_dir`; returns the results dict.
 
@@ -229,8 +237,10 @@ def write_report(
         "Setting": "machine" (`evaluation.protocol.machine_info`), "preregistration"
         ({"path", "sha256"}), "base_model" (headline figures of sft_eval.json),
         "sft_attempts" (one {"attempt", "seed", "data_seed", "workdir", "verdict"} each),
-        "budget" (`evaluation.stability.tuning_budget`) and "budget_equal" (every arm's
-        budget is the same).
+        "budget" (`evaluation.stability.tuning_budget`), "budget_equal" (every arm's
+        budget is the same) and "tuning" (`tg_jax.train.tuning.tune_arms`' result, or None:
+        no learning-rate trials).
+      tune_wall_s: the learning-rate trials' wall time (RL + validation), None without them.
 
     Returns:
       The results dict written to results.json (NaN written as null).
@@ -239,7 +249,7 @@ def write_report(
         settings = ReportSettings.from_config(settings)
     out_dir = os.fspath(paths.as_path(out_dir))
     paths.as_path(out_dir).mkdir(parents=True, exist_ok=True)
-    res = compute_results(runs, settings, sft_wall_s)
+    res = compute_results(runs, settings, sft_wall_s, tune_wall_s)
     res["context"] = dict(context or {})
     res = _json_safe(res)
     paths.write_json_atomic(paths.as_path(out_dir) / RESULTS_FILE, res, indent=1, allow_nan=False)

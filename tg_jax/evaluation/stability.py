@@ -71,6 +71,12 @@ def arm_stability(
     return out
 
 
+def _tune(config: Any) -> Any:
+    pipeline = config.get("pipeline") if hasattr(config, "get") else None
+    tune = pipeline.get("tune") if pipeline is not None else None
+    return tune if tune is not None else {}
+
+
 def tuning_budget(config: Any) -> dict[str, Any]:
     """What every arm of `config` shares: RL steps, groups, rollouts, token budgets, the
     optimizer, training seeds and held-out tasks (JSON-ready; the report states it)."""
@@ -91,5 +97,8 @@ def tuning_budget(config: Any) -> dict[str, Any]:
         "lr_schedule": str(config.optim.schedule),
         "train_seeds": [int(s) for s in ev.train_seeds],
         "heldout_tasks": int(ev.num_tasks),
+        # Learning-rate trials per arm on a validation split of the train tasks
+        # (tg_jax.train.tuning; 1 = none, the config's rate).
+        "lr_trials": max(1, len(tuple(_tune(config).get("lrs", ())))),
         "lr_tuned_on_heldout": False,
     }

@@ -10,8 +10,10 @@ Layout of `workdir`:
                              Qwen3 chat template); every RL run starts
                              from it. With `model.hf_checkpoint` there is no SFT: that
                              directory is the base model.
+  tune/                      with pipeline.tune.lrs: each arm's learning-rate trials on a
+                             validation split of the train tasks, tuning.json (tg_jax.train.tuning)
   runs/<arm>_seed<s>/        one RL run per arm and training seed (checkpoints, metrics,
-                             rl_summary.json, heldout.jsonl)
+                             rl_summary.json, heldout.jsonl), at the arm's chosen rate
   export/<arm>_seed<s>/      each run's final policy as a checkpoint directory (transformers'
                              `from_pretrained` loads it; tokenizer and template copied)
   report/                    report.md, results.json, curve PNGs
@@ -46,7 +48,7 @@ from typing import Any
 from tg_jax import checkpointing, config_lib, paths, sharding
 from tg_jax.evaluation import heldout, protocol, stability
 from tg_jax.models import ModelConfig, hf_dir
-from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates
+from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates, tuning
 
 RUNS_DIR, REPORT_DIR, EXPORT_DIR, BASE_MODEL_DIR = "runs", "report", "export", "base_model"
 
@@ -292,15 +294,17 @@ def _export(cfg: Any, workdir: str, run_name: str, params: Any, md: Any) -> None
         hf_dir.export_model_dir(str(out), params, ModelConfig.from_config(cfg.model), md)
 
 
-def _run_arms(config, workdir, arms_cfgs, md, sources) -> list[Any]:
+def _load_base_params(config: Any, md: Any) -> Any:
+    model_cfg = ModelConfig.from_config(config.model)
+    mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config.mesh)
+    return md.load_params(model_cfg, mesh=mesh, rules=rules)
+
+
+def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]:
     """Every RL run (arm x training seed) and its held-out evaluation, as report RunResults."""
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
     eval_tasks = data_stage.load_tasks(sources, "heldout", config.eval.num_tasks)
-    model_cfg = ModelConfig.from_config(config.model)
-    base_params = md.load_params(
-        model_cfg, mesh=sharding.make_mesh(config.mesh), rules=sharding.logical_rules(config.mesh)
-    )
     runs = []
     for arm, cfg in arms_cfgs.items():
         for seed in config.eval.train_seeds:
@@ -339,6 +343,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     arms = tuple(config.pipeline.arms)
     for arm in arms:
         arm_config(config, arm)
+    tuning.check_tune_config(config)
     if len(arms) > 1 and str(config.eval.baseline) not in arms:
         raise ValueError(
             f"eval.baseline {config.eval.baseline!r} is not among pipeline.arms "
@@ -351,8 +356,17 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         config = base_config(config, attempts[-1]["workdir"])
     config = hf_dir.resolve_config(config, md)
     arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
-    protocol.preregister(config, workdir, arms_cfgs)  # before the first RL step
-    runs = _run_arms(config, workdir, arms_cfgs, md, sources)
+    protocol.preregister(config, workdir, arms_cfgs)  # before the first RL step (trials too)
+    base_params = _load_base_params(config, md)
+    tuned = None
+    if tuning.enabled(config):  # the same learning-rate trials for every arm
+        tuned = tuning.tune_arms(
+            config, workdir, arms_cfgs, base_params, sources, run_rl=rl.run_rl,
+            renderer=md.renderer,
+        )  # fmt: skip
+    runs = _run_arms(
+        config, workdir, tuning.tuned_configs(arms_cfgs, tuned), md, sources, base_params
+    )
     context = {
         "machine": protocol.machine_info(),
         "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),
@@ -362,6 +376,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "budget": stability.tuning_budget(config),
         "budget_equal": len({json.dumps(stability.tuning_budget(c), sort_keys=True)
                              for c in arms_cfgs.values()}) <= 1,
+        "tuning": tuned,
     }  # fmt: skip
     walls = [sft.read_sft_wall_s(sft_attempt(config, workdir, a["attempt"])[1]) for a in attempts]
     res = report.write_report(
@@ -369,6 +384,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         runs,
         config.eval,
         sft_wall_s=None if (None in walls or not walls) else sum(walls),
+        tune_wall_s=tuned["wall_s"] if tuned else None,
         context=context,
     )
     print(headline(res))
@@ -397,9 +413,11 @@ def headline(res: dict[str, Any]) -> str:
     ct = res.get("compute_time")
     if ct and ct.get("sft_s") is not None:
         partial = "" if ct["complete"] else "at least "
+        tune_s = ct.get("tune_s")
+        trials = "" if tune_s is None else f"learning-rate trials {tune_s / 60:.1f} + "
         lines.append(
             f"compute time {partial}{ct['total_s'] / 60:.1f} min: SFT {ct['sft_s'] / 60:.1f} + "
-            f"RL {ct['rl_s'] / 60:.1f} + held-out evaluation {ct['eval_s'] / 60:.1f} "
+            f"{trials}RL {ct['rl_s'] / 60:.1f} + held-out evaluation {ct['eval_s'] / 60:.1f} "
             f"({ct['eval_runs']} of {ct['runs']} evaluations timed)"
         )
     ni = res.get("noninferiority")
