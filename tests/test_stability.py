@@ -118,7 +118,7 @@ def test_report_shows_stability_leakage_budget_and_per_run_costs(tmp_path):
     assert "| tg | 0.050 +- n/a | 0.50 [0.50, 0.50] | 1.00 [1.00, 1.00] |" in md
     assert "## Equal tuning budget" in md and "4 RL steps of 2 groups x 2 rollouts" in md
     assert "sampled-token cap 256" in md and "Learning-rate trials" not in md
-    assert "learning rate 0.001 for every arm, not tuned (one trial each)" in md
+    assert "learning rate 0.001 for every arm, not tuned (one trial each) (schedule constant)" in md
     assert "No learning rate or other setting was tuned on the held-out tasks" in md
     assert "| tg | 5.0 | n/a | 10k | 1G | 1k | 300M | n/a |" in md
     assert "ratio 2.50" in md and "NOT an equal distilled-token budget" in md

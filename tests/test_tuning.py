@@ -145,6 +145,7 @@ def test_every_arm_gets_the_same_trials_and_runs_at_its_best_rate(tmp_path, monk
     md = (tmp_path / "report" / "report.md").read_text()
     assert "2 trials per arm" in md and "validation split of 4" in md
     assert f"| `tg` | {tuned['arms']['tg']['trials'][0]['score']:.3f}" in md
+    assert "![tuning.png](tuning.png)" in md and (tmp_path / "report" / "tuning.png").is_file()
     # A rerun reads every trial back: nothing is retrained or re-validated.
     calls.clear()
     stamp = os.path.getmtime(tmp_path / "tune" / "tg_lr1" / "validation.jsonl")

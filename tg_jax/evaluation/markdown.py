@@ -7,7 +7,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tg_jax.evaluation import stats
-from tg_jax.evaluation.plots import CURVE_METRICS, FOREST_FILE, curve_file, curve_groups
+from tg_jax.evaluation.plots import (
+    CURVE_METRICS,
+    FOREST_FILE,
+    TUNING_FILE,
+    curve_file,
+    curve_groups,
+)
 
 # Cost columns of the report, in this order (RunResult.costs keys).
 COST_KEYS = (
@@ -414,7 +420,7 @@ def _budget_section(res: dict[str, Any]) -> list[str]:
         f"{b['groups_per_step']} groups x {b['rollouts_per_group']} rollouts "
         f"({b['episodes']} episodes), at most {b['max_new_tokens_per_turn']} new tokens per "
         f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
-        f"{cap}), {lr} ({b['lr_schedule']}), training seeds "
+        f"{cap}), {lr} (schedule {b['lr_schedule']}), training seeds "
         f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
         + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). " if equal
            else "**The arms' budgets differ: the comparison is not at an equal budget.** ")
@@ -445,6 +451,8 @@ def _tuning_lines(t: dict[str, Any]) -> list[str]:
         f"read. Trials' compute: {_minutes(t.get('wall_s'))}.",
         "",
         *_table(["arm", *[f"lr {x:g}" for x in lrs], "chosen lr"], rows),
+        "",
+        f"![{TUNING_FILE}]({TUNING_FILE})",
         "",
     ]
 

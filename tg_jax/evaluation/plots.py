@@ -136,3 +136,37 @@ def plot_differences(res: dict[str, Any], out_dir: str) -> str | None:
     _save_png(fig, path)
     plt.close(fig)
     return path
+
+
+TUNING_FILE = "tuning.png"
+
+
+def plot_tuning(res: dict[str, Any], out_dir: str) -> str | None:
+    """tuning.png: each arm's validation score against the learning rates tried (log x), its
+    chosen rate marked. None without learning-rate trials."""
+    t = (res.get("context") or {}).get("tuning")
+    if not t or not t.get("arms"):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (arm, a) in enumerate(t["arms"].items()):
+        lrs = [x["lr"] for x in a["trials"]]
+        scores = [x["score"] for x in a["trials"]]
+        (line,) = ax.plot(lrs, scores, "o-", color=f"C{i % 10}", label=arm)
+        best = lrs.index(a["chosen_lr"])
+        ax.plot([lrs[best]], [scores[best]], "*", ms=14, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("validation score")
+    ax.set_title(f"learning-rate trials on {t['val_tasks']} validation tasks (star: chosen)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.fspath(as_path(out_dir) / TUNING_FILE)
+    _save_png(fig, path)
+    plt.close(fig)
+    return path

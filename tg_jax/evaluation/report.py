@@ -41,6 +41,7 @@ from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups
     curve_groups,
     plot_curves,
     plot_differences,
+    plot_tuning,
 )
 from tg_jax.sampling.episode import EpisodeRecord
 
@@ -255,6 +256,7 @@ def write_report(
     paths.write_json_atomic(paths.as_path(out_dir) / RESULTS_FILE, res, indent=1, allow_nan=False)
     plot_curves(res, out_dir)
     plot_differences(res, out_dir)
+    plot_tuning(res, out_dir)
     (paths.as_path(out_dir) / REPORT_FILE).write_text(render_markdown(res))
     return res
 
