@@ -82,6 +82,7 @@ def evaluate_heldout(
         max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
         max_total_tokens=int(config.model.max_seq_len),
         temperature=float(ev.temperature if temperature is None else temperature),
+        env_workers=int(ev.env_workers),
     )
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
     records: list[EpisodeRecord] = []

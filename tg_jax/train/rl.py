@@ -293,7 +293,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
         rollouts_per_group=int(lc.rollouts_per_group),
         config=rollout.RolloutConfig(
             max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,
-            temperature=float(config.rl.temperature),
+            temperature=float(config.rl.temperature), env_workers=int(lc.env_workers),
         ),
         sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
         rates=rl_rollouts.feedback_rates(lc.feedback),
