@@ -9,6 +9,7 @@ import sys
 import grain
 import pytest
 
+from tests.test_pipeline import FAST_PIPELINE
 from tg_jax import config_lib
 from tg_jax.data.pipeline import TaskIterator
 from tg_jax.envs import decode_task
@@ -19,19 +20,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG_DIR = os.path.join(ROOT, "configs")
 
 # The tiny pipeline in seconds (tests/test_pipeline.py's settings) with two rates per arm.
-FAST = {
-    "sft.steps": 2,
-    "sft.eval.num_tasks": 2,
-    "sft.eval.temperatures": (1.0,),
-    "rl_loop.steps": 1,
-    "rl_loop.eval_every": 0,
-    "rl_loop.async_sampling": False,
-    "eval.num_tasks": 2,
-    "eval.last_k": 1,
-    "eval.n_boot": 50,
-    "pipeline.tune.lrs": (1e-3, 3e-3),
-    "pipeline.tune.val_tasks": 4,
-}
+FAST = {**FAST_PIPELINE, "pipeline.tune.lrs": (1e-3, 3e-3), "pipeline.tune.val_tasks": 4}
 
 
 def _config(**extra):
