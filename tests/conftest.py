@@ -2,6 +2,7 @@
 
 import gc
 import os
+import signal
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Nothing is downloaded in tests (CI reaches only the package registries): Hugging Face
@@ -31,3 +32,15 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def restore_sigterm():
+    """Tests that raise a real SIGTERM: the preemption flag cleared and the handler restored."""
+    from tg_jax import checkpointing
+
+    checkpointing.clear_preemption_request()
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+    checkpointing.clear_preemption_request()

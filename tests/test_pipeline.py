@@ -265,15 +265,6 @@ def _sigterm_then(fn):
     return wrapped
 
 
-@pytest.fixture
-def restore_sigterm():
-    checkpointing.clear_preemption_request()
-    previous = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, previous)
-    checkpointing.clear_preemption_request()
-
-
 def test_sigterm_during_sft_stops_the_job_and_a_rerun_resumes(
     tmp_path, monkeypatch, restore_sigterm
 ):

@@ -9,8 +9,8 @@ import sys
 import grain
 import pytest
 
-from tests.test_pipeline import FAST_PIPELINE
-from tg_jax import config_lib
+from tests.test_pipeline import FAST_PIPELINE, _sigterm_then
+from tg_jax import checkpointing, config_lib
 from tg_jax.data.pipeline import TaskIterator
 from tg_jax.envs import decode_task
 from tg_jax.sampling.episode import EpisodeRecord
@@ -141,6 +141,44 @@ def test_every_arm_gets_the_same_trials_and_runs_at_its_best_rate(tmp_path, monk
     again = pipeline.run_pipeline(config, str(tmp_path))
     assert again["context"]["tuning"]["arms"] == tuned["arms"]
     assert os.path.getmtime(tmp_path / "tune" / "tg_lr1" / "validation.jsonl") == stamp
+
+
+def test_sigterm_during_a_trial_stops_the_job_and_a_rerun_resumes(
+    tmp_path, monkeypatch, restore_sigterm
+):
+    config = _config(**{"rl_loop.steps": 2})
+    real = rl.run_rl
+    calls = []
+
+    def run_rl(cfg, run_dir, *args, arm_name, **kwargs):
+        calls.append(os.path.relpath(run_dir, tmp_path))
+        preempt = run_dir.endswith(os.path.join("tune", "tg_lr1"))
+        return (_sigterm_then(real) if preempt else real)(cfg, run_dir, *args, arm_name=arm_name,
+                                                           **kwargs)  # fmt: skip
+
+    monkeypatch.setattr(rl, "run_rl", run_rl)
+    with pytest.raises(checkpointing.Preempted, match="tuning trial tg lr 0.003") as info:
+        pipeline.run_pipeline(config, str(tmp_path))
+    assert info.value.code == 143
+    assert calls == ["tune/grpo_lr0", "tune/grpo_lr1", "tune/tg_lr0", "tune/tg_lr1"]
+    tune = tmp_path / "tune"
+    assert not (tune / "tuning.json").exists() and not (tmp_path / "runs").exists()
+    assert not (tune / "tg_lr1" / tuning.VALIDATION_FILE).exists()
+    with checkpointing.TrainingCheckpointer(
+        str(tune / "tg_lr1" / "checkpoints"), read_only=True
+    ) as c:
+        assert c.latest_step() == 1
+    stamps = {p: os.path.getmtime(tune / p / tuning.VALIDATION_FILE)
+              for p in ("grpo_lr0", "grpo_lr1", "tg_lr0")}  # fmt: skip
+
+    monkeypatch.undo()
+    checkpointing.clear_preemption_request()  # a fresh process starts without the flag
+    res = pipeline.run_pipeline(config, str(tmp_path))
+    assert {p: os.path.getmtime(tune / p / tuning.VALIDATION_FILE) for p in stamps} == stamps
+    with open(tune / "tg_lr1" / "rl_summary.json") as f:
+        sessions = json.load(f)["sessions"]
+    assert [(s["start_step"], s["end_step"]) for s in sessions] == [(0, 1), (1, 2)]
+    assert set(res["context"]["tuning"]["arms"]) == {"grpo", "tg"}
 
 
 def _main(*args):
