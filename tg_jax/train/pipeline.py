@@ -361,9 +361,8 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     tuned = None
     if tuning.enabled(config):  # the same learning-rate trials for every arm
         tuned = tuning.tune_arms(
-            config, workdir, arms_cfgs, base_params, sources, run_rl=rl.run_rl,
-            renderer=md.renderer,
-        )  # fmt: skip
+            config, workdir, arms_cfgs, base_params, sources, renderer=md.renderer
+        )
     runs = _run_arms(
         config, workdir, tuning.tuned_configs(arms_cfgs, tuned), md, sources, base_params
     )

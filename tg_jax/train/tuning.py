@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tg_jax import checkpointing, config_lib, paths
@@ -35,6 +35,7 @@ from tg_jax.data import tfds_builders
 from tg_jax.envs import decode_task
 from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE
+from tg_jax.train import rl
 
 TUNE_DIR = "tune"
 TUNING_FILE = "tuning.json"
@@ -143,7 +144,6 @@ def tune_arms(
     base_params: Any,
     sources: Mapping[str, Any],
     *,
-    run_rl: Callable[..., Any],
     renderer: Any = None,
 ) -> dict[str, Any]:
     """Runs (or reads back) every arm's trials; returns tuning.json's content:
@@ -151,9 +151,6 @@ def tune_arms(
       {"lrs", "seed", "val_tasks", "samples_per_task", "score", "wall_s" (the trials' RL and
        validation time summed), "arms": {arm: {"trials": [{"lr", "score", "task_success",
        "compliance", "rl_wall_s", "eval_wall_s"}], "chosen_lr"}}}
-
-    `run_rl(cfg, run_dir, base_params, arm_name=, seed=, sources=, eval_tasks=, renderer=)` is
-    `tg_jax.train.rl.run_rl` (a parameter so the pipeline passes its own).
 
     Raises:
       checkpointing.Preempted: a trial stopped on a preemption request (its checkpoint saved;
@@ -179,7 +176,7 @@ def tune_arms(
             cfg = config_lib.apply_overrides(arm_cfg, {"optim.lr": lr})
             run_dir = trial_dir(workdir, arm, k)
             print(f"tune: {arm} lr {lr:g} (trial {k + 1} of {len(lrs)}, seed {int(tune.seed)})")
-            result = run_rl(
+            result = rl.run_rl(
                 cfg, run_dir, base_params, arm_name=arm, seed=int(tune.seed),
                 sources=trial_sources, eval_tasks=eval_tasks, renderer=renderer,
             )  # fmt: skip
