@@ -416,9 +416,10 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.seq_len = 0  # padded student length T of a batch; 0 = model.max_seq_len
     c.length_multiple = 64  # batch T is rounded up to a multiple of this (0 = always seq_len)
     c.async_sampling = True  # sampling loop in its own thread; False = deterministic, in-line
-    # Threads running one turn's tool calls (env.step) at once: a call is mostly the sandbox's
-    # process start-up, waited on rather than computed, so more threads than cores.
-    c.env_workers = 8
+    # Threads running one turn's tool calls (env.step) at once. 8 instead of 2 made neither the
+    # held-out evaluation nor RL steps of the default faster on an idle 2-core machine
+    # (docs/experiments.md); more pays where a call waits long (a SWE task's pytest).
+    c.env_workers = 2
     c.queue_size = 1  # rollout groups sampled ahead (more: less waiting, more stale drops)
     c.data_seed = 0  # task order of the train split (the run seed is folded in)
     c.eval_every = 25  # periodic held-out evaluation interval in steps (0 = off; last step too)
@@ -462,7 +463,7 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.max_new_tokens = 128  # decode budget per assistant turn
     c.conditions = ("plain", "hinted")  # plain prompts; hinted = hint before every turn
     c.sampling_seed = 1234  # sampling key of the evaluation (same for every arm and seed)
-    c.env_workers = 8  # threads running one turn's tool calls at once (rl_loop.env_workers)
+    c.env_workers = 2  # threads running one turn's tool calls at once (rl_loop.env_workers)
     c.train_seeds = (0, 1, 2)  # training seeds per arm (the seed spread is reported apart)
     c.baseline = "grpo"  # arm every other arm is compared with
     c.candidate = "tg"  # arm whose non-inferiority is the headline verdict

@@ -70,8 +70,7 @@ class RolloutConfig:
       min_turn_tokens: a turn is started only if at least this many tokens fit.
       temperature, top_k, top_p: sampling distribution (see tg_jax.sampling.sampler).
       observation_role: chat role of environment observations ("tool" or "user").
-      env_workers: threads that run `env.step` calls of one turn in parallel (a sandboxed
-        tool call mostly waits on process start-up, so more threads than cores pay).
+      env_workers: threads that run `env.step` calls of one turn in parallel.
     """
 
     max_new_tokens: int = 128
@@ -82,7 +81,7 @@ class RolloutConfig:
     top_k: int = 0
     top_p: float = 1.0
     observation_role: str = "tool"
-    env_workers: int = 8
+    env_workers: int = 2
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> RolloutConfig:
