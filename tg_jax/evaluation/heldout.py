@@ -131,15 +131,24 @@ def load_records(path: str | os.PathLike) -> list[EpisodeRecord]:
 
 
 def evaluate_run(
-    config: Any, workdir: str, params: Any, tasks: Sequence[Any], **kwargs: Any
+    config: Any,
+    workdir: str,
+    params: Any,
+    tasks: Sequence[Any],
+    *,
+    records_file: str = HELDOUT_FILE,
+    summary_file: str = HELDOUT_SUMMARY_FILE,
+    **kwargs: Any,
 ) -> list[EpisodeRecord]:
     """`evaluate_heldout` cached in `workdir/heldout.jsonl` (the run's final evaluation).
 
     A file left by an earlier call is returned as is, so a rerun pipeline does not re-evaluate;
     delete it to evaluate again (e.g. after changing the eval config). The evaluation's wall
     time goes to `workdir/heldout_summary.json` (the report counts it in the protocol's cost).
+    Other tasks than the held-out ones (a tuning trial's validation split) are cached under
+    other names (`records_file`, `summary_file`).
     """
-    path = paths.as_path(workdir) / HELDOUT_FILE
+    path = paths.as_path(workdir) / records_file
     if path.exists():
         return load_records(path)
     start = time.perf_counter()
@@ -147,6 +156,6 @@ def evaluate_run(
     wall_s = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     summary = {"wall_s": wall_s, "episodes": len(records)}
-    paths.write_json_atomic(path.parent / HELDOUT_SUMMARY_FILE, summary)
+    paths.write_json_atomic(path.parent / summary_file, summary)
     save_records(path, records)
     return records

@@ -26,7 +26,6 @@ unfinished one resumes from its checkpoint, so a preempted tuning stage loses no
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -121,20 +120,13 @@ def trial_dir(workdir: str, arm: str, k: int) -> str:
 
 def _validate(config: Any, run_dir: str, params: Any, val: Sequence[Any], renderer: Any) -> dict:
     """The trial's validation records and wall time, cached in its directory."""
-    path = paths.as_path(run_dir) / VALIDATION_FILE
-    summary_path = paths.as_path(run_dir) / VALIDATION_SUMMARY_FILE
-    if path.exists() and summary_path.exists():
-        records = heldout.load_records(path)
-        return {"records": records, "wall_s": float(paths.read_json(summary_path)["wall_s"])}
-    start = time.perf_counter()
-    records = heldout.evaluate_heldout(
-        config, params, val, conditions=("plain",),
+    records = heldout.evaluate_run(
+        config, run_dir, params, val, records_file=VALIDATION_FILE,
+        summary_file=VALIDATION_SUMMARY_FILE, conditions=("plain",),
         samples_per_task=int(config.pipeline.tune.samples_per_task), renderer=renderer,
     )  # fmt: skip
-    wall_s = time.perf_counter() - start
-    heldout.save_records(path, records)
-    paths.write_json_atomic(summary_path, {"wall_s": wall_s, "episodes": len(records)})
-    return {"records": records, "wall_s": wall_s}
+    summary = paths.read_json(paths.as_path(run_dir) / VALIDATION_SUMMARY_FILE)
+    return {"records": records, "wall_s": float(summary["wall_s"])}
 
 
 def tune_arms(
