@@ -256,3 +256,32 @@ def test_rollout_with_kept_cache_samples_what_reprefill_samples():
         assert t.num_turns > 1 and (t.roles == Role.HINT).sum() > 0
         np.testing.assert_array_equal(r.tokens, t.tokens)
         np.testing.assert_allclose(r.behaviour_logprobs, t.behaviour_logprobs, atol=1e-5)
+
+
+def test_env_workers_set_the_tool_call_threads_and_change_no_outcome(monkeypatch):
+    """eval.env_workers is the pool that runs a turn's env.step calls; any size plays the same
+    episodes (each environment is its own)."""
+    import concurrent.futures
+
+    from configs import tiny
+    from tg_jax.evaluation import heldout
+    from tg_jax.sampling import rollout
+
+    sizes = []
+    real_pool = concurrent.futures.ThreadPoolExecutor
+
+    def pool(max_workers=None, **kw):
+        sizes.append(max_workers)
+        return real_pool(max_workers=max_workers, **kw)
+
+    monkeypatch.setattr(rollout.concurrent.futures, "ThreadPoolExecutor", pool)
+    base = tiny.get_config()
+    params = init_params(Transformer(ModelConfig.from_config(base.model)), jax.random.key(0))
+    tasks = generate_tasks("heldout", 4, seed=0)
+    records = {}
+    for workers in (1, 3):
+        config = config_lib.apply_overrides(base, {"eval.env_workers": workers})
+        sizes.clear()
+        records[workers] = heldout.evaluate_heldout(config, params, tasks, renderer=RENDERER)
+        assert sizes and set(sizes) == {workers}
+    assert records[1] == records[3] and len(records[1]) == 2 * len(tasks)  # plain + hinted

@@ -195,7 +195,9 @@ def _flag(key, value):
 
 def test_users_command_with_learning_rate_trials(tmp_path):
     work = tmp_path / "w"
+    # The tool-call threads too (tests/test_rollout.py checks they change no outcome).
     args = [_flag(k, v) for k, v in FAST.items()]
+    args += [_flag("rl_loop.env_workers", 3), _flag("eval.env_workers", 3)]
     result = _main(f"--workdir={work}", "--config.stage=pipeline", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tune: grpo keeps lr" in result.stdout and "tune: tg keeps lr" in result.stdout
