@@ -184,6 +184,10 @@ def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
     # all | answer_tokens: with include_thinking, distil per step at most as many tokens as the
     # targeted turns' answer tokens, a random subset of answer + thinking (rl/distill_budget).
     c.distill_budget = "all"
+    # turn | to_break: distil a targeted turn whole, or only up to and including the token that
+    # breaks its requirement, where the student's prefix stops being one a compliant turn has
+    # (rl/break_span).
+    c.span = "turn"
     c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
     # Reduction of the TG term: token_mean (sum over M / |M|) | token_sum (sum over M /
     # (trajectories x norm_length): a failed turn weighs the same however many others fail).
@@ -306,6 +310,11 @@ def transcripts_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.p_fix = 0.3  # multi-turn: first attempt is a wrong guess revised after the observation
     c.p_retest = 0.5  # after a revision, run the tests again before submitting
     c.p_think = 1.0  # code turns open with a <think> block naming the family (a first step)
+    # Share of unhinted transcripts that meet forced_requirements anyway, the token where each
+    # turn would differ without them left out of the SFT loss: the base model continues such a
+    # turn well but never starts one unprompted (TranscriptConfig.p_forced).
+    c.p_forced = 0.0
+    c.forced_requirements = ()
     c.max_chars = 800  # redraw transcripts whose contents sum to more (long ones stay in)
     c.update(overrides)
     return c

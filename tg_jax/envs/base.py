@@ -45,12 +45,25 @@ class Requirement:
     weight: float = 1.0
     applies: Callable[[str], bool] = lambda turn_text: True
     conditional: bool = False
+    breaks_at: Callable[[str], int | None] | None = None
 
     def verdict(self, turn_text: str) -> bool | None:
         """True (met), False (failed turn) or None (not applicable)."""
         if not self.applies(turn_text):
             return None
         return bool(self.check(turn_text))
+
+    def break_offset(self, turn_text: str) -> int | None:
+        """`breaks_at(turn_text)` for a failed turn, checked to lie in [0, len(turn_text)];
+        None without a locator or when it cannot tell."""
+        if self.breaks_at is None:
+            return None
+        off = self.breaks_at(turn_text)
+        if off is not None and not 0 <= off <= len(turn_text):
+            raise ValueError(
+                f"requirement {self.name!r}: breaks_at gave {off} outside [0, {len(turn_text)}]"
+            )
+        return off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +201,17 @@ class Environment(abc.ABC):
     def judge(self, turn_text: str) -> dict[str, bool | None]:
         """Verdict of every requirement on one assistant turn."""
         return {r.name: r.verdict(turn_text) for r in self.requirements}
+
+    def breaks(self, turn_text: str, verdicts: Mapping[str, bool | None]) -> dict[str, int]:
+        """{name: `Requirement.break_offset`} of each requirement the turn failed that can
+        locate its break (`turn_text` as the environment judged it)."""
+        out = {}
+        for r in self.requirements:
+            if verdicts.get(r.name) is False:
+                off = r.break_offset(turn_text)
+                if off is not None:
+                    out[r.name] = off
+        return out
 
     def begin_turn(
         self, assistant_message: Any, summary: EpisodeSummary, *, done: bool

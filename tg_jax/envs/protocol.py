@@ -144,12 +144,109 @@ def check_tool_json(turn_text: str) -> bool:
     return parse_turn(turn_text).json_call
 
 
+def _answer_start(text: str) -> int | None:
+    """Offset of the answer after a leading <think> block (None: the block is not closed)."""
+    m = _THINK.match(text)
+    if m:
+        return m.end()
+    return None if text.lstrip().startswith("<think>") else 0
+
+
+def _match_literal(text: str, off: int, literal: str) -> tuple[int, bool]:
+    """(offset after the longest prefix of `literal` at text[off:], whether all of it matched)."""
+    for ch in literal:
+        if off >= len(text) or text[off] != ch:
+            return off, False
+        off += 1
+    return off, True
+
+
+def _skip(text: str, off: int, chars: str) -> int:
+    while off < len(text) and text[off] in chars:
+        off += 1
+    return off
+
+
+def _tool_call_end(text: str, off: int) -> int | None:
+    """End of a tool call (a JSON call or a CALL line) starting at text[off:], else None."""
+    if text.startswith("<tool_call>", off):
+        end = text.find("</tool_call>", off)
+        return None if end < 0 else end + len("</tool_call>")
+    m = _LEGACY.match(text, off)
+    return m.end() if m else None
+
+
+def fence_breaks_at(turn_text: str) -> int | None:
+    """Where a turn that fails "fence" breaks it (`Requirement.breaks_at`): the first character
+    that differs from an opening ```python line after the thinking block; with a good
+    opening, the tool call written before the closing fence, or the closing fence of an empty
+    block, or the first text left outside the block; None when none of these applies."""
+    off = _answer_start(turn_text)
+    if off is None:
+        return None
+    off, ok = _match_literal(turn_text, _skip(turn_text, off, " \t\n"), "```python")
+    if not ok:
+        return off
+    off = _skip(turn_text, off, " \t")
+    if off >= len(turn_text) or turn_text[off] != "\n":
+        return off
+    close = turn_text.find("```", off + 1)
+    if close < 0:  # not closed: the tool call (if any) came where the closing fence belongs
+        calls = [m.start() for m in (_LEGACY.search(turn_text, off), re.compile("<tool_call>")
+                 .search(turn_text, off)) if m]  # fmt: skip
+        if not calls:
+            return len(turn_text)
+        return _skip(turn_text, min(calls), " \t")
+    if not turn_text[off + 1 : close].strip():
+        return close
+    off = close + 3
+    while True:
+        off = _skip(turn_text, off, " \t\n")
+        if off >= len(turn_text):
+            return None
+        end = _tool_call_end(turn_text, off)
+        if end is None:
+            return off
+        off = end
+
+
+def tool_json_breaks_at(turn_text: str) -> int | None:
+    """Where a turn that fails "tool_json" breaks it (`Requirement.breaks_at`): the first
+    CALL line, or the payload of a bad <tool_call>, or a second call after a good one, or
+    the end of a turn without any call; None when none of these applies (an unclosed call)."""
+    off = _answer_start(turn_text)
+    if off is None:
+        return None
+    legacy = _LEGACY.search(turn_text, off)
+    start = turn_text.find("<tool_call>", off)
+    if legacy and (start < 0 or legacy.start() < start):
+        return _skip(turn_text, legacy.start(), " \t")
+    if start < 0:
+        return len(turn_text)
+    end = turn_text.find("</tool_call>", start)
+    payload = start + len("<tool_call>")
+    if end < 0:
+        return None
+    if _parse_json_call(turn_text[payload:end])[1] is not None:
+        return payload
+    off = end + len("</tool_call>")
+    later = [m.start() for m in (_LEGACY.search(turn_text, off),) if m]
+    again = turn_text.find("<tool_call>", off)
+    later += [again] if again >= 0 else []
+    return _skip(turn_text, min(later), " \t") if later else None
+
+
 def make_requirement(name: str, weight: float = 1.0) -> Requirement:
     """The named requirement of the coding environment ("fence" or "tool_json")."""
     if name == "fence":
-        return Requirement("fence", check_fence, FENCE_HINT, weight, applies=fence_applies)
+        return Requirement(
+            "fence", check_fence, FENCE_HINT, weight, applies=fence_applies,
+            breaks_at=fence_breaks_at,
+        )  # fmt: skip
     if name == "tool_json":
-        return Requirement("tool_json", check_tool_json, TOOL_JSON_HINT, weight)
+        return Requirement(
+            "tool_json", check_tool_json, TOOL_JSON_HINT, weight, breaks_at=tool_json_breaks_at
+        )
     raise ValueError(f"unknown requirement {name!r}; known: {REQUIREMENT_NAMES}")
 
 

@@ -2,7 +2,8 @@
 
 A transcript is a message list ({"role": "user" | "assistant" | "tool", "content": str}):
 the task prompt, then assistant turns, each followed by the tool observation unless the
-episode ended. A hint, when present, is its own "user" message right before the assistant
+episode ended. An assistant message may also carry "no_loss_chars": offsets in its content
+whose tokens SFT leaves out of the loss (`TranscriptConfig.p_forced`). A hint, when present, is its own "user" message right before the assistant
 turn it targets. Observations and rewards come from actually running CodingEnv on the turns
 (by default with the in-process "trusted" executor, since the code is ours; the sandbox gives
 the same text), so SFT and RL see identical observation strings.
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 from tg_jax.envs.base import HINT_ROLE, StepResult
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
-from tg_jax.envs.protocol import format_turn
+from tg_jax.envs.protocol import REQUIREMENT_NAMES, format_turn
 from tg_jax.envs.tasks import EASY_FAMILIES, FAMILIES, HARD_FAMILIES, Task
 
 Guess = tuple[str, tuple[int, ...]]
@@ -48,6 +49,14 @@ class TranscriptConfig:
       p_retest: after a revision, probability of running the tests again before submitting
         (when the turn limit allows).
       p_think: probability that code turns open with a <think> block naming the family.
+      p_forced: probability that an unhinted transcript meets `forced_requirements` anyway,
+        as if each turn had been forced to open that way: the character where the turn
+        without the requirement would differ (`Requirement.breaks_at`: the first backtick
+        of the fence) is listed in the message's "no_loss_chars", and SFT leaves its token
+        out of the loss. The base model learns to continue such a turn as well as a plain
+        one, never to start one unprompted (as a pretrained model writes good Markdown once
+        it has started, without choosing Markdown unasked).
+      forced_requirements: the requirements of p_forced (each met where it applies).
       max_chars: transcripts whose message contents sum to more are redrawn (the model's
         context must also hold the chat template's role markers).
     """
@@ -60,7 +69,24 @@ class TranscriptConfig:
     p_fix: float = 0.3
     p_retest: float = 0.5
     p_think: float = 0.5
+    p_forced: float = 0.0
+    forced_requirements: tuple[str, ...] = ()
     max_chars: int = 450
+
+    def __post_init__(self):
+        unknown = sorted(set(self.forced_requirements) - set(REQUIREMENT_NAMES))
+        if unknown:
+            raise ValueError(
+                f"sft.transcripts.forced_requirements: unknown {unknown}; known: "
+                f"{list(REQUIREMENT_NAMES)}"
+            )
+        if not 0.0 <= self.p_forced <= 1.0:
+            raise ValueError(f"sft.transcripts.p_forced must be in [0, 1], got {self.p_forced}")
+        if self.p_forced > 0 and not self.forced_requirements:
+            raise ValueError(
+                "sft.transcripts.p_forced > 0 needs sft.transcripts.forced_requirements (the "
+                "requirements its transcripts meet unprompted)"
+            )
 
 
 @dataclasses.dataclass
@@ -177,6 +203,8 @@ def _draw(
         plausible = [g for g in wrong if _fits(g, task.visible)]
         final = rng.choice(plausible or wrong)
     hinted = rng.random() < config.p_hinted
+    # Drawn only when on, so that transcripts without it are unchanged.
+    forced = config.p_forced > 0 and not hinted and rng.random() < config.p_forced
     think = rng.random() < config.p_think
     max_turns = env.config.max_turns
     multi = max_turns >= 2 and rng.random() < config.p_multi_turn
@@ -197,14 +225,23 @@ def _draw(
         followed = names
         if config.p_ignore_hint > 0:
             followed = [n for n in names if rng.random() >= config.p_ignore_hint]
-        text = format_turn(
-            code,
-            tool,
-            fence="fence" in followed,
-            tool_json="tool_json" in followed,
-            think=guess[0] if think and guess is not None else None,
+        think_text = guess[0] if think and guess is not None else None
+        write = lambda names: format_turn(  # noqa: E731
+            code, tool, fence="fence" in names, tool_json="tool_json" in names, think=think_text
         )
-        messages.append({"role": "assistant", "content": text})
+        message = {"role": "assistant", "content": write(followed)}
+        if forced:
+            probe = write([])
+            names = [r.name for r in env.requirements
+                     if r.name in config.forced_requirements and r.applies(probe)]  # fmt: skip
+            if names:
+                message["content"] = text = write(names)
+                # Where the turn without each forced requirement would differ from this one.
+                message["no_loss_chars"] = sorted(
+                    {_common_prefix(text, write([n for n in names if n != m])) for m in names}
+                )
+        text = message["content"]
+        messages.append(message)
         res = env.step(text)
         if not res.done:
             messages.append({"role": "tool", "content": res.observation})
@@ -226,6 +263,13 @@ def _draw(
     return Transcript(
         task.task_id, messages, res.rewards, final == truth, any_hint, env.summary().to_dict()
     )
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _hint_names(

@@ -135,7 +135,9 @@ def _failed(traj: Trajectory, turn: int) -> list[str]:
     return sorted(n for n, ok in traj.turn_verdicts[turn].items() if ok is not None and not ok)
 
 
-def _targeted_requirements(traj: Trajectory, turn: int, gate: str) -> list[str]:
+def targeted_requirements(traj: Trajectory, turn: int, gate: str) -> list[str]:
+    """Sorted names of the requirements whose hint precedes turn `turn` in the teacher rows
+    (gate "failed_turns": the failed ones; "all_turns": every judged one)."""
     if gate == "failed_turns":
         return _failed(traj, turn)
     if gate == "all_turns":  # every requirement judged on the turn (None = not applicable)
@@ -187,7 +189,7 @@ def _fill_student_targets(
         in_turn = (turn_ids == k) & produced
         if _failed(traj, k):
             per_token["failed"][b, s] |= in_turn
-        targeted = _targeted_requirements(traj, k, gate)
+        targeted = targeted_requirements(traj, k, gate)
         if not targeted:
             continue
         unknown = [r for r in targeted if r not in req_index]

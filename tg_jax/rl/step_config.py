@@ -23,6 +23,7 @@ TEACHER_MODES = ("per_trajectory", "per_turn")
 TEACHER_PARAMS = ("policy", "reference")
 TG_NORMALIZE = ("token_mean", "token_sum")
 DISTILL_BUDGETS = ("all", "answer_tokens")
+TG_SPANS = ("turn", "to_break")
 LAMBDA_KINDS = ("constant", "linear_warmup", "cosine")
 LR_SCHEDULES = ("constant", "warmup_cosine")
 
@@ -230,6 +231,9 @@ class TGConfig:
     the answer tokens of the targeted turns, a random subset of answer + thinking tokens (read
     by batch building, tg_jax.rl.distill_budget): the thinking-token control at an equal
     distilled-token budget."""
+    span: str = "turn"
+    """turn | to_break: distil a targeted turn whole, or only up to and including the token
+    that breaks its requirement (read by batch building, tg_jax.rl.break_span)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
     normalize: str = "token_mean"
@@ -248,6 +252,7 @@ class TGConfig:
         _check_choice(s, "teacher_params", self.teacher_params, TEACHER_PARAMS)
         _check_choice(s, "normalize", self.normalize, TG_NORMALIZE)
         _check_choice(s, "distill_budget", self.distill_budget, DISTILL_BUDGETS)
+        _check_choice(s, "span", self.span, TG_SPANS)
         if self.distill_budget != "all" and not self.include_thinking:
             raise ValueError(
                 f"tg.distill_budget={self.distill_budget!r} caps the thinking arm at the answer "
@@ -295,6 +300,7 @@ class TGConfig:
             compact=bool(v.get("compact", True)),
             mask_hint_copies=bool(v.get("mask_hint_copies", False)),
             distill_budget=str(v.get("distill_budget", "all")),
+            span=str(v.get("span", "turn")),
             chunk_size=int(v["chunk_size"]),
             normalize=str(v.get("normalize", "token_mean")),
             norm_length=float(v.get("norm_length", 1.0)),

@@ -55,6 +55,7 @@ from tg_jax.sampling.sampler import Sampler, SampleResult
 from tg_jax.sampling.trajectory import Role, Trajectory, hint_key
 from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
+from tg_jax.text.tokenizer import token_at_char
 
 TERMINATIONS = ("done", "max_turns", "max_tokens")
 
@@ -109,6 +110,7 @@ class Episode:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     turn_starts: list[int] = dataclasses.field(default_factory=list)
     verdicts: list[dict[str, bool | None]] = dataclasses.field(default_factory=list)
+    breaks: list[dict[str, int]] = dataclasses.field(default_factory=list)  # Trajectory.turn_breaks
     rewards: dict[str, float] | None = None
     termination: str = ""
     truncated_turns: int = 0
@@ -186,6 +188,22 @@ def _record_turn(ep: Episode, renderer: ChatRenderer, out: SampleResult, k: int)
         ep.append([renderer.end_of_turn_ids[0]], Role.PROMPT)  # not sampled: closes the turn
     ep.texts.append(renderer.tokenizer.decode(new))
     return ep.texts[-1]
+
+
+def break_tokens(
+    ep: Episode, tokenizer: Any, turn: int, offsets: dict[str, int]
+) -> dict[str, int]:
+    """{name: index in ep.tokens of the token holding character `offsets[name]` of turn
+    `turn`'s text (the decode of its sampled tokens)}; an offset at the end of the text maps to
+    the token that closes the turn."""
+    start = int(ep.turn_starts[turn])
+    idx = [j for j in range(start, len(ep.tokens)) if ep.turn_ids[j] == turn]
+    ids = [ep.tokens[j] for j in idx]
+    out = {}
+    for name, o in offsets.items():
+        i = token_at_char(tokenizer, ids, o)
+        out[name] = idx[i] if i < len(idx) else (idx[-1] + 1 if idx else start)
+    return out
 
 
 def play_episodes(
@@ -269,6 +287,11 @@ def play_episodes(
             for ep, text, res in zip(live, texts, results, strict=True):
                 verdicts = res.info.get("verdicts")
                 ep.verdicts.append(dict(verdicts if verdicts is not None else ep.env.judge(text)))
+                offsets = ep.env.breaks(text, ep.verdicts[-1])
+                ep.breaks.append(
+                    break_tokens(ep, renderer.tokenizer, len(ep.turn_starts) - 1, offsets)
+                    if offsets else {}
+                )
                 ep.step_infos.append({k: v for k, v in res.info.items() if k != "summary"})
                 if res.done:
                     ep.rewards, ep.termination = dict(res.rewards), _termination(ep.env)
@@ -377,6 +400,7 @@ def to_trajectory(
         task_id=ep.task_id,
         info=info,
         turn_hint_tokens=turn_hint_tokens,
+        turn_breaks=[dict(b) for b in ep.breaks] if len(ep.breaks) == len(ep.verdicts) else None,
     )
 
 

@@ -51,6 +51,9 @@ class Trajectory:
         the teacher sees before that turn} (imperfect feedback picks one per turn; several
         requirements' picks also under hint_key(names), one message); None =
         `hint_tokens` for every turn.
+      turn_breaks: per assistant turn, {failed requirement: index in `tokens` of the first
+        token that breaks it} for the requirements that locate it (`Requirement.breaks_at`);
+        None = not located in any turn.
     """
 
     tokens: np.ndarray
@@ -66,6 +69,7 @@ class Trajectory:
     task_id: str
     info: dict = dataclasses.field(default_factory=dict)
     turn_hint_tokens: list[dict[str, list[int]]] | None = None
+    turn_breaks: list[dict[str, int]] | None = None
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -76,6 +80,8 @@ class Trajectory:
             raise ValueError("one verdict dict per assistant turn is required")
         if self.turn_hint_tokens is not None and len(self.turn_hint_tokens) != self.num_turns:
             raise ValueError("turn_hint_tokens needs one dict per assistant turn")
+        if self.turn_breaks is not None and len(self.turn_breaks) != self.num_turns:
+            raise ValueError("turn_breaks needs one dict per assistant turn")
 
     @property
     def num_turns(self) -> int:

@@ -60,6 +60,21 @@ class Tokenizer(Protocol):
         ...
 
 
+def token_at_char(tokenizer: Tokenizer, ids: IdsLike, offset: int) -> int:
+    """Index in `ids` of the token that holds character `offset` of `tokenizer.decode(ids)`:
+    the first i whose decoded prefix ids[: i + 1] is longer than `offset` (binary search);
+    len(ids) when the text is not longer than `offset`."""
+    ids = list(ids)
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[: mid + 1])) > offset:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

@@ -66,7 +66,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
-from tg_jax.rl import distill_budget, hint_copies
+from tg_jax.rl import break_span, distill_budget, hint_copies
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.loss import distill_mask
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
@@ -318,7 +318,9 @@ def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str
 
 
 def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch:
-    """Step `step`'s batch; with `tg.mask_hint_copies` the hint-copying targets are left out of
+    """Step `step`'s batch; with `tg.span` "to_break" a targeted turn's targets after the token
+    that breaks its requirement are left out of the TG KL (tg_jax.rl.break_span), with
+    `tg.mask_hint_copies` the hint-copying targets are left out of
     the TG KL (tg_jax.rl.hint_copies), and with `tg.distill_budget` "answer_tokens" the
     thinking arm's TG mask is cut to its answer tokens' count (tg_jax.rl.distill_budget)."""
     config = parts.config
@@ -332,6 +334,8 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
         micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
         compact=TGConfig.from_config(config.tg).compact_rows,  # full rows: reference teacher
     )  # fmt: skip
+    if tg_on and str(config.tg.span) == "to_break":
+        batch, _ = break_span.cut_after_breaks(batch, trajectories, str(config.tg.gate))
     if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
     if tg_on and str(config.tg.distill_budget) == "answer_tokens":

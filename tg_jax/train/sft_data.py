@@ -29,6 +29,7 @@ from tg_jax.envs.coding import CodingEnvConfig, coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.envs.transcripts import Transcript, TranscriptConfig, make_transcripts
 from tg_jax.text import ChatRenderer, Message, Role
+from tg_jax.text.tokenizer import token_at_char
 
 LOSS_ROLES = (int(Role.THINK), int(Role.ANSWER))
 
@@ -43,13 +44,44 @@ def transcript_messages(transcript: Transcript) -> list[Message]:
     for i, m in enumerate(transcript.messages):
         role = "hint" if (m["role"] == "user" and i > 0) else m["role"]
         out.append({"role": role, "content": m["content"]})
+        if m.get("no_loss_chars"):
+            out[-1]["no_loss_chars"] = list(m["no_loss_chars"])
     return out
 
 
 def render_example(renderer: ChatRenderer, messages: Sequence[Message]) -> tuple[np.ndarray, ...]:
-    """Token ids [n] int32 and role codes [n] int8 of one conversation (append-only)."""
+    """Token ids [n] int32 and role codes [n] int8 of one conversation (append-only).
+
+    The tokens that hold an assistant message's "no_loss_chars" (offsets in its content) get
+    the PROMPT role, so that SFT does not learn to produce them (`loss_mask`).
+    """
     ids, roles = renderer.render_with_roles(messages)
-    return np.asarray(ids, np.int32), np.asarray(roles, np.int8)
+    ids, roles = np.asarray(ids, np.int32), np.asarray(roles, np.int8)
+    for i, m in enumerate(messages):
+        offsets = m.get("no_loss_chars") if m["role"] == "assistant" else None
+        if offsets:
+            roles[_content_tokens(renderer, messages, i, ids, roles, offsets)] = int(Role.PROMPT)
+    return ids, roles
+
+
+def _content_tokens(
+    renderer: ChatRenderer, messages: Sequence[Message], i: int, ids: np.ndarray,
+    roles: np.ndarray, offsets: Sequence[int],
+) -> list[int]:  # fmt: skip
+    """Indices in `ids` of the tokens holding characters `offsets` of message i's content."""
+    start = len(renderer.render_with_roles(messages[:i])[0])  # append-only: its tokens start here
+    end = len(renderer.render_with_roles(messages[: i + 1])[0])
+    produced = [j for j in range(start, end) if roles[j] in LOSS_ROLES]
+    text = renderer.tokenizer.decode(ids[produced].tolist())
+    content = messages[i]["content"]
+    if not text.startswith(content):
+        raise ValueError(f"message {i}: its tokens do not decode to its content")
+    out = []
+    for o in offsets:
+        if not 0 <= o < len(content):
+            raise ValueError(f"message {i}: no_loss_chars offset {o} outside its content")
+        out.append(produced[token_at_char(renderer.tokenizer, ids[produced].tolist(), o)])
+    return out
 
 
 def loss_mask(roles: np.ndarray) -> np.ndarray:
@@ -227,8 +259,13 @@ def make_sft_rows(
         "mean_len": float(lengths.mean()),
         "frac_correct": float(np.mean([t.correct for t in transcripts])),
         "frac_hinted": float(np.mean([t.hinted for t in transcripts])),
+        "frac_forced": float(np.mean([_forced(t) for t in transcripts])),
     }
     return rows, stats
+
+
+def _forced(transcript: Transcript) -> bool:
+    return any(m.get("no_loss_chars") for m in transcript.messages)
 
 
 def batch_indices(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:
