@@ -67,3 +67,6 @@ def test_fence_config_runlocal_smoke(tmp_path):
     tg = [json.loads(line) for line in open(work / "runs" / "tg_seed0" / "metrics.jsonl")]
     assert all("tg_kl/fence" in m for m in tg if m.get("stage") == "train")
     assert "held-out" in out and (work / "report" / "report.md").exists()
+    # The config's forced fences reached the SFT data (sft.transcripts.p_forced).
+    data = json.loads((work / "sft" / "sft_summary.json").read_text())["data"]
+    assert data["frac_forced"] > 0, data

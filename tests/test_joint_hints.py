@@ -110,6 +110,7 @@ def test_joint_config_judges_and_rewards_both():
     assert tuple(config.env.requirements) == ("fence", "tool_json")
     assert dict(config.rl.reward_weights) == {"task": 1.0, "fence": 0.5, "tool_json": 0.5}
     assert set(config.sft.hint_requirements) == {"fence", "tool_json"}
+    assert set(config.sft.transcripts.forced_requirements) == {"fence", "tool_json"}
 
 
 def test_joint_config_runlocal_smoke(tmp_path):
