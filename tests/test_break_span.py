@@ -197,8 +197,9 @@ def test_turns_whose_break_is_unknown_stay_whole():
     assert removed == 0
     # gate all_turns targets a requirement that passed the turn: no break, the turn stays.
     env2 = lambda: CodingEnv(CodingEnvConfig(requirements=("fence", "tool_json"), max_turns=1))  # noqa: E731
-    traj2 = scripted_rollout(RENDERER, env2, TASK, ["def f(x): return x\n"
-                                                    '<tool_call>{"name": "submit"}</tool_call>'])
+    traj2 = scripted_rollout(
+        RENDERER, env2, TASK, ['def f(x): return x\n<tool_call>{"name": "submit"}</tool_call>']
+    )
     assert traj2.turn_verdicts[0] == {"fence": False, "tool_json": True}
     assert break_span.turn_cuts(traj2, "all_turns") == {}
     assert set(break_span.turn_cuts(traj2, "failed_turns")) == {0}

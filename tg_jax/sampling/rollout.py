@@ -190,9 +190,7 @@ def _record_turn(ep: Episode, renderer: ChatRenderer, out: SampleResult, k: int)
     return ep.texts[-1]
 
 
-def break_tokens(
-    ep: Episode, tokenizer: Any, turn: int, offsets: dict[str, int]
-) -> dict[str, int]:
+def break_tokens(ep: Episode, tokenizer: Any, turn: int, offsets: dict[str, int]) -> dict[str, int]:
     """{name: index in ep.tokens of the token holding character `offsets[name]` of turn
     `turn`'s text (the decode of its sampled tokens)}; an offset at the end of the text maps to
     the token that closes the turn."""
@@ -290,7 +288,8 @@ def play_episodes(
                 offsets = ep.env.breaks(text, ep.verdicts[-1])
                 ep.breaks.append(
                     break_tokens(ep, renderer.tokenizer, len(ep.turn_starts) - 1, offsets)
-                    if offsets else {}
+                    if offsets
+                    else {}
                 )
                 ep.step_infos.append({k: v for k, v in res.info.items() if k != "summary"})
                 if res.done:

@@ -1,0 +1,110 @@
+"""The prefill diagnostic (`python -m tg_jax.evaluation.prefill`): the first answer opens with
+the given text, forced, and nothing else changes; and the user's command end to end."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from tg_jax import config_lib
+from tg_jax.evaluation import prefill
+from tg_jax.sampling.sampler import SampleResult
+from tg_jax.text import ByteTokenizer, ChatRenderer
+
+RENDERER = ChatRenderer(ByteTokenizer())
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+class Echo:
+    """Returns `reply` for every prompt, with log-prob -1 per token; records its calls."""
+
+    def __init__(self, reply):
+        self.reply = RENDERER.tokenizer.encode(reply)
+        self.calls = []
+
+    def sample(self, params, prompts, *, max_new_tokens, **kw):
+        self.calls.append(
+            ([list(p) for p in prompts], list(np.broadcast_to(max_new_tokens, (len(prompts),))))
+        )
+        rows = [np.asarray(self.reply, np.int32) for _ in prompts]
+        lps = [np.full(len(r), -1.0, np.float32) for r in rows]
+        return SampleResult(rows, lps, lps, np.ones(len(prompts), bool))
+
+
+def _prompt(turns):
+    msgs = [{"role": "user", "content": "task"}]
+    for k in range(turns):
+        msgs += [{"role": "assistant", "content": f"turn {k}"}, {"role": "tool", "content": "ok"}]
+    return RENDERER.render_with_roles(msgs, add_generation_prompt=True)[0]
+
+
+def test_only_the_first_turn_is_prefilled_and_the_prefill_is_forced():
+    inner = Echo("def f(x): return x\n```\nCALL submit")
+    s = prefill.PrefillSampler(inner, RENDERER, "```python\n")
+    first, later = _prompt(0), _prompt(1)
+    out = s.sample(None, [first, later], max_new_tokens=64, rng=None)
+    pre = RENDERER.tokenizer.encode("```python\n")
+    ((prompts, budgets),) = inner.calls
+    # The first-turn prompt continues after the prefill, with that much less budget.
+    assert prompts[0] == first + pre and prompts[1] == later
+    assert budgets == [64 - len(pre), 64]
+    text0 = RENDERER.tokenizer.decode(out.tokens[0].tolist())
+    assert text0 == "```python\ndef f(x): return x\n```\nCALL submit"
+    assert RENDERER.tokenizer.decode(out.tokens[1].tolist()).startswith("def f")
+    # Forced tokens carry log-prob 0; the sampled ones keep theirs.
+    np.testing.assert_array_equal(out.logprobs[0][: len(pre)], 0.0)
+    np.testing.assert_array_equal(out.logprobs[0][len(pre) :], -1.0)
+    np.testing.assert_array_equal(out.logprobs[1], -1.0)
+    # A call with no first-turn prompt passes through untouched.
+    out = s.sample(None, [later], max_new_tokens=8, rng=None)
+    assert inner.calls[-1] == ([later], [8])
+    with pytest.raises(ValueError, match="no room"):
+        s.sample(None, [first], max_new_tokens=len(pre), rng=None)
+    with pytest.raises(ValueError, match="empty"):
+        prefill.PrefillSampler(inner, RENDERER, "")
+
+
+def test_summary_numbers():
+    from tg_jax.sampling.episode import EpisodeRecord
+
+    recs = [
+        EpisodeRecord("a", "plain", 0, True, {"fence": True}, {"run_tests": 1, "malformed": 0}, 2),
+        EpisodeRecord(
+            "b", "plain", 0, False, {"fence": False}, {"run_tests": 0, "malformed": 2}, 1
+        ),  # fmt: skip
+        EpisodeRecord("c", "plain", 0, True, {"fence": True}, {"run_tests": 0, "malformed": 1}, 1),
+        EpisodeRecord("d", "plain", 0, False, {"fence": True}, {"run_tests": 2, "malformed": 0}, 3),
+    ]
+    s = prefill.summarize(recs)
+    assert s["episodes"] == 4 and s["task_success"] == 0.5
+    assert s["compliance"] == {"fence": 0.75} and s["ran_tests"] == 0.5
+    assert s["malformed_per_episode"] == 0.75
+    lo, hi = s["task_success_ci"]
+    assert 0.0 <= lo <= 0.5 <= hi <= 1.0
+
+
+def test_users_command_on_a_saved_model(tmp_path):
+    from tg_jax.models import ModelConfig, Transformer, hf_dir, init_params
+    from tg_jax.text import write_byte_tokenizer
+    from tg_jax.train import data_stage
+
+    config = config_lib.load_config_file(os.path.join(ROOT, "configs", "fence.py"), "runlocal")
+    work, model_dir = tmp_path / "w", tmp_path / "model"
+    data_stage.prepare_tasks(config, str(work))
+    cfg = ModelConfig.from_config(config.model)
+    params = init_params(Transformer(cfg), jax.random.key(0))
+    hf_dir.export_model_dir(str(model_dir), params, cfg)
+    write_byte_tokenizer(str(model_dir))
+    out = tmp_path / "prefill.json"
+    rc = prefill.main([
+        "--config", os.path.join(ROOT, "configs", "fence.py:runlocal"), "--workdir", str(work),
+        "--model_dir", str(model_dir), "--prefill", "```python\\n", "--num_tasks", "3",
+        "--samples", "1", "--out", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["prefill"] == "```python\n"
+    for name in ("plain", "prefilled"):
+        assert result[name]["episodes"] == 3 and set(result[name]["compliance"]) == {"fence"}
