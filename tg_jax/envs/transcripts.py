@@ -6,7 +6,8 @@ episode ended. An assistant message may also carry "no_loss_chars": offsets in i
 whose tokens SFT leaves out of the loss (`TranscriptConfig.p_forced`). A hint, when present,
 is its own "user" message right before the assistant turn it targets. Observations and
 rewards come from actually running CodingEnv on the turns (by default with the in-process
-"trusted" executor, since the code is ours; the sandbox gives the same text), so SFT and RL see identical observation strings.
+"trusted" executor, since the code is ours; the sandbox gives the same text), so SFT and RL
+see identical observation strings.
 
 Knobs (TranscriptConfig) shape the base model: the share of wrong final answers caps its
 pass rate; hinted turns follow the hinted requirements (unless `p_ignore_hint`) and unhinted
