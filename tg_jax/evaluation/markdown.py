@@ -131,7 +131,8 @@ def _behaviour_cost(res: dict[str, Any]) -> list[str]:
         f"At the base model (sft_eval.json, temperature 1), hinted prompts (the requirement "
         f"followed) solve {_num(hinted)} of the held-out tasks vs {_num(plain)} plain: the "
         f"behaviour's own cost there is {_num(hinted - plain, 3)}, to read beside the "
-        "difference above.",
+        "difference above. It includes reading a hint before every turn; the format alone, "
+        "forced without a hint: `python -m tg_jax.evaluation.prefill`.",
         "",
     ]
 
