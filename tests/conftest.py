@@ -44,3 +44,17 @@ def restore_sigterm():
     yield
     signal.signal(signal.SIGTERM, previous)
     checkpointing.clear_preemption_request()
+
+
+@pytest.fixture(scope="module")
+def make_bpe_renderer(tmp_path_factory):
+    """(texts, vocab_size) -> a ChatRenderer of a byte-level BPE trained on `texts` (written
+    as Hugging Face files and loaded back, as `sft.tokenizer = "bpe"` does)."""
+    from tg_jax.text import ChatRenderer, HFTokenizer, bpe
+
+    def make(texts, vocab_size):
+        path = str(tmp_path_factory.mktemp("bpe"))
+        bpe.write_bpe_tokenizer(path, texts, vocab_size)
+        return ChatRenderer(HFTokenizer.from_dir(path))
+
+    return make

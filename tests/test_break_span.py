@@ -22,7 +22,7 @@ from tg_jax.envs.tasks import FAMILIES, generate_tasks
 from tg_jax.rl import break_span
 from tg_jax.rl.batch import build_batch
 from tg_jax.sampling.scripted import scripted_rollout
-from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, bpe
+from tg_jax.text import ByteTokenizer, ChatRenderer
 
 RENDERER = ChatRenderer(ByteTokenizer())
 TASK = generate_tasks("heldout", 1, seed=0)[0]
@@ -104,12 +104,10 @@ def test_requirements_without_a_locator_and_bad_locators():
 
 
 @pytest.fixture(scope="module")
-def bpe_renderer(tmp_path_factory):
+def bpe_renderer(make_bpe_renderer):
     corpus = [format_turn("def f(x): return 2*x+3", "run_tests", fence=True, tool_json=True)] * 20
     corpus += [format_turn("def f(x): return x", "submit", think="lin")] * 20
-    path = str(tmp_path_factory.mktemp("bpe"))
-    bpe.write_bpe_tokenizer(path, corpus, 300)
-    return ChatRenderer(HFTokenizer.from_dir(path))
+    return make_bpe_renderer(corpus, 300)
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])

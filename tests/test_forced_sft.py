@@ -10,7 +10,7 @@ from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.protocol import check_fence, check_tool_json, has_code
 from tg_jax.envs.tasks import EASY_FAMILIES, generate_tasks
 from tg_jax.envs.transcripts import TranscriptConfig, make_transcripts
-from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, Role, bpe
+from tg_jax.text import ByteTokenizer, ChatRenderer, Role
 from tg_jax.train import sft_data
 
 TASKS = generate_tasks("train", 120, seed=3, families=EASY_FAMILIES)
@@ -64,11 +64,8 @@ def test_the_share_forced_and_that_hinted_transcripts_are_never_forced():
 
 
 @pytest.fixture(scope="module")
-def bpe_renderer(tmp_path_factory):
-    texts = sft_data.transcript_texts(_transcripts(0.5, p_hinted=0.5), BYTE)
-    path = str(tmp_path_factory.mktemp("bpe"))
-    bpe.write_bpe_tokenizer(path, texts, 400)
-    return ChatRenderer(HFTokenizer.from_dir(path))
+def bpe_renderer(make_bpe_renderer):
+    return make_bpe_renderer(sft_data.transcript_texts(_transcripts(0.5, p_hinted=0.5), BYTE), 400)
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
