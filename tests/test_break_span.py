@@ -1,6 +1,7 @@
 """`tg.span` "to_break": where a failed turn breaks its requirement (protocol), which token
 holds that character (rollout), and the distillation mask cut after it (batch, RL loop)."""
 
+import os
 import random
 import types
 
@@ -28,13 +29,6 @@ RENDERER = ChatRenderer(ByteTokenizer())
 TASK = generate_tasks("heldout", 1, seed=0)[0]
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 @pytest.mark.parametrize("name", ["fence", "tool_json"])
 def test_the_break_is_where_the_turn_leaves_its_compliant_rewrite(name):
     # A turn written without the requirement breaks it where it stops sharing characters
@@ -57,7 +51,7 @@ def test_the_break_is_where_the_turn_leaves_its_compliant_rewrite(name):
             "tool_json": (check_tool_json, tool_json_breaks_at),
         }[name]
         assert not check(bad) and check(good)
-        assert breaks_at(bad) == _common_prefix(bad, good), (bad, good)
+        assert breaks_at(bad) == len(os.path.commonprefix([bad, good])), (bad, good)
         checked += 1
     assert checked == 300
 

@@ -167,6 +167,14 @@ def _skip(text: str, off: int, chars: str) -> int:
     return off
 
 
+def _first_call(text: str, off: int) -> int | None:
+    """Start of the first tool call (a CALL line or a <tool_call>) in text[off:], else None."""
+    legacy = _LEGACY.search(text, off)
+    json_call = text.find("<tool_call>", off)
+    starts = ([legacy.start()] if legacy else []) + ([json_call] if json_call >= 0 else [])
+    return min(starts) if starts else None
+
+
 def _tool_call_end(text: str, off: int) -> int | None:
     """End of a tool call (a JSON call or a CALL line) starting at text[off:], else None."""
     if text.startswith("<tool_call>", off):
@@ -192,11 +200,8 @@ def fence_breaks_at(turn_text: str) -> int | None:
         return off
     close = turn_text.find("```", off + 1)
     if close < 0:  # not closed: the tool call (if any) came where the closing fence belongs
-        calls = [m.start() for m in (_LEGACY.search(turn_text, off), re.compile("<tool_call>")
-                 .search(turn_text, off)) if m]  # fmt: skip
-        if not calls:
-            return len(turn_text)
-        return _skip(turn_text, min(calls), " \t")
+        call = _first_call(turn_text, off)
+        return len(turn_text) if call is None else _skip(turn_text, call, " \t")
     if not turn_text[off + 1 : close].strip():
         return close
     off = close + 3
@@ -217,23 +222,20 @@ def tool_json_breaks_at(turn_text: str) -> int | None:
     off = _answer_start(turn_text)
     if off is None:
         return None
-    legacy = _LEGACY.search(turn_text, off)
-    start = turn_text.find("<tool_call>", off)
-    if legacy and (start < 0 or legacy.start() < start):
-        return _skip(turn_text, legacy.start(), " \t")
-    if start < 0:
+    call = _first_call(turn_text, off)
+    if call is None:
         return len(turn_text)
+    start = turn_text.find("<tool_call>", off)
+    if call != start:  # a CALL line first
+        return _skip(turn_text, call, " \t")
     end = turn_text.find("</tool_call>", start)
     payload = start + len("<tool_call>")
     if end < 0:
         return None
     if _parse_json_call(turn_text[payload:end])[1] is not None:
         return payload
-    off = end + len("</tool_call>")
-    later = [m.start() for m in (_LEGACY.search(turn_text, off),) if m]
-    again = turn_text.find("<tool_call>", off)
-    later += [again] if again >= 0 else []
-    return _skip(turn_text, min(later), " \t") if later else None
+    call = _first_call(turn_text, end + len("</tool_call>"))
+    return None if call is None else _skip(turn_text, call, " \t")
 
 
 def make_requirement(name: str, weight: float = 1.0) -> Requirement:

@@ -18,6 +18,7 @@ almost never meets a requirement without one.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Sequence
 
@@ -236,11 +237,12 @@ def _draw(
             names = [r.name for r in env.requirements
                      if r.name in config.forced_requirements and r.applies(probe)]  # fmt: skip
             if names:
-                message["content"] = text = write(names)
+                message["content"] = write(names)
                 # Where the turn without each forced requirement would differ from this one.
-                message["no_loss_chars"] = sorted(
-                    {_common_prefix(text, write([n for n in names if n != m])) for m in names}
-                )
+                message["no_loss_chars"] = sorted({
+                    len(os.path.commonprefix([message["content"], write(set(names) - {m})]))
+                    for m in names
+                })  # fmt: skip
         text = message["content"]
         messages.append(message)
         res = env.step(text)
@@ -264,13 +266,6 @@ def _draw(
     return Transcript(
         task.task_id, messages, res.rewards, final == truth, any_hint, env.summary().to_dict()
     )
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _hint_names(

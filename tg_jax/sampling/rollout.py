@@ -399,7 +399,7 @@ def to_trajectory(
         task_id=ep.task_id,
         info=info,
         turn_hint_tokens=turn_hint_tokens,
-        turn_breaks=[dict(b) for b in ep.breaks] if len(ep.breaks) == len(ep.verdicts) else None,
+        turn_breaks=[dict(b) for b in ep.breaks],
     )
 
 

@@ -233,9 +233,27 @@ class ChatRenderer:
         Returns:
           (ids, role_ids), two lists of equal length T.
         """
-        segments = self._segments(messages, tools=tools, start=True)
-        ids, roles, _ = self._encode(segments, add_generation_prompt, enable_thinking)
+        ids, roles, _ = self.render_with_owners(
+            messages, add_generation_prompt, tools=tools, enable_thinking=enable_thinking
+        )
         return ids, roles
+
+    def render_with_owners(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = False,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        enable_thinking: bool = True,
+    ) -> tuple[list[int], list[int], list[int]]:
+        """`render_with_roles` plus, per token, the index in `messages` of the message it
+        renders (a system block's tokens: 0; consecutive tool results: the first one's).
+
+        Returns:
+          (ids, role_ids, owners), three lists of equal length T.
+        """
+        segments = self._segments(messages, tools=tools, start=True)
+        return self._encode(segments, add_generation_prompt, enable_thinking)
 
     def find_drift(
         self,

@@ -55,33 +55,31 @@ def render_example(renderer: ChatRenderer, messages: Sequence[Message]) -> tuple
     The tokens that hold an assistant message's "no_loss_chars" (offsets in its content) get
     the PROMPT role, so that SFT does not learn to produce them (`loss_mask`).
     """
-    ids, roles = renderer.render_with_roles(messages)
-    ids, roles = np.asarray(ids, np.int32), np.asarray(roles, np.int8)
+    ids, roles, owners = renderer.render_with_owners(messages)
+    ids, roles, owners = np.asarray(ids, np.int32), np.asarray(roles, np.int8), np.asarray(owners)
     for i, m in enumerate(messages):
         offsets = m.get("no_loss_chars") if m["role"] == "assistant" else None
         if offsets:
-            roles[_content_tokens(renderer, messages, i, ids, roles, offsets)] = int(Role.PROMPT)
+            produced = np.flatnonzero((owners == i) & np.isin(roles, LOSS_ROLES))
+            held = _content_tokens(renderer, m["content"], ids[produced], offsets, i)
+            roles[produced[held]] = int(Role.PROMPT)
     return ids, roles
 
 
 def _content_tokens(
-    renderer: ChatRenderer, messages: Sequence[Message], i: int, ids: np.ndarray,
-    roles: np.ndarray, offsets: Sequence[int],
-) -> list[int]:  # fmt: skip
-    """Indices in `ids` of the tokens holding characters `offsets` of message i's content."""
-    start = len(renderer.render_with_roles(messages[:i])[0])  # append-only: its tokens start here
-    end = len(renderer.render_with_roles(messages[: i + 1])[0])
-    produced = [j for j in range(start, end) if roles[j] in LOSS_ROLES]
-    text = renderer.tokenizer.decode(ids[produced].tolist())
-    content = messages[i]["content"]
-    if not text.startswith(content):
+    renderer: ChatRenderer, content: str, ids: np.ndarray, offsets: Sequence[int], i: int
+) -> np.ndarray:
+    """Indices in `ids` (message i's produced tokens, thinking and answer) of the tokens that
+    hold characters `offsets` of its content."""
+    ids = ids.tolist()
+    if not renderer.tokenizer.decode(ids).startswith(content):
         raise ValueError(f"message {i}: its tokens do not decode to its content")
     out = []
     for o in offsets:
         if not 0 <= o < len(content):
             raise ValueError(f"message {i}: no_loss_chars offset {o} outside its content")
-        out.append(produced[token_at_char(renderer.tokenizer, ids[produced].tolist(), o)])
-    return out
+        out.append(token_at_char(renderer.tokenizer, ids, o))
+    return np.asarray(out, np.int64)
 
 
 def loss_mask(roles: np.ndarray) -> np.ndarray:
