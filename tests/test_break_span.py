@@ -217,3 +217,25 @@ def test_the_rl_loop_applies_the_option_and_the_config_checks_it():
     assert counts["turn"] == len(text) + 1 and counts["to_break"] == 1
     with pytest.raises(ValueError, match="span"):
         TGConfig(span="after_break")
+
+
+def test_users_command_with_the_option(tmp_path):
+    # The fence smoke run as a user types it, once per span: the first step samples the same
+    # rollouts from the same base (same seeds), and "to_break" distils fewer of their tokens.
+    import json
+
+    from tests.test_frozen_teacher_cli import _main
+
+    first_step = {}
+    for span in ("turn", "to_break"):
+        work = tmp_path / span
+        _main("configs/fence.py:runlocal", work, "--config.pipeline.arms=('tg',)",
+              f"--config.tg.span={span}")  # fmt: skip
+        run = work / "runs" / "tg_seed0"
+        assert json.loads((run / "rl_summary.json").read_text())["finished"]
+        train = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        first_step[span] = next(m for m in train if m.get("stage") == "train" and m["step"] == 1)
+    assert (
+        first_step["turn"]["cost/sampled_tokens"] == first_step["to_break"]["cost/sampled_tokens"]
+    )
+    assert 0 < first_step["to_break"]["tg_num_distilled"] < first_step["turn"]["tg_num_distilled"]
