@@ -71,3 +71,78 @@ def test_combined_rewards():
     np.testing.assert_allclose(adv, (r - r.mean()) / r.std(), rtol=1e-6)
     with pytest.raises(KeyError):
         adv_lib.combine_rewards(rewards, {"missing": 1.0})
+
+
+def test_per_reward_normalisation_by_hand():
+    # One group of 4: task [1, 0, 1, 0] (mean 0.5, std 0.5), fence [1, 1, 0, 0] (mean 0.5,
+    # std 0.5); weights 1 and 0.5. Each component's advantage is +-1, so
+    # A = 1 * [1, -1, 1, -1] + 0.5 * [1, 1, -1, -1] = [1.5, -0.5, 0.5, -1.5].
+    rewards = {
+        "task": np.array([1.0, 0.0, 1.0, 0.0], np.float32),
+        "fence": np.array([1.0, 1.0, 0.0, 0.0], np.float32),
+    }
+    weights = {"task": 1.0, "fence": 0.5}
+    groups = np.zeros(4, np.int32)
+    adv, total, metrics = adv_lib.compute_advantages(
+        rewards, weights, groups, eps=0.0, reward_norm="per_reward"
+    )
+    np.testing.assert_allclose(adv, [1.5, -0.5, 0.5, -1.5], rtol=1e-6)
+    np.testing.assert_allclose(total, [1.5, 0.5, 1.0, 0.0])  # the combined reward, unchanged
+    np.testing.assert_allclose(float(metrics.reward_mean), 0.75)
+
+
+def test_per_reward_keeps_the_task_advantage_when_a_requirement_varies():
+    # Task [1, 0, 0, 0], requirement [1, 1, 1, 0], both weighted 1: combined [2, 1, 1, 0]
+    # (mean 1, std 0.707), so row 0's success is worth (2 - 1) / 0.707 = 1.414 over rows 1-2,
+    # which row 3's requirement failure's share of the std holds down; per reward each
+    # component has std 0.433 and row 0 gets the task's own sqrt(3) plus 1 / sqrt(3).
+    rewards = {
+        "task": np.array([1.0, 0.0, 0.0, 0.0], np.float32),
+        "req": np.array([1.0, 1.0, 1.0, 0.0], np.float32),
+    }
+    weights = {"task": 1.0, "req": 1.0}
+    groups = np.zeros(4, np.int32)
+    combined, _, _ = adv_lib.compute_advantages(rewards, weights, groups, eps=0.0)
+    per, _, _ = adv_lib.compute_advantages(
+        rewards, weights, groups, eps=0.0, reward_norm="per_reward"
+    )
+    np.testing.assert_allclose(float(combined[0] - combined[1]), np.sqrt(2), rtol=1e-6)
+    np.testing.assert_allclose(float(per[0]), np.sqrt(3) + 1 / np.sqrt(3), rtol=1e-6)
+    # Rows 1 and 2 differ from row 0 by the task alone: their advantage gap is the task's.
+    np.testing.assert_allclose(float(per[0] - per[1]), 4 / np.sqrt(3), rtol=1e-6)
+
+
+def test_per_reward_normalisation_against_numpy():
+    rng = np.random.default_rng(0)
+    groups = np.repeat(np.arange(5), 4).astype(np.int32)
+    valid = rng.random(20) > 0.15
+    rewards = {k: rng.integers(0, 3, 20).astype(np.float32) / 2 for k in ("task", "a", "b")}
+    weights = {"task": 1.0, "a": 0.5, "b": 0.25}
+    adv, _, _ = adv_lib.compute_advantages(
+        rewards, weights, groups, eps=1e-6, valid_B=valid, reward_norm="per_reward"
+    )
+    want = np.zeros(20)
+    for g in range(5):
+        rows = (groups == g) & valid
+        for k, w in weights.items():
+            r = rewards[k][rows]
+            if r.max() > r.min():
+                want[rows] += w * (r - r.mean()) / (r.std() + 1e-6)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
+    # One component: per_reward is the combined normalisation.
+    one = {"task": rewards["task"]}
+    a1, _, _ = adv_lib.compute_advantages(one, {"task": 1.0}, groups, reward_norm="per_reward")
+    a2, _, _ = adv_lib.compute_advantages(one, {"task": 1.0}, groups)
+    np.testing.assert_allclose(a1, a2, rtol=1e-6)
+    with pytest.raises(ValueError, match="reward_norm"):
+        adv_lib.compute_advantages(one, {"task": 1.0}, groups, reward_norm="bogus")
+
+
+def test_reward_norm_config_is_checked():
+    from tg_jax import config_lib
+    from tg_jax.rl.step_config import RLConfig
+
+    c = config_lib.rl_config(reward_norm="per_reward")
+    assert RLConfig.from_config(c).reward_norm == "per_reward"
+    with pytest.raises(ValueError, match="reward_norm"):
+        RLConfig.from_config(config_lib.rl_config(reward_norm="sum"))

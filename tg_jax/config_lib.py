@@ -137,6 +137,10 @@ def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.advantage_mode = "grpo"  # grpo (divide by the group std) | dr_grpo (do not)
     c.adv_eps = 1e-6  # added to the group std before dividing
+    # combined (normalise the weighted reward sum in its group) | per_reward (each reward
+    # component normalised in its group, then weighted and summed: a requirement reward's
+    # spread cannot shrink the task reward's advantage)
+    c.reward_norm = "combined"
     c.reward_weights = ml_collections.ConfigDict({"task": 1.0})  # reward component -> weight
     c.clip_low = 0.2  # ratio clipped below at 1 - clip_low
     c.clip_high = 0.28  # ratio clipped above at 1 + clip_high (clip-higher)

@@ -6,6 +6,14 @@ weighted sum of reward components (task reward, requirement rewards, ...), and i
     GRPO:     A_i = (r_i - mean_{j in g(i)} r_j) / (std_{j in g(i)} r_j + eps)
     Dr. GRPO: A_i =  r_i - mean_{j in g(i)} r_j
 
+With several reward components r = sum_k w_k r^k, `reward_norm="per_reward"` normalises each
+component in its group before weighting (decoupled normalisation, as GDPO):
+
+    A_i = sum_k w_k (r^k_i - mean_{j in g(i)} r^k_j) / (std_{j in g(i)} r^k_j + eps)
+
+so a requirement reward that varies within a group cannot shrink the task reward's advantage
+by inflating the combined std; "combined" (the default) normalises the weighted sum.
+
 Group ids are arbitrary integers and groups may have any size; everything is computed with
 segment ops over the batch, so the functions jit with a fixed batch size and recompile for
 nothing else. The advantage is one number per rollout; broadcasting it over the rollout's
@@ -18,7 +26,10 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tg_jax.rl.step_config import REWARD_NORMS
+
 AdvantageMode = Literal["grpo", "dr_grpo"]
+RewardNorm = Literal["combined", "per_reward"]
 
 
 class AdvantageMetrics(NamedTuple):
@@ -152,22 +163,34 @@ def compute_advantages(
     eps: float = 1e-6,
     ddof: int = 0,
     valid_B: jax.Array | None = None,
+    reward_norm: RewardNorm = "combined",
 ) -> tuple[jax.Array, jax.Array, AdvantageMetrics]:
-    """`combine_rewards` then `group_advantages`.
+    """`combine_rewards` then `group_advantages` (of the sum, or of each component).
 
     Args:
       rewards: name -> reward component [B].
       weights: name -> weight.
       group_ids_B: [B] int group ids.
       mode, eps, ddof, valid_B: as in `group_advantages`.
+      reward_norm: "combined" = the advantage of the weighted sum; "per_reward" = the
+        weighted sum of each component's own group advantage (see the module docstring).
+        The two agree for a single component and for "dr_grpo".
 
     Returns:
       advantages_B: float32 [B].
       rewards_B: float32 [B], the combined reward.
-      metrics: `AdvantageMetrics`.
+      metrics: `AdvantageMetrics` of the combined reward (a group counts as zero-std when
+        its combined reward is constant).
     """
+    if reward_norm not in REWARD_NORMS:
+        raise ValueError(f"unknown reward_norm {reward_norm!r}; known: {REWARD_NORMS}")
     rewards_B = combine_rewards(rewards, weights)
-    adv_B, metrics = group_advantages(
-        rewards_B, group_ids_B, mode=mode, eps=eps, ddof=ddof, valid_B=valid_B
-    )
+    kw = dict(mode=mode, eps=eps, ddof=ddof, valid_B=valid_B)
+    adv_B, metrics = group_advantages(rewards_B, group_ids_B, **kw)
+    if reward_norm == "per_reward":
+        adv_B = None
+        for name in sorted(weights):  # fixed order, as in combine_rewards
+            comp_B = jnp.asarray(rewards[name], jnp.float32)
+            term_B = weights[name] * group_advantages(comp_B, group_ids_B, **kw)[0]
+            adv_B = term_B if adv_B is None else adv_B + term_B
     return adv_B, rewards_B, metrics

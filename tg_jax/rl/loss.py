@@ -418,4 +418,5 @@ def batch_advantages(
         mode=rl_cfg.advantage_mode,
         eps=rl_cfg.adv_eps,
         valid_B=batch.valid_B,
+        reward_norm=rl_cfg.reward_norm,
     )

@@ -16,6 +16,7 @@ from typing import Any
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_MODES = ("grpo", "dr_grpo")
+REWARD_NORMS = ("combined", "per_reward")
 DIVERGENCES = ("reverse", "forward", "jsd")
 ESTIMATORS = ("full", "sampled")
 GATES = ("failed_turns", "all_turns")
@@ -56,6 +57,9 @@ class RLConfig:
     """grpo (divide by the group std) | dr_grpo (do not)."""
     adv_eps: float = 1e-6
     """Added to the group std before dividing."""
+    reward_norm: str = "combined"
+    """combined (normalise the weighted reward sum in its group) | per_reward (normalise each
+    reward component in its group, then weight and sum; `tg_jax.rl.advantages`)."""
     reward_weights: tuple[tuple[str, float], ...] = (("task", 1.0),)
     """(reward component, weight) pairs of the combined reward."""
     clip_low: float = 0.2
@@ -99,6 +103,7 @@ class RLConfig:
     def __post_init__(self):
         s = "rl"
         _check_choice(s, "advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
+        _check_choice(s, "reward_norm", self.reward_norm, REWARD_NORMS)
         _check_choice(s, "agg_mode", self.agg_mode, AGG_MODES)
         _check_choice(s, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check(self.adv_eps >= 0, s, "adv_eps", ">= 0", self.adv_eps)
@@ -140,6 +145,7 @@ class RLConfig:
         return cls(
             advantage_mode=str(v["advantage_mode"]),
             adv_eps=float(v["adv_eps"]),
+            reward_norm=str(v.get("reward_norm", "combined")),
             reward_weights=tuple((str(k), float(w)) for k, w in dict(v["reward_weights"]).items()),
             clip_low=float(v["clip_low"]),
             clip_high=float(v["clip_high"]),
