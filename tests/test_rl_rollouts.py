@@ -50,6 +50,9 @@ def test_rollout_metrics():
     assert m["rollout/end/max_turns"] == pytest.approx(1 / 3)
     assert m["rollout/end/max_tokens"] == 0.0
     assert m["rollout/turns"] == pytest.approx(5 / 3)
+    # First turns judged: True, False (the third's is None); later turns judged: True.
+    assert m["rollout/turn_pass/first"] == pytest.approx(1 / 2)
+    assert m["rollout/turn_pass/later"] == pytest.approx(1.0)
     assert rl_rollouts.sampled_tokens(trajs) == 9
 
 

@@ -195,9 +195,14 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Training-time rollout statistics (host numbers, no device sync): rates per episode,
     per-requirement compliance, actions, terminations, feedback kinds (shares of the per-turn
     picks), prompt tokens prefilled per episode, and hint leakage (`rollout/hint_leakage`:
-    share of the assistant turns that reproduce a hint n-gram, tg_jax.envs.leakage)."""
+    share of the assistant turns that reproduce a hint n-gram, tg_jax.envs.leakage).
+    `rollout/turn_pass/first` and `rollout/turn_pass/later`: the share of judged turns that
+    met every requirement judged on them, for the first assistant turn and for the turns after
+    it (where later turns fail more often, an episode's requirement reward falls with every
+    turn it takes)."""
     n = max(len(trajectories), 1)
     comp, success = [], []
+    turn_pass: dict[str, list[float]] = {"first": [], "later": []}
     per_req: dict[str, list[float]] = {}
     out: dict[str, float] = {f"rollout/end/{k}": 0.0 for k in rollout.TERMINATIONS}
     for t in trajectories:
@@ -206,6 +211,10 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         c = episode_compliance(verdicts, t.info.get("conditional_requirements", ()))
         for k, ok in c.items():
             per_req.setdefault(k, []).append(float(ok))
+        for i, v in enumerate(t.turn_verdicts):
+            judged = [ok for ok in v.values() if ok is not None]
+            if judged:
+                turn_pass["first" if i == 0 else "later"].append(float(all(judged)))
         comp.append(float(bool(c) and all(c.values())))
         success.append(float(t.rewards.get("task", 0.0) >= 1.0))
         for k, v in t.info.get("actions", {}).items():
@@ -229,6 +238,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         }
     )
     out.update({f"rollout/compliance/{k}": float(np.mean(v)) for k, v in per_req.items()})
+    out.update({f"rollout/turn_pass/{k}": float(np.mean(v)) for k, v in turn_pass.items() if v})
     measured = [t for t in trajectories if "hint_leaking_turns" in t.info]
     if measured:
         turns = sum(t.num_turns for t in measured)
