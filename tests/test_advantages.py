@@ -146,3 +146,71 @@ def test_reward_norm_config_is_checked():
     assert RLConfig.from_config(c).reward_norm == "per_reward"
     with pytest.raises(ValueError, match="reward_norm"):
         RLConfig.from_config(config_lib.rl_config(reward_norm="sum"))
+
+
+def test_turn_advantages_by_hand():
+    # One group of 2 rows x 4 tokens; row 0: 3 produced tokens, its turn passed;
+    # row 1: 2 produced tokens of a turn that passed, 1 of a turn that failed.
+    # Tokens: 5 pass / 6 -> mean 5/6, std sqrt(5/6 * 1/6) = sqrt(5)/6.
+    p = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)
+    m = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], bool)
+    adv = adv_lib.turn_advantages(p, m, np.zeros(2, np.int32), eps=0.0)
+    up, down = (1 - 5 / 6) / (np.sqrt(5) / 6), (0 - 5 / 6) / (np.sqrt(5) / 6)
+    np.testing.assert_allclose(adv, [[up, up, up, 0], [up, up, down, 0]], rtol=1e-5)
+    # dr_grpo: centred only; a group whose tokens all pass gets 0; padding rows get 0.
+    dr = adv_lib.turn_advantages(p, m, np.zeros(2, np.int32), mode="dr_grpo")
+    np.testing.assert_allclose(dr[1, 2], -5 / 6, rtol=1e-6)
+    same = adv_lib.turn_advantages(np.ones((2, 4)), m, np.array([3, 3]))
+    np.testing.assert_array_equal(same, 0.0)
+    pad = adv_lib.turn_advantages(p, m, np.zeros(2, np.int32), valid_B=np.array([True, False]))
+    np.testing.assert_array_equal(pad, 0.0)  # the one valid row's tokens all pass
+
+
+def test_turn_credit_in_batch_advantages():
+    import types
+
+    from tg_jax.rl.loss import batch_advantages
+    from tg_jax.rl.step_config import RLConfig
+
+    # Two groups of two rows. Episode rewards: task and the fraction of tool_json-passing
+    # turns; row 1 failed its second turn (tokens 2-3), row 3 failed its only turn.
+    loss = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 0, 0]], bool)
+    failed = np.array([[0, 0, 0, 0], [0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]], bool)
+    batch = types.SimpleNamespace(
+        rewards={
+            "task": np.array([1.0, 0.0, 0.0, 0.0], np.float32),
+            "tool_json": np.array([1.0, 0.5, 1.0, 0.0], np.float32),
+        },
+        group_ids_B=np.array([0, 0, 1, 1], np.int32),
+        valid_B=np.ones(4, bool),
+        requirement_names=("tool_json",),
+        loss_mask_BxT=loss,
+        failed_turn_mask_BxT=failed,
+    )
+    weights = (("task", 1.0), ("tool_json", 0.5))
+    episode = RLConfig(reward_weights=weights, adv_eps=0.0)
+    adv_e, total, _ = batch_advantages(batch, episode)
+    assert adv_e.shape == (4,)
+    np.testing.assert_allclose(total, [1.5, 0.25, 0.5, 0.0])
+    turn = RLConfig(reward_weights=weights, adv_eps=0.0, requirement_credit="turn")
+    adv_t, total_t, _ = batch_advantages(batch, turn)
+    np.testing.assert_allclose(total_t, total)  # the logged reward is the episode's
+    # Task advantages: group 0 [+1, -1], group 1 [0, 0] (equal task rewards).
+    # Turn term, group 0: 6 of 8 tokens pass (mean 3/4, std sqrt(3)/4): +1/sqrt(3) on
+    # passing tokens, -sqrt(3) on failing ones; group 1: 2 of 4 pass: +-1. Weight 0.5.
+    a, b = 0.5 / np.sqrt(3), -0.5 * np.sqrt(3)
+    want = np.array(
+        [
+            [1 + a, 1 + a, 1 + a, 1 + a],
+            [-1 + a, -1 + a, -1 + b, -1 + b],
+            [0.5, 0.5, 0, 0],
+            [-0.5, -0.5, 0, 0],
+        ]
+    )
+    np.testing.assert_allclose(adv_t, want, rtol=1e-5, atol=1e-6)
+    # Row 1's first turn (tokens 0-1) keeps a positive requirement term: its own turn passed.
+    no_req = RLConfig(reward_weights=(("task", 1.0),), requirement_credit="turn")
+    with pytest.raises(ValueError, match="requirement_credit"):
+        batch_advantages(batch, no_req)
+    with pytest.raises(ValueError, match="requirement_credit"):
+        RLConfig(requirement_credit="step")

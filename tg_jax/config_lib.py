@@ -142,6 +142,10 @@ def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
     # spread cannot shrink the task reward's advantage)
     c.reward_norm = "combined"
     c.reward_weights = ml_collections.ConfigDict({"task": 1.0})  # reward component -> weight
+    # episode (requirement rewards summed into the episode's reward, its advantage on every
+    # token) | turn (each turn's requirement verdict credited to that turn's tokens only:
+    # a later turn's failure does not lower the earlier turns' choices)
+    c.requirement_credit = "episode"
     c.clip_low = 0.2  # ratio clipped below at 1 - clip_low
     c.clip_high = 0.28  # ratio clipped above at 1 + clip_high (clip-higher)
     c.dual_clip = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off

@@ -14,6 +14,17 @@ component in its group before weighting (decoupled normalisation, as GDPO):
 so a requirement reward that varies within a group cannot shrink the task reward's advantage
 by inflating the combined std; "combined" (the default) normalises the weighted sum.
 
+Requirement rewards are judged per assistant turn. Folded into the episode's reward (credit
+"episode"), a turn that breaks a requirement lowers the advantage of every token of the
+episode, the earlier turns' choices included: where later turns fail more often than first
+ones, an episode is paid less for every turn it takes (running the tests, say). Credit
+"turn" (`turn_advantages`) gives the requirement signal to the turn it judged instead:
+
+    A_{i,t} = A^task_i + w_req (p_{i,t} - mean_g p) / (std_g p + eps)
+
+where p_{i,t} = 1 if token t's turn broke no requirement, the group statistics run over the
+group's produced tokens, and w_req is the sum of the requirement weights.
+
 Group ids are arbitrary integers and groups may have any size; everything is computed with
 segment ops over the batch, so the functions jit with a fixed batch size and recompile for
 nothing else. The advantage is one number per rollout; broadcasting it over the rollout's
@@ -152,6 +163,55 @@ def group_advantages(
         frac_zero_std_groups=zero_std_G.sum() / jnp.maximum(num_groups, 1),
     )
     return adv_B, metrics
+
+
+def turn_advantages(
+    pass_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    group_ids_B: jax.Array,
+    *,
+    mode: AdvantageMode = "grpo",
+    eps: float = 1e-6,
+    valid_B: jax.Array | None = None,
+) -> jax.Array:
+    """Group-normalised per-token advantages of a per-turn 0/1 signal (module docstring).
+
+    Args:
+      pass_BxT: 1 where the token's turn broke no requirement, else 0.
+      mask_BxT: the tokens that count (produced by the policy); 0 elsewhere in the output.
+      group_ids_B: [B] int group ids.
+      mode: "grpo" (divide by the group std of the signal over its tokens) or "dr_grpo".
+      eps: added to the std before dividing.
+      valid_B: optional [B] bool; padding rows get 0 and are left out of the statistics.
+
+    Returns:
+      advantages_BxT: float32 [B, T]; 0 off the mask, and in groups whose tokens all share
+      one value.
+    """
+    if mode not in ("grpo", "dr_grpo"):
+        raise ValueError(f"unknown advantage mode {mode!r}")
+    p_BxT = jnp.asarray(pass_BxT, jnp.float32)
+    batch = p_BxT.shape[0]
+    valid_B = jnp.ones((batch,), bool) if valid_B is None else jnp.asarray(valid_B, bool)
+    m_BxT = jnp.asarray(mask_BxT, jnp.float32) * valid_B[:, None]
+    sentinel = jnp.iinfo(jnp.int32).min
+    ids_B = jnp.where(valid_B, jnp.asarray(group_ids_B, jnp.int32), sentinel)
+    _, seg_B = jnp.unique(ids_B, return_inverse=True, size=batch, fill_value=sentinel)
+    seg_B = seg_B.reshape(batch)
+
+    def seg_sum(x_B: jax.Array) -> jax.Array:
+        return jax.ops.segment_sum(x_B, seg_B, num_segments=batch)
+
+    count_G = seg_sum(m_BxT.sum(-1))
+    ones_G = seg_sum((p_BxT * m_BxT).sum(-1))
+    mean_G = ones_G / jnp.maximum(count_G, 1.0)
+    centred_BxT = (p_BxT - mean_G[seg_B][:, None]) * m_BxT
+    # Both values present in the group's tokens, counted exactly (0 < ones < count).
+    varies_G = (ones_G > 0) & (ones_G < count_G)
+    if mode == "grpo":
+        std_G = jnp.sqrt(mean_G * (1.0 - mean_G))
+        centred_BxT = centred_BxT / (std_G[seg_B][:, None] + eps)
+    return jnp.where(varies_G[seg_B][:, None], centred_BxT, 0.0)
 
 
 def compute_advantages(

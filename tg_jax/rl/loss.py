@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.models import hidden_states, unembed
-from tg_jax.rl.advantages import AdvantageMetrics, compute_advantages
+from tg_jax.rl.advantages import AdvantageMetrics, compute_advantages, turn_advantages
 from tg_jax.rl.batch import Batch
 from tg_jax.rl.policy_loss import PolicyLossMetrics, ppo_loss, reference_kl
 from tg_jax.rl.step_config import RLConfig, TGConfig
@@ -410,13 +410,33 @@ def loss_fn(
 def batch_advantages(
     batch: Batch, rl_cfg: RLConfig
 ) -> tuple[jax.Array, jax.Array, AdvantageMetrics]:
-    """`compute_advantages` on the batch's rewards and groups (padding rows excluded)."""
-    return compute_advantages(
-        dict(batch.rewards),
-        dict(rl_cfg.reward_weights),
-        batch.group_ids_B,
-        mode=rl_cfg.advantage_mode,
-        eps=rl_cfg.adv_eps,
-        valid_B=batch.valid_B,
-        reward_norm=rl_cfg.reward_norm,
+    """`compute_advantages` on the batch's rewards and groups (padding rows excluded).
+
+    With `rl.requirement_credit` "turn" the requirement rewards (the weights named in
+    `batch.requirement_names`) leave the episode reward and come back per turn
+    (`turn_advantages` on `failed_turn_mask_BxT`, weighted by their summed weights): the
+    advantages are then [B, T]. The combined reward and its metrics stay the episode's, every
+    weight included.
+    """
+    weights = dict(rl_cfg.reward_weights)
+    kw = dict(mode=rl_cfg.advantage_mode, eps=rl_cfg.adv_eps, valid_B=batch.valid_B)
+    adv_B, rewards_B, metrics = compute_advantages(
+        dict(batch.rewards), weights, batch.group_ids_B, reward_norm=rl_cfg.reward_norm, **kw
     )
+    if rl_cfg.requirement_credit == "episode":
+        return adv_B, rewards_B, metrics
+    req = [k for k in weights if k in batch.requirement_names]
+    episode = {k: w for k, w in weights.items() if k not in req}
+    if not req or not episode:
+        raise ValueError(
+            "rl.requirement_credit 'turn' needs a requirement reward and another reward in "
+            f"rl.reward_weights (requirements {list(batch.requirement_names)}, weights "
+            f"{sorted(weights)})"
+        )
+    adv_B, _, _ = compute_advantages(
+        dict(batch.rewards), episode, batch.group_ids_B, reward_norm=rl_cfg.reward_norm, **kw
+    )
+    mask_BxT = batch.loss_mask_BxT
+    turn_BxT = turn_advantages(~batch.failed_turn_mask_BxT, mask_BxT, batch.group_ids_B, **kw)
+    w_req = sum(weights[k] for k in req)
+    return adv_B[:, None] * mask_BxT + w_req * turn_BxT, rewards_B, metrics

@@ -17,6 +17,7 @@ AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_MODES = ("grpo", "dr_grpo")
 REWARD_NORMS = ("combined", "per_reward")
+REQUIREMENT_CREDITS = ("episode", "turn")
 DIVERGENCES = ("reverse", "forward", "jsd")
 ESTIMATORS = ("full", "sampled")
 GATES = ("failed_turns", "all_turns")
@@ -62,6 +63,9 @@ class RLConfig:
     reward component in its group, then weight and sum; `tg_jax.rl.advantages`)."""
     reward_weights: tuple[tuple[str, float], ...] = (("task", 1.0),)
     """(reward component, weight) pairs of the combined reward."""
+    requirement_credit: str = "episode"
+    """episode (requirement rewards in the episode's reward) | turn (each requirement signal
+    credited to the turn it judged; `tg_jax.rl.advantages.turn_advantages`)."""
     clip_low: float = 0.2
     """The PPO ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.28
@@ -104,6 +108,7 @@ class RLConfig:
         s = "rl"
         _check_choice(s, "advantage_mode", self.advantage_mode, ADVANTAGE_MODES)
         _check_choice(s, "reward_norm", self.reward_norm, REWARD_NORMS)
+        _check_choice(s, "requirement_credit", self.requirement_credit, REQUIREMENT_CREDITS)
         _check_choice(s, "agg_mode", self.agg_mode, AGG_MODES)
         _check_choice(s, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _check(self.adv_eps >= 0, s, "adv_eps", ">= 0", self.adv_eps)
@@ -147,6 +152,7 @@ class RLConfig:
             adv_eps=float(v["adv_eps"]),
             reward_norm=str(v.get("reward_norm", "combined")),
             reward_weights=tuple((str(k), float(w)) for k, w in dict(v["reward_weights"]).items()),
+            requirement_credit=str(v.get("requirement_credit", "episode")),
             clip_low=float(v["clip_low"]),
             clip_high=float(v["clip_high"]),
             dual_clip=float(v["dual_clip"]) or None,

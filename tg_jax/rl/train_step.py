@@ -163,6 +163,15 @@ def _proximal_logprob_fn(model: nn.Module, config: StepConfig) -> Callable:
     return fn
 
 
+def _abs_mean(adv: jax.Array, batch: Batch) -> jax.Array:
+    """Mean |advantage| over valid rows ([B]) or over produced tokens ([B, T], turn credit)."""
+    if adv.ndim == 1:
+        valid_B = batch.valid_B.astype(jnp.float32)
+        return (jnp.abs(adv) * valid_B).sum() / jnp.maximum(valid_B.sum(), 1.0)
+    mask_BxT = batch.loss_mask_BxT.astype(jnp.float32)
+    return (jnp.abs(adv) * mask_BxT).sum() / jnp.maximum(mask_BxT.sum(), 1.0)
+
+
 def update_phase(
     state: TrainState,
     batch: Batch,
@@ -278,7 +287,7 @@ def train_step(
         tg_distilled_frac=norms.num_distilled / jnp.maximum(norms.num_tokens, 1.0),
         tg_num_distilled=norms.num_distilled,
         num_tokens=norms.num_tokens,
-        advantage_abs_mean=(jnp.abs(adv_B) * valid_B).sum() / num_valid,
+        advantage_abs_mean=_abs_mean(adv_B, batch),
         policy_version_mean=(batch.policy_version_B * valid_B).sum() / num_valid,
     )
     if tg_cfg.enabled:
