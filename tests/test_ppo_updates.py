@@ -12,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -248,12 +249,18 @@ def test_one_update_equals_todays_step(tis_cap):
 # (4) Sharded equals single-device.
 
 
-@pytest.mark.parametrize("compact", [True, False], ids=["chunk_shuffle", "row_shuffle"])
-def test_sharded_update_phase_equals_single_device(compact):
+@pytest.mark.parametrize(
+    "compact, credit",
+    [(True, "episode"), (False, "episode"), (True, "turn")],
+    ids=["chunk_shuffle", "row_shuffle", "turn_credit"],
+)
+def test_sharded_update_phase_equals_single_device(compact, credit):
     # Adam's eps as in test_train_step: m / sqrt(v) of a gradient near 0 would turn float
     # noise of the reduction order into an lr-sized step.
     overrides = {
-        "rl.num_updates": 2, "rl.num_minibatches": 2, "rl.dual_clip": 3.0, "optim.eps": 1e-6
+        "rl.num_updates": 2, "rl.num_minibatches": 2, "rl.dual_clip": 3.0, "optim.eps": 1e-6,
+        "rl.requirement_credit": credit,
+        "rl.reward_weights": ml_collections.ConfigDict({"task": 1.0, "fence": 0.5}),
     }  # fmt: skip
     mesh8 = sharding.make_mesh(config_lib.mesh_config((2, 2, 2, 1)))
     cfg8 = _config(**overrides, **{"mesh.shape": (2, 2, 2, 1)})
@@ -270,6 +277,14 @@ def test_sharded_update_phase_equals_single_device(compact):
             np.testing.assert_allclose(ma[k], mb[k], atol=1e-5, rtol=1e-5, err_msg=k)
     _tree_close(sharded[0].params, single[0].params, atol=1e-5)
     assert single[1][1]["tg_loss"] > 0 and single[1][1]["update_skipped"] == 0
+    if credit == "turn":  # per-token advantages: the turn term is not the episode's
+        typed1 = StepConfig.from_config(_config(**overrides))
+        adv_BxT, _, _ = ts.batch_advantages(batch, typed1.rl)
+        episode = dataclasses.replace(typed1.rl, requirement_credit="episode")
+        adv_B, _, _ = ts.batch_advantages(batch, episode)
+        assert adv_BxT.ndim == 2 and adv_B.ndim == 1
+        mask = np.asarray(batch.loss_mask_BxT)
+        assert np.abs(np.asarray(adv_BxT) - np.asarray(adv_B)[:, None])[mask].max() > 1e-3
 
 
 def test_minibatch_rows_checked_at_config_time():
