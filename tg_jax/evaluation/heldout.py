@@ -51,7 +51,29 @@ def evaluate_heldout(
     sampler: Sampler | None = None,
     renderer: ChatRenderer | None = None,
 ) -> list[EpisodeRecord]:
-    """Plays held-out episodes with `params` and returns one record per episode.
+    """Plays held-out episodes with `params` and returns one record per episode
+    (`heldout_episodes` without the trajectories; the same arguments)."""
+    return heldout_episodes(
+        config, params, tasks, conditions=conditions, samples_per_task=samples_per_task,
+        temperature=temperature, max_new_tokens=max_new_tokens, sampling_seed=sampling_seed,
+        sampler=sampler, renderer=renderer,
+    )[0]  # fmt: skip
+
+
+def heldout_episodes(
+    config: Any,
+    params: Any,
+    tasks: Sequence[Any],
+    *,
+    conditions: Sequence[str] | None = None,
+    samples_per_task: int | None = None,
+    temperature: float | None = None,
+    max_new_tokens: int | None = None,
+    sampling_seed: int | None = None,
+    sampler: Sampler | None = None,
+    renderer: ChatRenderer | None = None,
+) -> tuple[list[EpisodeRecord], list[Any]]:
+    """Plays held-out episodes with `params`: one record and one Trajectory per episode.
 
     Args:
       config: full config (sections model, env, and `eval` from
@@ -67,8 +89,9 @@ def evaluate_heldout(
         byte tokenizer).
 
     Returns:
-      EpisodeRecords, condition by condition, sample by sample, task by task; each carries
-      its task's hidden function as `cluster_id` (the bootstrap's resampling unit).
+      (records, trajectories): EpisodeRecords, condition by condition, sample by sample, task
+      by task, each with its task's hidden function as `cluster_id` (the bootstrap's
+      resampling unit); the episodes' Trajectories in the same order.
     """
     ev = config.eval
     conditions = tuple(ev.conditions if conditions is None else conditions)
@@ -86,8 +109,9 @@ def evaluate_heldout(
     )
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
     records: list[EpisodeRecord] = []
+    trajectories: list[Any] = []
     for i, condition in enumerate(conditions):
-        recs, _ = rollout.evaluate(
+        recs, trajs = rollout.evaluate(
             sampler, params, renderer, make_env, tasks,
             config=rollout_cfg, rng=jax.random.fold_in(jax.random.key(seed), i),
             condition=condition,
@@ -95,8 +119,12 @@ def evaluate_heldout(
                                  else samples_per_task),
         )  # fmt: skip
         records.extend(recs)
+        trajectories.extend(trajs)
     clusters = {t.task_id: getattr(t, "function_id", t.task_id) for t in tasks}
-    return [dataclasses.replace(r, cluster_id=clusters.get(r.task_id, r.task_id)) for r in records]
+    records = [
+        dataclasses.replace(r, cluster_id=clusters.get(r.task_id, r.task_id)) for r in records
+    ]
+    return records, trajectories
 
 
 def heldout_metrics(records: Sequence[EpisodeRecord], prefix: str = "heldout/") -> dict[str, float]:
