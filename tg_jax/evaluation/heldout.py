@@ -39,25 +39,11 @@ def make_sampler(config: Any, renderer: ChatRenderer) -> Sampler:
 
 
 def evaluate_heldout(
-    config: Any,
-    params: Any,
-    tasks: Sequence[Any],
-    *,
-    conditions: Sequence[str] | None = None,
-    samples_per_task: int | None = None,
-    temperature: float | None = None,
-    max_new_tokens: int | None = None,
-    sampling_seed: int | None = None,
-    sampler: Sampler | None = None,
-    renderer: ChatRenderer | None = None,
+    config: Any, params: Any, tasks: Sequence[Any], **kwargs: Any
 ) -> list[EpisodeRecord]:
     """Plays held-out episodes with `params` and returns one record per episode
-    (`heldout_episodes` without the trajectories; the same arguments)."""
-    return heldout_episodes(
-        config, params, tasks, conditions=conditions, samples_per_task=samples_per_task,
-        temperature=temperature, max_new_tokens=max_new_tokens, sampling_seed=sampling_seed,
-        sampler=sampler, renderer=renderer,
-    )[0]  # fmt: skip
+    (`heldout_episodes`, with the same arguments, without the trajectories)."""
+    return heldout_episodes(config, params, tasks, **kwargs)[0]
 
 
 def heldout_episodes(

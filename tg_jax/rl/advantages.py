@@ -31,7 +31,7 @@ nothing else. The advantage is one number per rollout; broadcasting it over the 
 tokens is the policy loss's job.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal, NamedTuple
 
 import jax
@@ -84,6 +84,22 @@ def combine_rewards(rewards: Mapping[str, jax.Array], weights: Mapping[str, floa
     return total_B
 
 
+def _dense_groups(
+    group_ids_B: jax.Array, valid_B: jax.Array
+) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+    """Dense segment ids 0..G-1 of the group ids, and a per-group sum over them ([B] -> [B]).
+
+    Padding rows share one sentinel id so they never make a group of valid rows look bigger;
+    with at most B distinct ids, size=B keeps the shapes static.
+    """
+    batch = valid_B.shape[0]
+    sentinel = jnp.iinfo(jnp.int32).min
+    ids_B = jnp.where(valid_B, jnp.asarray(group_ids_B, jnp.int32), sentinel)
+    _, seg_B = jnp.unique(ids_B, return_inverse=True, size=batch, fill_value=sentinel)
+    seg_B = seg_B.reshape(batch)
+    return seg_B, lambda x_B: jax.ops.segment_sum(x_B, seg_B, num_segments=batch)
+
+
 def group_advantages(
     rewards_B: jax.Array,
     group_ids_B: jax.Array,
@@ -123,16 +139,7 @@ def group_advantages(
     valid_B = jnp.ones((batch,), bool) if valid_B is None else jnp.asarray(valid_B, bool)
     w_B = valid_B.astype(jnp.float32)
 
-    # Padding rows share one sentinel id so they never make a group of valid rows look bigger;
-    # with at most B distinct ids, size=B keeps the shapes static.
-    sentinel = jnp.iinfo(jnp.int32).min
-    ids_B = jnp.where(valid_B, jnp.asarray(group_ids_B, jnp.int32), sentinel)
-    _, seg_B = jnp.unique(ids_B, return_inverse=True, size=batch, fill_value=sentinel)
-    seg_B = seg_B.reshape(batch)
-
-    def seg_sum(x_B: jax.Array) -> jax.Array:
-        return jax.ops.segment_sum(x_B, seg_B, num_segments=batch)
-
+    seg_B, seg_sum = _dense_groups(group_ids_B, valid_B)
     count_G = seg_sum(w_B)
     mean_G = seg_sum(w_B * rewards_B) / jnp.maximum(count_G, 1.0)
     centred_B = (rewards_B - mean_G[seg_B]) * w_B
@@ -194,14 +201,7 @@ def turn_advantages(
     batch = p_BxT.shape[0]
     valid_B = jnp.ones((batch,), bool) if valid_B is None else jnp.asarray(valid_B, bool)
     m_BxT = jnp.asarray(mask_BxT, jnp.float32) * valid_B[:, None]
-    sentinel = jnp.iinfo(jnp.int32).min
-    ids_B = jnp.where(valid_B, jnp.asarray(group_ids_B, jnp.int32), sentinel)
-    _, seg_B = jnp.unique(ids_B, return_inverse=True, size=batch, fill_value=sentinel)
-    seg_B = seg_B.reshape(batch)
-
-    def seg_sum(x_B: jax.Array) -> jax.Array:
-        return jax.ops.segment_sum(x_B, seg_B, num_segments=batch)
-
+    seg_B, seg_sum = _dense_groups(group_ids_B, valid_B)
     count_G = seg_sum(m_BxT.sum(-1))
     ones_G = seg_sum((p_BxT * m_BxT).sum(-1))
     mean_G = ones_G / jnp.maximum(count_G, 1.0)
