@@ -212,5 +212,8 @@ def test_turn_credit_in_batch_advantages():
     no_req = RLConfig(reward_weights=(("task", 1.0),), requirement_credit="turn")
     with pytest.raises(ValueError, match="requirement_credit"):
         batch_advantages(batch, no_req)
+    with pytest.raises(ValueError, match="requirement_credit"):  # the run's start-up check
+        no_req.credit_split(("tool_json",))
+    assert turn.credit_split(("tool_json", "fence")) == (["tool_json"], {"task": 1.0})
     with pytest.raises(ValueError, match="requirement_credit"):
         RLConfig(requirement_credit="step")

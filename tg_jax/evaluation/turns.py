@@ -48,29 +48,25 @@ def turn_profile(trajectories: Sequence[Trajectory], renderer: ChatRenderer) -> 
     tool, or call none (malformed).
     """
     n = max(len(trajectories), 1)
+    seen = [{"met": [], "tools": [], "code": []} for _ in POSITIONS]
+    for t in trajectories:
+        for k in range(t.num_turns):
+            at = seen[min(k, len(POSITIONS) - 1)]
+            if (met := t.turn_met(k)) is not None:
+                at["met"].append(met)
+            parsed = parse_turn(turn_text(t, renderer, k))
+            at["tools"].append(parsed.tool)
+            at["code"].append(bool(parsed.code))
     rows = []
-    for p, name in enumerate(POSITIONS):
-        last = p == len(POSITIONS) - 1
-        turns, judged, tools, code = [], [], [], []
-        for t in trajectories:
-            for k in range(t.num_turns):
-                if k != p and not (last and k > p):
-                    continue
-                verdicts = [ok for ok in t.turn_verdicts[k].values() if ok is not None]
-                if verdicts:
-                    judged.append(all(verdicts))
-                parsed = parse_turn(turn_text(t, renderer, k))
-                tools.append(parsed.tool)
-                code.append(bool(parsed.code))
-                turns.append(k)
-        m = max(len(turns), 1)
+    for p, (name, at) in enumerate(zip(POSITIONS, seen, strict=True)):
+        tools, m = at["tools"], max(len(at["tools"]), 1)
         rows.append(
             {
                 "turn": name,
                 "episodes": sum(t.num_turns > p for t in trajectories) / n,
-                "turns": len(turns),
-                "pass": float(np.mean(judged)) if judged else None,
-                "code": sum(code) / m,
+                "turns": len(tools),
+                "pass": float(np.mean(at["met"])) if at["met"] else None,
+                "code": sum(at["code"]) / m,
                 "run_tests": tools.count("run_tests") / m,
                 "submit": tools.count("submit") / m,
                 "no_tool": tools.count(None) / m,

@@ -425,14 +425,7 @@ def batch_advantages(
     )
     if rl_cfg.requirement_credit == "episode":
         return adv_B, rewards_B, metrics
-    req = [k for k in weights if k in batch.requirement_names]
-    episode = {k: w for k, w in weights.items() if k not in req}
-    if not req or not episode:
-        raise ValueError(
-            "rl.requirement_credit 'turn' needs a requirement reward and another reward in "
-            f"rl.reward_weights (requirements {list(batch.requirement_names)}, weights "
-            f"{sorted(weights)})"
-        )
+    req, episode = rl_cfg.credit_split(batch.requirement_names)
     adv_B, _, _ = compute_advantages(
         dict(batch.rewards), episode, batch.group_ids_B, reward_norm=rl_cfg.reward_norm, **kw
     )

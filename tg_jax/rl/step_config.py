@@ -10,7 +10,7 @@ ConfigDicts become None here (tis_cap, dual_clip, norm_length, top_k).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -140,6 +140,20 @@ class RLConfig:
                 f"rl.micro_batches={self.micro_batches} micro-batches of a multiple of the "
                 f"mesh's batch divisor {divisor} rows (rows a multiple of {unit})"
             )
+
+    def credit_split(self, requirement_names: Sequence[str]) -> tuple[list[str], dict]:
+        """With requirement_credit "turn": (the weighted requirement rewards among
+        `requirement_names`, the other weights); raises unless both are non-empty."""
+        weights = dict(self.reward_weights)
+        req = [k for k in weights if k in requirement_names]
+        episode = {k: w for k, w in weights.items() if k not in req}
+        if not req or not episode:
+            raise ValueError(
+                "rl.requirement_credit 'turn' needs a requirement reward and another reward in "
+                f"rl.reward_weights (requirements {list(requirement_names)}, weights "
+                f"{sorted(weights)})"
+            )
+        return req, episode
 
     @classmethod
     def from_config(cls, rl: Mapping[str, Any] | RLConfig) -> RLConfig:

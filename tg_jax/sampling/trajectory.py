@@ -104,5 +104,11 @@ class Trajectory:
         """Names of the requirements assistant turn `turn` broke (sorted; None = not applicable)."""
         return sorted(name for name, ok in self.turn_verdicts[turn].items() if ok is False)
 
+    def turn_met(self, turn: int) -> bool | None:
+        """Whether assistant turn `turn` met every requirement judged on it; None when none
+        was judged (every verdict None: not applicable)."""
+        judged = [ok for ok in self.turn_verdicts[turn].values() if ok is not None]
+        return all(judged) if judged else None
+
 
 __all__ = ["Role", "Trajectory", "hint_key"]

@@ -458,7 +458,10 @@ def run_rl(
     parts = _build(config, workdir, init_params, arm_name, seed, renderer)
     # Minibatches of static shape: fail before the first rollout, not at the first step.
     rows = int(lc.groups_per_step) * int(lc.rollouts_per_group)
-    RLConfig.from_config(config.rl).check_rows(rows, parts.divisor)
+    rl_cfg = RLConfig.from_config(config.rl)
+    rl_cfg.check_rows(rows, parts.divisor)
+    if rl_cfg.requirement_credit == "turn":  # the requirement rewards to credit per turn
+        rl_cfg.credit_split(tuple(config.env.requirements))
     paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),

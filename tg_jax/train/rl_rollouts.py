@@ -211,10 +211,9 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         c = episode_compliance(verdicts, t.info.get("conditional_requirements", ()))
         for k, ok in c.items():
             per_req.setdefault(k, []).append(float(ok))
-        for i, v in enumerate(t.turn_verdicts):
-            judged = [ok for ok in v.values() if ok is not None]
-            if judged:
-                turn_pass["first" if i == 0 else "later"].append(float(all(judged)))
+        for i in range(t.num_turns):
+            if (met := t.turn_met(i)) is not None:
+                turn_pass["first" if i == 0 else "later"].append(float(met))
         comp.append(float(bool(c) and all(c.values())))
         success.append(float(t.rewards.get("task", 0.0) >= 1.0))
         for k, v in t.info.get("actions", {}).items():
