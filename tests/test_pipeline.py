@@ -155,12 +155,18 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     with open(os.path.join(workdir, sft_eval.EVAL_FILE)) as f:
         base = json.load(f)
     assert {"pass_rate", "unprompted_compliance/fence", "hinted_compliance/fence"} <= set(base)
+    # The fence's format cost: the plain pass rate minus the one with the fence forced open.
+    assert base["format_cost/fence"] == pytest.approx(
+        base["pass_rate"] - base["forced_pass_rate/fence"]
+    )
+    assert base["modes"]["t1.0/forced_fence"]["num_episodes"] == config.sft.eval.num_tasks
     # The report stands on a named machine, the base model's figures and the pre-registration.
     with open(os.path.join(workdir, "report", "report.md")) as f:
         md = f.read()
     sha = res["context"]["preregistration"]["sha256"]
     assert sha in md and os.path.exists(os.path.join(workdir, protocol.PREREGISTRATION_FILE))
     assert f"{os.cpu_count()} cores" in md and f"pass_rate {base['pass_rate']:.2f}" in md
+    assert f"format_cost/fence {base['format_cost/fence']:.2f}" in md
     assert res["context"]["sft_attempts"][0]["verdict"] == "accepted"  # tiny: gates off
     # The tiny model solves almost nothing: below the floor the verdict is not pass/fail.
     grpo_success = res["arms"]["grpo"]["heldout"]["plain"]["bootstrap"]["task_success"]["mean"]

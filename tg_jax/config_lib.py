@@ -408,6 +408,9 @@ def sft_require_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.pass_rate = (0.2, 0.6)  # allowed range of the temperature-1 held-out pass rate
     c.max_unprompted_compliance = 0.02  # per requirement RL judges, plain prompts, at most
     c.min_hinted_compliance = 0.95  # per requirement RL judges, hinted prompts, at least
+    # Per requirement RL judges with an opening (the fence), at most: plain pass rate minus the
+    # pass rate with the first answer opened in the format (sft_eval's format_cost); 1.0 = off.
+    c.max_format_cost = 1.0
     c.update(overrides)
     return c
 

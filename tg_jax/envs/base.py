@@ -37,6 +37,9 @@ class Requirement:
         an episode where it never applied meets it (reward 1, compliance True). Otherwise
         (e.g. the fence) an episode with no applicable turn fails it, so that doing nothing
         never earns it.
+      opening: the text a turn meeting it starts with, where the requirement is decided at
+        the turn's first answer token (the fence: "```python\n"), else None. The base
+        model's format cost (`tg_jax.train.sft_eval`) opens the first answer with it.
     """
 
     name: str
@@ -46,6 +49,7 @@ class Requirement:
     applies: Callable[[str], bool] = lambda turn_text: True
     conditional: bool = False
     breaks_at: Callable[[str], int | None] | None = None
+    opening: str | None = None
 
     def verdict(self, turn_text: str) -> bool | None:
         """True (met), False (failed turn) or None (not applicable)."""

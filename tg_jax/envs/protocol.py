@@ -24,6 +24,7 @@ from tg_jax.envs.base import Requirement
 TOOLS = ("run_tests", "submit")
 
 FENCE_HINT = "Reminder: put code in a ```python block."
+FENCE_OPENING = "```python\n"  # how a fenced turn starts (`Requirement.opening`)
 TOOL_JSON_HINT = 'Reminder: use <tool_call>{"name": ...}</tool_call>.'
 
 _THINK = re.compile(r"\A\s*<think>(.*?)</think>[ \t]*\n?", re.S)
@@ -243,7 +244,7 @@ def make_requirement(name: str, weight: float = 1.0) -> Requirement:
     if name == "fence":
         return Requirement(
             "fence", check_fence, FENCE_HINT, weight, applies=fence_applies,
-            breaks_at=fence_breaks_at,
+            breaks_at=fence_breaks_at, opening=FENCE_OPENING,
         )  # fmt: skip
     if name == "tool_json":
         return Requirement(

@@ -6,10 +6,12 @@ before every turn, so it also measures reading hints (and, before a turn the hin
 concern, e.g. a submit without code, a context the hinted SFT data never had). Prefilling the
 first turn's answer with the opening (e.g. "```python\\n") puts the model in the format where
 it would choose it, with no hint, and lets it write the rest: the situation of a TG policy
-that has learnt to open the format. The opening replaces the first turn's thinking block.
+that has learnt to open the format. By default the opening replaces the first turn's
+thinking block; `--after_thinking` keeps the block the model writes and opens the format
+after it, where a thinking policy decides its format (what sft_eval's format cost measures):
 
     python -m tg_jax.evaluation.prefill --config=configs/fence.py --workdir=W \\
-        --model_dir=W/base_model --prefill='```python\\n'
+        --model_dir=W/base_model --prefill='```python\\n' --after_thinking
 
 prints, for plain and prefilled episodes: task success (95% cluster bootstrap CI), each
 requirement's compliance, the share of episodes that ran the tests, malformed turns per
@@ -25,23 +27,46 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.sampler import SampleResult
 from tg_jax.text import ChatRenderer
+from tg_jax.text.chat import THINK_END, THINK_START
 
 
 class PrefillSampler:
     """Wraps a sampler: a prompt that ends the conversation's first assistant header gets the
     prefill tokens appended and returned as the first tokens of the turn (log-prob 0, as
-    forced tokens); every other prompt is sampled unchanged."""
+    forced tokens); every other prompt is sampled unchanged.
 
-    def __init__(self, sampler: Any, renderer: ChatRenderer, prefill: str):
+    With `after_thinking`, a first turn that opens with a thinking block keeps it: the turn is
+    sampled up to its </think>, then `separator` + the prefill is forced and the rest sampled;
+    a first turn without a thinking block is opened with the prefill as above, and one whose
+    block does not close (budget, end of turn) is kept as sampled. That is where a policy that
+    thinks before it writes a format stands. Calls then run without the rollout's turn cache
+    (a forced turn is not one continuation of its prompt), the same tokens up to float
+    rounding.
+    """
+
+    def __init__(
+        self,
+        sampler: Any,
+        renderer: ChatRenderer,
+        prefill: str,
+        *,
+        after_thinking: bool = False,
+        separator: str = "\n",
+    ):
         if not prefill:
             raise ValueError("the prefill text is empty")
         self.sampler = sampler
         self.prefill = renderer.tokenizer.encode(prefill)
+        self.after_thinking = bool(after_thinking)
+        self.forced_after = renderer.tokenizer.encode(separator + prefill)
+        self._think = (renderer.tokenizer.special_id(THINK_START),
+                       renderer.tokenizer.special_id(THINK_END))  # fmt: skip
         self._header = renderer.tokenizer.decode(renderer.assistant_header())
         self._decode = renderer.tokenizer.decode
 
@@ -56,6 +81,8 @@ class PrefillSampler:
         budgets = np.broadcast_to(np.asarray(max_new_tokens), (len(prompts),))
         if any(f and int(b) <= n for f, b in zip(first, budgets, strict=True)):
             raise ValueError(f"the prefill ({n} tokens) leaves no room in the turn's budget")
+        if self.after_thinking:
+            return self._sample_after_thinking(params, prompts, first, budgets, kw)
         out = self.sampler.sample(
             params,
             [list(p) + (self.prefill if f else []) for p, f in zip(prompts, first, strict=True)],
@@ -72,6 +99,75 @@ class PrefillSampler:
             lead(out.tokens, self.prefill), lead(out.logprobs, zeros),
             lead(out.raw_logprobs, zeros), out.stopped, out.prefill_tokens,
         )  # fmt: skip
+
+    def _sub(self, params, prompts, rows, budgets, kw, *, stop_ids, rng):
+        """The inner sampler on `rows` only (their prompts, budgets, stop lists, row ids)."""
+        row_ids = kw.get("row_ids")
+        extra = {k: v for k, v in kw.items() if k not in ("stop_ids", "rng", "row_ids")}
+        return self.sampler.sample(
+            params, [prompts[i] for i in rows], max_new_tokens=[int(budgets[i]) for i in rows],
+            stop_ids=[list(stop_ids[i]) for i in rows], rng=rng,
+            row_ids=None if row_ids is None else [row_ids[i] for i in rows], **extra,
+        )  # fmt: skip
+
+    def _sample_after_thinking(self, params, prompts, first, budgets, kw):
+        kw = {k: v for k, v in kw.items() if k not in ("cache", "keys")}
+        stops = kw.get("stop_ids", ())
+        if len(stops) and not np.isscalar(stops[0]):
+            per_row = [tuple(s) for s in stops]
+        else:
+            per_row = [tuple(stops)] * len(prompts)
+        rng = kw["rng"]
+        prompts = [list(p) for p in prompts]
+        everyone = list(range(len(prompts)))
+        # Phase 1: every row as usual, the first turns stopping at their </think> as well.
+        stop1 = [s + (self._think[1],) if f else s for s, f in zip(per_row, first, strict=True)]
+        out = self._sub(params, prompts, everyone, budgets, kw, stop_ids=stop1, rng=rng)
+        tokens = [np.asarray(t) for t in out.tokens]
+        lps, raw = [np.asarray(x) for x in out.logprobs], [np.asarray(x) for x in out.raw_logprobs]
+        stopped = np.asarray(out.stopped).copy()
+        thought, bare = [], []
+        for i in everyone:
+            t = tokens[i]
+            if not first[i]:
+                continue
+            if len(t) and t[0] == self._think[0]:
+                closed = bool(stopped[i]) and t[-1] == self._think[1]
+                room = int(budgets[i]) - len(t) - len(self.forced_after)
+                if closed and room > 0:
+                    thought.append(i)
+                elif closed:
+                    stopped[i] = False  # no room left for the format: the turn hit its budget
+            else:
+                bare.append(i)
+        # Phase 2: the thinking turns continue after separator + prefill, forced.
+        forced = np.asarray(self.forced_after, np.int32)
+        zeros = np.zeros(len(forced), np.float32)
+        if thought:
+            cont = [prompts[i] + tokens[i].tolist() + self.forced_after for i in everyone]
+            rest = [int(budgets[i]) - len(tokens[i]) - len(forced) for i in everyone]
+            o2 = self._sub(params, cont, thought, rest, kw, stop_ids=per_row,
+                           rng=jax.random.fold_in(rng, 1))  # fmt: skip
+            for k, i in enumerate(thought):
+                lead = forced.astype(tokens[i].dtype)
+                tokens[i] = np.concatenate([tokens[i], lead, o2.tokens[k]])
+                lps[i] = np.concatenate([lps[i], zeros, o2.logprobs[k]])
+                raw[i] = np.concatenate([raw[i], zeros, o2.raw_logprobs[k]])
+                stopped[i] = o2.stopped[k]
+        # Phase 3: first turns without a thinking block are opened with the prefill instead.
+        if bare:
+            pre = np.asarray(self.prefill, np.int32)
+            opened = [prompts[i] + self.prefill for i in everyone]
+            rest = [int(budgets[i]) - len(pre) for i in everyone]
+            o3 = self._sub(params, opened, bare, rest, kw, stop_ids=per_row,
+                           rng=jax.random.fold_in(rng, 2))  # fmt: skip
+            z = np.zeros(len(pre), np.float32)
+            for k, i in enumerate(bare):
+                tokens[i] = np.concatenate([pre.astype(o3.tokens[k].dtype), o3.tokens[k]])
+                lps[i] = np.concatenate([z, o3.logprobs[k]])
+                raw[i] = np.concatenate([z, o3.raw_logprobs[k]])
+                stopped[i] = o3.stopped[k]
+        return SampleResult(tokens, lps, raw, stopped, None)
 
 
 def summarize(records: Sequence[EpisodeRecord], seed: int = 0) -> dict[str, Any]:
@@ -105,6 +201,7 @@ def evaluate_prefill(
     prefill: str,
     *,
     samples_per_task: int | None = None,
+    after_thinking: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """{"plain": summary, "prefilled": summary} of the held-out episodes of `tasks`: the same
     sampling seed for both, the prefilled ones with the first answer opened by `prefill`."""
@@ -112,7 +209,8 @@ def evaluate_prefill(
 
     sampler = heldout.make_sampler(config, renderer)
     out = {}
-    for name, s in (("plain", sampler), ("prefilled", PrefillSampler(sampler, renderer, prefill))):
+    forced = PrefillSampler(sampler, renderer, prefill, after_thinking=after_thinking)
+    for name, s in (("plain", sampler), ("prefilled", forced)):
         records = heldout.evaluate_heldout(
             config, params, tasks, conditions=("plain",), samples_per_task=samples_per_task,
             sampler=s, renderer=renderer,
@@ -129,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model_dir", required=True, help="checkpoint directory to evaluate")
     parser.add_argument("--prefill", required=True, help="text opening the first answer "
                         "(backslash escapes such as \\n are decoded)")  # fmt: skip
+    parser.add_argument("--after_thinking", action="store_true", help="open the format after "
+                        "the first turn's thinking block (else at the turn's start, in its "
+                        "place)")  # fmt: skip
     parser.add_argument("--num_tasks", type=int, default=0, help="0 = config.eval.num_tasks")
     parser.add_argument("--samples", type=int, default=0, help="0 = config.eval.samples_per_task")
     parser.add_argument("--out", default="", help="write the summaries as JSON here")
@@ -147,8 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sources = data_stage.prepare_tasks(config, args.workdir)
     tasks = data_stage.load_tasks(sources, "heldout", args.num_tasks or config.eval.num_tasks)
     result = evaluate_prefill(config, params, tasks, md.renderer, prefill,
-                              samples_per_task=args.samples or None)  # fmt: skip
-    print(f"prefill {prefill!r}, {len(tasks)} held-out tasks, model {args.model_dir}")
+                              samples_per_task=args.samples or None,
+                              after_thinking=args.after_thinking)  # fmt: skip
+    where = "after the first thinking block" if args.after_thinking else "at the first answer"
+    print(f"prefill {prefill!r} {where}, {len(tasks)} held-out tasks, model {args.model_dir}")
     for name, s in result.items():
         comp = " ".join(f"{n} {v:.2f}" for n, v in s["compliance"].items())
         lo, hi = s["task_success_ci"]
@@ -157,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"malformed/episode {s['malformed_per_episode']:.2f}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"prefill": prefill, "model_dir": args.model_dir, **result}, f, indent=2)
+            json.dump({"prefill": prefill, "after_thinking": args.after_thinking,
+                       "model_dir": args.model_dir, **result}, f, indent=2)  # fmt: skip
     return 0
 
 

@@ -256,7 +256,8 @@ def run_base_model(
 
 def _base_figures(result: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in result.items()
-            if isinstance(v, int | float) and ("pass_rate" in k or "compliance" in k)}  # fmt: skip
+            if isinstance(v, int | float)
+            and ("pass_rate" in k or "compliance" in k or "format_cost" in k)}  # fmt: skip
 
 
 def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[Any, dict, list]:

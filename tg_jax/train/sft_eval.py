@@ -6,6 +6,16 @@ the RL runs, so the base model's figures and the RL arms' are comparable. Modes:
 section 4: "plain" (prompts as in training: does it by default?) and "hinted" (a hint for
 every requirement right before every assistant turn: can it when reminded?).
 
+With `forced=True` (the evaluation written to sft_eval.json, not the dev evaluations of SFT
+selection), each requirement decided at a turn's first answer token (`Requirement.opening`:
+the fence) gets one more temperature-1 mode, "t1.0/forced_<r>": plain prompts, the first
+turn's answer opened with the requirement's opening right after the turn's thinking block
+(`tg_jax.evaluation.prefill.PrefillSampler`, after_thinking), the rest the model's: where a TG
+policy that has learnt to open the format stands, with no hint in context.
+`format_cost/<r>` = pass_rate - forced_pass_rate/<r> is what writing the format costs the base
+model before any RL: task skill a TG arm would have to win back and GRPO, which never writes
+the format, would not.
+
 Figures per mode (`summarize`):
   pass_rate: share of episodes whose hidden tests all pass.
   compliance/<r>: share of JUDGED TURNS that meet requirement r (all episodes pooled).
@@ -67,14 +77,21 @@ def evaluate_base_model(
     env_cfg: CodingEnvConfig,
     eval_config: Any,
     max_len: int,
+    *,
+    forced: bool = False,
 ) -> dict[str, Any]:
-    """Every mode of `eval_config.temperatures` x {plain, hinted} on `tasks`, one episode each.
+    """Every mode of `eval_config.temperatures` x {plain, hinted} on `tasks`, one episode each,
+    and with `forced` (and temperature 1 among them) a forced mode per requirement with an
+    opening (module docstring).
 
     Returns:
       {"modes": {"t1.0/plain": summary, ...}} plus headline figures: "pass_rate",
       "unprompted_compliance/<r>" (temperature 1, plain) and "hinted_compliance/<r>"
-      (temperature 1, hinted), with "_greedy" counterparts when 0.0 is a temperature.
+      (temperature 1, hinted), with "_greedy" counterparts when 0.0 is a temperature;
+      forced: "forced_pass_rate/<r>" and "format_cost/<r>".
     """
+    from tg_jax.evaluation.prefill import PrefillSampler  # noqa: PLC0415
+
     sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id)
     rng = jax.random.key(int(eval_config.seed))
     modes: dict[str, dict[str, float]] = {}
@@ -92,6 +109,21 @@ def evaluate_base_model(
             modes[f"t{float(temp)}/{condition}"] = summarize(
                 records, trajectories, env_cfg.requirements
             )
+            if not (forced and condition == "plain" and float(temp) == 1.0):
+                continue
+            for req in CodingEnv(env_cfg).requirements:
+                if req.opening is None:
+                    continue
+                # The plain mode's sampling key: the two differ by the opening only.
+                records, trajectories = rollout.evaluate(
+                    PrefillSampler(sampler, renderer, req.opening, after_thinking=True),
+                    params, renderer,
+                    lambda: CodingEnv(env_cfg), tasks, config=cfg,
+                    rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
+                )  # fmt: skip
+                modes[f"t1.0/forced_{req.name}"] = summarize(
+                    records, trajectories, env_cfg.requirements
+                )
     out: dict[str, Any] = {"modes": modes, "num_tasks": len(tasks)}
     for temp, suffix in ((1.0, ""), (0.0, "_greedy")):
         plain, hinted = modes.get(f"t{temp}/plain"), modes.get(f"t{temp}/hinted")
@@ -102,6 +134,11 @@ def evaluate_base_model(
         for r in env_cfg.requirements:
             out[f"unprompted_compliance/{r}{suffix}"] = plain[f"compliance/{r}"]
             out[f"hinted_compliance/{r}{suffix}"] = hinted[f"compliance/{r}"]
+    for r in env_cfg.requirements:
+        if f"t1.0/forced_{r}" in modes:
+            forced_pass = modes[f"t1.0/forced_{r}"]["pass_rate"]
+            out[f"forced_pass_rate/{r}"] = forced_pass
+            out[f"format_cost/{r}"] = modes["t1.0/plain"]["pass_rate"] - forced_pass
     return out
 
 
@@ -117,7 +154,7 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     t0 = time.time()
     result = evaluate_base_model(
         Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),
-        config.sft.eval, max_len=model_cfg.max_seq_len,
+        config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
     )  # fmt: skip
     result["eval_s"] = time.time() - t0
     result["requirements"] = list(config.env.requirements)

@@ -3,12 +3,17 @@
 The RL comparison only means something on a base model in a known regime: it solves some but
 not all held-out tasks at the RL temperature (room to lose and to gain), never meets the
 requirement unprompted (there is something to teach) and follows its hint (the TG teacher
-works). `check_base_model` reads those figures from sft_eval.json and returns the failures.
+works); with `sft.require.max_format_cost` < 1, it also solves about as many tasks once made
+to write the format (sft_eval's format_cost), so that TG's task success is not measured against
+a handicap GRPO never meets. `check_base_model` reads those figures from sft_eval.json and
+returns the failures.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tg_jax.envs.protocol import make_requirement
 
 # What to change when a gate fails (shown in the error).
 KNOBS = (
@@ -16,6 +21,7 @@ KNOBS = (
     "seed and sft.data_seed (another init and data order; or sft.retry_seeds=N to retry)",
     "sft.optim.lr",
     "sft.transcripts.p_correct / p_hinted (the expert data)",
+    "sft.transcripts.p_forced (a format_cost: transcripts written in the format unhinted)",
     "sft.require.* (the gates themselves, if the regime you want is another)",
 )
 
@@ -26,13 +32,23 @@ class BaseModelGateError(RuntimeError):
 
 # The per-requirement figures the gates read from sft_eval.json ("<kind>/<requirement>").
 REQUIREMENT_KINDS = ("unprompted_compliance", "hinted_compliance")
+FORMAT_COST = "format_cost"
+
+
+def _kinds(config: Any, requirement: str) -> tuple[str, ...]:
+    """The gated kinds of one requirement: the format cost too when its gate is on and the
+    requirement has an opening."""
+    gate_on = float(config.sft.require.get("max_format_cost", 1.0)) < 1.0
+    if gate_on and make_requirement(requirement).opening is not None:
+        return (*REQUIREMENT_KINDS, FORMAT_COST)
+    return REQUIREMENT_KINDS
 
 
 def gate_figures(config: Any, result: dict[str, Any]) -> dict[str, float | None]:
     """The gated figures of an sft_eval.json result (None = not measured)."""
     out: dict[str, float | None] = {"pass_rate": result.get("pass_rate")}
     for r in config.env.requirements:
-        for kind in REQUIREMENT_KINDS:
+        for kind in _kinds(config, r):
             out[f"{kind}/{r}"] = result.get(f"{kind}/{r}")
     return out
 
@@ -44,7 +60,7 @@ def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
     figures = gate_figures(config, result)
     return [
         r for r in config.env.requirements
-        if any(figures[f"{kind}/{r}"] is None for kind in REQUIREMENT_KINDS)
+        if any(figures[f"{kind}/{r}"] is None for kind in _kinds(config, r))
     ]  # fmt: skip
 
 
@@ -64,6 +80,8 @@ def check_base_model(config: Any, result: dict[str, Any]) -> list[str]:
             failures.append(f"{key} {value:.3f} > {req.max_unprompted_compliance}")
         elif key.startswith("hinted") and value < float(req.min_hinted_compliance):
             failures.append(f"{key} {value:.3f} < {req.min_hinted_compliance}")
+        elif key.startswith(FORMAT_COST) and value > float(req.max_format_cost):
+            failures.append(f"{key} {value:.3f} > {req.max_format_cost}")
     return failures
 
 
