@@ -1,7 +1,7 @@
 """The code-fence requirement on the embedded default: configs/default.py with env fence.
 
-Same data and RL budget as configs/default.py; RL judges and TG teaches the fence requirement
-(code in a ```python block) instead of the tool-call protocol:
+Same data as configs/default.py and twice its RL steps (below); RL judges and TG teaches the
+fence requirement (code in a ```python block) instead of the tool-call protocol:
     python -m tg_jax.main --config=configs/fence.py --workdir=./workdir_fence
 
 The base model is configs/default.py's SFT recipe plus forced fences (below), so it is its own
@@ -29,6 +29,11 @@ Why these choices:
   * token_sum: at the start the same weight as the token mean (~1600 distilled tokens), then
     the TG term shrinks with the number of failed turns instead of putting the same weight on
     fewer tokens; one seed, docs/experiments.md.
+  * 80 RL steps (configs/default.py: 40), the same for every arm. TG spends its first ~15
+    steps switching the policy into the format, and only then do its GRPO updates learn to run
+    the tests before submitting, which GRPO's own arm learns within ~20 steps: at 40 steps
+    TG's policies tested ~40% less and lost 0.02-0.07 of task success to GRPO, at 80 they test
+    as often and GRPO has stopped gaining (docs/experiments.md).
   * The teacher is the current policy (tg.teacher_params "policy"): it drifts with it, so
     nothing here stops a longer run from drifting further. A teacher frozen at the base model
     (tg.teacher_params "reference") learnt the fence about as well over three seeds, at the
@@ -58,6 +63,8 @@ def get_config(arg=None):
     c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5})
     # Targeted guidance: configs/default.py's forward KL at lambda_tg 0.05, token_sum (the
     # module docstring says why).
+    # 80 RL steps for every arm: TG learns the format first, then to test (docstring).
+    c.rl_loop.steps = 80
     if arg == "runlocal":
         tiny = config_lib.load_config_file(os.path.join(here, "tiny.py"))
         transcripts = c.sft.transcripts
