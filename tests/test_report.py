@@ -34,7 +34,8 @@ def _curves(seed, compliance_end, steps=40):
     for s in range(1, steps + 1):
         c = compliance_end * s / steps
         recs.append({"step": s, "stage": "train", "rollout/compliance": c + 0.01 * seed,
-                     "rollout/task_success": 0.33, "rollout/joint": 0.3 * c})  # fmt: skip
+                     "rollout/task_success": 0.33, "rollout/joint": 0.3 * c,
+                     "rollout/actions/run_tests": 0.5 + s / steps})  # fmt: skip
         if s % 10 == 0:
             recs.append({"step": s, "stage": "eval", "heldout/compliance": c,
                          "heldout/task_success": 0.3})  # fmt: skip
@@ -62,6 +63,7 @@ def test_write_report(tmp_path):
     res = report.write_report(tmp_path, runs, settings)
     files = ("report.md", "results.json", "curve_compliance.png", "curve_task_success.png",
              "curve_compliance_stress.png", "curve_task_success_stress.png",
+             "curve_actions.png", "curve_actions_stress.png",
              "heldout_differences.png")  # fmt: skip
     for name in files:
         assert os.path.getsize(tmp_path / name) > 0, name
@@ -80,6 +82,10 @@ def test_write_report(tmp_path):
         curve = stored["curves"]["train:rollout/compliance"]
         assert curve == [[r["step"], r["rollout/compliance"]] for r in run.train_records
                          if r["stage"] == "train"]  # fmt: skip
+        # Every logged action has its curve too (per-episode counts over training).
+        actions = stored["curves"]["train:rollout/actions/run_tests"]
+        assert actions == [[s, 0.5 + s / 40] for s in range(1, 41)]
+    assert report.action_names(loaded) == ["run_tests"]
     # Derived numbers equal the inputs.
     tg = loaded["arms"]["tg"]
     assert tg["heldout"]["plain"]["per_seed"]["1"]["task_success"] == pytest.approx(9 / 20)

@@ -8,9 +8,11 @@ from typing import Any
 
 from tg_jax.evaluation import stats
 from tg_jax.evaluation.plots import (
+    ACTIONS_FIGURE,
     CURVE_METRICS,
     FOREST_FILE,
     TUNING_FILE,
+    action_names,
     curve_file,
     curve_groups,
 )
@@ -496,6 +498,8 @@ def _plots_section(res: dict[str, Any]) -> list[str]:
     lines += ["## Training curves", ""]
     for group in curve_groups(res):
         plots = [curve_file(m, group) for m in CURVE_METRICS]
+        if action_names(res):
+            plots.append(curve_file(ACTIONS_FIGURE, group))
         if group != "main":
             lines += [f"{group.capitalize()} arms, with the reference arms dashed:", ""]
         lines += [f"![{p}]({p})" for p in plots] + [""]

@@ -15,6 +15,21 @@ from tg_jax.paths import as_path
 
 CURVE_METRICS = ("compliance", "task_success")
 CURVE_SOURCES = (("train", "rollout/{}", "training rollouts"), ("eval", "heldout/{}", "held-out"))
+ACTIONS_PREFIX = "actions/"  # rollout/actions/<a>, heldout/actions/<a>: per-episode counts
+ACTIONS_FIGURE = "actions"  # curve_actions.png (curve_file)
+
+
+def action_names(res: dict[str, Any]) -> list[str]:
+    """The actions with a curve in any run of `res` (e.g. run_tests, submit, malformed)."""
+    names = set()
+    for r in res["runs"]:
+        for key in r["curves"]:
+            metric = key.split(":", 1)[1]
+            for _, tmpl, _ in CURVE_SOURCES:
+                prefix = tmpl.format(ACTIONS_PREFIX)
+                if metric.startswith(prefix):
+                    names.add(metric[len(prefix) :])
+    return sorted(names)
 
 
 def curve_groups(res: dict[str, Any]) -> dict[str, list[str]]:
@@ -40,7 +55,7 @@ def curve_file(metric: str, group: str) -> str:
 def _plot_seed_band(ax: Any, res: dict[str, Any], arm: str, key: str, style: str) -> None:
     """One arm's curve `key`: mean over seeds at the steps every seed has, +-1 std band."""
     runs = [r for r in res["runs"] if r["arm"] == arm]
-    curves = [dict(map(tuple, r["curves"][key])) for r in runs]
+    curves = [dict(map(tuple, r["curves"].get(key, []))) for r in runs]
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     if not steps:
         return
@@ -82,7 +97,41 @@ def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
             _save_png(fig, path)
             plt.close(fig)
             paths.append(path)
+        actions = action_names(res)
+        if actions:
+            paths.append(_plot_actions(res, group, group_arms, actions, out_dir, refs))
     return paths
+
+
+def _plot_actions(
+    res: dict[str, Any], group: str, arms: list[str], actions: list[str], out_dir: str, refs: set
+) -> str:
+    """curve_actions[_<group>].png: one row per action (counts per episode), rollouts and
+    held-out side by side; what a policy does besides complying (e.g. whether it still runs
+    the tests before it submits)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        len(actions), len(CURVE_SOURCES), figsize=(11, 3 * len(actions)), squeeze=False
+    )
+    for row, action in zip(axes, actions, strict=True):
+        for ax, (stage, tmpl, title) in zip(row, CURVE_SOURCES, strict=True):
+            key = f"{stage}:{tmpl.format(ACTIONS_PREFIX + action)}"
+            for arm in arms:
+                _plot_seed_band(ax, res, arm, key, "--" if group != "main" and arm in refs else "-")
+            ax.set_title(f"{action.replace('_', ' ')} per episode: {title}")
+            ax.set_xlabel("training step")
+            ax.set_ylim(bottom=0.0)
+            ax.grid(alpha=0.3)
+            if ax.has_data():
+                ax.legend(fontsize=8)
+    suffix = "" if group == "main" else f" ({group})"
+    fig.suptitle(f"actions per episode, mean over training seeds, band = +-1 std{suffix}")
+    fig.tight_layout()
+    path = os.fspath(as_path(out_dir) / curve_file(ACTIONS_FIGURE, group))
+    _save_png(fig, path)
+    plt.close(fig)
+    return path
 
 
 def _save_png(fig: Any, path: str) -> None:

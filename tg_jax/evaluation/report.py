@@ -35,9 +35,11 @@ import numpy as np
 from tg_jax import paths
 from tg_jax.evaluation import stability, stats
 from tg_jax.evaluation.markdown import COST_KEYS, render_markdown
-from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups: public here too)
+from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups, action_names: public here too)
+    ACTIONS_PREFIX,
     CURVE_METRICS,
     CURVE_SOURCES,
+    action_names,
     curve_groups,
     plot_curves,
     plot_differences,
@@ -120,6 +122,18 @@ def _curve(records: Sequence[Mapping[str, Any]], stage: str, key: str) -> list[l
     return [[s, latest[s]] for s in sorted(latest)]
 
 
+def _action_curves(records: Sequence[Mapping[str, Any]]) -> dict[str, list[list[float]]]:
+    """Per-episode counts of every logged action (rollout/actions/<a>, heldout/actions/<a>)
+    over training, keyed like the rate curves ("train:rollout/actions/run_tests")."""
+    out = {}
+    for stage, tmpl, _ in CURVE_SOURCES:
+        prefix = tmpl.format(ACTIONS_PREFIX)
+        names = {k for r in records if r.get("stage") == stage for k in r if k.startswith(prefix)}
+        for key in sorted(names):
+            out[f"{stage}:{key}"] = _curve(records, stage, key)
+    return out
+
+
 def compute_time(
     runs: Sequence[RunResult], sft_wall_s: float | None = None, tune_wall_s: float | None = None
 ) -> dict[str, Any]:
@@ -161,9 +175,12 @@ def compute_results(
                 "costs": dict(r.costs),
                 "heldout": [e.to_dict() for e in r.heldout],
                 "curves": {
-                    f"{stage}:{tmpl.format(m)}": _curve(r.train_records, stage, tmpl.format(m))
-                    for stage, tmpl, _ in CURVE_SOURCES
-                    for m in stats.RATE_METRICS
+                    **{
+                        f"{stage}:{tmpl.format(m)}": _curve(r.train_records, stage, tmpl.format(m))
+                        for stage, tmpl, _ in CURVE_SOURCES
+                        for m in stats.RATE_METRICS
+                    },
+                    **_action_curves(r.train_records),
                 },
             }
         )
