@@ -12,6 +12,14 @@ The architecture comes from DIR/config.json (model fields set here are checked a
 the context is model.max_seq_len (default: config.json's max_position_embeddings), the
 per-turn decode budgets rl_loop.max_new_tokens / eval.max_new_tokens.
 
+TG here is the JSD (beta 0.5), not the embedded default's forward KL at lambda 0.05: that
+recipe was measured on a byte model whose plain and hinted distributions are near-disjoint at
+the tokens that decide a format, where the JSD's gradient vanishes and the forward KL's does not
+(configs/default.py). A pretrained model's overlap (it can write either format unprompted),
+and the JSD is bounded per token, so an untuned lambda cannot blow up the step. Nothing here
+has been measured on a real checkpoint: `--config.tg.kind=forward` with a small
+`--config.tg.schedule.value` is the embedded default's recipe, to compare.
+
 `configs/hf_tg.py:runlocal` shrinks steps, groups, rollouts and lengths so a tiny checkpoint
 runs on a CPU in about two minutes (the tests use it).
 """
