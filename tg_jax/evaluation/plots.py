@@ -68,7 +68,9 @@ def _plot_seed_band(ax: Any, res: dict[str, Any], arm: str, key: str, style: str
 
 def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
     """Per curve group (`curve_groups`) and metric: per arm, mean over seeds with a +-1 std band
-    (steps all seeds have); reference arms of a non-main group are drawn dashed."""
+    (steps all seeds have); reference arms of a non-main group are drawn dashed. With logged
+    actions, one more figure per group: curve_actions[_<group>].png, one row per action
+    (counts per episode, e.g. whether a policy still runs the tests before it submits)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,62 +78,38 @@ def plot_curves(res: dict[str, Any], out_dir: str) -> list[str]:
 
     paths = []
     refs = {res["settings"]["baseline"], res["settings"]["candidate"]}
+    actions = action_names(res)
     for group, group_arms in curve_groups(res).items():
-        for metric in CURVE_METRICS:
-            fig, axes = plt.subplots(1, len(CURVE_SOURCES), figsize=(11, 4), squeeze=False)
-            for ax, (stage, tmpl, title) in zip(axes[0], CURVE_SOURCES, strict=True):
-                key = f"{stage}:{tmpl.format(metric)}"
-                for arm in group_arms:
-                    style = "--" if group != "main" and arm in refs else "-"
-                    _plot_seed_band(ax, res, arm, key, style)
-                ax.set_title(f"{metric.replace('_', ' ')}: {title}")
-                ax.set_xlabel("training step")
-                ax.set_ylim(-0.02, 1.02)
-                ax.grid(alpha=0.3)
-                if ax.has_data():
-                    ax.legend(fontsize=8)
+        figures = [(m, [m], "", (-0.02, 1.02)) for m in CURVE_METRICS]
+        if actions:
+            rows = [ACTIONS_PREFIX + a for a in actions]
+            figures.append((ACTIONS_FIGURE, rows, " per episode", (0.0, None)))
+        for name, rows, unit, ylim in figures:
+            height = 4 if len(rows) == 1 else 3 * len(rows)
+            fig, axes = plt.subplots(
+                len(rows), len(CURVE_SOURCES), figsize=(11, height), squeeze=False
+            )
+            for row, metric in zip(axes, rows, strict=True):
+                for ax, (stage, tmpl, title) in zip(row, CURVE_SOURCES, strict=True):
+                    key = f"{stage}:{tmpl.format(metric)}"
+                    for arm in group_arms:
+                        style = "--" if group != "main" and arm in refs else "-"
+                        _plot_seed_band(ax, res, arm, key, style)
+                    label = metric.removeprefix(ACTIONS_PREFIX).replace("_", " ")
+                    ax.set_title(f"{label}{unit}: {title}")
+                    ax.set_xlabel("training step")
+                    ax.set_ylim(*ylim)
+                    ax.grid(alpha=0.3)
+                    if ax.has_data():
+                        ax.legend(fontsize=8)
             suffix = "" if group == "main" else f" ({group})"
             fig.suptitle(f"mean over training seeds, band = +-1 std over seeds{suffix}")
             fig.tight_layout()
-            path = os.fspath(as_path(out_dir) / curve_file(metric, group))
+            path = os.fspath(as_path(out_dir) / curve_file(name, group))
             _save_png(fig, path)
             plt.close(fig)
             paths.append(path)
-        actions = action_names(res)
-        if actions:
-            paths.append(_plot_actions(res, group, group_arms, actions, out_dir, refs))
     return paths
-
-
-def _plot_actions(
-    res: dict[str, Any], group: str, arms: list[str], actions: list[str], out_dir: str, refs: set
-) -> str:
-    """curve_actions[_<group>].png: one row per action (counts per episode), rollouts and
-    held-out side by side; what a policy does besides complying (e.g. whether it still runs
-    the tests before it submits)."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(
-        len(actions), len(CURVE_SOURCES), figsize=(11, 3 * len(actions)), squeeze=False
-    )
-    for row, action in zip(axes, actions, strict=True):
-        for ax, (stage, tmpl, title) in zip(row, CURVE_SOURCES, strict=True):
-            key = f"{stage}:{tmpl.format(ACTIONS_PREFIX + action)}"
-            for arm in arms:
-                _plot_seed_band(ax, res, arm, key, "--" if group != "main" and arm in refs else "-")
-            ax.set_title(f"{action.replace('_', ' ')} per episode: {title}")
-            ax.set_xlabel("training step")
-            ax.set_ylim(bottom=0.0)
-            ax.grid(alpha=0.3)
-            if ax.has_data():
-                ax.legend(fontsize=8)
-    suffix = "" if group == "main" else f" ({group})"
-    fig.suptitle(f"actions per episode, mean over training seeds, band = +-1 std{suffix}")
-    fig.tight_layout()
-    path = os.fspath(as_path(out_dir) / curve_file(ACTIONS_FIGURE, group))
-    _save_png(fig, path)
-    plt.close(fig)
-    return path
 
 
 def _save_png(fig: Any, path: str) -> None:
