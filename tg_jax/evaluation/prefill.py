@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from tg_jax.sampling.episode import EpisodeRecord
-from tg_jax.sampling.sampler import SampleResult
+from tg_jax.sampling.sampler import SampleResult, stop_lists
 from tg_jax.text import ChatRenderer
 from tg_jax.text.chat import THINK_END, THINK_START
 
@@ -112,23 +112,18 @@ class PrefillSampler:
 
     def _sample_after_thinking(self, params, prompts, first, budgets, kw):
         kw = {k: v for k, v in kw.items() if k not in ("cache", "keys")}
-        stops = kw.get("stop_ids", ())
-        if len(stops) and not np.isscalar(stops[0]):
-            per_row = [tuple(s) for s in stops]
-        else:
-            per_row = [tuple(stops)] * len(prompts)
+        per_row = [tuple(s) for s in stop_lists(kw.get("stop_ids", ()), len(prompts))]
         rng = kw["rng"]
         prompts = [list(p) for p in prompts]
-        everyone = list(range(len(prompts)))
         # Phase 1: every row as usual, the first turns stopping at their </think> as well.
         stop1 = [s + (self._think[1],) if f else s for s, f in zip(per_row, first, strict=True)]
-        out = self._sub(params, prompts, everyone, budgets, kw, stop_ids=stop1, rng=rng)
+        out = self._sub(params, prompts, range(len(prompts)), budgets, kw, stop_ids=stop1,
+                        rng=rng)  # fmt: skip
         tokens = [np.asarray(t) for t in out.tokens]
         lps, raw = [np.asarray(x) for x in out.logprobs], [np.asarray(x) for x in out.raw_logprobs]
         stopped = np.asarray(out.stopped).copy()
         thought, bare = [], []
-        for i in everyone:
-            t = tokens[i]
+        for i, t in enumerate(tokens):
             if not first[i]:
                 continue
             if len(t) and t[0] == self._think[0]:
@@ -140,33 +135,25 @@ class PrefillSampler:
                     stopped[i] = False  # no room left for the format: the turn hit its budget
             else:
                 bare.append(i)
-        # Phase 2: the thinking turns continue after separator + prefill, forced.
-        forced = np.asarray(self.forced_after, np.int32)
-        zeros = np.zeros(len(forced), np.float32)
-        if thought:
-            cont = [prompts[i] + tokens[i].tolist() + self.forced_after for i in everyone]
-            rest = [int(budgets[i]) - len(tokens[i]) - len(forced) for i in everyone]
-            o2 = self._sub(params, cont, thought, rest, kw, stop_ids=per_row,
-                           rng=jax.random.fold_in(rng, 1))  # fmt: skip
-            for k, i in enumerate(thought):
-                lead = forced.astype(tokens[i].dtype)
-                tokens[i] = np.concatenate([tokens[i], lead, o2.tokens[k]])
-                lps[i] = np.concatenate([lps[i], zeros, o2.logprobs[k]])
-                raw[i] = np.concatenate([raw[i], zeros, o2.raw_logprobs[k]])
-                stopped[i] = o2.stopped[k]
-        # Phase 3: first turns without a thinking block are opened with the prefill instead.
-        if bare:
-            pre = np.asarray(self.prefill, np.int32)
-            opened = [prompts[i] + self.prefill for i in everyone]
-            rest = [int(budgets[i]) - len(pre) for i in everyone]
-            o3 = self._sub(params, opened, bare, rest, kw, stop_ids=per_row,
-                           rng=jax.random.fold_in(rng, 2))  # fmt: skip
-            z = np.zeros(len(pre), np.float32)
-            for k, i in enumerate(bare):
-                tokens[i] = np.concatenate([pre.astype(o3.tokens[k].dtype), o3.tokens[k]])
-                lps[i] = np.concatenate([z, o3.logprobs[k]])
-                raw[i] = np.concatenate([z, o3.raw_logprobs[k]])
-                stopped[i] = o3.stopped[k]
+        # Phase 2: the thinking turns keep their block and continue after separator + prefill,
+        # forced; phase 3: the first turns without a thinking block are opened with the prefill
+        # instead (their phase-1 sample dropped).
+        phases = ((thought, True, self.forced_after), (bare, False, self.prefill))
+        for phase, (rows, keep_head, lead) in enumerate(phases, start=1):
+            if not rows:
+                continue
+            head = {i: len(tokens[i]) if keep_head else 0 for i in rows}
+            conts = {i: prompts[i] + tokens[i][: head[i]].tolist() + lead for i in rows}
+            rest = {i: int(budgets[i]) - head[i] - len(lead) for i in rows}
+            o = self._sub(params, conts, rows, rest, kw, stop_ids=per_row,
+                          rng=jax.random.fold_in(rng, phase))  # fmt: skip
+            zeros = np.zeros(len(lead), np.float32)
+            for k, i in enumerate(rows):
+                n, forced = head[i], np.asarray(lead, o.tokens[k].dtype)
+                tokens[i] = np.concatenate([tokens[i][:n], forced, o.tokens[k]])
+                lps[i] = np.concatenate([lps[i][:n], zeros, o.logprobs[k]])
+                raw[i] = np.concatenate([raw[i][:n], zeros, o.raw_logprobs[k]])
+                stopped[i] = o.stopped[k]
         return SampleResult(tokens, lps, raw, stopped, None)
 
 

@@ -516,13 +516,17 @@ class Sampler:
             )  # fmt: skip
 
 
+def stop_lists(stop_ids: Any, n_rows: int) -> list[list[int]]:
+    """`Sampler.sample`'s stop_ids as one list per row (one list shared by all rows, or one
+    per row)."""
+    if len(stop_ids) and isinstance(stop_ids[0], Sequence | np.ndarray):
+        return [list(s) for s in stop_ids]
+    return [list(stop_ids) for _ in range(n_rows)]
+
+
 def _stop_block(stop_ids, n_rows: int, b: int, stop_width: int) -> np.ndarray:
     """[b, W] stop ids per row padded with -1 (one list shared by all rows, or one per row)."""
-    rows_stop = (
-        [list(s) for s in stop_ids]
-        if len(stop_ids) and isinstance(stop_ids[0], Sequence | np.ndarray)
-        else [list(stop_ids)] * n_rows
-    )
+    rows_stop = stop_lists(stop_ids, n_rows)
     if len(rows_stop) != n_rows:
         raise ValueError(f"{len(rows_stop)} stop-id lists for {n_rows} prompts")
     width = max(stop_width, max(len(s) for s in rows_stop))

@@ -35,6 +35,7 @@ import numpy as np
 
 from tg_jax import paths
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig, coding_env_config
+from tg_jax.envs.protocol import make_requirement
 from tg_jax.envs.tasks import Task
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
@@ -111,7 +112,7 @@ def evaluate_base_model(
             )
             if not (forced and condition == "plain" and float(temp) == 1.0):
                 continue
-            for req in CodingEnv(env_cfg).requirements:
+            for req in map(make_requirement, env_cfg.requirements):
                 if req.opening is None:
                     continue
                 # The plain mode's sampling key: the two differ by the opening only.
