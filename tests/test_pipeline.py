@@ -213,14 +213,18 @@ def test_changed_protocol_is_refused(tmp_path):
 def test_base_model_gates_stop_before_rl(tmp_path):
     config = config_lib.apply_overrides(
         _config(),
-        {"sft.require.enabled": True, "sft.require.pass_rate": (0.9, 1.0), "sft.retry_seeds": 1},
-    )
+        # A format-cost bound no base can meet (cost > -0.99 unless the format alone solves
+        # 99% more tasks): the gate reads sft_eval.json's forced mode.
+        {"sft.require.enabled": True, "sft.require.pass_rate": (0.9, 1.0), "sft.retry_seeds": 1,
+         "sft.require.max_format_cost": -0.99},
+    )  # fmt: skip
     workdir = str(tmp_path)
     with pytest.raises(sft_gates.BaseModelGateError) as info:
         pipeline.run_pipeline(config, workdir)
     msg = str(info.value)
     for part in ("attempt 0 (seed 0, sft.data_seed 1", "attempt 1 (seed 1, sft.data_seed 2",
                  "FAIL pass_rate", "outside [0.9, 1.0]", "hinted_compliance/fence",
+                 "format_cost/fence", "> -0.99",
                  "sft.steps", "sft.data_seed", "sft.optim.lr", "sft.retry_seeds"):  # fmt: skip
         assert part in msg, part
     # Both attempts trained and evaluated (the retry in a fresh subdir); nothing downstream.
