@@ -33,8 +33,26 @@ def _main(*args: str) -> subprocess.CompletedProcess:
         ("--config.model.num_layers=2.5", "error: --config.model.num_layers: expected int"),
         ("--config.rl.dual_clip=0.5", "error: invalid config: rl.dual_clip must be > 1"),
         ("--config.stage=nope", "error: unknown stage 'nope'"),
+        (
+            "--config.sft.require.pass_rate=(0.6,0.2)",
+            "error: invalid config: sft.require.pass_rate (0.6, 0.2) must satisfy 0 <= low <= "
+            "high <= 1",
+        ),
+        (
+            "--config.sft.require.max_format_cost=-2",
+            "error: invalid config: sft.require.max_format_cost must be >= -1",
+        ),
     ],
-    ids=["unknown_field", "unknown_section", "float", "int", "invalid_value", "stage"],
+    ids=[
+        "unknown_field",
+        "unknown_section",
+        "float",
+        "int",
+        "invalid_value",
+        "stage",
+        "gate_range",
+        "format_cost_gate",
+    ],  # fmt: skip
 )
 def test_bad_override_is_one_line_and_exit_2(tmp_path, override, line):
     result = _main(f"--workdir={tmp_path / 'w'}", override)

@@ -6,9 +6,11 @@ format_cost = plain pass rate - that pass rate. The gate rejects a base model wh
 above sft.require.max_format_cost."""
 
 import os
+import re
 import types
 
 import numpy as np
+import pytest
 
 from tg_jax import config_lib
 from tg_jax.envs.coding import CodingEnvConfig
@@ -123,3 +125,22 @@ def test_format_cost_gate():
     assert sft_gates.unmeasured_requirements(_gated(0.1, ("tool_json",)), _result(None)) == []
     tiny = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
     assert tiny.sft.require.max_format_cost == 1.0
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("sft.require.pass_rate", (0.6, 0.2), "0 <= low <= high <= 1"),
+        ("sft.require.pass_rate", (0.1, 1.2), "0 <= low <= high <= 1"),
+        ("sft.require.min_hinted_compliance", 1.5, "min_hinted_compliance must be in [0, 1]"),
+        ("sft.require.max_unprompted_compliance", -0.1, "must be in [0, 1]"),
+        ("sft.require.max_format_cost", float("nan"), "max_format_cost must be >= -1"),
+    ],
+)
+def test_require_bounds_no_base_model_can_meet_are_refused(key, value, message):
+    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "fence.py"))
+    sft_gates.check_require_config(config)  # the config's own bounds are fine
+    config.unlock()
+    config.sft.require[key.rpartition(".")[2]] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sft_gates.check_require_config(config)

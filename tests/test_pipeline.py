@@ -224,7 +224,7 @@ def test_base_model_gates_stop_before_rl(tmp_path):
     msg = str(info.value)
     for part in ("attempt 0 (seed 0, sft.data_seed 1", "attempt 1 (seed 1, sft.data_seed 2",
                  "FAIL pass_rate", "outside [0.9, 1.0]", "hinted_compliance/fence",
-                 "format_cost/fence", "> -0.99",
+                 "format_cost/fence", "> -0.99", "format cost <= -0.99",
                  "sft.steps", "sft.data_seed", "sft.optim.lr", "sft.retry_seeds"):  # fmt: skip
         assert part in msg, part
     # Both attempts trained and evaluated (the retry in a fresh subdir); nothing downstream.

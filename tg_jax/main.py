@@ -172,6 +172,13 @@ def main(argv):
             StepConfig.from_config(config)
         except ValueError as e:
             _fail(f"invalid config: {e}")
+    if "sft" in config and "require" in config.sft:
+        from tg_jax.train.sft_gates import check_require_config
+
+        try:  # gates no base model can meet, before data and SFT
+            check_require_config(config)
+        except ValueError as e:
+            _fail(f"invalid config: {e}")
     if config.stage == "pipeline" and "pipeline" in config:
         from tg_jax.train import tuning
 

@@ -64,6 +64,31 @@ def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
 
 
+def check_require_config(config: Any) -> None:
+    """Raises ValueError for `sft.require` bounds no base model can meet or that are not
+    numbers (checked before data and SFT, so a typo does not cost an SFT run)."""
+    req = config.sft.require
+    try:
+        low, high = (float(v) for v in req.pass_rate)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"sft.require.pass_rate must be two numbers (low, high), not {req.pass_rate!r}"
+        ) from None
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(
+            f"sft.require.pass_rate ({low}, {high}) must satisfy 0 <= low <= high <= 1"
+        )
+    for key in ("max_unprompted_compliance", "min_hinted_compliance"):
+        if not 0.0 <= float(req[key]) <= 1.0:
+            raise ValueError(f"sft.require.{key} must be in [0, 1], not {req[key]}")
+    cost = float(req.get("max_format_cost", 1.0))
+    if not cost >= -1.0:  # a pass-rate difference is >= -1; NaN fails too
+        raise ValueError(
+            f"sft.require.max_format_cost must be >= -1 (a pass-rate difference; >= 1 turns "
+            f"the gate off), not {cost}"
+        )
+
+
 def check_base_model(config: Any, result: dict[str, Any]) -> list[str]:
     """The gate failures of a base model (empty = every gate passes or gates are off)."""
     req = config.sft.require
@@ -100,8 +125,13 @@ def gate_error(config: Any, attempts: list[dict[str, Any]]) -> BaseModelGateErro
         lines += [f"    FAIL {f}" for f in a["failures"]]
     lines.append(
         f"gates: pass_rate in {list(req.pass_rate)}, unprompted compliance <= "
-        f"{req.max_unprompted_compliance}, hinted compliance >= {req.min_hinted_compliance} "
-        f"(per requirement of env.requirements {list(config.env.requirements)})"
+        f"{req.max_unprompted_compliance}, hinted compliance >= {req.min_hinted_compliance}"
+        + (
+            f", format cost <= {req.max_format_cost}"
+            if float(req.get("max_format_cost", 1.0)) < 1.0
+            else ""
+        )
+        + f" (per requirement of env.requirements {list(config.env.requirements)})"
     )
     lines.append("knobs to turn: " + "; ".join(KNOBS))
     return BaseModelGateError("\n".join(lines))
