@@ -35,10 +35,16 @@ REQUIREMENT_KINDS = ("unprompted_compliance", "hinted_compliance")
 FORMAT_COST = "format_cost"
 
 
+def _format_cost_bound(req: Any) -> float | None:
+    """`sft.require.max_format_cost`, or None when that gate is off (>= 1)."""
+    bound = float(req.get("max_format_cost", 1.0))
+    return bound if bound < 1.0 else None
+
+
 def _kinds(config: Any, requirement: str) -> tuple[str, ...]:
     """The gated kinds of one requirement: the format cost too when its gate is on and the
     requirement has an opening."""
-    gate_on = float(config.sft.require.get("max_format_cost", 1.0)) < 1.0
+    gate_on = _format_cost_bound(config.sft.require) is not None
     if gate_on and make_requirement(requirement).opening is not None:
         return (*REQUIREMENT_KINDS, FORMAT_COST)
     return REQUIREMENT_KINDS
@@ -123,15 +129,16 @@ def gate_error(config: Any, attempts: list[dict[str, Any]]) -> BaseModelGateErro
             f"{a['workdir']}): {figures}"
         )
         lines += [f"    FAIL {f}" for f in a["failures"]]
+    gates = [
+        f"pass_rate in {list(req.pass_rate)}",
+        f"unprompted compliance <= {req.max_unprompted_compliance}",
+        f"hinted compliance >= {req.min_hinted_compliance}",
+    ]
+    if (bound := _format_cost_bound(req)) is not None:
+        gates.append(f"format cost <= {bound}")
     lines.append(
-        f"gates: pass_rate in {list(req.pass_rate)}, unprompted compliance <= "
-        f"{req.max_unprompted_compliance}, hinted compliance >= {req.min_hinted_compliance}"
-        + (
-            f", format cost <= {req.max_format_cost}"
-            if float(req.get("max_format_cost", 1.0)) < 1.0
-            else ""
-        )
-        + f" (per requirement of env.requirements {list(config.env.requirements)})"
+        f"gates: {', '.join(gates)} (per requirement of env.requirements "
+        f"{list(config.env.requirements)})"
     )
     lines.append("knobs to turn: " + "; ".join(KNOBS))
     return BaseModelGateError("\n".join(lines))
