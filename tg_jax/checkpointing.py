@@ -59,7 +59,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from tg_jax import paths
+from tg_jax import paths, tracing
 
 _STATE = "state"
 _META = "meta"
@@ -316,7 +316,7 @@ def _flat(tree: Any) -> dict[str, Any]:
 def _stored_shape_dtype(target_leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
     """How a target leaf is stored: typed PRNG keys are saved as their raw key data."""
     if jax.dtypes.issubdtype(target_leaf.dtype, jax.dtypes.prng_key):
-        raw = jax.eval_shape(jax.random.key_data, target_leaf)
+        raw = tracing.eval_shape(jax.random.key_data, target_leaf)
         return tuple(raw.shape), np.dtype(raw.dtype)
     return tuple(target_leaf.shape), np.dtype(target_leaf.dtype)
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from tg_jax import paths
+from tg_jax import paths, tracing
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, reports.")
@@ -50,7 +50,7 @@ def run_forward(config, workdir: str) -> None:
         params, _ = sharding.create_sharded_params(model, jax.random.key(config.seed), mesh, rules)
     tokens = jnp.zeros((sharding.batch_divisor(mesh, rules), 16), jnp.int32)
     with sharding.activation_sharding(mesh, rules):
-        logits = jax.jit(lambda p, t: forward(model, p, t))(params, tokens)
+        logits = tracing.jit(lambda p, t: forward(model, p, t))(params, tokens)
     n = sum(x.size for x in jax.tree.leaves(params))
     logging.info("forward ok: %d params, logits %s, mesh %s", n, logits.shape, dict(mesh.shape))
     print(f"forward ok: {n:,} params, logits {tuple(logits.shape)} on mesh {dict(mesh.shape)}")

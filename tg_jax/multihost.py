@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tg_jax import tracing
+
 
 def process_count() -> int:
     return jax.process_count()
@@ -81,7 +83,7 @@ def local_mesh(axis: str = "sampler") -> Mesh:
 def _replicator(mesh: Mesh) -> Any:
     """A jitted copy onto `mesh`, replicated (one per mesh, so its compilations are reused)."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)
+    return tracing.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)
 
 
 def local_replica(tree: Any, mesh: Mesh, target: Mesh) -> Any:

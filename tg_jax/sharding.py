@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from tg_jax import tracing
+
 Rules = tuple[tuple[str, Any], ...]
 
 SAMPLER_AXES = ("data", "tensor")
@@ -185,10 +187,10 @@ def create_sharded_params(
     def init(key):
         return model.init(key, tokens)["params"]
 
-    abstract = jax.eval_shape(init, rng)
+    abstract = tracing.eval_shape(init, rng)
     shardings = logical_to_shardings(abstract, mesh, rules)
     with activation_sharding(mesh, rules):
-        params = jax.jit(lambda k: nn.unbox(init(k)), out_shardings=shardings)(rng)
+        params = tracing.jit(lambda k: nn.unbox(init(k)), out_shardings=shardings)(rng)
     if check:
         check_params_sharded(params, mesh)
     return params, shardings
@@ -197,7 +199,7 @@ def create_sharded_params(
 def param_partition_specs(model: nn.Module, mesh: Mesh, rules: Rules) -> Any:
     """Shardings of the model's params without initialising anything."""
     tokens = jnp.zeros((1, 8), jnp.int32)
-    abstract = jax.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
+    abstract = tracing.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
     return logical_to_shardings(abstract, mesh, rules)
 
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tg_jax import tracing
 from tg_jax.rl import tg_loss
 
 
@@ -78,7 +79,7 @@ def _naive_objective(
 
 
 def _temp_bytes(objective, shapes: tuple[jax.ShapeDtypeStruct, ...]) -> int:
-    fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)))
+    fn = tracing.jit(jax.value_and_grad(objective, argnums=(0, 1)))
     return int(fn.lower(*shapes).compile().memory_analysis().temp_size_in_bytes)
 
 

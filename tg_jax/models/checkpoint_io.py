@@ -48,6 +48,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tg_jax import sharding as sharding_lib
+from tg_jax import tracing
 from tg_jax.models.config import ModelConfig
 from tg_jax.models.hf_io import model_config_from_hf, model_config_to_hf
 from tg_jax.models.qwen3 import Transformer
@@ -286,7 +287,7 @@ def load_hf_checkpoint(
         fused = config.is_moe and "model.layers.0.mlp.experts.gate_up_proj" in ckpt.names()
         entries = _entries(config, fused_experts=fused)
         model = Transformer(config)
-        boxed = jax.eval_shape(
+        boxed = tracing.eval_shape(
             lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32))["params"],
             jax.random.key(0),
         )

@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tg_jax import tracing
 from tg_jax.models.config import ModelConfig
 from tg_jax.models.layers import MLP, Attention, RMSNorm, _param
 
@@ -60,6 +61,31 @@ class DecoderLayer(nn.Module):
         return x_BxTxD, None
 
 
+_SCANNED: dict[tuple[str, int, int], type] = {}
+
+
+def scanned_layers(remat_policy: str, num_layers: int, unroll: int) -> type:
+    """The scanned (and rematerialised) DecoderLayer class, built once per (policy, layers,
+    unroll) under `tracing.build_lock`: building a Flax class mutates its bases while it
+    runs, so it is never done per call, nor in two threads at once (tg_jax.tracing)."""
+    key = (remat_policy, int(num_layers), int(unroll))
+    with tracing.build_lock:
+        if key not in _SCANNED:
+            layer_cls = DecoderLayer
+            if remat_policy != "none":
+                layer_cls = nn.remat(layer_cls, policy=_REMAT[remat_policy], prevent_cse=False)
+            _SCANNED[key] = nn.scan(
+                layer_cls,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=num_layers,
+                unroll=unroll,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+        return _SCANNED[key]
+
+
 class Transformer(nn.Module):
     """Qwen3 decoder. `__call__` returns fp32 logits [B, T, V] (or final hidden states)."""
 
@@ -75,17 +101,8 @@ class Transformer(nn.Module):
             self.lm_head = _param(
                 self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype=pdt
             )
-        layer_cls = DecoderLayer
-        if cfg.remat_policy != "none":
-            layer_cls = nn.remat(layer_cls, policy=_REMAT[cfg.remat_policy], prevent_cse=False)
-        self.layers = nn.scan(
-            layer_cls,
-            variable_axes={"params": 0, "intermediates": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-            unroll=min(cfg.scan_unroll, cfg.num_layers),
-            metadata_params={nn.PARTITION_NAME: "layers"},
+        self.layers = scanned_layers(
+            cfg.remat_policy, cfg.num_layers, min(cfg.scan_unroll, cfg.num_layers)
         )(cfg, name="layers")
         self.final_norm = RMSNorm(cfg.rms_norm_eps, pdt, "embed", name="final_norm")
 

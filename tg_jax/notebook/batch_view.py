@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tg_jax import tracing
 from tg_jax.models import Transformer, forward
 from tg_jax.rl.batch import Batch
 from tg_jax.rl.tg_loss import token_divergence
@@ -31,7 +32,7 @@ from tg_jax.text import Tokenizer
 
 KINDS = ("reverse", "forward", "jsd")
 # One compilation per option set instead of one per primitive (eager dispatch is slow on CPU).
-_token_divergence = jax.jit(token_divergence, static_argnames=("kind", "beta", "estimator"))
+_token_divergence = tracing.jit(token_divergence, static_argnames=("kind", "beta", "estimator"))
 
 
 def failed_turns(traj: Trajectory) -> list[int]:
@@ -39,7 +40,7 @@ def failed_turns(traj: Trajectory) -> list[int]:
     return [k for k, v in enumerate(traj.turn_verdicts) if any(ok is False for ok in v.values())]
 
 
-@functools.partial(jax.jit, static_argnames="model")
+@functools.partial(tracing.jit, static_argnames="model")
 def _both_logits(model: Transformer, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
     student_BxTxV = forward(model, params, batch.tokens_BxT, batch.positions_BxT,
                             batch.segment_ids_BxT)  # fmt: skip

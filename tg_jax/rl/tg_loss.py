@@ -41,6 +41,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tg_jax import tracing
 from tg_jax.rl.step_config import LambdaSchedule
 
 DivergenceKind = Literal["reverse", "forward", "jsd"]
@@ -308,7 +309,7 @@ def _scan_chunks(
 
 def _check_static_options(hidden_RxNxD: jax.Array, unembed_fn: Callable, options: dict) -> None:
     """`_check_divergence_options` once, outside the traced loop (V from `unembed_fn`)."""
-    vocab = jax.eval_shape(unembed_fn, hidden_RxNxD[:, :1]).shape[-1]
+    vocab = tracing.eval_shape(unembed_fn, hidden_RxNxD[:, :1]).shape[-1]
     _check_divergence_options(**options, vocab=vocab)
 
 

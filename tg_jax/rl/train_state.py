@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tg_jax import sharding
+from tg_jax import sharding, tracing
 from tg_jax.rl.step_config import OptimConfig
 
 
@@ -109,12 +109,12 @@ def train_state_shardings(
     """NamedShardings of a `TrainState`: params and their optimizer moments by the logical
     rules (optax maps the boxed params' metadata into its state), scalars replicated."""
     tokens = jnp.zeros((1, 8), jnp.int32)
-    boxed = jax.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
+    boxed = tracing.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
     abstract = TrainState(
         params=boxed,
-        opt_state=jax.eval_shape(optimizer.init, boxed),
+        opt_state=tracing.eval_shape(optimizer.init, boxed),
         step=jax.ShapeDtypeStruct((), jnp.int32),
-        rng=jax.eval_shape(lambda: jax.random.key(0)),
+        rng=tracing.eval_shape(lambda: jax.random.key(0)),
     )
     return sharding.logical_to_shardings(abstract, mesh, rules)
 
@@ -139,8 +139,10 @@ def create_train_state(
         )
     # Fresh buffers, never aliases of the caller's params (device_put may reuse a shard when
     # resharding): the step donates the state, which must not delete the caller's arrays.
-    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(params)
-    opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
+    params = tracing.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.params)(
+        params
+    )
+    opt_state = tracing.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     replicated = NamedSharding(mesh, PartitionSpec())
     # From host data: device_put cannot reach other hosts' devices.
     rng_data = np.asarray(jax.random.key_data(state_rng))

@@ -52,7 +52,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tg_jax import sharding
+from tg_jax import sharding, tracing
 from tg_jax.rl import updates
 from tg_jax.rl.batch import Batch
 from tg_jax.rl.loss import (
@@ -357,7 +357,7 @@ def make_train_step(
                 return body(state, batch)
 
         in_sh = (state_sh, batch_sh)
-    jitted = jax.jit(
+    jitted = tracing.jit(
         fn, in_shardings=in_sh, out_shardings=(state_sh, replicated), donate_argnames="state"
     )
 

@@ -30,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tg_jax import tracing
 from tg_jax.rl.batch import Batch, split_microbatches
 
 Metrics = dict[str, jax.Array]
@@ -66,7 +67,7 @@ def accumulate_stacked(
         ), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(lambda p, xs: grad_fn(p, *xs), params, first)
+    shapes = tracing.eval_shape(lambda p, xs: grad_fn(p, *xs), params, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     (grads, sums, maxes), _ = jax.lax.scan(body, (zeros[0], *zeros[1]), micro)
     return grads, sums, maxes

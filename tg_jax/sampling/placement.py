@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from tg_jax import multihost, sharding
+from tg_jax import multihost, sharding, tracing
 from tg_jax.sampling.loop import data_parallel_mesh
 from tg_jax.sampling.sampler import Sampler
 
@@ -68,7 +68,7 @@ class WeightPublisher:
         staging_mesh = Mesh(devices.reshape(-1, tensor), ("data", "tensor"))
         self.staging = jax.tree.map(lambda s: NamedSharding(staging_mesh, s.spec), shardings)
         # A copy, never the input buffer itself: the train step donates the params it is given.
-        self._stage = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.staging)
+        self._stage = tracing.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.staging)
 
     def stage(self, params: Any) -> Any:
         """Step 1, in the trainer's thread: new buffers in the staging layout (dispatched)."""

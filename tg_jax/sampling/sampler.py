@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tg_jax import tracing
 from tg_jax.models import Transformer, decode, forward
 from tg_jax.sampling.methods import draw_with_uniforms, row_uniforms, step_uniforms
 
@@ -339,7 +340,7 @@ class Sampler:
         segment_ends(1, segment)  # validates it
         self.segment = int(segment)
         self.num_traces = 0
-        self._jitted = jax.jit(
+        self._jitted = tracing.jit(
             self._traced, static_argnames=("kind", "max_new_bucket", "per_shard", "per_row")
         )
 

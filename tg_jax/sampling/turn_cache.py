@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from tg_jax import tracing
 from tg_jax.models import decode
 from tg_jax.sampling.sampler import batch_bucket, length_bucket, segment_ends
 
@@ -38,12 +39,12 @@ if TYPE_CHECKING:
     from tg_jax.sampling.sampler import Sampler
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("max_new", "slots"))
+@functools.partial(tracing.jit, static_argnums=0, static_argnames=("max_new", "slots"))
 def _prefill(model, params, prompt_UxP, lengths_U, *, max_new: int, slots: int):
     return decode.prefill(model, params, prompt_UxP, lengths_U, max_new, slots=slots)
 
 
-@jax.jit
+@tracing.jit
 def _take_rows(logits_UxV, cache: decode.DecodeCache, rows_B):
     """Rows `rows_B` of a prefill's logits and cache (repeats allowed)."""
     cache = cache.replace(
@@ -53,7 +54,7 @@ def _take_rows(logits_UxV, cache: decode.DecodeCache, rows_B):
     return logits_UxV[rows_B], cache
 
 
-_keep_context = jax.jit(decode.keep_context, static_argnames="prompt_slots")
+_keep_context = tracing.jit(decode.keep_context, static_argnames="prompt_slots")
 
 
 class TurnCache:

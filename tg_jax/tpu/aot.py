@@ -48,7 +48,7 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
-from tg_jax import config_lib, paths, sharding
+from tg_jax import config_lib, paths, sharding, tracing
 from tg_jax.models import ModelConfig, Transformer, hf_dir, hidden_states
 from tg_jax.models.hf_io import model_config_from_hf
 
@@ -153,7 +153,7 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
 
 
 def abstract_params(model: Transformer, mesh: Mesh, rules: sharding.Rules) -> Any:
-    boxed = jax.eval_shape(
+    boxed = tracing.eval_shape(
         lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0)
     )
     return _with_shardings(nn.unbox(boxed), sharding.logical_to_shardings(boxed, mesh, rules))
@@ -226,14 +226,14 @@ def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
     step = ts.make_train_step(config, model, mesh, rules)
     optimizer = tst.make_optimizer(config.optim)
     state_sh = tst.train_state_shardings(model, optimizer, mesh, rules)
-    boxed = jax.eval_shape(
+    boxed = tracing.eval_shape(
         lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0)
     )
     state = tst.TrainState(
         params=nn.unbox(boxed),
-        opt_state=nn.unbox(jax.eval_shape(optimizer.init, boxed)),
+        opt_state=nn.unbox(tracing.eval_shape(optimizer.init, boxed)),
         step=jax.ShapeDtypeStruct((), jnp.int32),
-        rng=jax.eval_shape(lambda: jax.random.key(0)),
+        rng=tracing.eval_shape(lambda: jax.random.key(0)),
     )
     state = _with_shardings(state, state_sh)
     tg_on = bool(config.tg.enabled)
@@ -258,8 +258,8 @@ def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
     params = abstract_params(model, mesh, rules)
     optimizer = optax.adamw(1e-5)
     with jax.set_mesh(mesh):
-        init = jax.jit(optimizer.init).lower(params).compile()
-    opt_state = _with_shardings(jax.eval_shape(optimizer.init, params), init.output_shardings)
+        init = tracing.jit(optimizer.init).lower(params).compile()
+    opt_state = _with_shardings(tracing.eval_shape(optimizer.init, params), init.output_shardings)
     tokens = _abstract((rows, seq_len), jnp.int32, mesh, _batch_spec(mesh, rules, 2))
 
     def loss_fn(p, tokens_BxT):
@@ -289,7 +289,7 @@ def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
         return (optax.apply_updates(p, updates), o), loss
 
     state_sh = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    jitted = jax.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
+    jitted = tracing.jit(step, out_shardings=(state_sh, None), donate_argnums=0)
     with jax.set_mesh(mesh):
         return jitted.lower((params, opt_state), tokens).compile()
 
@@ -311,14 +311,14 @@ def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: in
                 return decode.decode_weights(model, p)
 
         with jax.set_mesh(mesh):
-            prepared = jax.jit(prepare).lower(params).compile()
-        params = _with_shardings(jax.eval_shape(prepare, params), prepared.output_shardings)
+            prepared = tracing.jit(prepare).lower(params).compile()
+        params = _with_shardings(tracing.eval_shape(prepare, params), prepared.output_shardings)
     # The cache as the sampler's own prefill makes it (its layout is the sampler's business):
     # per layer [B, K, ...] with rows over the data axes and KV heads over "kv_heads".
     rows_spec = _batch_spec(mesh, rules, 1)
     prompt = jax.ShapeDtypeStruct((rows, cache_len - max_new), jnp.int32)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
-    _, shapes = jax.eval_shape(
+    _, shapes = tracing.eval_shape(
         lambda p, t, n: decode.prefill(model, p, t, n, max_new),
         abstract_params(model, mesh, rules), prompt, lengths,
     )  # fmt: skip
@@ -339,7 +339,7 @@ def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: in
         return jnp.argmax(logits_BxV, axis=-1), c
 
     cache_sh = jax.tree.map(lambda x: x.sharding, cache)
-    jitted = jax.jit(step, out_shardings=(None, cache_sh), donate_argnums=3)
+    jitted = tracing.jit(step, out_shardings=(None, cache_sh), donate_argnums=3)
     with jax.set_mesh(mesh):
         return jitted.lower(params, tokens, index, cache).compile()
 

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tg_jax import checkpointing, config_lib, paths, sharding
+from tg_jax import checkpointing, config_lib, paths, sharding, tracing
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer, forward, hf_dir, init_params
 from tg_jax.progress import ProgressBar
@@ -164,7 +164,7 @@ def make_sft_step(config: Any, model: Transformer, mesh, rules, *, extension: bo
         with nn.logical_axis_rules(rules):
             return body(state, batch)
 
-    jitted = jax.jit(
+    jitted = tracing.jit(
         fn,
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
@@ -451,12 +451,12 @@ def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -
     """
     optimizer = make_optimizer(sft_optimizer_config(config))
     shardings = train_state_shardings(model, optimizer, mesh, rules)
-    params = jax.eval_shape(lambda k: init_params(model, k), jax.random.key(0))
+    params = tracing.eval_shape(lambda k: init_params(model, k), jax.random.key(0))
     abstract = TrainState(
         params=params,
-        opt_state=jax.eval_shape(optimizer.init, params),
+        opt_state=tracing.eval_shape(optimizer.init, params),
         step=jax.ShapeDtypeStruct((), jnp.int32),
-        rng=jax.eval_shape(lambda: jax.random.key(0)),
+        rng=tracing.eval_shape(lambda: jax.random.key(0)),
     )
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
