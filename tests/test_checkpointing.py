@@ -269,3 +269,28 @@ def test_preempted_exits_with_status_143_and_says_how_to_resume(tmp_path):
     with pytest.raises(SystemExit) as info:
         raise err
     assert info.value.code == 143
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, caplog):
+    good = _state(1)
+    with TrainingCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, good, metadata={"v": 1})
+        ckpt.save(2, _state(2), metadata={"v": 2})
+    for root, _, files in os.walk(tmp_path / "2" / "state"):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"\x00garbage")
+    with TrainingCheckpointer(tmp_path) as ckpt, caplog.at_level("WARNING"):
+        restored = ckpt.restore_latest(_abstract(good))
+    assert restored.step == 1 and restored.metadata == {"v": 1}
+    _assert_state_equal(restored.state, good)
+    assert f"checkpoint {tmp_path}/2 is unreadable" in caplog.text
+    assert "falling back" in caplog.text
+    # Every step unreadable: the newest one's error, not a silent fresh start.
+    for root, _, files in os.walk(tmp_path / "1" / "state"):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"\x00garbage")
+    with TrainingCheckpointer(tmp_path) as ckpt:
+        with pytest.raises(CheckpointError, match=rf"checkpoint {tmp_path}/2 is unreadable"):
+            ckpt.restore_latest(_abstract(good))

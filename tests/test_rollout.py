@@ -285,3 +285,41 @@ def test_env_workers_set_the_tool_call_threads_and_change_no_outcome(monkeypatch
         records[workers] = heldout.evaluate_heldout(config, params, tasks, renderer=RENDERER)
         assert sizes and set(sizes) == {workers}
     assert records[1] == records[3] and len(records[1]) == 2 * len(tasks)  # plain + hinted
+
+
+class _BrokenOnSecondTurn(CodingEnv):
+    """A coding environment whose tool raises on its second step (a broken plug-in)."""
+
+    def step(self, text):
+        if self.summary().turns >= 1:
+            raise ConnectionError("tool server went away")
+        return super().step(text)
+
+
+def test_an_environment_that_raises_fails_its_episode_only(caplog):
+    """Episode 0's environment raises on turn 2; episode 1 (same group) plays on: the failed
+    one ends "env_error" with every reward 0 and the error recorded; the group keeps its size;
+    the rollout metrics count it."""
+    made = []
+
+    def env_factory():
+        env = (_BrokenOnSecondTurn if not made else CodingEnv)(CodingEnvConfig(max_turns=3))
+        made.append(env)
+        return env
+
+    sampler = ScriptedSampler(lambda text, turn: [RUN, GARBAGE, SUBMIT][turn])
+    config = RolloutConfig(max_new_tokens=128, max_total_tokens=1024)
+    with caplog.at_level("WARNING"):
+        trajs = rollout_groups(
+            sampler, None, RENDERER, env_factory, TASKS[:1], rollouts_per_task=2, config=config,
+            rng=jax.random.key(0), policy_version=0,
+        )  # fmt: skip
+    broken, fine = trajs
+    assert broken.info["termination"] == "env_error" and broken.num_turns == 2
+    assert broken.info["env_error"] == "ConnectionError: tool server went away"
+    assert broken.rewards == {"task": 0.0, "fence": 0.0, "tool_json": 0.0}
+    assert broken.info["steps"][1] == {"error": "ConnectionError: tool server went away"}
+    assert fine.info["termination"] == "done" and fine.num_turns == 3
+    assert "tool server went away" in caplog.text
+    m = rl_rollouts.rollout_metrics(trajs)
+    assert m["rollout/end/env_error"] == 0.5 and m["rollout/end/done"] == 0.5

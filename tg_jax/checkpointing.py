@@ -46,6 +46,7 @@ owns SIGTERM and the Python handler is not installed. A job of several stages ra
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -59,7 +60,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from tg_jax import paths, tracing
+from tg_jax import faults, paths, tracing
 
 _STATE = "state"
 _META = "meta"
@@ -179,6 +180,8 @@ class TrainingCheckpointer:
             **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(metadata)}
         )
         try:
+            if faults.hit("checkpoint.save"):
+                raise OSError(errno.ENOSPC, "No space left on device (injected: TG_JAX_FAULTS)")
             return self._manager.save(step, args=args, force=force)
         except Exception as e:
             raise self._save_error(step, e) from e
@@ -200,12 +203,22 @@ class TrainingCheckpointer:
     # -- restore ---------------------------------------------------------------------------
 
     def restore_latest(self, abstract_state: Any) -> RestoredCheckpoint | None:
-        """Restores the newest step into ``abstract_state``, or returns None if there is none."""
+        """Restores the newest readable step into ``abstract_state``, or returns None if there
+        is none. A newest step that is unreadable (a partial or corrupt write) is skipped with
+        a warning for the one before it; if none is readable, the newest one's error is
+        raised. A checkpoint that does not match ``abstract_state`` is an error, not skipped."""
         self.wait_until_finished()
-        step = self.latest_step()
-        if step is None:
-            return None
-        return self.restore(abstract_state, step=step)
+        steps = sorted(self.all_steps(), reverse=True)
+        first_error = None
+        for step in steps:
+            try:
+                return self.restore(abstract_state, step=step)
+            except CorruptCheckpointError as e:
+                logging.warning("%s; falling back to the checkpoint before it", e)
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return None
 
     def restore(self, abstract_state: Any, *, step: int | None = None) -> RestoredCheckpoint:
         """Restores ``step`` (default: newest) into ``abstract_state``.
@@ -353,8 +366,12 @@ def _few(names: Iterable[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint step whose files cannot be read (partial or corrupt)."""
+
+
 def _corrupt(step_dir: str, e: Exception) -> CheckpointError:
-    return CheckpointError(
+    return CorruptCheckpointError(
         f"checkpoint {step_dir} is unreadable (corrupt or truncated files?): "
         f"{type(e).__name__}: {e}"
     )

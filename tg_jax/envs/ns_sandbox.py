@@ -78,6 +78,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tg_jax import faults
 from tg_jax.envs import sandbox
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ns_launcher.py")
@@ -389,10 +390,28 @@ def _await_exit(pid: int, timeout_s: float = 2.0) -> None:
         os.close(fd)
 
 
+def _kill_when_started(pump: _Pump, timeout_s: float = 5.0) -> None:
+    """The `sandbox.kill` fault (tg_jax.faults): SIGKILL the run's PID 1 once it has one, as
+    an outside kill mid-call would."""
+    deadline = time.monotonic() + timeout_s
+    while "pid" not in pump.fields() and time.monotonic() < deadline:
+        select.select([pump.status_fd], [], [], 0.05)
+        try:
+            chunk = os.read(pump.status_fd, _READ_CHUNK)
+        except BlockingIOError:
+            continue
+        if not chunk:  # the launcher already exited
+            return
+        pump.status += chunk
+    _kill(pump.fields())
+
+
 def _supervise(payload: bytes, limits: Limits) -> sandbox.SandboxResult:
     start = time.monotonic()
     pump = _Pump(*_spawn(payload), limits.max_output_bytes)
     try:
+        if faults.hit("sandbox.kill"):
+            _kill_when_started(pump)
         reason = pump.run(start + limits.timeout_s)
         if reason:
             pump.drain_status()  # "launcher" is its first line, "pid" follows I's fork

@@ -33,6 +33,9 @@ Limits:
     environment is "done".
   * A prompt that leaves no room for a turn raises ValueError naming the task: silently
     dropping it would unbalance its GRPO group.
+  * An environment (or tool) that raises in its step ends that episode only: termination
+    "env_error", every reward 0, the error in info["env_error"] and a warning; the other
+    episodes of the batch go on, and the group keeps its size.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax import faults
 from tg_jax.envs import leakage
-from tg_jax.envs.base import Environment, join_hints
+from tg_jax.envs.base import Environment, EpisodeSummary, StepResult, join_hints
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler, SampleResult
@@ -57,7 +61,7 @@ from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 from tg_jax.text.tokenizer import token_at_char
 
-TERMINATIONS = ("done", "max_turns", "max_tokens")
+TERMINATIONS = ("done", "max_turns", "max_tokens", "env_error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +122,7 @@ class Episode:
     step_infos: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     stream_id: int = 0  # its random stream (play_episodes' stream_ids)
     texts: list[str] = dataclasses.field(default_factory=list)  # per turn, as sent to the env
+    error: str = ""  # the environment error that ended it (termination "env_error")
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
         self.tokens += [int(t) for t in ids]
@@ -146,6 +151,31 @@ def _final_rewards(env: Environment) -> dict[str, float]:
 
 def _termination(env: Environment) -> str:
     return "max_turns" if env.summary().end_reason == "max_turns" else "done"
+
+
+def _step(ep: Episode, text: str) -> StepResult | Exception:
+    """`ep.env.step(text)`, or the exception it raised (the episode fails, the batch goes on)."""
+    try:
+        faults.check("env.step")
+        return ep.env.step(text)
+    except Exception as e:  # noqa: BLE001 (any environment or tool error ends its episode only)
+        return e
+
+
+def _fail(ep: Episode, text: str, error: Exception) -> None:
+    """Ends `ep` on an environment error: termination "env_error", every reward 0, the error
+    in its step info and `Episode.error` (the rollout metric `rollout/end/env_error`)."""
+    ep.error = f"{type(error).__name__}: {error}"
+    logging.warning("task %s: environment error, episode failed: %s", ep.task_id, ep.error)
+    try:
+        verdicts = dict(ep.env.judge(text))
+    except Exception:  # noqa: BLE001 (a broken environment may fail to judge too)
+        verdicts = {}
+    ep.verdicts.append(verdicts)
+    ep.breaks.append({})
+    ep.step_infos.append({"error": ep.error})
+    ep.rewards = {"task": 0.0, **{r.name: 0.0 for r in ep.env.requirements}}
+    ep.termination = "env_error"
 
 
 def _start_episodes(
@@ -279,10 +309,13 @@ def play_episodes(
                 keys=[id(ep) for ep in live],
             )
             texts = [_record_turn(ep, renderer, out, k) for k, ep in enumerate(live)]
-            results = list(pool.map(lambda ep, text: ep.env.step(text), live, texts))
+            results = list(pool.map(_step, live, texts))
 
             still = []
             for ep, text, res in zip(live, texts, results, strict=True):
+                if isinstance(res, BaseException):
+                    _fail(ep, text, res)
+                    continue
                 verdicts = res.info.get("verdicts")
                 ep.verdicts.append(dict(verdicts if verdicts is not None else ep.env.judge(text)))
                 offsets = ep.env.breaks(text, ep.verdicts[-1])
@@ -362,6 +395,16 @@ def conditional_names(env: Environment) -> list[str]:
     return sorted(r.name for r in env.requirements if r.conditional)
 
 
+def _summary(ep: Episode) -> EpisodeSummary:
+    """The environment's summary of `ep`; after an environment error, what is known of it."""
+    if not ep.error:
+        return ep.env.summary()
+    try:
+        return ep.env.summary()
+    except Exception:  # noqa: BLE001 (the environment already failed)
+        return EpisodeSummary(verdicts={}, actions={}, turns=len(ep.turn_starts), end_reason="")
+
+
 def to_trajectory(
     ep: Episode,
     hint_tokens: dict[str, list[int]],
@@ -370,7 +413,7 @@ def to_trajectory(
     turn_hint_tokens: list[dict[str, list[int]]] | None = None,
 ) -> Trajectory:
     """The Trajectory record of a finished episode (`turn_hint_tokens`: see Trajectory)."""
-    summary = ep.env.summary()
+    summary = _summary(ep)
     info = {
         "termination": ep.termination,
         "end_reason": summary.end_reason,
@@ -383,6 +426,7 @@ def to_trajectory(
         "steps": ep.step_infos,
         # Requirements met where they never applied (`Requirement.conditional`).
         "conditional_requirements": conditional_names(ep.env),
+        **({"env_error": ep.error} if ep.error else {}),
         **(extra_info or {}),
     }
     return Trajectory(
