@@ -285,12 +285,21 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(tmp_path, capl
     assert restored.step == 1 and restored.metadata == {"v": 1}
     _assert_state_equal(restored.state, good)
     assert f"checkpoint {tmp_path}/2 is unreadable" in caplog.text
-    assert "falling back" in caplog.text
-    # Every step unreadable: the newest one's error, not a silent fresh start.
-    for root, _, files in os.walk(tmp_path / "1" / "state"):
-        for name in files:
-            with open(os.path.join(root, name), "wb") as f:
-                f.write(b"\x00garbage")
+    assert f"kept as {tmp_path}/2.corrupt, falling back" in caplog.text
+    # Set aside, not deleted: step 2 can be written again by the resumed run.
+    assert (tmp_path / "2.corrupt" / "state").is_dir() and not (tmp_path / "2").exists()
+    with TrainingCheckpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [1]
+        ckpt.save(2, _state(2), metadata={"v": 2}, force=True)
+    # Every step unreadable: the newest one's error, not a silent fresh start, and the last
+    # one is left where it is.
+    for step in ("1", "2"):
+        for root, _, files in os.walk(tmp_path / step / "state"):
+            for name in files:
+                with open(os.path.join(root, name), "wb") as f:
+                    f.write(b"\x00garbage")
     with TrainingCheckpointer(tmp_path) as ckpt:
         with pytest.raises(CheckpointError, match=rf"checkpoint {tmp_path}/2 is unreadable"):
             ckpt.restore_latest(_abstract(good))
+        assert ckpt.all_steps() == [1]
+    assert (tmp_path / "1" / "state").is_dir()

@@ -24,7 +24,8 @@ def _main(*args: str) -> subprocess.CompletedProcess:
             "--config.rl.clip_lo=0.1",
             "error: unknown config field rl.clip_lo (rl has: adv_eps, advantage_mode, agg_mode, "
             "clip_high, clip_low, dual_clip, kl_coef, kl_estimator, max_staleness, "
-            "micro_batches, norm_length, num_minibatches, num_updates, requirement_credit, "
+            "micro_batches, nonfinite, nonfinite_limit, norm_length, num_minibatches, num_updates, "
+            "requirement_credit, "
             "reward_norm, reward_weights, temperature, tis_cap; did you mean "
             "clip_low, clip_high?)",
         ),

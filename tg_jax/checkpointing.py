@@ -214,11 +214,26 @@ class TrainingCheckpointer:
             try:
                 return self.restore(abstract_state, step=step)
             except CorruptCheckpointError as e:
-                logging.warning("%s; falling back to the checkpoint before it", e)
+                if step == steps[-1]:  # nothing to fall back to: keep it as it is
+                    first_error = first_error or e
+                    break
+                kept = self._set_aside(step)
+                logging.warning("%s; kept as %s, falling back to the checkpoint before it", e, kept)
                 first_error = first_error or e
         if first_error is not None:
             raise first_error
         return None
+
+    def _set_aside(self, step: int) -> str:
+        """Renames an unreadable step to `<step>.corrupt` (kept for a post-mortem; no longer a
+        step, so the next save of `step` can be written) and returns the new path."""
+        src = paths.as_path(self.directory) / str(step)
+        dst = paths.as_path(self.directory) / f"{step}.corrupt"
+        if dst.exists():
+            dst.rmtree()
+        src.rename(dst)
+        self._manager.reload()
+        return os.fspath(dst)
 
     def restore(self, abstract_state: Any, *, step: int | None = None) -> RestoredCheckpoint:
         """Restores ``step`` (default: newest) into ``abstract_state``.

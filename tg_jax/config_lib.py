@@ -163,6 +163,11 @@ def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
     # uncapped with tis_cap 0); optim's lr schedule counts updates.
     c.num_updates = 1  # epochs over the rollout batch (1 x 1 = one update per batch)
     c.num_minibatches = 1  # minibatches per epoch; must split the rollouts evenly
+    # A step whose loss or gradient is not finite never updates the params (the step keeps
+    # them and counts `update_skipped`); then: skip (go on) | stop (end the run at once with
+    # an error). Either way the run stops after `nonfinite_limit` such steps in a row.
+    c.nonfinite = "skip"
+    c.nonfinite_limit = 3  # non-finite steps in a row that end the run (skip mode)
     c.update(overrides)
     return c
 

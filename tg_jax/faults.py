@@ -8,6 +8,8 @@ fail as the real fault would; `POINT@N+` every call from the N-th on. Points:
   env.step        an environment's step raises RuntimeError (a broken tool or plug-in)
   sandbox.kill    the sandboxed child is killed (SIGKILL) right after it starts
   checkpoint.save the checkpoint write fails with OSError(ENOSPC) (a full disk)
+  step.nan        an RL step's rewards are NaN, so its loss and gradient are (a numerically
+                  broken step)
 
 Unset (the default) nothing is counted and nothing fails. The counters are shared by the
 threads (the environments' pool calls `hit` from several at once) under one lock.
@@ -19,7 +21,7 @@ import os
 import threading
 
 ENV_VAR = "TG_JAX_FAULTS"
-POINTS = ("env.step", "sandbox.kill", "checkpoint.save")
+POINTS = ("env.step", "sandbox.kill", "checkpoint.save", "step.nan")
 
 _lock = threading.Lock()
 _counts: dict[str, int] = {}

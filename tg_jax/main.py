@@ -84,6 +84,7 @@ def run_pipeline(config, workdir: str) -> None:
 STAGES = {"forward": run_forward, "data": run_data, "sft": run_sft, "pipeline": run_pipeline}
 USAGE_ERROR = 2  # exit status of a bad command line
 GATE_ERROR = 3  # exit status when the base model fails its gates (sft.require)
+RUN_ERROR = 4  # exit status of a run stopped by a fault (the message says what was kept)
 
 
 def _fail(message: str) -> None:
@@ -203,6 +204,9 @@ def main(argv):
             sharding.split_devices(config)
         except ValueError as e:
             _fail(f"invalid config: {e}")
+    from tg_jax.checkpointing import CheckpointError
+    from tg_jax.envs.ns_sandbox import SandboxUnavailable
+    from tg_jax.errors import RunError
     from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
 
@@ -213,6 +217,28 @@ def main(argv):
     except BaseModelGateError as e:  # a measured outcome, not a crash: no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(GATE_ERROR)
+    except Exception as e:
+        if not paths.is_url(workdir) and not os.path.isdir(workdir):  # whatever failed first
+            print(f"error: the workdir {workdir} was removed during the run; what it held "
+                  "(checkpoints, metrics) went with it", file=sys.stderr)  # fmt: skip
+            sys.exit(RUN_ERROR)
+        # A fault said in one line, also when a thread raised it (its error is the cause).
+        fault = _first_of(e, (RunError, CheckpointError, SandboxUnavailable))
+        if fault is None:
+            raise
+        print(f"error: {fault}", file=sys.stderr)
+        sys.exit(RUN_ERROR)
+
+
+def _first_of(error: BaseException, kinds: tuple[type, ...]) -> BaseException | None:
+    """`error` or the first of its causes that is one of `kinds`, else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return error
+        seen.add(id(error))
+        error = error.__cause__
+    return None
 
 
 if __name__ == "__main__":

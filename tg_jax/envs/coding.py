@@ -155,14 +155,17 @@ def run_candidate(
 
 
 _TRUSTED_NS: dict = {}
+_TRUSTED_LOCK = threading.Lock()  # the harness is defined once, by one thread
 
 
 def run_trusted(code: str, xs: Sequence[int]) -> ExecOutcome:
     """Same semantics as run_candidate, in-process. Only for code this package wrote itself
     (expert transcripts); never for model outputs."""
-    if not _TRUSTED_NS:
-        exec(_HARNESS_LIB, _TRUSTED_NS)
-    values, error = _TRUSTED_NS["_main"](code, list(xs))
+    with _TRUSTED_LOCK:
+        if "_main" not in _TRUSTED_NS:
+            exec(_HARNESS_LIB, _TRUSTED_NS)
+        main = _TRUSTED_NS["_main"]
+    values, error = main(code, list(xs))
     return ExecOutcome(None if values is None else tuple(values), error)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+NONFINITE_POLICIES = ("skip", "stop")
 ADVANTAGE_MODES = ("grpo", "dr_grpo")
 REWARD_NORMS = ("combined", "per_reward")
 REQUIREMENT_CREDITS = ("episode", "turn")
@@ -93,6 +94,11 @@ class RLConfig:
     """Epochs of the PPO update phase over one rollout batch."""
     num_minibatches: int = 1
     """Minibatches per epoch, one optimizer update each (of micro_batches micro-batches)."""
+    nonfinite: str = "skip"
+    """A step with a non-finite loss or gradient keeps its params; then skip (go on) | stop
+    (the run ends with an error). The host policy of `tg_jax.train.rl`."""
+    nonfinite_limit: int = 3
+    """Non-finite steps in a row after which a skip-mode run ends with an error."""
 
     @property
     def num_chunks(self) -> int:
@@ -111,6 +117,8 @@ class RLConfig:
         _check_choice(s, "requirement_credit", self.requirement_credit, REQUIREMENT_CREDITS)
         _check_choice(s, "agg_mode", self.agg_mode, AGG_MODES)
         _check_choice(s, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice(s, "nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _check(self.nonfinite_limit >= 1, s, "nonfinite_limit", ">= 1", self.nonfinite_limit)
         _check(self.adv_eps >= 0, s, "adv_eps", ">= 0", self.adv_eps)
         _check(0 <= self.clip_low < 1, s, "clip_low", "in [0, 1)", self.clip_low)
         _check(self.clip_high >= 0, s, "clip_high", ">= 0", self.clip_high)
@@ -180,6 +188,8 @@ class RLConfig:
             micro_batches=int(v["micro_batches"]),
             num_updates=int(v.get("num_updates", 1)),
             num_minibatches=int(v.get("num_minibatches", 1)),
+            nonfinite=str(v.get("nonfinite", "skip")),
+            nonfinite_limit=int(v.get("nonfinite_limit", 3)),
         )
 
 

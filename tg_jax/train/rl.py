@@ -59,9 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tg_jax import checkpointing, multihost, paths, sharding
+from tg_jax import checkpointing, faults, multihost, paths, sharding
 from tg_jax.data.pipeline import TaskIterator, to_record
 from tg_jax.envs import decode_task, env_factory
+from tg_jax.errors import RunError
 from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
@@ -524,12 +525,15 @@ def _train(
 
         done, session.started = start, time.time()  # the setup above is not counted
         session.memory = PeakMemory()
+        guard = _NonFinite(RLConfig.from_config(parts.config.rl), ckpt)
         with writer, bar, session.memory:
             if start == 0 and eval_every > 0:
                 _eval(0)
             for step in range(start, end):
                 done = step + 1
+                _check_workdir(parts.workdir, done)
                 state, group, metrics = _train_step(parts, session, source, state, done)
+                guard.update(done, metrics)
                 data_state = {**data_state, "next_index": group.batch_index + 1}
                 _process_metrics(done, metrics)
                 if eval_every > 0 and (done % eval_every == 0 or done == num_steps):
@@ -548,6 +552,46 @@ def _train(
         return RLResult(state, done, done >= num_steps, session.costs.as_dict(), parts.workdir)
     finally:
         source.close()
+
+
+def _check_workdir(workdir: str, step: int) -> None:
+    """A local workdir removed during the run is one clear error (nothing is left to save)."""
+    if not paths.is_url(workdir) and not os.path.isdir(workdir):
+        raise RunError(
+            f"the workdir {workdir} was removed during the run (before step {step}); its "
+            f"checkpoints went with it, so a rerun starts this arm from scratch"
+        )
+
+
+class _NonFinite:
+    """The host policy of `rl.nonfinite`: the train step already kept the params of a step
+    whose loss or gradient was not finite (`update_skipped`); this counts such steps, warns,
+    and ends the run at the first one (stop) or after `rl.nonfinite_limit` in a row (skip)."""
+
+    def __init__(self, rl: RLConfig, ckpt: checkpointing.TrainingCheckpointer):
+        self.rl, self.ckpt = rl, ckpt
+        self.in_a_row = self.total = 0
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        # The step's metrics are ready (`_train_step` waited for them): no extra sync.
+        if float(metrics["update_skipped"]) <= 0:
+            self.in_a_row = 0
+            return
+        self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
+        logging.warning(
+            "rl step %d: non-finite loss or gradient, update skipped (params kept; %d in a "
+            "row, %d this session)", step, self.in_a_row, self.total,
+        )  # fmt: skip
+        if self.rl.nonfinite == "stop" or self.in_a_row >= self.rl.nonfinite_limit:
+            why = "rl.nonfinite=stop" if self.rl.nonfinite == "stop" else (
+                f"{self.in_a_row} in a row, rl.nonfinite_limit={self.rl.nonfinite_limit}"
+            )  # fmt: skip
+            raise RunError(
+                f"rl step {step}: non-finite loss or gradient ({why}); no update was applied, "
+                f"the params and checkpoints hold no NaN or inf. Latest checkpoint: step "
+                f"{self.ckpt.latest_step()} (a rerun resumes there). Lower optim.lr or check "
+                f"the rewards and the batch"
+            )
 
 
 def _export(parts: _Parts, exporter: Callable[[Any, str], None], params: Any, done: int) -> None:
@@ -573,6 +617,10 @@ def _train_step(
         raise RuntimeError("the train task iterator ended before the last step")
     t1 = time.perf_counter()
     batch = _build_batch(parts, group.trajectories, done)
+    if faults.hit("step.nan"):  # a numerically broken step (tg_jax.faults)
+        batch = batch.replace(
+            rewards={k: np.full_like(v, np.nan) for k, v in batch.rewards.items()}
+        )
     t2 = time.perf_counter()
     # Every process built the same whole batch; each places its own devices' rows.
     placed = multihost.host_to_global(batch, parts.batch_sharding)

@@ -1,0 +1,164 @@
+"""Faults through the user's command (`python -m tg_jax.main` on configs/tiny.py, the tg arm
+from a base model trained once per module): each ends in a clear message with nothing lost, or
+does not stop the run at all. Faults are injected with TG_JAX_FAULTS (tg_jax.faults).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+ARM = ["--config.pipeline.arms=('tg',)", "--config.rl_loop.eval_every=0"]
+
+
+def _cmd(workdir, *args):
+    return [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py",
+            f"--workdir={workdir}", *args]  # fmt: skip
+
+
+def _env(faults=""):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("TG_JAX_FAULTS", None)
+    if faults:
+        env["TG_JAX_FAULTS"] = faults
+    return env
+
+
+def _run(workdir, *args, faults=""):
+    return subprocess.run(
+        _cmd(workdir, "--config.stage=pipeline", *ARM, *args), cwd=ROOT, env=_env(faults),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base_workdir(tmp_path_factory):
+    """A workdir whose data and SFT stages are done (the pipeline then goes straight to RL)."""
+    work = tmp_path_factory.mktemp("base") / "w"
+    proc = subprocess.run(
+        _cmd(work, "--config.stage=sft"), cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return work
+
+
+@pytest.fixture
+def workdir(base_workdir, tmp_path):
+    work = tmp_path / "w"
+    shutil.copytree(base_workdir, work)
+    return work
+
+
+def _metrics(workdir):
+    path = workdir / "runs" / "tg_seed0" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _train_rows(workdir):
+    return [r for r in _metrics(workdir) if "loss" in r]
+
+
+def _checkpoint_steps(workdir):
+    ckpts = workdir / "runs" / "tg_seed0" / "checkpoints"
+    return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+
+
+def test_an_environment_that_raises_fails_its_episode_and_the_run_goes_on(workdir):
+    proc = _run(workdir, faults="env.step@2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "environment error, episode failed: InjectedFault" in proc.stderr
+    ended = [r.get("rollout/end/env_error", 0.0) for r in _train_rows(workdir)]
+    assert len(ended) == 4 and sum(ended) == pytest.approx(1 / 4)  # one of 4 episodes, once
+    assert (workdir / "report" / "report.md").exists()
+
+
+def test_a_sandbox_killed_mid_call_is_a_crashed_tool_call_and_the_run_goes_on(workdir):
+    # Every sandboxed run after the first (the start-up probe) is killed.
+    proc = _run(workdir, faults="sandbox.kill@2+")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_train_rows(workdir)) == 4 and (workdir / "report" / "report.md").exists()
+
+
+def test_a_sandbox_that_cannot_start_is_one_error_line(workdir):
+    """The probe itself killed: the namespace sandbox is unusable, said in one line (raised in
+    the sampling thread, reported by the command)."""
+    proc = _run(workdir, faults="sandbox.kill@1")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: namespace sandbox probe failed: killed"), last
+    assert "env.sandbox='audit'" in last
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run_with_finite_checkpoints(workdir):
+    """Steps 2, 3 and 4 have NaN rewards, so NaN losses and gradients."""
+    proc = _run(workdir, faults="step.nan@2+")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rl step 4: non-finite loss or gradient (3 in a row"), last
+    assert "Latest checkpoint: step 3" in last
+    assert "non-finite loss or gradient, update skipped" in proc.stderr
+    skipped = [r["update_skipped"] for r in _train_rows(workdir)]
+    assert skipped[:3] == [0.0, 1.0, 1.0], skipped
+    state = ocp.PyTreeCheckpointer().restore(
+        str(workdir / "runs" / "tg_seed0" / "checkpoints" / "3" / "state")
+    )
+    leaves = jax.tree.leaves(state["params"])
+    assert leaves and all(np.isfinite(np.asarray(x)).all() for x in leaves)
+
+
+def test_nonfinite_stop_ends_the_run_at_the_first(workdir):
+    proc = _run(workdir, "--config.rl.nonfinite=stop", faults="step.nan@2")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "error: rl step 2: non-finite loss or gradient (rl.nonfinite=stop)" in proc.stderr
+
+
+def test_disk_full_while_checkpointing_keeps_the_previous_one_and_the_rerun_resumes(workdir):
+    proc = _run(workdir, faults="checkpoint.save@3")
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "saving step 3" in last and "No space left on device" in last, last
+    assert "latest complete step: 2" in last, last
+    assert _checkpoint_steps(workdir) == [1, 2]
+    proc = _run(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _checkpoint_steps(workdir)[-1] == 4 and (workdir / "report" / "report.md").exists()
+
+
+def test_a_corrupt_latest_checkpoint_resumes_from_the_one_before(workdir):
+    proc = _run(workdir, faults="checkpoint.save@4")  # stops after step 3's checkpoint
+    assert proc.returncode == 4 and _checkpoint_steps(workdir) == [2, 3], proc.stderr[-2000:]
+    state = workdir / "runs" / "tg_seed0" / "checkpoints" / "3" / "state"
+    for root, _, files in os.walk(state):
+        for name in files:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(b"\x00garbage")
+    proc = _run(workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoints/3 is unreadable" in proc.stderr and "falling back" in proc.stderr
+    assert (state.parent.parent / "3.corrupt").is_dir()  # kept for a post-mortem
+    steps = [r["step"] for r in _train_rows(workdir)]
+    assert steps[-2:] == [3, 4] and (workdir / "report" / "report.md").exists()
+
+
+def test_the_workdir_removed_during_the_run_is_one_clear_error(workdir):
+    proc = subprocess.Popen(
+        _cmd(workdir, "--config.stage=pipeline", *ARM, "--config.rl_loop.steps=50"),
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = workdir / "runs" / "tg_seed0" / "checkpoints" / "1"
+    deadline = time.time() + 300
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    shutil.rmtree(workdir)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 4, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: the workdir {workdir} was removed")

@@ -1,0 +1,9 @@
+"""Errors that end a run on a fault it cannot go past: `tg_jax.main` prints them as one
+`error:` line (exit status 4), with what happened and what was kept."""
+
+from __future__ import annotations
+
+
+class RunError(RuntimeError):
+    """A run stopped by a fault (non-finite steps, a removed workdir, ...); the message says
+    what happened and which checkpoint a rerun resumes from."""
