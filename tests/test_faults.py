@@ -158,7 +158,9 @@ def test_the_workdir_removed_during_the_run_is_one_clear_error(workdir):
     deadline = time.time() + 300
     while not first.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    shutil.rmtree(workdir)
+    gone = workdir.parent / "gone"
+    os.rename(workdir, gone)  # at once, as `mv` or `rm` seen from the run
+    shutil.rmtree(gone)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 4, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(f"error: the workdir {workdir} was removed")

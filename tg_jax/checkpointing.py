@@ -195,9 +195,13 @@ class TrainingCheckpointer:
 
     def _save_error(self, step: int | None, e: Exception) -> CheckpointError:
         what = f"step {step}" if step is not None else "the pending save"
+        if not paths.as_path(self.directory).exists():
+            kept = "the checkpoint directory no longer exists (removed during the run?)"
+        else:
+            self._manager.reload()  # the steps on disk now, not those the manager last saw
+            kept = f"Earlier checkpoints are untouched; latest complete step: {self.latest_step()}"
         return CheckpointError(
-            f"saving {what} to {self.directory} failed: {type(e).__name__}: {e}. Earlier "
-            f"checkpoints are untouched; latest complete step: {self.latest_step()}"
+            f"saving {what} to {self.directory} failed: {type(e).__name__}: {e}. {kept}"
         )
 
     # -- restore ---------------------------------------------------------------------------

@@ -16,9 +16,12 @@ prints one `error: ...` line to stderr and exits with status 2, before any train
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -210,6 +213,8 @@ def main(argv):
     from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
 
+    identity = paths.dir_identity(workdir)
+    _quiet_threads_once_removed(workdir, identity)
     try:
         STAGES[config.stage](config, workdir)
     except ModelDirError as e:  # a checkpoint directory that cannot be used
@@ -218,16 +223,55 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(GATE_ERROR)
     except Exception as e:
-        if not paths.is_url(workdir) and not os.path.isdir(workdir):  # whatever failed first
+        if paths.dir_removed(workdir, identity):  # whatever failed first
             print(f"error: the workdir {workdir} was removed during the run; what it held "
                   "(checkpoints, metrics) went with it", file=sys.stderr)  # fmt: skip
-            sys.exit(RUN_ERROR)
+            # Nothing is left to save: exit now, before background writers (orbax's) fail
+            # again at shutdown over the missing directory.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(RUN_ERROR)
         # A fault said in one line, also when a thread raised it (its error is the cause).
         fault = _first_of(e, (RunError, CheckpointError, SandboxUnavailable))
         if fault is None:
             raise
         print(f"error: {fault}", file=sys.stderr)
         sys.exit(RUN_ERROR)
+
+
+def _quiet_threads_once_removed(workdir: str, identity: tuple[int, int] | None) -> None:
+    """Once the workdir is removed, background threads (orbax's async checkpoint writers) that
+    fail over the missing files print and log nothing (thread exceptions, unraisable
+    exceptions, log records): the command's one error line says what happened. Until then
+    every one of them is printed as before."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not paths.dir_removed(workdir, identity):
+            previous(args)
+
+    threading.excepthook = hook
+    previous_unraisable = sys.unraisablehook  # e.g. their event loops' __del__ at teardown
+
+    def unraisable(args: Any) -> None:
+        if not paths.dir_removed(workdir, identity):
+            previous_unraisable(args)
+
+    sys.unraisablehook = unraisable
+    removed = _RemovedFilter(workdir, identity)
+    for handler in [*std_logging.getLogger().handlers, logging.get_absl_handler()]:
+        handler.addFilter(removed)
+
+
+class _RemovedFilter(std_logging.Filter):
+    """Drops every log record once the workdir is removed (see _quiet_threads_once_removed)."""
+
+    def __init__(self, workdir: str, identity: tuple[int, int] | None):
+        super().__init__()
+        self.workdir, self.identity = workdir, identity
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return not paths.dir_removed(self.workdir, self.identity)
 
 
 def _first_of(error: BaseException, kinds: tuple[type, ...]) -> BaseException | None:

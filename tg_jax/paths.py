@@ -40,3 +40,21 @@ def write_json_atomic(path: str | os.PathLike, value: Any, **dump_kwargs: Any) -
     tmp = path.parent / (path.name + ".tmp")
     tmp.write_text(json.dumps(value, **dump_kwargs))
     tmp.replace(path)
+
+
+def dir_identity(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of a local directory, None for a URL or a missing one: the same path
+    made again (e.g. by a writer that creates its parents) has another identity."""
+    if is_url(path):
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def dir_removed(path: str | os.PathLike, identity: tuple[int, int] | None) -> bool:
+    """Whether the local directory whose `dir_identity` was `identity` is gone (removed, or
+    removed and made again). Always False for a URL."""
+    return identity is not None and dir_identity(path) != identity

@@ -526,12 +526,13 @@ def _train(
         done, session.started = start, time.time()  # the setup above is not counted
         session.memory = PeakMemory()
         guard = _NonFinite(RLConfig.from_config(parts.config.rl), ckpt)
+        identity = paths.dir_identity(parts.workdir)
         with writer, bar, session.memory:
             if start == 0 and eval_every > 0:
                 _eval(0)
             for step in range(start, end):
                 done = step + 1
-                _check_workdir(parts.workdir, done)
+                _check_workdir(parts.workdir, identity, done)
                 state, group, metrics = _train_step(parts, session, source, state, done)
                 guard.update(done, metrics)
                 data_state = {**data_state, "next_index": group.batch_index + 1}
@@ -554,9 +555,10 @@ def _train(
         source.close()
 
 
-def _check_workdir(workdir: str, step: int) -> None:
-    """A local workdir removed during the run is one clear error (nothing is left to save)."""
-    if not paths.is_url(workdir) and not os.path.isdir(workdir):
+def _check_workdir(workdir: str, identity: tuple[int, int] | None, step: int) -> None:
+    """A local workdir removed during the run (or removed and made again by a writer) is one
+    clear error: nothing is left to resume from."""
+    if paths.dir_removed(workdir, identity):
         raise RunError(
             f"the workdir {workdir} was removed during the run (before step {step}); its "
             f"checkpoints went with it, so a rerun starts this arm from scratch"
