@@ -85,7 +85,30 @@ def test_a_sandbox_killed_mid_call_is_a_crashed_tool_call_and_the_run_goes_on(wo
     # Every sandboxed run after the first (the start-up probe) is killed.
     proc = _run(workdir, faults="sandbox.kill@2+")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(_train_rows(workdir)) == 4 and (workdir / "report" / "report.md").exists()
+    rows = _train_rows(workdir)
+    assert len(rows) == 4 and (workdir / "report" / "report.md").exists()
+    # Every tool call crashed: counted per episode, and no episode failed on it.
+    assert sum(r["rollout/tool_crashed"] for r in rows) > 0
+    assert all(r["rollout/end/env_error"] == 0.0 for r in rows)
+
+
+def test_a_killed_sandbox_run_is_a_crashed_tool_call_in_the_step_info(monkeypatch):
+    from tg_jax import faults
+    from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+    from tg_jax.envs.ns_sandbox import check_available
+    from tg_jax.envs.tasks import generate_tasks
+
+    check_available()  # the probe runs before the fault is armed
+    env = CodingEnv(CodingEnvConfig(max_turns=3, sandbox="namespace"))
+    env.reset(generate_tasks("heldout", 1, seed=0)[0])
+    run = '```python\ndef f(x): return x\n```\n<tool_call>{"name": "run_tests"}</tool_call>'
+    monkeypatch.setenv(faults.ENV_VAR, "sandbox.kill@1")
+    faults.reset()
+    res = env.step(run)
+    assert res.info["tool_error"] == "crashed" and res.observation == "error: crashed"
+    assert not res.done
+    monkeypatch.delenv(faults.ENV_VAR)
+    assert env.step(run).info["tool_error"] is None  # the next run is not killed
 
 
 def test_a_sandbox_that_cannot_start_is_one_error_line(workdir):

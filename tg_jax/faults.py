@@ -59,6 +59,12 @@ def hit(point: str) -> bool:
     return n == want[0] or (want[1] and n >= want[0])
 
 
+def reset() -> None:
+    """Forgets every count (tests that inject faults in their own process)."""
+    with _lock:
+        _counts.clear()
+
+
 def check(point: str) -> None:
     """Raises InjectedFault when this call of `point` is to fail."""
     if hit(point):

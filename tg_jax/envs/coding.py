@@ -298,12 +298,14 @@ class CodingEnv(Environment):
             summ.actions["run_tests"] += 1
             outcome = self._execute(parsed.code, [x for x, _ in task.visible])
             obs, info["passed"] = format_test_result(outcome, task.visible)
+            info["tool_error"] = outcome.error
         else:
             code = parsed.code or self._last_code
             self._last_code = code
             summ.actions["submit"] += 1
             outcome = self._execute(code, [x for x, _ in task.hidden])
             _, passed = format_test_result(outcome, task.hidden)
+            info["tool_error"] = outcome.error
             n = len(task.hidden)
             info["hidden_passed"] = passed
             obs = f"{passed}/{n} hidden tests passed"

@@ -193,9 +193,11 @@ def rollout_source(
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Training-time rollout statistics (host numbers, no device sync): rates per episode,
-    per-requirement compliance, actions, terminations, feedback kinds (shares of the per-turn
-    picks), prompt tokens prefilled per episode, and hint leakage (`rollout/hint_leakage`:
-    share of the assistant turns that reproduce a hint n-gram, tg_jax.envs.leakage).
+    per-requirement compliance, actions, terminations (`rollout/end/env_error`: episodes an
+    environment error ended), crashed tool calls per episode (`rollout/tool_crashed`), feedback
+    kinds (shares of the per-turn picks), prompt tokens prefilled per episode, and hint leakage
+    (`rollout/hint_leakage`: share of the assistant turns that reproduce a hint n-gram,
+    tg_jax.envs.leakage).
     `rollout/turn_pass/first` and `rollout/turn_pass/later`: the share of judged turns that
     met every requirement judged on them, for the first assistant turn and for the turns after
     it (where later turns fail more often, an episode's requirement reward falls with every
@@ -243,6 +245,12 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         turns = sum(t.num_turns for t in measured)
         leaks = sum(int(t.info["hint_leaking_turns"]) for t in measured)
         out["rollout/hint_leakage"] = leaks / max(turns, 1)
+    # Tool calls whose sandboxed run crashed (killed by a signal, the sandbox killed mid-call),
+    # per episode.
+    crashed = [
+        sum(s.get("tool_error") == "crashed" for s in t.info.get("steps", ())) for t in trajectories
+    ]
+    out["rollout/tool_crashed"] = float(np.mean(crashed)) if crashed else 0.0
     kinds = [k for t in trajectories for k in t.info.get("feedback_kinds", ())]
     if kinds:
         out.update({f"feedback/{k}": kinds.count(k) / len(kinds) for k in HINT_KINDS})
