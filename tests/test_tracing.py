@@ -147,3 +147,24 @@ def test_no_bare_jit_or_eval_shape_in_the_package():
             ):
                 bare.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} jax.{node.attr}")
     assert not bare, "use tg_jax.tracing instead:\n" + "\n".join(bare)
+
+
+def test_one_hf_tokenizer_encodes_and_decodes_in_many_threads_at_once(make_bpe_renderer):
+    """docs/design.md section 6 keeps one tokenizer for every thread: tg_jax only encodes and
+    decodes with it (the Rust tokenizer's shared borrows; never truncation or padding, whose
+    setters need an exclusive one and fail "Already borrowed" beside a running encode)."""
+    texts = [f"def f(x): return x * {i} + {i % 7}  # case {i}" for i in range(64)]
+    tok = make_bpe_renderer(texts, 300).tokenizer
+    want = [tok.encode(t) for t in texts]
+
+    def work(i):
+        out = []
+        for _ in range(20):
+            for t, ids in zip(texts, want, strict=True):
+                got = tok.encode(t)
+                out.append(got == ids and tok.decode(got) == t)
+        return all(out)
+
+    results, errors = _in_threads(work, n=8)
+    assert not errors, errors
+    assert all(results)
