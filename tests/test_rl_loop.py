@@ -132,13 +132,25 @@ def test_wrong_arm_shape_mismatch_and_corrupt_checkpoint(full_run, tmp_path):
     bigger.model.d_model = 48
     with pytest.raises(checkpointing.CheckpointError, match="does not match the restore target"):
         _run(work, config=bigger)
-    # Corrupt the newest step: truncate every state file.
-    latest = _committed_steps(work / rl.CHECKPOINT_DIR)[-1]
-    state_dir = work / rl.CHECKPOINT_DIR / str(latest) / "state"
-    for root, _, files in os.walk(state_dir):
-        for f in files:
-            if not f.endswith(".json") and "metadata" not in f:
-                open(os.path.join(root, f), "wb").close()
+
+    def truncate(step):  # every state file of the step emptied
+        for root, _, files in os.walk(work / rl.CHECKPOINT_DIR / str(step) / "state"):
+            for f in files:
+                if not f.endswith(".json") and "metadata" not in f:
+                    open(os.path.join(root, f), "wb").close()
+
+    # The newest step corrupt: set aside, the run resumes from the one before and finishes.
+    steps = _committed_steps(work / rl.CHECKPOINT_DIR)
+    assert len(steps) >= 2, steps
+    truncate(steps[-1])
+    resumed = _run(work)
+    assert resumed.finished and resumed.step == driver.STEPS
+    assert (work / rl.CHECKPOINT_DIR / f"{steps[-1]}.corrupt").is_dir()
+    summary = metrics.read_rl_summary(str(work))
+    assert summary["sessions"][-1]["start_step"] == steps[-2]
+    # Every step corrupt: an error, not a silent fresh start.
+    for step in _committed_steps(work / rl.CHECKPOINT_DIR):
+        truncate(step)
     with pytest.raises(checkpointing.CheckpointError, match="unreadable"):
         _run(work)
 
