@@ -6,7 +6,7 @@
 fail as the real fault would; `POINT@N+` every call from the N-th on. Points:
 
   env.step        an environment's step raises RuntimeError (a broken tool or plug-in)
-  sandbox.kill    the sandboxed child is killed (SIGKILL) right after it starts
+  sandbox.kill    the namespace sandbox's run is killed (SIGKILL of its PID 1) once it starts
   checkpoint.save the checkpoint write fails with OSError(ENOSPC) (a full disk)
   step.nan        an RL step's rewards are NaN, so its loss and gradient are (a numerically
                   broken step)
