@@ -187,3 +187,15 @@ def test_the_workdir_removed_during_the_run_is_one_clear_error(workdir):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 4, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(f"error: the workdir {workdir} was removed")
+
+
+def test_a_malformed_fault_plan_is_one_error_line(tmp_path):
+    proc = subprocess.run(
+        _cmd(tmp_path / "w", "--config.stage=forward"), cwd=ROOT, env=_env("env.step@0"),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: TG_JAX_FAULTS: bad entry 'env.step@0' (want POINT@N or POINT@N+, N >= 1, POINT "
+        "one of env.step, sandbox.kill, checkpoint.save, step.nan)"
+    )

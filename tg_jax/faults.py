@@ -47,6 +47,11 @@ def _plan() -> dict[str, tuple[int, bool]]:
     return plan
 
 
+def validate() -> None:
+    """Raises ValueError (naming the entry) unless TG_JAX_FAULTS is unset or well formed."""
+    _plan()
+
+
 def hit(point: str) -> bool:
     """Counts one call of `point`; True when TG_JAX_FAULTS says this call fails."""
     if not os.environ.get(ENV_VAR):

@@ -190,6 +190,12 @@ def main(argv):
             tuning.check_tune_config(config)
         except ValueError as e:
             _fail(f"invalid config: {e}")
+    from tg_jax import faults
+
+    try:  # a malformed fault plan fails here, not in a worker thread at its first use
+        faults.validate()
+    except ValueError as e:
+        _fail(str(e))
     from tg_jax.tpu import distributed
 
     use_compilation_cache()
