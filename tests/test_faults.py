@@ -87,9 +87,9 @@ def test_a_sandbox_killed_mid_call_is_a_crashed_tool_call_and_the_run_goes_on(wo
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _train_rows(workdir)
     assert len(rows) == 4 and (workdir / "report" / "report.md").exists()
-    # Every tool call crashed: counted per episode, and no episode failed on it.
-    assert sum(r["rollout/tool_crashed"] for r in rows) > 0
-    assert all(r["rollout/end/env_error"] == 0.0 for r in rows)
+    # No episode failed on it. (The 6-step tiny policy seldom writes a well-formed tool call,
+    # so the crash count itself is checked in-process, in the next test.)
+    assert all(r["rollout/end/env_error"] == 0.0 and "rollout/tool_crashed" in r for r in rows)
 
 
 def test_a_killed_sandbox_run_is_a_crashed_tool_call_in_the_step_info(monkeypatch):

@@ -54,6 +54,19 @@ def test_rollout_metrics():
     assert m["rollout/turn_pass/first"] == pytest.approx(1 / 2)
     assert m["rollout/turn_pass/later"] == pytest.approx(1.0)
     assert rl_rollouts.sampled_tokens(trajs) == 9
+    assert m["rollout/tool_crashed"] == 0.0 and m["rollout/end/env_error"] == 0.0
+
+
+def test_rollout_metrics_count_crashed_tool_calls_and_env_errors():
+    trajs = [
+        _traj([{"fence": True}], 0.0, {}, term="env_error"),
+        _traj([{"fence": True}, {"fence": True}], 0.0, {}),
+    ]
+    trajs[1].info["steps"] = [{"tool_error": "crashed"}, {"tool_error": None}]
+    trajs[0].info["steps"] = [{"tool_error": "crashed"}, {"error": "boom"}]
+    m = rl_rollouts.rollout_metrics(trajs)
+    assert m["rollout/tool_crashed"] == pytest.approx(1.0)  # (1 + 1) / 2 episodes
+    assert m["rollout/end/env_error"] == pytest.approx(0.5)
 
 
 def test_hint_reserve_bounds_every_hint_kind():
