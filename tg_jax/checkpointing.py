@@ -218,12 +218,11 @@ class TrainingCheckpointer:
             try:
                 return self.restore(abstract_state, step=step)
             except CorruptCheckpointError as e:
+                first_error = first_error or e
                 if step == steps[-1]:  # nothing to fall back to: keep it as it is
-                    first_error = first_error or e
                     break
                 kept = self._set_aside(step)
                 logging.warning("%s; kept as %s, falling back to the checkpoint before it", e, kept)
-                first_error = first_error or e
         if first_error is not None:
             raise first_error
         return None
