@@ -199,3 +199,27 @@ def test_a_malformed_fault_plan_is_one_error_line(tmp_path):
         "error: TG_JAX_FAULTS: bad entry 'env.step@0' (want POINT@N or POINT@N+, N >= 1, POINT "
         "one of env.step, sandbox.kill, checkpoint.save, step.nan)"
     )
+
+
+def test_a_malformed_task_record_names_the_file_and_line(tmp_path):
+    good = {
+        "instance_id": "repo__1",
+        "files": {"pkg/__init__.py": "", "pkg/ops.py": "def add(a, b):\n    return a - b\n"},
+        "problem_statement": "Fix add.",
+        "test_cmd": "pytest -rA tests/",
+        "hidden_tests": {"tests/test_h.py": "from pkg.ops import add\n\n\ndef test_h():\n"
+                                            "    assert add(2, 2) == 4\n"},
+    }  # fmt: skip
+    tasks = tmp_path / "tasks.jsonl"
+    text = json.dumps(good) + "\n" + json.dumps({**good, "instance_id": "b", "files": {}}) + "\n"
+    tasks.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tg_jax.main", "--config=configs/hf_swe.py:runlocal",
+         f"--workdir={tmp_path / 'w'}", "--config.stage=data",
+         f"--config.tasks.train_source={tasks}"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: cannot import tasks: {tasks}:2: field 'files'"), line
+    assert tasks.read_text() == text  # the user's file is untouched

@@ -215,6 +215,7 @@ def main(argv):
             _fail(f"invalid config: {e}")
     from tg_jax.checkpointing import CheckpointError
     from tg_jax.envs.ns_sandbox import SandboxUnavailable
+    from tg_jax.envs.swe.importer import TaskImportError
     from tg_jax.errors import RunError
     from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
@@ -225,6 +226,8 @@ def main(argv):
         STAGES[config.stage](config, workdir)
     except ModelDirError as e:  # a checkpoint directory that cannot be used
         _fail(str(e))
+    except TaskImportError as e:  # a user's task file: the message names the file and line
+        _fail(f"cannot import tasks: {e}")
     except BaseModelGateError as e:  # a measured outcome, not a crash: no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(GATE_ERROR)
