@@ -12,8 +12,7 @@ import pytest
 from tests.test_pipeline import FAST_PIPELINE
 from tg_jax import config_lib, sharding
 from tg_jax.models import hf_dir
-from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, bpe
-from tg_jax.text.template import check_chat_template
+from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, bpe, check_chat_template
 from tg_jax.text.tokenizer import BYTE_SPECIAL_TOKENS
 from tg_jax.train import pipeline, sft, sft_data
 
@@ -97,8 +96,8 @@ def test_training_is_deterministic(corpus, bpe_dir):
 
 
 def test_chat_template_check_passes_with_the_bpe(tok):
-    check_chat_template(ChatRenderer(tok), tok.chat_template)
-    check_chat_template(ChatRenderer(tok, hint_role="system"), tok.chat_template)
+    check_chat_template(ChatRenderer(tok, tok.chat_template))
+    check_chat_template(ChatRenderer(tok, tok.chat_template, hint_role="system"))
 
 
 def test_bpe_dir_loads_in_transformers(bpe_dir, tok):

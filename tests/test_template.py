@@ -1,5 +1,5 @@
-"""Chat templates rendered as transformers renders them, checked against ChatRenderer; the byte
-tokenizer written as a Hugging Face tokenizer directory."""
+"""Chat templates rendered as transformers renders them; templates that cannot serve a rollout
+refused with the first difference; the byte tokenizer written as a Hugging Face directory."""
 
 import json
 import os
@@ -7,14 +7,10 @@ import random
 
 import pytest
 
-from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, hint_message
+from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, check_chat_template
+from tg_jax.text import hint_message
 from tg_jax.text.byte_hf import byte_level_alphabet, write_byte_tokenizer
-from tg_jax.text.template import (
-    TemplateError,
-    check_chat_template,
-    qwen3_chat_template,
-    render_template,
-)
+from tg_jax.text.template import TemplateError, qwen3_chat_template, render_template
 
 TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "data", "qwen3_chat_template.jinja")
 # Qwen3's added tokens: the first three are special, the tags are plain added tokens.
@@ -187,10 +183,14 @@ def test_render_template_environment_matches_transformers(hf_ref):
 # check_chat_template.
 
 
+def _check(tok, template, **kw):
+    check_chat_template(ChatRenderer(tok, template, **kw))
+
+
 @pytest.mark.parametrize("hint_role", ["user", "system"])
 def test_check_passes_on_qwen3(hf_tok, hint_role):
-    check_chat_template(ChatRenderer(hf_tok, hint_role=hint_role), qwen3_chat_template())
-    check_chat_template(ChatRenderer(ByteTokenizer(), hint_role=hint_role), qwen3_chat_template())
+    _check(hf_tok, qwen3_chat_template(), hint_role=hint_role)
+    _check(ByteTokenizer(), qwen3_chat_template(), hint_role=hint_role)
 
 
 def test_check_fails_on_a_template_that_reorders(hf_tok):
@@ -198,24 +198,41 @@ def test_check_fails_on_a_template_that_reorders(hf_tok):
     template = qwen3_chat_template().replace(
         "{%- for message in messages %}", "{%- for message in messages|sort(attribute='role') %}"
     )
-    with pytest.raises(TemplateError, match="not append-only") as info:
-        check_chat_template(ChatRenderer(hf_tok), template)
-    assert "'tool episode'" in str(info.value) and "message 1 (user)" in str(info.value)
+    with pytest.raises(TemplateError, match="not append-only for an assistant message") as info:
+        _check(hf_tok, template)
+    assert "'<|im_start|>assistant" in str(info.value)  # the window shows the moved turn
 
 
-def test_check_fails_on_a_template_that_drops_earlier_thinking(hf_tok):
+def test_a_template_that_drops_earlier_thinking_keeps_what_was_sampled(hf_tok):
+    """Dropping the thinking of every turn but the last re-renders history: the rollout keeps
+    the sampled thinking, the appended parts render identically, and find_drift says where."""
     template = qwen3_chat_template().replace(
         "{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if loop.last %}"
     )
     assert template != qwen3_chat_template()
-    with pytest.raises(TemplateError, match="not append-only") as info:
-        check_chat_template(ChatRenderer(hf_tok), template)
+    renderer = ChatRenderer(hf_tok, template)
+    check_chat_template(renderer)
+    drift = renderer.find_drift(EPISODE, tools=TOOLS)
+    assert drift is not None and drift.message_index == 2  # A1's thinking, dropped later
+
+
+def test_check_fails_when_the_appended_part_renders_differently(hf_tok):
+    """A template that writes tool results differently after a tool call than after a user
+    message: the rollout's observation is not what the template renders there."""
+    template = qwen3_chat_template().replace(
+        "{{- '\\n<tool_response>\\n' }}",
+        "{{- '\\n<tool_response>\\n' if messages[loop.index0 - 1].role == 'user' "
+        "else '\\n<tool_response>\\n>> ' }}",
+    )
+    assert template != qwen3_chat_template()
+    with pytest.raises(TemplateError) as info:
+        _check(hf_tok, template)
     message = str(info.value)
-    assert "'tool episode'" in message and "message 2 (assistant)" in message
-    assert "<think>" in message  # The window shows the dropped thinking.
+    assert "'tool episode'" in message and "message 3 (tool)" in message and ">> " in message
 
 
 def test_check_fails_on_another_format(hf_tok):
+    """Llama 3's markers are not tokens of this tokenizer: no stop token ends a turn."""
     llama = (
         "{{- bos_token }}{%- for m in messages %}"
         "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim }}"
@@ -223,20 +240,31 @@ def test_check_fails_on_another_format(hf_tok):
         "{%- if add_generation_prompt %}"
         "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
     )
-    with pytest.raises(TemplateError, match="differs from ChatRenderer") as info:
-        check_chat_template(ChatRenderer(hf_tok), llama)
-    message = str(info.value)
-    assert "prompt (user" in message and "message 0 (user)" in message
-    assert "start_header_id" in message and "<|im_start|>user" in message
+    with pytest.raises(TemplateError, match="does not start with a special token") as info:
+        _check(hf_tok, llama)
+    assert "'<|eot_id|>'" in str(info.value)
+
+
+def test_check_fails_on_a_template_without_tool_calls(hf_tok):
+    """A ChatML template that ignores tool_calls: no format reads back what it writes."""
+    chatml = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + "
+        "'<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    renderer = ChatRenderer(hf_tok, chatml)
+    assert renderer.tool_format is None
+    with pytest.raises(TemplateError, match="no registered tool-call format reads back"):
+        check_chat_template(renderer)
 
 
 def test_check_reports_template_failures(hf_tok):
     strict = "{%- for m in messages %}{{ raise_exception('Only user and assistant roles') }}"
     strict += "{%- endfor %}"
-    with pytest.raises(TemplateError, match="fails on conversation .*Only user and assistant"):
-        check_chat_template(ChatRenderer(hf_tok), strict)
+    with pytest.raises(TemplateError, match="fails on a user message.*Only user and assistant"):
+        _check(hf_tok, strict)
     with pytest.raises(TemplateError, match="does not compile"):
-        check_chat_template(ChatRenderer(hf_tok), "{% for m in messages %}")
+        _check(hf_tok, "{% for m in messages %}")
 
 
 class _MergingTokenizer(ByteTokenizer):
@@ -266,10 +294,10 @@ class _MergingTokenizer(ByteTokenizer):
 
 
 def test_check_fails_when_the_tokenizer_merges_across_messages():
-    with pytest.raises(TemplateError, match="merges text across a message boundary") as info:
-        check_chat_template(ChatRenderer(_MergingTokenizer()), qwen3_chat_template())
+    with pytest.raises(TemplateError, match="merges text across a piece boundary") as info:
+        _check(_MergingTokenizer(), qwen3_chat_template())
     message = str(info.value)
-    assert "'prompt (user, thinking on)'" in message and "message 0 (user)" in message
+    assert "'prompt (user)'" in message
     assert "at token 60: [270," in message  # 60 ids of the user message, then "\n<|im_start|>".
 
 
@@ -354,4 +382,4 @@ def test_byte_dir_loads_in_transformers(byte_dir):
 
 def test_check_passes_on_the_byte_dir(byte_dir):
     hf = HFTokenizer.from_dir(byte_dir, vocab_size=ByteTokenizer().vocab_size)
-    check_chat_template(ChatRenderer(hf), hf.chat_template)
+    check_chat_template(ChatRenderer(hf, hf.chat_template))

@@ -94,6 +94,9 @@ def model_config(**overrides: Any) -> ml_collections.ConfigDict:
     # the architecture (fields set here must agree), its files the weights, tokenizer and chat
     # template (tg_jax.models.hf_dir). "" = no checkpoint: a random init of this architecture.
     c.hf_checkpoint = ""
+    # How the model writes tool calls (tg_jax.text.tool_formats: hermes, qwen3_coder, or one a
+    # user registers); "" = the registered format that reads back what the chat template writes.
+    c.tool_format = ""
     c.update(overrides)
     return c
 

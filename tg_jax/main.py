@@ -44,7 +44,7 @@ def run_forward(config, workdir: str) -> None:
     mesh = sharding.make_mesh(config.mesh)
     rules = sharding.logical_rules(config.mesh)
     if config.model.hf_checkpoint:  # the checkpoint's architecture and weights
-        md = hf_dir.open_model_dir(config.model.hf_checkpoint)
+        md = hf_dir.open_model_dir(config.model.hf_checkpoint, tool_format=config.model.tool_format)
         config = hf_dir.resolve_config(config, md)
         model = Transformer(ModelConfig.from_config(config.model))
         params = md.load_params(model.config, mesh=mesh, rules=rules)
@@ -220,6 +220,8 @@ def main(argv):
     from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
 
+    if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":
+        _check_model_dir(config, ModelDirError)
     identity = paths.dir_identity(workdir)
     _quiet_threads_once_removed(workdir, identity)
     try:
@@ -246,6 +248,32 @@ def main(argv):
             raise
         print(f"error: {fault}", file=sys.stderr)
         sys.exit(RUN_ERROR)
+
+
+def _check_model_dir(config, error_type) -> None:
+    """The checkpoint directory opens (its chat template serves a rollout), and the config asks
+    nothing of the model it lacks: distilling thinking needs a template with thinking."""
+    from tg_jax.models import hf_dir
+    from tg_jax.train import pipeline
+
+    try:
+        md = hf_dir.open_model_dir(
+            config.model.hf_checkpoint, tool_format=config.model.get("tool_format", "")
+        )
+    except error_type as e:
+        _fail(str(e))
+    if md.renderer.has_thinking:
+        return
+    configs = [("the config", config)]
+    if config.stage == "pipeline" and "pipeline" in config:
+        configs = [(f"arm {a!r}", pipeline.arm_config(config, a)) for a in config.pipeline.arms]
+    for what, c in configs:
+        if "tg" in c and c.tg.get("enabled") and c.tg.get("include_thinking"):
+            _fail(
+                f"invalid config: tg.include_thinking is True in {what}, but the chat template of "
+                f"{config.model.hf_checkpoint} renders no thinking (it drops reasoning_content): "
+                "there are no thinking tokens to distil; set tg.include_thinking=False"
+            )
 
 
 def _quiet_threads_once_removed(workdir: str, identity: tuple[int, int] | None) -> None:

@@ -106,6 +106,7 @@ class ModelConfig:
         """From an ml_collections ConfigDict (or any mapping) with exactly these field names."""
         d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
         d.pop("hf_checkpoint", None)  # where the fields came from (tg_jax.models.hf_dir)
+        d.pop("tool_format", None)  # the chat format's, not the network's (tg_jax.text)
         unset = sorted(k for k, v in d.items() if v is None)
         if unset:
             raise ValueError(

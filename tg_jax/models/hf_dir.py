@@ -16,11 +16,13 @@ Files of a directory (as transformers' `save_pretrained` writes them):
     generation_config.json      optional: `eos_token_id` (int or list), checked against the
                                 chat format's end-of-turn ids
 
-tg_jax renders conversations in the Qwen3 chat format (`tg_jax.text.ChatRenderer`,
-append-only token-in/token-out). A directory's template is accepted only if it renders the
-environment's conversation shapes exactly as that renderer does
-(`tg_jax.text.template.check_chat_template`); otherwise `open_model_dir` raises with the first
-difference. A missing or inconsistent file raises `ModelDirError` naming the file and field.
+The directory's chat template renders every conversation of a run (`tg_jax.text.ChatRenderer`,
+append-only token-in/token-out), its tool-call format is detected from what it writes (or named
+by `model.tool_format`), and generation_config's eos ids end sampled turns. A template that
+cannot serve a rollout (it fails, is not append-only where a rollout appends, or writes tool
+calls no registered format reads) is refused at start-up with the conversation and the first
+difference (`tg_jax.text.check_chat_template`). A missing or inconsistent file raises
+`ModelDirError` naming the file and field.
 
 Remote directories (`gs://...`) are staged once to a local cache (`TG_JAX_HF_CACHE`, default
 ~/.cache/tg_jax/hf) because safetensors reads each device's slice from a local memory map.
@@ -114,7 +116,7 @@ class ModelDir:
       hf_config: config.json.
       architecture: the ModelConfig of config.json (run settings at their defaults).
       tokenizer: `tg_jax.text.HFTokenizer` of tokenizer.json (vocab_size = config.json's).
-      renderer: the `ChatRenderer` for that tokenizer, checked against the chat template.
+      renderer: the `ChatRenderer` of that tokenizer and chat template.
       chat_template: the template text.
       stop_ids: generation_config.json's eos ids ((), when the file has none).
     """
@@ -134,10 +136,19 @@ class ModelDir:
         return params
 
 
-def open_model_dir(path: str, *, hint_role: str = "user", check_template: bool = True) -> ModelDir:
-    """Opens a checkpoint directory; raises `ModelDirError` on any unusable file (see module)."""
-    from tg_jax.text import ChatRenderer, HFTokenizer  # noqa: PLC0415 (text imports models)
-    from tg_jax.text import template as template_lib  # noqa: PLC0415
+def open_model_dir(
+    path: str, *, hint_role: str = "user", tool_format: str = "", check_template: bool = True
+) -> ModelDir:
+    """Opens a checkpoint directory; raises `ModelDirError` on any unusable file (see module).
+
+    Args:
+      path: the directory (local or a URL).
+      hint_role: the chat role hints are rendered as.
+      tool_format: a registered tool-call format; "" detects it from the template.
+      check_template: replay the rollout shapes through the template (`check_chat_template`).
+    """
+    from tg_jax.text import ChatRenderer, HFTokenizer, TemplateError  # noqa: PLC0415
+    from tg_jax.text import check_chat_template  # noqa: PLC0415 (text imports models)
 
     local = stage_locally(str(path))
     if not os.path.isdir(local):
@@ -157,31 +168,31 @@ def open_model_dir(path: str, *, hint_role: str = "user", check_template: bool =
     except (KeyError, ValueError) as e:
         raise ModelDirError(f"{local}/{TOKENIZER_FILE} / {TOKENIZER_CONFIG_FILE}: {e}") from e
     template = tokenizer.chat_template
+    where = TEMPLATE_FILE if os.path.exists(os.path.join(local, TEMPLATE_FILE)) else (
+        f"{TOKENIZER_CONFIG_FILE}:chat_template")  # fmt: skip
     if not template:
         raise ModelDirError(
             f"{local}: no chat template ({TEMPLATE_FILE}, or `chat_template` in "
             f"{TOKENIZER_CONFIG_FILE})"
         )
-    try:
-        renderer = ChatRenderer(tokenizer, hint_role=hint_role)
-    except KeyError as e:
-        raise ModelDirError(
-            f"{local}/{TOKENIZER_FILE}: the Qwen3 chat format needs special token {e}"
-        ) from e
-    if check_template:
-        try:
-            template_lib.check_chat_template(renderer, template)
-        except template_lib.TemplateError as e:
-            where = TEMPLATE_FILE if os.path.exists(os.path.join(local, TEMPLATE_FILE)) else (
-                f"{TOKENIZER_CONFIG_FILE}:chat_template")  # fmt: skip
-            raise ModelDirError(f"{local}/{where}: {e}") from e
     stop_ids = _eos_ids(_read_json(local, GENERATION_CONFIG_FILE, required=False))
-    foreign = sorted(set(stop_ids) - set(renderer.end_of_turn_ids))
-    if foreign:
+    unknown = [i for i in stop_ids if not 0 <= i < arch.vocab_size]
+    if unknown:
         raise ModelDirError(
-            f"{local}/{GENERATION_CONFIG_FILE}: eos_token_id {foreign} are not end-of-turn ids of "
-            f"the chat format ({list(renderer.end_of_turn_ids)})"
+            f"{local}/{GENERATION_CONFIG_FILE}: eos_token_id {unknown} outside the vocabulary "
+            f"({arch.vocab_size} ids)"
         )
+    try:
+        renderer = ChatRenderer(
+            tokenizer, template, hint_role=hint_role, tool_format=tool_format or None,
+            stop_ids=stop_ids,
+        )  # fmt: skip
+        if check_template:
+            check_chat_template(renderer)
+    except TemplateError as e:
+        raise ModelDirError(f"{local}/{where}: {e}") from e
+    except ValueError as e:  # an unknown model.tool_format
+        raise ModelDirError(f"model.tool_format: {e}") from e
     return ModelDir(str(path), local, hf, arch, tokenizer, renderer, template, stop_ids)
 
 

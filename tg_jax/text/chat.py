@@ -1,48 +1,63 @@
-"""Qwen3 chat format as token ids, append-only, with per-token role codes.
+"""Conversations as token ids, rendered by the model's own chat template, append-only.
 
-Two renderings of a conversation:
+The checkpoint's Jinja chat template is the source of truth for every token a run builds:
+`ChatRenderer(tokenizer, template)` renders through it (`tg_jax.text.template.render_template`,
+as transformers' `apply_chat_template` does). The embedded default takes the same path with its
+byte tokenizer and Qwen3's template. A multi-turn rollout is token-in/token-out:
 
-* `render_prompt` follows Qwen3's chat template exactly (it equals Hugging Face's
-  `apply_chat_template(..., tokenize=True)` with Qwen3's template). Use it for the initial prompt
-  of a rollout. The template rewrites history: it drops the thinking of assistant turns before
-  the last user query, and gives the final assistant turn an empty `<think>` block when it has
-  none, so the one-shot rendering of a grown conversation is not an extension of the earlier one.
-* The append-only rendering (`render_message(s)`, `render_with_roles`) keeps exactly what each
-  message was: an assistant turn keeps its thinking forever, as the sampler generated it. This is
-  what a multi-turn rollout builds (token-in/token-out) and what the trainer sees; it is never
-  re-rendered. `find_drift` says where the two renderings part, i.e. where re-rendering the
-  conversation with the real template would change the tokens the policy was trained on.
+  prompt      the template's text for the messages before the first assistant turn (system
+              with the tools block, user), tokenized in one go;
+  header      what the template's generation prompt adds (`assistant_header`);
+  turn        the tokens the sampler drew, kept verbatim, ending with the stop token;
+  separator   what the template writes after the stop token ("\\n" in ChatML);
+  appended    an observation, a hint or a user message: the text the template adds for it
+              (the rendering with it minus the rendering without it), tokenized alone.
 
-A rollout appends, after a generated assistant turn (which ends with `<|im_end|>`):
-`separator_ids` + `render_messages(observations)` + `assistant_header()`, then samples again.
-A hint (`hint_message`) renders as an ordinary message of role `hint_role` ("user" by default);
-its tokens carry `Role.HINT`, so removing them from a teacher sequence gives the student sequence.
+What a template adds is found by rendering probe conversations when the renderer is built;
+`check_chat_template` replays the conversation shapes of a rollout and compares the assembled
+tokens with the template's own rendering at every point a rollout passes through.
+
+Templates that re-render history. Some templates change earlier turns as a conversation grows:
+Qwen3's drops the thinking of every assistant turn before the last user message (a hint is one)
+and gives a final answer without thinking an empty `<think>` block. The policy: what was sampled
+is kept (the trainer sees exactly the sampled tokens), and where the template re-renders history
+the check requires that the appended part (the new message and the header) renders identically,
+i.e. that the template's text ends with it. A template where not even that holds fails with one
+`TemplateError` naming the conversation, the message and the first difference.
+
+Assistant messages: one given as plain `content` is a sampled turn, kept verbatim; one with
+`reasoning_content` or `tool_calls` is written as the template writes it when it is the last
+turn (its thinking block, its calls in the model's tool format).
+
+Tool calls are written by the template and read back by `tool_format`
+(`tg_jax.text.tool_formats`: detected from what the template writes, or named). Thinking:
+`has_thinking` says whether the template renders `reasoning_content` at all (as
+`<think>...</think>`); `split_thinking` marks those tokens.
+
+A hint (`hint_message`) renders as a message of role `hint_role` ("user" by default); its
+tokens carry `Role.HINT`, so removing them from a teacher sequence gives the student sequence.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
 import numpy as np
 
+from tg_jax.text import tool_formats
+from tg_jax.text.template import TemplateError, qwen3_chat_template, render_template
+from tg_jax.text.template import template_variables
 from tg_jax.text.tokenizer import IdsLike, Tokenizer
 
-IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 THINK_START, THINK_END = "<think>", "</think>"
-SEPARATOR = "\n"  # What the template puts after every <|im_end|>.
-
-_TOOLS_INTRO = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_OUTRO = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
-)
+_WINDOW = 40  # Characters of context shown on each side of a difference.
+_PROBE_USER = "Probe question?"
+_PROBE_ANSWER = "Probe answer."
+_PROBE_THOUGHT = "Probe thought."
+_PROBE_CALL = tool_formats.Call("probe_tool", {"code": "x = 1"})
 
 
 class Message(TypedDict, total=False):
@@ -59,9 +74,9 @@ class Role(enum.IntEnum):
 
     PROMPT = 0  # System/user messages and template tokens (incl. the assistant header).
     THINK = 1  # An assistant turn's <think> ... </think> block, tags included.
-    ANSWER = 2  # The rest of an assistant turn, up to and including its <|im_end|>.
-    ENV = 3  # Tool / environment observation messages, whole (header to trailing separator).
-    HINT = 4  # Hint messages, whole (header to trailing separator).
+    ANSWER = 2  # The rest of an assistant turn, up to and including its stop token.
+    ENV = 3  # Tool / environment observation messages, whole.
+    HINT = 4  # Hint messages, whole.
 
 
 class Drift(NamedTuple):
@@ -76,79 +91,211 @@ def hint_message(text: str) -> Message:
     return {"role": "hint", "content": text}
 
 
-def _content(message: Message) -> str:
+def _content(message: Mapping[str, Any]) -> str:
     content = message.get("content")
     return content if isinstance(content, str) else ""
 
 
-def _split_reasoning(message: Message) -> tuple[str, str]:
-    """(reasoning, answer) of an assistant message, parsed the way Qwen3's template does."""
-    content = _content(message)
-    reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str):
-        return reasoning, content
-    if THINK_END in content:
-        parts = content.split(THINK_END)
-        return parts[0].rstrip("\n").split(THINK_START)[-1].lstrip("\n"), parts[-1].lstrip("\n")
-    return "", content
+def _structured(message: Mapping[str, Any]) -> bool:
+    """An assistant message the template writes (not a sampled text kept verbatim)."""
+    return message.get("reasoning_content") is not None or bool(message.get("tool_calls"))
 
 
-def _think_block(reasoning: str) -> str:
-    return f"{THINK_START}\n" + reasoning.strip("\n") + f"\n{THINK_END}"
+def _window(text: str, at: int) -> str:
+    return repr(text[max(0, at - _WINDOW) : at + _WINDOW])
 
 
-def _tool_calls_text(tool_calls: Sequence[dict[str, Any]] | None, content: str) -> str:
-    out = []
-    for i, call in enumerate(tool_calls or ()):
-        if i > 0 or content:
-            out.append("\n")
-        fn = call.get("function") or call
-        args = fn.get("arguments")
-        # Same as the template's `tojson` (json.dumps, ensure_ascii=False); strings go in as is.
-        args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        call_json = f'{{"name": "{fn["name"]}", "arguments": {args_text}}}'
-        out.append(f"<tool_call>\n{call_json}\n</tool_call>")
-    return "".join(out)
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """First index where `a` and `b` differ (the shorter length if one extends the other)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), None if len(a) == len(b) else n)
 
 
-def _system_block(system: Message | None, tools: Sequence[dict[str, Any]] | None) -> str:
-    """The leading system message, which also lists the tools when there are any."""
-    if not tools:
-        return f"{IM_START}system\n{_content(system)}{IM_END}\n" if system else ""
-    head = _content(system) + "\n\n" if system else ""
-    listing = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-    return f"{IM_START}system\n{head}{_TOOLS_INTRO}{listing}{_TOOLS_OUTRO}"
-
-
-def _is_tool_response(text: str) -> bool:
-    return text.startswith("<tool_response>") and text.endswith("</tool_response>")
+def _call_message(call: tool_formats.Call) -> dict[str, Any]:
+    fn = {"name": call.name, "arguments": call.arguments}
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": fn}]}
 
 
 class ChatRenderer:
-    """Renders Qwen3-format conversations to token ids for one tokenizer."""
+    """Renders conversations to token ids with one tokenizer and one chat template."""
 
-    def __init__(self, tokenizer: Tokenizer, *, hint_role: str = "user"):
-        """Args: hint_role: the chat role hint messages are rendered as ("user" or "system")."""
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str | None = None,
+        *,
+        hint_role: str = "user",
+        tool_format: str | None = None,
+        stop_ids: Sequence[int] = (),
+    ):
+        """Renders probe conversations to learn what the template adds (see the module).
+
+        Args:
+          tokenizer: the model's tokenizer.
+          template: the Jinja chat template; None: Qwen3's (the embedded default's).
+          hint_role: the chat role hint messages are rendered as ("user" or "system").
+          tool_format: a registered tool-call format (`tool_formats.names()`); None: the one
+            that reads back what the template writes (None when none does).
+          stop_ids: further ids that end a sampled turn (generation_config's eos ids).
+        Raises:
+          TemplateError: the template fails, or a piece a rollout needs is not append-only.
+        """
         self.tokenizer = tokenizer
         self.hint_role = hint_role
-        self.separator = SEPARATOR
-        self.separator_ids: list[int] = tokenizer.encode(SEPARATOR)
-        self._header_ids = tokenizer.encode(f"{IM_START}assistant\n")
-        self._think_start = tokenizer.special_id(THINK_START)
-        self._think_end = tokenizer.special_id(THINK_END)
-        self._im_end = tokenizer.special_id(IM_END)
-        self._end_of_text = tokenizer.special_id(END_OF_TEXT)
+        self.template = template if template is not None else qwen3_chat_template()
+        try:
+            variables = template_variables(self.template)
+        except Exception as e:  # A template that does not even parse.
+            raise TemplateError(f"chat template does not compile: {type(e).__name__}: {e}") from e
+        self.thinking_switch = "enable_thinking" in variables
+        self._specials = {
+            "eos_token": tokenizer.decode([tokenizer.eos_id]),
+            "pad_token": tokenizer.decode([tokenizer.pad_id]),
+        }
+        self._base: list[Message] = [{"role": "user", "content": _PROBE_USER}]
+        plain = self._render(self._base, "a user message")
+        self._headers: dict[bool, str] = {}
+        for on in (True, False):
+            gen = self._render(self._base, "a user message + generation header", True, on)
+            self._headers[on] = self._suffix(plain, gen, "the generation header")
+        self.header_text = self._headers[True]
+        self._gen = plain + self.header_text  # the probe prompt with the header
+        probe = {"role": "assistant", "content": _PROBE_ANSWER}
+        turn = self._turn_text(probe, require_tail=False)
+        if _PROBE_ANSWER not in turn:
+            raise TemplateError("chat template drops the content of an assistant message")
+        self._tail = turn[turn.rindex(_PROBE_ANSWER) + len(_PROBE_ANSWER) :]
+        stop_text = self._stop_text(self._tail)
+        self.separator = self._tail[len(stop_text) :]
+        self.separator_ids: list[int] = tokenizer.encode(self.separator)
+        self._header_ids = tokenizer.encode(self.header_text)
+        self._stop_id = tokenizer.special_id(stop_text)
+        ends = [self._stop_id, *stop_ids]
+        try:
+            ends.append(tokenizer.special_id("<|endoftext|>"))
+        except KeyError:
+            pass
+        self._end_ids = tuple(dict.fromkeys(int(i) for i in ends))
+        thought = self._turn_text(
+            {"role": "assistant", "content": _PROBE_ANSWER, "reasoning_content": _PROBE_THOUGHT}
+        )
+        self.has_thinking = _PROBE_THOUGHT in thought
+        self._think_start = self._think_end = None
+        if self.has_thinking:
+            k = thought.index(_PROBE_THOUGHT)
+            if THINK_START not in thought[:k] or THINK_END not in thought[k:]:
+                raise TemplateError(
+                    f"chat template writes thinking as {thought!r}: only <think>...</think> is "
+                    "supported"
+                )
+            try:
+                self._think_start = tokenizer.special_id(THINK_START)
+                self._think_end = tokenizer.special_id(THINK_END)
+            except KeyError as e:
+                raise TemplateError(f"the template writes <think> blocks but {e}") from e
+        try:
+            self.tool_calls_text = self._turn_text(_call_message(_PROBE_CALL))
+        except TemplateError as e:
+            self.tool_calls_text = f"(the template fails on a tool call: {e})"
+        if tool_format:
+            self.tool_format: tool_formats.ToolFormat | None = tool_formats.get(tool_format)
+        else:
+            self.tool_format = tool_formats.detect(self.tool_calls_text, [_PROBE_CALL])
+
+    # What the template makes of probe conversations.
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        what: str,
+        add_generation_prompt: bool = False,
+        enable_thinking: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        chat = [self._as_chat_message(m) for m in messages]
+        try:
+            return render_template(
+                self.template,
+                chat,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking if self.thinking_switch else None,
+                **self._specials,
+            )
+        except Exception as e:  # Template errors, raise_exception, type errors inside it.
+            raise TemplateError(f"chat template fails on {what}: {type(e).__name__}: {e}") from e
+
+    @staticmethod
+    def _suffix(before: str, after: str, what: str) -> str:
+        """What `after` adds to `before`; TemplateError when it is not an extension."""
+        if after.startswith(before):
+            return after[len(before) :]
+        at = _first_difference(before, after)
+        raise TemplateError(
+            f"chat template is not append-only for {what}: at character {at} the shorter "
+            f"conversation renders {_window(before, at)}, the longer one {_window(after, at)}"
+        )
+
+    def _stop_text(self, tail: str) -> str:
+        ids = self.tokenizer.encode(tail)
+        first = self.tokenizer.decode(ids[:1])
+        try:
+            self.tokenizer.special_id(first)
+        except KeyError:
+            raise TemplateError(
+                f"chat template ends an assistant turn with {tail!r}, which does not start with "
+                "a special token of the tokenizer (the stop token a sampled turn ends with)"
+            ) from None
+        return first
+
+    def _turn_text(self, message: Mapping[str, Any], *, require_tail: bool = True) -> str:
+        """What the template writes for assistant `message` after the generation header, as the
+        last turn of a conversation, stop token and separator included."""
+        full = self._render([*self._base, message], "an assistant message")
+        text = self._suffix(self._gen, full, "an assistant message after the generation header")
+        if require_tail and not text.endswith(self._tail):
+            raise TemplateError(
+                f"chat template ends an assistant message with {text[-_WINDOW:]!r}, not with "
+                f"{self._tail!r} as a plain one"
+            )
+        return text
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (renderers live as long as the run)
+    def _piece(self, messages: tuple[tuple[str, str], ...]) -> str:
+        """The text the template adds for non-assistant `messages` ((role, content) pairs)
+        appended after an assistant turn, or after a user message when the template rewrites
+        the assistant turn before them (Qwen3: its empty thinking block)."""
+        chat = [{"role": role, "content": content} for role, content in messages]
+        probe = {"role": "assistant", "content": _PROBE_ANSWER}
+        errors = []
+        for ctx in ([*self._base, probe], self._base):
+            try:
+                before = self._render(ctx, "a probe conversation")
+                after = self._render([*ctx, *chat], f"a {chat[0]['role']} message")
+                return self._suffix(before, after, f"a {chat[0]['role']} message")
+            except TemplateError as e:
+                errors.append(str(e))
+        raise TemplateError(" / ".join(errors))
+
+    # The model's format.
 
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
-        """Ids that end a sampled assistant turn: <|im_end|> and <|endoftext|>."""
-        return (self._im_end, self._end_of_text)
+        """Ids that end a sampled assistant turn: the template's stop token first."""
+        return self._end_ids
 
     def assistant_header(self) -> list[int]:
-        """Ids of "<|im_start|>assistant\\n", the prompt for the next assistant turn."""
+        """Ids of the generation header (thinking on), the prompt of the next assistant turn."""
         return list(self._header_ids)
 
-    # One-shot rendering: Qwen3's chat template, history rewriting included.
+    def turn_body(self, message: Message) -> str:
+        """The text of assistant `message` between the header and the stop token, as a policy
+        samples it: plain content verbatim, structured messages as the template writes them."""
+        if not _structured(message):
+            return _content(message)
+        return self._turn_text(message)[: -len(self._tail)]
+
+    # One-shot rendering: the template on the whole conversation, history rewriting included.
 
     def prompt_text(
         self,
@@ -158,42 +305,10 @@ class ChatRenderer:
         tools: Sequence[dict[str, Any]] | None = None,
         enable_thinking: bool = True,
     ) -> str:
-        """The text Qwen3's chat template makes of `messages` (hints as `hint_role`)."""
-        msgs = [self._as_chat_message(m) for m in messages]
-        first_system = msgs[0] if msgs and msgs[0]["role"] == "system" else None
-        out = [_system_block(first_system, tools)]
-        last_query = len(msgs) - 1
-        for i in reversed(range(len(msgs))):
-            content = msgs[i].get("content")
-            if msgs[i]["role"] == "user" and isinstance(content, str):
-                if not _is_tool_response(content):
-                    last_query = i
-                    break
-        for i, m in enumerate(msgs):
-            role, content = m["role"], _content(m)
-            if role == "user" or (role == "system" and i > 0):
-                out.append(f"{IM_START}{role}\n{content}{IM_END}\n")
-            elif role == "assistant":
-                reasoning, content = _split_reasoning(m)
-                # Thinking survives only after the last user query, and the final assistant
-                # turn always shows a <think> block.
-                if i > last_query and (i == len(msgs) - 1 or reasoning):
-                    out.append(f"{IM_START}assistant\n" + _think_block(reasoning))
-                    out.append("\n\n" + content.lstrip("\n"))
-                else:
-                    out.append(f"{IM_START}assistant\n{content}")
-                out.append(_tool_calls_text(m.get("tool_calls"), content) + f"{IM_END}\n")
-            elif role == "tool":
-                if i == 0 or msgs[i - 1]["role"] != "tool":
-                    out.append(f"{IM_START}user")
-                out.append(f"\n<tool_response>\n{content}\n</tool_response>")
-                if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
-                    out.append(f"{IM_END}\n")
-            elif role != "system":
-                raise ValueError(f"unknown role {role!r}")
-        if add_generation_prompt:
-            out.append(self._generation_prompt(enable_thinking))
-        return "".join(out)
+        """The template's text of `messages` (hints as `hint_role`)."""
+        return self._render(
+            messages, "the conversation", add_generation_prompt, enable_thinking, tools
+        )
 
     def render_prompt(
         self,
@@ -212,13 +327,17 @@ class ChatRenderer:
     # Append-only rendering: every message keeps its own tokens.
 
     def render_message(self, message: Message) -> list[int]:
-        """Ids `message` adds when appended after a separator (ends with <|im_end|> "\\n")."""
+        """Ids `message` adds when appended after a finished turn (an assistant message:
+        header, turn, stop token and separator)."""
         return self.render_messages([message])
 
     def render_messages(self, messages: Sequence[Message]) -> list[int]:
-        """Ids `messages` add when appended together; consecutive tool results share one block."""
-        segments = self._segments(messages, tools=None, start=False)
-        return self._encode(segments, add_generation_prompt=False, enable_thinking=True)[0]
+        """Ids `messages` add when appended together; consecutive tool results share one
+        piece (the template may group them)."""
+        ids: list[int] = []
+        for piece, _, _ in self._appended(messages, 0):
+            ids += piece
+        return ids
 
     def render_with_roles(
         self,
@@ -247,13 +366,74 @@ class ChatRenderer:
         enable_thinking: bool = True,
     ) -> tuple[list[int], list[int], list[int]]:
         """`render_with_roles` plus, per token, the index in `messages` of the message it
-        renders (a system block's tokens: 0; consecutive tool results: the first one's).
+        renders (the prompt's tokens: its last message's; a tool group's: its first's).
+
+        The messages before the first assistant turn are the prompt, rendered by the template
+        in one go, except hints at its end, which are appended pieces (a teacher's row minus
+        its hint tokens is then the student's row).
 
         Returns:
           (ids, role_ids, owners), three lists of equal length T.
         """
-        segments = self._segments(messages, tools=tools, start=True)
-        return self._encode(segments, add_generation_prompt, enable_thinking)
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        first = len(messages) if first is None else first
+        hints = first
+        while hints > 0 and messages[hints - 1]["role"] == "hint":
+            hints -= 1
+        if any(m["role"] == "hint" for m in messages[:hints]):
+            raise ValueError("a hint must come right before an assistant turn")
+        ids: list[int] = []
+        roles: list[int] = []
+        owners: list[int] = []
+        if hints or tools:
+            text = self._render(messages[:hints], "the prompt", False, enable_thinking, tools)
+            ids = self.tokenizer.encode(text)
+            roles, owners = [int(Role.PROMPT)] * len(ids), [max(hints - 1, 0)] * len(ids)
+        for piece, role, owner in self._appended(messages[hints:], hints):
+            ids += piece
+            roles += role
+            owners += [owner] * len(piece)
+        if add_generation_prompt:
+            header = self.tokenizer.encode(self._headers[enable_thinking])
+            ids += header
+            roles += [int(Role.PROMPT)] * len(header)
+            owners += [owners[-1] if owners else 0] * len(header)
+        return ids, roles, owners
+
+    def _appended(
+        self, messages: Sequence[Message], offset: int
+    ) -> list[tuple[list[int], list[int], int]]:
+        """(ids, roles, message index) of each piece `messages` append (see the module)."""
+        out = []
+        i = 0
+        while i < len(messages):
+            m = messages[i]
+            if m["role"] == "assistant":
+                out.append(self._assistant_piece(m, offset + i))
+                i += 1
+                continue
+            j = i + 1
+            if m["role"] == "tool":
+                while j < len(messages) and messages[j]["role"] == "tool":
+                    j += 1
+            elif m["role"] not in ("user", "system", "hint"):
+                raise ValueError(f"unknown role {m['role']!r}")
+            key = tuple((self._as_chat_message(x)["role"], _content(x)) for x in messages[i:j])
+            piece = self.tokenizer.encode(self._piece(key))
+            code = {"tool": Role.ENV, "hint": Role.HINT}.get(m["role"], Role.PROMPT)
+            out.append((piece, [int(code)] * len(piece), offset + i))
+            i = j
+        return out
+
+    def _assistant_piece(self, message: Message, owner: int) -> tuple[list[int], list[int], int]:
+        """Header | turn (thinking, answer) | stop token | separator."""
+        body = self.tokenizer.encode(self.turn_body(message)) + [self._stop_id]
+        think = self.split_thinking(self._header_ids + body)[len(self._header_ids) :]
+        ids = self._header_ids + body + self.separator_ids
+        roles = [int(Role.PROMPT)] * len(self._header_ids)
+        roles += [int(Role.THINK if t else Role.ANSWER) for t in think]
+        roles += [int(Role.PROMPT)] * len(self.separator_ids)
+        return ids, roles, owner
 
     def find_drift(
         self,
@@ -265,16 +445,15 @@ class ChatRenderer:
         """Where the append-only tokens of `messages` differ from the one-shot template's.
 
         None means a rollout that appended these messages one by one holds exactly the tokens
-        the real chat template gives the whole conversation.
+        the chat template gives the whole conversation.
         """
-        segments = self._segments(messages, tools=tools, start=True)
-        ids, _, owners = self._encode(segments, add_generation_prompt, enable_thinking=True)
+        ids, _, owners = self.render_with_owners(
+            messages, add_generation_prompt, tools=tools
+        )  # fmt: skip
         ref = self.render_prompt(messages, add_generation_prompt, tools=tools)
-        n = min(len(ids), len(ref))
-        diff = [i for i in range(n) if ids[i] != ref[i]][:1]
-        if not diff and len(ids) == len(ref):
+        t = _first_difference(ids, ref)
+        if t is None:
             return None
-        t = diff[0] if diff else n
         owner = owners[min(t, len(owners) - 1)] if owners else 0
         return Drift(message_index=owner, token_index=t)
 
@@ -288,9 +467,9 @@ class ChatRenderer:
         """Marks `<think>` ... `</think>` blocks that open an assistant turn.
 
         A block opens at a <think> that starts `ids` or follows the assistant header, and ends at
-        </think> (included); an unclosed block runs to the end of the turn (<|im_end|>,
-        <|endoftext|>, padding or the end of `ids`, excluded). Note that with
-        `enable_thinking=False` the empty block in the generation prompt is marked too.
+        </think> (included); an unclosed block runs to the end of the turn (a stop token,
+        padding or the end of `ids`, excluded). Nothing is marked when the template has no
+        thinking.
 
         Args:
           ids: [T] or [B, T] token ids.
@@ -301,6 +480,8 @@ class ChatRenderer:
         if arr.ndim == 2:
             return np.stack([self.split_thinking(row) for row in arr]).reshape(arr.shape)
         mask = np.zeros(arr.shape, dtype=bool)
+        if not self.has_thinking:
+            return mask
         header = np.asarray(self._header_ids)
         stops = np.isin(arr, [self._think_end, *self.end_of_turn_ids, self.tokenizer.pad_id])
         stop_positions = np.flatnonzero(stops)
@@ -316,89 +497,181 @@ class ChatRenderer:
                 mask[p : q + 1 if arr[q] == self._think_end else q] = True
         return mask
 
-    # Internals.
-
-    def _as_chat_message(self, message: Message) -> Message:
+    def _as_chat_message(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
         if message["role"] == "hint":
             return {**message, "role": self.hint_role}
         return message
 
-    def _generation_prompt(self, enable_thinking: bool) -> str:
-        empty_think = "" if enable_thinking else f"{THINK_START}\n\n{THINK_END}\n\n"
-        return f"{IM_START}assistant\n{empty_think}"
 
-    def _segments(
-        self, messages: Sequence[Message], *, tools: Sequence[dict[str, Any]] | None, start: bool
-    ) -> list[tuple[str, Role, int]]:
-        """(text, role, message index) pieces; each piece is tokenized on its own.
+# Checking that a template serves a rollout.
 
-        Pieces meet at special tokens (<|im_start|>, </think>, <|im_end|>) or at the header's
-        "\\n", so tokenizing them apart matches tokenizing the whole text for Qwen3's tokenizer.
-        """
-        segs: list[tuple[str, Role, int]] = []
-        i = 0
-        if start and (tools or (messages and messages[0]["role"] == "system")):
-            first_system = messages[0] if messages and messages[0]["role"] == "system" else None
-            segs.append((_system_block(first_system, tools), Role.PROMPT, 0))
-            i = 1 if first_system else 0
-        while i < len(messages):
-            m, role = messages[i], messages[i]["role"]
-            if role == "assistant":
-                segs.extend((text, r, i) for text, r in self._assistant_pieces(m))
-            elif role == "tool":
-                j = i
-                while j < len(messages) and messages[j]["role"] == "tool":
-                    j += 1
-                body = "".join(
-                    f"\n<tool_response>\n{_content(t)}\n</tool_response>" for t in messages[i:j]
-                )
-                segs.append((f"{IM_START}user{body}{IM_END}\n", Role.ENV, i))
-                i = j
-                continue
-            elif role in ("user", "system", "hint"):
-                chat_role = self.hint_role if role == "hint" else role
-                code = Role.HINT if role == "hint" else Role.PROMPT
-                segs.append((f"{IM_START}{chat_role}\n{_content(m)}{IM_END}\n", code, i))
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the hidden tests on a Python function.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "The function's code."}},
+                "required": ["code"],
+            },
+        },
+    }
+]
+_SYSTEM: Message = {"role": "system", "content": "You are a careful coding agent."}
+_USER: Message = {"role": "user", "content": "Write f(x) with f(1)=2 and f(2)=4. Héllo ✓ 数学."}
+_HINT = hint_message("Call the tool in the tool-call format, then answer in a code block.")
+
+
+def _call(code: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "run_tests", "arguments": {"code": code}}}
+
+
+def episode_shapes() -> list[tuple[str, list[Message], list[dict[str, Any]] | None]]:
+    """The conversation shapes a rollout produces: (name, messages, tools)."""
+    turns: list[Message] = [
+        {
+            "role": "assistant",
+            "reasoning_content": "Looks like doubling; test it first.",
+            "content": "Let me run the tests.",
+            "tool_calls": [_call("def f(x):\n    return 2 * x")],
+        },
+        {"role": "tool", "content": "1/2 tests passed: f(0) should be 1"},
+        {
+            "role": "assistant",
+            "reasoning_content": "\nf(0)=1 too, so maybe 2**x.\n",
+            "content": "",
+            "tool_calls": [_call("def f(x):\n    return 2 ** x")],
+        },
+        {"role": "tool", "content": "2/2 tests passed"},
+        {
+            "role": "assistant",
+            "reasoning_content": "All pass.",
+            "content": "```python\ndef f(x):\n    return 2 ** x\n```",
+        },
+    ]
+    sampled: list[Message] = [
+        {"role": "assistant", "content": "I will test it.\nCALL run_tests"},
+        {"role": "tool", "content": "error: no tool call"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    return [
+        ("prompt (user)", [_USER], None),
+        ("prompt (system + tools)", [_SYSTEM, _USER], _TOOLS),
+        ("tool episode", [_SYSTEM, _USER, *turns], _TOOLS),
+        ("hinted tool episode", [_SYSTEM, _USER, _HINT, *turns[:2], _HINT, *turns[2:]], _TOOLS),
+        ("sampled turns", [_USER, *sampled], None),
+    ]
+
+
+def check_chat_template(renderer: ChatRenderer) -> None:
+    """Raises TemplateError unless `renderer`'s template serves every rollout shape.
+
+    For each shape (`episode_shapes`) it builds the rollout's tokens as a rollout builds them
+    (the prompt, then per assistant turn the header, the turn, its separator, then what follows
+    it), and at each point checks against the template's rendering of the same messages:
+    append-only points must match exactly (text, and the ids of tokenizing the text in one go:
+    the tokenizer must not merge across pieces); where the template re-renders history (or
+    rewrites a sampled turn, which stays as sampled), the template's text must end with what the
+    rollout appended. Every tool call the template writes
+    must read back through `renderer.tool_format`.
+
+    Raises:
+      TemplateError: naming the conversation, the message and the first difference.
+    """
+    tok = renderer.tokenizer
+    for name, messages, tools in episode_shapes():
+        if tools is not None and renderer.tool_format is None:
+            raise TemplateError(
+                f"no registered tool-call format reads back the calls this chat template writes "
+                f"({renderer.tool_calls_text!r}); set model.tool_format or register one "
+                f"(tg_jax.text.tool_formats: {', '.join(tool_formats.names())})"
+            )
+        previous_text, previous_ids, diverged = None, None, False
+        for end, gen in _rollout_points(messages):
+            where = f"conversation {name!r} (messages[:{end}]{' + header' if gen else ''})"
+            ids = renderer.render_with_roles(messages[:end], gen, tools=tools)[0]
+            text = renderer.prompt_text(messages[:end], gen, tools=tools)
+            ours = tok.decode(ids)
+            rerendered = previous_text is not None and not text.startswith(previous_text)
+            diverged = diverged or rerendered
+            last = messages[end - 1] if end else None
+            if not diverged and not gen and last and not _structured(last) and text != ours:
+                diverged = True  # the template rewrites a sampled turn, which stays as sampled
+            elif not diverged:
+                at = _first_difference(text, ours)
+                if at is not None:
+                    raise TemplateError(
+                        f"chat template is not append-only on {where}, in "
+                        f"{_owner(renderer, messages[:end], tools, at)}: at character {at} the "
+                        f"template renders {_window(text, at)} where the rollout has "
+                        f"{_window(ours, at)}"
+                    )
+                _check_ids(renderer, where, text, ids)
             else:
-                raise ValueError(f"unknown role {role!r}")
-            i += 1
-        return segs
+                added = tok.decode(ids[len(previous_ids) :])
+                if not text.endswith(added):
+                    at = _first_difference(text[len(text) - len(added) :], added)
+                    raise TemplateError(
+                        f"chat template re-renders {where} and does not end with what the "
+                        f"rollout appended: {_window(added, at or 0)} vs the template's "
+                        f"{_window(text[len(text) - len(added) :], at or 0)}"
+                    )
+            previous_text, previous_ids = text, ids
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                _check_calls(renderer, name, i, m)
 
-    def _assistant_pieces(self, message: Message) -> list[tuple[str, Role]]:
-        """Header | think block | answer + <|im_end|> | separator, as generated."""
-        content = _content(message)
-        reasoning = message.get("reasoning_content")
-        if isinstance(reasoning, str):
-            think = _think_block(reasoning)
-            answer = "\n\n" + content.lstrip("\n")
-        elif content.startswith(THINK_START) and THINK_END in content:
-            k = content.index(THINK_END) + len(THINK_END)
-            think, answer = content[:k], content[k:]
-        else:
-            think, answer = "", content
-        answer += _tool_calls_text(message.get("tool_calls"), _split_reasoning(message)[1])
-        pieces = [(f"{IM_START}assistant\n", Role.PROMPT)]
-        if think:
-            pieces.append((think, Role.THINK))
-        pieces += [(answer + IM_END, Role.ANSWER), (SEPARATOR, Role.PROMPT)]
-        return pieces
 
-    def _encode(
-        self,
-        segments: list[tuple[str, Role, int]],
-        add_generation_prompt: bool,
-        enable_thinking: bool,
-    ) -> tuple[list[int], list[int], list[int]]:
-        """(ids, role per token, message index per token)."""
-        if add_generation_prompt:
-            owner = segments[-1][2] if segments else 0
-            segments = [*segments, (self._generation_prompt(enable_thinking), Role.PROMPT, owner)]
-        ids: list[int] = []
-        roles: list[int] = []
-        owners: list[int] = []
-        for text, role, owner in segments:
-            piece = self.tokenizer.encode(text)
-            ids += piece
-            roles += [int(role)] * len(piece)
-            owners += [owner] * len(piece)
-        return ids, roles, owners
+def _rollout_points(messages: Sequence[Message]) -> list[tuple[int, bool]]:
+    """(end, generation header) of each point a rollout passes through: before every assistant
+    turn (with the header) and after it."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        return [(len(messages), True)]
+    points = []
+    for i in turns:
+        points += [(i, True), (i + 1, False)]
+    return points
+
+
+def _owner(renderer, messages, tools, at: int) -> str:
+    """ "message i (role)" whose rendering holds character `at`."""
+    for i in range(len(messages)):
+        try:
+            text = renderer.prompt_text(messages[: i + 1], False, tools=tools)
+        except TemplateError:
+            continue
+        if len(text) > at:
+            return f"message {i} ({messages[i]['role']})"
+    return f"the generation header after message {len(messages) - 1}"
+
+
+def _check_ids(renderer: ChatRenderer, where: str, text: str, ids: list[int]) -> None:
+    tok = renderer.tokenizer
+    want = tok.encode(text)
+    t = _first_difference(want, ids)
+    if t is None:
+        return
+    at = len(tok.decode(ids[:t]))
+    raise TemplateError(
+        f"tokenizing the template's text differs from the rollout's pieces on {where} at token "
+        f"{t}: {want[t : t + 4]} (text {_window(text, at)}) vs {ids[t : t + 4]}: the tokenizer "
+        "merges text across a piece boundary"
+    )
+
+
+def _check_calls(renderer: ChatRenderer, name: str, i: int, message: Message) -> None:
+    fmt = renderer.tool_format
+    assert fmt is not None
+    text = renderer.turn_body(message)
+    want = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", ())
+    ]
+    got = [(c.name, c.arguments) for c in fmt.calls(text)]
+    if got != want:
+        raise TemplateError(
+            f"the tool calls the chat template writes in conversation {name!r}, message {i} "
+            f"({text!r}) do not read back through tool format {fmt.name!r}: {got} != {want}"
+        )

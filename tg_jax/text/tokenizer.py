@@ -166,6 +166,7 @@ class HFTokenizer:
         """
         self._tok = tokenizer
         self._n_ids = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._added = frozenset(tokenizer.get_added_tokens_decoder())
         self._vocab_size = vocab_size if vocab_size is not None else self._n_ids
         if self._vocab_size < self._n_ids:
             raise ValueError(f"vocab_size {self._vocab_size} < tokenizer size {self._n_ids}")
@@ -218,9 +219,12 @@ class HFTokenizer:
         return self._tok.decode(known, skip_special_tokens=False)
 
     def special_id(self, name: str) -> int:
+        """Id of an added token (special or not) by its literal string; KeyError otherwise."""
         t = self._tok.token_to_id(name)
         if t is None:
             raise KeyError(f"token {name!r} is not in the vocabulary")
+        if t not in self._added:
+            raise KeyError(f"token {name!r} is not an added (special) token of the tokenizer")
         return t
 
 

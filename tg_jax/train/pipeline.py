@@ -270,7 +270,10 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
     policy the way a user's Qwen3 is loaded.
     """
     if config.model.hf_checkpoint:
-        return hf_dir.open_model_dir(config.model.hf_checkpoint), {}, []
+        md = hf_dir.open_model_dir(
+            config.model.hf_checkpoint, tool_format=config.model.get("tool_format", "")
+        )
+        return md, {}, []
     params, result, attempts = run_base_model(config, workdir, sources)
     out = paths.as_path(workdir) / BASE_MODEL_DIR
     if not (out / hf_dir.CONFIG_FILE).exists():
