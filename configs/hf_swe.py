@@ -25,7 +25,9 @@ def get_config(arg=None):
     c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
     with c.unlocked():
         c.tasks = config_lib.swe_tasks_config()  # generated bug-fix repositories
-        c.env = config_lib.swe_env_config(max_turns=16, max_tokens=12_000, max_wall_s=600.0)
+        c.env = config_lib.swe_env_config(
+            max_turns=16, max_tokens=12_000, max_wall_s=600.0, tools_in_prompt=True
+        )
         weights = {"task": 1.0, **dict.fromkeys(REQUIREMENTS, 0.25)}
         c.rl.reward_weights = ml_collections.ConfigDict(weights)
         if arg == "runlocal":

@@ -3,7 +3,8 @@
     python -m tg_jax.main --config=configs/hf_tg.py --workdir=W --config.model.hf_checkpoint=DIR
 
 DIR (a local directory or gs://...) is what transformers' `save_pretrained` writes, with the
-tokenizer (tokenizer.json) and a Qwen3-format chat template (tg_jax.models.hf_dir). The job:
+tokenizer (tokenizer.json) and its chat template, which renders every conversation and whose
+tool-call format (Hermes JSON, Qwen3-Coder XML, ...) the environment reads (tg_jax.models.hf_dir). The job:
 data -> RL arms (`pipeline.arms`: ("tg",) by default; "('grpo','tg')" to compare) from DIR's
 weights -> held-out evaluation -> report in W/report, and each run's final policy exported
 to W/export/<arm>_seed<s>/ (loadable by `AutoModelForCausalLM.from_pretrained`).
@@ -21,7 +22,8 @@ has been measured on a real checkpoint: `--config.tg.kind=forward` with a small
 `--config.tg.schedule.value` is the embedded default's recipe, to compare.
 
 `configs/hf_tg.py:runlocal` shrinks steps, groups, rollouts and lengths so a tiny checkpoint
-runs on a CPU in about two minutes (the tests use it).
+runs on a CPU in about two minutes (the tests use it); its task prompt alone describes the tools
+(the template's tools block would not fit a tiny checkpoint's 512 positions).
 """
 
 import ml_collections
@@ -43,7 +45,8 @@ def get_config(arg=None):
     c.mesh = config_lib.mesh_config()  # FSDP over every device by default
     c.sampler_mesh = config_lib.sampler_mesh_config()  # sampler's own devices (0 = trainer's)
     c.tasks = config_lib.tasks_config()  # the embedded coding tasks
-    c.env = config_lib.env_config(requirements=("tool_json",))  # the tool-call protocol
+    # The tool-call protocol, in the model's own format; the tools described by its template.
+    c.env = config_lib.env_config(requirements=("tool_json",), tools_in_prompt=True)
     c.rl = config_lib.rl_config(
         reward_weights=ml_collections.ConfigDict({"task": 1.0, "tool_json": 0.5}),
         micro_batches=8,

@@ -39,7 +39,9 @@ def get_config(arg=None):
     base_arg = None if arg == "split" else arg
     c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
     c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
-    c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
+    # Qwen3-Coder has no thinking (its template drops reasoning_content): nothing to distil
+    # but answers (tg.include_thinking = True is refused at start-up for such a template).
+    c.tg.include_thinking = False
     if arg == "runlocal":
         return c
     # Architecture of Qwen/Qwen3-Coder-30B-A3B-Instruct (its config.json): 30.5B parameters,

@@ -98,18 +98,35 @@ def make_tokenizer(vocab_size: int = 400):
     return tok
 
 
-def make_model_dir(path, cfg: ModelConfig, seed: int = 0) -> ModelConfig:
+TEMPLATES = {
+    "qwen3": TEMPLATE_PATH,  # Qwen3's official template: Hermes JSON calls, thinking
+    # Qwen3-Coder's public template: XML tool calls, no thinking.
+    "qwen3_coder": os.path.join(os.path.dirname(__file__), "data", "qwen3_coder_chat_template.jinja"),
+}
+
+
+def chat_template(name: str) -> str:
+    """A public chat template by name, or "chatml_no_newline": Qwen3's writing nothing between
+    messages."""
+    if name == "chatml_no_newline":
+        t = chat_template("qwen3").replace("'<|im_end|>' + '\\n'", "'<|im_end|>'")
+        return t.replace("<|im_end|>\\n", "<|im_end|>")
+    with open(TEMPLATES[name]) as f:
+        return f.read()
+
+
+def make_model_dir(path, cfg: ModelConfig, seed: int = 0, template: str = "qwen3") -> ModelConfig:
     """A checkpoint directory as a user brings it: a random transformers model saved by
-    `save_pretrained`, a tokenizer trained here (tokenizer.json, tokenizer_config.json), Qwen3's
-    chat template (chat_template.jinja) and generation_config.json. cfg.vocab_size is replaced
-    by the tokenizer's size rounded up to a multiple of 8; returns the config used."""
+    `save_pretrained`, a tokenizer trained here (tokenizer.json, tokenizer_config.json), a
+    public chat template (`chat_template(template)`, in chat_template.jinja) and
+    generation_config.json. cfg.vocab_size is replaced by the tokenizer's size rounded up to a
+    multiple of 8; returns the config used."""
     import dataclasses
 
     import transformers
 
     tok = make_tokenizer()
-    with open(TEMPLATE_PATH) as f:
-        template = f.read()
+    template = chat_template(template)
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         chat_template=template,

@@ -3,37 +3,19 @@ multi-turn tool episode built token-in/token-out gives transformers' `apply_chat
 tokens at every point a rollout passes through, and every tool call reads back."""
 
 import json
-import os
 
 import pytest
 
+from tests.hf_checkpoints import chat_template
 from tg_jax.text import ChatRenderer, HFTokenizer, check_chat_template, hint_message
 from tg_jax.text import tool_formats
-from tg_jax.text.template import TemplateError, qwen3_chat_template
+from tg_jax.text.template import TemplateError
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-
-
-def _read(name):
-    with open(os.path.join(DATA, name)) as f:
-        return f.read()
-
-
-def chatml_without_newlines() -> str:
-    """Qwen3's template writing nothing between messages (no "\\n" after <|im_end|>)."""
-    t = qwen3_chat_template().replace("'<|im_end|>' + '\\n'", "'<|im_end|>'")
-    t = t.replace("<|im_end|>\\n", "<|im_end|>")
-    assert "<|im_end|>\\n" not in t and t != qwen3_chat_template()
-    return t
-
-
-TEMPLATES = {
-    "qwen3": qwen3_chat_template,  # Qwen3's official template (Hermes JSON calls, thinking)
-    "qwen3_coder": lambda: _read("qwen3_coder_chat_template.jinja"),  # XML calls, no thinking
-    "chatml_no_newline": chatml_without_newlines,
-}
+# Qwen3's official template (Hermes JSON calls, thinking), Qwen3-Coder's public one (XML calls,
+# no thinking), and Qwen3's writing nothing between messages.
+TEMPLATES = ("qwen3", "qwen3_coder", "chatml_no_newline")
 TOOLS = [
     {
         "type": "function",
@@ -122,12 +104,12 @@ def _tokenizer_dir(path, template):
     return str(path)
 
 
-@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+@pytest.fixture(scope="module", params=TEMPLATES)
 def fmt(request, tmp_path_factory):
     """(name, our renderer, transformers' tokenizer) of one template."""
     from transformers import AutoTokenizer
 
-    path = _tokenizer_dir(tmp_path_factory.mktemp(request.param), TEMPLATES[request.param]())
+    path = _tokenizer_dir(tmp_path_factory.mktemp(request.param), chat_template(request.param))
     tok = HFTokenizer.from_dir(path)
     return request.param, ChatRenderer(tok, tok.chat_template), AutoTokenizer.from_pretrained(path)
 
@@ -228,6 +210,7 @@ def test_hermes_reads_what_models_write():
     assert b.call == tool_formats.Call("g", {}, False)  # understood, not canonical
     assert c.call is None and c.error == "bad tool_call JSON"
     assert fmt.example() == '<tool_call>{"name": ...}</tool_call>'
+    assert fmt.example(arguments=True) == '<tool_call>{"name": ..., "arguments": {...}}</tool_call>'
 
 
 def test_registering_a_format():
@@ -238,7 +221,7 @@ def test_registering_a_format():
             fn, _, arg = payload.strip().partition(" ")
             return tool_formats.Call(fn, {"arg": arg} if arg else {})
 
-        def example(self, name="..."):
+        def example(self, name="...", *, arguments=False):
             return f"<tool_call>{name}</tool_call>"
 
     fmt = tool_formats.register(Bracket())

@@ -323,3 +323,34 @@ def test_an_environment_that_raises_fails_its_episode_only(caplog):
     assert "tool server went away" in caplog.text
     m = rl_rollouts.rollout_metrics(trajs)
     assert m["rollout/end/env_error"] == 0.5 and m["rollout/end/done"] == 0.5
+
+
+def test_a_rollout_in_qwen3_coder_s_format():
+    """The Qwen3-Coder template renders the episode: its tools block lists the environment's
+    tools, the environment reads the policy's XML calls with the qwen3_coder parser, and the
+    hint of "tool_json" shows that format."""
+    from tests.hf_checkpoints import chat_template
+    from tg_jax.text.tool_formats import QWEN3_CODER
+
+    coder = ChatRenderer(ByteTokenizer(), chat_template("qwen3_coder"))
+    assert coder.tool_format is QWEN3_CODER
+    xml_run = "```python\ndef f(x): return x\n```\n<tool_call>\n<function=run_tests>\n</function>\n</tool_call>"
+    json_run = RUN.split("</think>\n")[1]  # Hermes JSON: not this model's format
+    sampler = ScriptedSampler(lambda text, turn: [xml_run, json_run, SUBMIT][turn])
+    env = lambda: CodingEnv(CodingEnvConfig(max_turns=3, tools_in_prompt=True), QWEN3_CODER)  # noqa: E731
+    (traj,) = rollout_groups(
+        sampler, None, coder, env, TASKS[:1], rollouts_per_task=1,
+        config=RolloutConfig(max_new_tokens=128, max_total_tokens=2048),
+        rng=jax.random.key(0), policy_version=0,
+    )  # fmt: skip
+    prompt = coder.tokenizer.decode(sampler.prompts[0][0])
+    assert "<tools>\n<function>\n<name>run_tests</name>" in prompt
+    assert "<function=example_function_name>" in prompt  # the template's own instructions
+    assert traj.turn_verdicts[0] == {"fence": True, "tool_json": True}
+    assert traj.turn_verdicts[1]["tool_json"] is False  # JSON is not the XML format
+    assert "passed" in traj.info["steps"][0]["tool_output"]
+    assert "error: tool_call needs <function=NAME>" in traj.info["steps"][1]["tool_output"]
+    assert coder.tokenizer.decode(traj.hint_tokens["tool_json"]) == (
+        "<|im_start|>user\nReminder: use <tool_call>\n<function=...>\n</function>\n</tool_call>."
+        "<|im_end|>\n"
+    )

@@ -440,3 +440,28 @@ def test_namespace_runner_agrees_with_the_light_runner_on_held_out_tasks(heldout
     )
     res = ns(str(d), "pytest -rA tests/test_fx.py", 20.0)
     assert res.outcomes == {"tests/test_fx.py::test_fx": "passed"}, res.output[-800:]
+
+
+def test_parse_call_in_qwen3_coder_s_format():
+    from tg_jax.text.tool_formats import QWEN3_CODER
+
+    xml = (
+        "Reading it.\n\n<tool_call>\n<function=read_file>\n<parameter=path>\npkg/ops.py\n"
+        "</parameter>\n<parameter=start>\n2\n</parameter>\n</function>\n</tool_call>"
+    )
+    call = parse_call(xml, QWEN3_CODER)
+    assert (call.name, call.args, call.strict, call.text) == (
+        "read_file", {"path": "pkg/ops.py", "start": 2}, True, "Reading it."
+    )  # start is an integer: the tool's schema types it
+    assert not parse_call(xml + "\n" + xml, QWEN3_CODER).strict  # two calls
+    bad = parse_call(xml.replace("<parameter=start>\n2", "<parameter=start>\ntwo"), QWEN3_CODER)
+    assert bad.name is None and bad.error.startswith("error: parameter 'start' is not a valid")
+    assert "<function=...>" in bad.error  # the example is in the model's format
+    hermes = parse_call(_call("run_tests"), QWEN3_CODER)
+    assert hermes.name is None and "<function=NAME>" in hermes.error
+    env = SweEnv(SweEnvConfig(), tool_format=QWEN3_CODER)
+    (protocol,) = [r for r in env.requirements if r.name == "tool_protocol"]
+    assert protocol.hint == (
+        "Reminder: one tool per turn: <tool_call>\n<function=...>\n<parameter=...>\n...\n"
+        "</parameter>\n</function>\n</tool_call>."
+    )

@@ -271,6 +271,9 @@ def env_config(**overrides: Any) -> ml_collections.ConfigDict:
     # 22-32 vs 17-26 ms best; ~+6 ms best case is ~+1 min on the demo's ~8000 calls (10.3 min
     # measured idle), the loaded medians' +12-32 ms would be +2-4 min: inside 15 minutes.
     c.sandbox = "namespace"
+    # Describe the tools through the chat template's `tools` argument, in the model's own
+    # format (a checkpoint's system block); False: the task prompt alone describes them.
+    c.tools_in_prompt = False
     c.update(overrides)
     return c
 
@@ -297,6 +300,9 @@ def swe_env_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.memory_mb = 512  # address-space limit of one test run
     c.max_observation_chars = 2000  # tool output beyond this is cut, with a note
     c.ask_reply = "Yes, go ahead."  # what ask_user answers
+    # Describe the tools through the chat template's `tools` argument (tools.TOOL_SCHEMAS), in
+    # the model's own format; False: the task prompt lists them in one line.
+    c.tools_in_prompt = False
     c.update(overrides)
     return c
 

@@ -25,23 +25,27 @@ def env_kind(env_config: Any) -> str:
     return kind
 
 
-def env_factory(env_config: Any) -> Callable[[], Any]:
+def env_factory(env_config: Any, tool_format: Any = None) -> Callable[[], Any]:
     """A zero-argument factory of fresh environments of `env_config.kind` (config.env is read
-    and validated once, here)."""
+    and validated once, here) that read the model's tool calls in `tool_format` (a
+    `tg_jax.text.tool_formats.ToolFormat`, the renderer's; None: Hermes)."""
+    from tg_jax.text.tool_formats import HERMES
+
+    fmt = tool_format or HERMES
     if env_kind(env_config) == "swe":
         from tg_jax.envs.swe.env import SweEnv, swe_env_config
 
         swe_cfg = swe_env_config(env_config)
-        return lambda: SweEnv(swe_cfg)
+        return lambda: SweEnv(swe_cfg, tool_format=fmt)
     from tg_jax.envs.coding import CodingEnv, coding_env_config
 
     coding_cfg = coding_env_config(env_config)
-    return lambda: CodingEnv(coding_cfg)
+    return lambda: CodingEnv(coding_cfg, tool_format=fmt)
 
 
-def make_env(env_config: Any) -> Any:
+def make_env(env_config: Any, tool_format: Any = None) -> Any:
     """A fresh environment of `env_config.kind` configured by `env_config` (config.env)."""
-    return env_factory(env_config)()
+    return env_factory(env_config, tool_format)()
 
 
 def decode_task(record: dict) -> Any:

@@ -185,6 +185,10 @@ class Environment(abc.ABC):
     """
 
     requirements: tuple[Requirement, ...] = ()
+    # JSON schemas of the tools ({"type": "function", "function": {...}}), for the chat
+    # template's own `tools` argument (it describes them in the model's format); None: the task
+    # prompt describes them.
+    tool_schemas: tuple[dict[str, Any], ...] | None = None
 
     @property
     def reward_keys(self) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from tg_jax.envs.base import (
     StepResult,
 )
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
+from tg_jax.text.tool_formats import HERMES, ToolFormat
 from tg_jax.envs.sandbox import BACKENDS, run_python
 from tg_jax.envs.tasks import Task
 
@@ -189,6 +190,19 @@ def format_test_result(outcome: ExecOutcome, pairs: Sequence[tuple[int, int]]) -
     return _clip(f"{passed}/{n} passed; {detail}"), passed
 
 
+def _tool(name: str, description: str) -> dict[str, Any]:
+    params = {"type": "object", "properties": {}, "required": []}
+    return {"type": "function",
+            "function": {"name": name, "description": description, "parameters": params}}  # fmt: skip
+
+
+# The tools as JSON schemas (the code goes in the turn's ```python block, not in an argument).
+TOOL_SCHEMAS = (
+    _tool("run_tests", "Run the code of this turn on the visible examples."),
+    _tool("submit", "Submit the code (of this turn, else the last one) to the hidden tests."),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class CodingEnvConfig:
     """Construction knobs of CodingEnv.
@@ -204,6 +218,8 @@ class CodingEnvConfig:
       timeout_s, cpu_s, memory_mb: sandbox limits per tool call.
       sandbox: "audit" (a subprocess under the audit hook) or "namespace" (the same inside
         kernel namespaces, tg_jax.envs.ns_sandbox); see tg_jax.envs.sandbox.run_python.
+      tools_in_prompt: describe the tools through the chat template's `tools` argument
+        (`TOOL_SCHEMAS`), as the model's format describes them.
     """
 
     requirements: tuple[str, ...] = REQUIREMENT_NAMES
@@ -216,6 +232,7 @@ class CodingEnvConfig:
     cpu_s: int = 1
     memory_mb: int = 256
     sandbox: str = "audit"
+    tools_in_prompt: bool = False
 
     def __post_init__(self):
         if not set(self.requirements) <= set(REQUIREMENT_NAMES):
@@ -235,10 +252,16 @@ class CodingEnvConfig:
 class CodingEnv(Environment):
     """Hidden-function coding tasks with run_tests / submit tools and format requirements."""
 
-    def __init__(self, config: CodingEnvConfig = CodingEnvConfig()):
+    def __init__(
+        self, config: CodingEnvConfig = CodingEnvConfig(), tool_format: ToolFormat = HERMES
+    ):
+        """Args: tool_format: the model's tool-call format (its chat template's)."""
         self.config = config
+        self.tool_format = tool_format
+        self.tool_schemas = TOOL_SCHEMAS if config.tools_in_prompt else None
         self.requirements = tuple(
-            make_requirement(n, config.requirement_weight) for n in config.requirements
+            make_requirement(n, config.requirement_weight, tool_format)
+            for n in config.requirements
         )
         self._execute: Callable[[str, Sequence[int]], ExecOutcome]
         if config.executor == "trusted":
@@ -279,7 +302,7 @@ class CodingEnv(Environment):
         """
         task, summ = self._task, self._summary
         assistant_message, verdicts = self.begin_turn(assistant_message, summ, done=self._done)
-        parsed = parse_turn(assistant_message)
+        parsed = parse_turn(assistant_message, self.tool_format)
         info = {"turn": summ.turns, "action": parsed.tool, "error": None, "verdicts": verdicts}
         task_reward, done, obs = 0.0, False, None
 

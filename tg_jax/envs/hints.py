@@ -12,8 +12,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from tg_jax.envs.protocol import FENCE_HINT, TOOL_JSON_HINT
+from tg_jax.envs.protocol import FENCE_HINT, TOOL_JSON_HINT, tool_json_hint
 from tg_jax.envs.swe import requirements as swe_requirements
+from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 HINT_KINDS = ("correct", "irrelevant", "wrong")
 
@@ -32,6 +33,18 @@ WRONG_HINTS: dict[str, tuple[str, ...]] = {
     "tool_json": ("Reminder: use <tool>run_tests</tool>.", "Reminder: end with CALL submit."),
     **swe_requirements.WRONG_HINTS,
 }
+
+
+
+
+def correct_hint(name: str, fmt: ToolFormat = HERMES) -> str:
+    """The correct hint of requirement `name` for a model whose tool-call format is `fmt`
+    (`CORRECT_HINTS` holds the Hermes ones)."""
+    if name == "tool_json":
+        return tool_json_hint(fmt)
+    if name in swe_requirements.HINTS:
+        return swe_requirements.hint(name, fmt)
+    return CORRECT_HINTS[name]
 
 
 class Rng(Protocol):
@@ -58,13 +71,16 @@ def _choice(rng: Rng, options: Sequence[str]) -> str:
     return options[min(int(rng.random() * len(options)), len(options) - 1)]
 
 
-def pick_hint(name: str, rng: Rng, rates: FeedbackRates = FeedbackRates()) -> tuple[str, str]:
+def pick_hint(
+    name: str, rng: Rng, rates: FeedbackRates = FeedbackRates(), fmt: ToolFormat = HERMES
+) -> tuple[str, str]:
     """Picks the hint shown for a failed turn of requirement `name`.
 
     Args:
       name: requirement name ("fence" or "tool_json").
       rng: random source; the same rng state gives the same pick.
       rates: probabilities of a correct / irrelevant / wrong hint.
+      fmt: the model's tool-call format (the correct hints that show a call use it).
 
     Returns:
       (kind, text) with kind in HINT_KINDS.
@@ -73,7 +89,7 @@ def pick_hint(name: str, rng: Rng, rates: FeedbackRates = FeedbackRates()) -> tu
         raise ValueError(f"no hints for requirement {name!r}")
     u = rng.random()
     if u < rates.correct:
-        return "correct", CORRECT_HINTS[name]
+        return "correct", correct_hint(name, fmt)
     if u < rates.correct + rates.irrelevant:
         return "irrelevant", _choice(rng, IRRELEVANT_HINTS)
     return "wrong", _choice(rng, WRONG_HINTS[name])
@@ -110,9 +126,9 @@ def pick_turn_hints(
     ]
 
 
-def hint_kind(name: str, text: str) -> str:
+def hint_kind(name: str, text: str, fmt: ToolFormat = HERMES) -> str:
     """Which kind a hint text of requirement `name` is (inverse of `pick_hint`)."""
-    if text == CORRECT_HINTS.get(name):
+    if name in CORRECT_HINTS and text == correct_hint(name, fmt):
         return "correct"
     if text in IRRELEVANT_HINTS:
         return "irrelevant"

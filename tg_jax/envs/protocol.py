@@ -9,6 +9,11 @@ Two syntaxes are accepted, so the task skill never depends on meeting a requirem
     ```
     <tool_call>{"name": "run_tests"}</tool_call>
 
+The strict call is written in the model's tool-call format (`tg_jax.text.tool_formats`: the
+Hermes JSON above, or Qwen3-Coder's `<function=run_tests>` XML); every function here takes
+that format (`fmt`, Hermes by default) and reads calls with its parser. Requirement
+"tool_json" asks for exactly one well-formed call in that format.
+
 Tools: `run_tests` (runs the code on the visible examples) and `submit` (runs the hidden
 tests and ends the episode; a submit turn may omit code to submit the last code written).
 """
@@ -16,19 +21,27 @@ tests and ends the episode; a submit turn may omit code to submit the last code 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import re
 
 from tg_jax.envs.base import Requirement
+from tg_jax.text import tool_formats
+from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 TOOLS = ("run_tests", "submit")
 
 FENCE_HINT = "Reminder: put code in a ```python block."
 FENCE_OPENING = "```python\n"  # how a fenced turn starts (`Requirement.opening`)
-TOOL_JSON_HINT = 'Reminder: use <tool_call>{"name": ...}</tool_call>.'
+
+
+def tool_json_hint(fmt: ToolFormat = HERMES) -> str:
+    """The hint of requirement "tool_json" in the model's tool-call format."""
+    return f"Reminder: use {fmt.example()}."
+
+
+TOOL_JSON_HINT = tool_json_hint()  # the Hermes one (the embedded default's)
 
 _THINK = re.compile(r"\A\s*<think>(.*?)</think>[ \t]*\n?", re.S)
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _LEGACY = re.compile(r"^[ \t]*CALL[ \t]+(\S*)[ \t]*$", re.M)
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)\n?[ \t]*```", re.S)
 _MAX_NAME = 16
@@ -55,11 +68,12 @@ class ParsedTurn:
     json_call: bool
 
 
-def parse_turn(text: str) -> ParsedTurn:
+def parse_turn(text: str, fmt: ToolFormat = HERMES) -> ParsedTurn:
     """Parses one assistant turn (see module docstring).
 
     Args:
       text: the assistant message; any str, including garbage.
+      fmt: the model's tool-call format.
 
     Returns:
       A ParsedTurn; malformed turns get `error` set and `tool` None.
@@ -73,15 +87,15 @@ def parse_turn(text: str) -> ParsedTurn:
         return ParsedTurn(None, "", None, "error: <think> is not closed", False, False)
 
     tool, error, json_call = None, None, False
-    if "<tool_call>" in body:
-        calls = _TOOL_CALL.findall(body)
-        rest = _TOOL_CALL.sub("", body)
-        if not calls or "<tool_call>" in rest:
-            error = "error: <tool_call> is not closed"
+    if fmt.open_tag in body:
+        blocks = fmt.blocks(body)
+        rest = fmt.strip(body)
+        if blocks[-1].end is None:
+            error = f"error: {blocks[-1].error}"
         else:
-            tool, error = _parse_json_call(calls[-1])
-            json_call = error is None and len(calls) == 1 and not _LEGACY.search(rest)
-        body = rest.split("<tool_call>")[0]
+            tool, error = _call_tool(blocks[-1])
+            json_call = error is None and len(blocks) == 1 and not _LEGACY.search(rest)
+        body = rest.split(fmt.open_tag)[0]
     else:
         names = _LEGACY.findall(body)
         if names:
@@ -108,16 +122,13 @@ def parse_turn(text: str) -> ParsedTurn:
     return ParsedTurn(think, code, tool, error, fenced, json_call)
 
 
-def _parse_json_call(payload: str) -> tuple[str | None, str | None]:
-    try:
-        obj = json.loads(payload)
-    except (ValueError, RecursionError):
-        return None, "error: bad tool_call JSON"
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None, 'error: tool_call needs {"name": ...}'
-    if obj["name"] not in TOOLS:
-        return None, f"error: unknown tool {obj['name'][:_MAX_NAME]!r}"
-    return obj["name"], None
+def _call_tool(block: tool_formats.Block) -> tuple[str | None, str | None]:
+    """(tool, None) of a block holding a call of a known tool, else (None, error)."""
+    if block.call is None:
+        return None, f"error: {block.error}"
+    if block.call.name not in TOOLS:
+        return None, f"error: unknown tool {block.call.name[:_MAX_NAME]!r}"
+    return block.call.name, None
 
 
 def has_code(turn_text: str) -> bool:
@@ -135,14 +146,15 @@ def fence_applies(turn_text: str) -> bool:
     return has_code(turn_text) or "```" in turn_text
 
 
-def check_fence(turn_text: str) -> bool:
+def check_fence(turn_text: str, fmt: ToolFormat = HERMES) -> bool:
     """Requirement "fence": the code is in a ```python fenced block, nothing left outside."""
-    return parse_turn(turn_text).fenced
+    return parse_turn(turn_text, fmt).fenced
 
 
-def check_tool_json(turn_text: str) -> bool:
-    """Requirement "tool_json": one valid <tool_call>{"name": TOOL}</tool_call>, no CALL line."""
-    return parse_turn(turn_text).json_call
+def check_tool_json(turn_text: str, fmt: ToolFormat = HERMES) -> bool:
+    """Requirement "tool_json": exactly one well-formed call of a tool in the model's format
+    (Hermes: <tool_call>{"name": TOOL}</tool_call>), no CALL line."""
+    return parse_turn(turn_text, fmt).json_call
 
 
 def _answer_start(text: str) -> int | None:
@@ -168,24 +180,25 @@ def _skip(text: str, off: int, chars: str) -> int:
     return off
 
 
-def _first_call(text: str, off: int) -> int | None:
+def _first_call(text: str, off: int, fmt: ToolFormat) -> int | None:
     """Start of the first tool call (a CALL line or a <tool_call>) in text[off:], else None."""
     legacy = _LEGACY.search(text, off)
-    json_call = text.find("<tool_call>", off)
+    json_call = text.find(fmt.open_tag, off)
     starts = ([legacy.start()] if legacy else []) + ([json_call] if json_call >= 0 else [])
     return min(starts) if starts else None
 
 
-def _tool_call_end(text: str, off: int) -> int | None:
-    """End of a tool call (a JSON call or a CALL line) starting at text[off:], else None."""
-    if text.startswith("<tool_call>", off):
-        end = text.find("</tool_call>", off)
-        return None if end < 0 else end + len("</tool_call>")
+def _tool_call_end(text: str, off: int, fmt: ToolFormat) -> int | None:
+    """End of a tool call (a <tool_call> block or a CALL line) starting at text[off:], else
+    None."""
+    if text.startswith(fmt.open_tag, off):
+        end = text.find(fmt.close_tag, off)
+        return None if end < 0 else end + len(fmt.close_tag)
     m = _LEGACY.match(text, off)
     return m.end() if m else None
 
 
-def fence_breaks_at(turn_text: str) -> int | None:
+def fence_breaks_at(turn_text: str, fmt: ToolFormat = HERMES) -> int | None:
     """Where a turn that fails "fence" breaks it (`Requirement.breaks_at`): the first character
     that differs from an opening ```python line after the thinking block; with a good
     opening, the tool call written before the closing fence, or the closing fence of an empty
@@ -201,7 +214,7 @@ def fence_breaks_at(turn_text: str) -> int | None:
         return off
     close = turn_text.find("```", off + 1)
     if close < 0:  # not closed: the tool call (if any) came where the closing fence belongs
-        call = _first_call(turn_text, off)
+        call = _first_call(turn_text, off, fmt)
         return len(turn_text) if call is None else _skip(turn_text, call, " \t")
     if not turn_text[off + 1 : close].strip():
         return close
@@ -210,46 +223,48 @@ def fence_breaks_at(turn_text: str) -> int | None:
         off = _skip(turn_text, off, " \t\n")
         if off >= len(turn_text):
             return None
-        end = _tool_call_end(turn_text, off)
+        end = _tool_call_end(turn_text, off, fmt)
         if end is None:
             return off
         off = end
 
 
-def tool_json_breaks_at(turn_text: str) -> int | None:
+def tool_json_breaks_at(turn_text: str, fmt: ToolFormat = HERMES) -> int | None:
     """Where a turn that fails "tool_json" breaks it (`Requirement.breaks_at`): the first
     CALL line, or the payload of a bad <tool_call>, or a second call after a good one, or
     the end of a turn without any call; None when none of these applies (an unclosed call)."""
     off = _answer_start(turn_text)
     if off is None:
         return None
-    call = _first_call(turn_text, off)
+    call = _first_call(turn_text, off, fmt)
     if call is None:
         return len(turn_text)
-    start = turn_text.find("<tool_call>", off)
+    start = turn_text.find(fmt.open_tag, off)
     if call != start:  # a CALL line first
         return _skip(turn_text, call, " \t")
-    end = turn_text.find("</tool_call>", start)
-    payload = start + len("<tool_call>")
-    if end < 0:
+    block = fmt.blocks(turn_text, start=start)[0]
+    if block.end is None:
         return None
-    if _parse_json_call(turn_text[payload:end])[1] is not None:
-        return payload
-    call = _first_call(turn_text, end + len("</tool_call>"))
+    if _call_tool(block)[1] is not None:
+        return block.payload_start
+    call = _first_call(turn_text, block.end, fmt)
     return None if call is None else _skip(turn_text, call, " \t")
 
 
-def make_requirement(name: str, weight: float = 1.0) -> Requirement:
-    """The named requirement of the coding environment ("fence" or "tool_json")."""
+def make_requirement(name: str, weight: float = 1.0, fmt: ToolFormat = HERMES) -> Requirement:
+    """The named requirement of the coding environment ("fence" or "tool_json"), judging
+    calls in tool-call format `fmt`."""
     if name == "fence":
         return Requirement(
-            "fence", check_fence, FENCE_HINT, weight, applies=fence_applies,
-            breaks_at=fence_breaks_at, opening=FENCE_OPENING,
+            "fence", functools.partial(check_fence, fmt=fmt), FENCE_HINT, weight,
+            applies=fence_applies, breaks_at=functools.partial(fence_breaks_at, fmt=fmt),
+            opening=FENCE_OPENING,
         )  # fmt: skip
     if name == "tool_json":
         return Requirement(
-            "tool_json", check_tool_json, TOOL_JSON_HINT, weight, breaks_at=tool_json_breaks_at
-        )
+            "tool_json", functools.partial(check_tool_json, fmt=fmt), tool_json_hint(fmt),
+            weight, breaks_at=functools.partial(tool_json_breaks_at, fmt=fmt),
+        )  # fmt: skip
     raise ValueError(f"unknown requirement {name!r}; known: {REQUIREMENT_NAMES}")
 
 

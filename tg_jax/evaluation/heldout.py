@@ -86,7 +86,7 @@ def heldout_episodes(
         raise ValueError(f"unknown conditions {sorted(unknown)}; known: {CONDITIONS}")
     renderer = renderer or ChatRenderer(ByteTokenizer())
     sampler = sampler or make_sampler(config, renderer)
-    make_env = env_factory(config.env)
+    make_env = env_factory(config.env, renderer.tool_format)
     rollout_cfg = rollout.RolloutConfig(
         max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
         max_total_tokens=int(config.model.max_seq_len),

@@ -1,14 +1,19 @@
 """Multi-turn rollouts: the sampler and the environments, turn by turn, token-in/token-out.
 
-An episode's tokens grow append-only; nothing is ever re-rendered:
+An episode's tokens grow append-only; nothing is ever re-rendered. Every piece is what the
+model's chat template writes for it (`tg_jax.text.ChatRenderer`), e.g. for Qwen3:
 
-    render_with_roles([user prompt])                                   PROMPT
+    render_with_roles([user prompt], tools)                            PROMPT
     [hint message]  (hinted evaluation only)                           HINT
     assistant header "<|im_start|>assistant\\n"                         PROMPT   <- turn_starts[k]
     sampled turn, up to and including its stop token                   THINK / ANSWER
-    separator "\\n"                                                     PROMPT
+    separator "\\n" (what the template writes after the stop token)     PROMPT
     observation message (rendered as `observation_role`)               ENV
     [hint] + header + next sampled turn ...
+
+The prompt lists the environment's tools through the template's `tools` argument when the
+environment has `tool_schemas`; the environment reads the model's calls in the renderer's tool
+format.
 
 Every turn of every live episode is sampled in one batched `Sampler.sample` call. The
 episodes' keys and values stay on the device between turns (`tg_jax.sampling.turn_cache`): a
@@ -20,7 +25,8 @@ tool calls of one turn run in a thread pool (sandbox subprocesses release the GI
 Limits:
   * A turn that reaches its token budget without a stop token is still recorded and sent to the
     environment (which answers a malformed turn with an observation). To keep the chat format
-    well formed for the next turn, an `<|im_end|>` is appended that the policy did NOT sample:
+    well formed for the next turn, the stop token (`<|im_end|>`) is appended that the policy did
+    NOT sample:
     role PROMPT, turn id -1, behaviour log-prob 0, so the trainer never trains on it
     (counted in info["truncated_turns"]).
   * The context limit `max_total_tokens` (never exceeded): a turn's budget is
@@ -189,7 +195,8 @@ def _start_episodes(
     episodes = []
     for i, task in enumerate(tasks):
         env = env_factory()
-        ids, roles = renderer.render_with_roles([{"role": "user", "content": env.reset(task)}])
+        prompt = [{"role": "user", "content": env.reset(task)}]
+        ids, roles = renderer.render_with_roles(prompt, tools=env.tool_schemas)
         gid = i if group_ids is None else int(group_ids[i])
         ep = Episode(task, task_id_of(task), env, gid, list(ids), [int(r) for r in roles])
         ep.stream_id = i if stream_ids is None else int(stream_ids[i])

@@ -92,20 +92,23 @@ class ToolFormat(abc.ABC):
         """
 
     @abc.abstractmethod
-    def example(self, name: str = "...") -> str:
-        """A short call of tool `name` in this format, for hints and error messages."""
+    def example(self, name: str = "...", *, arguments: bool = False) -> str:
+        """A short call of tool `name` in this format, for hints and error messages (with
+        `arguments`, a placeholder argument too)."""
 
     def blocks(
-        self, text: str, schemas: Mapping[str, Mapping[str, Any]] | None = None
+        self, text: str, schemas: Mapping[str, Mapping[str, Any]] | None = None, start: int = 0
     ) -> list[Block]:
-        """Every `<tool_call>` block of `text`, in order; parsing never raises.
+        """Every `<tool_call>` block of `text` from offset `start` on, in order; parsing never
+        raises.
 
         Args:
           text: an assistant turn (any string).
           schemas: {tool name: JSON schema}, passed to `parse_payload`.
+          start: where to start looking (offsets stay those of `text`).
         """
         out: list[Block] = []
-        at = text.find(self.open_tag)
+        at = text.find(self.open_tag, start)
         while at >= 0:
             body = at + len(self.open_tag)
             close = text.find(self.close_tag, body)
@@ -164,7 +167,7 @@ class Hermes(ToolFormat):
         except (ValueError, RecursionError) as e:
             raise ValueError("bad tool_call JSON") from e
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            raise ValueError('tool_call needs {"name": ..., "arguments": {...}}')
+            raise ValueError('tool_call needs {"name": ...}')
         canonical = set(obj) == {"name", "arguments"} and isinstance(obj["arguments"], dict)
         args = obj.get("arguments", {k: v for k, v in obj.items() if k != "name"})
         if isinstance(args, str):
@@ -176,8 +179,10 @@ class Hermes(ToolFormat):
             raise ValueError("tool_call arguments are not a JSON object")
         return Call(obj["name"], args, canonical)
 
-    def example(self, name="..."):
-        return f'<tool_call>{{"name": {json.dumps(name) if name != "..." else name}}}</tool_call>'
+    def example(self, name="...", *, arguments=False):
+        quoted = name if name == "..." else json.dumps(name)
+        args = ', "arguments": {...}' if arguments else ""
+        return f'<tool_call>{{"name": {quoted}{args}}}</tool_call>'
 
 
 _FUNCTION = re.compile(r"\A\s*<function=([^>\n]*)>\n?(.*?)</function>\s*\Z", re.S)
@@ -220,8 +225,9 @@ class Qwen3Coder(ToolFormat):
             raise ValueError(f"text outside <parameter> blocks in function {name[:24]!r}")
         return Call(name, args, True)
 
-    def example(self, name="..."):
-        return f"<tool_call>\n<function={name}>\n</function>\n</tool_call>"
+    def example(self, name="...", *, arguments=False):
+        args = "<parameter=...>\n...\n</parameter>\n" if arguments else ""
+        return f"<tool_call>\n<function={name}>\n{args}</function>\n</tool_call>"
 
 
 def _parameter_types(schema: Mapping[str, Any] | None) -> dict[str, str]:

@@ -290,7 +290,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
     """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
     config, lc = parts.config, parts.config.rl_loop
     rollout_fn = rl_rollouts.BatchRollout(
-        parts.sampler, parts.renderer, env_factory(config.env),
+        parts.sampler, parts.renderer, env_factory(config.env, parts.renderer.tool_format),
         rollouts_per_group=int(lc.rollouts_per_group),
         config=rollout.RolloutConfig(
             max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,

@@ -41,6 +41,7 @@ from tg_jax.envs.hints import (
     IRRELEVANT_HINTS,
     WRONG_HINTS,
     FeedbackRates,
+    correct_hint,
     pick_hint,
 )
 from tg_jax.sampling import rollout
@@ -48,7 +49,7 @@ from tg_jax.sampling.episode import episode_compliance
 from tg_jax.sampling.loop import InlineLoop, RolloutGroup, SamplingLoop
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory
-from tg_jax.text import ChatRenderer, hint_message
+from tg_jax.text import ChatRenderer, hint_message, tool_formats
 
 
 def feedback_rates(cfg: Any) -> FeedbackRates:
@@ -64,7 +65,9 @@ def hint_reserve(renderer: ChatRenderer, requirements: Sequence[str], max_turns:
     """
     per_turn = 0
     for name in requirements:
-        options = [CORRECT_HINTS.get(name, ""), *IRRELEVANT_HINTS, *WRONG_HINTS.get(name, ())]
+        fmt = renderer.tool_format or tool_formats.HERMES
+        correct = correct_hint(name, fmt) if name in CORRECT_HINTS else ""
+        options = [correct, *IRRELEVANT_HINTS, *WRONG_HINTS.get(name, ())]
         per_turn += max(len(renderer.render_message(hint_message(t))) for t in options)
     return max_turns * per_turn
 
@@ -91,6 +94,7 @@ class BatchRollout:
         self.sampling_key = sampling_key
         self.seed = seed
         self.rates = rates
+        self.tool_format = renderer.tool_format or tool_formats.HERMES
 
     def __call__(
         self, params: Any, index: int, tasks: Sequence[Any], version: int
@@ -103,7 +107,7 @@ class BatchRollout:
                 if group_id not in gens:
                     suffix = "" if group_id is None else f"-{group_id}"
                     gens[group_id] = random.Random(f"feedback-{self.seed}-{index}{suffix}")
-                kind, text = pick_hint(name, gens[group_id], self.rates)
+                kind, text = pick_hint(name, gens[group_id], self.rates, self.tool_format)
                 kinds.append(kind)
                 return text
 

@@ -41,7 +41,16 @@ from tg_jax.envs.base import (
 from tg_jax.envs.swe import requirements as reqs
 from tg_jax.envs.swe.runner import RUNNERS, Runner, TestRun, make_runner
 from tg_jax.envs.swe.task import SweTask
-from tg_jax.envs.swe.tools import EDIT_TOOLS, TOOLS, ToolCall, Workspace, parse_call, truncate
+from tg_jax.envs.swe.tools import (
+    EDIT_TOOLS,
+    TOOL_SCHEMAS,
+    TOOLS,
+    ToolCall,
+    Workspace,
+    parse_call,
+    truncate,
+)
+from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 TASK_REWARD_MODES = ("all_pass", "fraction")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -64,6 +73,8 @@ class SweEnvConfig:
       timeout_s, cpu_s, memory_mb: limits of one test run.
       max_observation_chars: tool output beyond this is cut, with a note.
       ask_reply: what ask_user answers.
+      tools_in_prompt: describe the tools through the chat template's `tools` argument
+        (tools.TOOL_SCHEMAS), as the model's format describes them.
     """
 
     requirements: tuple[str, ...] = reqs.REQUIREMENT_NAMES
@@ -79,6 +90,7 @@ class SweEnvConfig:
     memory_mb: int = 512
     max_observation_chars: int = 2000
     ask_reply: str = "Yes, go ahead."
+    tools_in_prompt: bool = False
 
     def __post_init__(self):
         if not set(self.requirements) <= set(reqs.REQUIREMENT_NAMES):
@@ -116,8 +128,17 @@ def hidden_score(task: SweTask, run: TestRun) -> tuple[int, int]:
 class SweEnv(Environment):
     """Repository tasks with file tools, real test runs and the SWE requirements."""
 
-    def __init__(self, config: SweEnvConfig = SweEnvConfig(), runner: Runner | None = None):
+    def __init__(
+        self,
+        config: SweEnvConfig = SweEnvConfig(),
+        runner: Runner | None = None,
+        tool_format: ToolFormat = HERMES,
+    ):
+        """Args: runner: runs the tests (default: config.runner's); tool_format: the model's
+        tool-call format (its chat template's)."""
         self.config = config
+        self.tool_format = tool_format
+        self.tool_schemas = TOOL_SCHEMAS if config.tools_in_prompt else None
         self.runner = runner or make_runner(
             config.runner, cpu_s=config.cpu_s, memory_mb=config.memory_mb
         )
@@ -188,7 +209,7 @@ class SweEnv(Environment):
         """
         summ, cfg = self._summary, self.config
         assistant_message, verdicts = self.begin_turn(assistant_message, summ, done=self._done)
-        call = parse_call(assistant_message)
+        call = parse_call(assistant_message, self.tool_format)
         info: dict[str, Any] = {"turn": summ.turns, "action": call.name, "error": call.error}
         info["verdicts"] = verdicts
         task_reward, done = 0.0, False

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tg_jax.envs.base import Requirement
 from tg_jax.envs.swe.tools import ToolCall, parse_call
+from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 REQUIREMENT_NAMES = ("tool_protocol", "markdown_report", "files_named", "ask_first")
 TIERS = {"tool_protocol": 1, "markdown_report": 1, "files_named": 2, "ask_first": 3}
@@ -40,6 +41,15 @@ HINTS = {
     "files_named": "Reminder: in the report, name exactly the files you changed.",
     "ask_first": "Reminder: ask the user (ask_user) before overwriting a file.",
 }
+
+
+def hint(name: str, fmt: ToolFormat = HERMES) -> str:
+    """The hint of requirement `name`, in the model's tool-call format where it shows a call."""
+    if name == "tool_protocol":
+        return f"Reminder: one tool per turn: {fmt.example(arguments=True)}."
+    return HINTS[name]
+
+
 WRONG_HINTS = {
     "tool_protocol": ("Reminder: call tools as CALL name {...}.", "Reminder: call two tools."),
     "markdown_report": ("Reminder: submit with no report.", "Reminder: no code blocks."),
@@ -106,7 +116,8 @@ def check_ask_first(path: str, questions: Sequence[str]) -> bool:
 
 
 def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Requirement, ...]:
-    """The named requirements bound to `env` (a SweEnv: its workspace and asked questions).
+    """The named requirements bound to `env` (a SweEnv: its workspace, asked questions and the
+    model's tool-call format).
 
     Verdicts are taken before the turn runs, on the state the turn sees.
     """
@@ -115,7 +126,8 @@ def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Require
         raise ValueError(
             f"unknown SWE requirement(s) {sorted(unknown)}; known: {REQUIREMENT_NAMES}"
         )
-    call = lambda text: parse_call(text)  # noqa: E731
+    fmt = env.tool_format
+    call = lambda text: parse_call(text, fmt)  # noqa: E731
     is_submit = lambda text: call(text).name == "submit"  # noqa: E731
 
     def files_applies(text: str) -> bool:
@@ -137,7 +149,8 @@ def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Require
     }
     return tuple(
         Requirement(
-            n, table[n][0], HINTS[n], weight, applies=table[n][1], conditional=n in CONDITIONAL
+            n, table[n][0], hint(n, fmt), weight, applies=table[n][1],
+            conditional=n in CONDITIONAL,
         )
         for n in REQUIREMENT_NAMES
         if n in names

@@ -1,17 +1,28 @@
 """The tool protocol of the SWE environment: parsing assistant turns, running file tools.
 
 An assistant turn may open with `<think>...</think>`, may carry free text (the final report
-on a submit turn), and calls one tool in the chat template's format (Qwen3):
+on a submit turn), and calls one tool in the model's tool-call format (`tg_jax.text.
+tool_formats`, the chat template's), e.g. Hermes JSON (Qwen3):
 
     <tool_call>
     {"name": "read_file", "arguments": {"path": "pkg/ops.py", "start": 1, "end": 20}}
     </tool_call>
 
+or Qwen3-Coder's XML (values typed by the tool schemas below):
+
+    <tool_call>
+    <function=read_file>
+    <parameter=path>
+    pkg/ops.py
+    </parameter>
+    </function>
+    </tool_call>
+
 The observation comes back as a "tool" message (the template wraps it in <tool_response>).
-Parsing is lenient so that the task skill never depends on the protocol requirement: a call
-without the "arguments" wrapper ({"name": "read_file", "path": ...}), "arguments" as a JSON
-string, or a legacy line `CALL read_file {"path": ...}` are understood; `strict` says whether
-the turn is exactly one `{"name", "arguments": {...}}` call (what the "tool_protocol"
+Parsing is lenient so that the task skill never depends on the protocol requirement: what the
+format understands beyond its canonical form (Hermes: a call without the "arguments" wrapper,
+"arguments" as a JSON string) and a legacy line `CALL read_file {"path": ...}` are understood;
+`strict` says whether the turn is exactly one canonical call (what the "tool_protocol"
 requirement asks). Anything unparsable is a malformed turn with an "error: ..." observation.
 
 Tools: list_files(), read_file(path, start=1, end=None), str_replace(path, old, new),
@@ -26,6 +37,7 @@ import re
 from typing import Any
 
 from tg_jax.envs.swe.task import check_path
+from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 TOOLS = (
     "list_files",
@@ -73,7 +85,6 @@ TOOL_SCHEMAS = (
     _schema("submit", "Submit; the message text is the final report."),
 )  # fmt: skip
 _THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.S)
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _LEGACY = re.compile(r"^[ \t]*CALL[ \t]+(\w+)[ \t]*(\{.*\})?[ \t]*$", re.M)
 
 
@@ -100,34 +111,28 @@ def _bad(error: str, text: str) -> ToolCall:
     return ToolCall(None, {}, error, False, text)
 
 
-def parse_call(turn: str) -> ToolCall:
-    """Parses one assistant turn (see the module docstring)."""
+SCHEMAS = {s["function"]["name"]: s for s in TOOL_SCHEMAS}
+
+
+def parse_call(turn: str, fmt: ToolFormat = HERMES) -> ToolCall:
+    """Parses one assistant turn (see the module docstring) whose calls are in format `fmt`."""
     body = turn
     m = _THINK.match(body)
     if m:
         body = body[m.end() :]
-    calls = _CALL.findall(body)
-    rest = _CALL.sub("", body)
+    blocks = fmt.blocks(body, SCHEMAS)
+    rest = fmt.strip(body)
     legacy = _LEGACY.findall(rest)
     text = _LEGACY.sub("", rest).strip()
-    if "<tool_call>" in rest:
-        return _bad("error: <tool_call> is not closed with </tool_call>", text)
-    if calls:
-        try:
-            obj = json.loads(calls[0])
-        except (ValueError, RecursionError):
-            return _bad('error: bad tool_call JSON; use {"name": ..., "arguments": {...}}', text)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return _bad('error: tool_call needs {"name": ..., "arguments": {...}}', text)
-        strict = len(calls) == 1 and not legacy and set(obj) == {"name", "arguments"}
-        args = obj.get("arguments", {k: v for k, v in obj.items() if k != "name"})
-        if isinstance(args, str):
-            try:
-                args, strict = json.loads(args), False
-            except (ValueError, RecursionError):
-                return _bad("error: tool_call arguments are not a JSON object", text)
-        strict = strict and isinstance(obj.get("arguments"), dict)
-        return _checked(obj["name"], args, strict, text)
+    example = fmt.example(arguments=True)
+    if blocks and blocks[-1].end is None:
+        return _bad(f"error: {fmt.open_tag} is not closed with {fmt.close_tag}", text)
+    if blocks:
+        call = blocks[0].call
+        if call is None:
+            return _bad(f"error: {blocks[0].error}; use {example}", text)
+        strict = len(blocks) == 1 and not legacy and call.canonical
+        return _checked(call.name, call.arguments, strict, text)
     if legacy:
         name, payload = legacy[-1]
         try:
@@ -135,11 +140,7 @@ def parse_call(turn: str) -> ToolCall:
         except (ValueError, RecursionError):
             return _bad("error: bad JSON arguments after CALL", text)
         return _checked(name, args, False, text)
-    return _bad(
-        'error: no tool call; call one tool as <tool_call>{"name": ..., "arguments": {...}}'
-        "</tool_call>",
-        text,
-    )
+    return _bad(f"error: no tool call; call one tool as {example}", text)
 
 
 def _checked(name: str, args: Any, strict: bool, text: str) -> ToolCall:
@@ -164,7 +165,8 @@ def _checked(name: str, args: Any, strict: bool, text: str) -> ToolCall:
 
 
 def format_call(name: str, args: dict[str, Any] | None = None, *, strict: bool = True) -> str:
-    """A tool call as the model writes it: strict <tool_call> JSON or a legacy CALL line."""
+    """A tool call as the scripted agents write it: strict Hermes <tool_call> JSON or a legacy
+    CALL line (models write their own format, which their chat template shows them)."""
     args = args or {}
     if strict:
         payload = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
