@@ -17,6 +17,7 @@ import pytest
 
 from tests.hf_checkpoints import chat_template, make_model_dir
 from tests.test_hf_run import DENSE, MOE
+from tests.test_swe_run import SWE_DENSE
 from tg_jax.models import hf_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +29,12 @@ def _main(config, work, ckpt, *extra):
            f"--config.model.hf_checkpoint={ckpt}", *extra]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _ok(proc):
+    """Exit 0; otherwise the error's start (an abort's reason comes first) and its end."""
+    err = proc.stderr
+    assert proc.returncode == 0, err if len(err) < 6000 else err[:3000] + "\n...\n" + err[-3000:]
 
 
 def _check_run(work, ckpt, template):
@@ -54,9 +61,8 @@ def _check_run(work, ckpt, template):
 @pytest.mark.parametrize("config", ["configs/hf_tg.py", "configs/hf_swe.py"])
 def test_hf_configs_from_checkpoints_in_other_chat_formats(tmp_path, config, template):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
-    make_model_dir(ckpt, DENSE, template=template)
-    proc = _main(f"{config}:runlocal", work, ckpt, *TWO_STEPS)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    make_model_dir(ckpt, SWE_DENSE if "swe" in config else DENSE, template=template)
+    _ok(_main(f"{config}:runlocal", work, ckpt, *TWO_STEPS))
     _check_run(work, ckpt, template)
 
 
@@ -68,9 +74,8 @@ def test_qwen3_coder_config_from_a_qwen3_coder_checkpoint(tmp_path):
     make_model_dir(ckpt, dataclasses.replace(MOE, max_seq_len=2048), template="qwen3_coder")
     renderer = hf_dir.open_model_dir(str(ckpt)).renderer
     assert renderer.tool_format.name == "qwen3_coder" and not renderer.has_thinking
-    proc = _main("configs/qwen3_coder_30b_a3b_tg.py:runlocal", work, ckpt, *TWO_STEPS,
-                 "--config.env.tools_in_prompt=True")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _ok(_main("configs/qwen3_coder_30b_a3b_tg.py:runlocal", work, ckpt, *TWO_STEPS,
+              "--config.env.tools_in_prompt=True"))  # fmt: skip
     _check_run(work, ckpt, "qwen3_coder")
 
 
