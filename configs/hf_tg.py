@@ -4,7 +4,8 @@
 
 DIR (a local directory or gs://...) is what transformers' `save_pretrained` writes, with the
 tokenizer (tokenizer.json) and its chat template, which renders every conversation and whose
-tool-call format (Hermes JSON, Qwen3-Coder XML, ...) the environment reads (tg_jax.models.hf_dir). The job:
+tool-call format (Hermes JSON, Qwen3-Coder XML, ...) the environment reads
+(tg_jax.models.hf_dir). The job:
 data -> RL arms (`pipeline.arms`: ("tg",) by default; "('grpo','tg')" to compare) from DIR's
 weights -> held-out evaluation -> report in W/report, and each run's final policy exported
 to W/export/<arm>_seed<s>/ (loadable by `AutoModelForCausalLM.from_pretrained`).

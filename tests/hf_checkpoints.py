@@ -101,7 +101,9 @@ def make_tokenizer(vocab_size: int = 400):
 TEMPLATES = {
     "qwen3": TEMPLATE_PATH,  # Qwen3's official template: Hermes JSON calls, thinking
     # Qwen3-Coder's public template: XML tool calls, no thinking.
-    "qwen3_coder": os.path.join(os.path.dirname(__file__), "data", "qwen3_coder_chat_template.jinja"),
+    "qwen3_coder": os.path.join(
+        os.path.dirname(__file__), "data", "qwen3_coder_chat_template.jinja"
+    ),
 }
 
 

@@ -21,7 +21,11 @@ from tests.test_swe_run import SWE_DENSE
 from tg_jax.models import hf_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TWO_STEPS = ("--config.rl_loop.steps=2", "--config.optim.total_steps=2", "--config.eval.num_tasks=2")
+TWO_STEPS = (
+    "--config.rl_loop.steps=2",
+    "--config.optim.total_steps=2",
+    "--config.eval.num_tasks=2",
+)
 
 
 def _main(config, work, ckpt, *extra):

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from tests.hf_checkpoints import chat_template
-from tg_jax.text import ChatRenderer, HFTokenizer, check_chat_template, hint_message
-from tg_jax.text import tool_formats
+from tg_jax.text import ChatRenderer, HFTokenizer, check_chat_template, hint_message, tool_formats
 from tg_jax.text.template import TemplateError
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -51,7 +50,9 @@ EPISODE = [
         "role": "assistant",
         "reasoning_content": "The bug is a minus sign.",
         "content": "I will rewrite the file.",
-        "tool_calls": [_call("write_file", path="ops.py", content="def add(a, b):\n    return a + b\n")],
+        "tool_calls": [
+            _call("write_file", path="ops.py", content="def add(a, b):\n    return a + b\n")
+        ],
     },
     {"role": "tool", "content": "overwrote ops.py"},
     hint_message("Run the tests before you submit."),
@@ -157,7 +158,7 @@ def test_the_rollout_pieces_are_the_template_s(fmt):
     name, renderer, ref = fmt
     tok = renderer.tokenizer
     ids = renderer.render_with_roles(EPISODE[:2], tools=TOOLS)[0]
-    for i, m in enumerate(EPISODE[2:], start=2):
+    for m in EPISODE[2:]:
         if m["role"] == "assistant":
             ids += renderer.assistant_header()
             sampled = tok.encode(renderer.turn_body(m)) + [renderer.end_of_turn_ids[0]]
@@ -177,7 +178,10 @@ def test_each_written_call_reads_back(fmt):
         for call in m.get("tool_calls", ()):
             text = renderer.turn_body({"role": "assistant", "content": "", "tool_calls": [call]})
             (got,) = renderer.tool_format.calls(text)
-            assert (got.name, got.arguments) == (call["function"]["name"], call["function"]["arguments"])
+            assert (got.name, got.arguments) == (
+                call["function"]["name"],
+                call["function"]["arguments"],
+            )
             assert got.canonical
 
 
@@ -188,8 +192,18 @@ def test_qwen3_coder_values_convert_by_schema():
         "<parameter=start>\n3\n</parameter>\n<parameter=flags>\n[1, 2]\n</parameter>\n"
         "</function>\n</tool_call>"
     )
-    schema = {"function": {"name": "read_file", "parameters": {"properties": {
-        "path": {"type": "string"}, "start": {"type": "integer"}, "flags": {"type": "array"}}}}}
+    schema = {
+        "function": {
+            "name": "read_file",
+            "parameters": {
+                "properties": {
+                    "path": {"type": "string"},
+                    "start": {"type": "integer"},
+                    "flags": {"type": "array"},
+                }
+            },
+        }
+    }
     (block,) = fmt.blocks(text, {"read_file": schema})
     assert block.call.arguments == {"path": "pkg/a.py", "start": 3, "flags": [1, 2]}
     assert fmt.calls(text)[0].arguments["start"] == "3"  # no schema: text
@@ -226,8 +240,13 @@ def test_registering_a_format():
 
     fmt = tool_formats.register(Bracket())
     assert tool_formats.get("bracket_test") is fmt
-    assert tool_formats.detect("<tool_call>probe_tool x = 1</tool_call>",
-                               [tool_formats.Call("probe_tool", {"arg": "x = 1"})]) is fmt
+    assert (
+        tool_formats.detect(
+            "<tool_call>probe_tool x = 1</tool_call>",
+            [tool_formats.Call("probe_tool", {"arg": "x = 1"})],
+        )
+        is fmt
+    )
     with pytest.raises(ValueError, match="already registered"):
         tool_formats.register(Bracket())
     with pytest.raises(ValueError, match="unknown tool format 'nope'.*hermes"):

@@ -334,7 +334,8 @@ def test_a_rollout_in_qwen3_coder_s_format():
 
     coder = ChatRenderer(ByteTokenizer(), chat_template("qwen3_coder"))
     assert coder.tool_format is QWEN3_CODER
-    xml_run = "```python\ndef f(x): return x\n```\n<tool_call>\n<function=run_tests>\n</function>\n</tool_call>"
+    xml_run = "```python\ndef f(x): return x\n```\n"
+    xml_run += "<tool_call>\n<function=run_tests>\n</function>\n</tool_call>"
     json_run = RUN.split("</think>\n")[1]  # Hermes JSON: not this model's format
     sampler = ScriptedSampler(lambda text, turn: [xml_run, json_run, SUBMIT][turn])
     env = lambda: CodingEnv(CodingEnvConfig(max_turns=3, tools_in_prompt=True), QWEN3_CODER)  # noqa: E731

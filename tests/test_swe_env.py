@@ -451,7 +451,10 @@ def test_parse_call_in_qwen3_coder_s_format():
     )
     call = parse_call(xml, QWEN3_CODER)
     assert (call.name, call.args, call.strict, call.text) == (
-        "read_file", {"path": "pkg/ops.py", "start": 2}, True, "Reading it."
+        "read_file",
+        {"path": "pkg/ops.py", "start": 2},
+        True,
+        "Reading it.",
     )  # start is an integer: the tool's schema types it
     assert not parse_call(xml + "\n" + xml, QWEN3_CODER).strict  # two calls
     bad = parse_call(xml.replace("<parameter=start>\n2", "<parameter=start>\ntwo"), QWEN3_CODER)

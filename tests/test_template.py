@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, check_chat_template
-from tg_jax.text import hint_message
+from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, check_chat_template, hint_message
 from tg_jax.text.byte_hf import byte_level_alphabet, write_byte_tokenizer
 from tg_jax.text.template import TemplateError, qwen3_chat_template, render_template
 

@@ -30,9 +30,9 @@ from tg_jax.envs.base import (
     StepResult,
 )
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, make_requirement, parse_turn
-from tg_jax.text.tool_formats import HERMES, ToolFormat
 from tg_jax.envs.sandbox import BACKENDS, run_python
 from tg_jax.envs.tasks import Task
+from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 # CPython 3.11 keeps the AST constructor's recursion depth in per-interpreter state, so two
 # threads building ASTs at once (the rollout's environment steps run in a thread pool, beside
@@ -192,8 +192,8 @@ def format_test_result(outcome: ExecOutcome, pairs: Sequence[tuple[int, int]]) -
 
 def _tool(name: str, description: str) -> dict[str, Any]:
     params = {"type": "object", "properties": {}, "required": []}
-    return {"type": "function",
-            "function": {"name": name, "description": description, "parameters": params}}  # fmt: skip
+    fn = {"name": name, "description": description, "parameters": params}
+    return {"type": "function", "function": fn}
 
 
 # The tools as JSON schemas (the code goes in the turn's ```python block, not in an argument).
@@ -260,8 +260,7 @@ class CodingEnv(Environment):
         self.tool_format = tool_format
         self.tool_schemas = TOOL_SCHEMAS if config.tools_in_prompt else None
         self.requirements = tuple(
-            make_requirement(n, config.requirement_weight, tool_format)
-            for n in config.requirements
+            make_requirement(n, config.requirement_weight, tool_format) for n in config.requirements
         )
         self._execute: Callable[[str, Sequence[int]], ExecOutcome]
         if config.executor == "trusted":

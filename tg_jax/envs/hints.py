@@ -35,8 +35,6 @@ WRONG_HINTS: dict[str, tuple[str, ...]] = {
 }
 
 
-
-
 def correct_hint(name: str, fmt: ToolFormat = HERMES) -> str:
     """The correct hint of requirement `name` for a model whose tool-call format is `fmt`
     (`CORRECT_HINTS` holds the Hermes ones)."""

@@ -147,8 +147,12 @@ def open_model_dir(
       tool_format: a registered tool-call format; "" detects it from the template.
       check_template: replay the rollout shapes through the template (`check_chat_template`).
     """
-    from tg_jax.text import ChatRenderer, HFTokenizer, TemplateError  # noqa: PLC0415
-    from tg_jax.text import check_chat_template  # noqa: PLC0415 (text imports models)
+    from tg_jax.text import (  # noqa: PLC0415
+        ChatRenderer,
+        HFTokenizer,
+        TemplateError,
+        check_chat_template,  # noqa: PLC0415 (text imports models)
+    )
 
     local = stage_locally(str(path))
     if not os.path.isdir(local):

@@ -48,8 +48,12 @@ from typing import Any, NamedTuple, TypedDict
 import numpy as np
 
 from tg_jax.text import tool_formats
-from tg_jax.text.template import TemplateError, qwen3_chat_template, render_template
-from tg_jax.text.template import template_variables
+from tg_jax.text.template import (
+    TemplateError,
+    qwen3_chat_template,
+    render_template,
+    template_variables,
+)
 from tg_jax.text.tokenizer import IdsLike, Tokenizer
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -113,7 +117,11 @@ def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
 
 def _call_message(call: tool_formats.Call) -> dict[str, Any]:
     fn = {"name": call.name, "arguments": call.arguments}
-    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": fn}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": fn}],
+    }
 
 
 class ChatRenderer:

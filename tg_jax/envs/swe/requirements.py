@@ -149,7 +149,11 @@ def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Require
     }
     return tuple(
         Requirement(
-            n, table[n][0], hint(n, fmt), weight, applies=table[n][1],
+            n,
+            table[n][0],
+            hint(n, fmt),
+            weight,
+            applies=table[n][1],
             conditional=n in CONDITIONAL,
         )
         for n in REQUIREMENT_NAMES
