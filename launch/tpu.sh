@@ -4,6 +4,14 @@
 #   bash launch/tpu.sh --name=tg-30b --zone=us-east5-a --project=my-project \
 #       --topology=v5p:2x4x4 --config=configs/qwen3_coder_30b_a3b_tg.py \
 #       --workdir=gs://my-bucket/runs/tg-30b --spot --queued [--dry-run] [-- --config.a=b]
+# A local pod (the same worker command as P local processes of D CPU devices; the project's
+# venv from `bash launch/local.sh` runs the workers):
+#   bash launch/tpu.sh --local --processes=2 --devices-per-process=4 \
+#       --config=configs/qwen3_coder_30b_a3b_tg.py:runlocal --workdir=W --hf-checkpoint=DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 -m tg_jax.tpu.launch "$@"
+PY=python3
+if [[ " $* " == *" --local "* && -x .venv/bin/python ]]; then
+  PY=.venv/bin/python
+fi
+exec "$PY" -m tg_jax.tpu.launch "$@"

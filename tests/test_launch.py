@@ -1,5 +1,6 @@
 """The TPU launcher: dry-run commands, accelerator types, the preemption/resume loop."""
 
+import os
 import shlex
 
 import pytest
@@ -113,3 +114,45 @@ def test_distributed_env():
         "coordinator_address": "10.0.0.2:1234", "num_processes": 4, "process_id": 3,
     }  # fmt: skip
     assert not distributed.initialize_from_env({})  # no flag: nothing happens
+
+
+def test_local_pod_arguments_need_no_cloud():
+    job, args = launch.parse_args(
+        ["--local", "--processes=3", "--devices-per-process=2", "--config=configs/tiny.py",
+         "--workdir=/tmp/w", "--", "--config.rl_loop.steps=2"]
+    )  # fmt: skip
+    assert args.local and (args.processes, args.devices_per_process) == (3, 2)
+    assert launch.worker_args(job, "/c") == [
+        "--config=configs/tiny.py", "--workdir=/tmp/w", "--config.rl_loop.steps=2",
+        "--config.model.hf_checkpoint=/c",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):  # a pod launch still needs its zone and topology
+        launch.parse_args(["--config=configs/tiny.py", "--workdir=gs://b/w"])
+
+
+def test_local_pod_runs_the_worker_command_on_two_processes(tmp_path):
+    """`launch/tpu.sh --local`: 2 workers x 4 CPU devices join one JAX runtime of 8 devices,
+    each from its own staged copy of the checkpoint (the forward stage: one sharded pass)."""
+    import subprocess
+
+    from tests.hf_checkpoints import make_model_dir
+    from tests.test_hf_run import DENSE
+
+    ckpt = tmp_path / "ckpt"
+    make_model_dir(ckpt, DENSE)
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        ["bash", "launch/tpu.sh", "--local", "--processes=2", "--devices-per-process=4",
+         "--config=configs/hf_tg.py:runlocal", f"--workdir={tmp_path / 'w'}",
+         f"--hf-checkpoint={ckpt}", "--", "--config.stage=forward"],
+        cwd=os.path.join(os.path.dirname(__file__), ".."), env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ok = [ln for ln in proc.stdout.splitlines() if ln.startswith("forward ok")]
+    assert len(ok) == 2 and all("'fsdp': 8" in ln for ln in ok), proc.stdout[-2000:]
+    assert "process 1/2: 4 local of 8 devices" in proc.stdout
+    staged = tmp_path / "home" / ".cache" / "tg_jax" / "local_pod" / "local"
+    for i in (0, 1):
+        assert (staged / f"worker{i}" / "hf_checkpoint" / "model.safetensors").exists()

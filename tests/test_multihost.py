@@ -267,3 +267,42 @@ def test_process_gather_merges_the_groups_in_process_order(monkeypatch):
     assert (merged.seconds, merged.staleness) == (2.0, 1)
     monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, None])
     assert gather.get(1) is None  # one process ran out of tasks: all stop
+
+
+_PRIMARY_FIRST = """
+import os, sys, time
+from tg_jax.tpu import distributed
+distributed.initialize_from_env()
+import jax
+from tg_jax import multihost
+path = sys.argv[1]
+def write_or_read():
+    if not os.path.exists(path):
+        time.sleep(0.5 * (jax.process_index() == 0))  # the others would overtake a late writer
+        with open(path, "a") as f:
+            f.write(f"{jax.process_index()}\\n")
+    return open(path).read()
+print("read", multihost.primary_first("test", write_or_read).strip())
+print("agreed", multihost.agreed(jax.process_index() + 10))
+"""
+
+
+def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
+    """Two processes: the shared file is written by process 0 alone and read by both; agreed()
+    gives process 0's value everywhere."""
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {**os.environ, "TG_JAX_DISTRIBUTED": "1", "TG_JAX_NUM_PROCESSES": "2",
+               "TG_JAX_COORDINATOR": f"localhost:{port}", "TG_JAX_PROCESS_ID": str(i),
+               "JAX_PLATFORMS": "cpu"}  # fmt: skip
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _PRIMARY_FIRST, str(tmp_path / "shared.txt")], env=env,
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert "read 0" in out and "agreed 10" in out, out
+    assert (tmp_path / "shared.txt").read_text() == "0\n"

@@ -11,7 +11,10 @@ therefore differ from a single process:
   fails): `local_replica` all-gathers it over the global mesh (a collective: every process
   calls it, in the same order) and re-wraps this host's full copies as an array on a
   process-local mesh, which local computations (the sampler) use and `device_get` can fetch;
-* Python objects (rollout trajectories) travel with `allgather_objects`, in process order.
+* Python objects (rollout trajectories) travel with `allgather_objects`, in process order;
+* a file every process needs is written once: `primary_first(name, fn)` runs `fn` (which
+  writes the file or reuses it) on process 0, waits for it (`barrier`), then runs it on the
+  others, which find the file and read it.
 
 With one process every function here is the identity (or a plain device_put), so single-host
 code paths run unchanged.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,6 +42,30 @@ def process_count() -> int:
 def is_primary() -> bool:
     """True on the process that writes metrics, summaries, reports and exports (process 0)."""
     return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have reached it (no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        multihost_utils.sync_global_devices(name)
+
+
+def agreed(value: Any) -> Any:
+    """Process 0's `value`, on every process (e.g. whether a shared file exists: decided once,
+    before any process writes it, so that all take the same branch of a collective)."""
+    return allgather_objects(value)[0] if jax.process_count() > 1 else value
+
+
+def primary_first(name: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` on process 0, then, after a barrier, on the others: `fn` writes a shared file
+    or reuses it, so process 0 writes it once and the others read what it wrote."""
+    if jax.process_count() == 1:
+        return fn()
+    out = fn() if is_primary() else None
+    barrier(f"{name}: written by process 0")
+    return out if is_primary() else fn()
 
 
 def process_slice(n: int, index: int | None = None, count: int | None = None) -> slice:

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tg_jax import paths
+from tg_jax import multihost, paths
 from tg_jax.envs import env_factory
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
@@ -163,13 +163,14 @@ def evaluate_run(
     other names (`records_file`, `summary_file`).
     """
     path = paths.as_path(workdir) / records_file
-    if path.exists():
+    if multihost.agreed(path.exists()):  # every process evaluates, or none (collectives)
         return load_records(path)
     start = time.perf_counter()
     records = evaluate_heldout(config, params, tasks, **kwargs)
     wall_s = time.perf_counter() - start
-    path.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"wall_s": wall_s, "episodes": len(records)}
-    paths.write_json_atomic(path.parent / summary_file, summary)
-    save_records(path, records)
+    if multihost.is_primary():  # every process played the same episodes; one writes them
+        path.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"wall_s": wall_s, "episodes": len(records)}
+        paths.write_json_atomic(path.parent / summary_file, summary)
+        save_records(path, records)
     return records

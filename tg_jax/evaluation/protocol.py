@@ -31,10 +31,18 @@ class PreregistrationMismatch(ValueError):
 
 
 def preregistration(config: Any, arms_configs: Mapping[str, Any]) -> dict[str, Any]:
-    """The pre-registration record of `config` (JSON-ready)."""
+    """The pre-registration record of `config` (JSON-ready). A checkpoint directory is
+    recorded by its contents (`hf_dir.fingerprint`), not by where it lies: every worker of a
+    pod reads its own copy, and a moved checkpoint is the same model."""
     ev = config.eval
     record = {k: ev.get(k) for k in EVAL_FIELDS}
     record["arms"] = {arm: _plain(cfg.to_dict()) for arm, cfg in arms_configs.items()}
+    for arm in record["arms"].values():
+        model = arm.get("model") or {}
+        if model.get("hf_checkpoint"):
+            from tg_jax.models import hf_dir  # noqa: PLC0415
+
+            model["hf_checkpoint"] = hf_dir.fingerprint(model["hf_checkpoint"])
     return json.loads(json.dumps(_plain(record)))
 
 

@@ -200,6 +200,27 @@ def open_model_dir(
     return ModelDir(str(path), local, hf, arch, tokenizer, renderer, template, stop_ids)
 
 
+def fingerprint(path: str) -> str:
+    """ "sha256:..." of a checkpoint directory's contents: its small files (config, tokenizer,
+    template, index) whole, each weight file by name, size and safetensors header (tensor
+    names, dtypes, shapes, offsets). The same model wherever its copy lies."""
+    local = stage_locally(str(path))
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(local)):
+        p = os.path.join(local, name)
+        if not os.path.isfile(p) or name.startswith("."):
+            continue
+        h.update(name.encode() + b"\0")
+        with open(p, "rb") as f:
+            if name.endswith(".safetensors"):
+                head = f.read(8)
+                header = f.read(int.from_bytes(head, "little")) if len(head) == 8 else b""
+                h.update(str(os.path.getsize(p)).encode() + head + header)
+            else:
+                h.update(f.read())
+    return "sha256:" + h.hexdigest()
+
+
 def resolve_model_section(model: Any, md: ModelDir) -> dict[str, Any]:
     """config.model's fields with the architecture of `md` filled in, as a plain dict.
 

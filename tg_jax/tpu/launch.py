@@ -22,6 +22,13 @@ commands of a first start without running anything):
    code reinstalled, and the job rerun; the trainer resumes from the latest checkpoint in the
    workdir. A healthy slice just reruns the job. After `--max-restarts` reruns it gives up.
 
+A local pod (`--local --processes=P --devices-per-process=D`) rehearses a pod run on one
+machine: the same per-worker command and environment (`worker_args`, TG_JAX_DISTRIBUTED=1) as P
+local processes joined by `jax.distributed` on localhost, each with D CPU devices
+(JAX_PLATFORMS=cpu, collectives over gloo) and its own copy of the checkpoint, staged as the
+pod's set-up stages it. A SIGTERM (or Ctrl-C) to the launcher reaches every worker; the exit
+status is the first failing worker's (0 when all finish). Rerunning the command resumes.
+
 Only the Python standard library is used here, so the launcher runs from any machine with
 gcloud, without JAX installed.
 """
@@ -34,6 +41,9 @@ import math
 import os
 import re
 import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -144,16 +154,102 @@ def install_commands(job: Job) -> list[list[str]]:
     return cmds
 
 
-def run_command(job: Job) -> list[str]:
-    """The job on all workers at once; each joins the others through tg_jax.tpu.distributed."""
+def worker_args(job: Job, checkpoint: str | None) -> list[str]:
+    """The arguments of `python -m tg_jax.main` on every worker (pod or local pod);
+    `checkpoint` is the worker's copy of the Hugging Face checkpoint."""
     args = [f"--config={job.config}", f"--workdir={job.workdir}", *job.extra_args]
     # The checkpoint copied to every worker by the set-up is the run's model.
-    ckpt = ' --config.model.hf_checkpoint="$HOME/hf_checkpoint"' if job.hf_checkpoint else ""
+    return args + ([f"--config.model.hf_checkpoint={checkpoint}"] if checkpoint else [])
+
+
+def run_command(job: Job) -> list[str]:
+    """The job on all workers at once; each joins the others through tg_jax.tpu.distributed."""
+    args = shlex.join(worker_args(job, None))
+    if job.hf_checkpoint:  # the copy the set-up made on each worker
+        args += ' --config.model.hf_checkpoint="$HOME/hf_checkpoint"'
     remote = (
         f"set -o pipefail; cd {REMOTE_DIR} && TG_JAX_DISTRIBUTED=1 "
-        f".venv/bin/python -m tg_jax.main {shlex.join(args)}{ckpt} 2>&1 | tee -a ~/tg_jax_run.log"
+        f".venv/bin/python -m tg_jax.main {args} 2>&1 | tee -a ~/tg_jax_run.log"
     )
     return ssh_command(job, remote)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _stage_checkpoint(src: str, dst: str) -> None:
+    """A worker's copy of the checkpoint, as the pod set-up copies it (`gcloud storage cp -r`);
+    gs:// sources go through tg_jax's own staging (etils), local ones are copied."""
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return  # staged by an earlier run of this local pod
+    if "://" in src:
+        from tg_jax.models.hf_dir import stage_locally  # noqa: PLC0415 (needs tg_jax)
+
+        src = stage_locally(src)
+    tmp = dst + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    os.replace(tmp, dst)
+
+
+def local_pod(
+    job: Job, processes: int, devices_per_process: int, *, stage_dir: str | None = None
+) -> int:
+    """Runs the job as `processes` local workers of `devices_per_process` CPU devices each
+    (see the module docstring); returns the exit status."""
+    if processes < 1 or devices_per_process < 1:
+        raise ValueError("--processes and --devices-per-process must be >= 1")
+    port = _free_port()
+    root = stage_dir or os.path.join(
+        os.path.expanduser("~"), ".cache", "tg_jax", "local_pod", job.name
+    )
+    workers = []
+    for i in range(processes):
+        ckpt = None
+        if job.hf_checkpoint:
+            ckpt = os.path.join(root, f"worker{i}", "hf_checkpoint")
+            os.makedirs(os.path.dirname(ckpt), exist_ok=True)
+            _stage_checkpoint(job.hf_checkpoint, ckpt)
+        env = {
+            **os.environ,
+            "TG_JAX_DISTRIBUTED": "1",
+            "TG_JAX_COORDINATOR": f"localhost:{port}",
+            "TG_JAX_NUM_PROCESSES": str(processes),
+            "TG_JAX_PROCESS_ID": str(i),
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": " ".join(
+                [os.environ.get("XLA_FLAGS", ""),
+                 f"--xla_force_host_platform_device_count={devices_per_process}"]
+            ).strip(),
+        }  # fmt: skip
+        cmd = [sys.executable, "-m", "tg_jax.main", *worker_args(job, ckpt)]
+        print(f"[local pod] worker {i}: {shlex.join(cmd)}", flush=True)
+        workers.append(subprocess.Popen(cmd, env=env))
+
+    def forward(signum, frame):
+        del frame
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        codes = []
+        for w in workers:
+            codes.append(w.wait())
+            if codes[-1] != 0:  # one worker failed: the others cannot go on alone
+                forward(signal.SIGTERM, None)
+        codes += [w.wait() for w in workers[len(codes) :]]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    failed = [(i, c) for i, c in enumerate(codes) if c != 0]
+    for i, c in failed:
+        print(f"[local pod] worker {i} exited with {c}", flush=True)
+    return failed[0][1] if failed else 0
 
 
 Runner = Callable[[list[str]], tuple[int, str]]
@@ -226,10 +322,13 @@ def launch(
 
 def parse_args(argv: Sequence[str]) -> tuple[Job, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--name", required=True, help="TPU VM / queued resource name")
-    p.add_argument("--zone", required=True)
+    p.add_argument("--local", action="store_true", help="a local pod: workers as processes here")
+    p.add_argument("--processes", type=int, default=2, help="--local: worker processes")
+    p.add_argument("--devices-per-process", type=int, default=4, help="--local: CPU devices")
+    p.add_argument("--name", default="local", help="TPU VM / queued resource name")
+    p.add_argument("--zone", default="")
     p.add_argument("--project", default="")
-    p.add_argument("--topology", required=True, help="e.g. v5p:2x4x4, v5e:4x4")
+    p.add_argument("--topology", default="", help="e.g. v5p:2x4x4, v5e:4x4")
     p.add_argument("--runtime-version", default="", help="default: by TPU kind")
     p.add_argument("--config", required=True, help="configs/NAME.py (path inside the repo)")
     p.add_argument("--workdir", required=True, help="gs://bucket/path (outlives the VMs)")
@@ -242,9 +341,12 @@ def parse_args(argv: Sequence[str]) -> tuple[Job, argparse.Namespace]:
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("extra", nargs="*", help="after --: flags for tg_jax.main (--config.a=b)")
     args = p.parse_args(argv)
-    if not args.workdir.startswith("gs://") and not args.allow_local_workdir:
-        p.error("--workdir must be on GCS (gs://...): worker disks vanish on preemption")
-    accelerator_type(args.topology)  # validates
+    if not args.local:
+        if not args.zone or not args.topology:
+            p.error("--zone and --topology are required (or --local for a local pod)")
+        if not args.workdir.startswith("gs://") and not args.allow_local_workdir:
+            p.error("--workdir must be on GCS (gs://...): worker disks vanish on preemption")
+        accelerator_type(args.topology)  # validates
     job = Job(
         name=args.name, zone=args.zone, project=args.project, topology=args.topology,
         runtime_version=args.runtime_version, config=args.config, workdir=args.workdir,
@@ -256,6 +358,8 @@ def parse_args(argv: Sequence[str]) -> tuple[Job, argparse.Namespace]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     job, args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.local:
+        return local_pod(job, args.processes, args.devices_per_process)
     if args.dry_run:
         dry_run_runner.describes = 0
         print(f"# dry run: {job.name} ({accelerator_type(job.topology)}), first start")

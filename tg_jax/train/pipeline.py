@@ -45,7 +45,7 @@ import sys
 import tempfile
 from typing import Any
 
-from tg_jax import checkpointing, config_lib, paths, sharding
+from tg_jax import checkpointing, config_lib, multihost, paths, sharding
 from tg_jax.evaluation import heldout, protocol, stability
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates, tuning
@@ -294,7 +294,7 @@ def base_config(config: Any, sft_dir: str) -> Any:
 def _export(cfg: Any, workdir: str, run_name: str, params: Any, md: Any) -> None:
     """The run's final policy as a checkpoint directory `workdir/export/<run>` (once)."""
     out = paths.as_path(workdir) / EXPORT_DIR / run_name
-    if not (out / hf_dir.CONFIG_FILE).exists():
+    if not multihost.agreed((out / hf_dir.CONFIG_FILE).exists()):
         hf_dir.export_model_dir(str(out), params, ModelConfig.from_config(cfg.model), md)
 
 
@@ -354,13 +354,15 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
             f"{list(config.pipeline.arms)}: the report compares every arm with it; add it to the "
             "arms or set eval.baseline to one of them"
         )
-    sources = run_data(config, workdir)
+    sources = multihost.primary_first("data", lambda: run_data(config, workdir))
     md, base_result, attempts = base_model_dir(config, workdir, sources)
     if attempts:  # the embedded model: its vocabulary is its tokenizer's (sft.tokenizer)
         config = base_config(config, attempts[-1]["workdir"])
     config = hf_dir.resolve_config(config, md)
     arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
-    protocol.preregister(config, workdir, arms_cfgs)  # before the first RL step (trials too)
+    multihost.primary_first(  # before the first RL step (trials too)
+        "preregistration", lambda: protocol.preregister(config, workdir, arms_cfgs)
+    )
     base_params = _load_base_params(config, md)
     tuned = None
     if tuning.enabled(config):  # the same learning-rate trials for every arm
@@ -381,6 +383,8 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
                              for c in arms_cfgs.values()}) <= 1,
         "tuning": tuned,
     }  # fmt: skip
+    if not multihost.is_primary():  # process 0 writes the report; the others are done
+        return {}
     walls = [sft.read_sft_wall_s(sft_attempt(config, workdir, a["attempt"])[1]) for a in attempts]
     res = report.write_report(
         os.path.join(workdir, REPORT_DIR),
