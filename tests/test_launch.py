@@ -1,5 +1,6 @@
 """The TPU launcher: dry-run commands, accelerator types, the preemption/resume loop."""
 
+import json
 import os
 import shlex
 
@@ -130,9 +131,7 @@ def test_local_pod_arguments_need_no_cloud():
         launch.parse_args(["--config=configs/tiny.py", "--workdir=gs://b/w"])
 
 
-def test_local_pod_runs_the_worker_command_on_two_processes(tmp_path):
-    """`launch/tpu.sh --local`: 2 workers x 4 CPU devices join one JAX runtime of 8 devices,
-    each from its own staged copy of the checkpoint (the forward stage: one sharded pass)."""
+def _local_pod(tmp_path, *extra):
     import subprocess
 
     from tests.hf_checkpoints import make_model_dir
@@ -145,14 +144,39 @@ def test_local_pod_runs_the_worker_command_on_two_processes(tmp_path):
     proc = subprocess.run(
         ["bash", "launch/tpu.sh", "--local", "--processes=2", "--devices-per-process=4",
          "--config=configs/hf_tg.py:runlocal", f"--workdir={tmp_path / 'w'}",
-         f"--hf-checkpoint={ckpt}", "--", "--config.stage=forward"],
+         f"--hf-checkpoint={ckpt}", "--", *extra],
         cwd=os.path.join(os.path.dirname(__file__), ".."), env=env, capture_output=True,
-        text=True, timeout=600,
+        text=True, timeout=1400,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    ok = [ln for ln in proc.stdout.splitlines() if ln.startswith("forward ok")]
-    assert len(ok) == 2 and all("'fsdp': 8" in ln for ln in ok), proc.stdout[-2000:]
     assert "process 1/2: 4 local of 8 devices" in proc.stdout
     staged = tmp_path / "home" / ".cache" / "tg_jax" / "local_pod" / "local"
     for i in (0, 1):
         assert (staged / f"worker{i}" / "hf_checkpoint" / "model.safetensors").exists()
+    return proc
+
+
+def test_local_pod_runs_the_worker_command_on_two_processes(tmp_path):
+    """`launch/tpu.sh --local`: 2 workers x 4 CPU devices join one JAX runtime of 8 devices,
+    each from its own staged copy of the checkpoint (the forward stage: one sharded pass)."""
+    proc = _local_pod(tmp_path, "--config.stage=forward")
+    ok = [ln for ln in proc.stdout.splitlines() if ln.startswith("forward ok")]
+    assert len(ok) == 2 and all("'fsdp': 8" in ln for ln in ok), proc.stdout[-2000:]
+
+
+@pytest.mark.timeout(1500)
+def test_local_pod_runs_the_main_job(tmp_path):
+    """The whole job on a local pod of 2 x 4 (about 5 minutes alone on 2 cores): data and the
+    pre-registration written once, 2 RL steps, the held-out evaluation, one report, one
+    export. Synchronous sampling: with
+    the sampling thread, the second weight publish waits forever (#37)."""
+    proc = _local_pod(
+        tmp_path, "--config.rl_loop.steps=2", "--config.optim.total_steps=2",
+        "--config.rl_loop.async_sampling=False", "--config.eval.num_tasks=4",
+    )  # fmt: skip
+    work = tmp_path / "w"
+    assert proc.stdout.count("report: ") == 1 and proc.stdout.count("held-out (plain") == 1
+    assert (work / "report" / "report.md").exists()
+    assert (work / "export" / "tg_seed0" / "model.safetensors").exists()
+    summary = json.loads((work / "runs" / "tg_seed0" / "rl_summary.json").read_text())
+    assert summary["step"] == 2 and summary["finished"]

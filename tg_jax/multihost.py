@@ -49,7 +49,8 @@ def barrier(name: str) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils  # noqa: PLC0415
 
-        multihost_utils.sync_global_devices(name)
+        with tracing.TRACE_LOCK:  # a collective: one multi-device computation at a time
+            multihost_utils.sync_global_devices(name)
 
 
 def agreed(value: Any) -> Any:
@@ -92,12 +93,13 @@ def allgather_objects(obj: Any) -> list[Any]:
     from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-process only)
 
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
-    sizes = sizes.reshape(-1)
-    # Power-of-two buffers: the gather compiles once per size bucket, not once per call.
-    buf = np.zeros(1 << max(12, (int(sizes.max()) - 1).bit_length()), np.uint8)
-    buf[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(buf))
+    with tracing.TRACE_LOCK:  # collectives: one multi-device computation at a time
+        sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+        sizes = sizes.reshape(-1)
+        # Power-of-two buffers: the gather compiles once per size bucket, not once per call.
+        buf = np.zeros(1 << max(12, (int(sizes.max()) - 1).bit_length()), np.uint8)
+        buf[: data.size] = data
+        rows = np.asarray(multihost_utils.process_allgather(buf))
     return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(len(sizes))]
 
 

@@ -17,8 +17,17 @@ half built. The rule that makes the class of bug impossible:
   * module classes are built once, at first use, under `build_lock` (`models.qwen3`'s scanned
     layer stack), never per call;
   * the lock is re-entrant (a jitted function that calls another while tracing takes it
-    again), and code that holds it never waits on another thread (no queue, no join, no
-    `block_until_ready` inside a locked call), so it cannot deadlock.
+    again), and code that holds it never waits on another thread (no queue, no join), so it
+    cannot deadlock;
+  * on CPU with several devices, a call also waits under the lock until its computation has
+    run (`serial_execution`): XLA:CPU starts each device's part of a computation when that
+    device's inputs are ready, not in dispatch order, so the trainer's step and the sampling
+    thread's call, both with collectives over the same devices, could start in different
+    orders on different devices and wait for each other forever (in one process XLA aborts
+    after its rendezvous timeout; across processes, gloo waits for good). One multi-device
+    computation runs at a time there; a computation only waits on devices (and, across
+    processes, on the same call in the other processes' trainer threads), never on a thread
+    that wants the lock. TPUs and GPUs order each device's work by launch: nothing waits.
 
 docs/design.md (section "Threads") lists every object the threads share and how it is kept.
 """
@@ -33,6 +42,15 @@ from typing import Any
 import jax
 
 TRACE_LOCK = threading.RLock()
+_serial: bool | None = None
+
+
+def serial_execution() -> bool:
+    """Whether a call waits for its computation under the lock (CPU, several devices)."""
+    global _serial
+    if _serial is None:
+        _serial = jax.default_backend() == "cpu" and jax.device_count() > 1
+    return _serial
 
 
 class Jitted:
@@ -45,7 +63,10 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with TRACE_LOCK:
-            return self._jitted(*args, **kwargs)
+            out = self._jitted(*args, **kwargs)
+            if serial_execution():  # see the module docstring
+                jax.block_until_ready(out)
+            return out
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         with TRACE_LOCK:

@@ -67,6 +67,7 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
         # CPU processes have no collectives of their own; gloo runs them over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**initialize_kwargs(environ))
+    _barriers_off_the_devices()
     _initialized = True
     print(
         f"[tg_jax] process {jax.process_index()}/{jax.process_count()}: "
@@ -74,6 +75,16 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
         flush=True,
     )
     return True
+
+
+def _barriers_off_the_devices() -> None:
+    """Orbax's barriers through the distributed client's key-value store, not a device
+    collective: its async checkpoint thread would otherwise start a multi-device computation
+    outside `tg_jax.tracing`'s lock, beside the trainer's and the sampler's."""
+    from absl import flags  # noqa: PLC0415
+    from orbax.checkpoint._src.multihost import multihost as ocp_multihost  # noqa: PLC0415
+
+    flags.FLAGS[ocp_multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name].value = True
 
 
 def is_primary() -> bool:

@@ -94,7 +94,7 @@ class BatchRollout:
         self.sampling_key = sampling_key
         self.seed = seed
         self.rates = rates
-        self.tool_format = renderer.tool_format or tool_formats.HERMES
+        self.tool_format = getattr(renderer, "tool_format", None) or tool_formats.HERMES
 
     def __call__(
         self, params: Any, index: int, tasks: Sequence[Any], version: int
