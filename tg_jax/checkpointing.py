@@ -198,6 +198,11 @@ class TrainingCheckpointer:
         if not paths.as_path(self.directory).exists():
             kept = "the checkpoint directory no longer exists (removed during the run?)"
         else:
+            if step is not None:  # the save before this one may still be in flight: let it land
+                try:
+                    self._manager.wait_until_finished()
+                except Exception:  # noqa: BLE001 (its own failure is reported by what is on disk)
+                    pass
             self._manager.reload()  # the steps on disk now, not those the manager last saw
             kept = f"Earlier checkpoints are untouched; latest complete step: {self.latest_step()}"
         return CheckpointError(
