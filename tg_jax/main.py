@@ -221,7 +221,7 @@ def main(argv):
     from tg_jax.train.sft_gates import BaseModelGateError
 
     if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":
-        _check_model_dir(config, ModelDirError)
+        _check_model_dir(config)
     identity = paths.dir_identity(workdir)
     _quiet_threads_once_removed(workdir, identity)
     try:
@@ -250,7 +250,7 @@ def main(argv):
         sys.exit(RUN_ERROR)
 
 
-def _check_model_dir(config, error_type) -> None:
+def _check_model_dir(config) -> None:
     """The checkpoint directory opens (its chat template serves a rollout), and the config asks
     nothing of the model it lacks: distilling thinking needs a template with thinking."""
     from tg_jax.models import hf_dir
@@ -260,7 +260,7 @@ def _check_model_dir(config, error_type) -> None:
         md = hf_dir.open_model_dir(
             config.model.hf_checkpoint, tool_format=config.model.get("tool_format", "")
         )
-    except error_type as e:
+    except hf_dir.ModelDirError as e:
         _fail(str(e))
     if md.renderer.has_thinking:
         return

@@ -91,6 +91,12 @@ class ToolFormat(abc.ABC):
           ValueError: the payload is not a call in this format; the message says why.
         """
 
+    def function_name(self, payload: str) -> str | None:
+        """The called tool's name, read before parsing, for formats whose values need its schema
+        (`parse_payload`'s `schema`); None: the format carries its own types."""
+        del payload
+        return None
+
     @abc.abstractmethod
     def example(self, name: str = "...", *, arguments: bool = False) -> str:
         """A short call of tool `name` in this format, for hints and error messages (with
@@ -118,7 +124,8 @@ class ToolFormat(abc.ABC):
             payload = text[body:close]
             call, error = None, None
             try:
-                call = self.parse_payload(payload, _schema_for(payload, schemas, self))
+                name = self.function_name(payload) if schemas else None
+                call = self.parse_payload(payload, schemas.get(name) if name else None)
             except (ValueError, RecursionError) as e:
                 error = str(e) or "bad tool call"
             out.append(Block(at, close + len(self.close_tag), body, call, error))
@@ -142,13 +149,6 @@ class ToolFormat(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<tool format {self.name}>"
-
-
-def _schema_for(payload, schemas, fmt) -> Mapping[str, Any] | None:
-    if not schemas:
-        return None
-    name = fmt.function_name(payload) if hasattr(fmt, "function_name") else None
-    return schemas.get(name) if name else None
 
 
 class Hermes(ToolFormat):
