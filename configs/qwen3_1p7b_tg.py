@@ -66,11 +66,16 @@ def get_config(arg=None):
     c.optim.lr = 1e-6  # RL fine-tuning: small, constant
     c.optim.total_steps = 200  # schedule length = the run
     c.rl_loop.steps = 200  # published: 200 RL steps
+    c.rl_loop.epochs = 1.0  # published: one epoch (200 x 32 = 6400 train tasks, checked)
+    c.tasks.num_train = 200 * GROUPS
     c.rl_loop.groups_per_step = GROUPS  # published: 32 groups (tasks) per step
     c.rl_loop.rollouts_per_group = ROLLOUTS  # published: 32 rollouts per task
     c.rl_loop.seq_len = SEQ_LEN  # padded student length of a batch
     c.rl_loop.async_sampling = True  # published: async RL (sampler runs ahead, staleness <= 1)
     c.rl_loop.max_new_tokens = 2048  # decode budget per assistant turn
+    # A step's 1024 rows x 8192 slots in one sampler call need 226 GiB per chip (tg_jax.tpu.aot);
+    # 256 rows need 57.7 of v5p's 95: rollouts are sampled 256 episodes at a time.
+    c.sampler_mesh.max_rows = 256
     c.rl_loop.checkpoint_every = 10  # lose at most 10 steps to a preemption
     c.rl_loop.eval_every = 50  # held-out evaluation interval
     return c

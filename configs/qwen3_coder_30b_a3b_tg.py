@@ -82,6 +82,8 @@ def get_config(arg=None):
     c.optim.lr = 1e-6  # RL fine-tuning of a 30B model: small, constant
     c.optim.total_steps = 200  # schedule length = the run
     c.rl_loop.steps = 200  # published: 200 RL steps
+    c.rl_loop.epochs = 1.0  # published: one epoch (200 x 32 = 6400 train tasks, checked)
+    c.tasks.num_train = 200 * GROUPS
     c.rl_loop.groups_per_step = GROUPS  # published: 32 groups (tasks) per step
     c.rl_loop.rollouts_per_group = ROLLOUTS  # published: 32 rollouts per task
     c.rl_loop.seq_len = SEQ_LEN  # padded student length of a batch

@@ -61,9 +61,13 @@ def _check_run(work, ckpt, template):
     assert hf_dir.open_model_dir(str(export)).renderer.template == chat_template(template)
 
 
-@pytest.mark.parametrize("template", ["qwen3_coder", "chatml_no_newline"])
-@pytest.mark.parametrize("config", ["configs/hf_tg.py", "configs/hf_swe.py"])
+@pytest.mark.parametrize(
+    ("config", "template"),
+    [("configs/hf_tg.py", "qwen3_coder"), ("configs/hf_swe.py", "chatml_no_newline"),
+     ("configs/hf_swe.py", "qwen3_coder")],
+)  # fmt: skip
 def test_hf_configs_from_checkpoints_in_other_chat_formats(tmp_path, config, template):
+    """Each format and each environment at least once (the SWE tools in Qwen3-Coder's XML)."""
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, SWE_DENSE if "swe" in config else DENSE, template=template)
     _ok(_main(f"{config}:runlocal", work, ckpt, *TWO_STEPS))

@@ -223,3 +223,52 @@ def test_a_malformed_task_record_names_the_file_and_line(tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"error: cannot import tasks: {tasks}:2: field 'files'"), line
     assert tasks.read_text() == text  # the user's file is untouched
+
+
+def _one_line_error(*args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tg_jax.main", *args],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith(("W", "I"))]
+    assert len(errors) == 1, proc.stderr[-3000:]  # one line, besides library log lines
+    return errors[0]
+
+
+def test_one_epoch_that_is_not_one_epoch_is_refused_at_start_up(tmp_path):
+    """The 1.7B config declares one epoch (200 steps x 32 groups = its 6400 train tasks): half
+    the steps is refused before anything runs."""
+    line = _one_line_error(
+        "--config=configs/qwen3_1p7b_tg.py", f"--workdir={tmp_path / 'w'}",
+        "--config.rl_loop.steps=100",
+    )  # fmt: skip
+    assert line == (
+        "error: invalid config: rl_loop.epochs=1 over 6400 train tasks is 6400 tasks, but "
+        "rl_loop.steps=100 x groups_per_step=32 draws 3200 (0.5 epochs); change the steps or "
+        "the tasks, or set rl_loop.epochs=0 to leave it unchecked"
+    )
+    assert not list((tmp_path / "w").iterdir())  # nothing written
+
+
+def test_epochs_over_a_task_file_are_checked_once_it_is_read(tmp_path):
+    """A user's task file of 3 tasks, 2 steps x 2 groups declared as one epoch: refused by the
+    data stage, the first stage of the run, with the counts."""
+    record = {
+        "files": {"pkg/__init__.py": "", "pkg/ops.py": "def add(a, b):\n    return a - b\n"},
+        "problem_statement": "Fix add.", "test_cmd": "pytest -rA tests/",
+        "hidden_tests": {"tests/test_h.py": "from pkg.ops import add\n\n\ndef test_h():\n"
+                                            "    assert add(2, 2) == 4\n"},
+    }  # fmt: skip
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "".join(json.dumps({**record, "instance_id": f"r__{i}"}) + "\n" for i in range(3))
+    )
+    line = _one_line_error(
+        "--config=configs/hf_swe.py:runlocal", f"--workdir={tmp_path / 'w'}",
+        "--config.stage=data", f"--config.tasks.train_source={tasks}",
+        "--config.rl_loop.steps=2", "--config.rl_loop.groups_per_step=2",
+        "--config.rl_loop.epochs=1",
+    )  # fmt: skip
+    assert line.startswith("error: invalid config: rl_loop.epochs=1 over 3 train tasks is 3 "), line
+    assert "draws 4 (1.33 epochs)" in line

@@ -172,7 +172,7 @@ def test_local_pod_runs_the_main_job(tmp_path):
     the sampling thread, the second weight publish waits forever (#37)."""
     proc = _local_pod(
         tmp_path, "--config.rl_loop.steps=2", "--config.optim.total_steps=2",
-        "--config.rl_loop.async_sampling=False", "--config.eval.num_tasks=4",
+        "--config.eval.num_tasks=4",
     )  # fmt: skip
     work = tmp_path / "w"
     assert proc.stdout.count("report: ") == 1 and proc.stdout.count("held-out (plain") == 1

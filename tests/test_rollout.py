@@ -1,5 +1,7 @@
 """Multi-turn rollouts against the real coding environment (scripted and random policies)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -355,3 +357,50 @@ def test_a_rollout_in_qwen3_coder_s_format():
         "<|im_start|>user\nReminder: use <tool_call>\n<function=...>\n</function>\n</tool_call>."
         "<|im_end|>\n"
     )
+
+
+class RowCounter:
+    """The sampler, recording how many rows each call holds."""
+
+    def __init__(self, sampler):
+        self.sampler, self.rows = sampler, []
+
+    def sample(self, params, prompts, **kw):
+        self.rows.append(len(prompts))
+        return self.sampler.sample(params, prompts, **kw)
+
+
+def test_rows_above_max_rows_give_the_rollouts_of_one_call():
+    """`max_rows` = 4 of 3 groups x 3 rollouts (9 episodes, ending at different turns): chunks
+    of 4, 4 and 1 episodes, played one after the other; the trajectories are those of one call
+    (tokens, roles, rewards; log-probs to float rounding); so is a sampled held-out evaluation."""
+    cfg = ModelConfig.from_config(config_lib.tiny_model_config())
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(0))
+    sampler = Sampler(model, pad_id=RENDERER.tokenizer.pad_id, segment=8)
+    tasks = generate_tasks("heldout", 3, seed=1)
+    config = RolloutConfig(max_new_tokens=24, max_total_tokens=256, min_turn_tokens=4)
+    kw = dict(rollouts_per_task=3, rng=jax.random.key(1), policy_version=0, first_group_id=5)
+    one = RowCounter(sampler)
+    ref = rollout_groups(one, params, RENDERER, _env, tasks, config=config, **kw)
+    chunked = RowCounter(sampler)
+    small = dataclasses.replace(config, max_rows=4)
+    out = rollout_groups(chunked, params, RENDERER, _env, tasks, config=small, **kw)
+    assert one.rows[0] == 9 and max(chunked.rows) == 4 and chunked.rows[0] == 4
+    assert len(chunked.rows) > len(one.rows)  # the chunks are played one after another
+    assert len({t.num_turns for t in out}) > 1
+    for r, t in zip(ref, out, strict=True):
+        assert (r.task_id, r.group_id) == (t.task_id, t.group_id)
+        np.testing.assert_array_equal(r.tokens, t.tokens)
+        np.testing.assert_array_equal(r.roles, t.roles)
+        assert r.rewards == t.rewards and r.turn_verdicts == t.turn_verdicts
+        np.testing.assert_allclose(r.behaviour_logprobs, t.behaviour_logprobs, atol=1e-5)
+    eval_kw = dict(rng=jax.random.key(2), condition="plain")
+    config = RolloutConfig(max_new_tokens=24, max_total_tokens=256, temperature=1.0)
+    recs, ref_eval = evaluate(sampler, params, RENDERER, _env, tasks, config=config, **eval_kw)
+    small = dataclasses.replace(config, max_rows=2)
+    chunked = RowCounter(sampler)
+    recs2, out_eval = evaluate(chunked, params, RENDERER, _env, tasks, config=small, **eval_kw)
+    assert max(chunked.rows) == 2 and recs == recs2
+    for r, t in zip(ref_eval, out_eval, strict=True):
+        np.testing.assert_array_equal(r.tokens, t.tokens)

@@ -60,6 +60,9 @@ def sampler_mesh_config(num_devices: int = 0, shape=(-1, 1)) -> ml_collections.C
     c.num_devices = num_devices
     c.axes = ("data", "tensor")  # data-parallel replicas x tensor parallelism (heads, mlp)
     c.shape = tuple(shape)  # size per axis; one -1 takes the rest of the sampler's devices
+    # Most episodes in one sampler call (0 = all of a step's, or of an evaluation's): more are
+    # played in chunks of this many, with the same rollouts (tg_jax.sampling.rollout).
+    c.max_rows = 0
     return c
 
 
@@ -444,6 +447,9 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     """The RL loop: steps, rollout groups, sampling, evaluation, checkpoints, feedback quality."""
     c = ml_collections.ConfigDict()
     c.steps = 100  # RL train steps (one policy update each)
+    # Passes over the train tasks the run makes (0 = not declared). When set, steps x
+    # groups_per_step must equal epochs x the train tasks (checked once the tasks are known).
+    c.epochs = 0.0
     c.groups_per_step = 8  # N tasks per step (GRPO groups)
     c.rollouts_per_group = 8  # G rollouts of the same task per group
     c.max_new_tokens = 128  # decode budget per assistant turn

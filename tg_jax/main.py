@@ -216,10 +216,17 @@ def main(argv):
     from tg_jax.checkpointing import CheckpointError
     from tg_jax.envs.ns_sandbox import SandboxUnavailable
     from tg_jax.envs.swe.importer import TaskImportError
-    from tg_jax.errors import RunError
+    from tg_jax.errors import ConfigError, RunError
     from tg_jax.models.hf_dir import ModelDirError
     from tg_jax.train.sft_gates import BaseModelGateError
 
+    if "rl_loop" in config and "tasks" in config and not config.tasks.get("train_source"):
+        from tg_jax.train.data_stage import check_epochs
+
+        try:  # generated tasks: their count is the config's (a task file's: once read)
+            check_epochs(config.rl_loop, int(config.tasks.num_train))
+        except ConfigError as e:
+            _fail(f"invalid config: {e}")
     if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":
         _check_model_dir(config)
     identity = paths.dir_identity(workdir)
@@ -230,6 +237,8 @@ def main(argv):
         _fail(str(e))
     except TaskImportError as e:  # a user's task file: the message names the file and line
         _fail(f"cannot import tasks: {e}")
+    except ConfigError as e:  # found once the data is known
+        _fail(f"invalid config: {e}")
     except BaseModelGateError as e:  # a measured outcome, not a crash: no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(GATE_ERROR)

@@ -92,6 +92,7 @@ def heldout_episodes(
         max_total_tokens=int(config.model.max_seq_len),
         temperature=float(ev.temperature if temperature is None else temperature),
         env_workers=int(ev.env_workers),
+        max_rows=int(config.sampler_mesh.max_rows),
     )
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
     records: list[EpisodeRecord] = []

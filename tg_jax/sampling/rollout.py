@@ -82,6 +82,10 @@ class RolloutConfig:
       temperature, top_k, top_p: sampling distribution (see tg_jax.sampling.sampler).
       observation_role: chat role of environment observations ("tool" or "user").
       env_workers: threads that run `env.step` calls of one turn in parallel.
+      max_rows: most episodes one sampler call holds (0 = all of them); more are played in
+        chunks of this many, one after the other, each from its own random streams, so the
+        episodes are those of one call (`play_episodes`). It bounds the sampler's memory,
+        which grows with the rows of a call (their keys and values).
     """
 
     max_new_tokens: int = 128
@@ -93,6 +97,7 @@ class RolloutConfig:
     top_p: float = 1.0
     observation_role: str = "tool"
     env_workers: int = 2
+    max_rows: int = 0
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> RolloutConfig:
@@ -269,10 +274,26 @@ def play_episodes(
         assistant turn (the "hinted" evaluation; its tokens are in `tokens` with Role.HINT).
       stream_ids: per episode, the id of its random stream (`Sampler.sample`'s row_ids): its
         turns then sample the same whichever other episodes share the batch (e.g. on another
-        host). None: by position among the live episodes.
+        host, or in another chunk of `config.max_rows`). None: by position among the live
+        episodes (with more than `config.max_rows` episodes: by position in `tasks`).
     Returns:
       The finished episodes, in the order of `tasks`.
     """
+    rows = config.max_rows
+    if rows and len(tasks) > rows:
+        n = len(tasks)
+        gids = list(range(n)) if group_ids is None else list(group_ids)
+        streams = list(range(n)) if stream_ids is None else list(stream_ids)
+        one = dataclasses.replace(config, max_rows=0)
+        chunks = []
+        for lo in range(0, n, rows):  # turn t of every chunk draws with fold_in(rng, t)
+            chunks += play_episodes(
+                sampler, params, renderer, env_factory, tasks[lo : lo + rows], config=one,
+                rng=rng, group_ids=gids[lo : lo + rows],
+                hint_before_every_turn=hint_before_every_turn,
+                stream_ids=streams[lo : lo + rows],
+            )  # fmt: skip
+        return chunks
     header = renderer.assistant_header()
     episodes = _start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     hint_ids: list[int] = []
@@ -530,7 +551,8 @@ def evaluate(
       config: limits and sampling (temperature 0 = greedy).
       condition: "plain" (prompts as in training: "does by default") or "hinted" (a hint for
         every requirement right before every assistant turn: "can do when reminded").
-      samples_per_task: episodes per task (sample index s uses fold_in(rng, s)).
+      samples_per_task: episodes per task (sample index s uses fold_in(rng, s); episode i
+        draws from random stream i, whatever the chunks of `config.max_rows`).
     Returns:
       (EpisodeRecords for tg_jax.evaluation.stats, the Trajectories, policy_version -1).
       Task success: the "task" reward is 1 (all hidden tests pass); compliance per
@@ -543,6 +565,7 @@ def evaluate(
         episodes = play_episodes(
             sampler, params, renderer, env_factory, tasks, config=config,
             rng=jax.random.fold_in(rng, s), hint_before_every_turn=condition == "hinted",
+            stream_ids=range(len(tasks)),
         )  # fmt: skip
         hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
         for ep in episodes:

@@ -466,7 +466,11 @@ def compile_programs(
             )
             label = f"train step (LM baseline, {shapes.rows} rows)"
         elif name == "sample":
-            drows, cache = decode_rows or shapes.rows, cache_len or shapes.seq_len
+            chunk_rows = (
+                int(config.sampler_mesh.get("max_rows", 0)) if "sampler_mesh" in config else 0
+            )
+            drows = decode_rows or chunk_rows or shapes.rows  # a sampler call's rows, as run
+            cache = cache_len or shapes.seq_len
             max_new = min(_config_max_new(config), cache // 2)
             compiled = compile_sample_step(
                 config, meshes.sampler, meshes.sampler_rules, drows, cache, max_new
@@ -514,7 +518,9 @@ _SEQ = flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = from the 
 _TROWS = flags.DEFINE_integer("teacher_rows", 0, "Teacher rows; 0 = the most the config makes.")
 _TEACHER = flags.DEFINE_integer("teacher_len", 0, "Teacher tokens per row; 0 = model.max_seq_len.")
 _PREFIX = flags.DEFINE_integer("prefix_len", 0, "Compact rows' prefix slots; 0 = seq_len.")
-_DROWS = flags.DEFINE_integer("decode_rows", 0, "Rows per decode step; 0 = the train rows.")
+_DROWS = flags.DEFINE_integer(
+    "decode_rows", 0, "Rows per decode step; 0 = sampler_mesh.max_rows, else the train rows."
+)
 _CACHE = flags.DEFINE_integer("cache_len", 0, "KV-cache slots; 0 = the student seq_len.")
 _CHUNK = flags.DEFINE_integer("chunk", 512, "Positions per logits chunk of the LM baseline.")
 

@@ -66,6 +66,7 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
     if env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         # CPU processes have no collectives of their own; gloo runs them over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _threads_for_blocking_collectives(env)
     jax.distributed.initialize(**initialize_kwargs(environ))
     _barriers_off_the_devices()
     _initialized = True
@@ -75,6 +76,32 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
         flush=True,
     )
     return True
+
+
+# Intra-op threads per local CPU device when collectives go through gloo (see below).
+THREADS_PER_CPU_DEVICE = 16
+
+
+def _threads_for_blocking_collectives(env) -> None:
+    """Enough XLA:CPU intra-op threads that gloo's blocking collectives cannot starve them.
+
+    XLA:CPU runs a program's independent operations concurrently on one intra-op pool per
+    process (by default max(cores, local devices) threads). A gloo collective holds its pool
+    thread until every process has entered it, and a collective inside a while loop (the
+    scanned layers' FSDP all-gather) can start beside a top-level one. With 4 devices on 2
+    cores the pool had 4 threads, all 4 blocked (3 devices in an all-reduce, 1 in the loop's
+    all-gather) while the 4th device's all-reduce waited for a thread: the job hung in its
+    first TG step. XLA sizes the pool from NPROC when set; it must be set before the CPU
+    client exists, which is why this runs before `jax.distributed.initialize`.
+    """
+    if os.environ.get("NPROC"):
+        return  # the user's choice stands
+    flags = env.get("XLA_FLAGS", "")
+    devices = 1
+    for part in flags.split():
+        if part.startswith("--xla_force_host_platform_device_count="):
+            devices = int(part.split("=", 1)[1])
+    os.environ["NPROC"] = str(max(os.cpu_count() or 1, THREADS_PER_CPU_DEVICE * devices))
 
 
 def _barriers_off_the_devices() -> None:

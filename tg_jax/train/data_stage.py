@@ -25,6 +25,7 @@ from tg_jax import paths
 from tg_jax.data import tfds_builders
 from tg_jax.envs import decode_task, env_kind
 from tg_jax.envs.tasks import check_families, generate_tasks
+from tg_jax.errors import ConfigError
 
 TFDS_DIR = "tfds"
 
@@ -95,18 +96,38 @@ def tasks_dir(workdir: str) -> str:
     return os.path.join(workdir, TFDS_DIR)
 
 
+def check_epochs(loop_config: Any, num_train: int) -> None:
+    """`rl_loop.epochs` (when set) against the run's length: steps x groups_per_step tasks are
+    drawn in all (the task iterator repeats the train split, reshuffled each pass)."""
+    epochs = float(loop_config.get("epochs", 0.0))
+    if epochs <= 0:
+        return
+    drawn = int(loop_config.steps) * int(loop_config.groups_per_step)
+    if abs(drawn - epochs * num_train) > 1e-6 * drawn:
+        raise ConfigError(
+            f"rl_loop.epochs={epochs:g} over {num_train} train tasks is "
+            f"{epochs * num_train:g} tasks, but rl_loop.steps={loop_config.steps} x "
+            f"groups_per_step={loop_config.groups_per_step} draws {drawn} "
+            f"({drawn / num_train:.3g} epochs); change the steps or the tasks, or set "
+            "rl_loop.epochs=0 to leave it unchecked"
+        )
+
+
 def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
     """Builds (or reuses) the task datasets; returns `{"train": source, "heldout": source}`.
 
     Sources support `len` and `source[i]`; `tfds_builders.decode_example(source[i])` is the
     task record (`tg_jax.envs.decode_task` validates it).
     """
-    return tfds_builders.prepare_task_dataset(
+    sources = tfds_builders.prepare_task_dataset(
         tasks_dir(workdir),
         config_name=tasks_dataset_name(config),
         generate=_generate(config),
         validate_fn=decode_task,
     )
+    if "rl_loop" in config:  # a task file's count is known only now
+        check_epochs(config.rl_loop, len(sources["train"]))
+    return sources
 
 
 def load_tasks(sources: dict[str, Any], split: str, limit: int | None = None) -> list[Any]:

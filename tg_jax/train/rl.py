@@ -295,6 +295,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
         config=rollout.RolloutConfig(
             max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,
             temperature=float(config.rl.temperature), env_workers=int(lc.env_workers),
+            max_rows=int(config.sampler_mesh.max_rows),
         ),
         sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
         rates=rl_rollouts.feedback_rates(lc.feedback),
