@@ -7,6 +7,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -188,3 +189,31 @@ def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
     if arg == "split":
         trainer, sampler = sharding.split_devices(resolved, list(range(64)))
         assert len(trainer) == 32 and sampler == list(range(32, 64))
+
+
+def test_compile_programs_per_host_samplers_on_cpu():
+    """8 CPU devices taken as 2 hosts of 4 (a pod's placement without a split): the train
+    step over all 8; the sample step on one host's ("data", "tensor") mesh, for that host's
+    half of the rows, with bf16 weight matrices; each beside what stays resident (the host's
+    bf16 copy beside the train step, the trainer's params and moments beside the decode)."""
+    devices = jax.devices()
+    cfg = config_lib.apply_overrides(
+        _tiny_config((1, -1, 1, 1)),
+        {"rl_loop.seq_len": 32, "sampler_mesh.shape": (-1, 2), "model.dtype": "bfloat16"},
+    )
+    hosts = [devices[:4], devices[4:]]
+    meshes = aot.make_meshes(cfg, devices, hosts)
+    assert meshes.per_host and not meshes.split and meshes.hosts == 2
+    assert list(meshes.sampler.devices.flat) == devices[:4]
+    programs = list(aot.compile_programs(cfg, devices, ["train", "sample"], rows=8, hosts=hosts))
+    train, sample = programs
+    divisor = sharding.batch_divisor(meshes.trainer, meshes.trainer_rules)
+    rows = aot.train_shapes(aot.resolve_architecture(cfg), divisor, rows=8).rows
+    assert set(train.mesh.devices.flat) == set(devices)
+    assert sample.name.startswith(f"sample step ({rows // 2} rows")
+    weights = jax.tree.leaves(sample.compiled.args_info[0][0])  # the step's first argument
+    assert {a.dtype for a in weights if len(a.shape) >= 2} == {jnp.dtype("bfloat16")}
+    assert train.resident > 0 and sample.resident > train.resident  # fp32 + 2 moments vs bf16
+    capped = config_lib.apply_overrides(cfg, {"sampler_mesh.max_rows": 2})
+    (sample,) = aot.compile_programs(capped, devices, ["sample"], rows=8, hosts=hosts)
+    assert sample.name.startswith("sample step (2 rows")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -279,3 +280,44 @@ def test_two_step_place_copies_in_the_loop_thread_between_batches(monkeypatch):
     assert all(p == 100 + v for _, p, v in used)
     assert {t for kind, t in threads if kind == "stage"} == {threading.current_thread().name}
     assert {t for kind, t in threads if kind == "copy"} == {"tg_jax-sampling-loop"}
+
+
+def test_host_replicas_give_each_process_a_bf16_tensor_parallel_copy():
+    """The placement of several processes, on 8 devices taken as 2 hosts of 4: each host's
+    copy of the FSDP-sharded fp32 params is whole on its own devices, its weight matrices in
+    the bf16 compute dtype split 2 ways (tensor) and norm scales in fp32; per device that is a
+    quarter of an fp32 replica or less; and a tensor-parallel sampler on a host's copy samples
+    what one device samples with the same bf16 weights."""
+    _needs_8_devices()
+    config = _config(num_devices=0, shape=(-1, 2), **{"model.dtype": "bfloat16"})
+    model = Transformer(ModelConfig.from_config(config.model))
+    mesh = sharding.make_mesh(config.mesh, jax.devices()[:8])
+    rules = sharding.logical_rules(config.mesh)
+    params = jax.device_put(
+        init_params(model, jax.random.key(0)), sharding.param_partition_specs(model, mesh, rules)
+    )
+    hosts = [jax.devices()[:4], jax.devices()[4:8]]
+    replicas = placement.HostReplicas(model, config.sampler_mesh, hosts)
+    both = replicas.copy(params)
+    expected = jax.device_get(params)
+    full_fp32 = sum(x.nbytes for x in jax.tree.leaves(expected))
+    for h, devices in enumerate(hosts):
+        copy = replicas.local(both, h)
+        assert dict(replicas.meshes[h].shape) == {"data": 2, "tensor": 2}
+        for got, want in zip(jax.tree.leaves(copy), jax.tree.leaves(expected), strict=True):
+            assert set(got.sharding.device_set) == set(devices)
+            assert got.dtype == (jnp.bfloat16 if want.ndim >= 2 else want.dtype)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(got.dtype)))
+        on_device = sum(s.data.nbytes for x in jax.tree.leaves(copy) for s in x.addressable_shards
+                        if s.device == devices[0])  # fmt: skip
+        assert on_device <= full_fp32 / 4 + 4096
+        assert "tensor" in str(copy["layers"]["attn"]["q_proj"].sharding.spec)
+    sampler = Sampler(model, pad_id=0, mesh=replicas.meshes[1], rules=replicas.rules,
+                      batch_divisor=2)  # fmt: skip
+    one = Sampler(model, pad_id=0)
+    prompts = [[1, 5, 9, 13], [2, 4], [7, 7, 7], [3]]
+    kw = dict(max_new_tokens=6, temperature=1.0, rng=jax.random.key(1), row_ids=[0, 1, 2, 3])
+    ref = one.sample(jax.device_get(replicas.local(both, 0)), prompts, **kw)
+    got = sampler.sample(replicas.local(both, 1), prompts, **kw)
+    for a, b in zip(ref.tokens, got.tokens, strict=True):
+        np.testing.assert_array_equal(a, b)

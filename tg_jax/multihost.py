@@ -8,9 +8,9 @@ therefore differ from a single process:
   global array of it (`jax.make_array_from_process_local_data`; every process holds the same
   whole array and places only its own devices' rows);
 * a global array cannot be fetched by one process (`jax.device_get` of rows on other hosts
-  fails): `local_replica` all-gathers it over the global mesh (a collective: every process
-  calls it, in the same order) and re-wraps this host's full copies as an array on a
-  process-local mesh, which local computations (the sampler) use and `device_get` can fetch;
+  fails): the sampler's copy of the params is made by one jitted copy over the global mesh
+  (a collective) and re-wrapped as arrays on the process's own mesh
+  (`tg_jax.sampling.placement.HostReplicas`);
 * Python objects (rollout trajectories) travel with `allgather_objects`, in process order;
 * a file every process needs is written once: `primary_first(name, fn)` runs `fn` (which
   writes the file or reuses it) on process 0, waits for it (`barrier`), then runs it on the
@@ -22,15 +22,13 @@ code paths run unchanged.
 
 from __future__ import annotations
 
-import functools
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tg_jax import tracing
 
@@ -101,36 +99,6 @@ def allgather_objects(obj: Any) -> list[Any]:
         buf[: data.size] = data
         rows = np.asarray(multihost_utils.process_allgather(buf))
     return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(len(sizes))]
-
-
-def local_mesh(axis: str = "sampler") -> Mesh:
-    """A one-axis mesh over this process's devices."""
-    return Mesh(np.asarray(jax.local_devices()), (axis,))
-
-
-@functools.cache
-def _replicator(mesh: Mesh) -> Any:
-    """A jitted copy onto `mesh`, replicated (one per mesh, so its compilations are reused)."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return tracing.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)
-
-
-def local_replica(tree: Any, mesh: Mesh, target: Mesh) -> Any:
-    """`tree` (arrays on the global `mesh`) replicated over the process-local mesh `target`.
-
-    One jitted copy all-gathers every leaf over `mesh` (a collective); this process's full
-    copies then become arrays on `target` without another copy. The result is new buffers,
-    so donating `tree` afterwards cannot free them.
-    """
-    full = _replicator(mesh)(tree)
-    out_sharding = NamedSharding(target, PartitionSpec())
-
-    def wrap(x: jax.Array) -> jax.Array:
-        by_device = {s.device: s.data for s in x.addressable_shards}
-        shards = [by_device[d] for d in target.devices.flat]
-        return jax.make_array_from_single_device_arrays(x.shape, out_sharding, shards)
-
-    return jax.tree.map(wrap, full)
 
 
 def host_to_global(tree: Any, sharding: NamedSharding) -> Any:

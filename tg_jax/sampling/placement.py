@@ -9,8 +9,10 @@ Three placements (`rollout_sampler` picks one):
                 covers the rest. Each published policy is resharded onto the sampler's
                 shardings by a `WeightPublisher`, device to device.
   per process   several processes (`jax.distributed`): each samples its own share of the
-                groups on its own devices, with params all-gathered to them
-                (`multihost.local_replica`).
+                groups on its own devices, on `config.sampler_mesh`'s ("data", "tensor")
+                mesh of them. A `HostReplicas` gives every process its copy of each
+                published policy: the weight matrices in the compute dtype (bf16 on TPU),
+                split `tensor` ways over the process's chips, never a full fp32 copy per chip.
 
 The publisher, in two steps that both stay on devices:
 
@@ -40,8 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from tg_jax import multihost, sharding, tracing
-from tg_jax.sampling.loop import data_parallel_mesh
+from tg_jax import sharding, tracing
 from tg_jax.sampling.sampler import Sampler
 
 
@@ -82,6 +83,72 @@ class WeightPublisher:
     def __call__(self, params: Any) -> Any:
         """Both steps: the sampler's copy of `params`."""
         return self.copy(self.stage(params))
+
+
+class HostReplicas:
+    """Trainer params (on the global mesh) -> this process's copy for its sampler.
+
+    One jitted copy per publish, on a ("host", "data", "tensor") mesh stacking every process's
+    sampler mesh: each leaf gets the sampler's PartitionSpec (tensor-parallel dims over
+    "tensor", nothing over "host" or "data"), so every process ends up with a whole copy split
+    over its own devices; the weight matrices (2+ dims) are cast to the compute dtype on the
+    way (the sampler's matmuls cast them to it anyway; norm scales keep the param dtype).
+    `local` then views this process's shards as arrays on its own mesh.
+
+    Attributes:
+      meshes: per process (in process order), its sampler mesh.
+      rules: the sampler's logical rules.
+    """
+
+    def __init__(self, model: nn.Module, sampler_mesh_cfg: Any, hosts: Sequence[Sequence[Any]]):
+        """Args:
+        model: the policy (its config gives the compute dtype).
+        sampler_mesh_cfg: `config.sampler_mesh` (axes and shape of each process's mesh).
+        hosts: per process, its devices (`devices_by_process`).
+        """
+        built = [sharding.make_sampler_mesh(sampler_mesh_cfg, devices) for devices in hosts]
+        self.meshes = [mesh for mesh, _ in built]
+        self.rules = built[0][1]
+        stacked = Mesh(np.stack([m.devices for m in self.meshes]), ("host", *sharding.SAMPLER_AXES))
+        local = sharding.param_partition_specs(model, self.meshes[0], self.rules)
+        self.specs = jax.tree.map(lambda s: s.spec, local)
+        out = jax.tree.map(lambda spec: NamedSharding(stacked, spec), self.specs)
+        dtype = model.config.jnp_dtype
+
+        def cast(x):
+            return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+
+        self._copy = tracing.jit(lambda t: jax.tree.map(lambda x: jnp.copy(cast(x)), t),
+                                 out_shardings=out)  # fmt: skip
+
+    def local(self, tree: Any, host: int) -> Any:
+        """Process `host`'s shards of `copy`'s output, as arrays on its sampler mesh."""
+        mesh = self.meshes[host]
+
+        def wrap(x: jax.Array, spec: Any) -> jax.Array:
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            shards = [by_device[d] for d in mesh.devices.flat]
+            return jax.make_array_from_single_device_arrays(
+                x.shape, NamedSharding(mesh, spec), shards
+            )
+
+        return jax.tree.map(wrap, tree, self.specs)
+
+    def copy(self, params: Any) -> Any:
+        """Every process's copy (a collective: every process calls it with its params)."""
+        return self._copy(params)
+
+    def __call__(self, params: Any) -> Any:
+        """This process's copy of `params`."""
+        return self.local(self.copy(params), jax.process_index())
+
+
+def devices_by_process(devices: Sequence[Any] | None = None) -> list[list[Any]]:
+    """`devices` (default all) grouped by process, in process order, each in id order."""
+    groups: dict[int, list[Any]] = {}
+    for d in devices if devices is not None else jax.devices():
+        groups.setdefault(d.process_index, []).append(d)
+    return [sorted(groups[p], key=lambda d: d.id) for p in sorted(groups)]
 
 
 def own_mesh_sampler(
@@ -125,11 +192,14 @@ def rollout_sampler(
     if jax.process_count() == 1:
         sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
         return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw), None
-    local, local_rules = data_parallel_mesh(jax.local_devices())
-    sampler = Sampler(
-        model, pad_id=pad_id, batch_divisor=local.devices.size, mesh=local, rules=local_rules
-    )
-    return sampler, lambda params: multihost.local_replica(params, mesh, local)
+    if sampler_mesh_cfg is None:
+        raise ValueError("several processes need config.sampler_mesh (each process's mesh)")
+    replicas = HostReplicas(model, sampler_mesh_cfg, devices_by_process())
+    local = replicas.meshes[jax.process_index()]
+    divisor = sharding.batch_divisor(local, replicas.rules)
+    sampler = Sampler(model, pad_id=pad_id, batch_divisor=divisor, mesh=local, rules=replicas.rules)
+    return sampler, replicas
 
 
-__all__ = ["WeightPublisher", "own_mesh_sampler", "rollout_sampler"]
+__all__ = ["HostReplicas", "WeightPublisher", "devices_by_process", "own_mesh_sampler",
+           "rollout_sampler"]  # fmt: skip

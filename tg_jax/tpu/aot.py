@@ -51,6 +51,7 @@ from ml_collections import config_flags
 from tg_jax import config_lib, paths, sharding, tracing
 from tg_jax.models import ModelConfig, Transformer, hf_dir, hidden_states
 from tg_jax.models.hf_io import model_config_from_hf
+from tg_jax.sampling import placement
 
 HBM_GIB_PER_CHIP = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
 GIB = 2**30
@@ -294,16 +295,33 @@ def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
         return jitted.lower((params, opt_state), tokens).compile()
 
 
-def compile_sample_step(config: Any, mesh: Mesh, rules, rows: int, cache_len: int, max_new: int):
+def _in_dtype(tree: Any, dtype: str) -> Any:
+    """Abstract params as `HostReplicas` publishes them: weight matrices (2+ dims) in `dtype`."""
+
+    def cast(x):
+        if len(x.shape) < 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding)
+
+    return jax.tree.map(cast, tree)
+
+
+def compile_sample_step(
+    config: Any, mesh: Mesh, rules, rows: int, cache_len: int, max_new: int,
+    weights_dtype: str | None = None,
+):  # fmt: skip
     """One step of the sampler's decode loop (`tg_jax.models.decode.decode_one`): one
     token for each of `rows` rows against a KV cache of `cache_len` slots, the last `max_new`
     of them for generated tokens; the cache is donated (updated in place). The step's weights
-    are what the sampler feeds its loop (`decode_weights(params)` where that exists)."""
+    are what the sampler feeds its loop (`decode_weights(params)` where that exists), its
+    weight matrices in `weights_dtype` when given (per-host samplers), else param_dtype."""
     from tg_jax.models import decode  # noqa: PLC0415
 
     cfg = ModelConfig.from_config(config.model)
     model = Transformer(cfg)
     params = abstract_params(model, mesh, rules)
+    if weights_dtype:
+        params = _in_dtype(params, weights_dtype)
     if hasattr(decode, "decode_weights"):
         # The sampler rearranges the params once per sampling call; a step takes the result.
         def prepare(p):
@@ -372,27 +390,45 @@ def resolve_architecture(config: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Meshes:
-    """The trainer's mesh and rules, and the sampler's (the trainer's when colocated)."""
+    """The trainer's mesh and rules, and the sampler's: the trainer's when colocated on one
+    host; with several hosts, one host's sampler mesh (`placement.HostReplicas`: every host
+    samples on its own chips with its own bf16 copy); with `sampler_mesh.num_devices`, the
+    sampler's own devices."""
 
     trainer: Mesh
     trainer_rules: Any
     sampler: Mesh
     sampler_rules: Any
+    hosts: int = 1  # hosts (processes) of the slice; > 1 without a split: per-host samplers
 
     @property
     def split(self) -> bool:
-        return self.sampler is not self.trainer
+        return self.sampler is not self.trainer and self.hosts == 1
+
+    @property
+    def per_host(self) -> bool:
+        return self.hosts > 1
 
 
-def make_meshes(config: Any, devices: Sequence[Any]) -> Meshes:
-    """The meshes of `config` over `devices` (`sharding.split_devices`: with
-    config.sampler_mesh.num_devices = N > 0 the last N are the sampler's)."""
+def make_meshes(
+    config: Any, devices: Sequence[Any], hosts: Sequence[Sequence[Any]] | None = None
+) -> Meshes:
+    """The meshes of `config` over `devices` as a run places them (`sharding.split_devices`:
+    with config.sampler_mesh.num_devices = N > 0 the last N are the sampler's; otherwise
+    with several hosts, `hosts` (default: `devices` by process), each host its own sampler)."""
     trainer_devices, sampler_devices = sharding.split_devices(config, devices)
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
-    if sampler_devices is None:
-        return Meshes(mesh, rules, mesh, rules)
-    return Meshes(mesh, rules, *sharding.make_sampler_mesh(config.sampler_mesh, sampler_devices))
+    if sampler_devices is not None:
+        return Meshes(
+            mesh, rules, *sharding.make_sampler_mesh(config.sampler_mesh, sampler_devices)
+        )
+    hosts = placement.devices_by_process(devices) if hosts is None else hosts
+    if len(hosts) > 1:
+        return Meshes(
+            mesh, rules, *sharding.make_sampler_mesh(config.sampler_mesh, hosts[0]), len(hosts)
+        )
+    return Meshes(mesh, rules, mesh, rules)
 
 
 def train_shapes(config: Any, divisor: int, **given: int) -> TrainShapes:
@@ -445,13 +481,15 @@ def _config_max_new(config: Any) -> int:
 
 def compile_programs(
     config: Any, devices: Sequence[Any], what: Sequence[str], *, step: str = "tg",
-    chunk: int = 512, decode_rows: int = 0, cache_len: int = 0, **given: int,
+    chunk: int = 512, decode_rows: int = 0, cache_len: int = 0,
+    hosts: Sequence[Sequence[Any]] | None = None, **given: int,
 ) -> Iterator[Program]:  # fmt: skip
     """The `Program` of each of `what` ("train", "sample") for `config` on
     `devices`: the train step on the trainer's mesh, the sample step on the sampler's
-    (`make_meshes`); `given` = `train_shapes` overrides."""
+    (`make_meshes`; with several hosts, one host's share of the rows with its bf16 copy of
+    the weights); `given` = `train_shapes` overrides."""
     config = resolve_architecture(config)
-    meshes = make_meshes(config, devices)
+    meshes = make_meshes(config, devices, hosts)
     mesh, rules = meshes.trainer, meshes.trainer_rules
     shapes = train_shapes(config, sharding.batch_divisor(mesh, rules), **given)
     micro = int(config.rl.micro_batches) if "rl" in config else 1
@@ -466,30 +504,43 @@ def compile_programs(
             )
             label = f"train step (LM baseline, {shapes.rows} rows)"
         elif name == "sample":
-            chunk_rows = (
-                int(config.sampler_mesh.get("max_rows", 0)) if "sampler_mesh" in config else 0
-            )
-            drows = decode_rows or chunk_rows or shapes.rows  # a sampler call's rows, as run
+            drows = decode_rows or _sampler_call_rows(config, shapes.rows, meshes.hosts)
             cache = cache_len or shapes.seq_len
             max_new = min(_config_max_new(config), cache // 2)
             compiled = compile_sample_step(
-                config, meshes.sampler, meshes.sampler_rules, drows, cache, max_new
-            )
+                config, meshes.sampler, meshes.sampler_rules, drows, cache, max_new,
+                weights_dtype=config.model.dtype if meshes.per_host else None,
+            )  # fmt: skip
             label = f"sample step ({drows} rows, cache {cache})"
         else:
             raise ValueError(f"unknown program {name!r} (train, sample)")
         yield Program(label, compiled, meshes.trainer if name == "train" else meshes.sampler,
-                      _split_resident(config, meshes, name))  # fmt: skip
+                      _resident(config, meshes, name))  # fmt: skip
 
 
-def _split_resident(config: Any, meshes: Meshes, program: str) -> int:
-    """Bytes per device of the published params (param_dtype) that a split layout keeps
-    beside a program (`tg_jax.sampling.placement.WeightPublisher`): the sampler's own copy
-    beside the decode step; the staged copy (the sampler's specs on the trainer's devices)
-    beside the next train step. 0 when colocated."""
+def _sampler_call_rows(config: Any, rows: int, hosts: int) -> int:
+    """Rows of one sampler call as a run makes them: a host's share of the step's rows,
+    at most `sampler_mesh.max_rows` (when set)."""
+    share = -(-rows // hosts)
+    cap = int(config.sampler_mesh.get("max_rows", 0)) if "sampler_mesh" in config else 0
+    return min(share, cap) if cap else share
+
+
+def _resident(config: Any, meshes: Meshes, program: str) -> int:
+    """Bytes per device that stay beside a program outside it. Split layout
+    (`tg_jax.sampling.placement.WeightPublisher`): the published params (param_dtype), the
+    sampler's own copy beside the decode step, the staged copy (the sampler's specs on the
+    trainer's devices) beside the next train step. Per-host samplers (`HostReplicas`, on the
+    trainer's chips): the host's bf16 copy beside the train step; the trainer's params and
+    AdamW moments beside the decode step. 0 when colocated on one host."""
+    model = Transformer(ModelConfig.from_config(config.model))
+    if meshes.per_host:
+        if program == "train":
+            sampler_params = abstract_params(model, meshes.sampler, meshes.sampler_rules)
+            return bytes_per_device(_in_dtype(sampler_params, config.model.dtype))
+        return 3 * bytes_per_device(abstract_params(model, meshes.trainer, meshes.trainer_rules))
     if not meshes.split:
         return 0
-    model = Transformer(ModelConfig.from_config(config.model))
     mesh = meshes.sampler
     if program == "train":
         tensor = int(meshes.sampler.shape.get("tensor", 1))
