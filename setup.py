@@ -35,8 +35,11 @@ EXTRAS = {
         "nbclient",
         "nbformat",
         "ipykernel",
+        "gcsfs",  # gs:// through etils epath (tests/test_gcs.py) ...
+        "gcp-storage-emulator",  # ... against a local GCS JSON API server.
     ],
-    "tpu": ["jax[tpu]"],
+    # gcsfs: the workdir on a pod is gs://, which etils epath reads and writes through gcsfs.
+    "tpu": ["jax[tpu]", "gcsfs"],
     # Ahead-of-time fit checks on a CPU machine (python -m tg_jax.tpu.aot): the libtpu jax pins.
     "aot": ["libtpu==0.0.42.*"],
     "wandb": ["wandb"],

@@ -76,6 +76,13 @@ def get_config(arg=None):
         for name, target in config_lib.DEFAULT_RULES
     )  # logical axis -> mesh axes: DEFAULT_RULES with the batch over the expert axis too
     c.rl.micro_batches = GROUPS * ROLLOUTS // 32  # one row per chip per micro-batch (HBM)
+    # Each host (4 chips) samples its share of the rows with its own bf16 copy of the weights
+    # split 4 ways (one KV head per chip): 14.2 GiB per chip, not a 57 GiB replica (README).
+    c.sampler_mesh.shape = (-1, 4)
+    # Full teacher rows: with async sampling the train step and a host's sampler (its weights,
+    # 128 rows' KV cache) are on the chips at once: 51.4 + 14.2 + 24.1 = 89.7 GiB of 95; compact
+    # rows (77.9 GiB for the step) would need 116 (README, tg_jax.tpu.aot).
+    c.tg.compact = False
     c.rl.max_staleness = 1  # async: rollouts from the previous policy version are accepted
     c.rl.temperature = 1.0  # sampling temperature (trainer logits divided by it)
     c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)

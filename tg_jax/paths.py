@@ -3,7 +3,11 @@
 Every user path goes through ``as_path``, an etils ``epath.Path`` (the path type orbax uses),
 so ``gs://bucket/run`` stays a URL end to end instead of becoming a local folder named ``gs:``
 (what ``os.path.abspath`` and ``open`` make of it). ``gs://`` needs gcsfs at run time
-(``pip install 'etils[epath-gcs]'``); local paths need nothing extra.
+(``pip install 'etils[epath-gcs]'``, the ``tpu`` extra); local paths need nothing extra.
+
+A GCS emulator named by ``STORAGE_EMULATOR_HOST`` (the variable gcsfs and google-cloud-storage
+read) is also given to tensorstore, which writes orbax's arrays and reads only
+``TENSORSTORE_GCS_HTTP_URL``; see ``use_gcs_emulator``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,21 @@ def is_url(path: str | os.PathLike) -> bool:
 def as_path(path: str | os.PathLike) -> epath.Path:
     """An ``epath.Path``: local paths made absolute, URLs left exactly as given."""
     path = os.fspath(path)
+    if path.startswith("gs://"):
+        use_gcs_emulator()
     return epath.Path(path if is_url(path) else os.path.abspath(path))
+
+
+def use_gcs_emulator() -> None:
+    """Points tensorstore at the GCS emulator of ``STORAGE_EMULATOR_HOST``, if one is set and
+    ``TENSORSTORE_GCS_HTTP_URL`` is not. Without it, a run against an emulator sends its
+    checkpoint metadata there (gcsfs) but its arrays to storage.googleapis.com (tensorstore),
+    and where that is unreachable the first save retries for minutes. Tensorstore reads the
+    variable once, at its first GCS request: ``as_path`` of a gs:// path calls this first."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if host in ("", "default") or "TENSORSTORE_GCS_HTTP_URL" in os.environ:
+        return
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = host if "://" in host else f"http://{host}"
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -140,7 +140,7 @@ def install_commands(job: Job) -> list[list[str]]:
         f"set -e; rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR} && "
         f"tar xzf ~/{os.path.basename(job.tarball)} -C {REMOTE_DIR} && cd {REMOTE_DIR} && "
         "python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && "
-        ".venv/bin/pip install -q -e '.[tpu]'"
+        ".venv/bin/pip install -q -e '.[tpu]' -c constraints.txt"
     )
     cmds = [
         ["git", "archive", "--format=tar.gz", f"--output={job.tarball}", "HEAD"],
