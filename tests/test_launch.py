@@ -173,13 +173,15 @@ def test_local_pod_runs_the_main_job_through_a_preemption(tmp_path):
     and the pre-registration written once; SIGTERM to the launcher after the first checkpoint
     (it forwards it to both workers, which save the step JAX's preemption service agreed on
     and exit 143); the same command resumes both and finishes: 4 RL steps, none lost or
-    repeated, the held-out evaluation, one report, one export."""
+    repeated, the held-out evaluation, one report, one export. Each process samples on its 4
+    devices as 2 data x 2 tensor (`placement.HostReplicas`)."""
     import signal
     import subprocess
     import time
 
     extra = ("--config.rl_loop.steps=4", "--config.optim.total_steps=4",
-             "--config.rl_loop.checkpoint_every=1", "--config.eval.num_tasks=4")  # fmt: skip
+             "--config.rl_loop.checkpoint_every=1", "--config.eval.num_tasks=4",
+             "--config.sampler_mesh.shape=(-1, 2)")  # fmt: skip
     cmd, kw = _pod_command(tmp_path, *extra)
     run = tmp_path / "w" / "runs" / "tg_seed0"
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
