@@ -243,3 +243,15 @@ def test_the_main_job_with_a_gcs_workdir(gcs, tmp_path):
     assert leaves and all(np.isfinite(np.asarray(x)).all() for x in leaves)
     # Task data stays local for a gs:// workdir (array_record writes local files only).
     assert os.path.isdir(tmp_path / "tg_jax" / "tfds")
+
+
+def test_a_command_line_report_to_gcs(gcs):
+    """`python -m tg_jax.evaluation.swe_protocol --out gs://...` (2 tasks): its JSON and
+    Markdown land in the bucket (the evaluation commands write through tg_jax.paths)."""
+    from tg_jax.evaluation import swe_protocol
+
+    argv = ["--num_tasks", "2", "--n_boot", "20", "--no_progress", "--out", f"gs://{BUCKET}/swe"]
+    assert swe_protocol.main(argv) == 0
+    assert _objects(gcs, "swe") == {swe_protocol.JSON_FILE, swe_protocol.MD_FILE}
+    doc = paths.read_json(f"gs://{BUCKET}/swe/{swe_protocol.JSON_FILE}")
+    assert doc["num_tasks"] == 2 and doc["figures"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax import paths
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.sampler import SampleResult, stop_lists
 from tg_jax.text import ChatRenderer
@@ -245,10 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {name:9s} task_success {s['task_success']:.3f} [{lo:.3f}, {hi:.3f}]  "
               f"compliance {comp}  ran tests {s['ran_tests']:.2f}  "
               f"malformed/episode {s['malformed_per_episode']:.2f}")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"prefill": prefill, "after_thinking": args.after_thinking,
-                       "model_dir": args.model_dir, **result}, f, indent=2)  # fmt: skip
+    if args.out:  # a local path or gs://
+        out = {"prefill": prefill, "after_thinking": args.after_thinking,
+               "model_dir": args.model_dir, **result}  # fmt: skip
+        paths.write_json_atomic(args.out, out, indent=2)
     return 0
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -45,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tg_jax import config_lib, progress
+from tg_jax import config_lib, paths, progress
 from tg_jax.envs import env_factory
 from tg_jax.envs.swe import agents
 from tg_jax.envs.swe.generator import generate_swe_tasks
@@ -280,20 +279,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.argv = argv
     result = run(args)
-    os.makedirs(args.out, exist_ok=True)
+    out = paths.as_path(args.out)  # a local folder or gs://
+    out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(result["figures"])
-    with open(os.path.join(args.out, JSON_FILE), "w") as f:
-        json.dump(result, f, indent=1, default=list)
+    paths.write_json_atomic(out / JSON_FILE, result, indent=1, default=list)
     header = (
         f"SWE requirement tiers, scripted arms, {result['num_tasks']} held-out tasks "
         f"({result['num_clusters']} clusters), seed {result['seed']}; cells: mean "
         "[95% bootstrap CI]; compliance over the episodes where the requirement applied (n)."
     )
-    with open(os.path.join(args.out, MD_FILE), "w") as f:
-        f.write(f"{header}\n\n{table}\n")
+    (out / MD_FILE).write_text(f"{header}\n\n{table}\n")
     print(header)
     print(table)
-    print(f"wall time {result['wall_s']:.1f}s; wrote {os.path.join(args.out, JSON_FILE)}")
+    print(f"wall time {result['wall_s']:.1f}s; wrote {out / JSON_FILE}")
     return 0
 
 

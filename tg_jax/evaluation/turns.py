@@ -17,13 +17,13 @@ directory and prints one table per model; `--out` writes the profiles as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from tg_jax import paths
 from tg_jax.envs.protocol import parse_turn
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ChatRenderer
@@ -122,9 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result[model_dir] = {"episodes": len(records), "task_success": success, "turns": rows}
         print(f"{model_dir}: {len(records)} held-out episodes, task success {success:.3f}")
         print(format_profile(rows))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    if args.out:  # a local path or gs://
+        paths.write_json_atomic(args.out, result, indent=2)
     return 0
 
 
