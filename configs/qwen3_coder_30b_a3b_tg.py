@@ -21,7 +21,8 @@ Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --
 `configs/qwen3_coder_30b_a3b_tg.py:runlocal` takes the architecture from the checkpoint and
 shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
 `configs/qwen3_coder_30b_a3b_tg.py:split` puts the trainer and the sampler on their own 32
-chips each of a v5p-128 (`config.sampler_mesh`; README: both steps' fit).
+chips each of a v5p-128 (`config.sampler_mesh`; README: both steps' fit); `:runlocal_split`
+is that layout on a tiny checkpoint (trainer 4 + sampler 4 CPU devices).
 """
 
 import os
@@ -34,15 +35,19 @@ GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
 
 
 def get_config(arg=None):
-    if arg not in (None, "", "runlocal", "split"):
-        raise ValueError(f"{__file__} takes no argument, 'runlocal' or 'split', not {arg!r}")
-    base_arg = None if arg == "split" else arg
+    if arg not in (None, "", "runlocal", "split", "runlocal_split"):
+        raise ValueError(
+            f"{__file__} takes no argument, 'runlocal', 'split' or 'runlocal_split', not {arg!r}"
+        )
+    base_arg = {"split": None, "runlocal_split": "runlocal"}.get(arg, arg)
     c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
     c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
     # Qwen3-Coder has no thinking (its template drops reasoning_content): nothing to distil
     # but answers (tg.include_thinking = True is refused at start-up for such a template).
     c.tg.include_thinking = False
-    if arg == "runlocal":
+    if arg == "runlocal_split":  # the split layout, tiny: trainer 4 + sampler 4 CPU devices
+        _split(c, num_devices=4, tensor=2)
+    if arg in ("runlocal", "runlocal_split"):
         return c
     # Architecture of Qwen/Qwen3-Coder-30B-A3B-Instruct (its config.json): 30.5B parameters,
     # 3.3B active per token, checked against the checkpoint's config.json.
@@ -103,13 +108,14 @@ def get_config(arg=None):
     return c
 
 
-def _split(c):
+def _split(c, num_devices=32, tensor=4):
     """`:split`: the trainer and the sampler on their own 32 chips each of a v5p-128 (4x4x4):
     the trainer as above on the first 32, the sampler 8 replicas of 4-way tensor parallelism
     (4 KV heads: one per chip) on the last 32. On a v5p-64 (16 + 16 chips) the sampler's
-    1024-row, 8192-slot KV cache, decode weights and its copy of the fp32 params do not fit."""
-    # The last 32 chips sample: 8 data-parallel replicas x 4-way tensor parallel.
-    c.sampler_mesh = config_lib.sampler_mesh_config(num_devices=32, shape=(-1, 4))
+    1024-row, 8192-slot KV cache, decode weights and its copy of the fp32 params do not fit.
+    One process only for now (`sharding.split_devices` refuses several)."""
+    # The last chips sample: data-parallel replicas x `tensor`-way tensor parallel.
+    c.sampler_mesh = config_lib.sampler_mesh_config(num_devices=num_devices, shape=(-1, tensor))
     # Full teacher rows: compact rows keep every layer's student prefix for the teacher (77.9
     # GiB per chip), which with the staged copy of the params for the sampler (28.5 GiB) would
     # not fit; full rows: 51.4 + 28.5 GiB (README).

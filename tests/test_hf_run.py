@@ -113,9 +113,14 @@ def test_hf_tg_runlocal_sigterm_resume_export(tmp_path, arch):
 
 
 @pytest.mark.parametrize(
-    "config,arch", [("configs/qwen3_1p7b_tg.py", DENSE), ("configs/qwen3_coder_30b_a3b_tg.py", MOE)]
-)
+    "config,arch",
+    [("configs/qwen3_1p7b_tg.py:runlocal", DENSE),
+     ("configs/qwen3_coder_30b_a3b_tg.py:runlocal_split", MOE)],
+)  # fmt: skip
 def test_qwen3_configs_one_step_from_checkpoint(tmp_path, config, arch):
+    """One TG step of each TPU config's tiny variant (the 30B one in its split layout: the
+    trainer on 4 devices, the sampler on the other 4, 2 data x 2 tensor; its colocated
+    `:runlocal`: tests/test_chat_format_runs.py)."""
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, arch)
     extra = [
@@ -123,7 +128,10 @@ def test_qwen3_configs_one_step_from_checkpoint(tmp_path, config, arch):
         "--config.optim.total_steps=1",
         "--config.eval.num_tasks=2",
     ]
-    _run(_command(f"{config}:runlocal", work, ckpt, *extra))
+    cmd = _command(config, work, ckpt, *extra)
+    if config.endswith("_split"):  # the trainer's 4 devices: fsdp 2 x tensor 2
+        cmd[cmd.index(MESH)] = "--config.mesh.shape=(1,2,2,1)"
+    _run(cmd)
     summary = json.loads((work / "runs" / "tg_seed0" / "rl_summary.json").read_text())
     assert summary["step"] == 1 and summary["finished"]
     assert (work / "export" / "tg_seed0" / "model.safetensors").exists()

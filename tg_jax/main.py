@@ -41,7 +41,7 @@ def run_forward(config, workdir: str) -> None:
     from tg_jax import sharding
     from tg_jax.models import ModelConfig, Transformer, forward, hf_dir
 
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = sharding.make_mesh(config.mesh, sharding.split_devices(config)[0])  # the trainer's
     rules = sharding.logical_rules(config.mesh)
     if config.model.hf_checkpoint:  # the checkpoint's architecture and weights
         md = hf_dir.open_model_dir(config.model.hf_checkpoint, tool_format=config.model.tool_format)

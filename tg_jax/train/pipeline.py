@@ -299,8 +299,12 @@ def _export(cfg: Any, workdir: str, run_name: str, params: Any, md: Any) -> None
 
 
 def _load_base_params(config: Any, md: Any) -> Any:
+    """The checkpoint's params on the trainer's mesh (its devices only when the sampler has
+    its own: `sharding.split_devices`)."""
     model_cfg = ModelConfig.from_config(config.model)
-    mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config.mesh)
+    trainer_devices, _ = sharding.split_devices(config)
+    mesh = sharding.make_mesh(config.mesh, trainer_devices)
+    rules = sharding.logical_rules(config.mesh)
     return md.load_params(model_cfg, mesh=mesh, rules=rules)
 
 
