@@ -101,3 +101,14 @@ def test_main_job_keeps_its_compiles_in_the_compilation_cache(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "forward ok" in proc.stdout
     assert cache.is_dir() and any(cache.iterdir()), "no executable was written to the cache"
+
+
+def test_a_repeated_override_is_the_last_one(tmp_path):
+    """`--config.mesh.shape` twice (as a launcher appending to a user's command does): the
+    last value, not the two tuples joined; the forward stage prints the mesh it built."""
+    proc = _main(
+        f"--workdir={tmp_path / 'w'}", "--config.stage=forward", "--config.mesh.shape=(1,4,2,1)",
+        "--config.mesh.shape=(1,-1,1,1)",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "on mesh {'data': 1, 'fsdp': 8, 'tensor': 1, 'expert': 1}" in proc.stdout

@@ -130,8 +130,26 @@ def check_config_args(args: Sequence[str]) -> str | None:
     return None
 
 
+def last_override_wins(args: Sequence[str]) -> list[str]:
+    """`args` with each `--config.KEY=VALUE` given more than once kept only where it is given
+    last, as for any other flag (ml_collections' tuple fields would otherwise join the
+    repeated values: `shape=(1,4) ... shape=(1,2)` became `(1, 4, 1, 2)`)."""
+    last = {}
+    for i, arg in enumerate(args):
+        name, eq, _ = arg.partition("=")
+        if eq and name.startswith("--config."):
+            last[name] = i
+    keep = []
+    for i, arg in enumerate(args):
+        name, eq, _ = arg.partition("=")
+        if not (eq and name.startswith("--config.")) or last[name] == i:
+            keep.append(arg)
+    return keep
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with bad config overrides reported by `_fail` (one line)."""
+    argv = [argv[0], *last_override_wins(argv[1:])]
     if (why := check_config_args(argv[1:])) is not None:
         _fail(why)
     try:
