@@ -85,6 +85,12 @@ class WeightPublisher:
         return self.copy(self.stage(params))
 
 
+def published_dtype(shape: Sequence[int], dtype: Any, compute: Any) -> Any:
+    """The dtype `HostReplicas` publishes a param leaf in: weight matrices (2+ dims, floating)
+    in the compute dtype, the rest (norm scales) as they are."""
+    return compute if len(shape) >= 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
 class HostReplicas:
     """Trainer params (on the global mesh) -> this process's copy for its sampler.
 
@@ -113,13 +119,12 @@ class HostReplicas:
         local = sharding.param_partition_specs(model, self.meshes[0], self.rules)
         self.specs = jax.tree.map(lambda s: s.spec, local)
         out = jax.tree.map(lambda spec: NamedSharding(stacked, spec), self.specs)
-        dtype = model.config.jnp_dtype
+        compute = model.config.jnp_dtype
 
         def cast(x):
-            return x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x
+            return jnp.copy(x.astype(published_dtype(x.shape, x.dtype, compute)))
 
-        self._copy = tracing.jit(lambda t: jax.tree.map(lambda x: jnp.copy(cast(x)), t),
-                                 out_shardings=out)  # fmt: skip
+        self._copy = tracing.jit(lambda t: jax.tree.map(cast, t), out_shardings=out)
 
     def local(self, tree: Any, host: int) -> Any:
         """Process `host`'s shards of `copy`'s output, as arrays on its sampler mesh."""
@@ -202,4 +207,4 @@ def rollout_sampler(
 
 
 __all__ = ["HostReplicas", "WeightPublisher", "devices_by_process", "own_mesh_sampler",
-           "rollout_sampler"]  # fmt: skip
+           "published_dtype", "rollout_sampler"]  # fmt: skip

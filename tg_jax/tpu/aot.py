@@ -296,14 +296,14 @@ def compile_lm_train_step(config: Any, mesh: Mesh, rules, rows: int, seq_len: in
 
 
 def _in_dtype(tree: Any, dtype: str) -> Any:
-    """Abstract params as `HostReplicas` publishes them: weight matrices (2+ dims) in `dtype`."""
-
-    def cast(x):
-        if len(x.shape) < 2 or not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding)
-
-    return jax.tree.map(cast, tree)
+    """Abstract params as `HostReplicas` publishes them (`placement.published_dtype`)."""
+    compute = jnp.dtype(dtype)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, placement.published_dtype(x.shape, x.dtype, compute), sharding=x.sharding
+        ),
+        tree,
+    )
 
 
 def compile_sample_step(
