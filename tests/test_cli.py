@@ -35,6 +35,14 @@ def _main(*args: str) -> subprocess.CompletedProcess:
         ("--config.rl.dual_clip=0.5", "error: invalid config: rl.dual_clip must be > 1"),
         ("--config.stage=nope", "error: unknown stage 'nope'"),
         (
+            "--config.sampler_mesh.max_rows=-1",
+            "error: invalid config: sampler_mesh.max_rows must be >= 0 (0 = all), got -1",
+        ),
+        (
+            "--config.rl_loop.epochs=-1",
+            "error: invalid config: rl_loop.epochs must be >= 0 (0 = not checked), got -1",
+        ),
+        (
             "--config.sft.require.pass_rate=(0.6,0.2)",
             "error: invalid config: sft.require.pass_rate (0.6, 0.2) must satisfy 0 <= low <= "
             "high <= 1",
@@ -51,6 +59,8 @@ def _main(*args: str) -> subprocess.CompletedProcess:
         "int",
         "invalid_value",
         "stage",
+        "max_rows",
+        "epochs",
         "gate_range",
         "format_cost_gate",
     ],  # fmt: skip

@@ -134,17 +134,15 @@ def last_override_wins(args: Sequence[str]) -> list[str]:
     """`args` with each `--config.KEY=VALUE` given more than once kept only where it is given
     last, as for any other flag (ml_collections' tuple fields would otherwise join the
     repeated values: `shape=(1,4) ... shape=(1,2)` became `(1, 4, 1, 2)`)."""
-    last = {}
-    for i, arg in enumerate(args):
+    seen, keep = set(), []
+    for arg in reversed(args):  # the last of each key is met first
         name, eq, _ = arg.partition("=")
         if eq and name.startswith("--config."):
-            last[name] = i
-    keep = []
-    for i, arg in enumerate(args):
-        name, eq, _ = arg.partition("=")
-        if not (eq and name.startswith("--config.")) or last[name] == i:
-            keep.append(arg)
-    return keep
+            if name in seen:
+                continue
+            seen.add(name)
+        keep.append(arg)
+    return keep[::-1]
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -226,9 +224,11 @@ def main(argv):
     distributed.initialize_from_env()
     if "sampler_mesh" in config:  # the devices now known: a split that cannot be built
         from tg_jax import sharding
+        from tg_jax.sampling.rollout import RolloutConfig
 
         try:
             sharding.split_devices(config)
+            RolloutConfig(max_rows=int(config.sampler_mesh.get("max_rows", 0)))
         except ValueError as e:
             _fail(f"invalid config: {e}")
     from tg_jax.checkpointing import CheckpointError

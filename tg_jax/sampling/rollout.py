@@ -99,6 +99,10 @@ class RolloutConfig:
     env_workers: int = 2
     max_rows: int = 0
 
+    def __post_init__(self):
+        if self.max_rows < 0:  # a negative chunk size would play no episode at all
+            raise ValueError(f"sampler_mesh.max_rows must be >= 0 (0 = all), got {self.max_rows}")
+
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> RolloutConfig:
         """From any mapping / ConfigDict holding (some of) these field names."""
