@@ -119,8 +119,8 @@ def test_hf_tg_runlocal_sigterm_resume_export(tmp_path, arch):
 )  # fmt: skip
 def test_qwen3_configs_one_step_from_checkpoint(tmp_path, config, arch):
     """One TG step of each TPU config's tiny variant (the 30B one in its split layout: the
-    trainer on 4 devices, the sampler on the other 4, 2 data x 2 tensor; its colocated
-    `:runlocal`: tests/test_chat_format_runs.py)."""
+    trainer on 4 devices, the sampler on the other 4, 2 data x 2 tensor, at most 2 rows per
+    sampler call; its colocated `:runlocal`: tests/test_chat_format_runs.py)."""
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, arch)
     extra = [
@@ -131,6 +131,7 @@ def test_qwen3_configs_one_step_from_checkpoint(tmp_path, config, arch):
     cmd = _command(config, work, ckpt, *extra)
     if config.endswith("_split"):  # the trainer's 4 devices: fsdp 2 x tensor 2
         cmd[cmd.index(MESH)] = "--config.mesh.shape=(1,2,2,1)"
+        cmd.append("--config.sampler_mesh.max_rows=2")  # a step's 4 rows in 2 sampler calls
     _run(cmd)
     summary = json.loads((work / "runs" / "tg_seed0" / "rl_summary.json").read_text())
     assert summary["step"] == 1 and summary["finished"]
