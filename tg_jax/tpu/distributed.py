@@ -96,11 +96,10 @@ def _threads_for_blocking_collectives(env) -> None:
     """
     if os.environ.get("NPROC"):
         return  # the user's choice stands
-    flags = env.get("XLA_FLAGS", "")
-    devices = 1
-    for part in flags.split():
+    devices = max(1, int(env.get("JAX_NUM_CPU_DEVICES", "0") or 0))  # either way of asking
+    for part in env.get("XLA_FLAGS", "").split():
         if part.startswith("--xla_force_host_platform_device_count="):
-            devices = int(part.split("=", 1)[1])
+            devices = max(devices, int(part.split("=", 1)[1]))
     os.environ["NPROC"] = str(max(os.cpu_count() or 1, THREADS_PER_CPU_DEVICE * devices))
 
 
