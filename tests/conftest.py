@@ -12,6 +12,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# Before the CPU client exists: intra-op threads enough for the 8 devices' blocking
+# collectives (what tg_jax.main sets for its own runs).
+from tg_jax.tpu import distributed  # noqa: E402
+
+distributed.threads_for_blocking_collectives(os.environ)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -63,11 +63,11 @@ def _check_run(work, ckpt, template):
 
 @pytest.mark.parametrize(
     ("config", "template"),
-    [("configs/hf_tg.py", "qwen3_coder"), ("configs/hf_swe.py", "chatml_no_newline"),
-     ("configs/hf_swe.py", "qwen3_coder")],
+    [("configs/hf_tg.py", "qwen3_coder"), ("configs/hf_tg.py", "chatml_no_newline"),
+     ("configs/hf_swe.py", "chatml_no_newline"), ("configs/hf_swe.py", "qwen3_coder")],
 )  # fmt: skip
 def test_hf_configs_from_checkpoints_in_other_chat_formats(tmp_path, config, template):
-    """Each format and each environment at least once (the SWE tools in Qwen3-Coder's XML)."""
+    """Every format with every environment (the SWE tools in Qwen3-Coder's XML too)."""
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, SWE_DENSE if "swe" in config else DENSE, template=template)
     _ok(_main(f"{config}:runlocal", work, ckpt, *TWO_STEPS))

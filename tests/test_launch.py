@@ -208,15 +208,22 @@ def test_local_pod_runs_the_main_job_through_a_preemption(tmp_path):
 
 def test_cpu_processes_get_threads_for_blocking_collectives(monkeypatch):
     """16 intra-op threads per local CPU device (XLA_FLAGS or JAX_NUM_CPU_DEVICES), set
-    through NPROC before the CPU client exists; a user's NPROC stands."""
+    through NPROC before the CPU client exists, with one process or several; a user's NPROC
+    stands."""
     monkeypatch.delenv("NPROC", raising=False)
-    distributed._threads_for_blocking_collectives(
+    distributed.threads_for_blocking_collectives(
         {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=4"}
     )
     assert os.environ["NPROC"] == str(max(os.cpu_count() or 1, 64))
     monkeypatch.delenv("NPROC")
-    distributed._threads_for_blocking_collectives({"JAX_NUM_CPU_DEVICES": "8"})
+    distributed.threads_for_blocking_collectives({"JAX_NUM_CPU_DEVICES": "8"})
     assert os.environ["NPROC"] == str(max(os.cpu_count() or 1, 128))
     monkeypatch.setenv("NPROC", "3")
-    distributed._threads_for_blocking_collectives({"JAX_NUM_CPU_DEVICES": "8"})
+    distributed.threads_for_blocking_collectives({"JAX_NUM_CPU_DEVICES": "8"})
     assert os.environ["NPROC"] == "3"
+    # A one-process CPU run gets them too (tg_jax.main's first call), a TPU run does not.
+    monkeypatch.delenv("NPROC")
+    assert not distributed.initialize_from_env({"JAX_PLATFORMS": "tpu", "JAX_NUM_CPU_DEVICES": "8"})
+    assert "NPROC" not in os.environ
+    assert not distributed.initialize_from_env({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"})
+    assert os.environ["NPROC"] == str(max(os.cpu_count() or 1, 128))

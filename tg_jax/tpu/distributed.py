@@ -58,15 +58,17 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
     Idempotent. Must run before anything touches a JAX backend (no jax.devices() before it).
     """
     global _initialized
+    env = os.environ if environ is None else environ
+    platforms = env.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms in ("", "cpu"):  # one process with several CPU devices blocks the same way
+        threads_for_blocking_collectives(env)
     if _initialized or not requested(environ):
         return _initialized
     import jax  # noqa: PLC0415 (imported late so the environment check stays cheap)
 
-    env = os.environ if environ is None else environ
-    if env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    if platforms == "cpu":
         # CPU processes have no collectives of their own; gloo runs them over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        _threads_for_blocking_collectives(env)
     jax.distributed.initialize(**initialize_kwargs(environ))
     _barriers_off_the_devices()
     _initialized = True
@@ -82,8 +84,8 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
 THREADS_PER_CPU_DEVICE = 16
 
 
-def _threads_for_blocking_collectives(env) -> None:
-    """Enough XLA:CPU intra-op threads that gloo's blocking collectives cannot starve them.
+def threads_for_blocking_collectives(env) -> None:
+    """Enough XLA:CPU intra-op threads that blocking collectives cannot starve them.
 
     XLA:CPU runs a program's independent operations concurrently on one intra-op pool per
     process (by default max(cores, local devices) threads). A gloo collective holds its pool
