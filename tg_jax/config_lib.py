@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 
 from tg_jax.envs import tasks as tasks_lib
+from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
 
 # Logical axis -> mesh axes. Params: embed/vocab/heads/kv_heads/mlp/expert/head_dim/layers/
 # norm. Activations: batch/length/act_embed plus heads/mlp/vocab.
@@ -139,104 +140,21 @@ def tiny_model_config() -> ml_collections.ConfigDict:
 
 
 def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """GRPO: advantages, clipped surrogate, aggregation, reference KL, staleness, micro-batches."""
-    c = ml_collections.ConfigDict()
-    c.advantage_mode = "grpo"  # grpo (divide by the group std) | dr_grpo (do not)
-    c.adv_eps = 1e-6  # added to the group std before dividing
-    # combined (normalise the weighted reward sum in its group) | per_reward (each reward
-    # component normalised in its group, then weighted and summed: a requirement reward's
-    # spread cannot shrink the task reward's advantage)
-    c.reward_norm = "combined"
-    c.reward_weights = ml_collections.ConfigDict({"task": 1.0})  # reward component -> weight
-    # episode (requirement rewards summed into the episode's reward, its advantage on every
-    # token) | turn (each turn's requirement verdict credited to that turn's tokens only:
-    # a later turn's failure does not lower the earlier turns' choices)
-    c.requirement_credit = "episode"
-    c.clip_low = 0.2  # ratio clipped below at 1 - clip_low
-    c.clip_high = 0.28  # ratio clipped above at 1 + clip_high (clip-higher)
-    c.dual_clip = 0.0  # dual-clip constant c > 1 for negative advantages; 0 = off
-    c.tis_cap = 0.0  # truncated IS cap on pi_prox / pi_sampler (pi_prox = trainer); 0 = off
-    c.agg_mode = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    c.norm_length = 0  # L of seq_mean_token_sum_norm (max generation length); 0 = padded T
-    c.kl_coef = 0.0  # weight of the KL to a frozen reference policy; 0 = no reference forward
-    c.kl_estimator = "k3"  # k1 | k2 | k3 per-token estimator of KL(pi_theta || pi_ref)
-    c.temperature = 1.0  # sampling temperature: trainer logits are divided by it
-    c.max_staleness = 1  # rollouts more than this many policy versions old are refused
-    c.micro_batches = 1  # gradient accumulation steps inside one optimizer update
-    # PPO update phase per rollout batch: num_updates epochs, each shuffling the batch into
-    # num_minibatches minibatches with one optimizer update each; >1 update = decoupled PPO
-    # (ratio to the params at the phase's start, weight pi_prox / pi_b capped by tis_cap, or
-    # uncapped with tis_cap 0); optim's lr schedule counts updates.
-    c.num_updates = 1  # epochs over the rollout batch (1 x 1 = one update per batch)
-    c.num_minibatches = 1  # minibatches per epoch; must split the rollouts evenly
-    # A step whose loss or gradient is not finite never updates the params (the step keeps
-    # them and counts `update_skipped`); then: skip (go on) | stop (end the run at once with
-    # an error). Either way the run stops after `nonfinite_limit` such steps in a row.
-    c.nonfinite = "skip"
-    c.nonfinite_limit = 3  # non-finite steps in a row that end the run (skip mode)
-    c.update(overrides)
-    return c
+    """GRPO: advantages, clipped surrogate, aggregation, reference KL, staleness, micro-batches
+    (the fields: `tg_jax.rl.step_config.RLConfig`)."""
+    return RLConfig.config_dict(**overrides)
 
 
 def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Targeted guidance: divergence, estimator, gating, lambda schedule, teacher context."""
-    c = ml_collections.ConfigDict()
-    c.enabled = True  # False = the GRPO arm: no teacher forward, no TG term
-    c.kind = "reverse"  # reverse | forward | jsd (KL direction, student first)
-    c.beta = 0.5  # teacher weight of the JSD mixture
-    c.estimator = "full"  # full (whole vocabulary) | sampled (produced token only)
-    c.top_k = 0  # full estimator over the student's top-k tokens + a tail bucket; 0 = full vocab
-    c.gate = "failed_turns"  # failed_turns | all_turns: which turns get hints and distillation
-    c.include_thinking = False  # also distil the <think> tokens of the selected turns
-    c.teacher_mode = "per_trajectory"  # per_trajectory (hints before every failed turn) | per_turn
-    c.max_teacher_rows = 64  # per_turn: teacher rows per batch (static), extra turns dropped
-    # The teacher's weights: policy (the current params, drifting with the student) |
-    # reference (frozen at the RL start params; the step then takes them as its reference).
-    c.teacher_params = "policy"
-    # Teacher rows only for trajectories with a targeted turn, from the first hint to the end of
-    # the last targeted turn, continuing the student's prefix keys/values (tg_jax.rl.compact):
-    # the same loss and gradients as full teacher rows (tests/test_teacher.py), less compute.
-    # The reference teacher gets full rows whatever this says (the prefix keys/values are the
-    # policy's): StepConfig's tg.compact_rows.
-    c.compact = True
-    c.mask_hint_copies = False  # drop from the TG KL the tokens that copy the hint (rl/hint_copies)
-    # all | answer_tokens: with include_thinking, distil per step at most as many tokens as the
-    # targeted turns' answer tokens, a random subset of answer + thinking (rl/distill_budget).
-    c.distill_budget = "all"
-    # turn | to_break: distil a targeted turn whole, or only up to and including the token that
-    # breaks its requirement, where the student's prefix stops being one a compliant turn has
-    # (rl/break_span).
-    c.span = "turn"
-    c.chunk_size = 256  # positions per chunk of the full-vocabulary logits / KL
-    # Reduction of the TG term: token_mean (sum over M / |M|) | token_sum (sum over M /
-    # (trajectories x norm_length): a failed turn weighs the same however many others fail).
-    c.normalize = "token_mean"
-    c.norm_length = 1.0  # token_sum: tokens per trajectory the sum is divided by
-    c.schedule = ml_collections.ConfigDict()
-    c.schedule.kind = "constant"  # lambda_tg schedule: constant | linear_warmup | cosine
-    c.schedule.value = 1.0  # peak lambda_tg
-    c.schedule.warmup_steps = 0  # linear ramp 0 -> value over these steps
-    c.schedule.decay_steps = 1000  # cosine: steps after warmup to decay to final_value
-    c.schedule.final_value = 0.0  # cosine: value after the decay
-    c.update(overrides)
-    return c
+    """Targeted guidance: divergence, estimator, gating, lambda schedule, teacher context (the
+    fields: `tg_jax.rl.step_config.TGConfig`)."""
+    return TGConfig.config_dict(**overrides)
 
 
 def optim_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """AdamW with global-norm clipping and a learning-rate schedule."""
-    c = ml_collections.ConfigDict()
-    c.lr = 1e-5  # peak learning rate
-    c.b1 = 0.9  # Adam beta1
-    c.b2 = 0.999  # Adam beta2
-    c.eps = 1e-8  # Adam epsilon
-    c.weight_decay = 0.0  # decoupled weight decay (not applied to norm scales)
-    c.grad_clip_norm = 1.0  # clip gradients to this global norm; 0 = off
-    c.schedule = "constant"  # constant | warmup_cosine
-    c.warmup_steps = 0  # linear warmup 0 -> lr (both schedules)
-    c.total_steps = 1000  # warmup_cosine: warmup + cosine decay steps
-    c.end_lr_fraction = 0.1  # warmup_cosine: final lr = lr * end_lr_fraction
-    c.update(overrides)
-    return c
+    """AdamW with global-norm clipping and a learning-rate schedule (the fields:
+    `tg_jax.rl.step_config.OptimConfig`)."""
+    return OptimConfig.config_dict(**overrides)
 
 
 def tasks_config(**overrides: Any) -> ml_collections.ConfigDict:

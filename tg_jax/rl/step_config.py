@@ -1,17 +1,17 @@
-"""Typed, validated views of the config sections the train step and its losses read.
-
-`StepConfig.from_config(config)` turns the `rl`, `tg` and `optim` ConfigDicts
-(`tg_jax.config_lib.rl_config` / `tg_config` / `optim_config`, where every field's default and
-one-line comment live) into frozen dataclasses once, at the boundary, and checks them there;
-jitted code reads plain Python values and never casts config values. "0 = off" switches of the
-ConfigDicts become None here (tis_cap, dual_clip, norm_length, top_k).
+"""The config sections the train step and its losses read: `rl`, `tg` (and its `schedule`)
+and `optim`, each declared once here (`tg_jax.config_schema`: the command line's ConfigDicts
+are generated from these dataclasses and read back into them, checked, once, at the
+boundary; jitted code reads plain Python values). "0 = off" switches of the ConfigDicts are
+None here (tis_cap, dual_clip, norm_length, top_k, grad_clip_norm).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from tg_jax.config_schema import Section, off, pairs
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -41,19 +41,12 @@ def _check(ok: bool, section: str, name: str, want: str, value: Any) -> None:
         raise ValueError(f"{section}.{name} must be {want}; got {value!r}")
 
 
-def _fields(cls: type, section: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """The section's values by field name; a key the dataclass lacks is an error."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    extra = sorted(set(section.keys()) - known)
-    if extra:
-        raise ValueError(f"{name} has unknown fields {extra} ({cls.__name__} has {sorted(known)})")
-    return dict(section.items())
-
-
 @dataclasses.dataclass(frozen=True)
-class RLConfig:
+class RLConfig(Section):
     """GRPO: advantages, the clipped surrogate, aggregation, reference KL, micro-batches, and
     the PPO update phase (epochs x minibatches)."""
+
+    section: ClassVar[str] = "rl"
 
     advantage_mode: str = "grpo"
     """grpo (divide by the group std) | dr_grpo (do not)."""
@@ -62,7 +55,7 @@ class RLConfig:
     reward_norm: str = "combined"
     """combined (normalise the weighted reward sum in its group) | per_reward (normalise each
     reward component in its group, then weight and sum; `tg_jax.rl.advantages`)."""
-    reward_weights: tuple[tuple[str, float], ...] = (("task", 1.0),)
+    reward_weights: tuple[tuple[str, float], ...] = pairs((("task", 1.0),))
     """(reward component, weight) pairs of the combined reward."""
     requirement_credit: str = "episode"
     """episode (requirement rewards in the episode's reward) | turn (each requirement signal
@@ -71,14 +64,14 @@ class RLConfig:
     """The PPO ratio is clipped below at 1 - clip_low."""
     clip_high: float = 0.28
     """The PPO ratio is clipped above at 1 + clip_high (clip-higher)."""
-    dual_clip: float | None = None
+    dual_clip: float | None = off()
     """Dual-clip constant c > 1 for negative advantages; None = off."""
-    tis_cap: float | None = None
+    tis_cap: float | None = off()
     """Truncated IS cap on pi_prox / pi_b (pi_prox = the params at the start of the update
     phase); None = off (with decoupled updates: the weight is not capped)."""
     agg_mode: str = "token_mean"
     """token_mean | seq_mean_token_mean | seq_mean_token_sum_norm."""
-    norm_length: int | None = None
+    norm_length: int | None = off()
     """L of seq_mean_token_sum_norm; None = the padded T."""
     kl_coef: float = 0.0
     """Weight of the KL to a frozen reference policy; 0 = no reference forward."""
@@ -163,39 +156,12 @@ class RLConfig:
             )
         return req, episode
 
-    @classmethod
-    def from_config(cls, rl: Mapping[str, Any] | RLConfig) -> RLConfig:
-        """From `config_lib.rl_config()` (a typed config passes through)."""
-        if isinstance(rl, cls):
-            return rl
-        v = _fields(cls, rl, "rl")
-        return cls(
-            advantage_mode=str(v["advantage_mode"]),
-            adv_eps=float(v["adv_eps"]),
-            reward_norm=str(v.get("reward_norm", "combined")),
-            reward_weights=tuple((str(k), float(w)) for k, w in dict(v["reward_weights"]).items()),
-            requirement_credit=str(v.get("requirement_credit", "episode")),
-            clip_low=float(v["clip_low"]),
-            clip_high=float(v["clip_high"]),
-            dual_clip=float(v["dual_clip"]) or None,
-            tis_cap=float(v["tis_cap"]) or None,
-            agg_mode=str(v["agg_mode"]),
-            norm_length=int(v["norm_length"]) or None,
-            kl_coef=float(v["kl_coef"]),
-            kl_estimator=str(v["kl_estimator"]),
-            temperature=float(v["temperature"]),
-            max_staleness=int(v["max_staleness"]),
-            micro_batches=int(v["micro_batches"]),
-            num_updates=int(v.get("num_updates", 1)),
-            num_minibatches=int(v.get("num_minibatches", 1)),
-            nonfinite=str(v.get("nonfinite", "skip")),
-            nonfinite_limit=int(v.get("nonfinite_limit", 3)),
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class LambdaSchedule:
+class LambdaSchedule(Section):
     """lambda_tg per train step (`tg_loss.lambda_schedule`)."""
+
+    section: ClassVar[str] = "tg.schedule"
 
     kind: str = "constant"
     """constant | linear_warmup | cosine."""
@@ -216,24 +182,12 @@ class LambdaSchedule:
         if self.kind == "cosine":
             _check(self.decay_steps > 0, s, "decay_steps", "> 0 for cosine", self.decay_steps)
 
-    @classmethod
-    def from_config(cls, schedule: Mapping[str, Any] | LambdaSchedule) -> LambdaSchedule:
-        """From `config_lib.tg_config().schedule` (a typed schedule passes through)."""
-        if isinstance(schedule, cls):
-            return schedule
-        v = _fields(cls, schedule, "tg.schedule")
-        return cls(
-            kind=str(v.get("kind", "constant")),
-            value=float(v["value"]),
-            warmup_steps=int(v.get("warmup_steps", 0)),
-            decay_steps=int(v.get("decay_steps", 1000)),
-            final_value=float(v.get("final_value", 0.0)),
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class TGConfig:
+class TGConfig(Section):
     """Targeted guidance: divergence, estimator, gating, chunking, lambda schedule."""
+
+    section: ClassVar[str] = "tg"
 
     enabled: bool = True
     """False = the GRPO arm: no teacher forward, no TG term."""
@@ -243,7 +197,7 @@ class TGConfig:
     """Teacher weight of the JSD mixture, in (0, 1) for jsd."""
     estimator: str = "full"
     """full (whole vocabulary) | sampled (produced token only)."""
-    top_k: int | None = None
+    top_k: int | None = off()
     """Full estimator over the student's top-k tokens + a tail bucket; None = full vocab."""
     gate: str = "failed_turns"
     """failed_turns | all_turns: which turns get hints and distillation."""
@@ -316,37 +270,12 @@ class TGConfig:
         values, which are the policy's, not the reference's)."""
         return self.enabled and self.compact and not self.reference_teacher
 
-    @classmethod
-    def from_config(cls, tg: Mapping[str, Any] | TGConfig) -> TGConfig:
-        """From `config_lib.tg_config()` (a typed config passes through)."""
-        if isinstance(tg, cls):
-            return tg
-        v = _fields(cls, tg, "tg")
-        return cls(
-            enabled=bool(v["enabled"]),
-            kind=str(v["kind"]),
-            beta=float(v["beta"]),
-            estimator=str(v["estimator"]),
-            top_k=int(v["top_k"]) or None,
-            gate=str(v["gate"]),
-            include_thinking=bool(v["include_thinking"]),
-            teacher_mode=str(v["teacher_mode"]),
-            max_teacher_rows=int(v["max_teacher_rows"]),
-            teacher_params=str(v.get("teacher_params", "policy")),
-            compact=bool(v.get("compact", True)),
-            mask_hint_copies=bool(v.get("mask_hint_copies", False)),
-            distill_budget=str(v.get("distill_budget", "all")),
-            span=str(v.get("span", "turn")),
-            chunk_size=int(v["chunk_size"]),
-            normalize=str(v.get("normalize", "token_mean")),
-            norm_length=float(v.get("norm_length", 1.0)),
-            schedule=LambdaSchedule.from_config(v["schedule"]),
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(Section):
     """AdamW with global-norm clipping and a learning-rate schedule."""
+
+    section: ClassVar[str] = "optim"
 
     lr: float = 1e-5
     """Peak learning rate."""
@@ -358,7 +287,7 @@ class OptimConfig:
     """Adam epsilon."""
     weight_decay: float = 0.0
     """Decoupled weight decay (not applied to norm scales)."""
-    grad_clip_norm: float | None = 1.0
+    grad_clip_norm: float | None = off(1.0)
     """Clip gradients to this global norm; None = off."""
     schedule: str = "constant"
     """constant | warmup_cosine."""
@@ -383,29 +312,14 @@ class OptimConfig:
         _check(self.total_steps >= 0, s, "total_steps", ">= 0", self.total_steps)
         _check(self.end_lr_fraction >= 0, s, "end_lr_fraction", ">= 0", self.end_lr_fraction)
 
-    @classmethod
-    def from_config(cls, optim: Mapping[str, Any] | OptimConfig) -> OptimConfig:
-        """From `config_lib.optim_config()` (a typed config passes through)."""
-        if isinstance(optim, cls):
-            return optim
-        v = _fields(cls, optim, "optim")
-        return cls(
-            lr=float(v["lr"]),
-            b1=float(v["b1"]),
-            b2=float(v["b2"]),
-            eps=float(v["eps"]),
-            weight_decay=float(v["weight_decay"]),
-            grad_clip_norm=float(v["grad_clip_norm"]) or None,
-            schedule=str(v["schedule"]),
-            warmup_steps=int(v["warmup_steps"]),
-            total_steps=int(v["total_steps"]),
-            end_lr_fraction=float(v["end_lr_fraction"]),
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """The three sections of one RL train step."""
+class StepConfig(Section):
+    """The three sections of one RL train step (`from_config` reads them from a run config;
+    its other sections are not read)."""
+
+    section: ClassVar[str] = "config"
+    strict: ClassVar[bool] = False
 
     rl: RLConfig
     """GRPO policy loss, advantages, micro-batches."""
@@ -419,14 +333,3 @@ class StepConfig:
         """Whether the step takes frozen reference params: for the reference KL (rl.kl_coef >
         0) or the reference teacher (tg.teacher_params "reference")."""
         return self.rl.kl_coef > 0 or self.tg.reference_teacher
-
-    @classmethod
-    def from_config(cls, config: Any) -> StepConfig:
-        """From a config with `rl`, `tg` and `optim` sections (a typed config passes through)."""
-        if isinstance(config, cls):
-            return config
-        return cls(
-            rl=RLConfig.from_config(config.rl),
-            tg=TGConfig.from_config(config.tg),
-            optim=OptimConfig.from_config(config.optim),
-        )
