@@ -304,36 +304,19 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
 
 
 def sft_extend_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """SFT steps after `sft.steps` for a run that has not learnt the tasks by then.
+    """SFT steps after `sft.steps` for a run that has not learnt the tasks by then (the
+    fields: `tg_jax.train.sft_select.ExtendConfig`)."""
+    from tg_jax.train.sft_select import ExtendConfig  # noqa: PLC0415 (sft imports this module)
 
-    At step `sft.steps` (after its dev evaluation) the run is extended iff no eligible dev
-    evaluation reached `min_pass_rate`; the extension is a second cosine over `steps` steps,
-    from `lr_fraction` x sft.optim.lr down to the main cosine's end value. A run that is not
-    extended is step for step the run without this option. Needs `sft.select` (the dev
-    figures); the decision is recorded in sft/selection.json, so a resumed run keeps it.
-    """
-    c = ml_collections.ConfigDict()
-    c.steps = 0  # extra steps (0 = never extend)
-    c.min_pass_rate = 0.25  # extend when the best eligible dev pass rate is under this
-    c.lr_fraction = 0.2  # the extension's peak lr, as a fraction of sft.optim.lr
-    c.update(overrides)
-    return c
+    return ExtendConfig.config_dict(**overrides)
 
 
 def sft_select_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Model selection during SFT on tasks of the dev split (tg_jax.train.sft_select)."""
-    c = ml_collections.ConfigDict()
-    c.enabled = True  # False: the last SFT step is the base model
-    c.every = 250  # steps between dev evaluations
-    c.start = 1000  # first step evaluated
-    c.num_tasks = 64  # dev tasks per evaluation (dev-split functions: not trained, not tested)
-    c.seed = 7  # seed of the dev tasks and their sampling
-    c.max_new_tokens = 128  # decode budget per assistant turn
-    c.pass_rate_max = 0.6  # eligible up to this temperature-1 dev pass rate
-    c.unprompted_max = 0.02  # eligible if unprompted compliance <= this (every requirement)
-    c.hinted_min = 0.95  # eligible if hinted compliance >= this (every requirement)
-    c.update(overrides)
-    return c
+    """Model selection during SFT on tasks of the dev split (the fields:
+    `tg_jax.train.sft_select.SelectConfig`)."""
+    from tg_jax.train.sft_select import SelectConfig  # noqa: PLC0415 (sft imports this module)
+
+    return SelectConfig.config_dict(**overrides)
 
 
 def sft_require_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -423,15 +406,11 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.sampling_seed = 1234  # sampling key of the evaluation (same for every arm and seed)
     c.env_workers = 2  # threads running one turn's tool calls at once (rl_loop.env_workers)
     c.train_seeds = (0, 1, 2)  # training seeds per arm (the seed spread is reported apart)
-    c.baseline = "grpo"  # arm every other arm is compared with
-    c.candidate = "tg"  # arm whose non-inferiority is the headline verdict
-    c.margin = -0.05  # allowed drop in held-out task success, candidate - baseline (<= 0)
-    c.ni_interval = "paired_bootstrap"  # interval deciding NI: paired_bootstrap | seed_t
-    c.floor = 0.1  # baseline held-out task success under which NI is "not meaningful"
-    c.level = 0.95  # two-sided coverage of every interval (bootstrap and t)
-    c.n_boot = 10_000  # bootstrap replicates
-    c.bootstrap_seed = 0  # numpy seed of the bootstrap
-    c.last_k = 32  # training steps of the Table 1 style mean +- std (not a CI)
+    # How the report compares the arms: baseline, candidate, margin, ni_interval, floor,
+    # level, n_boot, bootstrap_seed, last_k (declared in tg_jax.evaluation.report).
+    from tg_jax.evaluation.report import ReportSettings  # noqa: PLC0415 (matplotlib: late)
+
+    c.update(ReportSettings.config_dict())
     c.update(overrides)
     return c
 

@@ -28,11 +28,12 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from tg_jax import paths
+from tg_jax.config_schema import Section
 from tg_jax.evaluation import stability, stats
 from tg_jax.evaluation.markdown import COST_KEYS, render_markdown
 from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups, action_names: public here too)
@@ -79,23 +80,32 @@ class RunResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReportSettings:
-    """How the report compares arms; `from_config` reads them from `eval_config()`."""
+class ReportSettings(Section):
+    """How the report compares arms; `from_config` reads them from the `eval` section (its
+    other fields are not read)."""
 
-    baseline: str = "grpo"  # arm every other arm is compared with
-    candidate: str = "tg"  # arm whose non-inferiority is the headline verdict
-    margin: float = -0.05  # allowed drop in held-out task success (fixed before the run)
-    ni_interval: str = "paired_bootstrap"  # which interval decides (see evaluation.stats)
-    floor: float = 0.1  # baseline task success under which the verdict is "not meaningful"
-    level: float = 0.95  # two-sided coverage of every interval
-    n_boot: int = 10_000  # bootstrap replicates
-    bootstrap_seed: int = 0  # bootstrap numpy seed
-    last_k: int = 32  # training steps in the Table 1 style mean +- std
+    section: ClassVar[str] = "eval"
+    strict: ClassVar[bool] = False
 
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | Any) -> ReportSettings:
-        get = cfg.get if hasattr(cfg, "get") else lambda k, d: getattr(cfg, k, d)
-        return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls)})
+    baseline: str = "grpo"
+    """Arm every other arm is compared with."""
+    candidate: str = "tg"
+    """Arm whose non-inferiority is the headline verdict."""
+    margin: float = -0.05
+    """Allowed drop in held-out task success, candidate - baseline (<= 0; fixed before the
+    run)."""
+    ni_interval: str = "paired_bootstrap"
+    """The interval deciding non-inferiority: paired_bootstrap | seed_t (evaluation.stats)."""
+    floor: float = 0.1
+    """Baseline task success under which the verdict is "not meaningful"."""
+    level: float = 0.95
+    """Two-sided coverage of every interval."""
+    n_boot: int = 10_000
+    """Bootstrap replicates."""
+    bootstrap_seed: int = 0
+    """Bootstrap numpy seed."""
+    last_k: int = 32
+    """Training steps in the Table 1 style mean +- std."""
 
 
 # -- results ---------------------------------------------------------------------------------

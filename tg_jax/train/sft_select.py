@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_collections
 
 from tg_jax import checkpointing, paths
+from tg_jax.config_schema import Section
 from tg_jax.envs.coding import coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.text import ChatRenderer
@@ -42,30 +43,29 @@ BEST_DIR = "best"
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectConfig:
-    """`config.sft.select`, typed.
+class SelectConfig(Section):
+    """`config.sft.select`: model selection during SFT on tasks of the dev split."""
 
-    Attributes:
-      enabled: select the base model on the dev split (False: the last step is the model).
-      every: steps between dev evaluations.
-      start: first step evaluated (earlier checkpoints are never chosen).
-      num_tasks: dev tasks per evaluation (dev split, `seed`).
-      seed: seed of the dev tasks and their sampling.
-      max_new_tokens: decode budget per assistant turn.
-      pass_rate_max: eligible only up to this temperature-1 pass rate.
-      unprompted_max: eligible only if unprompted compliance <= this, every requirement.
-      hinted_min: eligible only if hinted compliance >= this, every requirement.
-    """
+    section: ClassVar[str] = "sft.select"
 
-    enabled: bool
-    every: int
-    start: int
-    num_tasks: int
-    seed: int
-    max_new_tokens: int
-    pass_rate_max: float
-    unprompted_max: float
-    hinted_min: float
+    enabled: bool = True
+    """Select the base model on the dev split (False: the last SFT step is the model)."""
+    every: int = 250
+    """Steps between dev evaluations."""
+    start: int = 1000
+    """First step evaluated (earlier checkpoints are never chosen)."""
+    num_tasks: int = 64
+    """Dev tasks per evaluation (dev-split functions: not trained, not tested)."""
+    seed: int = 7
+    """Seed of the dev tasks and their sampling."""
+    max_new_tokens: int = 128
+    """Decode budget per assistant turn."""
+    pass_rate_max: float = 0.6
+    """Eligible only up to this temperature-1 dev pass rate."""
+    unprompted_max: float = 0.02
+    """Eligible only if unprompted compliance <= this, every requirement."""
+    hinted_min: float = 0.95
+    """Eligible only if hinted compliance >= this, every requirement."""
 
     def __post_init__(self):
         if self.every < 1 or self.num_tasks < 1:
@@ -73,35 +73,35 @@ class SelectConfig:
         if not 0.0 <= self.unprompted_max <= 1.0 or not 0.0 <= self.hinted_min <= 1.0:
             raise ValueError(f"sft.select: compliance bounds must be in [0, 1], got {self}")
 
-    @classmethod
-    def from_config(cls, cfg: Any) -> SelectConfig:
-        return cls(
-            enabled=bool(cfg.enabled), every=int(cfg.every), start=int(cfg.start),
-            num_tasks=int(cfg.num_tasks), seed=int(cfg.seed),
-            max_new_tokens=int(cfg.max_new_tokens), pass_rate_max=float(cfg.pass_rate_max),
-            unprompted_max=float(cfg.unprompted_max), hinted_min=float(cfg.hinted_min),
-        )  # fmt: skip
-
     def due(self, step: int, num_steps: int) -> bool:
         """Whether step `step` (1-based count of steps done) is evaluated."""
         return self.enabled and step >= self.start and (step % self.every == 0 or step == num_steps)
 
 
 @dataclasses.dataclass(frozen=True)
-class ExtendConfig:
-    """`config.sft.extend`, typed (`config_lib.sft_extend_config`)."""
+class ExtendConfig(Section):
+    """`config.sft.extend`: SFT steps after `sft.steps` for a run that has not learnt the
+    tasks by then.
 
-    steps: int
-    min_pass_rate: float
-    lr_fraction: float
+    At step `sft.steps` (after its dev evaluation) the run is extended iff no eligible dev
+    evaluation reached `min_pass_rate`; the extension is a second cosine over `steps` steps,
+    from `lr_fraction` x sft.optim.lr down to the main cosine's end value. A run that is not
+    extended is step for step the run without this option. Needs `sft.select` (the dev
+    figures); the decision is recorded in sft/selection.json, so a resumed run keeps it.
+    """
+
+    section: ClassVar[str] = "sft.extend"
+
+    steps: int = 0
+    """Extra steps (0 = never extend)."""
+    min_pass_rate: float = 0.25
+    """Extend when the best eligible dev pass rate is under this."""
+    lr_fraction: float = 0.2
+    """The extension's peak lr, as a fraction of sft.optim.lr."""
 
     def __post_init__(self):
         if self.steps < 0 or not 0.0 < self.lr_fraction <= 1.0:
             raise ValueError(f"sft.extend: steps >= 0 and lr_fraction in (0, 1], got {self}")
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ExtendConfig:
-        return cls(int(cfg.steps), float(cfg.min_pass_rate), float(cfg.lr_fraction))
 
 
 def extend_config(config: Any) -> ExtendConfig:
