@@ -6,9 +6,11 @@ import os
 
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_lib, config_schema
 from tg_jax.models import ModelConfig
+from tg_jax.rl import step_config
 from tg_jax.rl.step_config import OptimConfig, StepConfig, TGConfig
+from tg_jax.train.sft_select import ExtendConfig, SelectConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
@@ -96,3 +98,44 @@ def test_step_config_cross_field_checks():
         TGConfig(estimator="sampled", top_k=4)
     with pytest.raises(ValueError, match="unknown fields"):
         OptimConfig.from_config({**config_lib.optim_config().to_dict(), "momentum": 0.9})
+
+
+SECTIONS = [  # (the ConfigDict builder, its dataclass, the dataclass's instance of the defaults)
+    (config_lib.rl_config, step_config.RLConfig, step_config.RLConfig()),
+    (config_lib.tg_config, step_config.TGConfig, step_config.TGConfig()),
+    (lambda: config_lib.tg_config().schedule, step_config.LambdaSchedule,
+     step_config.LambdaSchedule()),
+    (config_lib.optim_config, step_config.OptimConfig, step_config.OptimConfig()),
+    (config_lib.sft_select_config, SelectConfig, SelectConfig()),
+    (config_lib.sft_extend_config, ExtendConfig, ExtendConfig()),
+    (config_lib.model_config, ModelConfig, config_lib.CPU_MODEL),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "cls", "default"), SECTIONS)
+def test_each_section_is_its_dataclass(build, cls, default):
+    """Every config section with a dataclass holds exactly the dataclass's fields (and the keys
+    it declares as read elsewhere) and reads back into the dataclass's defaults; a changed
+    value round-trips (an `off` field through its ConfigDict value, pairs through a dict)."""
+    cfg = build()
+    fields = sorted(f.name for f in dataclasses.fields(cls))
+    assert sorted(k for k in cfg.keys() if k not in cls.ignored) == fields
+    assert cls.from_config(cfg) == default
+    for f in dataclasses.fields(cls):  # ConfigDicts hold plain values, never None
+        assert cfg[f.name] is not None, f.name
+
+
+def test_off_and_pairs_fields_round_trip():
+    cfg = config_lib.rl_config(tis_cap=2.0)
+    cfg.reward_weights = {"task": 1.0, "fence": 0.5}
+    rl = step_config.RLConfig.from_config(cfg)
+    assert rl.tis_cap == 2.0 and rl.dual_clip is None and rl.norm_length is None
+    assert dict(rl.reward_weights) == {"task": 1.0, "fence": 0.5}
+    assert config_lib.rl_config().tis_cap == 0.0  # None is 0.0 (a float field) on the line
+    assert step_config.OptimConfig.from_config(config_lib.optim_config(grad_clip_norm=0.0)) == (
+        step_config.OptimConfig(grad_clip_norm=None)
+    )
+    back = config_schema.config_dict(rl)
+    assert step_config.RLConfig.from_config(back) == rl
+    with pytest.raises(ValueError, match=r"rl\.clip_low: could not convert"):
+        step_config.RLConfig.from_config({"clip_low": "wide"})

@@ -183,5 +183,5 @@ def test_invalid_model_config_is_clear():
         _cfg(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="attn_query_block must be >= 0"):
         _cfg(attn_query_block=-1)
-    with pytest.raises(ValueError, match="Unknown model config keys"):
+    with pytest.raises(ValueError, match=r"model has unknown fields \[.num_layerz.\]"):
         ModelConfig.from_config({**_cfg().__dict__, "num_layerz": 2})

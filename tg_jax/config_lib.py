@@ -21,7 +21,9 @@ from typing import Any
 
 import ml_collections
 
+from tg_jax import config_schema
 from tg_jax.envs import tasks as tasks_lib
+from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
 
 # Logical axis -> mesh axes. Params: embed/vocab/heads/kv_heads/mlp/expert/head_dim/layers/
@@ -67,33 +69,18 @@ def sampler_mesh_config(num_devices: int = 0, shape=(-1, 1)) -> ml_collections.C
     return c
 
 
+# The embedded CPU model (a byte tokenizer: 256 bytes + special tokens, padded to a multiple
+# of 8); the fields and their meaning: tg_jax.models.ModelConfig.
+CPU_MODEL = ModelConfig(
+    vocab_size=272, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+    mlp_dim=384, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=512,
+)  # fmt: skip
+
+
 def model_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The Qwen3 architecture fields (see tg_jax.models.ModelConfig); defaults = CPU model."""
-    c = ml_collections.ConfigDict()
-    c.vocab_size = 272  # byte tokenizer: 256 bytes + special tokens, padded to a multiple of 8
-    c.d_model = 128  # hidden size
-    c.num_layers = 4  # decoder layers (run under nn.scan)
-    c.num_heads = 4  # query heads
-    c.num_kv_heads = 2  # key/value heads (GQA ratio num_heads / num_kv_heads)
-    c.head_dim = 32  # per-head dim, independent of d_model / num_heads
-    c.mlp_dim = 384  # SwiGLU intermediate size
-    c.rope_theta = 10_000.0  # RoPE base frequency
-    c.rms_norm_eps = 1e-6  # RMSNorm epsilon
-    c.tie_embeddings = True  # share the input embedding with the output projection
-    c.param_dtype = "float32"  # storage dtype of params
-    c.dtype = "float32"  # compute dtype (fp32 on CPU: bf16 matmuls are slower there)
-    c.remat_policy = "none"  # none | full | dots | dots_with_no_batch_dims
-    c.scan_unroll = 1  # layers per layer-loop iteration; num_layers = unrolled (faster on CPU)
-    c.max_seq_len = 512  # longest sequence the model is used with
-    # Full-sequence attention in causal query blocks of this size (0 = one block): skips the
-    # masked upper triangle; exact for every input of this codebase (see ModelConfig). Each
-    # block is its own op, so keep T / block small (e.g. 128 for T <= 1024 on CPU).
-    c.attn_query_block = 0
-    c.num_experts = 0  # 0 = dense MLP; > 0 = Qwen3-MoE feed-forward
-    c.experts_per_token = 0  # top-k experts per token (MoE only)
-    c.moe_mlp_dim = 0  # per-expert intermediate size (MoE only)
-    c.norm_topk_prob = True  # renormalise top-k router probabilities (MoE only)
-    c.router_aux_loss_coef = 0.0  # load-balancing loss weight (MoE only)
+    """The model section: the architecture (`tg_jax.models.ModelConfig`'s fields; defaults =
+    `CPU_MODEL`) and two run settings."""
+    c = config_schema.config_dict(CPU_MODEL)
     # A Hugging Face checkpoint directory (local or gs://) to start from: its config.json gives
     # the architecture (fields set here must agree), its files the weights, tokenizer and chat
     # template (tg_jax.models.hf_dir). "" = no checkpoint: a random init of this architecture.

@@ -52,6 +52,16 @@ def _base(tp: Any) -> Any:
     return tp
 
 
+def _optional(f: dataclasses.Field, hints: dict[str, Any]) -> bool:
+    """Whether None is a value of field `f` (an `off` field, or a `... | None` type)."""
+    tp = hints[f.name]
+    if _OFF in f.metadata:
+        return True
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in (
+        typing.get_args(tp)
+    )
+
+
 def _cast(tp: Any, value: Any, where: str) -> Any:
     tp = _base(tp)
     origin = typing.get_origin(tp) or tp
@@ -94,9 +104,13 @@ def from_config(cls: type, section: Any, name: str, *, strict: bool = True) -> A
     values = dict(section.items()) if hasattr(section, "items") else dict(section)
     hints = _hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
-    extra = sorted(set(values) - set(known))
+    extra = sorted(set(values) - set(known) - set(getattr(cls, "ignored", ())))
     if strict and extra:
         raise ValueError(f"{name} has unknown fields {extra} ({cls.__name__} has {sorted(known)})")
+    unset = [k for k, f in known.items() if values.get(k, 0) is None and not _optional(f, hints)]
+    if unset:
+        hint = getattr(cls, "unset_hint", "")
+        raise ValueError(f"{name} config fields {unset} are unset" + (f": {hint}" if hint else ""))
     kwargs = {}
     for key, f in known.items():
         if key not in values:
@@ -112,7 +126,7 @@ def from_config(cls: type, section: Any, name: str, *, strict: bool = True) -> A
                 value = dict(value)
             (_, value_tp) = typing.get_args(typing.get_args(tp)[0])
             value = tuple((str(k), _cast(value_tp, v, f"{where}.{k}")) for k, v in value.items())
-        else:
+        elif value is not None:
             value = _cast(tp, value, where)
         kwargs[key] = value
     return cls(**kwargs)
@@ -124,10 +138,14 @@ class Section:
     Attributes:
       section: the section's name in the run config (for messages: "rl", "tg.schedule").
       strict: whether a key the dataclass does not declare is an error.
+      ignored: keys of the section that are not the dataclass's (read elsewhere).
+      unset_hint: what an error about unset (None) fields adds: where their values come from.
     """
 
     section: ClassVar[str] = ""
     strict: ClassVar[bool] = True
+    ignored: ClassVar[tuple[str, ...]] = ()
+    unset_hint: ClassVar[str] = ""
 
     @classmethod
     def from_config(cls, cfg: Any) -> Any:

@@ -3,54 +3,82 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import ClassVar
 
 import jax.numpy as jnp
+
+from tg_jax.config_schema import Section
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     """Architecture of a Qwen3-family decoder (dense or mixture-of-experts).
 
     Field names follow Hugging Face's `Qwen3Config` where one exists, so that
     `ModelConfig.from_hf(hf_config_dict)` is a rename, not a translation.
     """
 
+    section: ClassVar[str] = "model"
+    # The section's run settings, read by tg_jax.models.hf_dir and tg_jax.text.
+    ignored: ClassVar[tuple[str, ...]] = ("hf_checkpoint", "tool_format")
+    unset_hint: ClassVar[str] = (
+        "they come from model.hf_checkpoint's config.json (tg_jax.models.hf_dir.resolve_config "
+        "fills them)"
+    )
+
     vocab_size: int
-    d_model: int  # hidden_size
+    """Vocabulary size (embedding rows)."""
+    d_model: int
+    """Hidden size (hidden_size)."""
     num_layers: int
+    """Decoder layers (num_hidden_layers), run under nn.scan."""
     num_heads: int
+    """Query heads."""
     num_kv_heads: int
-    head_dim: int  # independent of d_model / num_heads, as in Qwen3
-    mlp_dim: int  # intermediate_size of the dense SwiGLU MLP
+    """Key/value heads (GQA ratio num_heads / num_kv_heads)."""
+    head_dim: int
+    """Per-head dim, independent of d_model / num_heads, as in Qwen3."""
+    mlp_dim: int
+    """Intermediate size of the dense SwiGLU MLP (intermediate_size)."""
     rope_theta: float = 1_000_000.0
+    """RoPE base frequency."""
     rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
     tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
     param_dtype: str = "float32"
-    dtype: str = "float32"  # compute dtype of activations and matmuls
+    """Storage dtype of the params."""
+    dtype: str = "float32"
+    """Compute dtype of activations and matmuls (fp32 on CPU: bf16 matmuls are slower there)."""
     remat_policy: str = "none"
-    # Layers per iteration of the scanned layer loop (lax.scan `unroll`); num_layers unrolls it
-    # fully. Params stay stacked either way. On CPU a fully unrolled stack trains ~15-25%
-    # faster (XLA drops the loop's per-layer slicing and stacking of activations).
+    """none | full | dots | dots_with_no_batch_dims."""
     scan_unroll: int = 1
+    """Layers per iteration of the scanned layer loop (lax.scan `unroll`); num_layers unrolls
+    it fully. Params stay stacked either way. On CPU a fully unrolled stack trains ~15-25%
+    faster (XLA drops the loop's per-layer slicing and stacking of activations)."""
     max_seq_len: int = 4096
-    # Full-sequence attention (no KV cache) in query blocks of this many tokens; block i only
-    # computes scores against keys up to its own end, which skips the masked upper triangle
-    # (0 = one block). Exact when no query attends to a later index of the sequence, which
-    # holds for causal positions that never decrease within a segment (plain and packed rows,
-    # all of this codebase's inputs). Faster on CPU, where attention over T tokens otherwise
-    # computes all T^2 scores. Exact up to float rounding: a chaotic training recipe can still
-    # end elsewhere (see configs/default.py).
+    """Longest sequence the model is used with."""
     attn_query_block: int = 0
-    # Mixture of experts (Qwen3-MoE). num_experts == 0 means a dense MLP in every layer.
+    """Full-sequence attention (no KV cache) in query blocks of this many tokens; block i only
+    computes scores against keys up to its own end, which skips the masked upper triangle
+    (0 = one block). Exact when no query attends to a later index of the sequence, which
+    holds for causal positions that never decrease within a segment (plain and packed rows,
+    all of this codebase's inputs). Faster on CPU, where attention over T tokens otherwise
+    computes all T^2 scores (keep T / block small, e.g. 128 for T <= 1024). Exact up to float
+    rounding: a chaotic training recipe can still end elsewhere."""
     num_experts: int = 0
+    """Mixture of experts (Qwen3-MoE): 0 = a dense MLP in every layer."""
     experts_per_token: int = 0
+    """Top-k experts per token (MoE only)."""
     moe_mlp_dim: int = 0
+    """Per-expert intermediate size (MoE only)."""
     norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities (MoE only)."""
     router_aux_loss_coef: float = 0.0
+    """Load-balancing loss weight (MoE only)."""
 
     def __post_init__(self):
         def need(cond, msg):
@@ -100,24 +128,6 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ModelConfig:
-        """From an ml_collections ConfigDict (or any mapping) with exactly these field names."""
-        d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-        d.pop("hf_checkpoint", None)  # where the fields came from (tg_jax.models.hf_dir)
-        d.pop("tool_format", None)  # the chat format's, not the network's (tg_jax.text)
-        unset = sorted(k for k, v in d.items() if v is None)
-        if unset:
-            raise ValueError(
-                f"model config fields {unset} are unset: they come from model.hf_checkpoint's "
-                "config.json (tg_jax.models.hf_dir.resolve_config fills them)"
-            )
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"Unknown model config keys {unknown}; known: {sorted(names)}")
-        return cls(**d)
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Parameter count (all experts counted)."""

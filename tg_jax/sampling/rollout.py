@@ -103,13 +103,6 @@ class RolloutConfig:
         if self.max_rows < 0:  # a negative chunk size would play no episode at all
             raise ValueError(f"sampler_mesh.max_rows must be >= 0 (0 = all), got {self.max_rows}")
 
-    @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> RolloutConfig:
-        """From any mapping / ConfigDict holding (some of) these field names."""
-        d = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{**{k: v for k, v in d.items() if k in names}, **overrides})
-
 
 @dataclasses.dataclass
 class Episode:
