@@ -23,8 +23,10 @@ import ml_collections
 
 from tg_jax import config_schema
 from tg_jax.envs import tasks as tasks_lib
+from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
+from tg_jax.train.sft_settings import ExtendConfig, SelectConfig
 
 # Logical axis -> mesh axes. Params: embed/vocab/heads/kv_heads/mlp/expert/head_dim/layers/
 # norm. Activations: batch/length/act_embed plus heads/mlp/vocab.
@@ -293,16 +295,12 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
 def sft_extend_config(**overrides: Any) -> ml_collections.ConfigDict:
     """SFT steps after `sft.steps` for a run that has not learnt the tasks by then (the
     fields: `tg_jax.train.sft_select.ExtendConfig`)."""
-    from tg_jax.train.sft_select import ExtendConfig  # noqa: PLC0415 (sft imports this module)
-
     return ExtendConfig.config_dict(**overrides)
 
 
 def sft_select_config(**overrides: Any) -> ml_collections.ConfigDict:
     """Model selection during SFT on tasks of the dev split (the fields:
     `tg_jax.train.sft_select.SelectConfig`)."""
-    from tg_jax.train.sft_select import SelectConfig  # noqa: PLC0415 (sft imports this module)
-
     return SelectConfig.config_dict(**overrides)
 
 
@@ -395,8 +393,6 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.train_seeds = (0, 1, 2)  # training seeds per arm (the seed spread is reported apart)
     # How the report compares the arms: baseline, candidate, margin, ni_interval, floor,
     # level, n_boot, bootstrap_seed, last_k (declared in tg_jax.evaluation.report).
-    from tg_jax.evaluation.report import ReportSettings  # noqa: PLC0415 (matplotlib: late)
-
     c.update(ReportSettings.config_dict())
     c.update(overrides)
     return c

@@ -28,12 +28,11 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from tg_jax import paths
-from tg_jax.config_schema import Section
 from tg_jax.evaluation import stability, stats
 from tg_jax.evaluation.markdown import COST_KEYS, render_markdown
 from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups, action_names: public here too)
@@ -46,6 +45,7 @@ from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups
     plot_differences,
     plot_tuning,
 )
+from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.sampling.episode import EpisodeRecord
 
 GROUPS = ("main", "stress", "ablation")
@@ -77,35 +77,6 @@ class RunResult:
     def __post_init__(self):
         if self.group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportSettings(Section):
-    """How the report compares arms; `from_config` reads them from the `eval` section (its
-    other fields are not read)."""
-
-    section: ClassVar[str] = "eval"
-    strict: ClassVar[bool] = False
-
-    baseline: str = "grpo"
-    """Arm every other arm is compared with."""
-    candidate: str = "tg"
-    """Arm whose non-inferiority is the headline verdict."""
-    margin: float = -0.05
-    """Allowed drop in held-out task success, candidate - baseline (<= 0; fixed before the
-    run)."""
-    ni_interval: str = "paired_bootstrap"
-    """The interval deciding non-inferiority: paired_bootstrap | seed_t (evaluation.stats)."""
-    floor: float = 0.1
-    """Baseline task success under which the verdict is "not meaningful"."""
-    level: float = 0.95
-    """Two-sided coverage of every interval."""
-    n_boot: int = 10_000
-    """Bootstrap replicates."""
-    bootstrap_seed: int = 0
-    """Bootstrap numpy seed."""
-    last_k: int = 32
-    """Training steps in the Table 1 style mean +- std."""
 
 
 # -- results ---------------------------------------------------------------------------------

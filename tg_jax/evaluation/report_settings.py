@@ -1,0 +1,38 @@
+"""How the report compares arms: the report's fields of the `eval` section, declared once
+(`tg_jax.config_schema`); the report is `tg_jax.evaluation.report`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from tg_jax.config_schema import Section
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSettings(Section):
+    """How the report compares arms; `from_config` reads them from the `eval` section (its
+    other fields are not read)."""
+
+    section: ClassVar[str] = "eval"
+    strict: ClassVar[bool] = False
+
+    baseline: str = "grpo"
+    """Arm every other arm is compared with."""
+    candidate: str = "tg"
+    """Arm whose non-inferiority is the headline verdict."""
+    margin: float = -0.05
+    """Allowed drop in held-out task success, candidate - baseline (<= 0; fixed before the
+    run)."""
+    ni_interval: str = "paired_bootstrap"
+    """The interval deciding non-inferiority: paired_bootstrap | seed_t (evaluation.stats)."""
+    floor: float = 0.1
+    """Baseline task success under which the verdict is "not meaningful"."""
+    level: float = 0.95
+    """Two-sided coverage of every interval."""
+    n_boot: int = 10_000
+    """Bootstrap replicates."""
+    bootstrap_seed: int = 0
+    """Bootstrap numpy seed."""
+    last_k: int = 32
+    """Training steps in the Table 1 style mean +- std."""
