@@ -255,3 +255,52 @@ def test_a_command_line_report_to_gcs(gcs):
     assert _objects(gcs, "swe") == {swe_protocol.JSON_FILE, swe_protocol.MD_FILE}
     doc = paths.read_json(f"gs://{BUCKET}/swe/{swe_protocol.JSON_FILE}")
     assert doc["num_tasks"] == 2 and doc["figures"]
+
+
+@pytest.mark.timeout(1500)
+def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
+    """`launch/tpu.sh --local` (2 processes x 4 CPU devices) with --workdir=gs://...: both
+    workers write their checkpoint shards to the bucket; SIGTERM after the first checkpoint
+    (exit 143), the same command resumes; 3 RL steps, one report and one export, in the
+    bucket."""
+    import signal
+    import time
+
+    from tests.test_launch import _pod_command
+
+    workdir = f"gs://{BUCKET}/pod"
+    extra = ("--config.rl_loop.steps=3", "--config.optim.total_steps=3",
+             "--config.rl_loop.checkpoint_every=1", "--config.eval.num_tasks=4",
+             "--config.sampler_mesh.shape=(-1, 2)")  # fmt: skip
+    cmd, kw = _pod_command(tmp_path, *extra, workdir=workdir)
+    kw["env"].update(gcs.env)
+    for name in ("TENSORSTORE_GCS_HTTP_URL", "TG_JAX_FAULTS"):
+        kw["env"].pop(name, None)
+    ckpt1 = f"{BUCKET}/pod/runs/tg_seed0/checkpoints/1/commit_success.txt"
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+    deadline = time.monotonic() + 900
+    while True:
+        gcs.fs.invalidate_cache()
+        if gcs.fs.exists(ckpt1):
+            break
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(1)
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 143, out[-3000:]
+    assert not any(n.startswith("report/") for n in _objects(gcs, "pod"))
+    proc = subprocess.run(cmd, capture_output=True, timeout=1200, **kw)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(f"report: {workdir}/report/report.md") == 1
+    names = _objects(gcs, "pod")
+    assert {"report/report.md", "export/tg_seed0/model.safetensors",
+            "runs/tg_seed0/rl_summary.json"} <= names, sorted(names)  # fmt: skip
+    for p in (0, 1):  # both processes' shards of the last checkpoint
+        assert any(
+            n.startswith(f"runs/tg_seed0/checkpoints/3/state/ocdbt.process_{p}/") for n in names
+        ), (p, sorted(names))
+    summary = json.loads(gcs.fs.cat(f"{BUCKET}/pod/runs/tg_seed0/rl_summary.json"))
+    assert summary["step"] == 3 and summary["finished"]
+    assert len(summary["sessions"]) == 2 and summary["sessions"][1]["start_step"] >= 1
+    steps = [r["step"] for r in read_metrics(f"{workdir}/runs/tg_seed0") if "loss" in r]
+    assert steps == [1, 2, 3], steps  # one writer, resumed, nothing lost or repeated
