@@ -50,7 +50,8 @@ setup(
     version="0.1.0",
     description="Targeted guidance (hinted self-distillation) on top of GRPO for agentic RL, in JAX.",
     packages=find_packages(include=["tg_jax", "tg_jax.*"]),
-    package_data={"tg_jax.text": ["*.jinja"]},  # Qwen3's chat template.
+    # Qwen3's chat template; the shipped base models (tg_jax.train.shipped_base).
+    package_data={"tg_jax.text": ["*.jinja"], "tg_jax": ["bases/*/*"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -79,6 +79,10 @@ def get_config(arg=None):
     c.sft.transcripts.p_correct = 0.9
     # A base model outside the gates (sft.require) is retrained once with the next seeds.
     c.sft.retry_seeds = 1
+    # RL starts from the base shipped in tg_jax/bases/default (made by this SFT once, the same
+    # file on every machine); --config.sft.source=train trains it in the run instead.
+    c.sft.source = "shipped"
+    c.sft.base = "default"
     # GRPO (both arms): task reward plus the requirement's reward, so the GRPO baseline is
     # rewarded for compliance too (it just never samples it from this base model).
     c.rl = config_lib.rl_config(

@@ -7,11 +7,10 @@ with 3 training seeds each, at the same budget (the report's "Equal tuning budge
 states it; no setting is tuned on the held-out tasks):
     python -m tg_jax.main --config=configs/experiment.py --workdir=./workdir_experiment
 
-A workdir that already holds a finished SFT with the same SFT settings reuses it. The demo's
-workdir itself is refused once it holds the demo's preregistration.json (other arms and
-seeds: a new protocol needs a new workdir); to reuse its base model, copy its tfds/, sft/ and
-sft_eval.json into ./workdir_experiment first. The report lands in
-workdir_experiment/report/report.md (measured results: docs/experiments.md).
+RL starts from the demo's shipped base (tg_jax/bases/default). The demo's workdir itself is
+refused once it holds the demo's preregistration.json (other arms and seeds: a new protocol
+needs a new workdir). The report lands in workdir_experiment/report/report.md (measured
+results: docs/results.md).
 """
 
 import os

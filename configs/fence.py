@@ -64,6 +64,7 @@ def get_config(arg=None):
     # The base model continues a fence it did not open as well as plain code (docstring).
     c.sft.transcripts.p_forced = 0.3
     c.sft.transcripts.forced_requirements = ("fence",)
+    c.sft.source = "train"  # its own SFT (forced fences): no shipped base yet
     # GRPO (both arms): task reward plus the fence reward.
     c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5})
     # Targeted guidance: configs/default.py's forward KL at lambda_tg 0.05, token_sum (the

@@ -288,6 +288,11 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     c.select.hinted_min = c.require.get_ref("min_hinted_compliance")
     c.extend = sft_extend_config()  # more steps for a run still low on dev at sft.steps
     c.retry_seeds = 0  # on a gate failure retry SFT with seed+1, data_seed+1, this many times
+    # Where the base model comes from: train (SFT in the run, as above) | shipped (the base
+    # `base` under tg_jax/bases, trained once, the same file on every machine; the gates apply
+    # to its recorded figures; tg_jax.train.shipped_base).
+    c.source = "train"
+    c.base = ""  # the shipped base: a name under tg_jax/bases, or a directory
     c.update(overrides)
     return c
 

@@ -247,6 +247,14 @@ def main(argv):
             _fail(f"invalid config: {e}")
     if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":
         _check_model_dir(config)
+    elif config.stage == "pipeline" and "sft" in config:  # a shipped base: there and right
+        from tg_jax.train import shipped_base
+
+        try:
+            if shipped_base.source(config) == "shipped":
+                shipped_base.check(config)
+        except ConfigError as e:
+            _fail(f"invalid config: {e}")
     identity = paths.dir_identity(workdir)
     _quiet_threads_once_removed(workdir, identity)
     try:

@@ -146,7 +146,8 @@ def _context_section(res: dict[str, Any]) -> list[str]:
     m = ctx.get("machine")
     if m:
         lines.append(
-            f"* Machine: {m.get('cpu_model', 'n/a')}, {m.get('cpu_count', 'n/a')} cores; jax "
+            f"* Machine: {m.get('cpu_model', 'n/a')} (family {m.get('cpu_family', 'n/a')} "
+            f"model {m.get('cpu_model_number', 'n/a')}), {m.get('cpu_count', 'n/a')} cores; jax "
             f"{m.get('jax', 'n/a')}, jaxlib {m.get('jaxlib', 'n/a')}; XLA_FLAGS "
             f"`{m.get('xla_flags') or '(unset)'}`."
         )
@@ -157,9 +158,19 @@ def _context_section(res: dict[str, Any]) -> list[str]:
             "arms and their full configs, written before the first RL step)."
         )
     base = ctx.get("base_model")
+    shipped = ctx.get("shipped_base")
+    if shipped:
+        machine = (shipped.get("machine") or {}).get("cpu_model", "n/a")
+        lines.append(
+            f"* Base model: shipped `{shipped.get('name')}`, weights sha256 "
+            f"`{shipped.get('sha256')}`, made by `{shipped.get('command')}` at commit "
+            f"{shipped.get('commit')} on {machine} (tg_jax/bases/{shipped.get('name')}/"
+            "provenance.json)."
+        )
     if base:
         figures = ", ".join(f"{k} {_num(v)}" for k, v in base.items())
-        lines.append(f"* Base model (SFT, sft_eval.json): {figures}.")
+        where = "recorded when it was made" if shipped else "SFT, sft_eval.json"
+        lines.append(f"* Base model ({where}): {figures}.")
     for a in ctx.get("sft_attempts") or []:
         lines.append(
             f"* SFT attempt {a['attempt']} (seed {a['seed']}, data_seed {a['data_seed']}, "

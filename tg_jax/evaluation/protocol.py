@@ -99,17 +99,23 @@ def machine_info() -> dict[str, Any]:
     import jax
     import jaxlib
 
-    cpu = "unknown"
+    cpu, fields = "unknown", {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:  # the first processor's block is enough
                     break
+        cpu = fields.get("model name", cpu)
     except OSError:
         pass
     return {
         "cpu_model": cpu,
+        "cpu_family": fields.get("cpu family", "unknown"),
+        "cpu_model_number": fields.get("model", "unknown"),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,

@@ -48,7 +48,7 @@ from typing import Any
 from tg_jax import checkpointing, config_lib, multihost, paths, sharding
 from tg_jax.evaluation import heldout, protocol, stability
 from tg_jax.models import ModelConfig, hf_dir
-from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates, tuning
+from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates, shipped_base, tuning
 
 RUNS_DIR, REPORT_DIR, EXPORT_DIR, BASE_MODEL_DIR = "runs", "report", "export", "base_model"
 
@@ -274,6 +274,8 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
             config.model.hf_checkpoint, tool_format=config.model.get("tool_format", "")
         )
         return md, {}, []
+    if shipped_base.source(config) == "shipped":
+        return _shipped_base(config, workdir)
     params, result, attempts = run_base_model(config, workdir, sources)
     out = paths.as_path(workdir) / BASE_MODEL_DIR
     if not (out / hf_dir.CONFIG_FILE).exists():
@@ -284,6 +286,28 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
             hf_dir.export_model_dir(tmp, params, ModelConfig.from_config(model_config))
             hf_dir.copy_dir(tmp, str(out))
     return hf_dir.open_model_dir(str(out)), result, attempts
+
+
+def _shipped_base(config: Any, workdir: str) -> tuple[Any, dict, list]:
+    """The shipped base (`sft.source = "shipped"`), checked and copied to the workdir once;
+    the gates of `sft.require` apply to its recorded figures."""
+    out = str(paths.as_path(workdir) / BASE_MODEL_DIR)
+    prov = multihost.primary_first("base_model", lambda: shipped_base.install(config, workdir, out))
+    result = {**prov["sft_eval"], "shipped": {
+        k: prov.get(k) for k in ("name", "sha256", "commit", "command", "machine")
+    }}  # fmt: skip
+    failures = sft_gates.check_base_model(config, result)
+    if failures:
+        raise sft_gates.gate_error(config, [{
+            "attempt": "shipped", "seed": "-", "data_seed": "-", "workdir": out,
+            "figures": sft_gates.gate_figures(config, result), "failures": failures,
+        }])  # fmt: skip
+    return hf_dir.open_model_dir(out), result, []
+
+
+def train_source(config: Any) -> Any:
+    """`config` with `sft.source = "train"` (a copy): SFT trains its base."""
+    return config_lib.apply_overrides(config, {"sft.source": "train"})
 
 
 def base_config(config: Any, sft_dir: str) -> Any:
@@ -380,6 +404,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "machine": protocol.machine_info(),
         "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),
         "base_model": _base_figures(base_result),
+        "shipped_base": base_result.get("shipped"),
         "sft_attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "workdir",
                                             "verdict")} for a in attempts],
         "budget": stability.tuning_budget(config),
