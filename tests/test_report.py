@@ -138,8 +138,8 @@ def test_baseline_under_the_floor_is_not_meaningful_and_the_setting_is_shown(tmp
     runs = [report.RunResult("grpo", 0, _episodes(1, False), _curves(0, 0.0), {}),
             report.RunResult("tg", 0, _episodes(1, True), _curves(0, 0.9), {})]  # fmt: skip
     context = {
-        "machine": {"cpu_model": "Test CPU @ 1GHz", "cpu_count": 2, "jax": "0.1", "jaxlib": "0.2",
-                    "xla_flags": ""},
+        "machine": {"cpu_model": "Test CPU @ 1GHz", "cpu_family": "25", "cpu_model_number": "1",
+                    "cpu_count": 2, "jax": "0.1", "jaxlib": "0.2", "xla_flags": ""},
         "preregistration": {"path": "w/preregistration.json", "sha256": "ab" * 32},
         "base_model": {"pass_rate": 0.25, "hinted_compliance/fence": 0.97},
         "sft_attempts": [{"attempt": 0, "seed": 0, "data_seed": 1, "workdir": "w",
@@ -152,7 +152,7 @@ def test_baseline_under_the_floor_is_not_meaningful_and_the_setting_is_shown(tmp
     assert ni["verdict"] == "not meaningful" and ni["baseline_success"] == pytest.approx(0.05)
     md = (tmp_path / "report.md").read_text()
     assert "NOT MEANINGFUL" in md and "PASS" not in md and "FAIL" not in md
-    assert "Test CPU @ 1GHz, 2 cores" in md and "jaxlib 0.2" in md
+    assert "Test CPU @ 1GHz (family 25 model 1), 2 cores" in md and "jaxlib 0.2" in md
     assert "ab" * 32 in md and "pass_rate 0.25" in md
     assert "SFT attempt 1 (seed 1, data_seed 2" in md and "accepted" in md
     assert "20 tasks (one cluster each)" in md  # what the bootstrap resamples

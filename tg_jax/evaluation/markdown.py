@@ -145,9 +145,13 @@ def _context_section(res: dict[str, Any]) -> list[str]:
     lines = ["## Setting", ""]
     m = ctx.get("machine")
     if m:
+        family = (
+            f" (family {m['cpu_family']} model {m.get('cpu_model_number', 'n/a')})"
+            if m.get("cpu_family") not in (None, "unknown")
+            else ""
+        )
         lines.append(
-            f"* Machine: {m.get('cpu_model', 'n/a')} (family {m.get('cpu_family', 'n/a')} "
-            f"model {m.get('cpu_model_number', 'n/a')}), {m.get('cpu_count', 'n/a')} cores; jax "
+            f"* Machine: {m.get('cpu_model', 'n/a')}{family}, {m.get('cpu_count', 'n/a')} cores; jax "
             f"{m.get('jax', 'n/a')}, jaxlib {m.get('jaxlib', 'n/a')}; XLA_FLAGS "
             f"`{m.get('xla_flags') or '(unset)'}`."
         )

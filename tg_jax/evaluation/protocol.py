@@ -3,7 +3,8 @@
     preregister(config, workdir, arms_configs)   before the first RL step: writes
                                                  workdir/preregistration.json, or checks it
     check_preregistration(config, workdir, arms_configs) -> {"path", "sha256"}   at report time
-    machine_info() -> {"cpu_model", "cpu_count", "jax", "jaxlib", "xla_flags"}
+    machine_info() -> {"cpu_model", "cpu_family", "cpu_model_number", "cpu_count", "jax",
+                       "jaxlib", "xla_flags"}
 
 The pre-registration holds the non-inferiority margin, the floor, the interval kind, baseline,
 candidate and every arm's full config. Once written it is never rewritten: a config whose
