@@ -151,8 +151,8 @@ def _context_section(res: dict[str, Any]) -> list[str]:
             else ""
         )
         lines.append(
-            f"* Machine: {m.get('cpu_model', 'n/a')}{family}, {m.get('cpu_count', 'n/a')} cores; jax "
-            f"{m.get('jax', 'n/a')}, jaxlib {m.get('jaxlib', 'n/a')}; XLA_FLAGS "
+            f"* Machine: {m.get('cpu_model', 'n/a')}{family}, {m.get('cpu_count', 'n/a')} cores; "
+            f"jax {m.get('jax', 'n/a')}, jaxlib {m.get('jaxlib', 'n/a')}; XLA_FLAGS "
             f"`{m.get('xla_flags') or '(unset)'}`."
         )
     pre = ctx.get("preregistration")
