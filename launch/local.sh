@@ -2,6 +2,7 @@
 # The README's two commands, on one machine (CPU by default):
 #   bash launch/local.sh demo   # the main job on the embedded default -> report in ./workdir
 #   bash launch/local.sh test   # ruff + the whole test suite (what CI runs)
+#   bash launch/local.sh test-fast   # the edit loop: without the slow files (tests/conftest.py)
 #   bash launch/local.sh pin    # rewrite constraints.txt from the venv (after an upgrade)
 # Each creates or refreshes the virtual environment .venv itself.
 set -euo pipefail
@@ -41,17 +42,21 @@ case "$cmd" in
     WORKDIR="${WORKDIR:-$ROOT/workdir}"
     "$PY" -m tg_jax.main --config=configs/default.py --workdir="$WORKDIR" "$@"
     ;;
-  test)
+  test|test-fast)
     setup_env
     echo "[local.sh] ruff"
     "$VENV/bin/ruff" check tg_jax tests configs
     "$VENV/bin/ruff" format --check tg_jax tests configs
     echo "[local.sh] pytest"
+    # test-fast: the edit loop's tier, without the files tests/conftest.py marks slow (the
+    # command end to end, several processes, minutes of training).
+    tier=()
+    if [ "$cmd" = test-fast ]; then tier=(-m "not slow"); fi
     # One line per test, named with its worker (a worker that dies names the test it ran);
     # a test that runs past 15 min fails with its stack (pytest-timeout), so a hang can
     # neither stall the run nor hide where it happened; at most 2 crashed workers are replaced.
     "$PY" -m pytest -v -n 2 --dist loadfile --timeout=900 --max-worker-restart=2 \
-      --durations=30 -rfEs tests "$@"
+      --durations=30 -rfEs ${tier[@]+"${tier[@]}"} tests "$@"
     ;;
   pin)
     # constraints.txt = its comment header + pip freeze of the venv, without tg_jax itself.
@@ -61,7 +66,7 @@ case "$cmd" in
     echo "[local.sh] constraints.txt: $(grep -vc '^#' constraints.txt) pinned packages"
     ;;
   *)
-    echo "usage: bash launch/local.sh {demo|test|pin} [extra args]" >&2
+    echo "usage: bash launch/local.sh {demo|test|test-fast|pin} [extra args]" >&2
     exit 2
     ;;
 esac

@@ -29,6 +29,26 @@ jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+# The slow tier: files whose tests run the command end to end, several processes or minutes
+# of training (measured with --durations on the CI machine class). `bash launch/local.sh
+# test-fast` leaves them out (-m "not slow"); `bash launch/local.sh test` (CI) runs all.
+SLOW_FILES = frozenset({
+    "test_chat_format_runs.py", "test_cli.py", "test_faults.py", "test_frozen_teacher_cli.py",
+    "test_gcs.py", "test_hf_run.py", "test_launch.py", "test_multihost.py", "test_soak.py",
+    "test_shipped_base.py", "test_split_mesh.py", "test_swe_run.py", "test_tuning.py",
+})  # fmt: skip
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of `bash launch/local.sh test-fast`")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Frees each test file's compiled programs when it ends: a test worker runs many files,
