@@ -34,12 +34,6 @@ BASES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 PROVENANCE_FILE = "provenance.json"
 WEIGHTS_FILE = "model.safetensors"
 SOURCES = ("shipped", "train")
-# Architecture fields a shipped base's config.json must agree with the run's config on.
-_ARCH = {
-    "vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim", "intermediate_size": "mlp_dim",
-}  # fmt: skip
 
 
 def source(config: Any) -> str:
@@ -94,18 +88,13 @@ def check(config: Any) -> tuple[str, dict[str, Any]]:
             f"sft.source='shipped': {directory}/{WEIGHTS_FILE} has sha256 {got}, its "
             f"provenance records {prov['sha256']}: the file was changed; restore it or {how}"
         )
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        arch = json.load(f)
-    wrong = [
-        f"model.{ours}={config.model[ours]} (the base's {theirs}={arch[theirs]})"
-        for theirs, ours in _ARCH.items()
-        if config.model.get(ours) is not None and int(config.model[ours]) != int(arch[theirs])
-    ]
-    if wrong:
-        raise ConfigError(
-            f"sft.source='shipped': the config's architecture differs from the base in "
-            f"{directory}: {', '.join(wrong)}; {how}"
-        )
+    from tg_jax.models import hf_dir  # noqa: PLC0415 (jax: only when a run uses it)
+
+    try:  # the architecture check of every checkpoint directory (tg_jax.models.hf_dir)
+        hf_dir.resolve_model_section(config.model, hf_dir.open_model_dir(directory))
+    except hf_dir.ModelDirError as e:
+        msg = f"sft.source='shipped': the base does not fit the config: {e}; {how}"
+        raise ConfigError(msg) from None
     return directory, prov
 
 
