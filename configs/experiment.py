@@ -15,13 +15,13 @@ results: docs/results.md).
 
 import os
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.train import pipeline
 
 
 def get_config(arg=None):
     del arg
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"))
+    c = config_files.load_config_file(os.path.join(os.path.dirname(__file__), "default.py"))
     c.unlock()
     c.eval.train_seeds = (0, 1, 2)  # training seeds per arm
     c.pipeline.arms = tuple(pipeline.ARMS)  # every arm, in the order of ARMS

@@ -51,14 +51,14 @@ import os
 
 import ml_collections
 
-from tg_jax import config_lib
+from tg_jax import config_files
 
 
 def get_config(arg=None):
     if arg not in (None, "", "runlocal"):
         raise ValueError(f"configs/fence.py takes no argument or 'runlocal', not {arg!r}")
     here = os.path.dirname(__file__)
-    c = config_lib.load_config_file(os.path.join(here, "default.py"))
+    c = config_files.load_config_file(os.path.join(here, "default.py"))
     c.unlock()
     c.env.requirements = ("fence",)  # the requirement RL judges and TG teaches
     # The base model continues a fence it did not open as well as plain code (docstring).
@@ -72,7 +72,7 @@ def get_config(arg=None):
     # 120 RL steps for every arm: TG learns the format first, then to test (docstring).
     c.rl_loop.steps = 120
     if arg == "runlocal":
-        tiny = config_lib.load_config_file(os.path.join(here, "tiny.py"))
+        tiny = config_files.load_config_file(os.path.join(here, "tiny.py"))
         transcripts = c.sft.transcripts
         for section in ("model", "tasks", "sft", "rl_loop", "eval"):
             c[section] = tiny[section]

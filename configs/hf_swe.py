@@ -16,13 +16,13 @@ import os
 
 import ml_collections
 
-from tg_jax import config_lib
+from tg_jax import config_files, config_lib
 
 REQUIREMENTS = ("tool_protocol", "markdown_report", "files_named", "ask_first")
 
 
 def get_config(arg=None):
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
+    c = config_files.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
     with c.unlocked():
         c.tasks = config_lib.swe_tasks_config()  # generated bug-fix repositories
         c.env = config_lib.swe_env_config(

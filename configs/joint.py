@@ -19,14 +19,14 @@ import os
 
 import ml_collections
 
-from tg_jax import config_lib
+from tg_jax import config_files
 
 
 def get_config(arg=None):
     if arg not in (None, "", "runlocal"):
         raise ValueError(f"configs/joint.py takes no argument or 'runlocal', not {arg!r}")
     here = os.path.dirname(__file__)
-    c = config_lib.load_config_file(os.path.join(here, "fence.py"), arg or None)
+    c = config_files.load_config_file(os.path.join(here, "fence.py"), arg or None)
     c.unlock()
     c.env.requirements = ("fence", "tool_json")
     c.sft.transcripts.forced_requirements = ("fence", "tool_json")  # each requirement TG teaches

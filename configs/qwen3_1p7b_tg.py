@@ -24,7 +24,7 @@ from the checkpoint and shrinks the loop (a tiny checkpoint on a CPU; the tests 
 
 import os
 
-from tg_jax import config_lib
+from tg_jax import config_files
 
 # One train step = GROUPS x ROLLOUTS rows padded to SEQ_LEN tokens.
 GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
@@ -32,7 +32,7 @@ ROWS_PER_MICRO_BATCH = 8  # rows of one micro-batch over the 4 chips (2 per chip
 
 
 def get_config(arg=None):
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
+    c = config_files.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), arg)
     c.tg.gate = "failed_turns"  # distil failed turns only
     c.tg.include_thinking = True  # also distil thinking tokens (reduces oscillation)
     if arg == "runlocal":

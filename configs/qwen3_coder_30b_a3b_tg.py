@@ -27,7 +27,7 @@ is that layout on a tiny checkpoint (trainer 4 + sampler 4 CPU devices).
 
 import os
 
-from tg_jax import config_lib
+from tg_jax import config_files, config_lib
 
 # One train step = GROUPS x ROLLOUTS rows; padded to SEQ_LEN tokens (multi-turn agentic coding
 # episodes: prompt, tool outputs and several assistant turns).
@@ -40,7 +40,7 @@ def get_config(arg=None):
             f"{__file__} takes no argument, 'runlocal', 'split' or 'runlocal_split', not {arg!r}"
         )
     base_arg = {"split": None, "runlocal_split": "runlocal"}.get(arg, arg)
-    c = config_lib.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
+    c = config_files.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
     c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
     # Qwen3-Coder has no thinking (its template drops reasoning_content): nothing to distil
     # but answers (tg.include_thinking = True is refused at start-up for such a template).

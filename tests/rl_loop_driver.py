@@ -17,7 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tg_jax import config_lib
+from tg_jax import config_files, config_lib
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling import loop
@@ -28,7 +28,7 @@ STEPS = 4
 
 def make_config(arm: str = "tg", async_sampling: bool = False, steps: int = STEPS):
     """configs/tiny.py plus the RL sections, shrunk to seconds per step."""
-    c = ml_collections.ConfigDict(config_lib.load_config_file("configs/tiny.py").to_dict())
+    c = ml_collections.ConfigDict(config_files.load_config_file("configs/tiny.py").to_dict())
     if "rl" not in c:
         c.rl = config_lib.rl_config()
     if "tg" not in c:

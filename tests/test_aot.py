@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, sharding
 from tg_jax.models import hf_dir
 from tg_jax.tpu import aot
 
@@ -20,7 +20,7 @@ HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 def _tiny_config(mesh_shape, moe=True):
-    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
+    cfg = config_files.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
     tiny = dict(
         vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
         max_seq_len=64, mlp_dim=32,
@@ -28,7 +28,7 @@ def _tiny_config(mesh_shape, moe=True):
     if moe:
         tiny.update(mlp_dim=0, num_experts=8, experts_per_token=2, moe_mlp_dim=16)
     overrides = {f"model.{k}": v for k, v in tiny.items()}
-    return config_lib.apply_overrides(
+    return config_files.apply_overrides(
         cfg, {**overrides, "mesh.shape": mesh_shape, "rl.micro_batches": 2}
     )
 
@@ -91,7 +91,7 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
 
 
 def _with_sampler_mesh(cfg, num_devices, shape=(-1, 2)):
-    return config_lib.apply_overrides(
+    return config_files.apply_overrides(
         cfg, {"sampler_mesh.num_devices": num_devices, "sampler_mesh.shape": shape}
     )
 
@@ -122,13 +122,13 @@ def test_meshes_colocated_and_split():
 
 
 def test_train_shapes_are_the_largest_batch_of_the_config():
-    cfg = config_lib.apply_overrides(
+    cfg = config_files.apply_overrides(
         _tiny_config((1, 2, 1, 2)),
         {"rl_loop.groups_per_step": 3, "rl_loop.rollouts_per_group": 3, "rl_loop.seq_len": 32},
     )
     shapes = aot.train_shapes(cfg, divisor=4)  # 9 rows padded to 4 x 2 micro-batches
     assert shapes == aot.TrainShapes(16, 32, 16, 64, 32)
-    per_turn = config_lib.apply_overrides(cfg, {"tg.teacher_mode": "per_turn"})
+    per_turn = config_files.apply_overrides(cfg, {"tg.teacher_mode": "per_turn"})
     assert aot.train_shapes(per_turn, divisor=4).teacher_rows == per_turn.tg.max_teacher_rows
     assert aot.train_shapes(cfg, divisor=4, rows=8, teacher_len=40).teacher_len == 40
 
@@ -136,7 +136,7 @@ def test_train_shapes_are_the_largest_batch_of_the_config():
 def test_compile_programs_split_on_cpu():
     """The TG train step on the first 4 devices, the sample step on the last 4 (CPU)."""
     devices = jax.devices()
-    cfg = config_lib.apply_overrides(_tiny_config((1, 2, 1, 2)), {"rl_loop.seq_len": 32})
+    cfg = config_files.apply_overrides(_tiny_config((1, 2, 1, 2)), {"rl_loop.seq_len": 32})
     cfg = _with_sampler_mesh(cfg, 4)
     programs = list(aot.compile_programs(cfg, devices, ["train", "sample"], rows=8))
     assert [p.name.split()[0] for p in programs] == ["train", "sample"]
@@ -150,22 +150,22 @@ def test_compile_programs_split_on_cpu():
 
 
 def test_architecture_from_config_json_only(tmp_path):
-    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "hf_tg.py"))
+    cfg = config_files.load_config_file(os.path.join(CONFIG_DIR, "hf_tg.py"))
     with pytest.raises(ValueError, match="hf_checkpoint"):
         aot.resolve_architecture(cfg)  # the architecture is unset and no config.json
     hf = json.load(open(os.path.join(CONFIG_DIR, "hf", "qwen3_1p7b", "config.json")))
     (tmp_path / "config.json").write_text(json.dumps(hf))  # no weights, no tokenizer
     resolved = aot.resolve_architecture(
-        config_lib.apply_overrides(cfg, {"model.hf_checkpoint": str(tmp_path)})
+        config_files.apply_overrides(cfg, {"model.hf_checkpoint": str(tmp_path)})
     )
     assert resolved.model.num_layers == 28 and resolved.model.vocab_size == 151_936
     assert resolved.model.max_seq_len == 8192 + 512  # the run's context, not config.json's
     hf["num_hidden_layers"] = 27
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    qwen = config_lib.load_config_file(os.path.join(CONFIG_DIR, "qwen3_1p7b_tg.py"))
+    qwen = config_files.load_config_file(os.path.join(CONFIG_DIR, "qwen3_1p7b_tg.py"))
     with pytest.raises(hf_dir.ModelDirError, match="num_layers = 28"):
         aot.resolve_architecture(
-            config_lib.apply_overrides(qwen, {"model.hf_checkpoint": str(tmp_path)})
+            config_files.apply_overrides(qwen, {"model.hf_checkpoint": str(tmp_path)})
         )
 
 
@@ -179,10 +179,10 @@ def test_architecture_from_config_json_only(tmp_path):
 )
 def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
     """configs/hf/*/config.json (the published files) agree with the configs' architecture."""
-    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, config), arg)
+    cfg = config_files.load_config_file(os.path.join(CONFIG_DIR, config), arg)
     ckpt = os.path.join(CONFIG_DIR, "hf", hf)
     resolved = aot.resolve_architecture(
-        config_lib.apply_overrides(cfg, {"model.hf_checkpoint": ckpt})
+        config_files.apply_overrides(cfg, {"model.hf_checkpoint": ckpt})
     )
     assert resolved.model.to_dict() == {**cfg.model.to_dict(), "hf_checkpoint": ckpt}
     assert resolved.model.vocab_size == 151_936
@@ -197,7 +197,7 @@ def test_compile_programs_per_host_samplers_on_cpu():
     half of the rows, with bf16 weight matrices; each beside what stays resident (the host's
     bf16 copy beside the train step, the trainer's params and moments beside the decode)."""
     devices = jax.devices()
-    cfg = config_lib.apply_overrides(
+    cfg = config_files.apply_overrides(
         _tiny_config((1, -1, 1, 1)),
         {"rl_loop.seq_len": 32, "sampler_mesh.shape": (-1, 2), "model.dtype": "bfloat16"},
     )
@@ -214,6 +214,6 @@ def test_compile_programs_per_host_samplers_on_cpu():
     weights = jax.tree.leaves(sample.compiled.args_info[0][0])  # the step's first argument
     assert {a.dtype for a in weights if len(a.shape) >= 2} == {jnp.dtype("bfloat16")}
     assert train.resident > 0 and sample.resident > train.resident  # fp32 + 2 moments vs bf16
-    capped = config_lib.apply_overrides(cfg, {"sampler_mesh.max_rows": 2})
+    capped = config_files.apply_overrides(cfg, {"sampler_mesh.max_rows": 2})
     (sample,) = aot.compile_programs(capped, devices, ["sample"], rows=8, hosts=hosts)
     assert sample.name.startswith("sample step (2 rows")

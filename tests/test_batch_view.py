@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.hints import CORRECT_HINTS
 from tg_jax.envs.tasks import generate_tasks
@@ -32,7 +32,7 @@ def traj():
 
 @pytest.fixture(scope="module")
 def policy():
-    config = config_lib.load_config_file("configs/tiny.py")
+    config = config_files.load_config_file("configs/tiny.py")
     return load_base_policy(config, None, seed=0)
 
 

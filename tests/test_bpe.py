@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.test_pipeline import FAST_PIPELINE
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, sharding
 from tg_jax.models import hf_dir
 from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, bpe, check_chat_template
 from tg_jax.text.tokenizer import BYTE_SPECIAL_TOKENS
@@ -21,8 +21,8 @@ BYTE = ByteTokenizer()
 
 
 def _tiny_config(**overrides):
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
-    return config_lib.apply_overrides(config, {"sft.tokenizer": "bpe", **overrides})
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    return config_files.apply_overrides(config, {"sft.tokenizer": "bpe", **overrides})
 
 
 @pytest.fixture(scope="module")

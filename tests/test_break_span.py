@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs.base import Requirement
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.protocol import (
@@ -207,7 +207,7 @@ def test_the_rl_loop_applies_the_option_and_the_config_checks_it():
     traj = scripted_rollout(RENDERER, env, TASK, [text])
     counts = {}
     for span in ("turn", "to_break"):
-        config = config_lib.apply_overrides(
+        config = config_files.apply_overrides(
             driver.make_config("tg"),
             {"tg.span": span, "rl_loop.length_multiple": 0, "env.requirements": ("fence",)},
         )

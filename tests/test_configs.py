@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tg_jax import config_lib, config_schema
+from tg_jax import config_files, config_lib, config_schema
 from tg_jax.models import ModelConfig
 from tg_jax.rl import step_config
 from tg_jax.rl.step_config import OptimConfig, StepConfig, TGConfig
@@ -22,7 +22,7 @@ def test_there_are_configs():
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
 def test_config_loads_and_model_builds(path):
-    cfg = config_lib.load_config_file(path)
+    cfg = config_files.load_config_file(path)
     assert cfg.is_locked
     if cfg.model.d_model is None:  # architecture from model.hf_checkpoint's config.json
         with pytest.raises(ValueError, match="hf_checkpoint"):
@@ -37,24 +37,24 @@ def test_config_loads_and_model_builds(path):
 
 
 def test_overrides_unknown_key_and_wrong_type():
-    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
-    new = config_lib.apply_overrides(cfg, {"model.num_layers": 3})
+    cfg = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    new = config_files.apply_overrides(cfg, {"model.num_layers": 3})
     assert new.model.num_layers == 3 and cfg.model.num_layers == 2  # the original is untouched
     with pytest.raises(KeyError, match="num_layerz"):
-        config_lib.apply_overrides(cfg, {"model.num_layerz": 3})
+        config_files.apply_overrides(cfg, {"model.num_layerz": 3})
     with pytest.raises(KeyError, match="modell"):
-        config_lib.apply_overrides(cfg, {"modell.num_layers": 3})
+        config_files.apply_overrides(cfg, {"modell.num_layers": 3})
     with pytest.raises(TypeError, match="model.num_layers"):
-        config_lib.apply_overrides(cfg, {"model.num_layers": "three"})
+        config_files.apply_overrides(cfg, {"model.num_layers": "three"})
 
 
 def test_missing_config_file():
     with pytest.raises(FileNotFoundError, match="nope.py"):
-        config_lib.load_config_file("configs/nope.py")
+        config_files.load_config_file("configs/nope.py")
 
 
 def test_step_config_typed_once():
-    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
+    cfg = config_files.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
     typed = StepConfig.from_config(cfg)
     assert StepConfig.from_config(typed) is typed  # typed configs pass through
     assert typed.rl.tis_cap is None and typed.rl.dual_clip is None  # 0 = off becomes None
@@ -86,9 +86,9 @@ def test_step_config_typed_once():
     ],
 )
 def test_step_config_rejects_bad_values(key, value, match):
-    cfg = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    cfg = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
     with pytest.raises(ValueError, match=match):
-        StepConfig.from_config(config_lib.apply_overrides(cfg, {key: value}))
+        StepConfig.from_config(config_files.apply_overrides(cfg, {key: value}))
 
 
 def test_step_config_cross_field_checks():

@@ -7,7 +7,7 @@ import pytest
 
 from tests import rl_loop_driver as driver
 from tests.test_batch import HEADER, TH, A, E, P, _traj
-from tg_jax import config_lib
+from tg_jax import config_files, config_lib
 from tg_jax.rl import distill_budget, tg_loss
 from tg_jax.rl.batch import build_batch
 from tg_jax.rl.step_config import TGConfig
@@ -100,7 +100,7 @@ def test_the_rl_loop_applies_it_and_the_tg_term_sees_the_budget():
         "think": {"tg.include_thinking": True},
         "budget": {"tg.include_thinking": True, "tg.distill_budget": "answer_tokens"},
     }.items():
-        config = config_lib.apply_overrides(
+        config = config_files.apply_overrides(
             driver.make_config("tg"), {**over, "rl_loop.length_multiple": 0}
         )
         parts = types.SimpleNamespace(config=config, student_max=128, teacher_max=160, divisor=1)

@@ -84,10 +84,10 @@ def test_dev_split_is_disjoint_from_train_and_heldout():
 def test_heldout_set_of_the_default_config_has_100_distinct_functions():
     import os
 
-    from tg_jax import config_lib
+    from tg_jax import config_files
 
     path = os.path.join(os.path.dirname(__file__), "..", "configs", "default.py")
-    c = config_lib.load_config_file(path)
+    c = config_files.load_config_file(path)
     tasks = c.tasks
     held = generate_tasks("heldout", tasks.num_heldout, tasks.seed, families=tasks.families)
     train = generate_tasks("train", tasks.num_train, tasks.seed, families=tasks.families)

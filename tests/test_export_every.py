@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from tests import rl_loop_driver as driver
-from tg_jax import checkpointing, config_lib
+from tg_jax import checkpointing, config_files
 from tg_jax.models import ModelConfig, Transformer, checkpoint_io, hf_dir
 from tg_jax.train import rl
 
@@ -20,7 +20,7 @@ def _logits(cfg: ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
 
 
 def test_export_every_writes_the_step_params_loadable(tmp_path):
-    config = config_lib.apply_overrides(
+    config = config_files.apply_overrides(
         driver.make_config(steps=3),
         {"rl_loop.export_every": 2, "rl_loop.eval_every": 0, "rl_loop.keep_checkpoints": 3},
     )

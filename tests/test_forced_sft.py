@@ -4,7 +4,7 @@ requirement without a hint, and exactly the token that decides the format gets n
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs.base import HINT_ROLE
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.protocol import check_fence, check_tool_json, has_code
@@ -99,6 +99,6 @@ def test_bad_forced_settings_fail_clearly():
     with pytest.raises(ValueError, match="p_forced must be in"):
         TranscriptConfig(p_forced=1.5, forced_requirements=("fence",))
     # The config section carries both fields (sft_data.transcript_config builds from it).
-    config = config_lib.load_config_file("configs/fence.py")
+    config = config_files.load_config_file("configs/fence.py")
     cfg = sft_data.transcript_config(config.sft.transcripts)
     assert isinstance(cfg, TranscriptConfig) and cfg.p_forced >= 0

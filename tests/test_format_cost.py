@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.protocol import FENCE_OPENING, make_requirement
 from tg_jax.envs.tasks import make_task
@@ -92,8 +92,8 @@ def test_no_forced_mode_without_the_flag_or_temperature_one(monkeypatch):
 
 
 def _gated(max_cost, requirements=("fence", "tool_json")):
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
-    return config_lib.apply_overrides(config, {
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    return config_files.apply_overrides(config, {
         "env.requirements": requirements, "sft.require.enabled": True,
         "sft.require.max_format_cost": max_cost,
     })  # fmt: skip
@@ -123,7 +123,7 @@ def test_format_cost_gate():
     assert sft_gates.unmeasured_requirements(off, _result(None)) == []
     assert "format_cost/fence" not in sft_gates.gate_figures(off, _result(0.9))
     assert sft_gates.unmeasured_requirements(_gated(0.1, ("tool_json",)), _result(None)) == []
-    tiny = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    tiny = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
     assert tiny.sft.require.max_format_cost == 1.0
 
 
@@ -138,7 +138,7 @@ def test_format_cost_gate():
     ],
 )
 def test_require_bounds_no_base_model_can_meet_are_refused(key, value, message):
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "fence.py"))
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "fence.py"))
     sft_gates.check_require_config(config)  # the config's own bounds are fine
     config.unlock()
     config.sft.require[key.rpartition(".")[2]] = value

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.rl import train_state as tst
 from tg_jax.rl import train_step as ts
@@ -35,7 +35,7 @@ def _config(model=None, **overrides) -> ml_collections.ConfigDict:
     c.tg = config_lib.tg_config(chunk_size=16)
     c.tg.schedule.value = 0.5
     c.optim = config_lib.optim_config(lr=1e-3, eps=1e-6)
-    return config_lib.apply_overrides(c, overrides)
+    return config_files.apply_overrides(c, overrides)
 
 
 @functools.cache
@@ -270,7 +270,7 @@ def test_aot_train_step_lowers_with_either_teacher(teacher):
     from tests.test_aot import _tiny_config
     from tg_jax.tpu import aot
 
-    cfg = config_lib.apply_overrides(
+    cfg = config_files.apply_overrides(
         _tiny_config((1, 2, 1, 1), moe=False), {"tg.teacher_params": teacher}
     )
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])

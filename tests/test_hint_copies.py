@@ -112,7 +112,7 @@ def test_the_rl_loop_applies_the_option():
     import types
 
     from tests import rl_loop_driver as driver
-    from tg_jax import config_lib
+    from tg_jax import config_files
     from tg_jax.train import rl
 
     hint = [90, 91, 92, 93, 94]
@@ -120,7 +120,7 @@ def test_the_rl_loop_applies_the_option():
                    {"fence": hint})]  # fmt: skip
     counts = {}
     for on in (False, True):
-        config = config_lib.apply_overrides(
+        config = config_files.apply_overrides(
             driver.make_config("tg"), {"tg.mask_hint_copies": on, "rl_loop.length_multiple": 0}
         )
         parts = types.SimpleNamespace(config=config, student_max=32, teacher_max=64, divisor=1)
@@ -131,7 +131,7 @@ def test_the_rl_loop_applies_the_option():
     long_hint = list(range(100, 130))
     trajs = [_traj(long_hint[3:20], [70, 71], [{"fence": False}] * 2, {"fence": long_hint})]
     for on in (False, True):
-        config = config_lib.apply_overrides(
+        config = config_files.apply_overrides(
             driver.make_config("tg"), {"tg.mask_hint_copies": on, "rl_loop.length_multiple": 0}
         )
         parts = types.SimpleNamespace(config=config, student_max=64, teacher_max=128, divisor=1)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs.base import HINT_ROLE
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.hints import CORRECT_HINTS, FeedbackRates
@@ -106,7 +106,7 @@ def test_imperfect_feedback_joins_the_picks_of_a_turn_into_one_message():
 
 
 def test_joint_config_judges_and_rewards_both():
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "joint.py"))
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "joint.py"))
     assert tuple(config.env.requirements) == ("fence", "tool_json")
     assert dict(config.rl.reward_weights) == {"task": 1.0, "fence": 0.5, "tool_json": 0.5}
     assert set(config.sft.hint_requirements) == {"fence", "tool_json"}
@@ -132,4 +132,4 @@ def test_joint_config_runlocal_smoke(tmp_path):
 
 def test_joint_config_rejects_an_unknown_argument():
     with pytest.raises(ValueError, match="configs/joint.py takes no argument or 'runlocal'"):
-        config_lib.load_config_file(os.path.join(CONFIG_DIR, "joint.py"), "big")
+        config_files.load_config_file(os.path.join(CONFIG_DIR, "joint.py"), "big")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.hf_checkpoints import make_hf_model
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.models import moe as moe_lib
 from tg_jax.models.checkpoint_io import load_hf_checkpoint
@@ -133,7 +133,7 @@ def test_router_aux_loss_enters_the_rl_loss_with_its_coefficient():
 
     trajs = synthetic_trajectories(np.random.default_rng(0), 4, 24, vocab_size=64, hint_len=4)
     batch = build_batch(trajs, max_len=32, teacher_max_len=32, requirement_names=("fence",))
-    cfg = config_lib.apply_overrides(
+    cfg = config_files.apply_overrides(
         ml_collections_config(), {"tg.enabled": False, "rl.reward_weights": {"task": 1.0}}
     )
     typed = StepConfig.from_config(cfg)

@@ -18,11 +18,10 @@ from etils.epath import backend as backend_lib
 from etils.epath import gpath
 
 from tg_jax import checkpointing, paths
-from tg_jax.data import tfds_builders
+from tg_jax.data import task_data, tfds_builders
 from tg_jax.evaluation import protocol
 from tg_jax.metrics import MetricsWriter, read_metrics
 from tg_jax.notebook import demo_workdir, results_view
-from tg_jax.train import data_stage
 
 _ONE_PATH = ("open", "exists", "isdir", "listdir", "makedirs", "mkdir", "rmtree", "remove", "stat")
 
@@ -175,8 +174,8 @@ def test_task_data_on_gcs_is_a_clear_error_and_the_stage_stays_local(gcs):
         tfds_builders.prepare_task_dataset(
             "gs://bucket/w/tfds", config_name="c", generate=lambda split: iter(())
         )
-    assert not paths.is_url(data_stage.tasks_dir("gs://bucket/w"))
-    assert data_stage.tasks_dir("w") == os.path.join("w", data_stage.TFDS_DIR)
+    assert not paths.is_url(task_data.tasks_dir("gs://bucket/w"))
+    assert task_data.tasks_dir("w") == os.path.join("w", task_data.TFDS_DIR)
 
 
 def test_relative_local_workdir_still_works(tmp_path, monkeypatch):

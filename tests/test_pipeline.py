@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from tg_jax import checkpointing, config_lib
+from tg_jax import checkpointing, config_files
 from tg_jax.evaluation import protocol
 from tg_jax.train import pipeline, rl, sft, sft_eval, sft_gates
 
@@ -28,8 +28,8 @@ FAST_PIPELINE = {
 
 
 def _config():
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
-    return config_lib.apply_overrides(config, FAST_PIPELINE)
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    return config_files.apply_overrides(config, FAST_PIPELINE)
 
 
 def test_arms_differ_only_in_their_overrides():
@@ -43,7 +43,7 @@ def test_arms_differ_only_in_their_overrides():
 
 def test_every_arm_applies_to_the_default_and_experiment_configs():
     for name in ("default.py", "experiment.py"):
-        config = config_lib.load_config_file(os.path.join(CONFIG_DIR, name))
+        config = config_files.load_config_file(os.path.join(CONFIG_DIR, name))
         for arm, spec in pipeline.ARMS.items():
             cfg = pipeline.arm_config(config, arm)
             overrides = pipeline.arm_overrides(config, arm)
@@ -66,14 +66,14 @@ def test_every_arm_applies_to_the_default_and_experiment_configs():
                     assert node == pytest.approx(base * value.factor), (name, arm, key)
                     continue
                 assert node == value, (name, arm, key)
-    experiment = config_lib.load_config_file(os.path.join(CONFIG_DIR, "experiment.py"))
+    experiment = config_files.load_config_file(os.path.join(CONFIG_DIR, "experiment.py"))
     assert set(experiment.pipeline.arms) == set(pipeline.ARMS)
     assert len(experiment.eval.train_seeds) >= 3
 
 
 def test_lambda_ablations_scale_the_configs_own_lambda():
     for name in ("default.py", "fence.py", "joint.py"):
-        config = config_lib.load_config_file(os.path.join(CONFIG_DIR, name))
+        config = config_files.load_config_file(os.path.join(CONFIG_DIR, name))
         lam = config.tg.schedule.value
         high = pipeline.arm_config(config, "tg_lambda_high").tg.schedule.value
         low = pipeline.arm_config(config, "tg_lambda_low").tg.schedule.value
@@ -82,7 +82,7 @@ def test_lambda_ablations_scale_the_configs_own_lambda():
 
 
 def test_task_only_arms_and_aliases():
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "default.py"))
     assert config.rl.reward_weights["tool_json"] > 0  # the shared config rewards a requirement
     grpo_task = pipeline.arm_config(config, "grpo_task_only")
     assert not grpo_task.tg.enabled
@@ -96,7 +96,7 @@ def test_task_only_arms_and_aliases():
     assert a == b
     assert pipeline.get_arm("tg_task_only") is pipeline.ARMS["tg_no_req_reward"]
     # Every requirement weight, whatever the environment names them.
-    swe = config_lib.apply_overrides(config, {})
+    swe = config_files.apply_overrides(config, {})
     swe.unlock()
     swe.rl.reward_weights = {"task": 1.0, "tool_protocol": 0.3, "markdown_report": 0.2}
     got = pipeline.arm_config(swe, "grpo_task_only").rl.reward_weights
@@ -117,12 +117,12 @@ def test_preregistration_accepts_arms_in_any_order(tmp_path):
 
 
 def test_bad_arm_fails_before_any_work(tmp_path):
-    config = config_lib.apply_overrides(_config(), {"pipeline.arms": ("grpo", "tgg")})
+    config = config_files.apply_overrides(_config(), {"pipeline.arms": ("grpo", "tgg")})
     with pytest.raises(ValueError, match="unknown arm 'tgg'"):
         pipeline.run_pipeline(config, str(tmp_path))
     assert os.listdir(tmp_path) == []
     # Arms without the baseline the report compares with: refused before any work too.
-    config = config_lib.apply_overrides(_config(), {"pipeline.arms": ("tg", "tg_think")})
+    config = config_files.apply_overrides(_config(), {"pipeline.arms": ("tg", "tg_think")})
     with pytest.raises(ValueError, match="eval.baseline 'grpo' is not among pipeline.arms"):
         pipeline.run_pipeline(config, str(tmp_path))
     assert os.listdir(tmp_path) == []
@@ -189,13 +189,13 @@ def test_changed_protocol_is_refused(tmp_path):
     config = _config()
     workdir = str(tmp_path)
     pipeline.run_pipeline(config, workdir)
-    moved = config_lib.apply_overrides(config, {"eval.margin": -0.2})
+    moved = config_files.apply_overrides(config, {"eval.margin": -0.2})
     with pytest.raises(protocol.PreregistrationMismatch, match=r"eval.margin: file -0.05"):
         pipeline.run_pipeline(moved, workdir)
-    floor = config_lib.apply_overrides(config, {"eval.floor": 0.0})
+    floor = config_files.apply_overrides(config, {"eval.floor": 0.0})
     with pytest.raises(protocol.PreregistrationMismatch, match=r"eval.floor"):
         pipeline.run_pipeline(floor, workdir)
-    fewer = config_lib.apply_overrides(config, {"pipeline.arms": ("grpo",)})
+    fewer = config_files.apply_overrides(config, {"pipeline.arms": ("grpo",)})
     with pytest.raises(protocol.PreregistrationMismatch, match=r"arms: file \['grpo', 'tg'\]"):
         pipeline.run_pipeline(fewer, workdir)
     # Report time: a file edited after the runs no longer matches the config.
@@ -211,7 +211,7 @@ def test_changed_protocol_is_refused(tmp_path):
 
 
 def test_base_model_gates_stop_before_rl(tmp_path):
-    config = config_lib.apply_overrides(
+    config = config_files.apply_overrides(
         _config(),
         # A format-cost bound no base can meet (cost > -0.99 unless the format alone solves
         # 99% more tasks): the gate reads sft_eval.json's forced mode.
@@ -234,7 +234,7 @@ def test_base_model_gates_stop_before_rl(tmp_path):
 
 
 def test_retry_seed_that_passes_the_gates_is_used_and_reported(tmp_path, monkeypatch):
-    config = config_lib.apply_overrides(_config(), {"sft.retry_seeds": 2})
+    config = config_files.apply_overrides(_config(), {"sft.retry_seeds": 2})
     workdir = str(tmp_path)
     real_stage, last_dir = pipeline.run_sft_stage, []
 
@@ -278,7 +278,7 @@ def _sigterm_then(fn):
 def test_sigterm_during_sft_stops_the_job_and_a_rerun_resumes(
     tmp_path, monkeypatch, restore_sigterm
 ):
-    config = config_lib.apply_overrides(_config(), {"sft.steps": 4, "sft.checkpoint_every": 100})
+    config = config_files.apply_overrides(_config(), {"sft.steps": 4, "sft.checkpoint_every": 100})
     workdir = str(tmp_path)
     monkeypatch.setattr(sft, "run_sft", _sigterm_then(sft.run_sft))
     with pytest.raises(checkpointing.Preempted) as info:
@@ -302,7 +302,7 @@ def test_sigterm_during_sft_stops_the_job_and_a_rerun_resumes(
 def test_sigterm_during_an_rl_arm_stops_the_job_and_a_rerun_resumes(
     tmp_path, monkeypatch, restore_sigterm
 ):
-    config = config_lib.apply_overrides(_config(), {"rl_loop.steps": 2})
+    config = config_files.apply_overrides(_config(), {"rl_loop.steps": 2})
     workdir = str(tmp_path)
     real = rl.run_rl
     calls = []

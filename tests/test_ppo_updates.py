@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.rl import train_state as tst
 from tg_jax.rl import train_step as ts
@@ -34,8 +34,8 @@ TINY = os.path.join(ROOT, "configs", "tiny.py")
 
 def _config(**overrides):
     """configs/tiny.py on one device, with `overrides`."""
-    cfg = config_lib.load_config_file(TINY)
-    return config_lib.apply_overrides(cfg, {"mesh.shape": (1, 1, 1, 1), **overrides})
+    cfg = config_files.load_config_file(TINY)
+    return config_files.apply_overrides(cfg, {"mesh.shape": (1, 1, 1, 1), **overrides})
 
 
 @functools.cache

@@ -79,9 +79,9 @@ def test_plots(workdir):
 
 
 def test_load_base_policy_without_checkpoint(tmp_path):
-    from tg_jax import config_lib
+    from tg_jax import config_files
 
-    config = config_lib.load_config_file("configs/tiny.py")
+    config = config_files.load_config_file("configs/tiny.py")
     policy = load_base_policy(config, None, seed=1)
     assert policy.num_params > 0 and "random init" in policy.source
     with pytest.raises(FileNotFoundError, match="no finished SFT checkpoint"):

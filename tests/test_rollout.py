@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files, config_lib
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.models import ModelConfig, Transformer, init_params
@@ -282,7 +282,7 @@ def test_env_workers_set_the_tool_call_threads_and_change_no_outcome(monkeypatch
     tasks = generate_tasks("heldout", 4, seed=0)
     records = {}
     for workers in (1, 3):
-        config = config_lib.apply_overrides(base, {"eval.env_workers": workers})
+        config = config_files.apply_overrides(base, {"eval.env_workers": workers})
         sizes.clear()
         records[workers] = heldout.evaluate_heldout(config, params, tasks, renderer=RENDERER)
         assert sizes and set(sizes) == {workers}

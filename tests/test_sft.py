@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.envs.transcripts import TranscriptConfig, make_transcript
@@ -141,7 +141,7 @@ def test_summarize_compliance():
 
 
 def _tiny_config():
-    return config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    return config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
 
 
 def test_tiny_sft_reduces_loss_and_resume_matches_uninterrupted(tmp_path):
@@ -175,8 +175,8 @@ def test_tiny_sft_reduces_loss_and_resume_matches_uninterrupted(tmp_path):
 
 
 def test_hint_requirements_set_the_hints_of_the_sft_transcripts():
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
-    config = config_lib.apply_overrides(
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    config = config_files.apply_overrides(
         config,
         {
             "env.requirements": ("tool_json",),
@@ -195,9 +195,9 @@ def test_hint_requirements_set_the_hints_of_the_sft_transcripts():
     assert "```python" in text and '<tool_call>{"name"' in text  # both hints followed
     assert stats["frac_hinted"] == 1.0
     # Empty = the env's requirements.
-    plain = config_lib.apply_overrides(config, {"sft.hint_requirements": ()})
+    plain = config_files.apply_overrides(config, {"sft.hint_requirements": ()})
     assert sft_data.transcript_env_config(plain).requirements == ("tool_json",)
-    bad = config_lib.apply_overrides(config, {"sft.hint_requirements": ("fence", "bogus")})
+    bad = config_files.apply_overrides(config, {"sft.hint_requirements": ("fence", "bogus")})
     with pytest.raises(ValueError, match="requirements must be a subset"):
         sft_data.transcript_env_config(bad)
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from tg_jax import checkpointing, config_lib, sharding
+from tg_jax import checkpointing, config_files, config_lib, sharding
 from tg_jax.metrics import read_metrics
 from tg_jax.train import sft, sft_eval, sft_select
 
@@ -146,7 +146,7 @@ def test_extension_decision_and_schedule():
     with pytest.raises(ValueError, match="needs sft.select.enabled"):
         sft_select.extend_config(config)
     # The extension's cosine: 0.2 x lr at sft.steps down to lr x end_lr_fraction.
-    config = config_lib.apply_overrides(
+    config = config_files.apply_overrides(
         _tiny_config(), {"sft.extend.steps": 4, "sft.extend.lr_fraction": 0.2}
     )
     lr, end = float(config.sft.optim.lr), float(config.sft.optim.end_lr_fraction)
@@ -174,7 +174,7 @@ def _params(state):
 
 def test_tiny_sft_extends_a_low_run_and_resumes_inside_the_extension(tmp_path, monkeypatch, capsys):
     overrides = {"sft.extend.steps": 3, "sft.extend.min_pass_rate": 0.25}
-    config = config_lib.apply_overrides(_tiny_config(), overrides)
+    config = config_files.apply_overrides(_tiny_config(), overrides)
     # Dev pass rates at steps 3, 6 (under 0.25: extended) and 9 (the extension's last step).
     calls = []
     monkeypatch.setattr(sft_eval, "evaluate_base_model", _fake_dev_eval([0.1, 0.2, 0.4], calls))
@@ -225,7 +225,7 @@ def test_tiny_sft_not_extended_is_the_run_without_the_option(tmp_path, monkeypat
     monkeypatch.setattr(
         sft_eval, "evaluate_base_model", _fake_dev_eval([0.1, 0.3, 0.1, 0.3], calls)
     )
-    on = config_lib.apply_overrides(_tiny_config(), {"sft.extend.steps": 3})
+    on = config_files.apply_overrides(_tiny_config(), {"sft.extend.steps": 3})
     state_on = sft.run_sft(on, str(tmp_path / "on"))
     record = sft_select.read_selection(os.path.join(str(tmp_path / "on"), sft.SFT_DIR))
     assert record["extension"]["extended"] is False and record["extension"]["steps"] == 0

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.errors import ConfigError
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import sft_gates, shipped_base
@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _default():
-    return config_lib.load_config_file(os.path.join(REPO, "configs", "default.py"))
+    return config_files.load_config_file(os.path.join(REPO, "configs", "default.py"))
 
 
 def test_the_default_s_shipped_base_is_the_recorded_file_and_architecture():
@@ -43,10 +43,10 @@ def test_a_changed_or_mismatched_base_is_refused(tmp_path):
     config = _default()
     copy = tmp_path / "base"
     shutil.copytree(os.path.join(shipped_base.BASES_DIR, "default"), copy)
-    ok = config_lib.apply_overrides(config, {"sft.base": str(copy)})
+    ok = config_files.apply_overrides(config, {"sft.base": str(copy)})
     shipped_base.check(ok)
     with pytest.raises(ConfigError, match=r"does not fit the config: model.num_layers = 3, but"):
-        shipped_base.check(config_lib.apply_overrides(ok, {"model.num_layers": 3}))
+        shipped_base.check(config_files.apply_overrides(ok, {"model.num_layers": 3}))
     weights = copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
@@ -54,7 +54,7 @@ def test_a_changed_or_mismatched_base_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="has sha256 .* its provenance records"):
         shipped_base.check(ok)
     with pytest.raises(ConfigError, match="sft.source must be one of shipped, train"):
-        shipped_base.source(config_lib.apply_overrides(config, {"sft.source": "cloud"}))
+        shipped_base.source(config_files.apply_overrides(config, {"sft.source": "cloud"}))
 
 
 def _main(work, *extra):

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from tests import rl_loop_driver as driver
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, config_lib, sharding
 from tg_jax.metrics import last_per_step, read_metrics
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling import placement
@@ -32,7 +32,7 @@ TOL = 1e-5
 
 def _config(num_devices=4, shape=(-1, 1), async_sampling=False, steps=STEPS, **overrides):
     config = driver.make_config(async_sampling=async_sampling, steps=steps)
-    return config_lib.apply_overrides(
+    return config_files.apply_overrides(
         config,
         {"sampler_mesh.num_devices": num_devices, "sampler_mesh.shape": tuple(shape),
          "rl_loop.eval_every": 0, **overrides},
@@ -68,7 +68,7 @@ def test_split_devices_and_the_two_meshes():
     assert sharding.batch_divisor(s_mesh, s_rules) == 2
     colocated = _config(num_devices=0)
     assert sharding.split_devices(colocated, devices) == (devices, None)
-    assert "sampler_mesh" in config_lib.load_config_file("configs/default.py")
+    assert "sampler_mesh" in config_files.load_config_file("configs/default.py")
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def test_split_devices_and_the_two_meshes():
 )  # fmt: skip
 def test_split_that_cannot_be_built_is_a_clear_error(overrides, match):
     _needs_8_devices()
-    config = config_lib.apply_overrides(_config(), overrides)
+    config = config_files.apply_overrides(_config(), overrides)
     with pytest.raises(ValueError, match=match):
         sharding.split_devices(config, jax.devices()[:8])
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.evaluation import report, stability
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.train import pipeline
@@ -57,7 +57,7 @@ def test_tuning_budget_from_the_config():
         "lr": 1e-3, "lr_schedule": "constant", "train_seeds": [0], "heldout_tasks": 4,
         "lr_trials": 1, "lr_tuned_on_heldout": False,
     }  # fmt: skip
-    config = config_lib.apply_overrides(tiny.get_config(), {"pipeline.tune.lrs": (1e-3, 3e-3)})
+    config = config_files.apply_overrides(tiny.get_config(), {"pipeline.tune.lrs": (1e-3, 3e-3)})
     assert stability.tuning_budget(config)["lr_trials"] == 2
     # Every arm of the protocol has the same budget (arms change no budget setting).
     budgets = {

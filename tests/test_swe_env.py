@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs import decode_task, make_env
 from tg_jax.envs.coding import CodingEnv
 from tg_jax.envs.swe import requirements as reqs
@@ -387,12 +387,12 @@ def test_import_jsonl_and_directories(tmp_path):
         normalize_record({**swebench, "id": "x"})
 
 
-def test_data_stage_swe_kind_and_coding_unchanged(tmp_path):
-    from tg_jax.train import data_stage
+def test_task_data_swe_kind_and_coding_unchanged(tmp_path):
+    from tg_jax.data import task_data
 
-    cfg = config_lib.load_config_file("configs/hf_swe.py", "runlocal")
-    sources = data_stage.prepare_tasks(cfg, str(tmp_path))
-    tasks = data_stage.load_tasks(sources, "heldout")
+    cfg = config_files.load_config_file("configs/hf_swe.py", "runlocal")
+    sources = task_data.prepare_tasks(cfg, str(tmp_path))
+    tasks = task_data.load_tasks(sources, "heldout")
     assert len(tasks) == 4 and all(isinstance(t, SweTask) for t in tasks)
     assert [t.to_record() for t in tasks] == [
         t.to_record() for t in generate_swe_tasks("heldout", 4)
@@ -400,14 +400,12 @@ def test_data_stage_swe_kind_and_coding_unchanged(tmp_path):
     assert isinstance(make_env(cfg.env), SweEnv)
     user = tmp_path / "user.jsonl"  # a user's held-out tasks through the data stage
     user.write_text(json.dumps({**_task().to_record(), "split": "train"}) + "\n")
-    imported = config_lib.apply_overrides(cfg, {"tasks.heldout_source": str(user)})
-    assert data_stage.tasks_dataset_name(imported) != data_stage.tasks_dataset_name(cfg)
-    (got,) = data_stage.load_tasks(data_stage.prepare_tasks(imported, str(tmp_path)), "heldout")
+    imported = config_files.apply_overrides(cfg, {"tasks.heldout_source": str(user)})
+    assert task_data.tasks_dataset_name(imported) != task_data.tasks_dataset_name(cfg)
+    (got,) = task_data.load_tasks(task_data.prepare_tasks(imported, str(tmp_path)), "heldout")
     assert got == dataclasses.replace(_task(), split="heldout")
-    coding = config_lib.load_config_file("configs/hf_tg.py", "runlocal")
-    assert (
-        data_stage.tasks_dataset_name(coding) == "coding_add-sub-vee-bowl_seed0_train32_heldout16"
-    )
+    coding = config_files.load_config_file("configs/hf_tg.py", "runlocal")
+    assert task_data.tasks_dataset_name(coding) == "coding_add-sub-vee-bowl_seed0_train32_heldout16"
     assert isinstance(make_env(coding.env), CodingEnv)
     (task,) = generate_tasks("heldout", 1, families=EASY_FAMILIES)
     assert decode_task(task.to_record()) == task

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files, config_lib
 from tg_jax.models import ModelConfig, Transformer, forward, hidden_states, init_params
 from tg_jax.models.decode import forward_from_prefix
 from tg_jax.rl import teacher, train_step
@@ -255,7 +255,7 @@ def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides, mon
     cfg.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
     cfg.tg = config_lib.tg_config(chunk_size=16, max_teacher_rows=24, teacher_mode=mode)
     cfg.optim = config_lib.optim_config()
-    cfg = config_lib.apply_overrides(cfg, overrides)
+    cfg = config_files.apply_overrides(cfg, overrides)
     full, compact = _slot_batches(which, mode, gate=cfg.tg.gate)
     assert teacher.divergence_at_slots(compact) and not teacher.divergence_at_slots(full)
     full, compact = _on_policy(full, model, params), _on_policy(compact, model, params)
@@ -270,7 +270,7 @@ def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides, mon
     for x, y in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-4)
     if not targeted:
-        grpo = _loss_and_grads(config_lib.apply_overrides(cfg, {"tg.enabled": False}), compact,
+        grpo = _loss_and_grads(config_files.apply_overrides(cfg, {"tg.enabled": False}), compact,
                                model, params)  # fmt: skip
         assert float(grpo[0]) == float(loss_b)
         for x, y in zip(jax.tree.leaves(grpo[2]), jax.tree.leaves(grads_b), strict=True):

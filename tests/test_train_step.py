@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, forward, hidden_states, init_params
 from tg_jax.rl import train_state as tst
 from tg_jax.rl import train_step as ts
@@ -32,7 +32,7 @@ def _config(**overrides) -> ml_collections.ConfigDict:
     c.tg = config_lib.tg_config(chunk_size=16, max_teacher_rows=16)
     c.tg.schedule.value = 0.5
     c.optim = config_lib.optim_config(lr=1e-3, eps=1e-6)
-    return config_lib.apply_overrides(c, overrides)
+    return config_files.apply_overrides(c, overrides)
 
 
 @functools.cache

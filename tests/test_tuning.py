@@ -10,11 +10,12 @@ import grain
 import pytest
 
 from tests.test_pipeline import FAST_PIPELINE, _sigterm_then
-from tg_jax import checkpointing, config_lib
+from tg_jax import checkpointing, config_files
+from tg_jax.data import task_data
 from tg_jax.data.pipeline import TaskIterator
 from tg_jax.envs import decode_task
 from tg_jax.sampling.episode import EpisodeRecord
-from tg_jax.train import data_stage, pipeline, rl, tuning
+from tg_jax.train import pipeline, rl, tuning
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG_DIR = os.path.join(ROOT, "configs")
@@ -24,8 +25,8 @@ FAST = {**FAST_PIPELINE, "pipeline.tune.lrs": (1e-3, 3e-3), "pipeline.tune.val_t
 
 
 def _config(**extra):
-    config = config_lib.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
-    return config_lib.apply_overrides(config, {**FAST, **extra})
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
+    return config_files.apply_overrides(config, {**FAST, **extra})
 
 
 def _record(task_success, compliance):
@@ -33,7 +34,7 @@ def _record(task_success, compliance):
 
 
 def test_score_weighs_task_success_and_each_requirement():
-    config = config_lib.apply_overrides(
+    config = config_files.apply_overrides(
         _config(), {"rl.reward_weights": {"task": 1.0, "fence": 0.5}}
     )
     records = [
@@ -43,7 +44,7 @@ def test_score_weighs_task_success_and_each_requirement():
         _record(False, {"fence": False}),  # 0
     ]
     assert tuning.score(config, records) == pytest.approx(3.0 / 4)
-    task_only = config_lib.apply_overrides(config, {"rl.reward_weights.fence": 0.0})
+    task_only = config_files.apply_overrides(config, {"rl.reward_weights.fence": 0.0})
     assert tuning.score(task_only, records) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="no validation episodes"):
         tuning.score(config, [])
@@ -51,11 +52,11 @@ def test_score_weighs_task_success_and_each_requirement():
 
 def test_trials_never_train_on_the_validation_split(tmp_path):
     config = _config()
-    sources = data_stage.prepare_tasks(config, str(tmp_path))
+    sources = task_data.prepare_tasks(config, str(tmp_path))
     n = len(sources["train"])
     trial_sources, val = tuning.split_train(sources, 4)
     assert len(trial_sources["train"]) == n - 4 and trial_sources["heldout"] is sources["heldout"]
-    all_train = data_stage.load_tasks(sources, "train")
+    all_train = task_data.load_tasks(sources, "train")
     assert [t.task_id for t in val] == [t.task_id for t in all_train[n - 4 :]]
     # Two epochs of the trials' task stream: every task but the validation split's, each twice.
     it = TaskIterator(
@@ -104,8 +105,8 @@ def test_every_arm_gets_the_same_trials_and_runs_at_its_best_rate(tmp_path, monk
         tuned = json.load(f)
     assert tuned == res["context"]["tuning"]
     n = int(config.tasks.num_train)
-    val_ids = [t.task_id for t in data_stage.load_tasks(
-        data_stage.prepare_tasks(config, str(tmp_path)), "train")[n - 4 :]]  # fmt: skip
+    val_ids = [t.task_id for t in task_data.load_tasks(
+        task_data.prepare_tasks(config, str(tmp_path)), "train")[n - 4 :]]  # fmt: skip
     trials = [c for c in calls if c["dir"].startswith("tune")]
     finals = [c for c in calls if c["dir"].startswith("runs")]
     assert len(trials) == 4 and len(finals) == 2  # 2 arms x 2 rates; 2 arms x 1 seed

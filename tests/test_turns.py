@@ -7,7 +7,7 @@ import os
 import jax
 import pytest
 
-from tg_jax import config_lib
+from tg_jax import config_files
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.evaluation import turns
@@ -55,13 +55,13 @@ def test_profile_by_hand():
 
 
 def test_users_command_on_a_saved_model(tmp_path):
+    from tg_jax.data import task_data
     from tg_jax.models import ModelConfig, Transformer, hf_dir, init_params
     from tg_jax.text import write_byte_tokenizer
-    from tg_jax.train import data_stage
 
-    config = config_lib.load_config_file(os.path.join(ROOT, "configs", "fence.py"), "runlocal")
+    config = config_files.load_config_file(os.path.join(ROOT, "configs", "fence.py"), "runlocal")
     work, model_dir = tmp_path / "w", tmp_path / "model"
-    data_stage.prepare_tasks(config, str(work))
+    task_data.prepare_tasks(config, str(work))
     cfg = ModelConfig.from_config(config.model)
     hf_dir.export_model_dir(str(model_dir), init_params(Transformer(cfg), jax.random.key(0)), cfg)
     write_byte_tokenizer(str(model_dir))

@@ -2,7 +2,7 @@
 
 Runs the stage named by `config.stage`:
 
-  data      the task sets as TFDS datasets in DIR/tfds (tg_jax.train.data_stage)
+  data      the task sets as TFDS datasets in DIR/tfds (tg_jax.data.task_data)
   sft       SFT of the base model (resumed if unfinished, skipped if finished), then its
             held-out evaluation DIR/sft_eval.json (tg_jax.train.sft, tg_jax.train.sft_eval)
   pipeline  data -> sft -> the RL arms x seeds -> held-out evaluation -> DIR/report/
@@ -112,20 +112,20 @@ def _config_overrides(args: Sequence[str]) -> tuple[str | None, list[tuple[str, 
 
 def check_config_args(args: Sequence[str]) -> str | None:
     """Why the `--config.*` overrides in `args` cannot apply to the config file, or None."""
-    from tg_jax import config_lib
+    from tg_jax import config_files
 
     path, overrides = _config_overrides(args)
     if path is None or not overrides:
         return None  # absl reports a missing --config itself
     file, _, arg = path.partition(":")
     try:
-        cfg = config_lib.load_config_file(file, arg or None)
+        cfg = config_files.load_config_file(file, arg or None)
     except Exception as e:  # noqa: BLE001  (any failure of the user's config file)
         return f"--config={path}: {type(e).__name__}: {e}"
     for key, text in overrides:
-        if (why := config_lib.unknown_field(cfg, key)) is not None:
+        if (why := config_files.unknown_field(cfg, key)) is not None:
             return why
-        if text is not None and (why := config_lib.parse_error(cfg, key, text)) is not None:
+        if text is not None and (why := config_files.parse_error(cfg, key, text)) is not None:
             return f"--config.{key}: {why}"
     return None
 
@@ -239,7 +239,7 @@ def main(argv):
     from tg_jax.train.sft_gates import BaseModelGateError
 
     if "rl_loop" in config and "tasks" in config and not config.tasks.get("train_source"):
-        from tg_jax.train.data_stage import check_epochs
+        from tg_jax.data.task_data import check_epochs
 
         try:  # generated tasks: their count is the config's (a task file's: once read)
             check_epochs(config.rl_loop, int(config.tasks.num_train))

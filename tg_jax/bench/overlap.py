@@ -54,7 +54,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, config_lib, sharding
 from tg_jax.bench.measure import load_average
 from tg_jax.bench.throughput import _worker_env as worker_env
 from tg_jax.envs.coding import CodingEnv, coding_env_config
@@ -260,7 +260,7 @@ def _layout_config(config: Any, sampler_devices: int) -> ml_collections.ConfigDi
     shape = tuple(config.sampler_mesh.shape) if "sampler_mesh" in config else (-1, 1)
     fields = config.to_dict()
     fields["sampler_mesh"] = config_lib.sampler_mesh_config(sampler_devices, shape).to_dict()
-    return config_lib.apply_overrides(ml_collections.ConfigDict(fields), {"tg.enabled": True})
+    return config_files.apply_overrides(ml_collections.ConfigDict(fields), {"tg.enabled": True})
 
 
 def _parts(

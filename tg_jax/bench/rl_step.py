@@ -30,7 +30,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.compact import MIN_COMPACT_SAVING
@@ -161,7 +161,7 @@ def bench(
     wall, cpu = {arm: [] for arm in arms}, {arm: [] for arm in arms}
     for arm in arms:
         batches[arm] = jax.device_put(batches[arm], sharding.data_sharding(mesh, rules, ndim=1))
-        cfg = config_lib.apply_overrides(config, {"tg.enabled": arm != "grpo"})
+        cfg = config_files.apply_overrides(config, {"tg.enabled": arm != "grpo"})
         optimizer = make_optimizer(cfg.optim)
         states[arm] = create_train_state(model, optimizer, mesh, rules, jax.random.key(seed))
         step_fns[arm] = make_train_step(cfg, model, mesh, rules)

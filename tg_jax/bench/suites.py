@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-from tg_jax import config_lib
+from tg_jax import config_files, config_lib
 from tg_jax.bench import e2e, hf_reference, measure, overlap, throughput
 from tg_jax.bench import sandbox as sandbox_bench
 from tg_jax.models import ModelConfig
@@ -141,13 +141,13 @@ SUITES = {
 
 def run_config(suite: Suite, path: str = DEFAULT_CONFIG) -> ml_collections.ConfigDict:
     """The run config the benchmarks use: configs/default.py (tiny model for micro)."""
-    config = config_lib.load_config_file(path)
+    config = config_files.load_config_file(path)
     if suite.tiny_models:
         tiny = config_lib.tiny_model_config().to_dict()
         # One-turn episodes: a prompt and one short turn fit with the hints in 384 tokens.
         tiny["max_seq_len"] = 384
         overrides = {f"model.{k}": v for k, v in tiny.items()}
-        config = config_lib.apply_overrides(
+        config = config_files.apply_overrides(
             config, overrides | {"sft.seq_len": 64, "env.max_turns": 1}
         )
     return config
@@ -255,7 +255,7 @@ def train_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
             unrolled = cfg.scan_unroll >= cfg.num_layers
             flip = {"model.scan_unroll": 1 if unrolled else cfg.num_layers}
             t = throughput.lm_step_timing(
-                config_lib.apply_overrides(step_cfg, flip), suite.train_repeats
+                config_files.apply_overrides(step_cfg, flip), suite.train_repeats
             )
             scanned_s, unrolled_s = (t.median, ours[name].median)[:: 1 if unrolled else -1]
             other_loop[name] = {"scanned_step_s": scanned_s, "unrolled_step_s": unrolled_s,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tg_jax import config_lib, sharding
+from tg_jax import config_files, sharding
 from tg_jax.bench.measure import CallWorker, Timing, serve_calls, time_calls
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling.loop import data_parallel_mesh
@@ -148,7 +148,7 @@ def lm_step_config(
     """`base` (model, mesh, sft sections) with `model` and SFT batches of `batch` x `seq_len`."""
     overrides = {f"model.{k}": v for k, v in model.to_dict().items()}
     overrides.update({"sft.batch_size": batch, "sft.seq_len": seq_len})
-    return config_lib.apply_overrides(base, overrides)
+    return config_files.apply_overrides(base, overrides)
 
 
 def lm_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, jax.Array]:

@@ -79,7 +79,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tg_jax import faults
-from tg_jax.envs import sandbox
+from tg_jax.envs import sandbox_prelude
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ns_launcher.py")
 HOST_UID = 2_000_000  # host uid of every sandboxed process (unprivileged, in no /etc/passwd)
@@ -180,7 +180,7 @@ def run_command(
     files: Mapping[str, str] | None = None,
     env: Mapping[str, str] | None = None,
     limits: Limits = Limits(),
-) -> sandbox.SandboxResult:
+) -> sandbox_prelude.SandboxResult:
     """Runs `argv` in /repo of a fresh sandbox holding a copy of `repo` plus `files`.
 
     Args:
@@ -406,7 +406,7 @@ def _kill_when_started(pump: _Pump, timeout_s: float = 5.0) -> None:
     _kill(pump.fields())
 
 
-def _supervise(payload: bytes, limits: Limits) -> sandbox.SandboxResult:
+def _supervise(payload: bytes, limits: Limits) -> sandbox_prelude.SandboxResult:
     start = time.monotonic()
     pump = _Pump(*_spawn(payload), limits.max_output_bytes)
     try:
@@ -430,11 +430,13 @@ def _supervise(payload: bytes, limits: Limits) -> sandbox.SandboxResult:
         raise SandboxUnavailable(f"namespace sandbox set-up failed: {fields['setup']}")
     if "input" in fields:
         msg = f"error: {fields['input']}"
-        return sandbox.SandboxResult("error", out, err, None, time.monotonic() - start, msg, pid)
+        return sandbox_prelude.SandboxResult(
+            "error", out, err, None, time.monotonic() - start, msg, pid
+        )
     return _result(reason, fields, out, err, time.monotonic() - start, limits, pid)
 
 
-def _result(reason, fields, out, err, wall, limits: Limits, pid) -> sandbox.SandboxResult:
+def _result(reason, fields, out, err, wall, limits: Limits, pid) -> sandbox_prelude.SandboxResult:
     rc = None
     if "status" in fields:
         rc = os.waitstatus_to_exitcode(int(fields["status"]))
@@ -447,8 +449,8 @@ def _result(reason, fields, out, err, wall, limits: Limits, pid) -> sandbox.Sand
     elif rc == -signal.SIGXCPU:
         status, msg = "timeout", f"timeout: CPU time limit {limits.cpu_s} s exceeded"
     else:
-        status, msg = sandbox.exit_status(rc, err)
-    return sandbox.SandboxResult(status, out, err, rc, wall, msg, pid)
+        status, msg = sandbox_prelude.exit_status(rc, err)
+    return sandbox_prelude.SandboxResult(status, out, err, rc, wall, msg, pid)
 
 
 @functools.cache
@@ -469,7 +471,7 @@ def run_python(
     max_file_mb: int = 1,
     max_open_files: int = 32,
     audit: bool = True,
-) -> sandbox.SandboxResult:
+) -> sandbox_prelude.SandboxResult:
     """tg_jax.envs.sandbox.run_python's contract, in the namespace sandbox.
 
     The script runs as /repo/main.py under the audit hook's prelude (an inner layer: it
@@ -481,10 +483,10 @@ def run_python(
         max_file_mb=max_file_mb, max_open_files=max_open_files,
         max_output_bytes=max_output_bytes,
     )  # fmt: skip
-    prelude = sandbox.prelude(WORKDIR, cpu_s, memory_mb, max_file_mb, max_open_files, audit)
+    prelude = sandbox_prelude.prelude(WORKDIR, cpu_s, memory_mb, max_file_mb, max_open_files, audit)
     argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", prelude]
     res = run_command(argv, files={"main.py": code}, limits=limits)
-    if res.status == "error" and res.returncode == sandbox.MEMORY_RC:  # the prelude's code
+    if res.status == "error" and res.returncode == sandbox_prelude.MEMORY_RC:  # the prelude's code
         msg = f"memory: memory limit {memory_mb} MB exceeded"
         res = dataclasses.replace(res, status="memory", message=msg)
     return res
@@ -492,7 +494,7 @@ def run_python(
 
 def run_many(
     jobs: Sequence[Mapping[str, Any]], workers: int | None = None
-) -> list[sandbox.SandboxResult]:
+) -> list[sandbox_prelude.SandboxResult]:
     """run_command(**job) for every job, `workers` at a time (default: the CPU count)."""
     workers = workers or os.cpu_count() or 1
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:

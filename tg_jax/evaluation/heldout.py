@@ -65,7 +65,7 @@ def heldout_episodes(
       config: full config (sections model, env, and `eval` from
         `tg_jax.config_lib.eval_config` for the defaults of the arguments below).
       params: policy params.
-      tasks: held-out tasks (`tg_jax.train.data_stage.load_tasks(sources, "heldout", n)`).
+      tasks: held-out tasks (`tg_jax.data.task_data.load_tasks(sources, "heldout", n)`).
       conditions: subset of ("plain", "hinted"); default `config.eval.conditions`.
       samples_per_task: episodes per task and condition; default `config.eval.samples_per_task`.
       temperature: sampling temperature (0 = greedy); default `config.eval.temperature`.

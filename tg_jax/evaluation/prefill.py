@@ -222,18 +222,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="", help="write the summaries as JSON here")
     args = parser.parse_args(argv)
 
-    from tg_jax import config_lib  # noqa: PLC0415
+    from tg_jax import config_files  # noqa: PLC0415
+    from tg_jax.data import task_data  # noqa: PLC0415
     from tg_jax.models import ModelConfig, hf_dir  # noqa: PLC0415
-    from tg_jax.train import data_stage  # noqa: PLC0415
 
     prefill = codecs.decode(args.prefill, "unicode_escape")
     path, _, arg = args.config.partition(":")
-    config = config_lib.load_config_file(path, arg or None)
+    config = config_files.load_config_file(path, arg or None)
     md = hf_dir.open_model_dir(args.model_dir)
     config = hf_dir.resolve_config(config, md)
     params = md.load_params(ModelConfig.from_config(config.model))
-    sources = data_stage.prepare_tasks(config, args.workdir)
-    tasks = data_stage.load_tasks(sources, "heldout", args.num_tasks or config.eval.num_tasks)
+    sources = task_data.prepare_tasks(config, args.workdir)
+    tasks = task_data.load_tasks(sources, "heldout", args.num_tasks or config.eval.num_tasks)
     result = evaluate_prefill(config, params, tasks, md.renderer, prefill,
                               samples_per_task=args.samples or None,
                               after_thinking=args.after_thinking)  # fmt: skip

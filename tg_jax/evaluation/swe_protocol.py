@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tg_jax import config_lib, paths, progress
+from tg_jax import config_files, paths, progress
 from tg_jax.envs import env_factory
 from tg_jax.envs.swe import agents
 from tg_jax.envs.swe.generator import generate_swe_tasks
@@ -238,7 +238,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Plays every arm and returns the JSON document (figures, settings, wall time)."""
-    config = config_lib.load_config_file(args.config)
+    config = config_files.load_config_file(args.config)
     make_env = env_factory(config.env)
     tasks = generate_swe_tasks("heldout", args.num_tasks, args.seed)
     renderer = ChatRenderer(ByteTokenizer())

@@ -99,20 +99,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="", help="write the profiles as JSON here")
     args = parser.parse_args(argv)
 
-    from tg_jax import config_lib  # noqa: PLC0415
+    from tg_jax import config_files  # noqa: PLC0415
+    from tg_jax.data import task_data  # noqa: PLC0415
     from tg_jax.evaluation import heldout  # noqa: PLC0415
     from tg_jax.models import ModelConfig, hf_dir  # noqa: PLC0415
-    from tg_jax.train import data_stage  # noqa: PLC0415
 
     path, _, arg = args.config.partition(":")
-    base = config_lib.load_config_file(path, arg or None)
+    base = config_files.load_config_file(path, arg or None)
     result: dict[str, Any] = {}
     for model_dir in args.model_dir:
         md = hf_dir.open_model_dir(model_dir)
         config = hf_dir.resolve_config(base, md)
         params = md.load_params(ModelConfig.from_config(config.model))
-        sources = data_stage.prepare_tasks(config, args.workdir)
-        tasks = data_stage.load_tasks(sources, "heldout", args.num_tasks or config.eval.num_tasks)
+        sources = task_data.prepare_tasks(config, args.workdir)
+        tasks = task_data.load_tasks(sources, "heldout", args.num_tasks or config.eval.num_tasks)
         records, trajs = heldout.heldout_episodes(
             config, params, tasks, conditions=("plain",), samples_per_task=args.samples or None,
             sampler=heldout.make_sampler(config, md.renderer), renderer=md.renderer,

@@ -254,11 +254,11 @@ def resolve_model_section(model: Any, md: ModelDir) -> dict[str, Any]:
 def resolve_config(config: Any, md: ModelDir) -> Any:
     """A copy of `config` whose model section has `md`'s architecture (see
     `resolve_model_section`) and `model.hf_checkpoint` = md.path."""
-    from tg_jax import config_lib  # noqa: PLC0415 (config_lib imports envs)
+    from tg_jax import config_files  # noqa: PLC0415 (config_lib imports envs)
 
     fields = resolve_model_section(config.model, md)
     fields["hf_checkpoint"] = md.path
-    return config_lib.apply_overrides(config, {f"model.{k}": v for k, v in fields.items()})
+    return config_files.apply_overrides(config, {f"model.{k}": v for k, v in fields.items()})
 
 
 def copy_dir(src: str, dst: str) -> None:

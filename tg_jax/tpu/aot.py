@@ -48,7 +48,7 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
-from tg_jax import config_lib, paths, sharding, tracing
+from tg_jax import config_files, paths, sharding, tracing
 from tg_jax.models import ModelConfig, Transformer, hf_dir, hidden_states
 from tg_jax.models.hf_io import model_config_from_hf
 from tg_jax.sampling import placement
@@ -377,7 +377,7 @@ def resolve_architecture(config: Any) -> Any:
         hf = paths.read_json(paths.as_path(ckpt) / hf_dir.CONFIG_FILE)
         md = types.SimpleNamespace(path=str(ckpt), architecture=model_config_from_hf(hf))
         fields = hf_dir.resolve_model_section(config.model, md)
-        config = config_lib.apply_overrides(config, {f"model.{k}": v for k, v in fields.items()})
+        config = config_files.apply_overrides(config, {f"model.{k}": v for k, v in fields.items()})
     unset = [name for name in hf_dir.ARCHITECTURE_FIELDS if config.model.get(name) is None]
     if unset:
         raise ValueError(

@@ -45,10 +45,11 @@ import sys
 import tempfile
 from typing import Any
 
-from tg_jax import checkpointing, config_lib, multihost, paths, sharding
+from tg_jax import checkpointing, config_files, multihost, paths, sharding
+from tg_jax.data import task_data
 from tg_jax.evaluation import heldout, protocol, stability
 from tg_jax.models import ModelConfig, hf_dir
-from tg_jax.train import data_stage, rl, sft, sft_eval, sft_gates, shipped_base, tuning
+from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
 
 RUNS_DIR, REPORT_DIR, EXPORT_DIR, BASE_MODEL_DIR = "runs", "report", "export", "base_model"
 
@@ -165,14 +166,14 @@ def arm_overrides(config: Any, arm: str) -> dict[str, Any]:
 def arm_config(config: Any, arm: str) -> Any:
     """`config` with the overrides of `arm` (`arm_overrides`; a new config, the original is
     untouched). Any unknown key raises."""
-    return config_lib.apply_overrides(config, arm_overrides(config, arm))
+    return config_files.apply_overrides(config, arm_overrides(config, arm))
 
 
 def run_data(config: Any, workdir: str) -> dict[str, Any]:
     """Data stage: writes (or reuses) the train / held-out task datasets."""
-    sources = data_stage.prepare_tasks(config, workdir)
+    sources = task_data.prepare_tasks(config, workdir)
     sizes = {split: len(src) for split, src in sources.items()}
-    print(f"data: {sizes} tasks in {data_stage.tasks_dir(workdir)}")
+    print(f"data: {sizes} tasks in {task_data.tasks_dir(workdir)}")
     return sources
 
 
@@ -206,8 +207,8 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
             f"sft: {sft_eval.EVAL_FILE} in {workdir} has no figures for requirement(s) "
             f"{missing} of env.requirements: evaluating the base model again"
         )
-    sources = sources if sources is not None else data_stage.prepare_tasks(config, workdir)
-    tasks = data_stage.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
+    sources = sources if sources is not None else task_data.prepare_tasks(config, workdir)
+    tasks = task_data.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
     result = sft_eval.write_sft_eval(config, workdir, state.params, tasks)
     headline = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
     print("sft_eval:", json.dumps(headline, indent=1))
@@ -220,7 +221,7 @@ def sft_attempt(config: Any, workdir: str, k: int) -> tuple[Any, str]:
     if k == 0:
         return config, workdir
     overrides = {"seed": int(config.seed) + k, "sft.data_seed": int(config.sft.data_seed) + k}
-    return config_lib.apply_overrides(config, overrides), os.path.join(workdir, f"sft_retry{k}")
+    return config_files.apply_overrides(config, overrides), os.path.join(workdir, f"sft_retry{k}")
 
 
 def run_base_model(
@@ -307,7 +308,7 @@ def _shipped_base(config: Any, workdir: str) -> tuple[Any, dict, list]:
 
 def train_source(config: Any) -> Any:
     """`config` with `sft.source = "train"` (a copy): SFT trains its base."""
-    return config_lib.apply_overrides(config, {"sft.source": "train"})
+    return config_files.apply_overrides(config, {"sft.source": "train"})
 
 
 def base_config(config: Any, sft_dir: str) -> Any:
@@ -336,7 +337,7 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
     """Every RL run (arm x training seed) and its held-out evaluation, as report RunResults."""
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
-    eval_tasks = data_stage.load_tasks(sources, "heldout", config.eval.num_tasks)
+    eval_tasks = task_data.load_tasks(sources, "heldout", config.eval.num_tasks)
     runs = []
     for arm, cfg in arms_cfgs.items():
         for seed in config.eval.train_seeds:

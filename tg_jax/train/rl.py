@@ -266,9 +266,9 @@ def _tasks(
     """(train task iterator at its restored position, held-out evaluation tasks)."""
     lc = config.rl_loop
     if sources is None:
-        from tg_jax.train import data_stage
+        from tg_jax.data import task_data
 
-        sources = data_stage.prepare_tasks(config, workdir)
+        sources = task_data.prepare_tasks(config, workdir)
     if eval_tasks is None and int(lc.eval_every) > 0:
         held = sources["heldout"]
         n = min(int(lc.eval_tasks), len(held))
@@ -441,7 +441,7 @@ def run_rl(
         reference (rl.kl_coef > 0, tg.teacher_params "reference") is made from it.
       arm_name: label recorded in checkpoints and summaries ("grpo", "tg", ...).
       seed: training seed (state RNG, sampling keys, feedback picks, task order).
-      sources: {"train": ..., "heldout": ...} task sources (`data_stage.prepare_tasks`);
+      sources: {"train": ..., "heldout": ...} task sources (`task_data.prepare_tasks`);
         default: prepared in `workdir`.
       eval_tasks: tasks of the periodic held-out evaluation; default: the first
         `rl_loop.eval_tasks` of sources["heldout"].

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tg_jax import checkpointing, config_lib, paths, sharding, tracing
+from tg_jax import checkpointing, config_files, paths, sharding, tracing
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer, forward, hf_dir, init_params
 from tg_jax.progress import ProgressBar
@@ -234,7 +234,7 @@ def tokenized_config(config: Any, tokenizer: Tokenizer) -> Any:
     `config` itself (model.vocab_size covers ByteTokenizer's ids, `build_model` checks)."""
     if tokenizer_kind(config) == "byte":
         return config
-    return config_lib.apply_overrides(config, {"model.vocab_size": int(tokenizer.vocab_size)})
+    return config_files.apply_overrides(config, {"model.vocab_size": int(tokenizer.vocab_size)})
 
 
 def write_tokenizer_files(config: Any, workdir: str, out_dir: str) -> None:

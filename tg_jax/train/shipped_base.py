@@ -129,12 +129,13 @@ def write(config: Any, workdir: str, name: str, command: str) -> str:
     shipped base `name` with its provenance, and returns the directory."""
     import tempfile  # noqa: PLC0415
 
+    from tg_jax.data import task_data  # noqa: PLC0415
     from tg_jax.evaluation import protocol  # noqa: PLC0415
     from tg_jax.models import ModelConfig, hf_dir  # noqa: PLC0415
-    from tg_jax.train import data_stage, pipeline, sft  # noqa: PLC0415
+    from tg_jax.train import pipeline, sft  # noqa: PLC0415
 
     cfg = pipeline.train_source(config)
-    sources = data_stage.prepare_tasks(cfg, workdir)
+    sources = task_data.prepare_tasks(cfg, workdir)
     params, result, attempts = pipeline.run_base_model(cfg, workdir, sources)
     sft_dir = attempts[-1]["workdir"]
     out = os.path.join(BASES_DIR, name) if os.sep not in name else name
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m tg_jax.train.shipped_base --config=CONFIG --workdir=W --name=NAME`."""
     import argparse  # noqa: PLC0415
 
-    from tg_jax import config_lib  # noqa: PLC0415
+    from tg_jax import config_files  # noqa: PLC0415
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="configs/NAME.py[:arg]: train its base in --workdir")
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     distributed.initialize_from_env()  # the CPU thread pool tg_jax.main runs SFT with
     path, _, arg = args.config.partition(":")
-    config = config_lib.load_config_file(path, arg or None)
+    config = config_files.load_config_file(path, arg or None)
     args_text = " ".join(sys.argv[1:] if argv is None else argv)
     write(config, args.workdir, args.name, f"python -m tg_jax.train.shipped_base {args_text}")
     return 0

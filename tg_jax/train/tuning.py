@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tg_jax import checkpointing, config_lib, paths
+from tg_jax import checkpointing, config_files, paths
 from tg_jax.data import tfds_builders
 from tg_jax.envs import decode_task
 from tg_jax.evaluation import heldout
@@ -165,7 +165,7 @@ def tune_arms(
     for arm, arm_cfg in arms_cfgs.items():
         trials = []
         for k, lr in enumerate(lrs):
-            cfg = config_lib.apply_overrides(arm_cfg, {"optim.lr": lr})
+            cfg = config_files.apply_overrides(arm_cfg, {"optim.lr": lr})
             run_dir = trial_dir(workdir, arm, k)
             print(f"tune: {arm} lr {lr:g} (trial {k + 1} of {len(lrs)}, seed {int(tune.seed)})")
             result = rl.run_rl(
@@ -204,6 +204,6 @@ def tuned_configs(arms_cfgs: Mapping[str, Any], tuning: Mapping[str, Any] | None
     if not tuning:
         return dict(arms_cfgs)
     return {
-        arm: config_lib.apply_overrides(cfg, {"optim.lr": tuning["arms"][arm]["chosen_lr"]})
+        arm: config_files.apply_overrides(cfg, {"optim.lr": tuning["arms"][arm]["chosen_lr"]})
         for arm, cfg in arms_cfgs.items()
     }
