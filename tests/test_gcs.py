@@ -261,7 +261,7 @@ def test_a_command_line_report_to_gcs(gcs):
 def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
     """`launch/tpu.sh --local` (2 processes x 4 CPU devices) with --workdir=gs://...: both
     workers write their checkpoint shards to the bucket; SIGTERM after the first checkpoint
-    (exit 143), the same command resumes; 3 RL steps, one report and one export, in the
+    (exit 143), the same command resumes; 6 RL steps, one report and one export, in the
     bucket."""
     import signal
     import time
@@ -269,7 +269,9 @@ def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
     from tests.test_launch import _pod_command
 
     workdir = f"gs://{BUCKET}/pod"
-    extra = ("--config.rl_loop.steps=3", "--config.optim.total_steps=3",
+    # 6 steps: SIGTERM goes once checkpoint 1 is in the bucket and the run stops at its next
+    # sync point, which on an idle machine was step 3 (a 3-step run then just finished).
+    extra = ("--config.rl_loop.steps=6", "--config.optim.total_steps=6",
              "--config.rl_loop.checkpoint_every=1", "--config.eval.num_tasks=4",
              "--config.sampler_mesh.shape=(-1, 2)",
              # Synchronous sampling: with the sampling thread this run hung once in its resumed
@@ -301,10 +303,10 @@ def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
             "runs/tg_seed0/rl_summary.json"} <= names, sorted(names)  # fmt: skip
     for p in (0, 1):  # both processes' shards of the last checkpoint
         assert any(
-            n.startswith(f"runs/tg_seed0/checkpoints/3/state/ocdbt.process_{p}/") for n in names
+            n.startswith(f"runs/tg_seed0/checkpoints/6/state/ocdbt.process_{p}/") for n in names
         ), (p, sorted(names))
     summary = json.loads(gcs.fs.cat(f"{BUCKET}/pod/runs/tg_seed0/rl_summary.json"))
-    assert summary["step"] == 3 and summary["finished"]
+    assert summary["step"] == 6 and summary["finished"]
     assert len(summary["sessions"]) == 2 and summary["sessions"][1]["start_step"] >= 1
     steps = [r["step"] for r in read_metrics(f"{workdir}/runs/tg_seed0") if "loss" in r]
-    assert steps == [1, 2, 3], steps  # one writer, resumed, nothing lost or repeated
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # one writer, resumed, nothing lost or repeated
