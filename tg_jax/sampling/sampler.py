@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import flax.struct
 import jax
@@ -36,10 +36,33 @@ from tg_jax import tracing
 from tg_jax.models import Transformer, decode, forward
 from tg_jax.sampling.methods import draw_with_uniforms, row_uniforms, step_uniforms
 
-if TYPE_CHECKING:
-    from tg_jax.sampling.turn_cache import TurnCache
-
 Array = jax.Array
+
+
+class PromptCache(Protocol):
+    """What `Sampler.sample` asks of a cache of prompts kept between calls
+    (`tg_jax.sampling.turn_cache.TurnCache` is the one there is)."""
+
+    def run(
+        self,
+        sampler: Sampler,
+        params: Any,
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[Hashable] | None,
+        settings: Sequence[np.ndarray],
+        rng: Array,
+        n: int,
+        row_ids_B: np.ndarray | None = None,
+    ) -> tuple[Any, np.ndarray]:
+        """One sample call through the cache: (SampleOutput, [B] prefilled tokens)."""
+
+    def record(
+        self,
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[Hashable],
+        tokens: Sequence[np.ndarray],
+    ) -> None:
+        """After a call: caches each row's prompt and its sampled tokens."""
 
 
 @flax.struct.dataclass
@@ -393,7 +416,7 @@ class Sampler:
         top_p: float | Sequence[float] = 1.0,
         rng: Array,
         row_ids: Sequence[int] | None = None,
-        cache: TurnCache | None = None,
+        cache: PromptCache | None = None,
         keys: Sequence[Hashable] | None = None,
     ) -> SampleResult:
         """Samples a continuation of every prompt.

@@ -209,7 +209,7 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
         )
     sources = sources if sources is not None else task_data.prepare_tasks(config, workdir)
     tasks = task_data.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
-    result = sft_eval.write_sft_eval(config, workdir, state.params, tasks)
+    result = sft.write_sft_eval(config, workdir, state.params, tasks)
     headline = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
     print("sft_eval:", json.dumps(headline, indent=1))
     return state.params

@@ -25,6 +25,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -36,6 +37,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tg_jax import checkpointing, config_files, paths, sharding, tracing
+from tg_jax.envs.coding import coding_env_config
+from tg_jax.envs.tasks import Task
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer, forward, hf_dir, init_params
 from tg_jax.progress import ProgressBar
@@ -47,7 +50,7 @@ from tg_jax.rl.train_state import (
     train_state_shardings,
 )
 from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, Tokenizer, bpe, byte_hf
-from tg_jax.train import sft_select
+from tg_jax.train import sft_eval, sft_select
 from tg_jax.train.sft_data import (
     batch_indices,
     make_sft_rows,
@@ -424,6 +427,32 @@ def last_step(config: Any, workdir: str) -> int:
     """The run's last SFT step: sft.steps, + sft.extend.steps when the run was extended."""
     final = sft_select.final_step(config, os.path.join(workdir, SFT_DIR))
     return int(config.sft.steps) if final is None else final
+
+
+def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]) -> dict:
+    """Evaluates the base model on held-out `tasks` (`sft_eval.evaluate_base_model`) and writes
+    `workdir/sft_eval.json`.
+
+    The file also records what was measured: the requirements, the parameter count, the
+    evaluation time and the SFT wall time (from sft/sft_summary.json when present).
+    """
+    tokenizer = sft_tokenizer(config, workdir)
+    model_cfg = ModelConfig.from_config(tokenized_config(config, tokenizer).model)
+    renderer = ChatRenderer(tokenizer)
+    t0 = time.time()
+    result = sft_eval.evaluate_base_model(
+        Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),
+        config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
+    )  # fmt: skip
+    result["eval_s"] = time.time() - t0
+    result["requirements"] = list(config.env.requirements)
+    result["num_params"] = model_cfg.num_params()
+    result["selected_step"] = selected_step(config, workdir)
+    result["sft_steps"] = last_step(config, workdir)  # sft.steps, + an extension if any
+    if (paths.as_path(workdir) / SFT_DIR / SUMMARY_FILE).exists():
+        result["sft_wall_s"] = read_sft_wall_s(workdir)
+    (paths.as_path(workdir) / sft_eval.EVAL_FILE).write_text(json.dumps(result, indent=2))
+    return result
 
 
 def _checkpoint_of(config: Any, workdir: str, step: int) -> str:

@@ -25,25 +25,21 @@ Figures per mode (`summarize`):
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from tg_jax import paths
-from tg_jax.envs.coding import CodingEnv, CodingEnvConfig, coding_env_config
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.protocol import make_requirement
 from tg_jax.envs.tasks import Task
-from tg_jax.models import ModelConfig, Transformer
+from tg_jax.models import Transformer
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ChatRenderer
-from tg_jax.train import sft
 
 EVAL_FILE = "sft_eval.json"
 
@@ -141,28 +137,3 @@ def evaluate_base_model(
             out[f"forced_pass_rate/{r}"] = forced_pass
             out[f"format_cost/{r}"] = modes["t1.0/plain"]["pass_rate"] - forced_pass
     return out
-
-
-def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]) -> dict:
-    """Evaluates the base model on held-out `tasks` and writes `workdir/sft_eval.json`.
-
-    The file also records what was measured: the requirements, the parameter count, the
-    evaluation time and the SFT wall time (from sft/sft_summary.json when present).
-    """
-    tokenizer = sft.sft_tokenizer(config, workdir)
-    model_cfg = ModelConfig.from_config(sft.tokenized_config(config, tokenizer).model)
-    renderer = ChatRenderer(tokenizer)
-    t0 = time.time()
-    result = evaluate_base_model(
-        Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),
-        config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
-    )  # fmt: skip
-    result["eval_s"] = time.time() - t0
-    result["requirements"] = list(config.env.requirements)
-    result["num_params"] = model_cfg.num_params()
-    result["selected_step"] = sft.selected_step(config, workdir)
-    result["sft_steps"] = sft.last_step(config, workdir)  # sft.steps, + an extension if any
-    if (paths.as_path(workdir) / sft.SFT_DIR / sft.SUMMARY_FILE).exists():
-        result["sft_wall_s"] = sft.read_sft_wall_s(workdir)
-    (paths.as_path(workdir) / EVAL_FILE).write_text(json.dumps(result, indent=2))
-    return result

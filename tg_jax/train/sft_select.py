@@ -36,6 +36,7 @@ from tg_jax import checkpointing, paths
 from tg_jax.envs.coding import coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.text import ChatRenderer
+from tg_jax.train import sft_eval
 from tg_jax.train.sft_settings import ExtendConfig, SelectConfig
 
 SELECTION_FILE = "selection.json"
@@ -173,8 +174,6 @@ class DevSelector:
         due = self.cfg.due(step, self.num_steps) or self.cfg.due(step, self.final_step)
         if not due or any(e["step"] == step for e in self.entries):
             return None
-        from tg_jax.train import sft_eval  # noqa: PLC0415 (sft_eval imports sft)
-
         env_cfg = coding_env_config(self.config.env)
         eval_cfg = {"seed": self.cfg.seed, "temperatures": (1.0,),
                     "max_new_tokens": self.cfg.max_new_tokens}  # fmt: skip

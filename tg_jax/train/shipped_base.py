@@ -9,10 +9,7 @@ tokenizer's files, Qwen3's chat template) with `provenance.json` beside it: the 
 and machine that made it, its `sft_eval.json` figures, the SFT attempts and the sha256 of the
 weights.
 
-    python -m tg_jax.train.shipped_base --config=configs/fence.py --workdir=W --name=fence
-
-trains a base the way `sft.source = "train"` does (`pipeline.run_base_model`: dev selection,
-extension, gates, retry) and writes it as shipped base `name`. A run from a shipped base checks
+`python -m tg_jax.ship_base` writes one (its docstring). A run from a shipped base checks
 the weights' sha256 and the architecture against the config, applies the gates to the recorded
 figures, and copies the directory to `W/base_model/`.
 """
@@ -22,9 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import subprocess
-import sys
 from typing import Any
 
 from tg_jax import paths
@@ -75,7 +69,7 @@ def check(config: Any) -> tuple[str, dict[str, Any]]:
     """
     directory = base_dir(config)
     how = (
-        f"write one with `python -m tg_jax.train.shipped_base --config=CONFIG --workdir=W "
+        f"write one with `python -m tg_jax.ship_base --config=CONFIG --workdir=W "
         f"--name={os.path.basename(directory)}`, or train the base in the run with "
         "--config.sft.source=train"
     )
@@ -111,121 +105,3 @@ def install(config: Any, workdir: str, out: str) -> dict[str, Any]:
         f"at {prov.get('commit', '?')[:12]} on {prov.get('machine', {}).get('cpu_model', '?')})"
     )
     return prov
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(BASES_DIR),
-        )  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def write(config: Any, workdir: str, name: str, command: str) -> str:
-    """Trains the base of `config` in `workdir` (`pipeline.run_base_model`), writes it as
-    shipped base `name` with its provenance, and returns the directory."""
-    import tempfile  # noqa: PLC0415
-
-    from tg_jax.data import task_data  # noqa: PLC0415
-    from tg_jax.evaluation import protocol  # noqa: PLC0415
-    from tg_jax.models import ModelConfig, hf_dir  # noqa: PLC0415
-    from tg_jax.train import pipeline, sft  # noqa: PLC0415
-
-    cfg = pipeline.train_source(config)
-    sources = task_data.prepare_tasks(cfg, workdir)
-    params, result, attempts = pipeline.run_base_model(cfg, workdir, sources)
-    sft_dir = attempts[-1]["workdir"]
-    out = os.path.join(BASES_DIR, name) if os.sep not in name else name
-    with tempfile.TemporaryDirectory(prefix="tg_shipped_base_") as tmp:
-        sft.write_tokenizer_files(cfg, sft_dir, tmp)
-        model_config = pipeline.base_config(cfg, sft_dir).model
-        hf_dir.export_model_dir(tmp, params, ModelConfig.from_config(model_config))
-        prov = {
-            "name": name, "command": command, "commit": _commit(),
-            "machine": protocol.machine_info(), "sft_eval": result,
-            "attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "verdict")}
-                         for a in attempts],
-            "sha256": sha256(os.path.join(tmp, WEIGHTS_FILE)),
-        }  # fmt: skip
-        with open(os.path.join(tmp, PROVENANCE_FILE), "w", encoding="utf-8") as f:
-            json.dump(prov, f, indent=1, sort_keys=True)
-            f.write("\n")
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        shutil.copytree(tmp, out)
-    print(f"shipped base {name}: {out} (sha256 {prov['sha256']})")
-    return out
-
-
-def ship_from_workdir(workdir: str, name: str, command: str) -> str:
-    """Ships the accepted base of a finished main job (`workdir/base_model`, its
-    sft_eval.json, and from its report the machine and the SFT attempts) as base `name`;
-    the commit is the one checked out where `workdir` lies, if any."""
-    base = os.path.join(workdir, "base_model")
-    with open(os.path.join(workdir, "sft_eval.json"), encoding="utf-8") as f:
-        result = json.load(f)
-    with open(os.path.join(workdir, "report", "results.json"), encoding="utf-8") as f:
-        context = json.load(f).get("context") or {}
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(workdir)),
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    prov = {
-        "name": name, "command": command, "commit": commit,
-        "machine": context.get("machine") or {}, "sft_eval": result,
-        "attempts": [{k: a.get(k) for k in ("attempt", "seed", "data_seed", "verdict")}
-                     for a in context.get("sft_attempts") or []],
-        "sha256": sha256(os.path.join(base, WEIGHTS_FILE)),
-    }  # fmt: skip
-    out = os.path.join(BASES_DIR, name) if os.sep not in name else name
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    shutil.copytree(base, out)
-    with open(os.path.join(out, PROVENANCE_FILE), "w", encoding="utf-8") as f:
-        json.dump(prov, f, indent=1, sort_keys=True)
-        f.write("\n")
-    print(f"shipped base {name}: {out} (sha256 {prov['sha256']})")
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tg_jax.train.shipped_base --config=CONFIG --workdir=W --name=NAME`."""
-    import argparse  # noqa: PLC0415
-
-    from tg_jax import config_files  # noqa: PLC0415
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="configs/NAME.py[:arg]: train its base in --workdir")
-    p.add_argument("--workdir", required=True, help="where SFT runs (data, attempts)")
-    p.add_argument("--name", required=True, help="the base's name under tg_jax/bases")
-    p.add_argument(
-        "--from-workdir", action="store_true",
-        help="ship the base of the finished main job in --workdir (no training)",
-    )  # fmt: skip
-    p.add_argument("--made-by", default="", help="with --from-workdir: the command that ran it")
-    args = p.parse_args(argv)
-    if args.from_workdir:
-        ship_from_workdir(
-            args.workdir, args.name, args.made_by or f"the main job in {args.workdir}"
-        )
-        return 0
-    if not args.config:
-        p.error("--config is required (or --from-workdir)")
-    from tg_jax.tpu import distributed  # noqa: PLC0415
-
-    distributed.initialize_from_env()  # the CPU thread pool tg_jax.main runs SFT with
-    path, _, arg = args.config.partition(":")
-    config = config_files.load_config_file(path, arg or None)
-    args_text = " ".join(sys.argv[1:] if argv is None else argv)
-    write(config, args.workdir, args.name, f"python -m tg_jax.train.shipped_base {args_text}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The code's layout: no import cycle between tg_jax's modules or between its packages.
+
+Every `import` and `from ... import` of tg_jax counts, at module level, inside functions and
+under `if TYPE_CHECKING:` alike (a lazy import that breaks a cycle at run time still ties the
+two modules together). Packages are tg_jax's first-level packages and top-level modules
+(tg_jax.train, tg_jax.main, ...).
+"""
+
+import ast
+import collections
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(os.path.join(REPO, "tg_jax")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _targets(mods: dict[str, str], name: str, node: ast.AST) -> list[str]:
+    """The tg_jax modules one import statement of module `name` imports."""
+    if isinstance(node, ast.Import):
+        found = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            pkg = name.split(".")
+            if not mods[name].endswith("__init__.py"):
+                pkg = pkg[:-1]
+            pkg = pkg[: len(pkg) - node.level + 1]
+            base = ".".join(pkg + ([base] if base else []))
+        found = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    out = []
+    for t in found:
+        while t not in mods and "." in t:
+            t = t.rsplit(".", 1)[0]
+        # A package's __init__ imported by its own modules is not a dependency on them.
+        if t in mods and t.startswith("tg_jax.") and t != name and not name.startswith(t + "."):
+            out.append(t)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = collections.defaultdict(set)
+    for name, path in mods.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[name].update(_targets(mods, name, node))
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_cycles():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": set()}
+    assert cycles(g) == [["a", "b", "c"]]
+
+
+def test_the_graph_sees_lazy_and_type_checking_imports():
+    graph = import_graph()
+    # tg_jax.sampling.turn_cache imports the sampler at module level and for typing only.
+    assert "tg_jax.sampling.sampler" in graph["tg_jax.sampling.turn_cache"]
+    # tg_jax.envs.sandbox imports ns_sandbox; ns_sandbox imports the shared prelude.
+    assert "tg_jax.envs.sandbox_prelude" in graph["tg_jax.envs.ns_sandbox"]
+
+
+def test_no_import_cycle_between_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_no_import_cycle_between_packages():
+    def package(m):
+        return ".".join(m.split(".")[:2])
+
+    graph = collections.defaultdict(set)
+    for a, bs in import_graph().items():
+        for b in bs:
+            if package(a) != package(b) and package(b) != "tg_jax":
+                graph[package(a)].add(package(b))
+    assert cycles(graph) == []
