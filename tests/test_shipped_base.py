@@ -80,7 +80,8 @@ def test_the_default_runs_rl_from_its_shipped_base(tmp_path):
     work = tmp_path / "w"
     proc = _main(work, "--config.pipeline.arms=('tg',)", "--config.rl_loop.steps=2",
                  "--config.optim.total_steps=2", "--config.rl_loop.eval_every=0",
-                 "--config.eval.num_tasks=4", "--config.eval.samples_per_task=1")  # fmt: skip
+                 "--config.eval.num_tasks=4", "--config.eval.samples_per_task=1",
+                 "--config.sft.eval.num_tasks=8")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     prov = shipped_base.read_provenance(os.path.join(shipped_base.BASES_DIR, "default"))
     assert "base: shipped default (sha256 " in proc.stdout
@@ -93,3 +94,48 @@ def test_the_default_runs_rl_from_its_shipped_base(tmp_path):
     assert results["context"]["shipped_base"]["sha256"] == prov["sha256"]
     summary = json.loads((work / "runs" / "tg_seed0" / "rl_summary.json").read_text())
     assert summary["step"] == 2 and summary["finished"]
+    # The base re-measured here once, after the arms, and compared with the recorded figures.
+    measured = json.loads((work / "sft_eval.json").read_text())
+    assert measured["num_tasks"] == 8 and measured["shipped"]["sha256"] == prov["sha256"]
+    comparison = measured["comparison"]
+    assert set(comparison) >= {"pass_rate", "unprompted_compliance/tool_json"}
+    assert comparison["pass_rate"] == shipped_base.compare(prov["sft_eval"], measured)["pass_rate"]
+    assert results["context"]["base_remeasured"] == comparison
+    (line,) = [ln for ln in report.splitlines() if "(re-measured on this machine" in ln]
+    assert f"pass_rate {measured['pass_rate']:.2f} (recorded " in line
+    beyond = [k for k, c in comparison.items() if c["beyond"]]
+    assert ("beyond the sampling interval: " + ", ".join(beyond)) in line if beyond else (
+        "every difference within the sampling interval" in line)  # fmt: skip
+    assert f"pass_rate {measured['pass_rate']:.3f} vs " in proc.stdout  # base: re-measured here
+    # The same workdir shipped again (`python -m tg_jax.ship_base --from_workdir`): the same
+    # weights, with the provenance of this run.
+    out = tmp_path / "again"
+    cmd = [sys.executable, "-m", "tg_jax.ship_base", "--config=configs/default.py",
+           f"--workdir={work}", f"--name={out}", "--from_workdir",
+           "--made_by=this test"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    ship = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert ship.returncode == 0, ship.stderr[-3000:]
+    again = shipped_base.read_provenance(str(out))
+    assert again["sha256"] == prov["sha256"] and again["command"] == "this test"
+    assert again["sft_eval"]["pass_rate"] == measured["pass_rate"]
+
+
+def test_compare_flags_only_differences_beyond_the_sampling_interval():
+    recorded = {"num_tasks": 100, "pass_rate": 0.2, "hinted_compliance/fence": 1.0,
+                "eval_s": 3.0, "modes": {}}  # fmt: skip
+    measured = {"num_tasks": 100, "pass_rate": 0.3, "hinted_compliance/fence": 0.9}
+    got = shipped_base.compare(recorded, measured)
+    assert set(got) == {"pass_rate", "hinted_compliance/fence"}
+    # 1.96 sqrt(.2 .8 / 100 + .3 .7 / 100) = 1.96 sqrt(.0037) = 0.119225...: 0.1 is inside.
+    assert got["pass_rate"]["interval"] == pytest.approx(0.1192245, abs=1e-6)
+    assert got["pass_rate"]["difference"] == pytest.approx(0.1)
+    assert not got["pass_rate"]["beyond"]
+    # 1.96 sqrt(0 + .9 .1 / 100) = 0.0588: a drop of 0.1 is beyond it.
+    assert got["hinted_compliance/fence"]["interval"] == pytest.approx(0.0588, abs=1e-6)
+    assert got["hinted_compliance/fence"]["beyond"]
+    # Identical figures (the same machine): no difference, nothing flagged, even at p = 0.
+    same = shipped_base.compare(
+        {"num_tasks": 8, "pass_rate": 0.0}, {"num_tasks": 8, "pass_rate": 0.0}
+    )
+    assert same["pass_rate"]["difference"] == 0.0 and not same["pass_rate"]["beyond"]

@@ -175,6 +175,18 @@ def _context_section(res: dict[str, Any]) -> list[str]:
         figures = ", ".join(f"{k} {_num(v)}" for k, v in base.items())
         where = "recorded when it was made" if shipped else "SFT, sft_eval.json"
         lines.append(f"* Base model ({where}): {figures}.")
+    remeasured = ctx.get("base_remeasured")
+    if remeasured:
+        beyond = [k for k, c in remeasured.items() if c["beyond"]]
+        figures = ", ".join(
+            f"{k} {_num(c['measured'])} (recorded {_num(c['recorded'])}, 95% interval of the "
+            f"difference +-{_num(c['interval'])})" for k, c in remeasured.items()
+            if "greedy" not in k
+        )  # fmt: skip
+        verdict = ("differences beyond the sampling interval: " + ", ".join(beyond)) if beyond \
+            else "every difference within the sampling interval"  # fmt: skip
+        lines.append(f"* Base model (re-measured on this machine, sft_eval.json): {figures}; "
+                     f"{verdict}.")  # fmt: skip
     for a in ctx.get("sft_attempts") or []:
         lines.append(
             f"* SFT attempt {a['attempt']} (seed {a['seed']}, data_seed {a['data_seed']}, "

@@ -43,12 +43,14 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Any
 
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
+from tg_jax.envs.coding import coding_env_config
 from tg_jax.evaluation import heldout, protocol, stability
-from tg_jax.models import ModelConfig, hf_dir
+from tg_jax.models import ModelConfig, Transformer, hf_dir
 from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
 
 RUNS_DIR, REPORT_DIR, EXPORT_DIR, BASE_MODEL_DIR = "runs", "report", "export", "base_model"
@@ -306,6 +308,43 @@ def _shipped_base(config: Any, workdir: str) -> tuple[Any, dict, list]:
     return hf_dir.open_model_dir(out), result, []
 
 
+def remeasure_shipped_base(
+    config: Any, workdir: str, md: Any, params: Any, sources: dict[str, Any], recorded: dict
+) -> dict[str, Any]:
+    """The shipped base's held-out figures measured on this machine, once per workdir
+    (`workdir/sft_eval.json`, read back on a rerun), compared with the recorded ones
+    (`shipped_base.compare`); a difference beyond the sampling interval is printed as a
+    warning and the report lists it. After the arms, so RL starts at once."""
+    path = paths.as_path(workdir) / sft_eval.EVAL_FILE
+    if multihost.agreed(path.exists()):
+        result = _read_json(str(path))
+    else:
+        model_cfg = ModelConfig.from_config(config.model)
+        tasks = task_data.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
+        t0 = time.time()
+        result = sft_eval.evaluate_base_model(
+            Transformer(model_cfg), params, md.renderer, tasks, coding_env_config(config.env),
+            config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
+        )  # fmt: skip
+        result["eval_s"] = time.time() - t0
+        result["requirements"] = list(config.env.requirements)
+        result["num_params"] = model_cfg.num_params()
+        result["shipped"] = recorded.get("shipped")
+        result["comparison"] = shipped_base.compare(recorded, result)
+        if multihost.is_primary():
+            path.write_text(json.dumps(result, indent=2))
+    comparison = result["comparison"]
+    beyond = [k for k, c in comparison.items() if c["beyond"]]
+    print("base: re-measured here (" + ", ".join(
+        f"{k} {c['measured']:.3f} vs {c['recorded']:.3f}" for k, c in comparison.items()
+        if "greedy" not in k) + ")")  # fmt: skip
+    if beyond:
+        print(f"warning: the shipped base measures differently here beyond the 95% sampling "
+              f"interval on {', '.join(beyond)} ({path}); the recorded figures gate the run",
+              file=sys.stderr)  # fmt: skip
+    return comparison
+
+
 def train_source(config: Any) -> Any:
     """`config` with `sft.source = "train"` (a copy): SFT trains its base."""
     return config_files.apply_overrides(config, {"sft.source": "train"})
@@ -401,11 +440,15 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     runs = _run_arms(
         config, workdir, tuning.tuned_configs(arms_cfgs, tuned), md, sources, base_params
     )
+    remeasured = None
+    if base_result.get("shipped"):
+        remeasured = remeasure_shipped_base(config, workdir, md, base_params, sources, base_result)
     context = {
         "machine": protocol.machine_info(),
         "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),
         "base_model": _base_figures(base_result),
         "shipped_base": base_result.get("shipped"),
+        "base_remeasured": remeasured,
         "sft_attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "workdir",
                                             "verdict")} for a in attempts],
         "budget": stability.tuning_budget(config),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import Any
 
@@ -105,3 +106,31 @@ def install(config: Any, workdir: str, out: str) -> dict[str, Any]:
         f"at {prov.get('commit', '?')[:12]} on {prov.get('machine', {}).get('cpu_model', '?')})"
     )
     return prov
+
+
+def compare(recorded: dict[str, Any], measured: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each figure of the base re-measured here against the one recorded when it was made.
+
+    For a share p over n episodes (n = `num_tasks` of each evaluation, the same held-out tasks
+    and sampling seed), the 95% interval of a difference of two independent shares is
+    +- 1.96 sqrt(p1 (1 - p1) / n1 + p2 (1 - p2) / n2); `beyond` marks a difference outside it.
+    Turn-level compliance is judged over more turns than episodes, so n = episodes makes its
+    interval wider than its own: a flagged difference is a real one.
+
+    Returns:
+      {figure: {"recorded", "measured", "difference", "interval", "beyond"}} for the pass
+      rates and compliance figures both evaluations have.
+    """
+    n1, n2 = float(recorded.get("num_tasks") or 0), float(measured.get("num_tasks") or 0)
+    out = {}
+    for key, p1 in sorted(recorded.items()):
+        p2 = measured.get(key)
+        if not ("pass_rate" in key or "compliance" in key) or not isinstance(p1, int | float):
+            continue
+        if not isinstance(p2, int | float) or not n1 or not n2:
+            continue
+        half = 1.96 * math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
+        diff = float(p2) - float(p1)
+        out[key] = {"recorded": float(p1), "measured": float(p2), "difference": diff,
+                    "interval": half, "beyond": abs(diff) > half + 1e-12}  # fmt: skip
+    return out
