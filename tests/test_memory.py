@@ -96,10 +96,10 @@ def test_real_process_second_run_not_charged_with_the_first():
 
 
 def test_resumed_run_keeps_the_max_over_sessions():
-    from tg_jax.train import rl
+    from tg_jax.train import rl_costs
 
     proc = FakeProcess(base=200)
-    session = rl._Session(5, rl._Costs(), 0.0, 0, peak0=(800, 300), started=0.0)
+    session = rl_costs.Session(5, rl_costs.Costs(), 0.0, 0, peak0=(800, 300), started=0.0)
     session.memory = memory.PeakMemory(interval_s=60.0, host_fn=proc.host, device_fn=dict)
     with session.memory:
         proc.set(600)  # this session: peak 600, 400 above its start; the earlier one: 800, 300

@@ -127,3 +127,14 @@ class PeakMemory:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+    """(peak bytes, source): the first device's peak_bytes_in_use, else the host's max RSS."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
+        stats = {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "device"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "host_rss"

@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import resource
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -76,8 +75,8 @@ from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import placement, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train import rl_rollouts
-from tg_jax.train.memory import PeakMemory
+from tg_jax.train import memory, rl_rollouts
+from tg_jax.train.rl_costs import Costs, Session, host_metrics, write_summary
 
 CHECKPOINT_DIR = "checkpoints"
 SUMMARY_FILE = RL_SUMMARY_FILE
@@ -101,58 +100,6 @@ class RLResult:
     finished: bool
     costs: dict[str, float]
     workdir: str
-
-
-def peak_memory_bytes() -> tuple[int, str]:
-    """(peak bytes, source): the first device's peak_bytes_in_use, else the host's max RSS."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
-        stats = {}
-    if "peak_bytes_in_use" in stats:
-        return int(stats["peak_bytes_in_use"]), "device"
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "host_rss"
-
-
-@dataclasses.dataclass
-class _Costs:
-    wall_time_s: float = 0.0
-    sampled_tokens: int = 0
-    teacher_tokens: int = 0
-    teacher_forward_flops: float = 0.0
-    distilled_tokens: int = 0
-    peak_memory_bytes: int = 0
-    peak_memory_above_start_bytes: int = 0  # peak - bytes in use when the session started
-    peak_memory_source: str = ""
-    dropped_groups: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class _Session:
-    """This session of a run: where it started, and the costs it carries on from."""
-
-    start_step: int
-    costs: _Costs
-    wall0: float  # wall time of the earlier sessions
-    dropped0: int  # groups the earlier sessions dropped
-    started: float = 0.0  # time.time() when its first step began
-    peak0: tuple[int, int] = (0, 0)  # (peak, peak above start) of the earlier sessions
-    memory: PeakMemory | None = None  # this session's, from its first step
-
-    def stamp(self) -> dict[str, Any]:
-        """Costs so far, with the wall time and peak memory of now."""
-        self.costs.wall_time_s = self.wall0 + time.time() - self.started
-        peak, source = self.memory.peak() if self.memory is not None else peak_memory_bytes()
-        above = peak - self.memory.baseline if self.memory is not None else 0
-        self.costs.peak_memory_bytes, self.costs.peak_memory_source = (
-            max(peak, self.peak0[0]),
-            source,
-        )
-        self.costs.peak_memory_above_start_bytes = max(above, self.peak0[1])
-        return self.costs.as_dict()
 
 
 @dataclasses.dataclass
@@ -239,16 +186,16 @@ def _check_resume(meta: Mapping[str, Any], arm_name: str, seed: int, directory: 
 
 def _resume(
     ckpt: checkpointing.TrainingCheckpointer, state: TrainState, arm_name: str, seed: int
-) -> tuple[TrainState, _Session, dict[str, Any] | None]:
+) -> tuple[TrainState, Session, dict[str, Any] | None]:
     """(state, session, task-iterator state or None): the latest checkpoint's, or a fresh
     start's."""
     restored = ckpt.restore_latest(state)
     if restored is None:
-        return state, _Session(0, _Costs(), 0.0, 0), None
+        return state, Session(0, Costs(), 0.0, 0), None
     _check_resume(restored.metadata, arm_name, seed, ckpt.directory)
-    costs = _Costs(**restored.metadata.get("costs", {}))
+    costs = Costs(**restored.metadata.get("costs", {}))
     logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, restored.step)
-    session = _Session(
+    session = Session(
         restored.step, costs, costs.wall_time_s, costs.dropped_groups,
         peak0=(costs.peak_memory_bytes, costs.peak_memory_above_start_bytes),
     )  # fmt: skip
@@ -350,7 +297,7 @@ def distilled_tokens(tg: Any, batch: Batch) -> int:
     return int(np.sum(distill_mask(batch, TGConfig.from_config(tg))))
 
 
-def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropped: float) -> None:
+def _add_costs(parts: _Parts, session: Session, group: Any, batch: Batch, dropped: float) -> None:
     costs = session.costs
     costs.sampled_tokens += rl_rollouts.sampled_tokens(group.trajectories)
     if bool(parts.config.tg.enabled):
@@ -362,50 +309,13 @@ def _add_costs(parts: _Parts, session: _Session, group: Any, batch: Batch, dropp
     costs.dropped_groups = session.dropped0 + int(dropped)
 
 
-def _host_metrics(
-    group: Any, costs: _Costs, batch: Batch, times: Sequence[float]
-) -> dict[str, float]:
-    """The step's host-side metrics; `times` = perf_counter at ask, got group, built batch,
-    trained."""
-    t0, t1, t2, t3 = times
-    host = rl_rollouts.rollout_metrics(group.trajectories)
-    host.update(
-        {
-            "staleness": float(group.staleness),
-            "policy_version": float(group.policy_version),
-            "batch_index": float(group.batch_index),
-            "cost/sampled_tokens": float(costs.sampled_tokens),
-            "cost/teacher_forward_flops": float(costs.teacher_forward_flops),
-            "cost/distilled_tokens": float(costs.distilled_tokens),
-            "cost/dropped_groups": float(costs.dropped_groups),
-            "time/sample_wait_s": t1 - t0,
-            "time/rollout_s": group.seconds,
-            "time/build_batch_s": t2 - t1,
-            "time/train_s": t3 - t2,
-            "time/step_s": time.perf_counter() - t0,
-            "sys/batch_T": float(batch.tokens_BxT.shape[1]),
-        }
-    )
-    return host
-
-
-def _write_summary(workdir: str, record: dict[str, Any]) -> None:
-    path = paths.as_path(workdir) / SUMMARY_FILE
-    sessions = []
-    if path.exists():
-        sessions = paths.read_json(path).get("sessions", [])
-    sessions.append(record["session"])
-    out = {**{k: v for k, v in record.items() if k != "session"}, "sessions": sessions}
-    paths.write_json_atomic(path, out, indent=1)
-
-
-def _summarize(parts: _Parts, session: _Session, done: int) -> None:
+def _summarize(parts: _Parts, session: Session, done: int) -> None:
     """Appends this session to rl_summary.json (run costs so far and the session's span);
     process 0 writes it."""
     if not multihost.is_primary():
         return
     finished = done >= int(parts.config.rl_loop.steps)
-    _write_summary(
+    write_summary(
         parts.workdir,
         {
             "arm": parts.arm_name, "seed": parts.seed, "step": done, "finished": finished,
@@ -489,7 +399,7 @@ def _train(
     tasks: TaskIterator,
     eval_tasks: Sequence[Any] | None,
     state: TrainState,
-    session: _Session,
+    session: Session,
     end: int,
     exporter: Callable[[Any, str], None] | None = None,
 ) -> RLResult:
@@ -525,7 +435,7 @@ def _train(
             ckpt.save(done, state, metadata=meta, force=True)
 
         done, session.started = start, time.time()  # the setup above is not counted
-        session.memory = PeakMemory()
+        session.memory = memory.PeakMemory()
         guard = _NonFinite(RLConfig.from_config(parts.config.rl), ckpt)
         identity = paths.dir_identity(parts.workdir)
         with writer, bar, session.memory:
@@ -606,7 +516,7 @@ def _export(parts: _Parts, exporter: Callable[[Any, str], None], params: Any, do
 
 
 def _train_step(
-    parts: _Parts, session: _Session, source: Any, state: TrainState, done: int
+    parts: _Parts, session: Session, source: Any, state: TrainState, done: int
 ) -> tuple[TrainState, Any, dict[str, Any]]:
     """One RL step: a rollout group -> a batch -> the train step -> the new params published
     as policy version `done`; adds the step's costs to the session's.
@@ -635,5 +545,5 @@ def _train_step(
     jax.block_until_ready(metrics)
     t3 = time.perf_counter()
     _add_costs(parts, session, group, batch, source.stats()["groups_dropped_stale"])
-    host = _host_metrics(group, session.costs, batch, (t0, t1, t2, t3))
+    host = host_metrics(group, session.costs, batch, (t0, t1, t2, t3))
     return state, group, {**metrics, **host}
