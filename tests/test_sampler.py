@@ -8,13 +8,8 @@ import pytest
 from tests.hf_reference import make_hf_qwen3
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.sampling.methods import filter_logits
-from tg_jax.sampling.sampler import (
-    Sampler,
-    batch_bucket,
-    length_bucket,
-    logprob_mismatch,
-    sequence_logprobs,
-)
+from tg_jax.sampling.rows import batch_bucket, length_bucket
+from tg_jax.sampling.sampler import Sampler, logprob_mismatch, sequence_logprobs
 
 PAD = 0
 CFG = ModelConfig(
@@ -280,7 +275,7 @@ def test_data_parallel_sampler_runs_a_loop_per_shard_and_matches_single_device(s
 
 def test_segment_ends_by_hand():
     from tg_jax.models.decode import extend, prefill
-    from tg_jax.sampling.sampler import segment_ends
+    from tg_jax.sampling.rows import segment_ends
 
     assert segment_ends(128, 0) == [128]
     assert segment_ends(128, 64) == [64, 128]

@@ -31,7 +31,8 @@ import numpy as np
 
 from tg_jax import paths
 from tg_jax.sampling.episode import EpisodeRecord
-from tg_jax.sampling.sampler import SampleResult, stop_lists
+from tg_jax.sampling.rows import stop_lists
+from tg_jax.sampling.sampler import SampleResult
 from tg_jax.text import ChatRenderer
 from tg_jax.text.chat import THINK_END, THINK_START
 

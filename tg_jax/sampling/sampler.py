@@ -35,6 +35,16 @@ import numpy as np
 from tg_jax import tracing
 from tg_jax.models import Transformer, decode, forward
 from tg_jax.sampling.methods import draw_with_uniforms, row_uniforms, step_uniforms
+from tg_jax.sampling.rows import (
+    batch_bucket,
+    length_bucket,
+    pad_to,
+    padded_row_ids,
+    padded_settings,
+    per_row,
+    segment_ends,
+    stop_block,
+)
 
 Array = jax.Array
 
@@ -124,21 +134,6 @@ def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxW, max_new_B
         done_B=state.done_B | is_stop_B | (lengths_B >= max_new_B),
         last_token_B=tokens_B,
     )
-
-
-def segment_ends(n: int, segment: int) -> list[int]:
-    """Where the decode loop's segments end: [segment, 2 * segment, ..., n] (0: [n]).
-
-    Segment i's steps attend over a cache of P + ends[i] slots (`decode.extend` grows it
-    between segments) instead of P + R: a step reads every slot of the cache, so the first
-    segments read less. Each segment is its own `while_loop` (compiled separately), so short
-    segments trade compile time for speed.
-    """
-    if segment < 0:
-        raise ValueError(f"segment must be >= 0, got {segment}")
-    if segment == 0 or segment >= n:
-        return [n]
-    return [min(n, end) for end in range(segment, n + segment, segment)]
 
 
 def sample_tokens(
@@ -278,23 +273,6 @@ def decode_loop(
     return out, state.cache
 
 
-def length_bucket(n: int, multiple: int = 64, minimum: int = 8) -> int:
-    """Padded size for a length n: powers of two up to `multiple`, then multiples of it.
-
-    Few buckets at short lengths (8, 16, 32, 64) and at most `multiple - 1` wasted slots above.
-    """
-    n = max(int(n), minimum)
-    if n <= multiple:
-        return 1 << (n - 1).bit_length()
-    return -(-n // multiple) * multiple
-
-
-def batch_bucket(n: int, divisor: int = 1) -> int:
-    """Padded batch size: the next power of two, rounded up to a multiple of `divisor`."""
-    b = 1 << (max(int(n), 1) - 1).bit_length()
-    return -(-b // divisor) * divisor
-
-
 @dataclasses.dataclass
 class SampleResult:
     """Host-side (numpy) result of `Sampler.sample`, one entry per requested row.
@@ -313,11 +291,6 @@ class SampleResult:
     raw_logprobs: list[np.ndarray]
     stopped: np.ndarray
     prefill_tokens: np.ndarray | None = None
-
-
-def _per_row(value, batch: int, dtype) -> np.ndarray:
-    arr = np.asarray(value, dtype)
-    return np.broadcast_to(arr, (batch,)).copy() if arr.ndim == 0 else arr
 
 
 # The jitted entry points by kind: what precedes the shared sampling settings in their arguments.
@@ -443,31 +416,19 @@ class Sampler:
         lengths = np.array([len(p) for p in prompts], np.int32)
         if n_rows == 0 or lengths.min() < 1:
             raise ValueError("sample() needs at least one row and non-empty prompts")
-        max_new = _per_row(max_new_tokens, n_rows, np.int32)
+        max_new = per_row(max_new_tokens, n_rows, np.int32)
         if max_new.shape != (n_rows,):
             raise ValueError(f"max_new_tokens has shape {max_new.shape}, expected ({n_rows},)")
         b = batch_bucket(n_rows, self.batch_divisor)
         n = length_bucket(max(int(max_new.max()), 1), self.length_multiple)
-
-        def pad_rows(x, fill):
-            return np.concatenate([x, np.full((b - n_rows,), fill, x.dtype)])
-
-        settings = (
-            pad_rows(max_new, 0),
-            _stop_block(stop_ids, n_rows, b, self.stop_width),
-            pad_rows(_per_row(temperature, n_rows, np.float32), 1.0),
-            pad_rows(_per_row(top_k, n_rows, np.int32), 0),
-            pad_rows(_per_row(top_p, n_rows, np.float32), 1.0),
-        )
-        row_ids_B = None
-        if row_ids is not None:
-            ids = np.asarray(row_ids, np.int32)
-            if ids.shape != (n_rows,):
-                raise ValueError(f"row_ids has shape {ids.shape}, expected ({n_rows},)")
-            row_ids_B = pad_rows(ids, 0)
+        settings = padded_settings(
+            b, max_new, stop_block(stop_ids, n_rows, b, self.stop_width),
+            temperature, top_k, top_p,
+        )  # fmt: skip
+        row_ids_B = None if row_ids is None else padded_row_ids(row_ids, n_rows, b)
         if cache is None:
             prompt_BxP, _ = self.pad_block(prompts, b)
-            args = (prompt_BxP, pad_rows(lengths, 1), *settings)
+            args = (prompt_BxP, pad_to(lengths, b, 1), *settings)
             out = self.run("prompt", params, args, rng, n, row_ids_B=row_ids_B)
             prefilled = lengths.astype(np.float32)
         else:
@@ -540,26 +501,6 @@ class Sampler:
             )  # fmt: skip
 
 
-def stop_lists(stop_ids: Any, n_rows: int) -> list[list[int]]:
-    """`Sampler.sample`'s stop_ids as one list per row (one list shared by all rows, or one
-    per row)."""
-    if len(stop_ids) and isinstance(stop_ids[0], Sequence | np.ndarray):
-        return [list(s) for s in stop_ids]
-    return [list(stop_ids) for _ in range(n_rows)]
-
-
-def _stop_block(stop_ids, n_rows: int, b: int, stop_width: int) -> np.ndarray:
-    """[b, W] stop ids per row padded with -1 (one list shared by all rows, or one per row)."""
-    rows_stop = stop_lists(stop_ids, n_rows)
-    if len(rows_stop) != n_rows:
-        raise ValueError(f"{len(rows_stop)} stop-id lists for {n_rows} prompts")
-    width = max(stop_width, max(len(s) for s in rows_stop))
-    stop_BxW = np.full((b, width), -1, np.int32)
-    for i, s in enumerate(rows_stop):
-        stop_BxW[i, : len(s)] = s
-    return stop_BxW
-
-
 def _row_specs(x: Any, spec: Any) -> Any:
     """shard_map specs of a row-major argument: `spec` for arrays, and for a decode cache its
     per-row arrays split like rows (its RoPE tables replicated)."""
@@ -608,13 +549,10 @@ __all__ = [
     "SampleResult",
     "Sampler",
     "SamplingState",
-    "batch_bucket",
     "decode_loop",
-    "length_bucket",
     "logprob_mismatch",
     "sample_appended",
     "sample_prefilled",
     "sample_tokens",
-    "segment_ends",
     "sequence_logprobs",
 ]

@@ -33,7 +33,7 @@ import numpy as np
 
 from tg_jax import tracing
 from tg_jax.models import decode
-from tg_jax.sampling.sampler import batch_bucket, length_bucket, segment_ends
+from tg_jax.sampling.rows import batch_bucket, length_bucket, segment_ends
 
 if TYPE_CHECKING:
     from tg_jax.sampling.sampler import Sampler
