@@ -27,6 +27,7 @@ from tg_jax.data import task_data
 from tg_jax.evaluation import protocol
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import pipeline, sft, shipped_base
+from tg_jax.train.sft_gates import BaseModelGateError
 
 _NAME = flags.DEFINE_string("name", None, "The base's name under tg_jax/bases (or a directory).")
 _FROM_WORKDIR = flags.DEFINE_bool(
@@ -116,15 +117,20 @@ def main(argv: list[str]) -> None:
 
     workdir, name = main_lib._WORKDIR.value, _NAME.value
     if _FROM_WORKDIR.value:
+        needed = ("base_model/model.safetensors", "sft_eval.json", "report/results.json")
+        if missing := [n for n in needed if not os.path.exists(os.path.join(workdir, n))]:
+            print(f"error: {workdir} is not a finished main job (no {', '.join(missing)})",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
         ship_from_workdir(workdir, name, _MADE_BY.value or f"the main job in {workdir}")
         return
     distributed.initialize_from_env()  # the CPU thread pool tg_jax.main runs SFT with
-    write(
-        main_lib._CONFIG.value,
-        workdir,
-        name,
-        "python -m tg_jax.ship_base " + " ".join(sys.argv[1:]),
-    )
+    command = "python -m tg_jax.ship_base " + " ".join(sys.argv[1:])
+    try:
+        write(main_lib._CONFIG.value, workdir, name, command)
+    except BaseModelGateError as e:  # a measured outcome: no base is written
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(main_lib.GATE_ERROR)
 
 
 if __name__ == "__main__":
