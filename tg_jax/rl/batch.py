@@ -486,6 +486,7 @@ def build_batch(
     req_index = {name: i for i, name in enumerate(requirement_names)}
     reward_names = _check_trajectories(trajectories, max_len)
     length = bucket_length(max(len(t.tokens) for t in trajectories), max_len, pad_to_multiple)
+    per_micro = 0
     if mode == "per_turn":
         per_micro = _teacher_rows_per_micro(max_teacher_rows, micro_batches, batch_multiple)
 
@@ -506,16 +507,32 @@ def build_batch(
             max_teacher_rows=max_teacher_rows, **shared,
         )  # fmt: skip
     compact = teacher is not None
-    if mode == "per_trajectory" and not compact:
-        teacher = _per_trajectory_teacher(per_token, trajectories, hints, rows=rows, **shared)
-    elif mode == "per_turn" and not compact:
-        teacher = _per_turn_teacher(
+    if not compact:
+        teacher = _full_teacher(
+            per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro, shared
+        )
+    return _assemble(
+        student, per_token, teacher, trajectories, rows, reward_names, requirement_names, mode,
+        compact, prefix_len,
+    )  # fmt: skip
+
+
+def _full_teacher(per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro,
+                  shared) -> dict[str, np.ndarray]:  # fmt: skip
+    """The teacher rows of `mode` without compaction (per_trajectory / per_turn / none)."""
+    if mode == "per_trajectory":
+        return _per_trajectory_teacher(per_token, trajectories, hints, rows=rows, **shared)
+    if mode == "per_turn":
+        return _per_turn_teacher(
             per_token, trajectories, hints, max_teacher_rows=max_teacher_rows,
             per_micro=per_micro, **shared,
         )  # fmt: skip
-    elif not compact:
-        teacher = _empty_seqs(rows, 1)
+    return _empty_seqs(rows, 1)
 
+
+def _assemble(student, per_token, teacher, trajectories, rows, reward_names, requirement_names,
+              mode, compact, prefix_len) -> Batch:  # fmt: skip
+    """The `Batch` of the filled arrays (compact: the teacher rows were compacted)."""
     return Batch(
         tokens_BxT=student["tokens"],
         positions_BxT=student["positions"],

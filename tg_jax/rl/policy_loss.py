@@ -260,21 +260,11 @@ def ppo_loss(
     loss_BxT = jnp.maximum(unclipped_BxT, clipped_BxT)
 
     # 3. Dual clip, only for negative advantages.
-    negative_BxT = adv_BxT < 0
-    if dual_clip is not None:
-        bound_BxT = -adv_BxT * dual_clip
-        dual_active_BxT = negative_BxT & (bound_BxT < loss_BxT)
-        loss_BxT = jnp.where(negative_BxT, jnp.minimum(loss_BxT, bound_BxT), loss_BxT)
-    else:
-        dual_active_BxT = jnp.zeros_like(mask_BxT)
+    loss_BxT, dual_active_BxT = _dual_clip(loss_BxT, adv_BxT, mask_BxT, dual_clip)
 
     # 4. Truncated importance sampling against the behaviour policy.
-    if tis_cap is not None:
-        log_w_BxT = jnp.where(mask_BxT, proximal_BxT - behaviour_BxT, 0.0)
-        tis_w_BxT = jnp.minimum(jnp.exp(jnp.minimum(log_w_BxT, _MAX_LOG_RATIO)), tis_cap)
-        loss_BxT = loss_BxT * tis_w_BxT
-    else:
-        tis_w_BxT = jnp.ones_like(loss_BxT)
+    tis_w_BxT = _tis_weight(proximal_BxT, behaviour_BxT, mask_BxT, tis_cap)
+    loss_BxT = loss_BxT * tis_w_BxT
 
     # 5. Aggregate, plus the reference KL.
     pg_loss = aggregate(loss_BxT, mask_BxT, agg_mode, norm_length=norm_length)
@@ -287,12 +277,42 @@ def ppo_loss(
         kl_loss = jnp.zeros((), jnp.float32)
     loss = pg_loss + kl_coef * kl_loss
 
-    ratio_sg_BxT = jax.lax.stop_gradient(ratio_BxT)
+    metrics = _ppo_metrics(
+        pg_loss, kl_loss, log_ratio_BxT, adv_BxT, mask_BxT, dual_active_BxT, tis_w_BxT,
+        clip_low, clip_high,
+    )  # fmt: skip
+    return loss, metrics
+
+
+def _dual_clip(loss_BxT, adv_BxT, mask_BxT, dual_clip: float | None):
+    """(loss with the dual clip -c A bound on negative-advantage tokens, where it bound)."""
+    if dual_clip is None:
+        return loss_BxT, jnp.zeros_like(mask_BxT)
+    negative_BxT = adv_BxT < 0
+    bound_BxT = -adv_BxT * dual_clip
+    active_BxT = negative_BxT & (bound_BxT < loss_BxT)
+    return jnp.where(negative_BxT, jnp.minimum(loss_BxT, bound_BxT), loss_BxT), active_BxT
+
+
+def _tis_weight(proximal_BxT, behaviour_BxT, mask_BxT, tis_cap: float | None) -> jax.Array:
+    """min(pi_prox / pi_b, cap) per token (ones without TIS)."""
+    if tis_cap is None:
+        return jnp.ones(mask_BxT.shape, jnp.float32)
+    log_w_BxT = jnp.where(mask_BxT, proximal_BxT - behaviour_BxT, 0.0)
+    return jnp.minimum(jnp.exp(jnp.minimum(log_w_BxT, _MAX_LOG_RATIO)), tis_cap)
+
+
+def _ppo_metrics(
+    pg_loss, kl_loss, log_ratio_BxT, adv_BxT, mask_BxT, dual_active_BxT, tis_w_BxT,
+    clip_low: float, clip_high: float,
+) -> PolicyLossMetrics:  # fmt: skip
+    """The step's `PolicyLossMetrics` (ratios without gradient)."""
     log_ratio_sg_BxT = jax.lax.stop_gradient(log_ratio_BxT)
-    metrics = PolicyLossMetrics(
+    ratio_sg_BxT = jnp.exp(log_ratio_sg_BxT)
+    return PolicyLossMetrics(
         pg_loss=pg_loss,
         kl_loss=kl_loss,
-        clip_frac_low=masked_mean(negative_BxT & (ratio_sg_BxT < 1.0 - clip_low), mask_BxT),
+        clip_frac_low=masked_mean((adv_BxT < 0) & (ratio_sg_BxT < 1.0 - clip_low), mask_BxT),
         clip_frac_high=masked_mean((adv_BxT > 0) & (ratio_sg_BxT > 1.0 + clip_high), mask_BxT),
         dual_clip_frac=masked_mean(dual_active_BxT, mask_BxT),
         ratio_mean=masked_mean(ratio_sg_BxT, mask_BxT),
@@ -301,4 +321,3 @@ def ppo_loss(
         approx_kl=masked_mean(jnp.expm1(log_ratio_sg_BxT) - log_ratio_sg_BxT, mask_BxT),
         tis_weight_mean=masked_mean(tis_w_BxT, mask_BxT),
     )
-    return loss, metrics

@@ -276,21 +276,12 @@ def play_episodes(
     Returns:
       The finished episodes, in the order of `tasks`.
     """
-    rows = config.max_rows
-    if rows and len(tasks) > rows:
-        n = len(tasks)
-        gids = list(range(n)) if group_ids is None else list(group_ids)
-        streams = list(range(n)) if stream_ids is None else list(stream_ids)
-        one = dataclasses.replace(config, max_rows=0)
-        chunks = []
-        for lo in range(0, n, rows):  # turn t of every chunk draws with fold_in(rng, t)
-            chunks += play_episodes(
-                sampler, params, renderer, env_factory, tasks[lo : lo + rows], config=one,
-                rng=rng, group_ids=gids[lo : lo + rows],
-                hint_before_every_turn=hint_before_every_turn,
-                stream_ids=streams[lo : lo + rows],
-            )  # fmt: skip
-        return chunks
+    if config.max_rows and len(tasks) > config.max_rows:
+        return _play_in_chunks(
+            sampler, params, renderer, env_factory, tasks, config=config, rng=rng,
+            group_ids=group_ids, hint_before_every_turn=hint_before_every_turn,
+            stream_ids=stream_ids,
+        )  # fmt: skip
     header = renderer.assistant_header()
     episodes = _start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     hint_ids: list[int] = []
@@ -336,38 +327,56 @@ def play_episodes(
             texts = [_record_turn(ep, renderer, out, k) for k, ep in enumerate(live)]
             results = list(pool.map(_step, live, texts))
 
-            still = []
-            for ep, text, res in zip(live, texts, results, strict=True):
-                if isinstance(res, BaseException):
-                    _fail(ep, text, res)
-                    continue
-                verdicts = res.info.get("verdicts")
-                ep.verdicts.append(dict(verdicts if verdicts is not None else ep.env.judge(text)))
-                offsets = ep.env.breaks(text, ep.verdicts[-1])
-                ep.breaks.append(
-                    break_tokens(ep, renderer.tokenizer, len(ep.turn_starts) - 1, offsets)
-                    if offsets
-                    else {}
-                )
-                ep.step_infos.append({k: v for k, v in res.info.items() if k != "summary"})
-                if res.done:
-                    ep.rewards, ep.termination = dict(res.rewards), _termination(ep.env)
-                    continue
-                if config.max_turns and len(ep.turn_starts) >= config.max_turns:
-                    ep.rewards, ep.termination = _final_rewards(ep.env), "max_turns"
-                    continue
-                obs = renderer.render_messages(
-                    [{"role": config.observation_role, "content": res.observation}]
-                )
-                if room(ep) - len(renderer.separator_ids) - len(obs) < config.min_turn_tokens:
-                    ep.rewards, ep.termination = _final_rewards(ep.env), "max_tokens"
-                    continue
-                ep.append(renderer.separator_ids, Role.PROMPT)
-                ep.append(obs, Role.ENV)
-                still.append(ep)
-            live = still
+            live = [ep for ep, text, res in zip(live, texts, results, strict=True)
+                    if _after_turn(ep, text, res, renderer, config, room)]  # fmt: skip
             turn += 1
     return episodes
+
+
+def _play_in_chunks(sampler, params, renderer, env_factory, tasks, *, config, rng, group_ids,
+                    hint_before_every_turn, stream_ids) -> list[Episode]:  # fmt: skip
+    """`play_episodes` in chunks of `config.max_rows` episodes, one after the other; turn t of
+    every chunk draws with fold_in(rng, t), stream ids by position in `tasks` by default."""
+    rows, n = config.max_rows, len(tasks)
+    gids = list(range(n)) if group_ids is None else list(group_ids)
+    streams = list(range(n)) if stream_ids is None else list(stream_ids)
+    one = dataclasses.replace(config, max_rows=0)
+    chunks = []
+    for lo in range(0, n, rows):
+        chunks += play_episodes(
+            sampler, params, renderer, env_factory, tasks[lo : lo + rows], config=one,
+            rng=rng, group_ids=gids[lo : lo + rows],
+            hint_before_every_turn=hint_before_every_turn, stream_ids=streams[lo : lo + rows],
+        )  # fmt: skip
+    return chunks
+
+
+def _after_turn(ep: Episode, text: str, res: Any, renderer: ChatRenderer,
+                config: RolloutConfig, room: Callable[[Episode], int]) -> bool:  # fmt: skip
+    """Records the environment's step of one episode's turn (verdicts, breaks, info; the end
+    and its rewards, or the observation appended); True while the episode goes on."""
+    if isinstance(res, BaseException):
+        _fail(ep, text, res)
+        return False
+    verdicts = res.info.get("verdicts")
+    ep.verdicts.append(dict(verdicts if verdicts is not None else ep.env.judge(text)))
+    offsets = ep.env.breaks(text, ep.verdicts[-1])
+    turn = len(ep.turn_starts) - 1
+    ep.breaks.append(break_tokens(ep, renderer.tokenizer, turn, offsets) if offsets else {})
+    ep.step_infos.append({k: v for k, v in res.info.items() if k != "summary"})
+    if res.done:
+        ep.rewards, ep.termination = dict(res.rewards), _termination(ep.env)
+        return False
+    if config.max_turns and len(ep.turn_starts) >= config.max_turns:
+        ep.rewards, ep.termination = _final_rewards(ep.env), "max_turns"
+        return False
+    obs = renderer.render_messages([{"role": config.observation_role, "content": res.observation}])
+    if room(ep) - len(renderer.separator_ids) - len(obs) < config.min_turn_tokens:
+        ep.rewards, ep.termination = _final_rewards(ep.env), "max_tokens"
+        return False
+    ep.append(renderer.separator_ids, Role.PROMPT)
+    ep.append(obs, Role.ENV)
+    return True
 
 
 def requirement_hint_tokens(renderer: ChatRenderer, env: Environment) -> dict[str, list[int]]:
