@@ -1,4 +1,5 @@
-"""The code's layout: no import cycle between tg_jax's modules or between its packages.
+"""The code's layout: no import cycle between tg_jax's modules or between its packages, no module
+over 600 lines, no function over 80.
 
 Every `import` and `from ... import` of tg_jax counts, at module level, inside functions and
 under `if TYPE_CHECKING:` alike (a lazy import that breaks a cycle at run time still ties the
@@ -117,3 +118,25 @@ def test_no_import_cycle_between_packages():
             if package(a) != package(b) and package(b) != "tg_jax":
                 graph[package(a)].add(package(b))
     assert cycles(graph) == []
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80  # its signature, docstring and body
+
+
+def test_no_module_over_600_lines():
+    long = {n: c for n, p in _modules().items()
+            if (c := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_MODULE_LINES}  # fmt: skip
+    assert long == {}
+
+
+def test_no_function_over_80_lines():
+    long = {}
+    for name, path in _modules().items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long[f"{name}.{node.name}:{node.lineno}"] = n
+    assert long == {}

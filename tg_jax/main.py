@@ -183,6 +183,23 @@ def main(argv):
     config = _CONFIG.value
     workdir = _WORKDIR.value
     check_workdir(workdir)
+    _check_config(config)
+    from tg_jax.tpu import distributed
+
+    use_compilation_cache()
+    # Library INFO lines (orbax logs every checkpoint step) drown the progress lines; pass
+    # --verbosity=0 to see them.
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+
+    # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
+    distributed.initialize_from_env()
+    _check_config_on_devices(config)
+    _run_stage(config, workdir)
+
+
+def _check_config(config) -> None:
+    """What the config alone decides, before any device or data: one `error:` line each."""
     if config.stage not in STAGES:
         _fail(f"unknown stage {config.stage!r} (known: {', '.join(sorted(STAGES))})")
     if all(name in config for name in ("rl", "tg", "optim")):
@@ -212,16 +229,13 @@ def main(argv):
         faults.validate()
     except ValueError as e:
         _fail(str(e))
-    from tg_jax.tpu import distributed
 
-    use_compilation_cache()
-    # Library INFO lines (orbax logs every checkpoint step) drown the progress lines; pass
-    # --verbosity=0 to see them.
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
 
-    # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
-    distributed.initialize_from_env()
+def _check_config_on_devices(config) -> None:
+    """What needs the devices or the files the config names: the sampler's split, the epochs
+    of generated tasks, the checkpoint directory or the shipped base."""
+    from tg_jax.errors import ConfigError
+
     if "sampler_mesh" in config:  # the devices now known: a split that cannot be built
         from tg_jax import sharding
         from tg_jax.sampling.rollout import RolloutConfig
@@ -231,13 +245,6 @@ def main(argv):
             RolloutConfig(max_rows=int(config.sampler_mesh.get("max_rows", 0)))
         except ValueError as e:
             _fail(f"invalid config: {e}")
-    from tg_jax.checkpointing import CheckpointError
-    from tg_jax.envs.ns_sandbox import SandboxUnavailable
-    from tg_jax.envs.swe.importer import TaskImportError
-    from tg_jax.errors import ConfigError, RunError
-    from tg_jax.models.hf_dir import ModelDirError
-    from tg_jax.train.sft_gates import BaseModelGateError
-
     if "rl_loop" in config and "tasks" in config and not config.tasks.get("train_source"):
         from tg_jax.data.task_data import check_epochs
 
@@ -255,6 +262,17 @@ def main(argv):
                 shipped_base.check(config)
         except ConfigError as e:
             _fail(f"invalid config: {e}")
+
+
+def _run_stage(config, workdir: str) -> None:
+    """Runs the stage; what a user must act on ends in one `error:` line, not a traceback."""
+    from tg_jax.checkpointing import CheckpointError
+    from tg_jax.envs.ns_sandbox import SandboxUnavailable
+    from tg_jax.envs.swe.importer import TaskImportError
+    from tg_jax.errors import ConfigError, RunError
+    from tg_jax.models.hf_dir import ModelDirError
+    from tg_jax.train.sft_gates import BaseModelGateError
+
     identity = paths.dir_identity(workdir)
     _quiet_threads_once_removed(workdir, identity)
     try:

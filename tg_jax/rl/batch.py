@@ -270,7 +270,10 @@ def _fill_per_turn_teacher(
 
 
 def _check_trajectories(trajectories: Sequence[Trajectory], max_len: int) -> list[str]:
-    """The batch's reward names; raises on a too-long trajectory or differing reward names."""
+    """The batch's reward names; raises on no trajectory, a too-long one or differing reward
+    names."""
+    if not trajectories:
+        raise ValueError("build_batch needs at least one trajectory")
     reward_names = sorted(trajectories[0].rewards)
     for traj in trajectories:
         if len(traj.tokens) > max_len:
@@ -425,21 +428,12 @@ def _row_fields(
 
 
 def build_batch(
-    trajectories: Sequence[Trajectory],
-    *,
-    max_len: int,
-    teacher_max_len: int,
-    mode: TeacherMode = "per_trajectory",
-    gate: str = "failed_turns",
-    max_teacher_rows: int = 0,
-    requirement_names: Sequence[str] | None = None,
-    pad_to_multiple: int = 64,
-    teacher_pad_to_multiple: int | None = None,
-    batch_multiple: int = 1,
-    micro_batches: int = 1,
-    compact: bool = False,
-    min_compact_saving: float = 0.0,
-) -> Batch:
+    trajectories: Sequence[Trajectory], *, max_len: int, teacher_max_len: int,
+    mode: TeacherMode = "per_trajectory", gate: str = "failed_turns", max_teacher_rows: int = 0,
+    requirement_names: Sequence[str] | None = None, pad_to_multiple: int = 64,
+    teacher_pad_to_multiple: int | None = None, batch_multiple: int = 1, micro_batches: int = 1,
+    compact: bool = False, min_compact_saving: float = 0.0,
+) -> Batch:  # fmt: skip
     """Pads trajectories into a `Batch` (see the module docstring for conventions).
 
     Args:
@@ -461,34 +455,28 @@ def build_batch(
         padding rows are added (valid_B False, every mask 0).
       micro_batches: number of micro-batches the train step will split the batch into.
       compact: teacher rows only where a turn is targeted, from the first hint to the end of
-        the last targeted turn (`tg_jax.rl.compact`); the train step then reuses the
-        student's keys and values for the shared prefix. B_t is bucketed (per_turn: at most
-        max_teacher_rows).
-      min_compact_saving: with compact, full rows instead (teacher_compact False) when the
-        compact rows' B_t x T_t token slots are more than (1 - min_compact_saving) of the
-        full rows' (`tg_jax.rl.compact.compaction_pays`, e.g. `compact.MIN_COMPACT_SAVING`);
-        0 (the default, and the train loop's) keeps compact rows whatever they save.
+        the last targeted turn (`tg_jax.rl.compact`; the train step reuses the student's keys
+        and values for the shared prefix). B_t is bucketed (per_turn: <= max_teacher_rows).
+      min_compact_saving: with compact, full rows instead when the compact rows' B_t x T_t
+        slots are more than (1 - min_compact_saving) of the full rows'
+        (`compact.compaction_pays`); 0 (the train loop's) keeps compact rows.
 
     Returns:
       A `Batch` of numpy arrays.
-
     Raises:
       ValueError: a student sequence longer than max_len or a teacher sequence longer than
         teacher_max_len (names the task), inconsistent reward names, bad sizes.
     """
-    if not trajectories:
-        raise ValueError("build_batch needs at least one trajectory")
     if mode not in ("per_trajectory", "per_turn", "none"):
         raise ValueError(f"unknown teacher mode {mode!r}")
+    reward_names = _check_trajectories(trajectories, max_len)  # at least one
     rows = num_rows(len(trajectories), batch_multiple, micro_batches)
     if requirement_names is None:
         requirement_names = sorted({r for t in trajectories for v in t.turn_verdicts for r in v})
     req_index = {name: i for i, name in enumerate(requirement_names)}
-    reward_names = _check_trajectories(trajectories, max_len)
     length = bucket_length(max(len(t.tokens) for t in trajectories), max_len, pad_to_multiple)
-    per_micro = 0
-    if mode == "per_turn":
-        per_micro = _teacher_rows_per_micro(max_teacher_rows, micro_batches, batch_multiple)
+    per_micro = (_teacher_rows_per_micro(max_teacher_rows, micro_batches, batch_multiple)
+                 if mode == "per_turn" else 0)  # fmt: skip
 
     student, per_token = _empty_seqs(rows, length), _empty_per_token(rows, length)
     hints = []  # per row: targeted turn -> its (non-empty) hint

@@ -190,22 +190,13 @@ def reference_kl(
 
 
 def ppo_loss(
-    logp_BxT: jax.Array,
-    logp_behaviour_BxT: jax.Array,
-    advantages: jax.Array,
-    mask_BxT: jax.Array,
-    *,
-    logp_proximal_BxT: jax.Array | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    tis_cap: float | None = None,
-    agg_mode: AggMode = "token_mean",
-    norm_length: int | None = None,
-    logp_ref_BxT: jax.Array | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
-) -> tuple[jax.Array, PolicyLossMetrics]:
+    logp_BxT: jax.Array, logp_behaviour_BxT: jax.Array, advantages: jax.Array,
+    mask_BxT: jax.Array, *, logp_proximal_BxT: jax.Array | None = None,
+    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+    tis_cap: float | None = None, agg_mode: AggMode = "token_mean",
+    norm_length: int | None = None, logp_ref_BxT: jax.Array | None = None,
+    kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3",
+) -> tuple[jax.Array, PolicyLossMetrics]:  # fmt: skip
     """Clipped-surrogate policy loss (steps 1-5 of the module docstring).
 
     Args:
@@ -215,20 +206,17 @@ def ppo_loss(
       mask_BxT: [B, T] bool; the assistant tokens the policy produced (prompt, environment and
         tool tokens and padding are 0).
       logp_proximal_BxT: optional [B, T] trainer log-probs at the start of the update.
-      clip_low: r is clipped below at 1 - clip_low.
-      clip_high: r is clipped above at 1 + clip_high (clip-higher: clip_high > clip_low).
+      clip_low, clip_high: r is clipped to [1 - clip_low, 1 + clip_high] (clip-higher:
+        clip_high > clip_low).
       dual_clip: constant c > 1, or None for no dual clip.
       tis_cap: cap of the TIS weight pi_prox / pi_b (math.inf: the uncapped weight of
         decoupled PPO), or None for no TIS.
-      agg_mode: see `aggregate`.
-      norm_length: L for "seq_mean_token_sum_norm".
-      logp_ref_BxT: optional [B, T] frozen reference log-probs; adds kl_coef * KL.
-      kl_coef: weight of the reference KL.
-      kl_estimator: "k1", "k2" or "k3"; see `kl_to_reference`.
+      agg_mode, norm_length: see `aggregate` (L for "seq_mean_token_sum_norm").
+      logp_ref_BxT: optional [B, T] frozen reference log-probs; adds kl_coef * KL with
+        estimator kl_estimator ("k1", "k2" or "k3"; `kl_to_reference`).
 
     Returns:
-      loss: scalar float32.
-      metrics: `PolicyLossMetrics`.
+      (scalar float32 loss, `PolicyLossMetrics`).
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -237,17 +225,9 @@ def ppo_loss(
             "tis_cap needs logp_proximal_BxT: without proximal log-probs the PPO ratio is "
             "already taken against the behaviour policy"
         )
-    mask_BxT = mask_BxT.astype(bool)
-    adv_BxT = jnp.asarray(advantages, jnp.float32)
-    if adv_BxT.ndim == 1:
-        adv_BxT = adv_BxT[:, None]
-    adv_BxT = jnp.broadcast_to(adv_BxT, mask_BxT.shape)
-    logp_BxT = logp_BxT.astype(jnp.float32)
-    behaviour_BxT = jax.lax.stop_gradient(logp_behaviour_BxT).astype(jnp.float32)
-    if logp_proximal_BxT is None:
-        proximal_BxT = behaviour_BxT
-    else:
-        proximal_BxT = jax.lax.stop_gradient(logp_proximal_BxT).astype(jnp.float32)
+    mask_BxT, adv_BxT, logp_BxT, behaviour_BxT, proximal_BxT = _ppo_inputs(
+        mask_BxT, advantages, logp_BxT, logp_behaviour_BxT, logp_proximal_BxT
+    )
 
     # 1. Ratio; masked-out tokens get log r = 0 so garbage there cannot produce inf/NaN.
     log_ratio_BxT = jnp.where(mask_BxT, logp_BxT - proximal_BxT, 0.0)
@@ -282,6 +262,19 @@ def ppo_loss(
         clip_low, clip_high,
     )  # fmt: skip
     return loss, metrics
+
+
+def _ppo_inputs(mask_BxT, advantages, logp_BxT, logp_behaviour_BxT, logp_proximal_BxT):
+    """(bool mask, [B, T] f32 advantages, f32 log-probs, behaviour and proximal log-probs
+    without gradient; proximal = behaviour when not given)."""
+    mask_BxT = mask_BxT.astype(bool)
+    adv_BxT = jnp.asarray(advantages, jnp.float32)
+    adv_BxT = jnp.broadcast_to(adv_BxT[:, None] if adv_BxT.ndim == 1 else adv_BxT, mask_BxT.shape)
+    behaviour_BxT = jax.lax.stop_gradient(logp_behaviour_BxT).astype(jnp.float32)
+    proximal_BxT = behaviour_BxT
+    if logp_proximal_BxT is not None:
+        proximal_BxT = jax.lax.stop_gradient(logp_proximal_BxT).astype(jnp.float32)
+    return mask_BxT, adv_BxT, logp_BxT.astype(jnp.float32), behaviour_BxT, proximal_BxT
 
 
 def _dual_clip(loss_BxT, adv_BxT, mask_BxT, dual_clip: float | None):

@@ -270,9 +270,9 @@ def play_episodes(
       hint_before_every_turn: insert a hint message for every requirement right before every
         assistant turn (the "hinted" evaluation; its tokens are in `tokens` with Role.HINT).
       stream_ids: per episode, the id of its random stream (`Sampler.sample`'s row_ids): its
-        turns then sample the same whichever other episodes share the batch (e.g. on another
-        host, or in another chunk of `config.max_rows`). None: by position among the live
-        episodes (with more than `config.max_rows` episodes: by position in `tasks`).
+        turns sample the same whichever episodes share the batch (another host, another chunk
+        of `config.max_rows`). None: by position among the live episodes (in chunks: in
+        `tasks`).
     Returns:
       The finished episodes, in the order of `tasks`.
     """
@@ -293,13 +293,7 @@ def play_episodes(
         """Tokens the next turn may sample (one slot is kept for closing a cut turn)."""
         return config.max_total_tokens - len(ep.tokens) - len(hint_ids) - len(header) - 1
 
-    for ep in episodes:
-        if room(ep) < config.min_turn_tokens:
-            raise ValueError(
-                f"task {ep.task_id}: prompt of {len(ep.tokens)} tokens leaves no room for a "
-                f"turn of {config.min_turn_tokens}+ tokens within max_total_tokens="
-                f"{config.max_total_tokens}"
-            )
+    _check_room(episodes, room, config)
 
     live = list(episodes)
     turn = 0
@@ -312,18 +306,12 @@ def play_episodes(
                 ep.turn_starts.append(len(ep.tokens))
                 ep.append(header, Role.PROMPT)
             out = sampler.sample(
-                params,
-                [ep.tokens for ep in live],
-                max_new_tokens=budgets,
-                stop_ids=renderer.end_of_turn_ids,
-                temperature=config.temperature,
-                top_k=config.top_k,
-                top_p=config.top_p,
-                rng=jax.random.fold_in(rng, turn),
+                params, [ep.tokens for ep in live], max_new_tokens=budgets,
+                stop_ids=renderer.end_of_turn_ids, temperature=config.temperature,
+                top_k=config.top_k, top_p=config.top_p, rng=jax.random.fold_in(rng, turn),
                 row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
-                cache=cache,
-                keys=[id(ep) for ep in live],
-            )
+                cache=cache, keys=[id(ep) for ep in live],
+            )  # fmt: skip
             texts = [_record_turn(ep, renderer, out, k) for k, ep in enumerate(live)]
             results = list(pool.map(_step, live, texts))
 
@@ -331,6 +319,18 @@ def play_episodes(
                     if _after_turn(ep, text, res, renderer, config, room)]  # fmt: skip
             turn += 1
     return episodes
+
+
+def _check_room(episodes: Sequence[Episode], room: Callable[[Episode], int],
+                config: RolloutConfig) -> None:  # fmt: skip
+    """Raises unless every prompt leaves room for a turn of config.min_turn_tokens."""
+    for ep in episodes:
+        if room(ep) < config.min_turn_tokens:
+            raise ValueError(
+                f"task {ep.task_id}: prompt of {len(ep.tokens)} tokens leaves no room for a "
+                f"turn of {config.min_turn_tokens}+ tokens within max_total_tokens="
+                f"{config.max_total_tokens}"
+            )
 
 
 def _play_in_chunks(sampler, params, renderer, env_factory, tasks, *, config, rng, group_ids,

@@ -184,23 +184,7 @@ class ChatRenderer:
         except KeyError:
             pass
         self._end_ids = tuple(dict.fromkeys(int(i) for i in ends))
-        thought = self._turn_text(
-            {"role": "assistant", "content": _PROBE_ANSWER, "reasoning_content": _PROBE_THOUGHT}
-        )
-        self.has_thinking = _PROBE_THOUGHT in thought
-        self._think_start = self._think_end = None
-        if self.has_thinking:
-            k = thought.index(_PROBE_THOUGHT)
-            if THINK_START not in thought[:k] or THINK_END not in thought[k:]:
-                raise TemplateError(
-                    f"chat template writes thinking as {thought!r}: only <think>...</think> is "
-                    "supported"
-                )
-            try:
-                self._think_start = tokenizer.special_id(THINK_START)
-                self._think_end = tokenizer.special_id(THINK_END)
-            except KeyError as e:
-                raise TemplateError(f"the template writes <think> blocks but {e}") from e
+        self._probe_thinking()
         try:
             self.tool_calls_text = self._turn_text(_call_message(_PROBE_CALL))
         except TemplateError as e:
@@ -211,6 +195,28 @@ class ChatRenderer:
             self.tool_format = tool_formats.detect(self.tool_calls_text, [_PROBE_CALL])
 
     # What the template makes of probe conversations.
+
+    def _probe_thinking(self) -> None:
+        """has_thinking: the template writes an assistant's reasoning_content; then the ids of
+        <think> and </think> (the only thinking block supported)."""
+        thought = self._turn_text(
+            {"role": "assistant", "content": _PROBE_ANSWER, "reasoning_content": _PROBE_THOUGHT}
+        )
+        self.has_thinking = _PROBE_THOUGHT in thought
+        self._think_start = self._think_end = None
+        if not self.has_thinking:
+            return
+        k = thought.index(_PROBE_THOUGHT)
+        if THINK_START not in thought[:k] or THINK_END not in thought[k:]:
+            raise TemplateError(
+                f"chat template writes thinking as {thought!r}: only <think>...</think> is "
+                "supported"
+            )
+        try:
+            self._think_start = self.tokenizer.special_id(THINK_START)
+            self._think_end = self.tokenizer.special_id(THINK_END)
+        except KeyError as e:
+            raise TemplateError(f"the template writes <think> blocks but {e}") from e
 
     def _render(
         self,
