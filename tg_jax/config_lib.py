@@ -20,6 +20,7 @@ import ml_collections
 
 from tg_jax import config_schema
 from tg_jax.envs import tasks as tasks_lib
+from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
@@ -158,31 +159,9 @@ def tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def env_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The coding environment (tg_jax.envs.coding.CodingEnvConfig fields)."""
-    c = ml_collections.ConfigDict()
-    c.kind = "coding"  # which environment tg_jax.envs.make_env builds: coding | swe
-    # Requirements the policy is judged on and TG teaches: the SFT base model follows each
-    # hint when shown and never meets either unprompted, so only guidance can teach them.
-    c.requirements = ("fence", "tool_json")
-    c.max_turns = 3  # assistant turns before an episode ends without a submission
-    c.task_reward = "all_pass"  # all_pass (1 iff every hidden test passes) | fraction
-    c.requirement_reward = "fraction"  # fraction of applicable turns meeting it | all
-    c.requirement_weight = 1.0  # weight of each requirement reward in the weighted total
-    c.executor = "sandbox"  # sandbox (model outputs) | trusted (in-process, our own code only)
-    c.timeout_s = 1.0  # sandbox wall-clock limit per tool call
-    c.cpu_s = 1  # sandbox CPU-seconds limit per tool call
-    c.memory_mb = 256  # sandbox address-space limit per tool call
-    # Sandbox of the tool calls: namespace (kernel namespaces, unprivileged uid, the audit hook
-    # inside) | audit (the audit hook alone; as root, the child runs as root here). One call,
-    # interleaved A/B on the 2-core VM at load 7-9: namespace 41-72 vs audit 29-40 ms median,
-    # 22-32 vs 17-26 ms best; ~+6 ms best case is ~+1 min on the demo's ~8000 calls (10.3 min
-    # measured idle), the loaded medians' +12-32 ms would be +2-4 min: inside 15 minutes.
-    c.sandbox = "namespace"
-    # Describe the tools through the chat template's `tools` argument, in the model's own
-    # format (a checkpoint's system block); False: the task prompt alone describes them.
-    c.tools_in_prompt = False
-    c.update(overrides)
-    return c
+    """The coding environment (the fields: `tg_jax.envs.coding.CodingEnvConfig`); `kind`
+    picks the environment tg_jax.envs.make_env builds (coding | swe)."""
+    return CodingEnvConfig.config_dict(**{"kind": "coding", **overrides})
 
 
 def swe_env_config(**overrides: Any) -> ml_collections.ConfigDict:

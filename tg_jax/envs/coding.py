@@ -20,8 +20,9 @@ import ast
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
+from tg_jax.config_schema import Section
 from tg_jax.envs import ns_sandbox
 from tg_jax.envs.base import (
     REQUIREMENT_REWARD_MODES,
@@ -204,23 +205,30 @@ TOOL_SCHEMAS = (
 
 
 @dataclasses.dataclass(frozen=True)
-class CodingEnvConfig:
-    """Construction knobs of CodingEnv.
+class CodingEnvConfig(Section):
+    """The coding environment: the `env` section of a run config (`env.kind` = "coding" picks
+    it, tg_jax.envs.make_env).
 
     Attributes:
-      requirements: enabled requirement names, a subset of ("fence", "tool_json").
+      requirements: requirement names the policy is judged on and TG teaches, a subset of
+        ("fence", "tool_json").
       max_turns: assistant turns before the episode ends without a submission.
       task_reward: "all_pass" (1.0 iff all hidden tests pass) or "fraction".
       requirement_reward: "fraction" of applicable turns meeting it, or "all".
       requirement_weight: weight of each requirement reward in `weighted_total`.
       executor: "sandbox" (subprocess, for model outputs) or "trusted" (in-process, only for
         code written by this package, e.g. expert transcripts; same observations).
-      timeout_s, cpu_s, memory_mb: sandbox limits per tool call.
-      sandbox: "audit" (a subprocess under the audit hook) or "namespace" (the same inside
-        kernel namespaces, tg_jax.envs.ns_sandbox); see tg_jax.envs.sandbox.run_python.
+      timeout_s, cpu_s, memory_mb: sandbox limits per tool call (wall-clock s, CPU s, MiB of
+        address space).
+      sandbox: "namespace" (kernel namespaces as an unprivileged uid, the audit hook inside,
+        tg_jax.envs.ns_sandbox) or "audit" (the audit hook alone: as root the child runs as
+        root); see tg_jax.envs.sandbox.run_python and docs/sandbox.md for what each costs.
       tools_in_prompt: describe the tools through the chat template's `tools` argument
-        (`TOOL_SCHEMAS`), as the model's format describes them.
+        (`TOOL_SCHEMAS`), as the model's format describes them; False: the task prompt alone.
     """
+
+    section: ClassVar[str] = "env"
+    ignored: ClassVar[tuple[str, ...]] = ("kind",)  # the factory's (tg_jax.envs.make_env)
 
     requirements: tuple[str, ...] = REQUIREMENT_NAMES
     max_turns: int = 3
@@ -231,7 +239,7 @@ class CodingEnvConfig:
     timeout_s: float = 1.0
     cpu_s: int = 1
     memory_mb: int = 256
-    sandbox: str = "audit"
+    sandbox: str = "namespace"
     tools_in_prompt: bool = False
 
     def __post_init__(self):
@@ -354,10 +362,6 @@ class CodingEnv(Environment):
 
 
 def coding_env_config(cfg: Any, executor: str | None = None) -> CodingEnvConfig:
-    """CodingEnvConfig from `config.env` (optionally with another executor); `env.kind` is
-    the factory's (tg_jax.envs.make_env), not a CodingEnvConfig field."""
-    d = {k: v for k, v in cfg.to_dict().items() if k != "kind"}
-    d["requirements"] = tuple(d["requirements"])
-    if executor is not None:
-        d["executor"] = executor
-    return CodingEnvConfig(**d)
+    """CodingEnvConfig from `config.env` (optionally with another executor)."""
+    env = CodingEnvConfig.from_config(cfg)
+    return env if executor is None else dataclasses.replace(env, executor=executor)
