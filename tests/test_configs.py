@@ -8,6 +8,7 @@ import pytest
 
 from tg_jax import config_files, config_lib, config_schema
 from tg_jax.envs.coding import CodingEnvConfig
+from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.models import ModelConfig
 from tg_jax.rl import step_config
 from tg_jax.rl.step_config import OptimConfig, StepConfig, TGConfig
@@ -111,6 +112,7 @@ SECTIONS = [  # (the ConfigDict builder, its dataclass, the dataclass's instance
     (config_lib.sft_extend_config, ExtendConfig, ExtendConfig()),
     (config_lib.model_config, ModelConfig, config_lib.CPU_MODEL),
     (config_lib.env_config, CodingEnvConfig, CodingEnvConfig()),
+    (config_lib.swe_env_config, SweEnvConfig, SweEnvConfig()),
 ]  # fmt: skip
 
 

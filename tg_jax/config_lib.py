@@ -21,6 +21,7 @@ import ml_collections
 from tg_jax import config_schema
 from tg_jax.envs import tasks as tasks_lib
 from tg_jax.envs.coding import CodingEnvConfig
+from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
@@ -165,32 +166,8 @@ def env_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def swe_env_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The software-engineering environment (tg_jax.envs.swe.env.SweEnvConfig fields)."""
-    c = ml_collections.ConfigDict()
-    c.kind = "swe"  # which environment tg_jax.envs.make_env builds: coding | swe
-    # Tier 1 (tool protocol, Markdown report), 2 (names the changed files), 3 (asks before
-    # overwriting a file, on tasks whose fix needs it): tg_jax.envs.swe.requirements.
-    c.requirements = ("tool_protocol", "markdown_report", "files_named", "ask_first")
-    c.max_turns = 12  # assistant turns before an episode ends without a submission
-    c.max_tokens = 0  # estimated assistant tokens per episode before it ends (0 = no limit)
-    c.max_wall_s = 0.0  # wall-clock seconds per episode (0 = no limit)
-    c.task_reward = "all_pass"  # all_pass (1 iff every target hidden test passes) | fraction
-    c.requirement_reward = "fraction"  # fraction of applicable turns meeting it | all
-    c.requirement_weight = 1.0  # weight of each requirement reward in the weighted total
-    # Test runner (tg_jax.envs.swe.runner.RUNNERS): "sandbox" = a light pytest-compatible runner
-    # in the audit-hook sandbox (no fixtures, no subprocesses); "namespace" = the real pytest in
-    # the kernel-enforced sandbox (imported tasks that need fixtures or spawn processes).
-    c.runner = "sandbox"
-    c.timeout_s = 10.0  # wall-clock limit of one test run
-    c.cpu_s = 5  # CPU-seconds limit of one test run
-    c.memory_mb = 512  # address-space limit of one test run
-    c.max_observation_chars = 2000  # tool output beyond this is cut, with a note
-    c.ask_reply = "Yes, go ahead."  # what ask_user answers
-    # Describe the tools through the chat template's `tools` argument (tools.TOOL_SCHEMAS), in
-    # the model's own format; False: the task prompt lists them in one line.
-    c.tools_in_prompt = False
-    c.update(overrides)
-    return c
+    """The software-engineering environment (the fields: `tg_jax.envs.swe.env.SweEnvConfig`)."""
+    return SweEnvConfig.config_dict(**{"kind": "swe", **overrides})
 
 
 def swe_tasks_config(**overrides: Any) -> ml_collections.ConfigDict:

@@ -30,8 +30,9 @@ import re
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import Any, ClassVar
 
+from tg_jax.config_schema import Section
 from tg_jax.envs.base import (
     REQUIREMENT_REWARD_MODES,
     Environment,
@@ -58,24 +59,32 @@ ACTIONS = (*TOOLS, "malformed", "tool_error", "overwrite", "stopped_after_ask")
 
 
 @dataclasses.dataclass(frozen=True)
-class SweEnvConfig:
-    """Construction knobs of SweEnv.
+class SweEnvConfig(Section):
+    """The software-engineering environment: the `env` section of a run config when
+    `env.kind` = "swe" (tg_jax.envs.make_env).
 
     Attributes:
-      requirements: enabled requirement names (a subset of requirements.REQUIREMENT_NAMES).
+      requirements: enabled requirement names (a subset of requirements.REQUIREMENT_NAMES:
+        tier 1 tool protocol and Markdown report, tier 2 names the changed files, tier 3 asks
+        before overwriting a file).
       max_turns: assistant turns before the episode ends without a submission.
       max_tokens: estimated assistant tokens per episode before it ends (0 = no limit).
       max_wall_s: wall-clock seconds per episode (0 = no limit).
       task_reward: "all_pass" or "fraction" of the target hidden tests.
       requirement_reward: "fraction" of applicable turns meeting it, or "all".
       requirement_weight: weight of each requirement reward in `weighted_total`.
-      runner: test runner name (runner.RUNNERS; "sandbox" = the audit-hook sandbox).
+      runner: test runner name (runner.RUNNERS): "sandbox" = a light pytest-compatible runner
+        in the audit-hook sandbox (no fixtures, no subprocesses); "namespace" = the real pytest
+        in the kernel-enforced sandbox (imported tasks that need fixtures or spawn processes).
       timeout_s, cpu_s, memory_mb: limits of one test run.
       max_observation_chars: tool output beyond this is cut, with a note.
       ask_reply: what ask_user answers.
       tools_in_prompt: describe the tools through the chat template's `tools` argument
         (tools.TOOL_SCHEMAS), as the model's format describes them.
     """
+
+    section: ClassVar[str] = "env"
+    ignored: ClassVar[tuple[str, ...]] = ("kind",)  # the factory's (tg_jax.envs.make_env)
 
     requirements: tuple[str, ...] = reqs.REQUIREMENT_NAMES
     max_turns: int = 12
@@ -254,7 +263,5 @@ class SweEnv(Environment):
 
 
 def swe_env_config(cfg: Any) -> SweEnvConfig:
-    """SweEnvConfig from `config.env` (the `kind` field is the factory's, not the env's)."""
-    d = {k: v for k, v in cfg.to_dict().items() if k != "kind"}
-    d["requirements"] = tuple(d["requirements"])
-    return SweEnvConfig(**d)
+    """SweEnvConfig from `config.env`."""
+    return SweEnvConfig.from_config(cfg)
