@@ -9,6 +9,7 @@ import pytest
 from tg_jax import config_files, config_lib, config_schema
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
+from tg_jax.envs.transcripts import TranscriptConfig
 from tg_jax.models import ModelConfig
 from tg_jax.rl import step_config
 from tg_jax.rl.step_config import OptimConfig, StepConfig, TGConfig
@@ -113,6 +114,7 @@ SECTIONS = [  # (the ConfigDict builder, its dataclass, the dataclass's instance
     (config_lib.model_config, ModelConfig, config_lib.CPU_MODEL),
     (config_lib.env_config, CodingEnvConfig, CodingEnvConfig()),
     (config_lib.swe_env_config, SweEnvConfig, SweEnvConfig()),
+    (config_lib.transcripts_config, TranscriptConfig, TranscriptConfig()),
 ]  # fmt: skip
 
 

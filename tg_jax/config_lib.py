@@ -22,6 +22,7 @@ from tg_jax import config_schema
 from tg_jax.envs import tasks as tasks_lib
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
+from tg_jax.envs.transcripts import TranscriptConfig
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
@@ -185,24 +186,8 @@ def swe_tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def transcripts_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Knobs of the synthetic expert (tg_jax.envs.transcripts.TranscriptConfig fields)."""
-    c = ml_collections.ConfigDict()
-    c.p_correct = 0.7  # share of correct final answers: caps the temperature-1 pass rate
-    c.p_hinted = 0.3  # share of hinted transcripts (hints followed; unhinted never comply)
-    c.p_hint_requirement = 0.7  # per applicable requirement, chance it is hinted in a turn
-    c.p_ignore_hint = 0.0  # chance a hinted requirement is not followed in its turn
-    c.p_multi_turn = 0.5  # run_tests -> observation -> revise/submit (else one submit turn)
-    c.p_fix = 0.3  # multi-turn: first attempt is a wrong guess revised after the observation
-    c.p_retest = 0.5  # after a revision, run the tests again before submitting
-    c.p_think = 1.0  # code turns open with a <think> block naming the family (a first step)
-    # Share of unhinted transcripts that meet forced_requirements anyway, the token where each
-    # turn would differ without them left out of the SFT loss: the base model continues such a
-    # turn well but never starts one unprompted (TranscriptConfig.p_forced).
-    c.p_forced = 0.0
-    c.forced_requirements = ()
-    c.max_chars = 800  # redraw transcripts whose contents sum to more (long ones stay in)
-    c.update(overrides)
-    return c
+    """Knobs of the synthetic expert (the fields: `tg_jax.envs.transcripts.TranscriptConfig`)."""
+    return TranscriptConfig.config_dict(**overrides)
 
 
 def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict:

@@ -21,7 +21,9 @@ import dataclasses
 import os
 import random
 from collections.abc import Sequence
+from typing import ClassVar
 
+from tg_jax.config_schema import Section
 from tg_jax.envs.base import HINT_ROLE, StepResult
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.protocol import REQUIREMENT_NAMES, format_turn
@@ -31,8 +33,8 @@ Guess = tuple[str, tuple[int, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
-class TranscriptConfig:
-    """Knobs of the synthetic expert.
+class TranscriptConfig(Section):
+    """Knobs of the synthetic expert: the `sft.transcripts` section of a run config.
 
     Attributes:
       p_correct: probability that the submitted function is the right one.
@@ -63,17 +65,19 @@ class TranscriptConfig:
         context must also hold the chat template's role markers).
     """
 
+    section: ClassVar[str] = "sft.transcripts"
+
     p_correct: float = 0.7
     p_hinted: float = 0.3
     p_hint_requirement: float = 0.7
     p_ignore_hint: float = 0.0
-    p_multi_turn: float = 0.7
+    p_multi_turn: float = 0.5
     p_fix: float = 0.3
     p_retest: float = 0.5
-    p_think: float = 0.5
+    p_think: float = 1.0
     p_forced: float = 0.0
     forced_requirements: tuple[str, ...] = ()
-    max_chars: int = 450
+    max_chars: int = 800
 
     def __post_init__(self):
         unknown = sorted(set(self.forced_requirements) - set(REQUIREMENT_NAMES))

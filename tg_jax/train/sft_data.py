@@ -183,7 +183,7 @@ def pack_examples(
 
 def transcript_config(cfg: Any) -> TranscriptConfig:
     """TranscriptConfig from `config.sft.transcripts`."""
-    return TranscriptConfig(**cfg.to_dict())
+    return TranscriptConfig.from_config(cfg)
 
 
 def transcript_env_config(config: Any) -> CodingEnvConfig:
