@@ -114,7 +114,9 @@ def _arm(success_by_seed, tasks=20):
 def test_compare_arms_paired_and_seed_t():
     base = _arm({0: 10, 1: 12})  # success 0.50, 0.60
     cand = _arm({0: 9, 1: 12})  # success 0.45, 0.60
-    out = stats.compare_arms(cand, base, margin=-0.05, n_boot=1000, seed=0)
+    out = stats.compare_arms(
+        cand, base, margin=-0.05, ni_interval="paired_bootstrap", n_boot=1000, seed=0
+    )
     ts = out["paired_bootstrap"]["task_success"]
     assert ts["mean"] == pytest.approx(-0.025)
     # Per-task differences: task t09 is -0.5 (one seed lost it), every other task 0.
@@ -133,7 +135,14 @@ def test_compare_arms_paired_and_seed_t():
     assert out_t["noninferiority"]["verdict"] == "fail"  # 2 seeds: a very wide t-interval
     # A clear drop fails the paired bootstrap verdict.
     worse = _arm({0: 5, 1: 6})
-    assert stats.compare_arms(worse, base, margin=-0.05)["noninferiority"]["verdict"] == "fail"
+    out_w = stats.compare_arms(worse, base, margin=-0.05, ni_interval="paired_bootstrap")
+    assert out_w["noninferiority"]["verdict"] == "fail"
+    # The default (two-level) with 2 seeds per arm: exploratory, its interval reported.
+    two = stats.compare_arms(worse, base, margin=-0.05)
+    assert two["noninferiority"]["verdict"] == "exploratory"
+    assert two["noninferiority"]["interval"] == "two_level"
+    assert two["noninferiority"]["seeds"] == {"candidate": [0, 1], "baseline": [0, 1]}
+    assert two["noninferiority"]["lower"] == two["two_level"]["task_success"]["low"]
 
 
 def test_summarize_arm_diagnostic():
@@ -246,7 +255,8 @@ def test_noninferiority_under_the_floor_is_not_meaningful():
     base = _arm({0: 1})  # baseline success 0.05
     out = stats.compare_arms(_arm({0: 1}), base, margin=-0.05, floor=0.1, n_boot=50)
     assert out["noninferiority"]["verdict"] == "not meaningful"
-    assert stats.compare_arms(_arm({0: 1}), base, margin=-0.05, n_boot=50)[
+    assert stats.compare_arms(_arm({0: 1}), base, margin=-0.05, n_boot=50,
+                              ni_interval="paired_bootstrap")[
         "noninferiority"]["verdict"] == "pass"  # fmt: skip
 
 
@@ -261,3 +271,59 @@ def test_conditional_requirement_met_where_it_never_applied():
     assert got == {"ask_first": True, "tool_protocol": True, "files_named": True}
     # Judged turns still decide: a failed one fails it, conditional or not.
     assert episode_compliance({"ask_first": [None, False]}, {"ask_first"}) == {"ask_first": False}
+
+
+def _two_level_loop(d_SxN, clusters_N, n_boot, seed):
+    """The two-level bootstrap written out: per replicate, the drawn seeds (with repeats) and
+    the tasks of the drawn clusters (with repeats), and the plain mean over those pairs; the
+    same draws as `two_level_bootstrap_ci` (seed counts first, then cluster counts)."""
+    num_s, n = d_SxN.shape
+    order = list(dict.fromkeys(clusters_N))
+    rng = np.random.default_rng(seed)
+    a = rng.multinomial(num_s, np.full(num_s, 1.0 / num_s), size=n_boot)
+    b = rng.multinomial(len(order), np.full(len(order), 1.0 / len(order)), size=n_boot)
+    out = []
+    for r in range(n_boot):
+        seeds = [s for s in range(num_s) for _ in range(a[r, s])]
+        tasks = [i for c in range(len(order)) for _ in range(b[r, c])
+                 for i in range(n) if clusters_N[i] == order[c]]  # fmt: skip
+        out.append(np.mean([np.mean([d_SxN[s, i] for i in tasks]) for s in seeds]))
+    return np.array(out)
+
+
+def test_two_level_bootstrap_matches_the_explicit_resample():
+    rng = np.random.default_rng(3)
+    cand, base = rng.random((4, 12)), rng.random((4, 12))
+    clusters = [f"f{i % 5}" for i in range(12)]  # 5 clusters of 2-3 tasks
+    got = stats.two_level_bootstrap_ci(cand, base, clusters_N=clusters, n_boot=300, seed=7)
+    ref = _two_level_loop(cand - base, clusters, 300, 7)
+    assert (got.low, got.high) == pytest.approx(tuple(np.quantile(ref, [0.025, 0.975])))
+    assert got.mean == pytest.approx(float((cand - base).mean()))
+    assert (got.n, got.clusters) == (12, 5)
+
+
+def test_two_level_carries_the_seed_spread_the_pooled_bootstrap_hides():
+    # Per seed the arms differ by +0.2, -0.2 and 0 on every task: pooled over seeds every
+    # task's difference is 0, so the item-only interval is [0, 0]; the two-level one is not.
+    d = np.array([[0.2] * 10, [-0.2] * 10, [0.0] * 10])
+    pooled = stats.paired_bootstrap_ci(d.mean(axis=0), np.zeros(10), n_boot=500, seed=0)
+    assert (pooled.low, pooled.high) == (0.0, 0.0)
+    two = stats.two_level_bootstrap_ci(d, np.zeros_like(d), n_boot=2000, seed=0)
+    # A replicate's value is the mean of 3 seeds drawn from {+0.2, -0.2, 0}: from -0.2 to +0.2
+    # in steps of 0.2/3; P(all three +0.2) = 1/27 > 2.5%, so the upper bound is +0.2 itself.
+    assert two.high == pytest.approx(0.2) and two.low == pytest.approx(-0.2)
+    # No spread at all: the interval is the point.
+    flat = stats.two_level_bootstrap_ci(np.full((3, 4), 0.7), np.full((3, 4), 0.6), n_boot=50)
+    assert (flat.low, flat.mean, flat.high) == pytest.approx((0.1, 0.1, 0.1))
+
+
+def test_a_verdict_from_fewer_than_three_seeds_is_exploratory_and_three_decide():
+    base = _arm({0: 10})
+    one = stats.compare_arms(_arm({0: 10}), base, margin=-0.05, n_boot=200)
+    assert one["noninferiority"]["verdict"] == "exploratory"
+    assert "1 training seed(s) per arm, under 3" in one["noninferiority"]["why"]
+    base3 = _arm({0: 10, 1: 11, 2: 12})
+    same = stats.compare_arms(_arm({0: 10, 1: 11, 2: 12}), base3, margin=-0.05, n_boot=200)
+    assert same["noninferiority"]["verdict"] == "pass" and same["noninferiority"]["lower"] == 0.0
+    worse = stats.compare_arms(_arm({0: 4, 1: 5, 2: 6}), base3, margin=-0.05, n_boot=200)
+    assert worse["noninferiority"]["verdict"] == "fail"

@@ -59,7 +59,9 @@ def _runs():
 
 def test_write_report(tmp_path):
     runs = _runs()
-    settings = report.ReportSettings(margin=-0.05, n_boot=500, last_k=8)
+    settings = report.ReportSettings(
+        margin=-0.05, n_boot=500, last_k=8, ni_interval="paired_bootstrap"
+    )
     res = report.write_report(tmp_path, runs, settings)
     files = ("report.md", "results.json", "curve_compliance.png", "curve_task_success.png",
              "curve_compliance_stress.png", "curve_task_success_stress.png",
@@ -118,10 +120,22 @@ def test_write_report(tmp_path):
 
 def test_verdict_follows_margin(tmp_path):
     runs = _runs()
-    strict = report.write_report(tmp_path / "a", runs, {"margin": -0.0, "n_boot": 200})
-    loose = report.write_report(tmp_path / "b", runs, {"margin": -0.5, "n_boot": 200})
+    pb = {"n_boot": 200, "ni_interval": "paired_bootstrap"}
+    strict = report.write_report(tmp_path / "a", runs, {"margin": -0.0, **pb})
+    loose = report.write_report(tmp_path / "b", runs, {"margin": -0.5, **pb})
     assert strict["noninferiority"]["verdict"] == "fail"  # TG lost a task in one seed
     assert loose["noninferiority"]["verdict"] == "pass"
+
+
+def test_two_seeds_by_default_give_an_exploratory_verdict_with_the_two_level_interval(tmp_path):
+    res = report.write_report(tmp_path, _runs(), {"margin": -0.5, "n_boot": 200})
+    ni = res["noninferiority"]
+    two = res["comparisons"]["tg"]["two_level"]["task_success"]
+    assert ni["verdict"] == "exploratory" and ni["interval"] == "two_level"
+    assert ni["lower"] == two["low"] and ni["seeds"] == {"candidate": [0, 1], "baseline": [0, 1]}
+    md = (tmp_path / "report.md").read_text()
+    assert "success: EXPLORATORY (2 training seed(s) per arm, under 3).**" in md
+    assert "d task success (two-level)" in md and "PASS" not in md
 
 
 def test_errors():
@@ -158,7 +172,9 @@ def test_baseline_under_the_floor_is_not_meaningful_and_the_setting_is_shown(tmp
     assert "20 tasks (one cluster each)" in md  # what the bootstrap resamples
     assert res["context"] == json.loads(json.dumps(context))
     # The same runs with a floor of 0: a pass/fail verdict again.
-    other = report.write_report(tmp_path / "b", runs, {"n_boot": 100, "floor": 0.0})
+    other = report.write_report(
+        tmp_path / "b", runs, {"n_boot": 100, "floor": 0.0, "ni_interval": "paired_bootstrap"}
+    )
     assert other["noninferiority"]["verdict"] in ("pass", "fail")
     assert "behaviour's own cost" not in (tmp_path / "b" / "report.md").read_text()
     # With the base model's hinted pass rate: the behaviour's own cost beside the verdict.

@@ -110,6 +110,17 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
             f"{_num(ni['lower'], 3)} vs margin {_num(ni['margin'], 3)}.)",
             "",
         ]
+    if ni["verdict"] == "exploratory":
+        return [
+            f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
+            f"success: EXPLORATORY ({ni.get('why', '')}).** A verdict needs "
+            f"{stats.MIN_SEEDS} training seeds per arm (`--config.eval.train_seeds`): the "
+            "two-level interval carries the seed-to-seed spread only from several seeds. "
+            f"Difference {_num(ni['mean'], 3)}, lower bound of the two-sided {pct}% "
+            f"{ni['interval'].replace('_', ' ')} interval {_num(ni['lower'], 3)} vs margin "
+            f"{_num(ni['margin'], 3)}.",
+            "",
+        ] + _behaviour_cost(res)
     return [
         f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
         f"success: {ni['verdict'].upper()}.** Difference {_num(ni['mean'], 3)}, lower bound "
@@ -253,7 +264,8 @@ def _differences_section(res: dict[str, Any]) -> list[str]:
         f"## Differences vs `{st['baseline']}`",
         "",
         f"Paired cluster bootstrap over the same held-out tasks ({round(100 * st['level'])}%), "
-        "and the t-interval over training seeds of per-seed differences (seeds paired by index).",
+        "the t-interval over training seeds of per-seed differences (seeds paired by index), "
+        "and the two-level bootstrap (training seeds, then clusters of tasks: both sources).",
         "",
     ]
     rows = []
@@ -262,10 +274,15 @@ def _differences_section(res: dict[str, Any]) -> list[str]:
         rows.append(
             [arm, res["arms"][arm]["group"]]
             + [_ci(pb.get(m), 3) for m in stats.RATE_METRICS]
-            + [_ci(stt.get("task_success"), 3), c["noninferiority"]["verdict"]]
+            + [
+                _ci(stt.get("task_success"), 3),
+                _ci((c.get("two_level") or {}).get("task_success"), 3),
+                c["noninferiority"]["verdict"],
+            ]  # fmt: skip
         )
     header = ["arm", "group", "d compliance", "d task success", "d joint",
-              "d task success (seeds, t)", f"non-inferior (margin {st['margin']})"]  # fmt: skip
+              "d task success (seeds, t)", "d task success (two-level)",
+              f"non-inferior (margin {st['margin']})"]  # fmt: skip
     return lines + _table(header, rows) + [""]
 
 

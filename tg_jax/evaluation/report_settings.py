@@ -24,8 +24,10 @@ class ReportSettings(Section):
     margin: float = -0.05
     """Allowed drop in held-out task success, candidate - baseline (<= 0; fixed before the
     run)."""
-    ni_interval: str = "paired_bootstrap"
-    """The interval deciding non-inferiority: paired_bootstrap | seed_t (evaluation.stats)."""
+    ni_interval: str = "two_level"
+    """The interval deciding non-inferiority: two_level (training seeds, then clusters of
+    tasks; "exploratory" under stats.MIN_SEEDS seeds) | paired_bootstrap (tasks, seeds
+    pooled) | seed_t (evaluation.stats)."""
     floor: float = 0.1
     """Baseline task success under which the verdict is "not meaningful"."""
     level: float = 0.95

@@ -29,6 +29,17 @@ Non-inferiority (the interval is fixed here and in `eval_config`, before any run
   non-inferiority trials. With `ni_interval="seed_t"` the verdict instead uses the t-interval
   over training seeds of the per-seed differences (seeds paired by index); both intervals are
   always reported, only the configured one decides.
+
+Two-level (`ni_interval="two_level"`, `two_level_bootstrap_ci`): both sources in one interval.
+  D[s, i] = candidate - baseline on task i for training seed s (the seeds both arms ran,
+  paired by seed; each run's per-task mean over its samples). A replicate draws S seeds with
+  replacement (counts a_s) and then C clusters with replacement (counts b_c, a task i in
+  cluster c(i)), the same draws for both arms, and takes
+      d_r = sum_s a_s sum_i b_c(i) D[s, i] / (S * sum_i b_c(i)),
+  the mean difference over the drawn seeds and the drawn tasks. Its percentile interval
+  carries the seed-to-seed spread (a seed whose baseline collapsed moves d_r only in the
+  replicates that draw it) and the item spread. With fewer than MIN_SEEDS seeds per arm the
+  verdict is "exploratory": the interval is reported, no pass or fail.
 """
 
 from __future__ import annotations
@@ -39,11 +50,13 @@ from typing import Any
 
 import numpy as np
 
+from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.sampling.episode import CONDITIONS, EpisodeRecord
 
 RATE_METRICS = ("compliance", "task_success", "joint")
 ACTION_METRICS = ("run_tests", "submit", "malformed")
-NI_INTERVALS = ("paired_bootstrap", "seed_t")
+NI_INTERVALS = ("two_level", "paired_bootstrap", "seed_t")
+MIN_SEEDS = 3  # training seeds per arm under which a two-level verdict is "exploratory"
 TRAIN_STD_LABEL = "mean +- std over the last K training steps (step-to-step spread, not a CI)"
 
 
@@ -206,6 +219,44 @@ def paired_bootstrap_ci(
     return _percentile_interval(
         a_N - b_N, n_boot, seed, level, "paired bootstrap over test items", clusters_N
     )
+
+
+def two_level_bootstrap_ci(
+    cand_SxN: np.ndarray, base_SxN: np.ndarray, *, clusters_N: Sequence[str] | None = None,
+    n_boot: int = 10_000, seed: int = 0, level: float = 0.95,
+) -> Interval:  # fmt: skip
+    """Paired two-level percentile bootstrap of mean(candidate - baseline): training seeds,
+    then clusters of tasks within them (the module docstring has the formula).
+
+    Args:
+      cand_SxN, base_SxN: per seed (rows, paired) and task (columns, paired) values.
+      clusters_N: cluster id per task (None: every task its own cluster).
+    """
+    d_SxN = np.asarray(cand_SxN, np.float64) - np.asarray(base_SxN, np.float64)
+    if np.asarray(cand_SxN).shape != np.asarray(base_SxN).shape or d_SxN.ndim != 2:
+        raise ValueError(f"paired [seeds, tasks] tables needed: {np.shape(cand_SxN)} vs "
+                         f"{np.shape(base_SxN)}")  # fmt: skip
+    num_s, n = d_SxN.shape
+    if num_s == 0 or n == 0:
+        raise ValueError("cannot bootstrap zero seeds or zero tasks")
+    labels = list(range(n)) if clusters_N is None else list(clusters_N)
+    if len(labels) != n:
+        raise ValueError(f"{len(labels)} cluster ids for {n} items")
+    index = {c: k for k, c in enumerate(dict.fromkeys(labels))}  # in order of appearance
+    order, of_item_N = list(index), np.array([index[c] for c in labels])
+    onehot_NxC = np.zeros((n, len(order)))
+    onehot_NxC[np.arange(n), of_item_N] = 1.0
+    sums_SxC, sizes_C = d_SxN @ onehot_NxC, onehot_NxC.sum(axis=0)
+    rng = np.random.default_rng(seed)
+    a_RxS = rng.multinomial(num_s, np.full(num_s, 1.0 / num_s), size=n_boot).astype(np.float64)
+    b_RxC = rng.multinomial(len(order), np.full(len(order), 1.0 / len(order)), size=n_boot)
+    b_RxC = b_RxC.astype(np.float64)
+    num_R = np.einsum("rs,sc,rc->r", a_RxS, sums_SxC, b_RxC)
+    means_R = num_R / (num_s * (b_RxC @ sizes_C))
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(means_R, [alpha, 1.0 - alpha])
+    method = f"two-level paired bootstrap: {num_s} training seeds, then clusters of tasks"
+    return Interval(float(d_SxN.mean()), float(low), float(high), level, method, n, len(order))
 
 
 # -- training seeds -------------------------------------------------------------------------
@@ -417,7 +468,7 @@ def compare_arms(
     baseline: Mapping[int, Sequence[EpisodeRecord]],
     *,
     margin: float,
-    ni_interval: str = "paired_bootstrap",
+    ni_interval: str = ReportSettings.ni_interval,
     floor: float = 0.0,
     n_boot: int = 10_000,
     seed: int = 0,
@@ -429,13 +480,15 @@ def compare_arms(
     Args:
       candidate, baseline: training seed -> held-out episodes, same tasks in every run.
       margin: allowed drop in task success (<= 0), fixed in the config before the run.
-      ni_interval: which interval decides (see the module docstring): "paired_bootstrap"
-        (tasks, seeds pooled) or "seed_t" (t-interval over seeds of per-seed differences).
+      ni_interval: which interval decides (see the module docstring): "two_level" (seeds,
+        then tasks; "exploratory" under MIN_SEEDS seeds), "paired_bootstrap" (tasks, seeds
+        pooled) or "seed_t" (t-interval over seeds of per-seed differences).
       floor: baseline task success under which the verdict is "not meaningful".
 
     Returns:
       {"paired_bootstrap": {metric: Interval dict}, "seed_t": {metric: seed_interval dict},
-       "paired_seeds": [seeds present in both], "noninferiority": verdict dict}.
+       "two_level": {metric: Interval dict}, "paired_seeds": [seeds present in both],
+       "noninferiority": verdict dict (with "seeds": training seeds per arm)}.
     """
     if ni_interval not in NI_INTERVALS:
         raise ValueError(f"ni_interval must be one of {NI_INTERVALS}, got {ni_interval!r}")
@@ -460,21 +513,34 @@ def compare_arms(
             k: seed_interval([c_means[s][k] - b_means[s][k] for s in common], level=level)
             for k in metrics
         }
-    if ni_interval == "paired_bootstrap":
-        diff = boot["task_success"]
-    elif seed_t:
-        diff = seed_t["task_success"]
-    else:
-        diff = {"mean": float("nan"), "low": float("nan"), "level": level}
+    two = _two_level(candidate, baseline, common, metrics, clusters, condition,
+                     n_boot=n_boot, seed=seed, level=level)  # fmt: skip
+    nan = {"mean": float("nan"), "low": float("nan"), "level": level}
+    diff = {"paired_bootstrap": boot, "seed_t": seed_t, "two_level": two}[ni_interval]
+    ni = noninferiority(
+        diff.get("task_success", nan), margin, interval=ni_interval,
+        baseline_success=float(base["task_success"].mean()), floor=floor,
+    )  # fmt: skip
+    ni["seeds"] = {"candidate": sorted(candidate), "baseline": sorted(baseline)}
+    if ni_interval == "two_level" and len(common) < MIN_SEEDS and ni["verdict"] != "not meaningful":
+        ni["verdict"] = "exploratory"
+        ni["why"] = f"{len(common)} training seed(s) per arm, under {MIN_SEEDS}"
+    return {"paired_bootstrap": boot, "seed_t": seed_t, "two_level": two,
+            "paired_seeds": common, "noninferiority": ni}  # fmt: skip
+
+
+def _two_level(candidate, baseline, common, metrics, clusters, condition, **kw) -> dict:
+    """{metric: two-level Interval dict} over the seeds both arms ran ({} if none)."""
+    if not common:
+        return {}
+    tables = {}
+    for arm, runs in (("c", candidate), ("b", baseline)):
+        tables[arm] = [task_means(runs[s], condition)[1] for s in common]
     return {
-        "paired_bootstrap": boot,
-        "seed_t": seed_t,
-        "paired_seeds": common,
-        "noninferiority": noninferiority(
-            diff,
-            margin,
-            interval=ni_interval,
-            baseline_success=float(base["task_success"].mean()),
-            floor=floor,
-        ),
-    }
+        k: two_level_bootstrap_ci(
+            np.stack([t[k] for t in tables["c"]]), np.stack([t[k] for t in tables["b"]]),
+            clusters_N=clusters, **kw,
+        ).to_dict()
+        for k in metrics
+        if all(k in t for t in tables["c"] + tables["b"])
+    }  # fmt: skip

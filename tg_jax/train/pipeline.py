@@ -508,8 +508,9 @@ def headline(res: dict[str, Any]) -> str:
             f"{ni['mean']:+.3f}, lower bound {ni['lower']:+.3f})"
         )
     elif ni:
+        why = f"{ni['why']}; " if ni.get("why") else ""
         lines.append(
-            f"non-inferiority of task success: {ni['verdict'].upper()} (difference "
+            f"non-inferiority of task success: {ni['verdict'].upper()} ({why}difference "
             f"{ni['mean']:+.3f}, lower bound {ni['lower']:+.3f} vs margin {ni['margin']:+.3f})"
         )
     return "\n".join(lines)
