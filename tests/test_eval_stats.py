@@ -327,3 +327,17 @@ def test_a_verdict_from_fewer_than_three_seeds_is_exploratory_and_three_decide()
     assert same["noninferiority"]["verdict"] == "pass" and same["noninferiority"]["lower"] == 0.0
     worse = stats.compare_arms(_arm({0: 4, 1: 5, 2: 6}), base3, margin=-0.05, n_boot=200)
     assert worse["noninferiority"]["verdict"] == "fail"
+
+
+def test_a_collapsed_baseline_seed_makes_the_verdict_not_meaningful():
+    base = _arm({0: 10, 1: 0, 2: 12})  # seed 1 collapsed (0.00); pooled 0.37 is over the floor
+    cand = _arm({0: 10, 1: 11, 2: 12})
+    out = stats.compare_arms(cand, base, margin=-0.05, floor=0.1, n_boot=200)
+    ni = out["noninferiority"]
+    assert ni["baseline_success"] == pytest.approx(22 / 60)
+    assert ni["verdict"] == "not meaningful" and ni["collapsed_baseline_seeds"] == [1]
+    assert "baseline seed(s) [1] collapsed" in ni["why"]
+    healthy = stats.compare_arms(cand, _arm({0: 10, 1: 11, 2: 12}), margin=-0.05, floor=0.1,
+                                 n_boot=200)  # fmt: skip
+    assert healthy["noninferiority"]["verdict"] == "pass"
+    assert healthy["noninferiority"]["collapsed_baseline_seeds"] == []

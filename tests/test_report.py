@@ -197,3 +197,15 @@ def test_markdown_names_clusters_when_tasks_share_functions(tmp_path):
     assert res["arms"]["tg"]["heldout"]["plain"]["num_clusters"] == 5
     md = (tmp_path / "report.md").read_text()
     assert "5 clusters (tasks sharing a hidden function) of 20 tasks" in md
+
+
+def test_a_collapsed_baseline_seed_is_named_in_the_report(tmp_path):
+    runs = [report.RunResult("grpo", 0, _episodes(10, False), _curves(0, 0.0), {}),
+            report.RunResult("grpo", 1, _episodes(0, False), _curves(1, 0.0), {}),
+            report.RunResult("grpo", 2, _episodes(12, False), _curves(2, 0.0), {}),
+            *[report.RunResult("tg", s, _episodes(10, True), _curves(s, 0.9), {})
+              for s in (0, 1, 2)]]  # fmt: skip
+    res = report.write_report(tmp_path, runs, {"n_boot": 100, "floor": 0.1})
+    assert res["noninferiority"]["verdict"] == "not meaningful"
+    md = (tmp_path / "report.md").read_text()
+    assert "NOT MEANINGFUL.** The baseline collapsed in training seed(s) [1]" in md

@@ -100,6 +100,17 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
     if not ni:
         return []
     pct = round(100 * st["level"])
+    if ni["verdict"] == "not meaningful" and ni.get("collapsed_baseline_seeds"):
+        return [
+            f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
+            f"success: NOT MEANINGFUL.** The baseline collapsed in training seed(s) "
+            f"{ni['collapsed_baseline_seeds']} (held-out task success under the floor "
+            f"{_num(ni['floor'], 3)} in that run): a drop measured against a run that lost its "
+            "skill says nothing about skill kept, so neither pass nor fail is reported. "
+            f"(Difference {_num(ni['mean'], 3)}, lower bound {_num(ni['lower'], 3)} vs margin "
+            f"{_num(ni['margin'], 3)}.)",
+            "",
+        ]
     if ni["verdict"] == "not meaningful":
         return [
             f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "

@@ -40,6 +40,10 @@ Two-level (`ni_interval="two_level"`, `two_level_bootstrap_ci`): both sources in
   carries the seed-to-seed spread (a seed whose baseline collapsed moves d_r only in the
   replicates that draw it) and the item spread. With fewer than MIN_SEEDS seeds per arm the
   verdict is "exploratory": the interval is reported, no pass or fail.
+
+A baseline run that collapsed (its own held-out task success under `floor`, whatever the
+others') makes the verdict "not meaningful", whichever interval decides: a drop measured
+against a run that lost its skill says nothing about skill kept.
 """
 
 from __future__ import annotations
@@ -522,7 +526,14 @@ def compare_arms(
         baseline_success=float(base["task_success"].mean()), floor=floor,
     )  # fmt: skip
     ni["seeds"] = {"candidate": sorted(candidate), "baseline": sorted(baseline)}
-    if ni_interval == "two_level" and len(common) < MIN_SEEDS and ni["verdict"] != "not meaningful":
+    per_seed = {s: _seed_means(baseline[s], condition).get("task_success", 0.0) for s in baseline}
+    ni["collapsed_baseline_seeds"] = sorted(s for s, v in per_seed.items() if v < floor)
+    meaningful = ni["verdict"] != "not meaningful"
+    if ni["collapsed_baseline_seeds"] and meaningful:
+        ni["verdict"] = "not meaningful"  # a collapsed run cannot show a kept skill
+        ni["why"] = (f"baseline seed(s) {ni['collapsed_baseline_seeds']} collapsed: held-out "
+                     f"task success under the floor {floor}")  # fmt: skip
+    elif ni_interval == "two_level" and len(common) < MIN_SEEDS and meaningful:
         ni["verdict"] = "exploratory"
         ni["why"] = f"{len(common)} training seed(s) per arm, under {MIN_SEEDS}"
     return {"paired_bootstrap": boot, "seed_t": seed_t, "two_level": two,
