@@ -129,9 +129,17 @@ def test_bad_arm_fails_before_any_work(tmp_path):
 
 
 def test_pipeline_runs_every_stage_and_caches(tmp_path):
-    config = _config()
-    workdir = str(tmp_path)
+    reg = tmp_path / "preregistrations.jsonl"  # a registered hypothesis (evaluation.registry)
+    config = config_files.apply_overrides(
+        _config(), {"eval.hypothesis": "tiny/tg-vs-grpo", "eval.registry": str(reg)}
+    )
+    workdir = str(tmp_path / "w")
     res = pipeline.run_pipeline(config, workdir)
+    entry, outcome = (json.loads(x) for x in reg.read_text().splitlines())
+    assert entry["id"] == outcome["id"] == "tiny/tg-vs-grpo#1" and entry["outcome"] is None
+    assert outcome["outcome"]["verdict"] == res["noninferiority"]["verdict"]
+    assert res["noninferiority"]["verdict"] in ("exploratory", "not meaningful")  # one seed
+    assert res["context"]["registry"]["level"] == 0.95  # the first attempt: no split
     for path in ("sft_eval.json", "report/report.md", "report/results.json"):
         assert os.path.exists(os.path.join(workdir, path)), path
     for arm in ("grpo", "tg"):
@@ -151,7 +159,9 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     assert ct["total_s"] == pytest.approx(ct["sft_s"] + rl_s + eval_s)
     assert f"compute time {ct['total_s'] / 60:.1f} min" in text
     with open(os.path.join(workdir, "report", "report.md")) as f:
-        assert f"**{ct['total_s'] / 60:.1f} min** (held-out evaluation: 2 of 2 runs" in f.read()
+        md = f.read()
+    assert f"**{ct['total_s'] / 60:.1f} min** (held-out evaluation: 2 of 2 runs" in md
+    assert f"Registered as `tiny/tg-vs-grpo#1` in `{reg}`; earlier attempts" in md
     with open(os.path.join(workdir, sft_eval.EVAL_FILE)) as f:
         base = json.load(f)
     assert {"pass_rate", "unprompted_compliance/fence", "hinted_compliance/fence"} <= set(base)

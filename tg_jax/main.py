@@ -252,6 +252,13 @@ def _check_config_on_devices(config) -> None:
             check_epochs(config.rl_loop, int(config.tasks.num_train))
         except ConfigError as e:
             _fail(f"invalid config: {e}")
+    if config.stage == "pipeline" and "eval" in config:  # a registered hypothesis: attempts
+        from tg_jax.evaluation import registry
+
+        try:
+            registry.check(config.eval, _WORKDIR.value)
+        except ConfigError as e:
+            _fail(f"invalid config: {e}")
     if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":
         _check_model_dir(config)
     elif config.stage == "pipeline" and "sft" in config:  # a shipped base: there and right

@@ -183,6 +183,15 @@ def _context_section(res: dict[str, Any]) -> list[str]:
             f"* Pre-registration: `{pre['path']}`, sha256 `{pre['sha256']}` (margin, floor, "
             "arms and their full configs, written before the first RL step)."
         )
+    reg = ctx.get("registry")
+    if reg:
+        earlier = "; ".join(f"{e['id']} {e['verdict'] or 'no verdict'}" for e in reg["earlier"])
+        lines.append(
+            f"* Registered as `{reg['id']}` in `{reg['registry']}`; earlier attempts of "
+            f"`{reg['hypothesis']}`: {earlier or 'none'}. The verdict's interval is two-sided "
+            f"{_num(100 * reg['level'], 2)}% (the error rate split over "
+            f"{len(reg['earlier']) + 1} attempt(s))."
+        )
     base = ctx.get("base_model")
     shipped = ctx.get("shipped_base")
     if shipped:

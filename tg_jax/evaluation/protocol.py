@@ -21,13 +21,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from tg_jax import paths
+from tg_jax.errors import ConfigError
 
 PREREGISTRATION_FILE = "preregistration.json"
 # The fields compared between the file and the config (besides the arms' configs).
-EVAL_FIELDS = ("margin", "floor", "ni_interval", "baseline", "candidate", "level")
+EVAL_FIELDS = ("margin", "floor", "ni_interval", "baseline", "candidate", "level", "hypothesis",
+               "earlier")  # fmt: skip
 
 
-class PreregistrationMismatch(ValueError):
+class PreregistrationMismatch(ConfigError):
     """The config's margin / floor / arms differ from the workdir's preregistration.json."""
 
 
@@ -56,13 +58,29 @@ def _plain(x: Any) -> Any:
 
 
 def preregister(config: Any, workdir: str, arms_configs: Mapping[str, Any]) -> dict[str, str]:
-    """Writes workdir/preregistration.json if absent, else checks it; returns {path, sha256}."""
+    """Writes workdir/preregistration.json if absent, else checks it; with `eval.hypothesis`,
+    registers the run in `eval.registry` once (`registry.register`). Returns {path, sha256}
+    (and "registry_id" when registered).
+
+    Raises:
+      PreregistrationMismatch: the file differs from the config (`check_preregistration`).
+      registry.RegistryError: a hypothesis without a registry, or its earlier attempts not named.
+    """
+    from tg_jax.evaluation import registry  # noqa: PLC0415
+
+    ev = config.eval
+    registry.check(ev, workdir)
     path = paths.as_path(workdir) / PREREGISTRATION_FILE
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         record = preregistration(config, arms_configs)
         paths.write_json_atomic(path, record, indent=1, sort_keys=True)
-    return check_preregistration(config, workdir, arms_configs)
+    out = check_preregistration(config, workdir, arms_configs)
+    if ev.get("hypothesis"):
+        record = {**{k: ev.get(k) for k in EVAL_FIELDS}, "seeds": list(ev.get("train_seeds", ())),
+                  "machine": machine_info()["cpu_model"]}  # fmt: skip
+        out["registry_id"] = registry.register(ev, record, out["sha256"], workdir)
+    return out
 
 
 def check_preregistration(

@@ -191,7 +191,7 @@ def compute_results(
             margin=settings.margin,
             ni_interval=settings.ni_interval,
             floor=settings.floor,
-            **boot,
+            **{**boot, "level": settings.verdict_level()},  # split over registered attempts
         )
         for arm in arms
         if settings.baseline in arms and arm != settings.baseline and arms[arm][0].heldout

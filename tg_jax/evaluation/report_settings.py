@@ -7,6 +7,7 @@ import dataclasses
 from typing import ClassVar
 
 from tg_jax.config_schema import Section
+from tg_jax.evaluation.registry import corrected_level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,3 +39,15 @@ class ReportSettings(Section):
     """Bootstrap numpy seed."""
     last_k: int = 32
     """Training steps in the Table 1 style mean +- std."""
+    hypothesis: str = ""
+    """The registered hypothesis this run tests (e.g. "fence/tg-vs-grpo"; "" = none):
+    registered in `registry` before the first RL step (tg_jax.evaluation.registry)."""
+    registry: str = ""
+    """The JSONL registry of pre-registered tests (the project's: docs/preregistrations.jsonl)."""
+    earlier: tuple[str, ...] = ()
+    """The ids of the registry's earlier attempts of `hypothesis`, every one of them: the
+    verdict's error rate is split over them and this attempt (Bonferroni)."""
+
+    def verdict_level(self) -> float:
+        """The level of the verdict's interval: `level`, split over the registered attempts."""
+        return corrected_level(self.level, len(self.earlier)) if self.hypothesis else self.level

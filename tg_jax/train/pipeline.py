@@ -49,7 +49,7 @@ from typing import Any
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
 from tg_jax.envs.coding import coding_env_config
-from tg_jax.evaluation import heldout, protocol, stability
+from tg_jax.evaluation import heldout, protocol, registry, stability
 from tg_jax.models import ModelConfig, Transformer, hf_dir
 from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
 
@@ -428,7 +428,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         config = base_config(config, attempts[-1]["workdir"])
     config = hf_dir.resolve_config(config, md)
     arms_cfgs = {arm: arm_config(config, arm) for arm in config.pipeline.arms}
-    multihost.primary_first(  # before the first RL step (trials too)
+    prereg = multihost.primary_first(  # before the first RL step (trials too)
         "preregistration", lambda: protocol.preregister(config, workdir, arms_cfgs)
     )
     base_params = _load_base_params(config, md)
@@ -455,6 +455,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "budget_equal": len({json.dumps(stability.tuning_budget(c), sort_keys=True)
                              for c in arms_cfgs.values()}) <= 1,
         "tuning": tuned,
+        "registry": _registry_context(config, prereg.get("registry_id")),
     }  # fmt: skip
     if not multihost.is_primary():  # process 0 writes the report; the others are done
         return {}
@@ -469,7 +470,24 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     )
     print(headline(res))
     print(f"report: {os.path.join(workdir, REPORT_DIR, report.REPORT_FILE)}")
+    if prereg.get("registry_id") and res.get("noninferiority"):
+        registry.record_outcome(config.eval.registry, prereg["registry_id"], res["noninferiority"])
+        print(f"registry: {prereg['registry_id']} {res['noninferiority']['verdict']} "
+              f"({config.eval.registry})")  # fmt: skip
     return res
+
+
+def _registry_context(config: Any, key: str | None) -> dict[str, Any] | None:
+    """The registered attempt this run is, the earlier ones with their verdicts, and the
+    verdict's level after the split (None when the run tests no registered hypothesis)."""
+    if not key:
+        return None
+    entries = registry.read(config.eval.registry)
+    earlier = [{"id": k, "verdict": (entries.get(k, {}).get("outcome") or {}).get("verdict")}
+               for k in config.eval.earlier]  # fmt: skip
+    level = registry.corrected_level(config.eval.level, len(earlier))
+    return {"id": key, "hypothesis": config.eval.hypothesis, "registry": config.eval.registry,
+            "earlier": earlier, "level": level}  # fmt: skip
 
 
 def headline(res: dict[str, Any]) -> str:
