@@ -92,3 +92,14 @@ def test_the_command_refuses_an_unnamed_earlier_attempt_before_any_work(tmp_path
     (line,) = proc.stderr.strip().splitlines()[-1:]
     assert line.startswith("error: invalid config: hypothesis 'tiny/tg-vs-grpo' has 1 earlier")
     assert not os.listdir(work)  # nothing ran
+
+
+def test_the_projects_registry_reads_and_every_attempt_names_the_ones_before():
+    entries = registry.read(os.path.join(REPO, "docs", "preregistrations.jsonl"))
+    assert len(entries) >= 14
+    for hypothesis in {e["hypothesis"] for e in entries.values()}:
+        ids = registry.attempts(entries, hypothesis)
+        assert ids == [f"{hypothesis}#{n}" for n in range(1, len(ids) + 1)]
+        for n, key in enumerate(ids):
+            assert entries[key]["earlier"] == ids[:n], key
+            assert entries[key]["outcome"]["verdict"] in ("pass", "fail", "not meaningful")
