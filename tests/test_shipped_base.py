@@ -127,8 +127,9 @@ def test_compare_flags_only_differences_beyond_the_sampling_interval():
     measured = {"num_tasks": 100, "pass_rate": 0.3, "hinted_compliance/fence": 0.9}
     got = shipped_base.compare(recorded, measured)
     assert set(got) == {"pass_rate", "hinted_compliance/fence"}
-    # 1.96 sqrt(.2 .8 / 100 + .3 .7 / 100) = 1.96 sqrt(.0037) = 0.119225...: 0.1 is inside.
-    assert got["pass_rate"]["interval"] == pytest.approx(0.1192245, abs=1e-6)
+    # 1.96 sqrt(.2 .8 / 100 + .3 .7 / 100) = 1.96 sqrt(.0037) = 1.96 x 0.0608276 = 0.1192221:
+    # 0.1 is inside.
+    assert got["pass_rate"]["interval"] == pytest.approx(0.1192221, abs=1e-6)
     assert got["pass_rate"]["difference"] == pytest.approx(0.1)
     assert not got["pass_rate"]["beyond"]
     # 1.96 sqrt(0 + .9 .1 / 100) = 0.0588: a drop of 0.1 is beyond it.
