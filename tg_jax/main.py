@@ -183,7 +183,7 @@ def main(argv):
     config = _CONFIG.value
     workdir = _WORKDIR.value
     check_workdir(workdir)
-    _check_config(config)
+    _check_config(config, workdir)
     from tg_jax.tpu import distributed
 
     use_compilation_cache()
@@ -198,8 +198,9 @@ def main(argv):
     _run_stage(config, workdir)
 
 
-def _check_config(config) -> None:
-    """What the config alone decides, before any device or data: one `error:` line each."""
+def _check_config(config, workdir: str) -> None:
+    """What the config (and the registry it names) decides, before any device or data: one
+    `error:` line each."""
     if config.stage not in STAGES:
         _fail(f"unknown stage {config.stage!r} (known: {', '.join(sorted(STAGES))})")
     if all(name in config for name in ("rl", "tg", "optim")):
@@ -222,6 +223,14 @@ def _check_config(config) -> None:
         try:  # learning-rate trials that cannot run, before data and SFT
             tuning.check_tune_config(config)
         except ValueError as e:
+            _fail(f"invalid config: {e}")
+    if config.stage == "pipeline" and "eval" in config:  # a registered hypothesis: attempts
+        from tg_jax.errors import ConfigError
+        from tg_jax.evaluation import registry
+
+        try:
+            registry.check(config.eval, workdir)
+        except ConfigError as e:
             _fail(f"invalid config: {e}")
     from tg_jax import faults
 
@@ -250,13 +259,6 @@ def _check_config_on_devices(config) -> None:
 
         try:  # generated tasks: their count is the config's (a task file's: once read)
             check_epochs(config.rl_loop, int(config.tasks.num_train))
-        except ConfigError as e:
-            _fail(f"invalid config: {e}")
-    if config.stage == "pipeline" and "eval" in config:  # a registered hypothesis: attempts
-        from tg_jax.evaluation import registry
-
-        try:
-            registry.check(config.eval, _WORKDIR.value)
         except ConfigError as e:
             _fail(f"invalid config: {e}")
     if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":

@@ -22,6 +22,7 @@ from typing import Any
 
 from tg_jax import paths
 from tg_jax.errors import ConfigError
+from tg_jax.evaluation import registry
 
 PREREGISTRATION_FILE = "preregistration.json"
 # The fields compared between the file and the config (besides the arms' configs).
@@ -66,8 +67,6 @@ def preregister(config: Any, workdir: str, arms_configs: Mapping[str, Any]) -> d
       PreregistrationMismatch: the file differs from the config (`check_preregistration`).
       registry.RegistryError: a hypothesis without a registry, or its earlier attempts not named.
     """
-    from tg_jax.evaluation import registry  # noqa: PLC0415
-
     ev = config.eval
     registry.check(ev, workdir)
     path = paths.as_path(workdir) / PREREGISTRATION_FILE

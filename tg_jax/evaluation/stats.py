@@ -509,10 +509,10 @@ def compare_arms(
         for k in metrics
     }
     common = sorted(set(candidate) & set(baseline))
+    b_means = {s: _seed_means(baseline[s], condition) for s in baseline}
     seed_t = {}
     if common:
         c_means = {s: _seed_means(candidate[s], condition) for s in common}
-        b_means = {s: _seed_means(baseline[s], condition) for s in common}
         seed_t = {
             k: seed_interval([c_means[s][k] - b_means[s][k] for s in common], level=level)
             for k in metrics
@@ -526,8 +526,9 @@ def compare_arms(
         baseline_success=float(base["task_success"].mean()), floor=floor,
     )  # fmt: skip
     ni["seeds"] = {"candidate": sorted(candidate), "baseline": sorted(baseline)}
-    per_seed = {s: _seed_means(baseline[s], condition).get("task_success", 0.0) for s in baseline}
-    ni["collapsed_baseline_seeds"] = sorted(s for s, v in per_seed.items() if v < floor)
+    ni["collapsed_baseline_seeds"] = sorted(
+        s for s, m in b_means.items() if m.get("task_success", 0.0) < floor
+    )
     meaningful = ni["verdict"] != "not meaningful"
     if ni["collapsed_baseline_seeds"] and meaningful:
         ni["verdict"] = "not meaningful"  # a collapsed run cannot show a kept skill

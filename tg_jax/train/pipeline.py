@@ -43,14 +43,13 @@ import json
 import os
 import sys
 import tempfile
-import time
 from typing import Any
 
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
-from tg_jax.envs.coding import coding_env_config
 from tg_jax.evaluation import heldout, protocol, registry, stability
-from tg_jax.models import ModelConfig, Transformer, hf_dir
+from tg_jax.evaluation.report_settings import ReportSettings
+from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
 
 RUNS_DIR, REPORT_DIR, EXPORT_DIR, BASE_MODEL_DIR = "runs", "report", "export", "base_model"
@@ -319,16 +318,9 @@ def remeasure_shipped_base(
     if multihost.agreed(path.exists()):
         result = _read_json(str(path))
     else:
-        model_cfg = ModelConfig.from_config(config.model)
         tasks = task_data.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
-        t0 = time.time()
-        result = sft_eval.evaluate_base_model(
-            Transformer(model_cfg), params, md.renderer, tasks, coding_env_config(config.env),
-            config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
-        )  # fmt: skip
-        result["eval_s"] = time.time() - t0
-        result["requirements"] = list(config.env.requirements)
-        result["num_params"] = model_cfg.num_params()
+        model_cfg = ModelConfig.from_config(config.model)
+        result = sft_eval.measure(config, model_cfg, params, md.renderer, tasks)
         result["shipped"] = recorded.get("shipped")
         result["comparison"] = shipped_base.compare(recorded, result)
         if multihost.is_primary():
@@ -485,7 +477,7 @@ def _registry_context(config: Any, key: str | None) -> dict[str, Any] | None:
     entries = registry.read(config.eval.registry)
     earlier = [{"id": k, "verdict": (entries.get(k, {}).get("outcome") or {}).get("verdict")}
                for k in config.eval.earlier]  # fmt: skip
-    level = registry.corrected_level(config.eval.level, len(earlier))
+    level = ReportSettings.from_config(config.eval).verdict_level()
     return {"id": key, "hypothesis": config.eval.hypothesis, "registry": config.eval.registry,
             "earlier": earlier, "level": level}  # fmt: skip
 

@@ -37,7 +37,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tg_jax import checkpointing, config_files, paths, sharding, tracing
-from tg_jax.envs.coding import coding_env_config
 from tg_jax.envs.tasks import Task
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer, forward, hf_dir, init_params
@@ -430,7 +429,7 @@ def last_step(config: Any, workdir: str) -> int:
 
 
 def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]) -> dict:
-    """Evaluates the base model on held-out `tasks` (`sft_eval.evaluate_base_model`) and writes
+    """Evaluates the base model on held-out `tasks` (`sft_eval.measure`) and writes
     `workdir/sft_eval.json`.
 
     The file also records what was measured: the requirements, the parameter count, the
@@ -438,15 +437,7 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     """
     tokenizer = sft_tokenizer(config, workdir)
     model_cfg = ModelConfig.from_config(tokenized_config(config, tokenizer).model)
-    renderer = ChatRenderer(tokenizer)
-    t0 = time.time()
-    result = sft_eval.evaluate_base_model(
-        Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),
-        config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
-    )  # fmt: skip
-    result["eval_s"] = time.time() - t0
-    result["requirements"] = list(config.env.requirements)
-    result["num_params"] = model_cfg.num_params()
+    result = sft_eval.measure(config, model_cfg, params, ChatRenderer(tokenizer), tasks)
     result["selected_step"] = selected_step(config, workdir)
     result["sft_steps"] = last_step(config, workdir)  # sft.steps, + an extension if any
     if (paths.as_path(workdir) / SFT_DIR / SUMMARY_FILE).exists():

@@ -25,16 +25,17 @@ Figures per mode (`summarize`):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig, coding_env_config
 from tg_jax.envs.protocol import make_requirement
 from tg_jax.envs.tasks import Task
-from tg_jax.models import Transformer
+from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
@@ -137,3 +138,19 @@ def evaluate_base_model(
             out[f"forced_pass_rate/{r}"] = forced_pass
             out[f"format_cost/{r}"] = modes["t1.0/plain"]["pass_rate"] - forced_pass
     return out
+
+
+def measure(config: Any, model_cfg: ModelConfig, params: Any, renderer: ChatRenderer,
+            tasks: Sequence[Task]) -> dict[str, Any]:  # fmt: skip
+    """The figures of sft_eval.json for a base model: `evaluate_base_model` on held-out `tasks`
+    with `config.sft.eval` (forced modes included), and what was measured: the evaluation
+    time, the requirements and the parameter count."""
+    t0 = time.time()
+    result = evaluate_base_model(
+        Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),
+        config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
+    )  # fmt: skip
+    result["eval_s"] = time.time() - t0
+    result["requirements"] = list(config.env.requirements)
+    result["num_params"] = model_cfg.num_params()
+    return result
