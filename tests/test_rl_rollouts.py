@@ -1,5 +1,6 @@
 """The RL loop's rollout side: metrics, feedback picks, hint budget; an async loop smoke run."""
 
+import dataclasses
 import json
 import os
 
@@ -10,6 +11,7 @@ import pytest
 from tests import rl_loop_driver as driver
 from tg_jax import metrics
 from tg_jax.envs.hints import CORRECT_HINTS, FeedbackRates
+from tg_jax.envs.protocol import make_requirement
 from tg_jax.envs.tasks import Task
 from tg_jax.evaluation import heldout, report
 from tg_jax.metrics import read_metrics
@@ -72,10 +74,15 @@ def test_rollout_metrics_count_crashed_tool_calls_and_env_errors():
 def test_hint_reserve_bounds_every_hint_kind():
     r = ChatRenderer(ByteTokenizer())
     one = len(r.render_message(hint_message(CORRECT_HINTS["fence"])))
-    reserve = rl_rollouts.hint_reserve(r, ("fence",), max_turns=3)
+    fence, tool_json = make_requirement("fence"), make_requirement("tool_json")
+    reserve = rl_rollouts.hint_reserve(r, (fence,), max_turns=3)
     assert reserve >= 3 * one and reserve % 3 == 0
-    both = rl_rollouts.hint_reserve(r, ("fence", "tool_json"), max_turns=1)
+    both = rl_rollouts.hint_reserve(r, (fence, tool_json), max_turns=1)
     assert both > reserve // 3
+    # A plug-in's own hint bounds its correct kind: a longer hint, a larger reserve.
+    long_hint = dataclasses.replace(fence, name="mine", hint="x" * 400)
+    own = rl_rollouts.hint_reserve(r, (long_hint,), max_turns=1)
+    assert own == len(r.render_message(hint_message("x" * 400)))
 
 
 class _FakeRollout:

@@ -203,6 +203,14 @@ def _check_config(config, workdir: str) -> None:
     `error:` line each."""
     if config.stage not in STAGES:
         _fail(f"unknown stage {config.stage!r} (known: {', '.join(sorted(STAGES))})")
+    if "env" in config:
+        from tg_jax.envs import env_kind, requirement_names
+
+        try:  # the environment and its requirements, plug-ins loaded and checked
+            env_kind(config.env)
+            requirement_names(config.env)
+        except ValueError as e:
+            _fail(f"invalid config: {e}")
     if all(name in config for name in ("rl", "tg", "optim")):
         from tg_jax.rl.step_config import StepConfig
 

@@ -57,6 +57,7 @@ import ml_collections
 from tg_jax import config_files, config_lib, sharding
 from tg_jax.bench.measure import load_average
 from tg_jax.bench.throughput import _worker_env as worker_env
+from tg_jax.envs import make_env
 from tg_jax.envs.coding import CodingEnv, coding_env_config
 from tg_jax.envs.hints import FeedbackRates
 from tg_jax.envs.tasks import generate_tasks
@@ -275,7 +276,9 @@ def _parts(
     divisor = sharding.batch_divisor(mesh, rules)
     requirements = tuple(cfg.env.requirements)
     teacher_max = int(cfg.model.max_seq_len)
-    reserve = rl_rollouts.hint_reserve(renderer, requirements, int(cfg.env.max_turns))
+    reserve = rl_rollouts.hint_reserve(
+        renderer, make_env(cfg.env).requirements, int(cfg.env.max_turns)
+    )
     student_max = int(lc.seq_len) or teacher_max - reserve
     state = create_train_state(model, make_optimizer(cfg.optim), mesh, rules, jax.random.key(seed))
     step_fn = make_train_step(cfg, model, mesh, rules)

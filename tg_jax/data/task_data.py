@@ -10,13 +10,16 @@ through grain (`tg_jax.data.pipeline.TaskIterator`); evaluations read the held-o
 With `config.env.kind == "swe"` the records are SWE tasks (`tg_jax.envs.swe`): generated
 bug-fix repositories (`tg_jax.envs.swe.generator`), or per split a user's JSONL file or
 directory of tasks (`config.tasks.train_source` / `heldout_source`, imported by
-`tg_jax.envs.swe.importer`); `tg_jax.envs.decode_task` decodes records of either kind.
+`tg_jax.envs.swe.importer`); with a plug-in environment (`env.kind` = "module:Class",
+`tg_jax.envs.plugins`) they are its class's `generate_tasks(split, num, seed)` records;
+`tg_jax.envs.decode_task` decodes records of any kind.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 from tg_jax import paths
 from tg_jax.data import tfds_builders
 from tg_jax.envs import decode_task, env_kind
+from tg_jax.envs.plugins import PLUGIN_TASK_KIND, environment_class, is_plugin
 from tg_jax.envs.tasks import check_families, generate_tasks
 from tg_jax.errors import ConfigError
 
@@ -33,8 +37,14 @@ TFDS_DIR = "tfds"
 def tasks_dataset_name(config: Any) -> str:
     """The TFDS config name of `config.tasks`: it identifies the dataset's content."""
     t = config.tasks
-    if env_kind(config.env) == "swe":
+    kind = env_kind(config.env)
+    if kind == "swe":
         return _swe_dataset_name(t)
+    if is_plugin(kind):  # the class's import path, readable, and a hash that keeps it unique
+        digest = hashlib.sha256(kind.encode()).hexdigest()[:8]
+        slug = re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")[-40:]
+        sizes = f"seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
+        return f"plugin_{slug}_{digest}_{sizes}"
     families = "-".join(check_families(t.families))
     return (
         f"coding_{families}_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
@@ -74,9 +84,33 @@ def _generate_swe(config: Any):
     return generate
 
 
+def _generate_plugin(config: Any, kind: str):
+    cls = environment_class(kind)
+    t = config.tasks
+    sizes = {"train": int(t.num_train), "heldout": int(t.num_heldout)}
+
+    def generate(split: str) -> Iterator[dict]:
+        seen: set[str] = set()
+        for i, record in enumerate(cls.generate_tasks(split, sizes[split], int(t.seed))):
+            if not isinstance(record, dict) or "task_id" not in record:
+                raise ConfigError(
+                    f"{kind}.generate_tasks({split!r}, ...) record {i} is not a dict with a "
+                    f"'task_id': {record!r:.200}"
+                )
+            if str(record["task_id"]) in seen:
+                raise ConfigError(f"{kind}.generate_tasks: task_id {record['task_id']!r} twice")
+            seen.add(str(record["task_id"]))
+            yield {**record, "kind": PLUGIN_TASK_KIND, "split": split}
+
+    return generate
+
+
 def _generate(config: Any):
-    if env_kind(config.env) == "swe":
+    kind = env_kind(config.env)
+    if kind == "swe":
         return _generate_swe(config)
+    if is_plugin(kind):
+        return _generate_plugin(config, kind)
     sizes = {"train": int(config.tasks.num_train), "heldout": int(config.tasks.num_heldout)}
 
     def generate(split: str) -> Iterator[dict]:

@@ -22,6 +22,12 @@ HINT_ROLE = "user"
 REQUIREMENT_REWARD_MODES = ("fraction", "all")
 
 
+class Unjudged(Exception):
+    """A requirement could not judge a turn (a plug-in checker raised or ran past its
+    timeout, `tg_jax.envs.plugins`): that turn's verdict is None and it is counted in
+    `EpisodeSummary.unjudged`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Requirement:
     """A machine-checkable rule for assistant turns.
@@ -40,6 +46,8 @@ class Requirement:
       opening: the text a turn meeting it starts with, where the requirement is decided at
         the turn's first answer token (the fence: "```python\n"), else None. The base
         model's format cost (`tg_jax.train.sft_eval`) opens the first answer with it.
+      timeout_s: seconds one call of a plug-in's check may take (`tg_jax.envs.plugins`;
+        None: its default). Built-in requirements are not timed.
     """
 
     name: str
@@ -50,6 +58,7 @@ class Requirement:
     conditional: bool = False
     breaks_at: Callable[[str], int | None] | None = None
     opening: str | None = None
+    timeout_s: float | None = None
 
     def verdict(self, turn_text: str) -> bool | None:
         """True (met), False (failed turn) or None (not applicable)."""
@@ -96,12 +105,15 @@ class EpisodeSummary:
       actions: action counts, e.g. {"run_tests": 2, "submit": 1, "malformed": 0}.
       turns: number of assistant turns taken.
       end_reason: "submit", "max_turns" or "" while running.
+      unjudged: requirement name -> turns it could not judge (`Unjudged`; their verdict is
+        None).
     """
 
     verdicts: dict[str, list[bool | None]]
     actions: dict[str, int]
     turns: int = 0
     end_reason: str = ""
+    unjudged: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def failed_turns(self, name: str) -> list[int]:
         """Indices of assistant turns that failed requirement `name` (the TG gate)."""
@@ -208,7 +220,20 @@ class Environment(abc.ABC):
 
     def judge(self, turn_text: str) -> dict[str, bool | None]:
         """Verdict of every requirement on one assistant turn."""
-        return {r.name: r.verdict(turn_text) for r in self.requirements}
+        return self.judge_turn(turn_text)[0]
+
+    def judge_turn(self, turn_text: str) -> tuple[dict[str, bool | None], list[str]]:
+        """(`judge`'s verdicts, the names of the requirements that could not judge the turn:
+        `Unjudged`, their verdict None)."""
+        verdicts: dict[str, bool | None] = {}
+        unjudged = []
+        for r in self.requirements:
+            try:
+                verdicts[r.name] = r.verdict(turn_text)
+            except Unjudged:
+                verdicts[r.name] = None
+                unjudged.append(r.name)
+        return verdicts, unjudged
 
     def breaks(self, turn_text: str, verdicts: Mapping[str, bool | None]) -> dict[str, int]:
         """{name: `Requirement.break_offset`} of each requirement the turn failed that can
@@ -228,9 +253,11 @@ class Environment(abc.ABC):
         every requirement's verdict on it, recorded there too."""
         text = turn_text(assistant_message, done=done)
         summary.turns += 1
-        verdicts = self.judge(text)
+        verdicts, unjudged = self.judge_turn(text)
         for name, v in verdicts.items():
             summary.verdicts[name].append(v)
+        for name in unjudged:
+            summary.unjudged[name] = summary.unjudged.get(name, 0) + 1
         return text, verdicts
 
     def hint(self, names: Sequence[str]) -> str:

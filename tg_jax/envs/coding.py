@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from tg_jax.config_schema import Section
-from tg_jax.envs import ns_sandbox
+from tg_jax.envs import ns_sandbox, plugins
 from tg_jax.envs.base import (
     REQUIREMENT_REWARD_MODES,
     Environment,
@@ -210,8 +210,8 @@ class CodingEnvConfig(Section):
     it, tg_jax.envs.make_env).
 
     Attributes:
-      requirements: requirement names the policy is judged on and TG teaches, a subset of
-        ("fence", "tool_json").
+      requirements: requirements the policy is judged on and TG teaches: names from
+        ("fence", "tool_json") and plug-ins ("module:attribute", tg_jax.envs.plugins).
       max_turns: assistant turns before the episode ends without a submission.
       task_reward: "all_pass" (1.0 iff all hidden tests pass) or "fraction".
       requirement_reward: "fraction" of applicable turns meeting it, or "all".
@@ -243,8 +243,11 @@ class CodingEnvConfig(Section):
     tools_in_prompt: bool = False
 
     def __post_init__(self):
-        if not set(self.requirements) <= set(REQUIREMENT_NAMES):
-            raise ValueError(f"requirements must be a subset of {REQUIREMENT_NAMES}")
+        if not set(plugins.builtin_names(self.requirements)) <= set(REQUIREMENT_NAMES):
+            raise ValueError(
+                f"requirements must be names from {REQUIREMENT_NAMES} or plug-ins "
+                f"('module:attribute', tg_jax.envs.plugins), got {self.requirements}"
+            )
         if self.max_turns < 1:
             raise ValueError("max_turns must be >= 1")
         if self.task_reward not in TASK_REWARD_MODES:
@@ -267,9 +270,11 @@ class CodingEnv(Environment):
         self.config = config
         self.tool_format = tool_format
         self.tool_schemas = TOOL_SCHEMAS if config.tools_in_prompt else None
-        self.requirements = tuple(
-            make_requirement(n, config.requirement_weight, tool_format) for n in config.requirements
-        )
+        self.requirements = plugins.requirements(
+            config.requirements, config.requirement_weight, config,
+            lambda names: [make_requirement(n, config.requirement_weight, tool_format)
+                           for n in names],
+        )  # fmt: skip
         self._execute: Callable[[str, Sequence[int]], ExecOutcome]
         if config.executor == "trusted":
             self._execute = run_trusted

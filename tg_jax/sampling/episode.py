@@ -30,6 +30,8 @@ class EpisodeRecord:
       hint_leaking_turns: assistant turns that reproduce a word n-gram of a requirement's
         hint text (privilege drift, tg_jax.envs.leakage); None = not measured (older
         records), then no "hint_leakage" value.
+      unjudged: requirement name -> assistant turns it could not judge (a plug-in checker
+        that raised or timed out, `tg_jax.envs.plugins`); such turns count as not judged.
     """
 
     task_id: str
@@ -41,6 +43,7 @@ class EpisodeRecord:
     turns: int
     cluster_id: str = ""
     hint_leaking_turns: int | None = None
+    unjudged: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.condition not in CONDITIONS:
@@ -71,6 +74,7 @@ class EpisodeRecord:
             out["hint_leakage"] = self.hint_leaking_turns / max(self.turns, 1)
         out.update({f"compliance/{k}": float(v) for k, v in sorted(self.compliance.items())})
         out.update({f"actions/{k}": float(v) for k, v in sorted(self.actions.items())})
+        out.update({f"unjudged/{k}": float(v) for k, v in sorted(self.unjudged.items())})
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -452,6 +452,7 @@ def to_trajectory(
         "termination": ep.termination,
         "end_reason": summary.end_reason,
         "actions": dict(summary.actions),
+        "unjudged": dict(summary.unjudged),
         "turns": len(ep.turn_starts),
         "truncated_turns": ep.truncated_turns,
         "num_tokens": len(ep.tokens),
@@ -587,6 +588,7 @@ def evaluate(
                     actions=dict(ep.env.summary().actions),
                     turns=len(ep.turn_starts),
                     hint_leaking_turns=hint_leaking_turns(ep),
+                    unjudged=dict(_summary(ep).unjudged),
                 )
             )
             trajectories.append(to_trajectory(ep, hints, -1, {"condition": condition}))

@@ -60,7 +60,7 @@ import numpy as np
 
 from tg_jax import checkpointing, faults, multihost, paths, sharding
 from tg_jax.data.pipeline import TaskIterator, to_record
-from tg_jax.envs import decode_task, env_factory
+from tg_jax.envs import decode_task, env_factory, make_env, requirement_names
 from tg_jax.errors import RunError
 from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
@@ -129,8 +129,9 @@ def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
     teacher's hints must fit on top of it within the model's context."""
     teacher_max = int(config.model.max_seq_len)
     reserve = rl_rollouts.hint_reserve(
-        renderer, tuple(config.env.requirements), int(config.env.max_turns)
-    )
+        renderer, make_env(config.env, renderer.tool_format).requirements,
+        int(config.env.max_turns),
+    )  # fmt: skip
     student_max = int(config.rl_loop.seq_len) or teacher_max - reserve
     if student_max + reserve > teacher_max:
         raise ValueError(
@@ -278,7 +279,7 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
         trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
-        requirement_names=tuple(config.env.requirements),
+        requirement_names=requirement_names(config.env),
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
         compact=TGConfig.from_config(config.tg).compact_rows,  # full rows: reference teacher
@@ -373,7 +374,7 @@ def run_rl(
     rl_cfg = RLConfig.from_config(config.rl)
     rl_cfg.check_rows(rows, parts.divisor)
     if rl_cfg.requirement_credit == "turn":  # the requirement rewards to credit per turn
-        rl_cfg.credit_split(tuple(config.env.requirements))
+        rl_cfg.credit_split(requirement_names(config.env))
     paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),

@@ -34,14 +34,12 @@ import jax
 import numpy as np
 
 from tg_jax import multihost
-from tg_jax.envs.base import Environment
+from tg_jax.envs.base import Environment, Requirement
 from tg_jax.envs.hints import (
-    CORRECT_HINTS,
     HINT_KINDS,
     IRRELEVANT_HINTS,
     WRONG_HINTS,
     FeedbackRates,
-    correct_hint,
     pick_hint,
 )
 from tg_jax.sampling import rollout
@@ -57,17 +55,18 @@ def feedback_rates(cfg: Any) -> FeedbackRates:
     return FeedbackRates(float(cfg.correct), float(cfg.irrelevant), float(cfg.wrong))
 
 
-def hint_reserve(renderer: ChatRenderer, requirements: Sequence[str], max_turns: int) -> int:
+def hint_reserve(
+    renderer: ChatRenderer, requirements: Sequence[Requirement], max_turns: int
+) -> int:
     """Most tokens the teacher's hints can add to one trajectory (any hint kind).
 
     A per-trajectory teacher row inserts, before every targeted turn, one hint message per
-    failed requirement; the longest correct, irrelevant or wrong text bounds each.
+    failed requirement; the longest correct (the requirement's own hint, in the model's tool
+    format: the environment is built with it), irrelevant or wrong text bounds each.
     """
     per_turn = 0
-    for name in requirements:
-        fmt = renderer.tool_format or tool_formats.HERMES
-        correct = correct_hint(name, fmt) if name in CORRECT_HINTS else ""
-        options = [correct, *IRRELEVANT_HINTS, *WRONG_HINTS.get(name, ())]
+    for req in requirements:
+        options = [req.hint, *IRRELEVANT_HINTS, *WRONG_HINTS.get(req.name, ())]
         per_turn += max(len(renderer.render_message(hint_message(t))) for t in options)
     return max_turns * per_turn
 
@@ -224,6 +223,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         success.append(float(t.rewards.get("task", 0.0) >= 1.0))
         for k, v in t.info.get("actions", {}).items():
             out[f"rollout/actions/{k}"] = out.get(f"rollout/actions/{k}", 0.0) + v / n
+        for k, v in t.info.get("unjudged", {}).items():  # plug-in checks that raised / hung
+            out[f"rollout/unjudged/{k}"] = out.get(f"rollout/unjudged/{k}", 0.0) + v / n
         term = t.info.get("termination", "")
         out[f"rollout/end/{term}"] = out.get(f"rollout/end/{term}", 0.0) + 1.0 / n
     comp_a, succ_a = np.array(comp), np.array(success)

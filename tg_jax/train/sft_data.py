@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tg_jax.envs import plugins
 from tg_jax.envs.coding import CodingEnvConfig, coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.envs.transcripts import Transcript, TranscriptConfig, make_transcripts
@@ -189,12 +190,18 @@ def transcript_config(cfg: Any) -> TranscriptConfig:
 def transcript_env_config(config: Any) -> CodingEnvConfig:
     """The environment the expert transcripts are played in: `config.env` with the in-process
     executor (our own code) and the requirements `config.sft.hint_requirements` (those whose
-    hints the base model learns to follow; empty = `config.env.requirements`)."""
+    hints the base model learns to follow; empty = the built-in ones of
+    `config.env.requirements`: the synthetic expert cannot write turns that meet a plug-in's
+    rule, and a transcript showing its hint without following it would teach ignoring it)."""
     cfg = coding_env_config(config.env, executor="trusted")
     hinted = tuple(config.sft.get("hint_requirements", ()) or ())
-    if hinted:
-        cfg = dataclasses.replace(cfg, requirements=hinted)
-    return cfg
+    hinted = hinted or plugins.builtin_names(cfg.requirements)
+    if any(plugins.is_plugin(n) for n in hinted):
+        raise ValueError(
+            f"sft.hint_requirements {hinted}: the expert transcripts can follow only the "
+            "built-in requirements, not plug-ins"
+        )
+    return dataclasses.replace(cfg, requirements=hinted)
 
 
 def make_sft_transcripts(config: Any) -> list[Transcript]:

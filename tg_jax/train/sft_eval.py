@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax.envs import requirement_names
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig, coding_env_config
-from tg_jax.envs.protocol import make_requirement
 from tg_jax.envs.tasks import Task
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
@@ -92,6 +92,8 @@ def evaluate_base_model(
 
     sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id)
     rng = jax.random.key(int(eval_config.seed))
+    requirements = CodingEnv(env_cfg).requirements  # plug-ins under their own names
+    names = [r.name for r in requirements]
     modes: dict[str, dict[str, float]] = {}
     for ti, temp in enumerate(eval_config.temperatures):
         cfg = rollout.RolloutConfig(
@@ -104,12 +106,10 @@ def evaluate_base_model(
                 sampler, params, renderer, lambda: CodingEnv(env_cfg), tasks,
                 config=cfg, rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
             )  # fmt: skip
-            modes[f"t{float(temp)}/{condition}"] = summarize(
-                records, trajectories, env_cfg.requirements
-            )
+            modes[f"t{float(temp)}/{condition}"] = summarize(records, trajectories, names)
             if not (forced and condition == "plain" and float(temp) == 1.0):
                 continue
-            for req in map(make_requirement, env_cfg.requirements):
+            for req in requirements:
                 if req.opening is None:
                     continue
                 # The plain mode's sampling key: the two differ by the opening only.
@@ -119,9 +119,7 @@ def evaluate_base_model(
                     lambda: CodingEnv(env_cfg), tasks, config=cfg,
                     rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
                 )  # fmt: skip
-                modes[f"t1.0/forced_{req.name}"] = summarize(
-                    records, trajectories, env_cfg.requirements
-                )
+                modes[f"t1.0/forced_{req.name}"] = summarize(records, trajectories, names)
     out: dict[str, Any] = {"modes": modes, "num_tasks": len(tasks)}
     for temp, suffix in ((1.0, ""), (0.0, "_greedy")):
         plain, hinted = modes.get(f"t{temp}/plain"), modes.get(f"t{temp}/hinted")
@@ -129,10 +127,10 @@ def evaluate_base_model(
             continue
         out[f"pass_rate{suffix}"] = plain["pass_rate"]
         out[f"hinted_pass_rate{suffix}"] = hinted["pass_rate"]
-        for r in env_cfg.requirements:
+        for r in names:
             out[f"unprompted_compliance/{r}{suffix}"] = plain[f"compliance/{r}"]
             out[f"hinted_compliance/{r}{suffix}"] = hinted[f"compliance/{r}"]
-    for r in env_cfg.requirements:
+    for r in names:
         if f"t1.0/forced_{r}" in modes:
             forced_pass = modes[f"t1.0/forced_{r}"]["pass_rate"]
             out[f"forced_pass_rate/{r}"] = forced_pass
@@ -151,6 +149,6 @@ def measure(config: Any, model_cfg: ModelConfig, params: Any, renderer: ChatRend
         config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
     )  # fmt: skip
     result["eval_s"] = time.time() - t0
-    result["requirements"] = list(config.env.requirements)
+    result["requirements"] = list(requirement_names(config.env))
     result["num_params"] = model_cfg.num_params()
     return result

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tg_jax.envs.protocol import make_requirement
+from tg_jax.envs import make_env, requirement_names
 
 # What to change when a gate fails (shown in the error).
 KNOBS = (
@@ -41,11 +41,16 @@ def _format_cost_bound(req: Any) -> float | None:
     return bound if bound < 1.0 else None
 
 
+def _openings(config: Any) -> dict[str, str | None]:
+    """{name: `Requirement.opening`} of the environment's requirements."""
+    return {r.name: r.opening for r in make_env(config.env).requirements}
+
+
 def _kinds(config: Any, requirement: str) -> tuple[str, ...]:
     """The gated kinds of one requirement: the format cost too when its gate is on and the
     requirement has an opening."""
     gate_on = _format_cost_bound(config.sft.require) is not None
-    if gate_on and make_requirement(requirement).opening is not None:
+    if gate_on and _openings(config).get(requirement) is not None:
         return (*REQUIREMENT_KINDS, FORMAT_COST)
     return REQUIREMENT_KINDS
 
@@ -53,7 +58,7 @@ def _kinds(config: Any, requirement: str) -> tuple[str, ...]:
 def gate_figures(config: Any, result: dict[str, Any]) -> dict[str, float | None]:
     """The gated figures of an sft_eval.json result (None = not measured)."""
     out: dict[str, float | None] = {"pass_rate": result.get("pass_rate")}
-    for r in config.env.requirements:
+    for r in requirement_names(config.env):
         for kind in _kinds(config, r):
             out[f"{kind}/{r}"] = result.get(f"{kind}/{r}")
     return out
@@ -65,7 +70,7 @@ def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
     into a fence workdir)."""
     figures = gate_figures(config, result)
     return [
-        r for r in config.env.requirements
+        r for r in requirement_names(config.env)
         if any(figures[f"{kind}/{r}"] is None for kind in _kinds(config, r))
     ]  # fmt: skip
 
@@ -138,7 +143,7 @@ def gate_error(config: Any, attempts: list[dict[str, Any]]) -> BaseModelGateErro
         gates.append(f"format cost <= {bound}")
     lines.append(
         f"gates: {', '.join(gates)} (per requirement of env.requirements "
-        f"{list(config.env.requirements)})"
+        f"{list(requirement_names(config.env))})"
     )
     lines.append("knobs to turn: " + "; ".join(KNOBS))
     return BaseModelGateError("\n".join(lines))

@@ -33,6 +33,7 @@ from typing import Any
 import ml_collections
 
 from tg_jax import checkpointing, paths
+from tg_jax.envs import requirement_names
 from tg_jax.envs.coding import coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.text import ChatRenderer
@@ -181,7 +182,7 @@ class DevSelector:
             self.model, state.params, self.renderer, self.tasks(), env_cfg,
             ml_collections.ConfigDict(eval_cfg), max_len=self.model.config.max_seq_len,
         )  # fmt: skip
-        figures = dev_figures(result, tuple(env_cfg.requirements))
+        figures = dev_figures(result, requirement_names(self.config.env))
         ok = compliant(figures, self.cfg)
         entry = {"step": step, "figures": figures, "compliant": ok,
                  "eligible": ok and figures["pass_rate"] <= self.cfg.pass_rate_max}  # fmt: skip

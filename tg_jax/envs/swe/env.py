@@ -33,6 +33,7 @@ import time
 from typing import Any, ClassVar
 
 from tg_jax.config_schema import Section
+from tg_jax.envs import plugins
 from tg_jax.envs.base import (
     REQUIREMENT_REWARD_MODES,
     Environment,
@@ -64,9 +65,9 @@ class SweEnvConfig(Section):
     `env.kind` = "swe" (tg_jax.envs.make_env).
 
     Attributes:
-      requirements: enabled requirement names (a subset of requirements.REQUIREMENT_NAMES:
-        tier 1 tool protocol and Markdown report, tier 2 names the changed files, tier 3 asks
-        before overwriting a file).
+      requirements: enabled requirements: names from requirements.REQUIREMENT_NAMES (tier 1
+        tool protocol and Markdown report, tier 2 names the changed files, tier 3 asks before
+        overwriting a file) and plug-ins ("module:attribute", tg_jax.envs.plugins).
       max_turns: assistant turns before the episode ends without a submission.
       max_tokens: estimated assistant tokens per episode before it ends (0 = no limit).
       max_wall_s: wall-clock seconds per episode (0 = no limit).
@@ -102,8 +103,11 @@ class SweEnvConfig(Section):
     tools_in_prompt: bool = False
 
     def __post_init__(self):
-        if not set(self.requirements) <= set(reqs.REQUIREMENT_NAMES):
-            raise ValueError(f"requirements must be a subset of {reqs.REQUIREMENT_NAMES}")
+        if not set(plugins.builtin_names(self.requirements)) <= set(reqs.REQUIREMENT_NAMES):
+            raise ValueError(
+                f"requirements must be names from {reqs.REQUIREMENT_NAMES} or plug-ins "
+                f"('module:attribute', tg_jax.envs.plugins), got {self.requirements}"
+            )
         if self.max_turns < 1:
             raise ValueError("max_turns must be >= 1")
         if self.task_reward not in TASK_REWARD_MODES:
@@ -151,8 +155,9 @@ class SweEnv(Environment):
         self.runner = runner or make_runner(
             config.runner, cpu_s=config.cpu_s, memory_mb=config.memory_mb
         )
-        self.requirements = reqs.make_requirements(
-            config.requirements, config.requirement_weight, self
+        self.requirements = plugins.requirements(
+            config.requirements, config.requirement_weight, config,
+            lambda names: reqs.make_requirements(names, config.requirement_weight, self),
         )
         self._done = True
         self.workspace = Workspace({})
