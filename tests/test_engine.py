@@ -1,0 +1,258 @@
+"""The rollout engine (tg_jax.engine): continuous batching, paged KV, prefix sharing with
+copy-on-write, multi-turn continuation, preemption, errors, exactness against the `Sampler`
+and the full forward, and no recompilation in steady state."""
+
+import jax
+import numpy as np
+import pytest
+
+from tg_jax.engine import Engine, Request
+from tg_jax.engine.pages import PageAllocator, PrefixIndex
+from tg_jax.models import ModelConfig, Transformer, init_params
+from tg_jax.sampling.sampler import Sampler, sequence_logprobs
+
+CFG = ModelConfig(
+    vocab_size=96, d_model=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    mlp_dim=80, rope_theta=10_000.0, max_seq_len=128,
+)  # fmt: skip
+# One engine geometry for most tests (the jitted calls compile once per geometry).
+GEOMETRY = dict(max_slots=4, page_size=4, max_pages_per_seq=12, prefill_chunk=8, prefill_rows=2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Transformer(CFG)
+    params = init_params(model, jax.random.key(3))
+    # Larger weights: peaked next-token distributions, so greedy draws have no near-ties.
+    params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
+    return model, params
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, CFG.vocab_size, n)] for n in lengths]
+
+
+def _engine(setup, **kw):
+    model, params = setup
+    return Engine(model, params, **{**GEOMETRY, **kw})
+
+
+def _requests(prompts, n=12, temperature=0.0, **kw):
+    return [Request(i, p, n, temperature=temperature, **kw) for i, p in enumerate(prompts)]
+
+
+def _release_all(engine, ids):
+    for i in ids:
+        engine.release(i)
+
+
+def test_greedy_and_sampled_draws_equal_the_sampler(setup):
+    """More requests than slots: greedy tokens equal `Sampler`'s; sampled tokens equal its
+    draws with row_ids = the requests' seeds (per-request streams); slots are refilled."""
+    model, params = setup
+    prompts = _prompts((5, 13, 1, 9, 20, 3, 7))
+    sampler = Sampler(model, pad_id=0, length_multiple=32, segment=8)
+    engine = _engine(setup)
+    ref = sampler.sample(params, prompts, max_new_tokens=12, temperature=0.0, rng=jax.random.key(0))
+    out = engine.generate(_requests(prompts))
+    assert [c.token_ids for c in out] == [list(map(int, t)) for t in ref.tokens]
+    assert all(c.finish_reason == "length" and np.all(c.logprobs == 0.0) for c in out)
+    stats = engine.stats
+    assert stats["decode_tokens"] == 7 * 12
+    # 7 requests over 4 slots: at most 4 decode per step, and the refilled slots keep it busy.
+    assert 12 * 7 / 4 <= stats["decode_steps"] < 12 * 7 / 4 + 12
+    assert stats["decode_occupancy"] > 0.6
+
+    rng = jax.random.key(5)
+    ref = sampler.sample(params, prompts, max_new_tokens=12, temperature=1.0, rng=rng,
+                         row_ids=list(range(7)))  # fmt: skip
+    out = _engine(setup, rng=rng).generate(_requests(prompts, temperature=1.0))
+    assert [c.token_ids for c in out] == [list(map(int, t)) for t in ref.tokens]
+    for c, lp in zip(out, ref.logprobs, strict=True):
+        np.testing.assert_allclose(c.logprobs, lp, atol=1e-5)
+        assert np.min(c.logprobs) < -0.5  # real draws, not a point mass
+
+
+def test_logprobs_equal_the_full_forward(setup):
+    model, params = setup
+    prompts = _prompts((6, 11, 2), seed=1)
+    reqs = [Request(i, p, 16, temperature=1.0, stop_ids=(7,)) for i, p in enumerate(prompts)]
+    out = _engine(setup, rng=jax.random.key(2)).generate(reqs)
+    width = 32
+    tokens = np.zeros((3, width), np.int32)
+    for i, (p, c) in enumerate(zip(prompts, out, strict=True)):
+        tokens[i, : len(p) + len(c.token_ids)] = p + c.token_ids
+    full = np.asarray(jax.jit(sequence_logprobs, static_argnums=0)(model, params, tokens))
+    for i, (p, c) in enumerate(zip(prompts, out, strict=True)):
+        n = len(c.token_ids)
+        assert n == 16 or (c.finish_reason == "stop" and c.token_ids[-1] == 7)
+        np.testing.assert_allclose(c.logprobs, full[i, len(p) : len(p) + n], atol=1e-4)
+        np.testing.assert_allclose(c.raw_logprobs, c.logprobs, atol=1e-6)  # T = 1, no filter
+    assert np.mean(np.concatenate([c.logprobs for c in out])) < -0.3
+
+
+def test_pages_are_held_for_live_tokens_and_returned(setup):
+    engine = _engine(setup)
+    prompts = _prompts((5, 9, 14, 3, 8, 6), seed=2)
+    out = engine.generate(_requests(prompts, n=10))
+    assert all(len(c.token_ids) == 10 for c in out)
+    # Finished requests keep their written tokens' pages (for continuation): positions
+    # 0..L+9-1 (the last drawn token is never fed), ceil(that / 4) pages each.
+    held = sum(-(-(len(p) + 9) // 4) for p in prompts)
+    assert engine.stats["pages_used"] == engine.stats["peak_pages_used"] == held
+    _release_all(engine, range(len(prompts)))
+    assert engine.stats["pages_used"] == 0
+    assert engine.allocator.num_free == engine.allocator.capacity == 48
+    assert np.all(engine.allocator.refcount == 0)
+
+
+def test_identical_prompts_share_pages_copy_on_write(setup):
+    """A group of 4 identical prompts: the full pages are shared by refcount, the partial
+    last page is copied on the first write; the tokens equal an unshared run's."""
+    prompt = _prompts((11,), seed=3)[0]
+    reqs = [Request(i, prompt, 8, temperature=1.0, seed=i) for i in range(4)]
+    shared, unshared = _engine(setup), _engine(setup, prefix_sharing=False)
+    out_shared, out_unshared = shared.generate(reqs), unshared.generate(reqs)
+    for a, b in zip(out_shared, out_unshared, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert len({tuple(c.token_ids) for c in out_shared}) > 1  # different seeds, different draws
+    s, u = shared.stats, unshared.stats
+    assert u["shared_tokens"] == 0 and u["cow_copies"] == 0 and u["prefill_tokens"] == 4 * 11
+    # Followers reuse positions 0..9 (two full pages and two tokens of the third): they
+    # prefill only the last prompt token, and copy the partial page before writing to it.
+    assert s["shared_tokens"] == 3 * 10 and s["prefill_tokens"] == 11 + 3 * 1
+    assert s["cow_copies"] == 3
+    # Positions 0..17 per request: 5 pages unshared, 3 private + 2 shared when shared.
+    assert u["pages_used"] == 4 * 5 and s["pages_used"] == 2 + 4 * 3
+    first_pages = shared._kept[0].pages[:2]
+    assert all(shared._kept[i].pages[:2] == first_pages for i in range(4))
+    assert [int(shared.allocator.refcount[p]) for p in first_pages] == [4, 4]
+    _release_all(shared, range(4))
+    assert shared.allocator.num_free == shared.allocator.capacity
+
+
+def test_continuation_equals_the_whole_context_run_fresh(setup):
+    """A second turn continues the first's pages (prefilling only the appended tokens and the
+    turn's last drawn token) and samples what a fresh run of the whole context samples."""
+    p1, appended = _prompts((9, 6), seed=4)
+    for sharing in (True, False):
+        engine = _engine(setup, prefix_sharing=sharing, rng=jax.random.key(1))
+        (t1,) = engine.generate([Request("t1", p1, 7, temperature=1.0, seed=11)])
+        (t2,) = engine.generate(
+            [Request("t2", appended, 9, temperature=1.0, continue_from="t1", seed=12)]
+        )
+        assert t2.prefill_tokens == len(appended) + 1
+        assert "t1" not in engine._kept  # the turn's pages moved to its continuation
+        fresh = _engine(setup, rng=jax.random.key(1), prefix_sharing=False)
+        (ref,) = fresh.generate([Request("x", p1 + t1.token_ids + appended, 9, temperature=1.0,
+                                         seed=12)])  # fmt: skip
+        assert ref.prefill_tokens == len(p1) + 7 + len(appended)
+        assert t2.token_ids == ref.token_ids
+        np.testing.assert_allclose(t2.logprobs, ref.logprobs, atol=1e-5)
+        engine.release("t2")
+        assert engine.allocator.num_free == engine.allocator.capacity
+
+
+def test_preemption_requeues_and_samples_what_an_unpreempted_run_samples(setup):
+    prompts = _prompts((10, 7, 12, 9, 5), seed=5)
+    reqs = [Request(i, p, 14, temperature=t, seed=i) for i, p in enumerate(prompts)
+            for t in [(0.0, 1.0)[i % 2]]]  # fmt: skip
+    big = _engine(setup, rng=jax.random.key(3))
+    ref = big.generate(reqs)
+    assert big.stats["preemptions"] == 0
+    # 12 usable pages of 4 slots; one request needs up to ceil(25 / 4) = 7.
+    small = _engine(setup, rng=jax.random.key(3), num_pages=13)
+    out = small.generate(reqs)
+    stats = small.stats
+    assert stats["preemptions"] >= 1 and stats["peak_pages_used"] <= 12
+    assert sum(c.preemptions for c in out) == stats["preemptions"]
+    # Re-prefills (contexts and generated tokens) are counted as prefill.
+    assert stats["prefill_tokens"] > sum(map(len, prompts))
+    for a, b in zip(out, ref, strict=True):
+        assert a.finish_reason == "length" and a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    _release_all(small, range(5))
+    assert small.allocator.num_free == 12
+
+
+def test_too_long_request_is_an_error_and_the_others_complete(setup):
+    prompts = _prompts((5, 40, 8), seed=6)
+    engine = _engine(setup)
+    reqs = _requests(prompts, n=10)
+    reqs.append(Request("ghost", [3], 5, continue_from="nobody"))
+    out = engine.generate(reqs)
+    assert [c.finish_reason for c in out] == ["length", "error", "length", "error"]
+    assert "exceeds the per-sequence limit 48" in out[1].message and out[1].token_ids == []
+    assert "nobody" in out[3].message
+    assert engine.stats["errors"] == 2
+    alone = _engine(setup).generate([reqs[0], reqs[2]])
+    assert [c.token_ids for c in alone] == [out[0].token_ids, out[2].token_ids]
+
+
+def test_weights_update_pause_and_policy_version(setup):
+    model, params = setup
+    engine = _engine(setup)
+    prompt = _prompts((6,), seed=7)[0]
+    (before,) = engine.generate([Request("a", prompt, 6, temperature=0.0)])
+    assert before.policy_version == 0
+    engine.submit(Request("b", prompt, 6, temperature=0.0, policy_version=1))
+    assert engine.run_until_done() == [] and not engine.has_work()  # waits for version 1
+    other = jax.tree.map(lambda x: -x if x.ndim >= 2 else x, params)
+    engine.update_weights(other, version=1)
+    engine.pause()
+    steps = engine.stats["steps"]
+    assert engine.step() == [] and engine.stats["steps"] == steps
+    engine.resume()
+    (after,) = engine.run_until_done()
+    assert after.request_id == "b" and after.policy_version == after.first_policy_version == 1
+    assert after.token_ids != before.token_ids
+    assert after.prefill_tokens == 6  # nothing shared with "a", cached under the old weights
+
+
+def test_no_recompilation_after_warmup(setup):
+    """Everything that varies between steps is an array: after the first steps (one trace
+    each of prefill and decode, plus the page copy), new prompts, lengths, sampling settings,
+    continuations, sharing and preemption trace nothing."""
+    engine = _engine(setup, max_slots=3, num_pages=11)
+    engine.generate([Request("w", _prompts((9,))[0], 4, temperature=0.0)])
+    warm = engine.num_traces
+    assert warm >= 2  # prefill and decode of this geometry
+    prompts = _prompts((3, 17, 10, 10, 25), seed=8)
+    prompts[3] = prompts[2]  # shared prefix, copy-on-write
+    reqs = [Request(i, p, 9 + i, temperature=0.5 * i, top_k=i, top_p=0.9, stop_ids=(5, 6))
+            for i, p in enumerate(prompts)]  # fmt: skip
+    out = engine.generate(reqs)
+    out += engine.generate([Request("c", [4, 4], 5, continue_from=0)])
+    assert len(out) == 6 and all(c.finish_reason in ("stop", "length") for c in out)
+    assert engine.stats["preemptions"] >= 1 and engine.stats["cow_copies"] >= 1
+    assert engine.num_traces - warm == 1  # the page copy, traced at its first use
+    engine.generate([Request(i, p, 5, seed=i) for i, p in enumerate(prompts[:3])])
+    assert engine.num_traces - warm == 1
+
+
+def test_page_allocator_and_prefix_index_by_hand():
+    alloc = PageAllocator(4)
+    assert [alloc.alloc(), alloc.alloc(), alloc.alloc(), alloc.alloc()] == [1, 2, 3, None]
+    alloc.incref(2)
+    assert not alloc.decref(2) and alloc.decref(2) and alloc.num_free == 1
+    assert alloc.alloc() == 2 and alloc.peak_used == 3
+    with pytest.raises(ValueError):
+        PageAllocator(4).decref(1)
+
+    index = PrefixIndex(page_size=2)
+    from tg_jax.engine.pages import chain_key
+
+    root = index.root()
+    index.register(5, root, [1, 2])
+    index.register(6, chain_key(root, [1, 2]), [3, 4])
+    index.register(7, chain_key(root, [1, 2]), [3])
+    assert index.match([1, 2, 3, 4, 9], 5) == ([5, 6], 4)
+    assert index.match([1, 2, 3, 8], 4) == ([5, 6], 3)  # ties: the lowest page
+    assert index.match([1, 9], 2) == ([5], 1)
+    assert index.match([2, 2], 2) == ([], 0)
+    index.write(6, 1, [8])  # page 6 now holds [3, 8]: [3, 4] no longer matches it
+    assert index.match([1, 2, 3, 4], 4) == ([5, 6], 3)
+    index.forget(5)
+    assert index.match([1, 2, 3, 4], 4) == ([], 0)

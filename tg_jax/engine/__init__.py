@@ -1,0 +1,19 @@
+"""A built-in rollout engine: continuous batching of generation requests over a paged KV pool.
+
+  requests.py  `Request` / `Completion` (what goes in and out) and the per-sequence record
+  pages.py     host-side page allocator (free list + refcounts) and the prefix index
+  paged.py     the jitted device side: paged prefill chunks and decode steps, page copies
+  engine.py    `Engine`: admission, chunked prefill, decode, preemption, prefix sharing
+
+    engine = Engine(model, params, max_slots=8, page_size=16, max_pages_per_seq=64)
+    completions = engine.generate([Request("a", prompt, max_new_tokens=64, temperature=1.0)])
+
+The layer math is `tg_jax.models.decode`'s (the same fused weights and building blocks); only
+the cache is paged. Greedy draws equal `tg_jax.sampling.sampler.Sampler`'s, and sampled draws
+equal its draws with `row_ids` = the requests' seeds (float rounding aside).
+"""
+
+from tg_jax.engine.engine import Engine
+from tg_jax.engine.requests import Completion, Request
+
+__all__ = ["Completion", "Engine", "Request"]

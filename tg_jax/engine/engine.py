@@ -1,0 +1,551 @@
+"""The rollout engine: continuous batching of requests over a paged KV pool.
+
+One scheduling iteration (`Engine.step`), driven by ONE thread (any thread may `submit`):
+
+  1. admit: waiting requests (FIFO; preempted ones are requeued at the front) take free
+     decode slots while the pool can hold them. A request's context is matched against the
+     live pages (`pages.PrefixIndex`): pages holding the same prefix (an identical prompt of
+     a GRPO group, the finished turn a `continue_from` request extends) are shared by
+     refcount, so only the rest is prefilled. At least the last context token is always
+     fed again: its logits draw the first new token.
+  2. prefill: up to `prefill_rows` sequences in their prefill phase run one chunk of
+     `prefill_chunk` tokens each (one jitted call); a context's last token is left to 3.
+  3. decode: every sequence in its decode phase (all slots, one jitted call) feeds its last
+     token, draws the next one (per-request random streams) and finishes on a stop id or
+     its token budget; its slot is free for the next step's admissions.
+
+Pages are allocated when a write needs them (a sequence holds pages only for its written
+tokens); a write into a shared page copies it first (copy-on-write). When the pool is empty,
+finished sequences kept for continuation lose their pages first (least recently finished
+first; their tokens are kept, a continuation then re-prefills), then the most recently
+admitted running sequence is preempted: its pages are freed and it is requeued at the front,
+to re-prefill its context and generated tokens later (its draws continue at the same indices,
+so it samples what it would have sampled). A request whose context plus max_new_tokens
+exceeds the per-sequence limit (max_pages_per_seq * page_size) or the pool completes at once
+with finish_reason "error".
+
+Shapes: decode [max_slots], prefill [prefill_rows, prefill_chunk], page tables
+[., max_pages_per_seq]: fixed, so the three jitted functions (prefill, decode, page copy)
+compile once (`num_traces` counts traces). Limits: host scheduling between calls (each step
+waits for its drawn tokens); a step's attention reads all max_pages_per_seq pages of a row;
+`update_weights` applies from the next step on (sequences in flight keep their cached keys and
+values from the older weights; `Completion.first_policy_version` tells).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax import tracing
+from tg_jax.engine import paged
+from tg_jax.engine.pages import SCRATCH_PAGE, PageAllocator, PrefixIndex, chain_key
+from tg_jax.engine.requests import Completion, Request, Sequence, error_completion
+from tg_jax.models import decode
+from tg_jax.models.qwen3 import Transformer
+
+# The jitted calls, shared by engines of the same model and shapes (compiled once per shape);
+# the model is static. _TRACES[0] counts their traces (each trace compiles).
+_TRACES = [0]
+
+
+def _traced(fn):
+    def body(model, *args):
+        _TRACES[0] += 1
+        return fn(model, *args)
+
+    return functools.wraps(fn)(body)
+
+
+_weights_jit = tracing.jit(_traced(decode.decode_weights), static_argnums=0)
+_prefill_jit = tracing.jit(_traced(paged.prefill_chunk), static_argnums=0, donate_argnums=(2,))
+_decode_jit = tracing.jit(_traced(paged.sample_step), static_argnums=0, donate_argnums=(2,))
+_copy_jit = tracing.jit(
+    _traced(lambda model, pool, src, dst: paged.copy_page(pool, src, dst)),
+    static_argnums=0, donate_argnums=(1,),
+)  # fmt: skip
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV pool (module docstring)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        params: Any,
+        *,
+        max_slots: int = 8,
+        page_size: int = 16,
+        max_pages_per_seq: int = 16,
+        num_pages: int | None = None,
+        prefill_chunk: int = 32,
+        prefill_rows: int = 2,
+        rng: jax.Array | None = None,
+        version: int = 0,
+        prefix_sharing: bool = True,
+        max_kept: int = 1024,
+        pad_id: int = 0,
+    ):
+        """Args:
+        max_slots: sequences decoded per step.
+        page_size, max_pages_per_seq: page geometry; a sequence's context and generated tokens
+          fit in max_pages_per_seq * page_size positions.
+        num_pages: pool size including the scratch page (default: every slot at full length).
+        prefill_chunk, prefill_rows: the prefill call's [rows, chunk] block.
+        rng: PRNG key of the requests' random streams (default key(0)).
+        version: the weights' version (`Completion.policy_version`).
+        prefix_sharing: match new contexts against live pages (off: only `continue_from`
+          keeps its parent's pages).
+        max_kept: finished requests remembered for `continue_from` (oldest forgotten first).
+        """
+        self.model = model
+        self.max_slots, self.page_size = int(max_slots), int(page_size)
+        self.max_pages_per_seq = int(max_pages_per_seq)
+        self.num_pages = num_pages or self.max_slots * self.max_pages_per_seq + 1
+        self.chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
+        self.rng = jax.random.key(0) if rng is None else rng
+        self.prefix_sharing, self.max_kept, self.pad_id = prefix_sharing, max_kept, pad_id
+        self.num_traces = 0  # traces (compilations) this engine's calls caused
+        self.pool = paged.init_pool(model, self.num_pages, self.page_size)
+        self.allocator = PageAllocator(self.num_pages)
+        self.index = PrefixIndex(self.page_size)
+        self._slots: list[Sequence | None] = [None] * self.max_slots
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._kept: collections.OrderedDict[Hashable, Sequence] = collections.OrderedDict()
+        self._results: dict[Hashable, Completion] = {}
+        self._cond = threading.Condition()
+        self._step_lock = threading.RLock()
+        self._paused = False
+        self._order = 0
+        self._counts = collections.Counter()
+        self._occupancy_sum = 0.0
+        self.update_weights(params, version)
+
+    def _call(self, fn, *args):
+        """A jitted function of this module, counting the traces the call caused."""
+        before = _TRACES[0]
+        out = fn(self.model, *args)
+        self.num_traces += _TRACES[0] - before
+        return out
+
+    # --- public API -----------------------------------------------------------------------
+
+    @property
+    def max_context(self) -> int:
+        """Positions one sequence may use (context + generated tokens)."""
+        return self.max_pages_per_seq * self.page_size
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """New weights from the next step on (call between steps: it takes the step lock)."""
+        with self._step_lock:
+            self._weights = self._call(_weights_jit, params)
+            self.version = int(version)
+            # Pages written so far hold the old weights' keys and values: no new request may
+            # share them (running and kept sequences keep their own).
+            self.index = PrefixIndex(self.page_size)
+            for seq in [*self._slots, *self._kept.values()]:
+                if seq is not None:
+                    seq.shareable = False
+
+    def pause(self) -> None:
+        """`step` does nothing until `resume` (requests may still be submitted)."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def submit(self, request: Request) -> None:
+        """Queues a request (thread-safe); it is checked when admitted (errors complete it)."""
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        with self._cond:
+            self._waiting.append(Sequence(request))
+
+    def release(self, request_id: Hashable) -> None:
+        """Forgets a finished request kept for `continue_from` (frees its pages)."""
+        with self._step_lock:
+            seq = self._kept.pop(request_id, None)
+            if seq is not None:
+                self._free_pages(seq)
+
+    def result(self, request_id: Hashable, timeout: float | None = None) -> Completion:
+        """Waits for (and removes) a request's completion; TimeoutError after `timeout`."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: request_id in self._results, timeout):
+                raise TimeoutError(f"request {request_id!r} did not complete in {timeout}s")
+            return self._results.pop(request_id)
+
+    def has_work(self) -> bool:
+        """Whether a step can make progress (running sequences, or admissible waiting ones)."""
+        with self._cond:
+            waiting = any(not self._blocked(s) for s in self._waiting)
+        return waiting or any(s is not None for s in self._slots)
+
+    def run_until_done(self) -> list[Completion]:
+        """Steps until nothing is running or admissible; returns the completions, in order."""
+        done = []
+        while not self._paused and self.has_work():
+            done.extend(self.step())
+        return done
+
+    def generate(self, requests: Iterable[Request]) -> list[Completion]:
+        """Submits the requests, runs until done; their completions in the requests' order."""
+        requests = list(requests)
+        for r in requests:
+            self.submit(r)
+        self.run_until_done()
+        with self._cond:
+            return [self._results.pop(r.request_id) for r in requests]
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counters: preemptions, evictions, prefill_tokens, decode_steps, decode_tokens,
+        prefill_calls, cow_copies, shared_tokens, steps, slot_occupancy (mean fraction of
+        slots holding a sequence per step), decode_occupancy (mean fraction of slots decoding
+        per decode step), peak_pages_used, pages_used, pages_total."""
+        c = self._counts
+        out = {k: float(c[k]) for k in (
+            "preemptions", "evictions", "prefill_tokens", "decode_steps", "decode_tokens",
+            "prefill_calls", "cow_copies", "shared_tokens", "steps", "errors",
+        )}  # fmt: skip
+        out["slot_occupancy"] = self._occupancy_sum / max(c["steps"], 1)
+        out["decode_occupancy"] = c["decode_tokens"] / max(c["decode_steps"] * self.max_slots, 1)
+        out["peak_pages_used"] = float(self.allocator.peak_used)
+        out["pages_used"] = float(self.allocator.num_used)
+        out["pages_total"] = float(self.allocator.capacity)
+        return out
+
+    def step(self) -> list[Completion]:
+        """One scheduling iteration (module docstring); returns the requests it finished."""
+        with self._step_lock:
+            if self._paused:
+                return []
+            finished: list[Completion] = []
+            self._admit(finished)
+            self._counts["steps"] += 1
+            self._occupancy_sum += sum(s is not None for s in self._slots) / self.max_slots
+            self._run_prefill()
+            self._run_decode(finished)
+            if finished:
+                with self._cond:
+                    self._results.update((c.request_id, c) for c in finished)
+                    self._cond.notify_all()
+            return finished
+
+    # --- admission --------------------------------------------------------------------------
+
+    def _blocked(self, seq: Sequence) -> bool:
+        v = seq.request.policy_version
+        return v is not None and v > self.version
+
+    def _resolve(self, seq: Sequence) -> str | None:
+        """Sets the sequence's context; returns an error message when it cannot run."""
+        r = seq.request
+        if any(s is not None and s.request.request_id == r.request_id for s in self._slots):
+            return f"request id {r.request_id!r} is already running"
+        context = list(r.prompt_ids)
+        if r.continue_from is not None:
+            parent = self._kept.get(r.continue_from)
+            if parent is None:
+                return f"continue_from {r.continue_from!r}: no finished request kept by that id"
+            context = parent.tokens + context
+        if not context:
+            return "empty prompt"
+        total = len(context) + r.max_new_tokens
+        if total > self.max_context:
+            return (f"context {len(context)} + max_new_tokens {r.max_new_tokens} = {total} "
+                    f"exceeds the per-sequence limit {self.max_context}")  # fmt: skip
+        if -(-total // self.page_size) > self.allocator.capacity:
+            return (
+                f"needs {-(-total // self.page_size)} pages, the pool has {self.allocator.capacity}"
+            )
+        seq.tokens, seq.prompt_len, seq.resolved = context, len(context), True
+        return None
+
+    def _admit(self, finished: list[Completion]) -> None:
+        """Moves waiting requests into free slots, in queue order, while the pool can take
+        them. Skipped for now: requests waiting for a weights version, and requests whose
+        prefix a running sequence is still prefilling (they share its pages once written)."""
+        with self._cond:
+            queue = list(self._waiting)
+        for seq in queue:
+            if None not in self._slots:
+                return
+            if self._blocked(seq):
+                continue
+            if not seq.resolved:
+                message = self._resolve(seq)
+                if message is not None:
+                    self._dequeue(seq)
+                    self._counts["errors"] += 1
+                    finished.append(error_completion(seq.request, message))
+                    continue
+            pages, matched = self._match(seq)
+            if self._defer(seq, matched):
+                continue
+            need = -(-len(seq.tokens) // self.page_size) - matched // self.page_size + 1
+            running = any(s is not None for s in self._slots)
+            if running and need > self.allocator.num_free + self._reclaimable():
+                return  # wait for pages (admission stays in queue order)
+            self._dequeue(seq)
+            self._start(seq, pages, matched)
+
+    def _dequeue(self, seq: Sequence) -> None:
+        with self._cond:
+            self._waiting.remove(seq)
+
+    def _start(self, seq: Sequence, pages: list[int], matched: int) -> None:
+        """Puts an admitted sequence in a free slot, holding its matched pages."""
+        for page in pages:
+            self.allocator.incref(page)
+        seq.pages, seq.cached, seq.keys = pages, matched, []
+        self._counts["shared_tokens"] += matched
+        parent = seq.request.continue_from
+        if parent is not None and parent in self._kept:
+            self.release(parent)  # its pages now belong to this turn
+        seq.slot = self._slots.index(None)
+        self._slots[seq.slot] = seq
+        self._order += 1
+        seq.order = self._order
+
+    def _defer(self, seq: Sequence, matched: int) -> bool:
+        """Whether a running sequence still prefills more of this context's prefix than the
+        live pages hold (it waits to share them)."""
+        if not self.prefix_sharing:
+            return False
+        ctx = np.asarray(seq.tokens[: len(seq.tokens) - 1])
+        for other in self._slots:
+            if other is None or other.cached >= len(other.tokens) - 1:
+                continue
+            theirs = np.asarray(other.tokens[: len(ctx)])
+            diff = np.flatnonzero(theirs != ctx[: len(theirs)])
+            common = int(diff[0]) if diff.size else len(theirs)
+            if common > matched and other.cached < common:
+                return True
+        return False
+
+    def _match(self, seq: Sequence) -> tuple[list[int], int]:
+        """Live pages holding a prefix of the context (all but its last token): the longer of
+        the prefix index's match (with prefix sharing) and the `continue_from` parent's own
+        pages (which a continuation takes over even across weight updates)."""
+        limit = len(seq.tokens) - 1
+        pages, matched = self.index.match(seq.tokens, limit) if self.prefix_sharing else ([], 0)
+        seq.shareable = True
+        parent = self._kept.get(seq.request.continue_from)
+        if parent is not None and min(parent.cached, limit) > matched:
+            matched = min(parent.cached, limit)
+            pages = parent.pages[: -(-matched // self.page_size)]
+            seq.shareable = parent.shareable
+        return pages, matched
+
+    def _reclaimable(self) -> int:
+        """Pages that evicting every kept sequence would free."""
+        rc = self.allocator.refcount
+        return sum(1 for s in self._kept.values() for p in s.pages if rc[p] == 1)
+
+    # --- pages ------------------------------------------------------------------------------
+
+    def _page_key(self, seq: Sequence, j: int) -> bytes:
+        """Prefix key of the sequence's page j (its tokens before position j * page_size)."""
+        if not seq.keys:
+            seq.keys.append(self.index.root())
+        while len(seq.keys) <= j:
+            i = len(seq.keys)
+            seq.keys.append(
+                chain_key(seq.keys[-1], seq.tokens[(i - 1) * self.page_size : i * self.page_size])
+            )
+        return seq.keys[j]
+
+    def _prepare_write(self, seq: Sequence, n: int) -> bool:
+        """Pages for writing positions cached..cached+n-1: copies a shared partial page first,
+        allocates new ones. False when `seq` itself had to be preempted for them."""
+        ps, start = self.page_size, seq.cached
+        if start % ps and self.allocator.refcount[seq.pages[start // ps]] > 1:
+            old = seq.pages[start // ps]
+            new = self._alloc(seq)
+            if new is None:
+                return False
+            self.pool = self._call(_copy_jit, self.pool, np.int32(old), np.int32(new))
+            known = self.index.tokens(old)
+            if seq.shareable and len(known) >= start % ps:
+                self.index.register(new, self._page_key(seq, start // ps), known[: start % ps])
+            seq.pages[start // ps] = new
+            self._decref(old)
+            self._counts["cow_copies"] += 1
+        while len(seq.pages) * ps < start + n:
+            new = self._alloc(seq)
+            if new is None:
+                return False
+            if seq.shareable:
+                self.index.register(new, self._page_key(seq, len(seq.pages)))
+            seq.pages.append(new)
+        return True
+
+    def _record_write(self, seq: Sequence, n: int) -> None:
+        """After a call wrote positions cached..cached+n-1: the index learns their tokens."""
+        ps = self.page_size
+        pos = seq.cached
+        while pos < seq.cached + n:
+            end = min((pos // ps + 1) * ps, seq.cached + n)
+            self.index.write(seq.pages[pos // ps], pos % ps, seq.tokens[pos:end])
+            pos = end
+        seq.cached += n
+
+    def _alloc(self, seq: Sequence) -> int | None:
+        """A free page for `seq`: evicts kept sequences, then preempts the most recently
+        admitted running one (None when that was `seq`)."""
+        page = self.allocator.alloc()
+        while page is None:
+            if any(s.pages for s in self._kept.values()):
+                victim = next(s for s in self._kept.values() if s.pages)
+                self._free_pages(victim)
+                self._counts["evictions"] += 1
+            else:
+                victim = max((s for s in self._slots if s is not None), key=lambda s: s.order)
+                self._preempt(victim)
+                if victim is seq:
+                    return None
+            page = self.allocator.alloc()
+        return page
+
+    def _decref(self, page: int) -> None:
+        if self.allocator.decref(page):
+            self.index.forget(page)
+
+    def _free_pages(self, seq: Sequence) -> None:
+        for page in seq.pages:
+            self._decref(page)
+        seq.pages, seq.cached = [], 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence's pages and requeues it at the front of the queue."""
+        self._free_pages(seq)
+        self._slots[seq.slot] = None
+        seq.slot = None
+        seq.preemptions += 1
+        self._counts["preemptions"] += 1
+        with self._cond:
+            self._waiting.appendleft(seq)
+
+    def _table(self, seqs: list[Sequence]) -> np.ndarray:
+        """[len(seqs), max_pages_per_seq] page tables (unused columns: the scratch page)."""
+        table = np.full((len(seqs), self.max_pages_per_seq), SCRATCH_PAGE, np.int32)
+        for i, s in enumerate(seqs):
+            if s is not None:
+                table[i, : len(s.pages)] = s.pages
+        return table
+
+    # --- the two calls ------------------------------------------------------------------------
+
+    def _running(self, prefill: bool) -> list[Sequence]:
+        """Running sequences in their prefill (or decode) phase, oldest first."""
+        seqs = [s for s in self._slots if s is not None]
+        seqs = [s for s in seqs if (len(s.tokens) - s.cached > 1) == prefill]
+        return sorted(seqs, key=lambda s: s.order)
+
+    def _run_prefill(self) -> None:
+        """One chunk for up to `prefill_rows` sequences in their prefill phase."""
+        rows: list[tuple[Sequence, int]] = []
+        for seq in self._running(prefill=True):
+            if len(rows) == self.prefill_rows:
+                break
+            if seq.slot is None:  # preempted for an older row's pages
+                continue
+            n = min(self.chunk, len(seq.tokens) - 1 - seq.cached)
+            if self._prepare_write(seq, n):
+                rows.append((seq, n))
+        if not rows:
+            return
+        b = self.prefill_rows
+        tokens = np.full((b, self.chunk), self.pad_id, np.int32)
+        start, lengths = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        for i, (seq, n) in enumerate(rows):
+            tokens[i, :n] = seq.tokens[seq.cached : seq.cached + n]
+            start[i], lengths[i] = seq.cached, n
+        table = self._table([s for s, _ in rows] + [None] * (b - len(rows)))
+        self.pool = self._call(
+            _prefill_jit, self._weights, self.pool, tokens, start, lengths, table
+        )
+        self._counts["prefill_calls"] += 1
+        for seq, n in rows:
+            self._record_write(seq, n)
+            seq.prefill_tokens += n
+            self._counts["prefill_tokens"] += n
+
+    def _decode_batch(self, rows: list[Sequence]) -> dict[str, np.ndarray]:
+        b = self.max_slots
+        batch = {
+            "tokens": np.full((b,), self.pad_id, np.int32), "pos": np.zeros((b,), np.int32),
+            "active": np.zeros((b,), bool), "seed": np.zeros((b,), np.int32),
+            "index": np.zeros((b,), np.int32), "temperature": np.ones((b,), np.float32),
+            "top_k": np.zeros((b,), np.int32), "top_p": np.ones((b,), np.float32),
+        }  # fmt: skip
+        by_slot: list[Sequence | None] = [None] * b
+        for seq in rows:
+            i, r = seq.slot, seq.request
+            by_slot[i] = seq
+            batch["tokens"][i], batch["pos"][i], batch["active"][i] = (
+                seq.tokens[-1],
+                seq.cached,
+                True,
+            )
+            batch["seed"][i], batch["index"][i] = r.stream(), seq.generated
+            batch["temperature"][i], batch["top_k"][i], batch["top_p"][i] = (
+                r.temperature,
+                r.top_k,
+                r.top_p,
+            )
+        batch["table"] = self._table(by_slot)
+        return batch
+
+    def _run_decode(self, finished: list[Completion]) -> None:
+        """One decode step of every sequence in its decode phase; finishes the done ones."""
+        rows = []
+        for seq in self._running(prefill=False):
+            if seq.slot is not None and self._prepare_write(seq, 1):
+                rows.append(seq)
+        rows = [s for s in rows if s.slot is not None]
+        if not rows:
+            return
+        batch = self._decode_batch(rows)
+        (tok, lp, raw), self.pool = self._call(
+            _decode_jit, self._weights, self.pool, self.rng, batch
+        )
+        tok, lp, raw = jax.device_get((tok, lp, raw))
+        self._counts["decode_steps"] += 1
+        self._counts["decode_tokens"] += len(rows)
+        for seq in rows:
+            self._record_write(seq, 1)
+            if seq.generated == 0:
+                self._counts["prefill_tokens"] += 1  # the context's last token
+                seq.prefill_tokens += 1
+            i = seq.slot
+            seq.tokens.append(int(tok[i]))
+            seq.logprobs.append(float(lp[i]))
+            seq.raw_logprobs.append(float(raw[i]))
+            seq.versions.append(self.version)
+            if int(tok[i]) in seq.request.stop_ids:
+                finished.append(self._finish(seq, "stop"))
+            elif seq.generated >= seq.request.max_new_tokens:
+                finished.append(self._finish(seq, "length"))
+
+    def _finish(self, seq: Sequence, reason: str) -> Completion:
+        """Frees the slot; the sequence (and its pages) is kept for `continue_from`."""
+        self._slots[seq.slot] = None
+        seq.slot = None
+        rid = seq.request.request_id
+        self.release(rid)  # an older request of the same id
+        self._kept[rid] = seq
+        while len(self._kept) > self.max_kept:
+            _, old = self._kept.popitem(last=False)
+            self._free_pages(old)
+        return seq.completion(reason)
+
+
+__all__ = ["Engine"]

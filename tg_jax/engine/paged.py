@@ -1,0 +1,241 @@
+"""The engine's device computations: paged prefill chunks, the paged decode step, page copies.
+
+Layout (per layer, `PagedPool`): k and v are [num_pages, page_size, K, H] arrays; token slot
+o of page p holds the key / value of one position of one sequence. A sequence's page table
+row [M] lists its pages in position order (position t lives in page table[t // page_size] at
+offset t % page_size); unused columns hold page 0, the scratch page (`pages.SCRATCH_PAGE`),
+where padding rows and padding tokens write and which nothing reads unmasked. Attention
+gathers a row's M pages into [S = M * page_size, K, H] keys and masks slot s > the query's
+position, so stale slots (of a page shared copy-on-write, or past a sequence's length) are
+never seen.
+
+The layer math is the decode path's (`tg_jax.models.decode`: `_attention_inputs` with q/k
+RMSNorm and RoPE, `_attention_output_and_ffn`, `_logits`, the fused `DecodeWeights`); only the
+cache differs. Both entry points write the new keys and values with one scatter per layer and
+return the updated pool (jit them with the pool donated, so the writes are in place):
+
+  prefill_chunk  [B, C] tokens per row at positions start_b.., n_b of them valid: writes their
+                 keys / values and, except in the last layer (whose outputs nobody reads),
+                 runs the layers over them. No logits: the engine feeds a context's last
+                 token through `decode_step`, which samples.
+  decode_step    one token per row at position pos_b: writes it, attends over the row's
+                 pages, returns fp32 logits [B, V]; `draw` samples from them.
+
+Shapes are fixed by the engine (B slots or prefill rows, C chunk, M pages per sequence), so
+each function compiles once. Limits: every step gathers all M pages of every row (the cost of
+a step grows with the per-sequence context limit, not with the live length); no ragged or
+flattened batch (prefill and decode are separate calls).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tg_jax.models import decode
+from tg_jax.models.decode import (
+    _attention_inputs,
+    _attention_output_and_ffn,
+    _embed,
+    _logits,
+    rope_tables,
+)
+from tg_jax.models.qwen3 import Transformer
+from tg_jax.sampling.methods import draw_with_uniforms, uniforms
+
+Array = jax.Array
+_MASKED = jnp.finfo(jnp.float32).min
+
+
+@flax.struct.dataclass
+class PagedPool:
+    """Per-layer key / value pages.
+
+    Attributes:
+      k: tuple of num_layers arrays [num_pages, page_size, K, H] (compute dtype).
+      v: tuple of num_layers arrays [num_pages, page_size, K, H].
+    """
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
+
+
+def init_pool(model: Transformer, num_pages: int, page_size: int) -> PagedPool:
+    """A zeroed pool for `model` (zeros: a masked slot must not hold NaN or inf)."""
+    cfg = model.config
+    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    k = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+    v = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+    return PagedPool(k, v)
+
+
+def pool_bytes(model: Transformer, num_pages: int, page_size: int) -> int:
+    """Bytes of `init_pool(model, num_pages, page_size)` (without building it)."""
+    cfg = model.config
+    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    return num_pages * page_size * per_slot * jnp.dtype(cfg.jnp_dtype).itemsize
+
+
+def _write_and_gather(pool_x: Array, new_BxTxKxH: Array, page_BxT, offset_BxT, table_BxM):
+    """Scatters new slots into one layer's pages, then gathers each row's pages:
+    (updated pool [num_pages, page_size, K, H], the rows' slots [B, M * page_size, K, H])."""
+    pool_x = pool_x.at[page_BxT, offset_BxT].set(new_BxTxKxH.astype(pool_x.dtype))
+    b, m = table_BxM.shape
+    rows = pool_x[table_BxM]  # [B, M, page_size, K, H]
+    return pool_x, rows.reshape(b, m * pool_x.shape[1], *pool_x.shape[2:])
+
+
+def _paged_attention(cfg, q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, pos_BxT) -> Array:
+    """Attention of T queries per row over the row's gathered slots s <= the query's
+    position (slot == position): [B, T, N, H]."""
+    dt = cfg.jnp_dtype
+    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, t = q_BxTxNxH.shape[:2]
+    s = k_BxSxKxH.shape[1]
+    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h).astype(dt)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH.astype(dt))
+    scores = scores.astype(jnp.float32) * (h**-0.5)
+    visible_BxTxS = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos_BxT[:, :, None]
+    scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH.astype(dt))
+    return out.reshape(b, t, n, h)
+
+
+def _slots(table_BxM: Array, pos_BxT: Array, valid_BxT: Array, page_size: int):
+    """(page, offset) [B, T] where each position is written; invalid ones go to page 0."""
+    m = table_BxM.shape[1]
+    col_BxT = jnp.clip(pos_BxT // page_size, 0, m - 1)
+    page_BxT = jnp.take_along_axis(table_BxM, col_BxT, axis=1)
+    return jnp.where(valid_BxT, page_BxT, 0), pos_BxT % page_size
+
+
+def prefill_chunk(
+    model: Transformer,
+    weights: decode.DecodeWeights,
+    pool: PagedPool,
+    tokens_BxC: Array,
+    start_B: Array,
+    lengths_B: Array,
+    table_BxM: Array,
+) -> PagedPool:
+    """Writes the keys / values of tokens_BxC[b, :lengths_B[b]] at positions start_b.. .
+
+    Row b's earlier positions 0..start_b-1 must already be in its pages; its pages must cover
+    start_b + lengths_b positions. Rows with lengths_b == 0 are padding (write to page 0).
+    Returns the updated pool.
+    """
+    cfg = model.config
+    c = tokens_BxC.shape[1]
+    pos_BxC = start_B[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    valid_BxC = jnp.arange(c, dtype=jnp.int32)[None, :] < lengths_B[:, None]
+    page_BxC, offset_BxC = _slots(table_BxM, pos_BxC, valid_BxC, pool.page_size)
+    cos, sin = rope_tables(pos_BxC, cfg.head_dim, cfg.rope_theta)
+    x_BxCxD = _embed(model, weights, tokens_BxC)
+    ks, vs = list(pool.k), list(pool.v)
+    last = len(weights.layers) - 1
+    for i, w in enumerate(weights.layers):
+        q_BxCxNxH, k_BxCxKxH, v_BxCxKxH = _attention_inputs(cfg, w, x_BxCxD, cos, sin)
+        ks[i], keys = _write_and_gather(ks[i], k_BxCxKxH, page_BxC, offset_BxC, table_BxM)
+        vs[i], vals = _write_and_gather(vs[i], v_BxCxKxH, page_BxC, offset_BxC, table_BxM)
+        if i < last:  # the last layer's outputs are never read (no logits here)
+            out = _paged_attention(cfg, q_BxCxNxH, keys, vals, pos_BxC)
+            x_BxCxD = _attention_output_and_ffn(cfg, w, x_BxCxD, out)
+    return PagedPool(tuple(ks), tuple(vs))
+
+
+def decode_step(
+    model: Transformer,
+    weights: decode.DecodeWeights,
+    pool: PagedPool,
+    tokens_B: Array,
+    pos_B: Array,
+    active_B: Array,
+    table_BxM: Array,
+) -> tuple[Array, PagedPool]:
+    """Feeds tokens_B[b] at position pos_B[b] of row b (positions < pos_b already in its
+    pages): (fp32 logits [B, V] of the next token, updated pool). Inactive rows write to
+    page 0 and their logits are garbage."""
+    cfg = model.config
+    pos_Bx1 = pos_B[:, None]
+    page_Bx1, offset_Bx1 = _slots(table_BxM, pos_Bx1, active_B[:, None], pool.page_size)
+    cos, sin = rope_tables(pos_Bx1, cfg.head_dim, cfg.rope_theta)
+    x_Bx1xD = _embed(model, weights, tokens_B[:, None])
+    ks, vs = list(pool.k), list(pool.v)
+    for i, w in enumerate(weights.layers):
+        q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
+        ks[i], keys = _write_and_gather(ks[i], k_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
+        vs[i], vals = _write_and_gather(vs[i], v_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
+        out = _paged_attention(cfg, q_Bx1xNxH, keys, vals, pos_Bx1)
+        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out)
+    return _logits(cfg, weights, x_Bx1xD[:, 0]), PagedPool(tuple(ks), tuple(vs))
+
+
+def request_uniforms(rng: Array, seed_B: Array, index_B: Array) -> Array:
+    """[B] uniforms: entry b is `row_uniforms(rng, [seed_b], index_b + 1)[0, index_b]`, the
+    random input of a request's index_b-th draw (independent of slot and step)."""
+
+    def one(seed, index):
+        return uniforms(jax.random.fold_in(jax.random.fold_in(rng, seed), index), 1)[0]
+
+    return jax.vmap(one)(seed_B, index_B)
+
+
+def draw(rng: Array, logits_BxV: Array, settings: dict[str, Array]) -> tuple[Array, ...]:
+    """`draw_with_uniforms` with per-request streams: settings holds [B] "seed", "index",
+    "temperature", "top_k", "top_p". Returns (tokens, sampling log-probs, raw log-probs)."""
+    u_B = request_uniforms(rng, settings["seed"], settings["index"])
+    return draw_with_uniforms(
+        u_B, logits_BxV, settings["temperature"], settings["top_k"], settings["top_p"]
+    )
+
+
+def copy_page(pool: PagedPool, src: Array, dst: Array) -> PagedPool:
+    """Page `dst` of every layer becomes a copy of page `src` (copy-on-write)."""
+
+    def cp(x):
+        return jax.lax.dynamic_update_index_in_dim(x, jax.lax.dynamic_index_in_dim(x, src), dst, 0)
+
+    return PagedPool(tuple(cp(x) for x in pool.k), tuple(cp(x) for x in pool.v))
+
+
+def sample_step(
+    model: Transformer,
+    weights: decode.DecodeWeights,
+    pool: PagedPool,
+    rng: Array,
+    batch: dict[str, Any],
+) -> tuple[tuple[Array, ...], PagedPool]:
+    """`decode_step` then `draw`: batch holds [B] "tokens", "pos", "active", the draw's
+    settings, and "table" [B, M]. Returns ((tokens, log-probs, raw log-probs), pool)."""
+    logits_BxV, pool = decode_step(
+        model, weights, pool, batch["tokens"], batch["pos"], batch["active"], batch["table"]
+    )
+    return draw(rng, logits_BxV, batch), pool
+
+
+__all__ = [
+    "PagedPool",
+    "copy_page",
+    "decode_step",
+    "draw",
+    "init_pool",
+    "pool_bytes",
+    "prefill_chunk",
+    "request_uniforms",
+    "sample_step",
+]
