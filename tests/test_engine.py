@@ -212,13 +212,14 @@ def test_weights_update_pause_and_policy_version(setup):
 
 
 def test_no_recompilation_after_warmup(setup):
-    """Everything that varies between steps is an array: after the first steps (one trace
-    each of prefill and decode, plus the page copy), new prompts, lengths, sampling settings,
-    continuations, sharing and preemption trace nothing."""
+    """Everything that varies between steps is an array or a page-table bucket: after
+    `warmup` (prefill and decode per bucket, the page copy), new prompts, lengths, sampling
+    settings, continuations, sharing and preemption trace nothing."""
     engine = _engine(setup, max_slots=3, num_pages=11)
-    engine.generate([Request("w", _prompts((9,))[0], 4, temperature=0.0)])
+    assert engine.page_buckets() == [1, 2, 4, 8, 12]
+    engine.warmup()
     warm = engine.num_traces
-    assert warm >= 2  # prefill and decode of this geometry
+    assert warm >= 2 * 5 + 1  # (this geometry was not compiled before)
     prompts = _prompts((3, 17, 10, 10, 25), seed=8)
     prompts[3] = prompts[2]  # shared prefix, copy-on-write
     reqs = [Request(i, p, 9 + i, temperature=0.5 * i, top_k=i, top_p=0.9, stop_ids=(5, 6))
@@ -227,9 +228,15 @@ def test_no_recompilation_after_warmup(setup):
     out += engine.generate([Request("c", [4, 4], 5, continue_from=0)])
     assert len(out) == 6 and all(c.finish_reason in ("stop", "length") for c in out)
     assert engine.stats["preemptions"] >= 1 and engine.stats["cow_copies"] >= 1
-    assert engine.num_traces - warm == 1  # the page copy, traced at its first use
     engine.generate([Request(i, p, 5, seed=i) for i, p in enumerate(prompts[:3])])
-    assert engine.num_traces - warm == 1
+    assert engine.num_traces == warm
+    # Without warmup, the first use of a bucket traces (here: several buckets, then none).
+    cold = _engine(setup, max_slots=3, num_pages=12)
+    cold.generate(reqs[:2])
+    first = cold.num_traces
+    assert first >= 3
+    cold.generate([Request(9, prompts[1], 10, seed=3)])
+    assert cold.num_traces == first
 
 
 def test_page_allocator_and_prefix_index_by_hand():

@@ -25,11 +25,14 @@ exceeds the per-sequence limit (max_pages_per_seq * page_size) or the pool compl
 with finish_reason "error".
 
 Shapes: decode [max_slots], prefill [prefill_rows, prefill_chunk], page tables
-[., max_pages_per_seq]: fixed, so the three jitted functions (prefill, decode, page copy)
-compile once (`num_traces` counts traces). Limits: host scheduling between calls (each step
-waits for its drawn tokens); a step's attention reads all max_pages_per_seq pages of a row;
-`update_weights` applies from the next step on (sequences in flight keep their cached keys and
-values from the older weights; `Completion.first_policy_version` tells).
+[., width] with width the power-of-two bucket of the longest row's pages (`page_buckets`,
+at most max_pages_per_seq): each jitted function (prefill, decode, page copy) compiles once
+per bucket, `warmup` compiles them all up front, and nothing compiles in steady state
+(`num_traces` counts traces). Limits: host scheduling between calls (each step waits for its
+drawn tokens, one token per sequence per step); a step's attention reads `width` pages of
+every row, the longest row's bucket; `update_weights` applies from the next step on
+(sequences in flight keep their keys and values from the older weights, and no new request
+shares them; `Completion.first_policy_version` tells).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class Engine:
         prefix_sharing: bool = True,
         max_kept: int = 1024,
         pad_id: int = 0,
+        bucket_pages: bool = True,
     ):
         """Args:
         max_slots: sequences decoded per step.
@@ -103,6 +107,9 @@ class Engine:
         prefix_sharing: match new contexts against live pages (off: only `continue_from`
           keeps its parent's pages).
         max_kept: finished requests remembered for `continue_from` (oldest forgotten first).
+        bucket_pages: a call's page tables are as wide as the longest row needs, rounded up to
+          a power of two (`page_buckets`: one compilation each; `warmup` compiles them all);
+          off: always max_pages_per_seq wide (one compilation, every step reads all pages).
         """
         self.model = model
         self.max_slots, self.page_size = int(max_slots), int(page_size)
@@ -111,6 +118,7 @@ class Engine:
         self.chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         self.rng = jax.random.key(0) if rng is None else rng
         self.prefix_sharing, self.max_kept, self.pad_id = prefix_sharing, max_kept, pad_id
+        self.bucket_pages = bucket_pages
         self.num_traces = 0  # traces (compilations) this engine's calls caused
         self.pool = paged.init_pool(model, self.num_pages, self.page_size)
         self.allocator = PageAllocator(self.num_pages)
@@ -202,6 +210,11 @@ class Engine:
         self.run_until_done()
         with self._cond:
             return [self._results.pop(r.request_id) for r in requests]
+
+    def cached_tokens(self) -> int:
+        """Tokens whose keys and values are in pages (running and kept sequences)."""
+        live = [s for s in self._slots if s is not None] + list(self._kept.values())
+        return sum(s.cached for s in live)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -433,13 +446,41 @@ class Engine:
         with self._cond:
             self._waiting.appendleft(seq)
 
-    def _table(self, seqs: list[Sequence]) -> np.ndarray:
-        """[len(seqs), max_pages_per_seq] page tables (unused columns: the scratch page)."""
-        table = np.full((len(seqs), self.max_pages_per_seq), SCRATCH_PAGE, np.int32)
+    def page_buckets(self) -> list[int]:
+        """Page-table widths a call may get: powers of two below max_pages_per_seq, and it."""
+        if not self.bucket_pages:
+            return [self.max_pages_per_seq]
+        widths = [1 << i for i in range(self.max_pages_per_seq.bit_length())]
+        return [w for w in widths if w < self.max_pages_per_seq] + [self.max_pages_per_seq]
+
+    def _table(self, seqs: list[Sequence | None]) -> np.ndarray:
+        """[len(seqs), width] page tables (unused columns: the scratch page); the width is
+        the smallest bucket holding every row's pages (attention reads width pages a row)."""
+        held = max((len(s.pages) for s in seqs if s is not None), default=1)
+        width = next(w for w in self.page_buckets() if w >= held)
+        table = np.full((len(seqs), width), SCRATCH_PAGE, np.int32)
         for i, s in enumerate(seqs):
             if s is not None:
                 table[i, : len(s.pages)] = s.pages
         return table
+
+    def warmup(self) -> None:
+        """Compiles every call shape (each page-table bucket of prefill and decode, the page
+        copy) on padding rows, which write only the scratch page."""
+        with self._step_lock:
+            b, c = self.prefill_rows, self.chunk
+            zeros_b = np.zeros((b,), np.int32)
+            for width in self.page_buckets():
+                table = np.zeros((b, width), np.int32)
+                tokens = np.zeros((b, c), np.int32)
+                self.pool = self._call(
+                    _prefill_jit, self._weights, self.pool, tokens, zeros_b, zeros_b, table
+                )
+                batch = self._decode_batch([])
+                batch["table"] = np.zeros((self.max_slots, width), np.int32)
+                _, self.pool = self._call(_decode_jit, self._weights, self.pool, self.rng, batch)
+            self.pool = self._call(_copy_jit, self.pool, np.int32(0), np.int32(0))
+            jax.block_until_ready(self.pool)
 
     # --- the two calls ------------------------------------------------------------------------
 

@@ -1,0 +1,223 @@
+"""Agentic rollouts: lock-step batches with the `Sampler` against the engine's agent loops.
+
+The workload (`make_workload`, seeded): E episodes of 2..T turns. Turn k of episode e
+generates exactly n_ek tokens (no stop ids; n lognormal, coefficient of variation >= 1,
+clipped), then a tool call takes t_ek seconds (90% lognormal around the median, 10% 10-20x
+the median: a heavy tail) and appends `obs_tokens` tokens. Both arms sample the same
+tokens counts at temperature 1 from the same model.
+
+  lock-step  (a) one `Sampler.sample` call per turn index with every live episode (a
+             `TurnCache` keeps their keys and values between turns, so a call prefills only
+             the appended tokens), then the turn's tool calls in threads, waiting for the
+             slowest; a call runs until its longest row is done.
+  engine     (b) one thread per episode submits its next turn (`continue_from` its last turn)
+             as soon as its tool call returns; the main thread alone drives `Engine.step`
+             (nothing traces in two threads).
+
+Both arms run the workload once untimed with zero tool latency (compiles every shape they
+use), then once timed. KV memory is equal: the engine's page pool has the bytes of the
+largest decode cache the lock-step arm allocated (B x (P + R) slots of its biggest call).
+
+Figures: agentic/tok_s and agentic/lockstep_tok_s (generated tokens per wall second, tool
+time included), agentic/speedup (their ratio), agentic/kv_bytes_per_live_token (bytes of the
+pages in use per token whose keys and values they hold, averaged over the engine's steps;
+the lock-step figure: cache bytes per live token of its calls), agentic/slot_occupancy (mean
+fraction of engine slots holding a sequence per step). Limits: a random-init model (the
+figures are about scheduling, not quality); wall-clock figures on a shared CPU are noisy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax.engine import Engine, Request
+from tg_jax.engine import paged as engine_paged
+from tg_jax.models import ModelConfig, Transformer, init_params
+from tg_jax.sampling.rows import batch_bucket, length_bucket
+from tg_jax.sampling.sampler import Sampler
+from tg_jax.sampling.turn_cache import TurnCache
+
+SMALL_MODEL = dict(
+    vocab_size=2048, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+    mlp_dim=768, max_seq_len=2048, rope_theta=10_000.0,
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class Workload:
+    """Per episode: prompt ids, per turn the tokens to generate, the tool's seconds and the
+    observation ids it appends."""
+
+    prompts: list[list[int]]
+    turn_tokens: list[list[int]]
+    tool_s: list[list[float]]
+    observations: list[list[list[int]]]
+
+    def max_context(self) -> int:
+        return max(
+            len(p) + sum(n) + sum(map(len, o))
+            for p, n, o in zip(self.prompts, self.turn_tokens, self.observations, strict=True)
+        )
+
+
+def make_workload(
+    episodes: int = 16, max_turns: int = 4, *, median_tokens: int = 16, max_tokens: int = 256,
+    median_tool_s: float = 0.05, prompt_tokens: int = 32, obs_tokens: int = 12, vocab: int = 256,
+    seed: int = 0,
+) -> Workload:  # fmt: skip
+    """A seeded synthetic workload (module docstring)."""
+    rng = np.random.default_rng(seed)
+    turns = rng.integers(2, max_turns + 1, episodes)
+    # lognormal sigma 1.2: coefficient of variation sqrt(exp(1.44) - 1) = 1.8 before clipping
+    lengths = [np.clip(np.rint(median_tokens * rng.lognormal(0, 1.2, t)), 2, max_tokens)
+               for t in turns]  # fmt: skip
+    # Tool seconds: lognormal around the median; exactly 10% of the calls (at least one)
+    # 12-20x the median (>= 10x the median of all calls).
+    calls = int(turns.sum())
+    tools = median_tool_s * rng.lognormal(0, 0.25, calls)
+    heavy = rng.choice(calls, max(1, round(0.1 * calls)), replace=False)
+    tools[heavy] = median_tool_s * rng.uniform(12, 20, heavy.size)
+    tools = np.split(tools, np.cumsum(turns)[:-1])
+    return Workload(
+        prompts=[rng.integers(1, vocab, prompt_tokens).tolist() for _ in range(episodes)],
+        turn_tokens=[x.astype(int).tolist() for x in lengths],
+        tool_s=[t.tolist() for t in tools],
+        observations=[
+            [rng.integers(1, vocab, obs_tokens).tolist() for _ in range(t)] for t in turns
+        ],  # fmt: skip
+    )
+
+
+def _tool(seconds: float, sleep: bool) -> None:
+    if sleep:
+        time.sleep(seconds)
+
+
+def run_lockstep(sampler: Sampler, params: Any, w: Workload, *, sleep: bool) -> dict[str, float]:
+    """Arm (a): one sample call per turn index with every live episode, then its tools."""
+    contexts = [list(p) for p in w.prompts]
+    cache, tokens, kv_slots, live_tokens = TurnCache(), 0, [], []
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(w.prompts)) as pool:
+        for k in range(max(map(len, w.turn_tokens))):
+            live = [e for e in range(len(contexts)) if k < len(w.turn_tokens[e])]
+            max_new = [w.turn_tokens[e][k] for e in live]
+            out = sampler.sample(
+                params, [contexts[e] for e in live], max_new_tokens=max_new, temperature=1.0,
+                rng=jax.random.key(k), row_ids=live, cache=cache, keys=live,
+            )  # fmt: skip
+            b = batch_bucket(len(live))
+            p = length_bucket(max(len(contexts[e]) for e in live), sampler.length_multiple)
+            kv_slots.append(b * (p + length_bucket(max(max_new), sampler.length_multiple)))
+            live_tokens.append(
+                sum(len(contexts[e]) + n for e, n in zip(live, max_new, strict=True))
+            )
+            for e, toks in zip(live, out.tokens, strict=True):
+                contexts[e] += [int(t) for t in toks] + w.observations[e][k]
+                tokens += len(toks)
+            list(pool.map(lambda e, k=k: _tool(w.tool_s[e][k], sleep), live))
+    wall = time.perf_counter() - start
+    return {"tokens": tokens, "wall_s": wall, "kv_slots": max(kv_slots),
+            "slots_per_live_token": float(np.mean(np.divide(kv_slots, live_tokens)))}  # fmt: skip
+
+
+def _episode(engine: Engine, w: Workload, e: int, sleep: bool, out: list[int]) -> None:
+    """Arm (b)'s agent loop of one episode (runs in its own thread)."""
+    previous = None
+    for k, n in enumerate(w.turn_tokens[e]):
+        rid = (e, k)
+        prompt = w.prompts[e] if previous is None else w.observations[e][k - 1]
+        engine.submit(Request(rid, prompt, n, temperature=1.0, continue_from=previous,
+                              seed=e * 64 + k))  # fmt: skip
+        done = engine.result(rid)
+        if done.finish_reason == "error":
+            raise RuntimeError(f"episode {e} turn {k}: {done.message}")
+        out[e] += len(done.token_ids)
+        _tool(w.tool_s[e][k], sleep)
+        previous = rid
+    engine.release(previous)
+
+
+def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
+    """Arm (b): per-episode threads submit turns; this thread drives the engine's steps."""
+    counts = [0] * len(w.prompts)
+    threads = [threading.Thread(target=_episode, args=(engine, w, e, sleep, counts), daemon=True)
+               for e in range(len(w.prompts))]  # fmt: skip
+    used, live = [], []
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        if engine.has_work():
+            engine.step()
+            used.append(engine.allocator.num_used)
+            live.append(engine.cached_tokens())
+        else:
+            time.sleep(0.0005)
+    wall = time.perf_counter() - start
+    for t in threads:
+        t.join()
+    if sum(counts) != sum(map(sum, w.turn_tokens)):
+        raise RuntimeError("the engine arm lost tokens (an episode failed)")
+    slots_per_token = engine.page_size * float(np.sum(used)) / max(float(np.sum(live)), 1.0)
+    return {"tokens": sum(counts), "wall_s": wall, "slots_per_live_token": slots_per_token}
+
+
+def agentic_section(
+    *, episodes: int = 16, max_turns: int = 4, median_tokens: int = 16, max_tokens: int = 256,
+    median_tool_s: float = 0.05, page_size: int = 16, prefill_chunk: int = 64,
+    model_fields: dict[str, Any] | None = None, seed: int = 0,
+) -> dict[str, float]:  # fmt: skip
+    """Runs both arms on one workload (module docstring) and returns the figures."""
+    cfg = ModelConfig(**{**SMALL_MODEL, **(model_fields or {})})
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(seed))
+    w = make_workload(
+        episodes, max_turns, median_tokens=median_tokens, max_tokens=max_tokens,
+        median_tool_s=median_tool_s, vocab=min(cfg.vocab_size, 256), seed=seed,
+    )  # fmt: skip
+    sampler = Sampler(model, pad_id=0, length_multiple=64)
+    run_lockstep(sampler, params, w, sleep=False)  # compiles every bucket
+    lock = run_lockstep(sampler, params, w, sleep=True)
+    max_pages = -(-w.max_context() // page_size)
+    num_pages = max(lock["kv_slots"] // page_size, max_pages + 1)
+    engine = Engine(
+        model, params, max_slots=episodes, page_size=page_size, max_pages_per_seq=max_pages,
+        num_pages=num_pages, prefill_chunk=prefill_chunk, prefill_rows=2,
+        rng=jax.random.key(seed), max_kept=4 * episodes,
+    )  # fmt: skip
+    run_engine(engine, w, sleep=False)  # compiles
+    steps_before, traces_before = dict(engine.stats), engine.num_traces
+    eng = run_engine(engine, w, sleep=True)
+    stats = engine.stats
+    steps = stats["steps"] - steps_before["steps"]
+    busy = stats["slot_occupancy"] * stats["steps"]
+    occupancy = (busy - steps_before["slot_occupancy"] * steps_before["steps"]) / max(steps, 1)
+    slot_bytes = engine_paged.pool_bytes(model, 1, 1)
+    lengths = np.concatenate([np.asarray(n, float) for n in w.turn_tokens])
+    tools = np.concatenate([np.asarray(t) for t in w.tool_s])
+    return {
+        "agentic/tok_s": eng["tokens"] / eng["wall_s"],
+        "agentic/lockstep_tok_s": lock["tokens"] / lock["wall_s"],
+        "agentic/speedup": lock["wall_s"] / eng["wall_s"],
+        "agentic/kv_bytes_per_live_token": slot_bytes * eng["slots_per_live_token"],
+        "agentic/lockstep_kv_bytes_per_live_token": slot_bytes * lock["slots_per_live_token"],
+        "agentic/slot_occupancy": occupancy,
+        "agentic/kv_bytes": float(engine.pool.nbytes()),
+        "agentic/lockstep_kv_bytes": float(slot_bytes * lock["kv_slots"]),
+        "agentic/tokens": float(eng["tokens"]),
+        "agentic/turn_tokens_cv": float(lengths.std() / lengths.mean()),
+        "agentic/heavy_tool_share": float(np.mean(tools >= 10 * np.median(tools))),
+        "agentic/preemptions": stats["preemptions"] - steps_before["preemptions"],
+        "agentic/compiles_timed": float(engine.num_traces - traces_before),
+    }
+
+
+__all__ = ["Workload", "agentic_section", "make_workload", "run_engine", "run_lockstep"]
