@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tg_jax import config_files
-from tg_jax.envs.coding import CodingEnvConfig
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
 from tg_jax.envs.protocol import FENCE_OPENING, make_requirement
 from tg_jax.envs.tasks import make_task
 from tg_jax.sampling.sampler import SampleResult
@@ -58,7 +58,14 @@ def _evaluate(monkeypatch, requirements, *, forced, temperatures=(1.0,)):
     eval_cfg = types.SimpleNamespace(seed=0, temperatures=temperatures, max_new_tokens=64)
     env_cfg = CodingEnvConfig(executor="trusted", requirements=requirements, max_turns=1)
     out = sft_eval.evaluate_base_model(
-        None, None, RENDERER, [LIN, LIN], env_cfg, eval_cfg, max_len=2048, forced=forced
+        None,
+        None,
+        RENDERER,
+        [LIN, LIN],
+        lambda: CodingEnv(env_cfg),
+        eval_cfg,
+        max_len=2048,
+        forced=forced,
     )
     return out, samplers[0]
 

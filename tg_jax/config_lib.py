@@ -156,6 +156,12 @@ def tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
     # constant is copied from f(0), put a minutes-of-CPU byte model's pass rate in the
     # 0.2-0.6 band; HARD_FAMILIES (slopes to compute) leave it below 0.1.
     c.families = tasks_lib.EASY_FAMILIES
+    # A user's task file replacing a split's generated tasks: JSONL (one task per line) or a
+    # directory of *.json tasks, its field names mapped by `fields` ("ours=theirs" entries;
+    # tg_jax.data.task_files). "" = generate.
+    c.train_source = ""
+    c.heldout_source = ""
+    c.fields = ()
     c.update(overrides)
     return c
 

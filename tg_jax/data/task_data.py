@@ -18,6 +18,7 @@ directory of tasks (`config.tasks.train_source` / `heldout_source`, imported by
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -26,6 +27,7 @@ from typing import Any
 
 from tg_jax import paths
 from tg_jax.data import tfds_builders
+from tg_jax.data.task_files import read_task_source
 from tg_jax.envs import decode_task, env_kind
 from tg_jax.envs.plugins import PLUGIN_TASK_KIND, environment_class, is_plugin
 from tg_jax.envs.tasks import check_families, generate_tasks
@@ -44,11 +46,32 @@ def tasks_dataset_name(config: Any) -> str:
         digest = hashlib.sha256(kind.encode()).hexdigest()[:8]
         slug = re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")[-40:]
         sizes = f"seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
-        return f"plugin_{slug}_{digest}_{sizes}"
+        return f"plugin_{slug}_{digest}_{sizes}{_files_suffix(t)}"
     families = "-".join(check_families(t.families))
     return (
         f"coding_{families}_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
+        + _files_suffix(t)
     )
+
+
+def _task_files(t: Any) -> dict[str, str]:
+    """{split: `tasks.<split>_source`} of the splits read from a user's task file."""
+    sources = {s: str(t.get(f"{s}_source", "") or "") for s in ("train", "heldout")}
+    return {s: src for s, src in sources.items() if src}
+
+
+def _files_suffix(t: Any) -> str:
+    """ "" without task files, else "_files" and a hash of their mapped records (the dataset's
+    name follows the files' content)."""
+    files = _task_files(t)
+    if not files:
+        return ""
+    h = hashlib.sha256()
+    for split, src in sorted(files.items()):
+        h.update(split.encode())
+        for record in read_task_source(src, tuple(t.get("fields", ()))):
+            h.update(json.dumps(record, sort_keys=True).encode())
+    return f"_files{h.hexdigest()[:12]}"
 
 
 def _swe_dataset_name(t: Any) -> str:
@@ -88,8 +111,18 @@ def _generate_plugin(config: Any, kind: str):
     cls = environment_class(kind)
     t = config.tasks
     sizes = {"train": int(t.num_train), "heldout": int(t.num_heldout)}
+    files = _task_files(t)
 
     def generate(split: str) -> Iterator[dict]:
+        if split in files:
+            for record in read_task_source(files[split], tuple(t.get("fields", ()))):
+                yield {**record, "kind": PLUGIN_TASK_KIND, "split": split}
+            return
+        if not callable(getattr(cls, "generate_tasks", None)):
+            raise ConfigError(
+                f"env.kind {kind!r}: no tasks for the {split} split: {cls.__name__} has no "
+                f"generate_tasks(split, num, seed) classmethod and tasks.{split}_source is empty"
+            )
         seen: set[str] = set()
         for i, record in enumerate(cls.generate_tasks(split, sizes[split], int(t.seed))):
             if not isinstance(record, dict) or "task_id" not in record:
@@ -112,8 +145,12 @@ def _generate(config: Any):
     if is_plugin(kind):
         return _generate_plugin(config, kind)
     sizes = {"train": int(config.tasks.num_train), "heldout": int(config.tasks.num_heldout)}
+    files = _task_files(config.tasks)
 
     def generate(split: str) -> Iterator[dict]:
+        if split in files:  # coding tasks from a file: Task records (validated on writing)
+            yield from read_task_source(files[split], tuple(config.tasks.get("fields", ())))
+            return
         for task in generate_tasks(
             split, sizes[split], seed=int(config.tasks.seed), families=config.tasks.families
         ):

@@ -29,8 +29,10 @@ check of the process unjudged, each one after its timeout.
 
 An environment plug-in's attribute is a subclass of `tg_jax.envs.Environment`, built as
 `cls(config.env, tool_format=fmt)` (fmt: the model's `tg_jax.text.tool_formats.ToolFormat`).
-Its tasks come from the class: `cls.generate_tasks(split, num, seed)` yields JSON-able task
-records (dicts with a "task_id"), each given to `reset` as the dict. See docs/design.md,
+Its tasks come from a user's task file (`tasks.train_source` / `heldout_source`, fields mapped
+by `tasks.fields`: `tg_jax.data.task_files`) or from the class: `cls.generate_tasks(split,
+num, seed)` yields JSON-able task records (dicts with a "task_id"); each record is given to
+`reset` as the dict. See docs/design.md,
 "How to add a requirement, an environment, a task source".
 
 Bad input is a `PluginError` (a `ConfigError`: `tg_jax.main` prints it as one `error:` line
@@ -83,8 +85,7 @@ def load_object(spec: str, what: str) -> Any:
     except ModuleNotFoundError as e:
         if e.name == module_name or module_name.startswith(f"{e.name}."):
             raise PluginError(
-                f"{what} {spec!r}: no module named {e.name!r} (is it installed, or on "
-                "PYTHONPATH?)"
+                f"{what} {spec!r}: no module named {e.name!r} (is it installed, or on PYTHONPATH?)"
             ) from e
         raise PluginError(f"{what} {spec!r}: importing {module_name!r} failed: {e}") from e
     except Exception as e:
@@ -222,10 +223,5 @@ def environment_class(spec: str) -> type[Environment]:
         raise PluginError(
             f"env.kind {spec!r} is a {type(cls).__name__}: expected a subclass of "
             "tg_jax.envs.Environment"
-        )
-    if not callable(getattr(cls, "generate_tasks", None)):
-        raise PluginError(
-            f"env.kind {spec!r}: {cls.__name__} has no generate_tasks(split, num, seed) "
-            "classmethod to give its task records"
         )
     return cls

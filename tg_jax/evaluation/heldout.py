@@ -107,11 +107,19 @@ def heldout_episodes(
         )  # fmt: skip
         records.extend(recs)
         trajectories.extend(trajs)
-    clusters = {t.task_id: getattr(t, "function_id", t.task_id) for t in tasks}
+    clusters = {rollout.task_id_of(t): _cluster_of(t) for t in tasks}
     records = [
         dataclasses.replace(r, cluster_id=clusters.get(r.task_id, r.task_id)) for r in records
     ]
     return records, trajectories
+
+
+def _cluster_of(task: Any) -> str:
+    """A task's bootstrap cluster: its `function_id` (tasks sharing a hidden function), a
+    plug-in environment's record's "cluster_id", else the task itself."""
+    if isinstance(task, dict):
+        return str(task.get("cluster_id", rollout.task_id_of(task)))
+    return str(getattr(task, "function_id", rollout.task_id_of(task)))
 
 
 def heldout_metrics(records: Sequence[EpisodeRecord], prefix: str = "heldout/") -> dict[str, float]:

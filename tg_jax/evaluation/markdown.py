@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from tg_jax.evaluation import stats
+from tg_jax.evaluation.md_cells import big, ci, minutes, num, pm, table
 from tg_jax.evaluation.plots import (
     ACTIONS_FIGURE,
     CURVE_METRICS,
@@ -33,40 +33,6 @@ THINKING_BASE = "tg"
 THINKING_ARMS = ("tg_think", "tg_think_budget")
 
 
-def _num(x: float | None, digits: int = 2) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{x:.{digits}f}"
-
-
-def _ci(d: Mapping[str, Any] | None, digits: int = 2) -> str:
-    if not d:
-        return "n/a"
-    return f"{_num(d['mean'], digits)} [{_num(d['low'], digits)}, {_num(d['high'], digits)}]"
-
-
-def _pm(d: Mapping[str, Any] | None, digits: int = 2) -> str:
-    if not d or d.get("n", 0) == 0:
-        return "n/a"
-    return f"{_num(d['mean'], digits)} +- {_num(d['std'], digits)}"
-
-
-def _minutes(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds / 60:.1f} min"
-
-
-def _big(x: float) -> str:
-    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{unit}"
-    return f"{x:.3g}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def _arm_rows(res: dict[str, Any], group: str) -> list[str]:
     return [a for a, v in res["arms"].items() if v["group"] == group]
 
@@ -80,8 +46,8 @@ def _heldout_rows(res: dict[str, Any], arms: Sequence[str], pct: int) -> list[li
         b, s = h["bootstrap"], h["seeds"]
         rows.append(
             [arm, str(len(res["arms"][arm]["seeds"])), str(h["num_tasks"])]
-            + [_ci(b.get(m)) for m in stats.RATE_METRICS]
-            + [f"{_pm(s.get(m))} (t {pct}%: [{_num(s[m]['low'])}, {_num(s[m]['high'])}])"
+            + [ci(b.get(m)) for m in stats.RATE_METRICS]
+            + [f"{pm(s.get(m))} (t {pct}%: [{num(s[m]['low'])}, {num(s[m]['high'])}])"
                for m in ("compliance", "task_success")]
         )  # fmt: skip
     return rows
@@ -105,20 +71,20 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
             f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
             f"success: NOT MEANINGFUL.** The baseline collapsed in training seed(s) "
             f"{ni['collapsed_baseline_seeds']} (held-out task success under the floor "
-            f"{_num(ni['floor'], 3)} in that run): a drop measured against a run that lost its "
+            f"{num(ni['floor'], 3)} in that run): a drop measured against a run that lost its "
             "skill says nothing about skill kept, so neither pass nor fail is reported. "
-            f"(Difference {_num(ni['mean'], 3)}, lower bound {_num(ni['lower'], 3)} vs margin "
-            f"{_num(ni['margin'], 3)}.)",
+            f"(Difference {num(ni['mean'], 3)}, lower bound {num(ni['lower'], 3)} vs margin "
+            f"{num(ni['margin'], 3)}.)",
             "",
         ]
     if ni["verdict"] == "not meaningful":
         return [
             f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
             f"success: NOT MEANINGFUL.** The baseline's held-out task success "
-            f"{_num(ni.get('baseline_success'), 3)} is under the floor {_num(ni['floor'], 3)}: "
+            f"{num(ni.get('baseline_success'), 3)} is under the floor {num(ni['floor'], 3)}: "
             "an arm that solves (almost) nothing cannot show a drop, so neither pass nor fail "
-            f"is reported. (Difference {_num(ni['mean'], 3)}, lower bound "
-            f"{_num(ni['lower'], 3)} vs margin {_num(ni['margin'], 3)}.)",
+            f"is reported. (Difference {num(ni['mean'], 3)}, lower bound "
+            f"{num(ni['lower'], 3)} vs margin {num(ni['margin'], 3)}.)",
             "",
         ]
     if ni["verdict"] == "exploratory":
@@ -127,18 +93,18 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
             f"success: EXPLORATORY ({ni.get('why', '')}).** A verdict needs "
             f"{stats.MIN_SEEDS} training seeds per arm (`--config.eval.train_seeds`): the "
             "two-level interval carries the seed-to-seed spread only from several seeds. "
-            f"Difference {_num(ni['mean'], 3)}, lower bound of the two-sided {pct}% "
-            f"{ni['interval'].replace('_', ' ')} interval {_num(ni['lower'], 3)} vs margin "
-            f"{_num(ni['margin'], 3)}.",
+            f"Difference {num(ni['mean'], 3)}, lower bound of the two-sided {pct}% "
+            f"{ni['interval'].replace('_', ' ')} interval {num(ni['lower'], 3)} vs margin "
+            f"{num(ni['margin'], 3)}.",
             "",
         ] + _behaviour_cost(res)
     return [
         f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
-        f"success: {ni['verdict'].upper()}.** Difference {_num(ni['mean'], 3)}, lower bound "
+        f"success: {ni['verdict'].upper()}.** Difference {num(ni['mean'], 3)}, lower bound "
         f"of the two-sided {pct}% {ni['interval'].replace('_', ' ')} interval "
-        f"{_num(ni['lower'], 3)} vs margin {_num(ni['margin'], 3)} (fixed in the config "
+        f"{num(ni['lower'], 3)} vs margin {num(ni['margin'], 3)} (fixed in the config "
         "before the run; pass iff lower bound >= margin; meaningful iff the baseline's task "
-        f"success >= floor {_num(st['floor'], 3)}).",
+        f"success >= floor {num(st['floor'], 3)}).",
         "",
     ] + _behaviour_cost(res)
 
@@ -153,8 +119,8 @@ def _behaviour_cost(res: dict[str, Any]) -> list[str]:
         return []
     return [
         f"At the base model (sft_eval.json, temperature 1), hinted prompts (the requirement "
-        f"followed) solve {_num(hinted)} of the held-out tasks vs {_num(plain)} plain: the "
-        f"behaviour's own cost there is {_num(hinted - plain, 3)}, to read beside the "
+        f"followed) solve {num(hinted)} of the held-out tasks vs {num(plain)} plain: the "
+        f"behaviour's own cost there is {num(hinted - plain, 3)}, to read beside the "
         "difference above. It includes reading a hint before every turn; the format alone, "
         "forced without a hint: `python -m tg_jax.evaluation.prefill`.",
         "",
@@ -189,7 +155,7 @@ def _context_section(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"* Registered as `{reg['id']}` in `{reg['registry']}`; earlier attempts of "
             f"`{reg['hypothesis']}`: {earlier or 'none'}. The verdict's interval is two-sided "
-            f"{_num(100 * reg['level'], 2)}% (the error rate split over "
+            f"{num(100 * reg['level'], 2)}% (the error rate split over "
             f"{len(reg['earlier']) + 1} attempt(s))."
         )
     base = ctx.get("base_model")
@@ -203,15 +169,15 @@ def _context_section(res: dict[str, Any]) -> list[str]:
             "provenance.json)."
         )
     if base:
-        figures = ", ".join(f"{k} {_num(v)}" for k, v in base.items())
+        figures = ", ".join(f"{k} {num(v)}" for k, v in base.items())
         where = "recorded when it was made" if shipped else "SFT, sft_eval.json"
         lines.append(f"* Base model ({where}): {figures}.")
     remeasured = ctx.get("base_remeasured")
     if remeasured:
         beyond = [k for k, c in remeasured.items() if c["beyond"]]
         figures = ", ".join(
-            f"{k} {_num(c['measured'])} (recorded {_num(c['recorded'])}, 95% interval of the "
-            f"difference +-{_num(c['interval'])})" for k, c in remeasured.items()
+            f"{k} {num(c['measured'])} (recorded {num(c['recorded'])}, 95% interval of the "
+            f"difference +-{num(c['interval'])})" for k, c in remeasured.items()
             if "greedy" not in k
         )  # fmt: skip
         verdict = ("differences beyond the sampling interval: " + ", ".join(beyond)) if beyond \
@@ -238,8 +204,8 @@ def _train_section(res: dict[str, Any]) -> list[str]:
     rows = []
     for arm in _arm_rows(res, "main"):
         t = res["arms"][arm]["train_last_k"]
-        rows.append([arm] + [_pm(t[m]) for m in stats.RATE_METRICS])
-    return lines + _table(["arm", "compliance", "task success", "joint"], rows) + [""]
+        rows.append([arm] + [pm(t[m]) for m in stats.RATE_METRICS])
+    return lines + table(["arm", "compliance", "task success", "joint"], rows) + [""]
 
 
 def bootstrap_unit(res: dict[str, Any]) -> str:
@@ -273,7 +239,40 @@ def _heldout_section(res: dict[str, Any]) -> list[str]:
     ]
     header = ["arm", "seeds", "tasks", "compliance", "task success", "joint (both)",
               "compliance over seeds", "task success over seeds"]  # fmt: skip
-    return lines + _table(header, _heldout_rows(res, _arm_rows(res, "main"), pct)) + [""]
+    return lines + table(header, _heldout_rows(res, _arm_rows(res, "main"), pct)) + [""]
+
+
+def _requirements_section(res: dict[str, Any]) -> list[str]:
+    """Held-out compliance per requirement (plug-ins under their own names), and the turns a
+    plug-in's checker could not judge (`tg_jax.envs.plugins`), per arm."""
+    boots = {
+        arm: a["heldout"].get("plain", {}).get("bootstrap", {}) for arm, a in res["arms"].items()
+    }
+    names = sorted(
+        {k.split("/", 1)[1] for b in boots.values() for k in b if k.startswith("compliance/")}
+    )
+    unjudged = sorted(
+        {k.split("/", 1)[1] for b in boots.values() for k in b if k.startswith("unjudged/")}
+    )
+    if not names:
+        return []
+    pct = round(100 * res["settings"]["level"])
+    lines = [
+        "## Compliance per requirement",
+        "",
+        f"Held-out, plain prompts: the share of episodes that met each requirement ({pct}% "
+        "cluster bootstrap CIs)."
+        + (" Unjudged: turns per episode whose plug-in checker raised or timed out (neither "
+           "met nor failed)." if unjudged else ""),
+        "",
+    ]  # fmt: skip
+    rows = [
+        [arm] + [ci(b.get(f"compliance/{n}")) for n in names]
+        + [ci(b.get(f"unjudged/{n}")) for n in unjudged]
+        for arm, b in boots.items() if b
+    ]  # fmt: skip
+    header = ["arm", *names, *(f"unjudged {n}" for n in unjudged)]
+    return lines + table(header, rows) + [""]
 
 
 def _differences_section(res: dict[str, Any]) -> list[str]:
@@ -293,17 +292,17 @@ def _differences_section(res: dict[str, Any]) -> list[str]:
         pb, stt = c["paired_bootstrap"], c["seed_t"]
         rows.append(
             [arm, res["arms"][arm]["group"]]
-            + [_ci(pb.get(m), 3) for m in stats.RATE_METRICS]
+            + [ci(pb.get(m), 3) for m in stats.RATE_METRICS]
             + [
-                _ci(stt.get("task_success"), 3),
-                _ci((c.get("two_level") or {}).get("task_success"), 3),
+                ci(stt.get("task_success"), 3),
+                ci((c.get("two_level") or {}).get("task_success"), 3),
                 c["noninferiority"]["verdict"],
             ]  # fmt: skip
         )
     header = ["arm", "group", "d compliance", "d task success", "d joint",
               "d task success (seeds, t)", "d task success (two-level)",
               f"non-inferior (margin {st['margin']})"]  # fmt: skip
-    return lines + _table(header, rows) + [""]
+    return lines + table(header, rows) + [""]
 
 
 def _diagnostic_section(res: dict[str, Any]) -> list[str]:
@@ -314,9 +313,9 @@ def _diagnostic_section(res: dict[str, Any]) -> list[str]:
             continue
         rows.append(
             [arm]
-            + [_ci(h[c]["bootstrap"]["compliance"]) for c in ("plain", "hinted")]
-            + [_ci(h["diagnostic"]["compliance"])]
-            + [_ci(h[c]["bootstrap"]["task_success"]) for c in ("plain", "hinted")]
+            + [ci(h[c]["bootstrap"]["compliance"]) for c in ("plain", "hinted")]
+            + [ci(h["diagnostic"]["compliance"])]
+            + [ci(h[c]["bootstrap"]["task_success"]) for c in ("plain", "hinted")]
         )
     if not rows:
         return []
@@ -329,7 +328,7 @@ def _diagnostic_section(res: dict[str, Any]) -> list[str]:
     ]
     header = ["arm", "compliance plain", "compliance hinted", "hinted - plain",
               "task success plain", "task success hinted"]  # fmt: skip
-    return lines + _table(header, rows) + [""]
+    return lines + table(header, rows) + [""]
 
 
 def _side_effects_section(res: dict[str, Any]) -> list[str]:
@@ -338,7 +337,7 @@ def _side_effects_section(res: dict[str, Any]) -> list[str]:
         b = a["heldout"].get("plain", {}).get("bootstrap", {})
         if b:
             keys = [f"actions/{k}" for k in stats.ACTION_METRICS] + ["turns"]
-            rows.append([arm] + [_ci(b.get(k)) for k in keys])
+            rows.append([arm] + [ci(b.get(k)) for k in keys])
     if not rows:
         return []
     pct = round(100 * res["settings"]["level"])
@@ -349,7 +348,7 @@ def _side_effects_section(res: dict[str, Any]) -> list[str]:
         "",
     ]
     return (
-        lines + _table(["arm", "run_tests", "submissions", "malformed turns", "turns"], rows) + [""]
+        lines + table(["arm", "run_tests", "submissions", "malformed turns", "turns"], rows) + [""]
     )
 
 
@@ -364,13 +363,13 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
             elif k.endswith("wall_time_s"):
                 cells.append(f"{c[k]['mean']:.1f}")
             else:
-                cells.append(_big(c[k]["mean"]))
+                cells.append(big(c[k]["mean"]))
         rows.append([arm] + cells)
     lines = ["## Costs per arm (mean over seeds)", ""]
     header = ["arm", "RL wall time (s)", "held-out eval (s)", "sampled tokens",
               "teacher forward FLOPs", "distilled tokens", "peak memory (B, this run)",
               "above the run's start (B)"]  # fmt: skip
-    lines += _table(header, rows) + [""]
+    lines += table(header, rows) + [""]
     lines += [
         "Distilled tokens: student tokens under the TG KL mask, summed over the run. Peak "
         "memory: measured per run from its first step (device memory where the backend "
@@ -382,15 +381,15 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
     ct = res.get("compute_time") or {}
     if ct:
         eval_s = ct["eval_s"] if ct["eval_runs"] else None
-        parts = [f"SFT {_minutes(ct.get('sft_s'))}"]
+        parts = [f"SFT {minutes(ct.get('sft_s'))}"]
         if ct.get("tune_s") is not None:
-            parts.append(f"learning-rate trials {_minutes(ct['tune_s'])}")
-        parts += [f"RL {_minutes(ct['rl_s'])}", f"held-out evaluation {_minutes(eval_s)}"]
+            parts.append(f"learning-rate trials {minutes(ct['tune_s'])}")
+        parts += [f"RL {minutes(ct['rl_s'])}", f"held-out evaluation {minutes(eval_s)}"]
         timed = f"{ct['eval_runs']} of {ct['runs']} runs timed"
         lines += [
             "Compute time of the protocol (sum of the stages' wall times; a resumed stage sums "
             f"its sessions; start-up and data not counted): {' + '.join(parts)} = "
-            f"**{'' if ct['complete'] else 'at least '}{_minutes(ct['total_s'])}** (held-out "
+            f"**{'' if ct['complete'] else 'at least '}{minutes(ct['total_s'])}** (held-out "
             f"evaluation: {timed}).",
             "",
         ]
@@ -408,8 +407,8 @@ def _thinking_control(res: dict[str, Any]) -> list[str]:
         ratio = think["mean"] / base["mean"] if base["mean"] else float("nan")
         equal = abs(ratio - 1.0) <= 0.1
         lines += [
-            f"Thinking-token control: `{arm}` distilled {_big(think['mean'])} tokens, "
-            f"`{THINKING_BASE}` {_big(base['mean'])} (ratio {_num(ratio)}): "
+            f"Thinking-token control: `{arm}` distilled {big(think['mean'])} tokens, "
+            f"`{THINKING_BASE}` {big(base['mean'])} (ratio {num(ratio)}): "
             + ("an equal distilled-token budget (within 10%), so their difference is the "
                "thinking tokens' effect." if equal else
                "NOT an equal distilled-token budget (more than 10% apart): part of their "
@@ -425,8 +424,8 @@ def _stability_section(res: dict[str, Any]) -> list[str]:
         st = a.get("stability") or {}
         b = a["heldout"].get("plain", {}).get("bootstrap", {})
         rows.append([
-            arm, _pm(st.get("oscillation"), 3), _pm(st.get("malformed_train")),
-            _ci(b.get("actions/malformed")),
+            arm, pm(st.get("oscillation"), 3), pm(st.get("malformed_train")),
+            ci(b.get("actions/malformed")),
         ])  # fmt: skip
     if not rows:
         return []
@@ -442,7 +441,7 @@ def _stability_section(res: dict[str, Any]) -> list[str]:
     ]
     header = ["arm", "oscillation", "malformed / episode (train)",
               "malformed / episode (held-out)"]  # fmt: skip
-    return lines + _table(header, rows) + [""]
+    return lines + table(header, rows) + [""]
 
 
 def _leakage_section(res: dict[str, Any]) -> list[str]:
@@ -450,8 +449,8 @@ def _leakage_section(res: dict[str, Any]) -> list[str]:
     for arm, a in res["arms"].items():
         st, h = a.get("stability") or {}, a["heldout"]
         boots = [h.get(c, {}).get("bootstrap", {}) for c in ("plain", "hinted")]
-        cells = [_ci(b.get("hint_leakage")) for b in boots]
-        rows.append([arm, _pm(st.get("hint_leakage_train"), 3)] + cells)
+        cells = [ci(b.get("hint_leakage")) for b in boots]
+        rows.append([arm, pm(st.get("hint_leakage_train"), 3)] + cells)
     if all(r[1:] == ["n/a"] * 3 for r in rows):
         return []
     lines = [
@@ -466,7 +465,7 @@ def _leakage_section(res: dict[str, Any]) -> list[str]:
     ]
     header = ["arm", "train (last steps, mean +- std over seeds)", "held-out plain",
               "held-out hinted"]  # fmt: skip
-    return lines + _table(header, rows) + [""]
+    return lines + table(header, rows) + [""]
 
 
 def _budget_section(res: dict[str, Any]) -> list[str]:
@@ -474,7 +473,7 @@ def _budget_section(res: dict[str, Any]) -> list[str]:
     if not b:
         return []
     tokens = b.get("sampled_token_budget")
-    cap = "no fixed cap (turns left to the environment)" if tokens is None else _big(tokens)
+    cap = "no fixed cap (turns left to the environment)" if tokens is None else big(tokens)
     equal = (res.get("context") or {}).get("budget_equal", True)
     tuning = (res.get("context") or {}).get("tuning")
     arms = ", ".join(f"`{a}`" for a in res["arms"])
@@ -515,9 +514,9 @@ def _tuning_lines(t: dict[str, Any]) -> list[str]:
         f"prompts, {t['samples_per_task']} episode(s) per task) by one yardstick for every "
         f"arm, the {t['score']}; each arm kept its best rate (a tie keeps the first listed) "
         "and trained its seeds at it on the whole train split. The held-out tasks were not "
-        f"read. Trials' compute: {_minutes(t.get('wall_s'))}.",
+        f"read. Trials' compute: {minutes(t.get('wall_s'))}.",
         "",
-        *_table(["arm", *[f"lr {x:g}" for x in lrs], "chosen lr"], rows),
+        *table(["arm", *[f"lr {x:g}" for x in lrs], "chosen lr"], rows),
         "",
         f"![{TUNING_FILE}]({TUNING_FILE})",
         "",
@@ -538,15 +537,15 @@ def _group_sections(res: dict[str, Any]) -> list[str]:
             b = a["heldout"].get("plain", {}).get("bootstrap", {})
             c = res["comparisons"].get(arm)
             rows.append(
-                [arm, a["description"] or "-", _pm(a["train_last_k"]["compliance"])]
-                + [_ci(b.get(m)) for m in ("compliance", "task_success")]
-                + [_ci(c["paired_bootstrap"]["task_success"], 3) if c else "n/a"]
+                [arm, a["description"] or "-", pm(a["train_last_k"]["compliance"])]
+                + [ci(b.get(m)) for m in ("compliance", "task_success")]
+                + [ci(c["paired_bootstrap"]["task_success"], 3) if c else "n/a"]
                 + [c["noninferiority"]["verdict"] if c else "n/a"]
             )
         header = ["arm", "what changes", "train compliance (last K, not a CI)",
                   "held-out compliance", "held-out task success",
                   f"d task success vs {st['baseline']}", "non-inferior"]  # fmt: skip
-        lines += _table(header, rows) + [""]
+        lines += table(header, rows) + [""]
     return lines
 
 
@@ -573,6 +572,7 @@ def _plots_section(res: dict[str, Any]) -> list[str]:
 def render_markdown(res: dict[str, Any]) -> str:
     """report.md from `compute_results` output, section by section."""
     sections = (_verdict_section, _context_section, _train_section, _heldout_section,
+                _requirements_section,
                 _differences_section, _diagnostic_section, _side_effects_section,
                 _costs_section, _stability_section, _leakage_section, _budget_section,
                 _group_sections, _plots_section)  # fmt: skip

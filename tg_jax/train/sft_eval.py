@@ -26,15 +26,13 @@ Figures per mode (`summarize`):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from tg_jax.envs import requirement_names
-from tg_jax.envs.coding import CodingEnv, CodingEnvConfig, coding_env_config
-from tg_jax.envs.tasks import Task
+from tg_jax.envs import Environment, env_factory, requirement_names
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import EpisodeRecord
@@ -71,8 +69,8 @@ def evaluate_base_model(
     model: Transformer,
     params: Any,
     renderer: ChatRenderer,
-    tasks: Sequence[Task],
-    env_cfg: CodingEnvConfig,
+    tasks: Sequence[Any],
+    env_factory: Callable[[], Environment],
     eval_config: Any,
     max_len: int,
     *,
@@ -92,7 +90,7 @@ def evaluate_base_model(
 
     sampler = Sampler(model, pad_id=renderer.tokenizer.pad_id)
     rng = jax.random.key(int(eval_config.seed))
-    requirements = CodingEnv(env_cfg).requirements  # plug-ins under their own names
+    requirements = env_factory().requirements  # plug-ins under their own names
     names = [r.name for r in requirements]
     modes: dict[str, dict[str, float]] = {}
     for ti, temp in enumerate(eval_config.temperatures):
@@ -103,7 +101,7 @@ def evaluate_base_model(
         )
         for ci, condition in enumerate(("plain", "hinted")):
             records, trajectories = rollout.evaluate(
-                sampler, params, renderer, lambda: CodingEnv(env_cfg), tasks,
+                sampler, params, renderer, env_factory, tasks,
                 config=cfg, rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
             )  # fmt: skip
             modes[f"t{float(temp)}/{condition}"] = summarize(records, trajectories, names)
@@ -116,7 +114,7 @@ def evaluate_base_model(
                 records, trajectories = rollout.evaluate(
                     PrefillSampler(sampler, renderer, req.opening, after_thinking=True),
                     params, renderer,
-                    lambda: CodingEnv(env_cfg), tasks, config=cfg,
+                    env_factory, tasks, config=cfg,
                     rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
                 )  # fmt: skip
                 modes[f"t1.0/forced_{req.name}"] = summarize(records, trajectories, names)
@@ -139,13 +137,14 @@ def evaluate_base_model(
 
 
 def measure(config: Any, model_cfg: ModelConfig, params: Any, renderer: ChatRenderer,
-            tasks: Sequence[Task]) -> dict[str, Any]:  # fmt: skip
+            tasks: Sequence[Any]) -> dict[str, Any]:  # fmt: skip
     """The figures of sft_eval.json for a base model: `evaluate_base_model` on held-out `tasks`
     with `config.sft.eval` (forced modes included), and what was measured: the evaluation
     time, the requirements and the parameter count."""
     t0 = time.time()
     result = evaluate_base_model(
-        Transformer(model_cfg), params, renderer, tasks, coding_env_config(config.env),
+        Transformer(model_cfg), params, renderer, tasks,
+        env_factory(config.env, renderer.tool_format),
         config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
     )  # fmt: skip
     result["eval_s"] = time.time() - t0

@@ -34,7 +34,7 @@ import ml_collections
 
 from tg_jax import checkpointing, paths
 from tg_jax.envs import requirement_names
-from tg_jax.envs.coding import coding_env_config
+from tg_jax.envs.coding import CodingEnv, coding_env_config
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.text import ChatRenderer
 from tg_jax.train import sft_eval
@@ -179,7 +179,7 @@ class DevSelector:
         eval_cfg = {"seed": self.cfg.seed, "temperatures": (1.0,),
                     "max_new_tokens": self.cfg.max_new_tokens}  # fmt: skip
         result = sft_eval.evaluate_base_model(
-            self.model, state.params, self.renderer, self.tasks(), env_cfg,
+            self.model, state.params, self.renderer, self.tasks(), lambda: CodingEnv(env_cfg),
             ml_collections.ConfigDict(eval_cfg), max_len=self.model.config.max_seq_len,
         )  # fmt: skip
         figures = dev_figures(result, requirement_names(self.config.env))

@@ -156,7 +156,9 @@ class SweEnv(Environment):
             config.runner, cpu_s=config.cpu_s, memory_mb=config.memory_mb
         )
         self.requirements = plugins.requirements(
-            config.requirements, config.requirement_weight, config,
+            config.requirements,
+            config.requirement_weight,
+            config,
             lambda names: reqs.make_requirements(names, config.requirement_weight, self),
         )
         self._done = True
