@@ -18,6 +18,7 @@ import pytest
 from tests.hf_checkpoints import chat_template, make_model_dir
 from tests.test_hf_run import DENSE, MOE
 from tests.test_swe_run import SWE_DENSE
+from tg_jax.envs.swe.requirements import REQUIREMENT_NAMES as SWE_REQUIREMENTS
 from tg_jax.models import hf_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,8 +73,18 @@ def test_hf_configs_from_checkpoints_in_other_chat_formats(tmp_path, config, tem
     for every environment, so the other two pairs add minutes to CI and no path."""
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, SWE_DENSE if "swe" in config else DENSE, template=template)
-    _ok(_main(f"{config}:runlocal", work, ckpt, *TWO_STEPS))
+    # Beside the config's own requirement, a team's own (tests/plugin_example.py, by import
+    # path): judged, taught and reported in either environment.
+    own = SWE_REQUIREMENTS if "swe" in config else ("tool_json",)
+    reqs = f"--config.env.requirements={(*own, 'tests.plugin_example:no_shouting')}"
+    _ok(_main(f"{config}:runlocal", work, ckpt, *TWO_STEPS, reqs))
     _check_run(work, ckpt, template)
+    report = (work / "report" / "report.md").read_text()
+    table = report.split("## Compliance per requirement", 1)[1].split("\n## ", 1)[0]
+    header = " | ".join(sorted((*own, "no_shouting")))
+    assert f"| arm | {header} |" in table, table
+    metrics = (work / "runs" / "tg_seed0" / "metrics.jsonl").read_text()
+    assert "compliance/no_shouting" in metrics
 
 
 def test_qwen3_coder_config_from_a_qwen3_coder_checkpoint(tmp_path):

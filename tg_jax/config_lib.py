@@ -310,6 +310,10 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.feedback.correct = 1.0  # share of failed turns whose hint is the correct one
     c.feedback.irrelevant = 0.0  # share shown true-sounding advice unrelated to the requirement
     c.feedback.wrong = 0.0  # share shown a hint pointing at a different format
+    # A judge that errs (tg_jax.envs.hints.VerdictNoise): share of failed turns judged met, and
+    # of met turns judged failed, in training (the held-out evaluation judges truly).
+    c.feedback.false_positive = 0.0
+    c.feedback.false_negative = 0.0
     c.update(overrides)
     return c
 

@@ -1,17 +1,28 @@
-"""Imperfect feedback: pick a correct, an irrelevant or a wrong hint at set rates.
+"""Imperfect feedback: pick a correct, an irrelevant or a wrong hint at set rates; and a judge
+that errs.
 
 Used to measure how sensitive targeted guidance is to feedback quality (docs/design.md section 4).
 The kind is drawn per targeted turn (`pick_turn_hints`), not per episode.
 A wrong hint points at a different format (it would make the turn fail the requirement); an
 irrelevant hint is true-sounding advice that says nothing about the requirement.
+
+A wrong judge (`VerdictNoise`, `noisy_judge`): the requirements' checkers of the training
+environments give the wrong verdict at set rates: a failed turn judged met (false positive: no
+hint, no TG, requirement reward earned) or a met turn judged failed (false negative: a hint and
+the TG KL on a turn that was right). The error is a function of (run seed, requirement, turn
+text), so one turn text is always judged the same way in a run, whatever thread or step judges
+it, as a model judge would. Training sees only the judge's verdicts (rewards, TG gate and the
+rollout metrics); the held-out evaluation judges with the true checkers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+from tg_jax.envs.base import Requirement
 from tg_jax.envs.protocol import FENCE_HINT, TOOL_JSON_HINT, tool_json_hint
 from tg_jax.envs.swe import requirements as swe_requirements
 from tg_jax.text.tool_formats import HERMES, ToolFormat
@@ -133,3 +144,58 @@ def hint_kind(name: str, text: str, fmt: ToolFormat = HERMES) -> str:
     if text in WRONG_HINTS.get(name, ()):
         return "wrong"
     raise ValueError(f"{text!r} is no hint of requirement {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerdictNoise:
+    """How often the training judge errs (`rl_loop.feedback.false_positive` / `false_negative`).
+
+    Attributes:
+      false_positive: share of failed turns judged met.
+      false_negative: share of met turns judged failed.
+    """
+
+    false_positive: float = 0.0
+    false_negative: float = 0.0
+
+    def __post_init__(self):
+        for name in ("false_positive", "false_negative"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"rl_loop.feedback.{name} must be in [0, 1), got {rate}")
+
+    @property
+    def active(self) -> bool:
+        return self.false_positive > 0 or self.false_negative > 0
+
+
+def judge_unit(seed: int, name: str, text: str) -> float:
+    """A number in [0, 1) fixed by (seed, requirement name, turn text): the judge's draw."""
+    digest = hashlib.blake2b(f"{seed}\0{name}\0{text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def noisy_requirement(req: Requirement, noise: VerdictNoise, seed: int) -> Requirement:
+    """`req` judged by a wrong judge: its check's verdict flipped at `noise`'s rates."""
+    check, name = req.check, req.name
+
+    def judged(text: str) -> bool:
+        met = bool(check(text))
+        u = judge_unit(seed, name, text)
+        return u >= noise.false_negative if met else u < noise.false_positive
+
+    return dataclasses.replace(req, check=judged)
+
+
+def noisy_judge(factory: Callable[[], Any], noise: VerdictNoise, seed: int) -> Callable[[], Any]:
+    """An environment factory whose environments' requirements judge with `noise`
+    (`factory` itself when there is none)."""
+    if not noise.active:
+        return factory
+
+    def make() -> Any:
+        env = factory()
+        env.requirements = tuple(noisy_requirement(r, noise, seed) for r in env.requirements)
+        return env
+
+    return make

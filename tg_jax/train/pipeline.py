@@ -128,6 +128,16 @@ ARMS: dict[str, Arm] = {
         "stress",
         "TG with imperfect feedback: 50% correct, 25% irrelevant, 25% wrong hints",
     ),
+    "tg_wrong_judge": Arm(
+        {
+            "tg.enabled": True,
+            "rl_loop.feedback.false_positive": 0.2,
+            "rl_loop.feedback.false_negative": 0.2,
+        },
+        "stress",
+        "TG with a judge that errs: 20% of failed turns judged met, 20% of met turns judged "
+        "failed (training only; held-out judged truly)",
+    ),
 }
 
 

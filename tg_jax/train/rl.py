@@ -61,6 +61,7 @@ import numpy as np
 from tg_jax import checkpointing, faults, multihost, paths, sharding
 from tg_jax.data.pipeline import TaskIterator, to_record
 from tg_jax.envs import decode_task, env_factory, make_env, requirement_names
+from tg_jax.envs.hints import noisy_judge
 from tg_jax.errors import RunError
 from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
@@ -238,7 +239,11 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
     """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
     config, lc = parts.config, parts.config.rl_loop
     rollout_fn = rl_rollouts.BatchRollout(
-        parts.sampler, parts.renderer, env_factory(config.env, parts.renderer.tool_format),
+        parts.sampler, parts.renderer,
+        noisy_judge(  # the training judge (a wrong one with rl_loop.feedback's error rates)
+            env_factory(config.env, parts.renderer.tool_format),
+            rl_rollouts.verdict_noise(lc.feedback), seed=parts.seed,
+        ),
         rollouts_per_group=int(lc.rollouts_per_group),
         config=rollout.RolloutConfig(
             max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,

@@ -40,6 +40,7 @@ from tg_jax.envs.hints import (
     IRRELEVANT_HINTS,
     WRONG_HINTS,
     FeedbackRates,
+    VerdictNoise,
     pick_hint,
 )
 from tg_jax.sampling import rollout
@@ -53,6 +54,13 @@ from tg_jax.text import ChatRenderer, hint_message, tool_formats
 def feedback_rates(cfg: Any) -> FeedbackRates:
     """FeedbackRates from `rl_loop.feedback`."""
     return FeedbackRates(float(cfg.correct), float(cfg.irrelevant), float(cfg.wrong))
+
+
+def verdict_noise(cfg: Any) -> VerdictNoise:
+    """VerdictNoise from `rl_loop.feedback` (none when the config predates the fields)."""
+    return VerdictNoise(
+        float(cfg.get("false_positive", 0.0)), float(cfg.get("false_negative", 0.0))
+    )
 
 
 def hint_reserve(
