@@ -216,10 +216,10 @@ def test_no_recompilation_after_warmup(setup):
     `warmup` (prefill and decode per bucket, the page copy), new prompts, lengths, sampling
     settings, continuations, sharing and preemption trace nothing."""
     engine = _engine(setup, max_slots=3, num_pages=11)
-    assert engine.page_buckets() == [1, 2, 4, 8, 12]
+    assert engine.page_buckets() == [1, 2, 4, 8, 12] and engine.slot_buckets() == [1, 2, 3]
     engine.warmup()
     warm = engine.num_traces
-    assert warm >= 2 * 5 + 1  # (this geometry was not compiled before)
+    assert warm == 5 + 5 * 3 + 1  # prefill per width, decode per (rows, width), page copy
     prompts = _prompts((3, 17, 10, 10, 25), seed=8)
     prompts[3] = prompts[2]  # shared prefix, copy-on-write
     reqs = [Request(i, p, 9 + i, temperature=0.5 * i, top_k=i, top_p=0.9, stop_ids=(5, 6))

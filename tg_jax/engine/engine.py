@@ -24,15 +24,16 @@ so it samples what it would have sampled). A request whose context plus max_new_
 exceeds the per-sequence limit (max_pages_per_seq * page_size) or the pool completes at once
 with finish_reason "error".
 
-Shapes: decode [max_slots], prefill [prefill_rows, prefill_chunk], page tables
-[., width] with width the power-of-two bucket of the longest row's pages (`page_buckets`,
-at most max_pages_per_seq): each jitted function (prefill, decode, page copy) compiles once
-per bucket, `warmup` compiles them all up front, and nothing compiles in steady state
-(`num_traces` counts traces). Limits: host scheduling between calls (each step waits for its
-drawn tokens, one token per sequence per step); a step's attention reads `width` pages of
-every row, the longest row's bucket; `update_weights` applies from the next step on
-(sequences in flight keep their keys and values from the older weights, and no new request
-shares them; `Completion.first_policy_version` tells).
+Shapes (`warmup` compiles them all up front; nothing compiles in steady state, and
+`num_traces` counts traces): decode [rows] with rows the power-of-two bucket of the decoding
+sequences (`slot_buckets`, at most max_slots: a step computes only what is decoding), prefill
+[prefill_rows, prefill_chunk], page tables [., width] with width the power-of-two bucket of
+the longest row's pages (`page_buckets`, at most max_pages_per_seq). Limits: host scheduling
+between calls (each step waits for its drawn tokens, one token per sequence per step); a
+step's attention reads `width` pages of every row, the longest row's bucket;
+`update_weights` applies from the next step on (sequences in flight keep their keys and
+values from the older weights, and no new request shares them;
+`Completion.first_policy_version` tells).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Engine:
         max_kept: int = 1024,
         pad_id: int = 0,
         bucket_pages: bool = True,
+        bucket_slots: bool = True,
     ):
         """Args:
         max_slots: sequences decoded per step.
@@ -110,6 +112,8 @@ class Engine:
         bucket_pages: a call's page tables are as wide as the longest row needs, rounded up to
           a power of two (`page_buckets`: one compilation each; `warmup` compiles them all);
           off: always max_pages_per_seq wide (one compilation, every step reads all pages).
+        bucket_slots: a decode call has as many rows as sequences decode, rounded up to a
+          power of two (`slot_buckets`; off: always max_slots rows).
         """
         self.model = model
         self.max_slots, self.page_size = int(max_slots), int(page_size)
@@ -118,7 +122,7 @@ class Engine:
         self.chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         self.rng = jax.random.key(0) if rng is None else rng
         self.prefix_sharing, self.max_kept, self.pad_id = prefix_sharing, max_kept, pad_id
-        self.bucket_pages = bucket_pages
+        self.bucket_pages, self.bucket_slots = bucket_pages, bucket_slots
         self.num_traces = 0  # traces (compilations) this engine's calls caused
         self.pool = paged.init_pool(model, self.num_pages, self.page_size)
         self.allocator = PageAllocator(self.num_pages)
@@ -476,9 +480,14 @@ class Engine:
                 self.pool = self._call(
                     _prefill_jit, self._weights, self.pool, tokens, zeros_b, zeros_b, table
                 )
-                batch = self._decode_batch([])
-                batch["table"] = np.zeros((self.max_slots, width), np.int32)
-                _, self.pool = self._call(_decode_jit, self._weights, self.pool, self.rng, batch)
+                for rows in self.slot_buckets():
+                    batch = self._decode_batch([])
+                    batch = {k: np.resize(v, (rows,)) for k, v in batch.items() if k != "table"}
+                    batch["active"][:] = False
+                    batch["table"] = np.zeros((rows, width), np.int32)
+                    _, self.pool = self._call(
+                        _decode_jit, self._weights, self.pool, self.rng, batch
+                    )
             self.pool = self._call(_copy_jit, self.pool, np.int32(0), np.int32(0))
             jax.block_until_ready(self.pool)
 
@@ -519,30 +528,33 @@ class Engine:
             seq.prefill_tokens += n
             self._counts["prefill_tokens"] += n
 
+    def slot_buckets(self) -> list[int]:
+        """Decode batch sizes: powers of two below max_slots, and it (with bucket_slots)."""
+        if not self.bucket_slots:
+            return [self.max_slots]
+        sizes = [1 << i for i in range(self.max_slots.bit_length())]
+        return [n for n in sizes if n < self.max_slots] + [self.max_slots]
+
     def _decode_batch(self, rows: list[Sequence]) -> dict[str, np.ndarray]:
-        b = self.max_slots
+        """The decode call's arrays: row i is rows[i], padded to a `slot_buckets` size."""
+        b = next(n for n in self.slot_buckets() if n >= max(len(rows), 1))
         batch = {
             "tokens": np.full((b,), self.pad_id, np.int32), "pos": np.zeros((b,), np.int32),
             "active": np.zeros((b,), bool), "seed": np.zeros((b,), np.int32),
             "index": np.zeros((b,), np.int32), "temperature": np.ones((b,), np.float32),
             "top_k": np.zeros((b,), np.int32), "top_p": np.ones((b,), np.float32),
         }  # fmt: skip
-        by_slot: list[Sequence | None] = [None] * b
-        for seq in rows:
-            i, r = seq.slot, seq.request
-            by_slot[i] = seq
-            batch["tokens"][i], batch["pos"][i], batch["active"][i] = (
+        for i, seq in enumerate(rows):
+            r = seq.request
+            batch["tokens"][i], batch["pos"][i], batch["seed"][i] = (
                 seq.tokens[-1],
                 seq.cached,
-                True,
+                r.stream(),
             )
-            batch["seed"][i], batch["index"][i] = r.stream(), seq.generated
-            batch["temperature"][i], batch["top_k"][i], batch["top_p"][i] = (
-                r.temperature,
-                r.top_k,
-                r.top_p,
-            )
-        batch["table"] = self._table(by_slot)
+            batch["index"][i], batch["temperature"][i] = seq.generated, r.temperature
+            batch["top_k"][i], batch["top_p"][i] = r.top_k, r.top_p
+        batch["active"][: len(rows)] = True
+        batch["table"] = self._table(rows + [None] * (b - len(rows)))
         return batch
 
     def _run_decode(self, finished: list[Completion]) -> None:
@@ -561,12 +573,11 @@ class Engine:
         tok, lp, raw = jax.device_get((tok, lp, raw))
         self._counts["decode_steps"] += 1
         self._counts["decode_tokens"] += len(rows)
-        for seq in rows:
+        for i, seq in enumerate(rows):
             self._record_write(seq, 1)
             if seq.generated == 0:
                 self._counts["prefill_tokens"] += 1  # the context's last token
                 seq.prefill_tokens += 1
-            i = seq.slot
             seq.tokens.append(int(tok[i]))
             seq.logprobs.append(float(lp[i]))
             seq.raw_logprobs.append(float(raw[i]))
