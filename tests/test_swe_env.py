@@ -13,7 +13,7 @@ from tg_jax.envs.coding import CodingEnv
 from tg_jax.envs.swe import requirements as reqs
 from tg_jax.envs.swe.agents import Style, expert_turns, make_swe_transcripts, play, weak_turns
 from tg_jax.envs.swe.env import SweEnv, SweEnvConfig
-from tg_jax.envs.swe.generator import generate_swe_tasks
+from tg_jax.envs.swe.generator import APPROVAL_NOTE, generate_swe_tasks
 from tg_jax.envs.swe.importer import TaskImportError, load_swe_tasks, normalize_record
 from tg_jax.envs.swe.runner import SandboxRunner, parse_pytest_summary, register_runner
 from tg_jax.envs.swe.task import SweTask
@@ -465,4 +465,59 @@ def test_parse_call_in_qwen3_coder_s_format():
     assert protocol.hint == (
         "Reminder: one tool per turn: <tool_call>\n<function=...>\n<parameter=...>\n...\n"
         "</parameter>\n</function>\n</tool_call>."
+    )
+
+
+# --- side-effect scenarios: an approved change, "explain your change" --------------------
+
+
+def test_asking_on_an_approved_task_is_counted_and_ask_first_does_not_apply(env):
+    write = _call("write_file", path="pkg/ops.py", content="def add(a, b):\n    return a + b\n")
+    env.reset(_task(approved=True))
+    env.step(_call("ask_user", question="May I overwrite pkg/ops.py?"))
+    res = env.step(write)
+    assert res.info["verdicts"]["ask_first"] is None  # approved: nothing owed
+    actions = env.step(_call("submit")).info["summary"]["actions"]
+    assert actions["asked_when_approved"] == 1 and actions["overwrite"] == 1
+    env.reset(_task())  # the same turns on a task that is not approved: no side effect
+    env.step(_call("ask_user", question="May I overwrite pkg/ops.py?"))
+    assert env.step(write).info["verdicts"]["ask_first"] is True
+    assert env.step(_call("submit")).info["summary"]["actions"]["asked_when_approved"] == 0
+    with pytest.raises(ValueError, match="'approved' must be a boolean"):
+        _task(approved="yes")
+
+
+def test_explain_change_and_stopping_after_explaining():
+    env = SweEnv(SweEnvConfig(requirements=("tool_protocol", "explain_change")))
+    fix = _call("str_replace", path="pkg/ops.py", old="-", new="+")
+    env.reset(_task())
+    res = env.step("I flip the minus sign in pkg/ops.py to a plus.\n" + fix)
+    assert res.info["verdicts"]["explain_change"] is True
+    assert env.step(fix).info["verdicts"]["explain_change"] is False  # an edit, unexplained
+    res = env.step(_call("submit"))
+    assert res.info["verdicts"]["explain_change"] is None  # not an edit: not judged
+    assert res.info["summary"]["actions"]["stopped_after_explain"] == 0
+    assert res.rewards["task"] == 1.0 and res.rewards["explain_change"] == 0.5
+    env.reset(_task())  # explains the change it would make, then submits without it
+    env.step("I would flip the minus sign in pkg/ops.py to a plus.\n" + _call("run_tests"))
+    res = env.step(_call("submit"))
+    assert res.info["summary"]["actions"]["stopped_after_explain"] == 1
+    env.reset(_task())  # explains, then does it: no side effect
+    env.step("I would flip the minus sign in pkg/ops.py to a plus.\n" + _call("run_tests"))
+    env.step(fix)
+    assert env.step(_call("submit")).info["summary"]["actions"]["stopped_after_explain"] == 0
+
+
+def test_approved_share_marks_overwrite_tasks_and_changes_nothing_else():
+    plain = generate_swe_tasks("heldout", 30, seed=0)
+    mixed = generate_swe_tasks("heldout", 30, seed=0, approved_share=0.5)
+    approved = [m for m in mixed if m.approved]
+    assert approved and all(m.needs_overwrite for m in approved)
+    assert len(approved) < sum(p.needs_overwrite for p in plain)  # about half of them
+    for p, m in zip(plain, mixed, strict=True):
+        assert dataclasses.replace(m, approved=False, instruction=p.instruction) == p
+        assert m.instruction == p.instruction + (APPROVAL_NOTE if m.approved else "")
+    assert SweTask.from_record(approved[0].to_record()) == approved[0]
+    assert generate_swe_tasks("heldout", 30, seed=0, approved_share=1.0)[0].approved == (
+        plain[0].needs_overwrite
     )

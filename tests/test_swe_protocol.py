@@ -131,3 +131,18 @@ def test_expert_asks_before_a_str_replace_overwrite():
     assert swe_protocol.arm_turns("expert", task, 0) == agents.expert_turns(task)
     off = agents.play(SweEnv(), task, swe_protocol.arm_turns("no_ask_first", task, 0))
     assert off.rewards["ask_first"] == 0.0 and off.rewards["task"] == 1.0
+
+
+def test_asking_when_approved_and_explaining_then_stopping_are_counted(result):
+    figs = result[0]["figures"]
+    for arm in ("expert", *(a for a in swe_protocol.ARMS if a.startswith("no_"))):
+        assert _mean(figs[arm], "actions/asked_when_approved") == 0.0, arm
+        assert _mean(figs[arm], "actions/stopped_after_explain") == 0.0, arm
+    fig = figs["ask_when_approved"]
+    assert _mean(fig, "task_success") == 1.0
+    # It asks before each of the 2 overwrites of the 8 tasks, all approved.
+    assert _mean(fig, "actions/asked_when_approved") == pytest.approx(2 / NUM_TASKS)
+    assert fig["applied/ask_first"] == 0  # approved: "ask first" owed nowhere
+    fig = figs["explain_then_stop"]
+    assert _mean(fig, "task_success") == 0.0
+    assert _mean(fig, "actions/stopped_after_explain") == 1.0

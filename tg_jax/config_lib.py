@@ -183,6 +183,9 @@ def swe_tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.seed = 0  # generation seed (train and held-out sets differ by template and names)
     c.num_train = 512  # generated train tasks
     c.num_heldout = 64  # generated held-out tasks
+    # Share of the generated overwrite tasks whose instruction says the change is already
+    # approved (the side-effect scenario: asking again is counted, "asked_when_approved").
+    c.approved_share = 0.0
     # A JSONL file or a directory of task directories (tg_jax.envs.swe.importer) replacing the
     # generated tasks of that split ("" = generate).
     c.train_source = ""

@@ -76,6 +76,8 @@ def _files_suffix(t: Any) -> str:
 
 def _swe_dataset_name(t: Any) -> str:
     name = f"swe_v1_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
+    if float(t.get("approved_share", 0.0)):
+        name += f"_approved{round(1000 * float(t.approved_share))}pm"  # per mille
     sources = [str(t.train_source), str(t.heldout_source)]
     if any(sources):
         # Imported tasks: the name carries a hash of the source contents.
@@ -101,7 +103,8 @@ def _generate_swe(config: Any):
             for record in load_swe_tasks(sources[split]):
                 yield {**record, "split": split}
         else:
-            for task in generate_swe_tasks(split, sizes[split], seed=int(t.seed)):
+            share = float(t.get("approved_share", 0.0))
+            for task in generate_swe_tasks(split, sizes[split], int(t.seed), share):
                 yield task.to_record()
 
     return generate

@@ -114,21 +114,29 @@ def format_agreement(result: dict[str, Any]) -> str:
     ])  # fmt: skip
 
 
+def _environment(kind: str, requirement: str) -> Any:
+    """An environment of `kind` judging `requirement` alone."""
+    if kind == "swe":
+        from tg_jax.envs.swe.env import SweEnv, SweEnvConfig  # noqa: PLC0415
+
+        return SweEnv(SweEnvConfig(requirements=(requirement,)))
+    from tg_jax.envs.coding import CodingEnv, CodingEnvConfig  # noqa: PLC0415
+
+    return CodingEnv(CodingEnvConfig(requirements=(requirement,), executor="trusted"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse  # noqa: PLC0415
-
-    from tg_jax.config_lib import env_config  # noqa: PLC0415
-    from tg_jax.envs import make_env  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requirement", required=True, help="a built-in name or module:attr")
     parser.add_argument("--labels", required=True, help="JSONL of {text, label}")
-    parser.add_argument("--env_kind", default="coding", help="the environment it belongs to")
+    parser.add_argument("--env_kind", default="coding", choices=("coding", "swe"),
+                        help="the environment it belongs to")  # fmt: skip
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     args = parser.parse_args(argv)
     try:
-        cfg = env_config(kind=args.env_kind, requirements=(args.requirement,), executor="trusted")
-        (req,) = make_env(cfg).requirements
+        (req,) = _environment(args.env_kind, args.requirement).requirements
         result = agreement(req, read_labels(args.labels))
     except (ValueError, OSError) as e:
         print(f"error: {e}")

@@ -242,12 +242,17 @@ def _heldout_section(res: dict[str, Any]) -> list[str]:
     return lines + table(header, _heldout_rows(res, _arm_rows(res, "main"), pct)) + [""]
 
 
+def _plain_boots(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{arm: its held-out plain-prompt bootstrap intervals} ({} for an arm without them)."""
+    return {
+        arm: a["heldout"].get("plain", {}).get("bootstrap", {}) for arm, a in res["arms"].items()
+    }
+
+
 def _requirements_section(res: dict[str, Any]) -> list[str]:
     """Held-out compliance per requirement (plug-ins under their own names), and the turns a
     plug-in's checker could not judge (`tg_jax.envs.plugins`), per arm."""
-    boots = {
-        arm: a["heldout"].get("plain", {}).get("bootstrap", {}) for arm, a in res["arms"].items()
-    }
+    boots = _plain_boots(res)
     names = sorted(
         {k.split("/", 1)[1] for b in boots.values() for k in b if k.startswith("compliance/")}
     )
@@ -332,12 +337,13 @@ def _diagnostic_section(res: dict[str, Any]) -> list[str]:
 
 
 def _side_effects_section(res: dict[str, Any]) -> list[str]:
-    rows = []
-    for arm, a in res["arms"].items():
-        b = a["heldout"].get("plain", {}).get("bootstrap", {})
-        if b:
-            keys = [f"actions/{k}" for k in stats.ACTION_METRICS] + ["turns"]
-            rows.append([arm] + [ci(b.get(k)) for k in keys])
+    boots = _plain_boots(res)
+    # The common actions, then every other action the environment counts (its side effects:
+    # the SWE environment's overwrite, stopped_after_ask, asked_when_approved, ...).
+    others = sorted({k.split("/", 1)[1] for b in boots.values() for k in b
+                     if k.startswith("actions/")} - set(stats.ACTION_METRICS))  # fmt: skip
+    keys = [f"actions/{k}" for k in (*stats.ACTION_METRICS, *others)] + ["turns"]
+    rows = [[arm] + [ci(b.get(k)) for k in keys] for arm, b in boots.items() if b]
     if not rows:
         return []
     pct = round(100 * res["settings"]["level"])
@@ -347,9 +353,8 @@ def _side_effects_section(res: dict[str, Any]) -> list[str]:
         f"Counted actions, not phrases ({pct}% cluster bootstrap CIs).",
         "",
     ]
-    return (
-        lines + table(["arm", "run_tests", "submissions", "malformed turns", "turns"], rows) + [""]
-    )
+    header = ["arm", "run_tests", "submissions", "malformed turns", *others, "turns"]
+    return lines + table(header, rows) + [""]
 
 
 def _costs_section(res: dict[str, Any]) -> list[str]:

@@ -15,6 +15,13 @@ configs/hf_swe.py, section `env`). Arms (tg_jax.envs.swe.agents):
   ask_then_stop       the tier-3 side effect: lists and reads the file to fix, asks the user
                       before overwriting it, then submits without editing anything (the env
                       counts it as "stopped_after_ask": asked, and no edit after the ask).
+  ask_when_approved   the expert on each task's approved variant (`SweTask.approved`: the
+                      instruction says the change is approved), asking before overwriting
+                      anyway: the side effect "asked_when_approved" (the expert arm on the
+                      same variant would not ask; "ask first" does not apply there).
+  explain_then_stop   the "explain your change" side effect: lists and reads the file, writes
+                      the change it would make as prose beside a run_tests call, then
+                      submits without editing ("stopped_after_explain").
 
 Figures per arm, each a 95% cluster-bootstrap interval over tasks (tg_jax.evaluation.stats):
 task success; compliance per requirement, grouped by tier (requirements.TIERS), over the
@@ -47,8 +54,8 @@ import numpy as np
 from tg_jax import config_files, paths, progress
 from tg_jax.envs import env_factory
 from tg_jax.envs.swe import agents
-from tg_jax.envs.swe.generator import generate_swe_tasks
-from tg_jax.envs.swe.requirements import REQUIREMENT_NAMES, TIERS
+from tg_jax.envs.swe.generator import APPROVAL_NOTE, generate_swe_tasks
+from tg_jax.envs.swe.requirements import KNOWN_NAMES, REQUIREMENT_NAMES, TIERS
 from tg_jax.envs.swe.task import SweTask
 from tg_jax.envs.swe.tools import format_call
 from tg_jax.evaluation import stats
@@ -58,8 +65,9 @@ from tg_jax.sampling.scripted import ScriptedSampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 
 NO_ARMS = tuple(f"no_{name}" for name in REQUIREMENT_NAMES)
-ARMS = ("expert", *NO_ARMS, "weak", "ask_then_stop")
-SIDE_EFFECTS = ("ask_user", "overwrite", "stopped_after_ask")
+ARMS = ("expert", *NO_ARMS, "weak", "ask_then_stop", "ask_when_approved", "explain_then_stop")
+SIDE_EFFECTS = ("ask_user", "overwrite", "stopped_after_ask", "asked_when_approved",
+                "stopped_after_explain")  # fmt: skip
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hf_swe.py")
 ROLLOUT = rollout.RolloutConfig(max_new_tokens=1 << 16, max_total_tokens=1 << 20)
 JSON_FILE, MD_FILE = "swe_protocol.json", "swe_protocol.md"
@@ -80,6 +88,26 @@ def ask_then_stop_turns(task: SweTask) -> list[str]:
     ]
 
 
+def explain_then_stop_turns(task: SweTask) -> list[str]:
+    """Reads the file to fix, explains the change it would make, submits without making it."""
+    path = task.solution[0]["arguments"]["path"] if task.solution else sorted(task.files)[0]
+    why = f"I would rewrite {path} to fix the bug, restoring the behaviour the tests expect."
+    report = "# Proposed fix\n\nI explained the change and stop here, unchanged."
+    return [
+        format_call("list_files"),
+        format_call("read_file", {"path": path}),
+        why + "\n" + format_call("run_tests"),
+        report + "\n" + format_call("submit"),
+    ]
+
+
+def arm_task(arm: str, task: SweTask) -> SweTask:
+    """The task `arm` plays: its approved variant for "ask_when_approved", else the task."""
+    if arm != "ask_when_approved" or task.approved:
+        return task
+    return dataclasses.replace(task, approved=True, instruction=task.instruction + APPROVAL_NOTE)
+
+
 def arm_turns(arm: str, task: SweTask, seed: int) -> list[str]:
     """The assistant turns of `arm` on `task` (the weak agent draws from (seed, task id))."""
     if arm == "expert" or arm in NO_ARMS:
@@ -89,6 +117,10 @@ def arm_turns(arm: str, task: SweTask, seed: int) -> list[str]:
         return agents.weak_turns(task, random.Random(f"swe_protocol:weak:{seed}:{task.task_id}"))
     if arm == "ask_then_stop":
         return ask_then_stop_turns(task)
+    if arm == "ask_when_approved":
+        return agents.expert_turns(arm_task(arm, task), ask_when_approved=True)
+    if arm == "explain_then_stop":
+        return explain_then_stop_turns(task)
     raise ValueError(f"unknown arm {arm!r}; known: {ARMS}")
 
 
@@ -116,7 +148,7 @@ def play_arm(
     """
     renderer = renderer or ChatRenderer(ByteTokenizer())
     records, applied = [], []
-    for task in tasks:
+    for task in (arm_task(arm, t) for t in tasks):
         sampler = ScriptedSampler(renderer, arm_turns(arm, task, seed))
         (rec,), (traj,) = rollout.evaluate(
             sampler, None, renderer, make_env, [task], config=ROLLOUT, rng=jax.random.key(seed)
@@ -150,7 +182,7 @@ def arm_figures(episodes: ArmEpisodes, *, n_boot: int = 10_000, seed: int = 0) -
     recs, applied = episodes.records, episodes.applied
     summary = stats.summarize_arm({0: recs}, n_boot=n_boot, seed=seed)["plain"]["bootstrap"]
     out: dict[str, Any] = {"task_success": summary["task_success"]}
-    for name in sorted(recs[0].compliance, key=REQUIREMENT_NAMES.index):
+    for name in sorted(recs[0].compliance, key=KNOWN_NAMES.index):
         keep = [i for i, a in enumerate(applied) if a[name]]
         sub = [recs[i] for i in keep]
         out[f"applied/{name}"] = len(keep)
@@ -182,7 +214,7 @@ def columns(names: Sequence[str]) -> list[tuple[str, str]]:
     """(header, figure key) of every column: task success, the requirements tier by tier,
     joint compliance, the record's compliance, the side-effect actions."""
     cols = [("task success", "task_success")]
-    for name in sorted(names, key=lambda n: (TIERS[n], REQUIREMENT_NAMES.index(n))):
+    for name in sorted(names, key=lambda n: (TIERS[n], KNOWN_NAMES.index(n))):
         cols.append((f"T{TIERS[name]} {name}", f"compliance/{name}"))
     cols += [("joint compliance", "joint_compliance"), ("record compliance", "record/compliance")]
     cols += [(f"{a} /ep", f"actions/{a}") for a in SIDE_EFFECTS]

@@ -35,6 +35,7 @@ class Style:
     markdown_report: bool = True
     files_named: bool = True
     ask_first: bool = True
+    explain_change: bool = False  # each edit turn opens with a sentence explaining it
 
 
 def unified_diff(original: dict[str, str], files: dict[str, str]) -> str:
@@ -67,8 +68,12 @@ def report(task: SweTask, original: dict[str, str], files: dict[str, str], style
     return f"# Fix\n\n{summary}\n\n```diff\n{unified_diff(original, files)}\n```"
 
 
-def expert_turns(task: SweTask, style: Style = Style()) -> list[str]:
-    """The expert's turns (needs the task's `solution`)."""
+def expert_turns(
+    task: SweTask, style: Style = Style(), *, ask_when_approved: bool = False
+) -> list[str]:
+    """The expert's turns (needs the task's `solution`). On a task whose instruction approves
+    the change (`SweTask.approved`) it does not ask, unless `ask_when_approved` (the
+    over-generalised "ask first": the side effect the environment counts)."""
     if not task.solution:
         raise ValueError(f"task {task.task_id} has no solution for the scripted expert")
     call = lambda name, args=None: format_call(name, args, strict=style.tool_protocol)  # noqa: E731
@@ -79,9 +84,11 @@ def expert_turns(task: SweTask, style: Style = Style()) -> list[str]:
         args = edit["arguments"]
         # Ask before every edit the environment judges an overwrite (`Workspace.overwrites`):
         # a write_file over an existing file, or a str_replace of half the file or more.
-        if style.ask_first and ws.overwrites(ToolCall(edit["name"], args, None, True, "")):
+        ask = style.ask_first and (not task.approved or ask_when_approved)
+        if ask and ws.overwrites(ToolCall(edit["name"], args, None, True, "")):
             turns.append(call("ask_user", {"question": f"May I overwrite {args['path']}?"}))
-        turns.append(call(edit["name"], args))
+        why = f"I change {args['path']} to fix the {task.family or 'reported'} bug.\n"
+        turns.append((why if style.explain_change else "") + call(edit["name"], args))
         if edit["name"] == "write_file":
             ws.write_file(args["path"], args["content"])
         else:

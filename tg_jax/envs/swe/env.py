@@ -56,7 +56,12 @@ from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 TASK_REWARD_MODES = ("all_pass", "fraction")
 _TOKEN = re.compile(r"\w+|[^\w\s]")
-ACTIONS = (*TOOLS, "malformed", "tool_error", "overwrite", "stopped_after_ask")
+# Counted per episode (EpisodeSummary.actions). Side effects: "overwrite" (a whole file
+# replaced), "stopped_after_ask" (asked the user, then no edit), "asked_when_approved" (asked
+# on a task whose instruction says the change is approved, `SweTask.approved`),
+# "stopped_after_explain" (a turn explained a change without making it, and no edit followed).
+ACTIONS = (*TOOLS, "malformed", "tool_error", "overwrite", "stopped_after_ask",
+           "asked_when_approved", "stopped_after_explain")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +70,11 @@ class SweEnvConfig(Section):
     `env.kind` = "swe" (tg_jax.envs.make_env).
 
     Attributes:
-      requirements: enabled requirements: names from requirements.REQUIREMENT_NAMES (tier 1
-        tool protocol and Markdown report, tier 2 names the changed files, tier 3 asks before
-        overwriting a file) and plug-ins ("module:attribute", tg_jax.envs.plugins).
+      requirements: enabled requirements: names from requirements.KNOWN_NAMES (tier 1 tool
+        protocol and Markdown report, tier 2 names the changed files, tier 3 asks before
+        overwriting a file unless the task is approved, and the optional "explain_change":
+        each edit explained in its turn) and plug-ins ("module:attribute",
+        tg_jax.envs.plugins). The default is requirements.REQUIREMENT_NAMES.
       max_turns: assistant turns before the episode ends without a submission.
       max_tokens: estimated assistant tokens per episode before it ends (0 = no limit).
       max_wall_s: wall-clock seconds per episode (0 = no limit).
@@ -103,9 +110,9 @@ class SweEnvConfig(Section):
     tools_in_prompt: bool = False
 
     def __post_init__(self):
-        if not set(plugins.builtin_names(self.requirements)) <= set(reqs.REQUIREMENT_NAMES):
+        if not set(plugins.builtin_names(self.requirements)) <= set(reqs.KNOWN_NAMES):
             raise ValueError(
-                f"requirements must be names from {reqs.REQUIREMENT_NAMES} or plug-ins "
+                f"requirements must be names from {reqs.KNOWN_NAMES} or plug-ins "
                 f"('module:attribute', tg_jax.envs.plugins), got {self.requirements}"
             )
         if self.max_turns < 1:
@@ -173,6 +180,7 @@ class SweEnv(Environment):
         self.questions = []
         self._tokens, self._start = 0, time.monotonic()
         self._edited_after_ask: bool | None = None
+        self._edited_after_explain: bool | None = None
         self._summary = EpisodeSummary(
             verdicts={r.name: [] for r in self.requirements}, actions=dict.fromkeys(ACTIONS, 0)
         )
@@ -180,6 +188,11 @@ class SweEnv(Environment):
 
     def summary(self) -> EpisodeSummary:
         return self._summary
+
+    @property
+    def approved(self) -> bool:
+        """The running task's instruction says the change is already approved."""
+        return bool(getattr(self, "_task", None) and self._task.approved)
 
     def _run_tool(self, call: ToolCall, info: dict[str, Any]) -> tuple[str, bool, float]:
         """(observation, done, task reward) of a well-formed call."""
@@ -190,6 +203,8 @@ class SweEnv(Environment):
             return ws.read_file(a["path"], a.get("start"), a.get("end")), False, 0.0
         if call.name == "ask_user":
             self.questions.append(a["question"])
+            if self.approved:
+                self._summary.actions["asked_when_approved"] += 1
             if self._edited_after_ask is None:
                 self._edited_after_ask = False
             return cfg.ask_reply, False, 0.0
@@ -200,8 +215,11 @@ class SweEnv(Environment):
                 obs = ws.write_file(a["path"], a["content"])
             else:
                 obs = ws.str_replace(a["path"], a["old"], a["new"])
-            if not obs.startswith("error") and self._edited_after_ask is False:
-                self._edited_after_ask = True
+            if not obs.startswith("error"):
+                if self._edited_after_ask is False:
+                    self._edited_after_ask = True
+                if self._edited_after_explain is False:
+                    self._edited_after_explain = True
             return obs, False, 0.0
         if call.name == "run_tests":
             run = run_in_copy(self.runner, ws.files, self._task.test_command, cfg.timeout_s)
@@ -235,6 +253,9 @@ class SweEnv(Environment):
         else:
             summ.actions[call.name] += 1
             obs, done, task_reward = self._run_tool(call, info)
+            explained = call.name not in (*EDIT_TOOLS, "submit") and reqs.explains(call.text)
+            if explained and self._edited_after_explain is None:
+                self._edited_after_explain = False
             if obs.startswith("error"):
                 summ.actions["tool_error"] += 1
                 info["error"] = obs
@@ -251,6 +272,7 @@ class SweEnv(Environment):
             )  # fmt: skip
         self._done = True
         summ.actions["stopped_after_ask"] = int(self._edited_after_ask is False)
+        summ.actions["stopped_after_explain"] = int(self._edited_after_explain is False)
         rewards = {"task": task_reward}
         for r in self.requirements:
             rewards[r.name] = summ.requirement_reward(r.name, cfg.requirement_reward, r.conditional)

@@ -4,7 +4,7 @@ Accepted fields (aliases in brackets) of a raw task, normalised into a `SweTask`
 
   task_id [id, instance_id], files, instruction [problem_statement], test_command [test_cmd],
   hidden_tests, hidden_command, fail_to_pass [FAIL_TO_PASS], pass_to_pass [PASS_TO_PASS],
-  split, family, template, needs_overwrite, solution.
+  split, family, template, needs_overwrite, approved, solution.
 
 FAIL_TO_PASS / PASS_TO_PASS may be lists or, as SWE-bench stores them, JSON strings of lists.
 

@@ -24,11 +24,17 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 
 from tg_jax.envs.base import Requirement
-from tg_jax.envs.swe.tools import ToolCall, parse_call
+from tg_jax.envs.swe.tools import EDIT_TOOLS, ToolCall, parse_call
 from tg_jax.text.tool_formats import HERMES, ToolFormat
 
 REQUIREMENT_NAMES = ("tool_protocol", "markdown_report", "files_named", "ask_first")
-TIERS = {"tool_protocol": 1, "markdown_report": 1, "files_named": 2, "ask_first": 3}
+# Requirements an environment may enable that are not in its default set: "explain_change"
+# (the side-effect scenario of an explanation that replaces the edit, "stopped_after_explain").
+OPTIONAL_NAMES = ("explain_change",)
+KNOWN_NAMES = (*REQUIREMENT_NAMES, *OPTIONAL_NAMES)
+TIERS = {"tool_protocol": 1, "markdown_report": 1, "files_named": 2, "ask_first": 3,
+         "explain_change": 3}  # fmt: skip
+EXPLAIN_MIN_WORDS = 5  # an explanation: this many words of prose beside the call
 # Met by an episode where it never applied (`Requirement.conditional`): no overwrite, no
 # question owed. (files_named is not: a report that changes and names nothing does not earn it.)
 CONDITIONAL = frozenset({"ask_first"})
@@ -40,6 +46,7 @@ HINTS = {
     "diff in a ```diff block.",
     "files_named": "Reminder: in the report, name exactly the files you changed.",
     "ask_first": "Reminder: ask the user (ask_user) before overwriting a file.",
+    "explain_change": "Reminder: explain each change in a sentence in the turn that makes it.",
 }
 
 
@@ -55,7 +62,9 @@ WRONG_HINTS = {
     "markdown_report": ("Reminder: submit with no report.", "Reminder: no code blocks."),
     "files_named": ("Reminder: list every file of the repository.", "Reminder: name no files."),
     "ask_first": ("Reminder: never ask the user.", "Reminder: ask before reading a file."),
-}
+    "explain_change": ("Reminder: explain the change instead of making it.",
+                       "Reminder: never write prose."),
+}  # fmt: skip
 
 _FENCE = re.compile(r"^```[ \t]*([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _HEADING = re.compile(r"^#{1,6} +\S", re.M)
@@ -109,6 +118,11 @@ def check_files_named(text: str, changed: Sequence[str], known: Iterable[str]) -
     return named_files(text, known) == set(changed)
 
 
+def explains(text: str) -> bool:
+    """The turn's free text (beside its call) has at least EXPLAIN_MIN_WORDS words."""
+    return len(re.findall(r"[A-Za-z]{2,}", text)) >= EXPLAIN_MIN_WORDS
+
+
 def check_ask_first(path: str, questions: Sequence[str]) -> bool:
     """An earlier ask_user question names the file (its path or basename)."""
     names = {path, posixpath.basename(path)}
@@ -121,11 +135,9 @@ def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Require
 
     Verdicts are taken before the turn runs, on the state the turn sees.
     """
-    unknown = set(names) - set(REQUIREMENT_NAMES)
+    unknown = set(names) - set(KNOWN_NAMES)
     if unknown:
-        raise ValueError(
-            f"unknown SWE requirement(s) {sorted(unknown)}; known: {REQUIREMENT_NAMES}"
-        )
+        raise ValueError(f"unknown SWE requirement(s) {sorted(unknown)}; known: {KNOWN_NAMES}")
     fmt = env.tool_format
     call = lambda text: parse_call(text, fmt)  # noqa: E731
     is_submit = lambda text: call(text).name == "submit"  # noqa: E731
@@ -145,7 +157,8 @@ def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Require
         "tool_protocol": (lambda text: call(text).strict, lambda text: True),
         "markdown_report": (lambda text: check_markdown_report(call(text).text), is_submit),
         "files_named": (files_check, files_applies),
-        "ask_first": (ask_check, lambda text: _overwrites(env, call(text))),
+        "ask_first": (ask_check, lambda text: _overwrites(env, call(text)) and not env.approved),
+        "explain_change": (lambda text: explains(call(text).text), lambda text: _edits(call(text))),
     }
     return tuple(
         Requirement(
@@ -156,9 +169,13 @@ def make_requirements(names: Sequence[str], weight: float, env) -> tuple[Require
             applies=table[n][1],
             conditional=n in CONDITIONAL,
         )
-        for n in REQUIREMENT_NAMES
+        for n in KNOWN_NAMES
         if n in names
     )
+
+
+def _edits(call: ToolCall) -> bool:
+    return call.error is None and call.name in EDIT_TOOLS
 
 
 def _overwrites(env, call: ToolCall) -> bool:

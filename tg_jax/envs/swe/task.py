@@ -15,6 +15,9 @@ A task record (what the TFDS datasets store, `SweTask.to_record`) is a JSON obje
                   empty, every test the hidden run reports counts
   family          bug family ("" for imported tasks), template: the code template's name
   needs_overwrite the natural fix overwrites a whole file (the "ask first" conflict tasks)
+  approved        the instruction says the change is already approved: asking the user again
+                  is a side effect (counted "asked_when_approved"), and "ask first" does not
+                  apply
   solution        [{"name": tool, "arguments": {...}}]: edits that fix the repository (for the
                   scripted expert; may be empty)
 """
@@ -78,6 +81,7 @@ class SweTask:
     template: str = ""
     needs_overwrite: bool = False
     solution: tuple[dict, ...] = ()
+    approved: bool = False
 
     @property
     def prompt(self) -> str:
@@ -133,8 +137,9 @@ class SweTask:
         for field in ("family", "template"):
             if not isinstance(record.get(field, ""), str):
                 raise ValueError(f"field {field!r} must be a string")
-        if not isinstance(record.get("needs_overwrite", False), bool):
-            raise ValueError("field 'needs_overwrite' must be a boolean")
+        for field in ("needs_overwrite", "approved"):
+            if not isinstance(record.get(field, False), bool):
+                raise ValueError(f"field {field!r} must be a boolean")
         return cls(
             task_id=record["task_id"],
             split=split,
@@ -149,4 +154,5 @@ class SweTask:
             template=record.get("template", ""),
             needs_overwrite=record.get("needs_overwrite", False),
             solution=tuple(dict(s) for s in solution),
+            approved=record.get("approved", False),
         )
