@@ -191,6 +191,57 @@ def test_too_long_request_is_an_error_and_the_others_complete(setup):
     assert [c.token_ids for c in alone] == [out[0].token_ids, out[2].token_ids]
 
 
+def test_stop_ids_end_a_request_with_the_stop_token(setup):
+    prompts = _prompts((6, 9), seed=9)
+    engine = _engine(setup)
+    free = engine.generate(_requests(prompts, n=12))
+    stop = free[0].token_ids[3]
+    first = free[0].token_ids.index(stop)  # the first occurrence ends it
+    out = _engine(setup).generate(
+        [Request(i, p, 12, temperature=0.0, stop_ids=(stop,)) for i, p in enumerate(prompts)]
+    )
+    assert out[0].finish_reason == "stop" and out[0].token_ids == free[0].token_ids[: first + 1]
+    if stop in free[1].token_ids:
+        cut = free[1].token_ids.index(stop) + 1
+        assert out[1].finish_reason == "stop" and out[1].token_ids == free[1].token_ids[:cut]
+    else:
+        assert out[1].finish_reason == "length" and out[1].token_ids == free[1].token_ids
+
+
+def test_agent_threads_submit_turns_while_one_thread_steps(setup):
+    """Episodes in their own threads submit their next turn as soon as the last one returns
+    (continue_from); the main thread alone steps. The turns equal a sequential run's."""
+    import threading
+
+    prompts, obs = _prompts((7, 4, 10), seed=10), _prompts((3, 5), seed=11)
+
+    def episode(engine, e, out):
+        previous = None
+        for k in range(3):
+            prompt = prompts[e] if k == 0 else obs[k - 1]
+            engine.submit(Request((e, k), prompt, 4 + 2 * k, temperature=1.0,
+                                  continue_from=previous, seed=10 * e + k))  # fmt: skip
+            out[(e, k)] = engine.result((e, k), timeout=120).token_ids
+            previous = (e, k)
+
+    threaded, sequential = {}, {}
+    engine = _engine(setup, rng=jax.random.key(4))
+    threads = [threading.Thread(target=episode, args=(engine, e, threaded)) for e in range(3)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        if engine.has_work():
+            engine.step()
+    ref = _engine(setup, rng=jax.random.key(4))
+    for e in range(3):
+        worker = threading.Thread(target=episode, args=(ref, e, sequential))
+        worker.start()
+        while worker.is_alive():
+            ref.step()
+    assert len(threaded) == 9 and threaded == sequential
+    assert sum(map(len, threaded.values())) == 3 * (4 + 6 + 8)
+
+
 def test_weights_update_pause_and_policy_version(setup):
     model, params = setup
     engine = _engine(setup)

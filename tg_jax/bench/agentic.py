@@ -69,7 +69,7 @@ class Workload:
 
 def make_workload(
     episodes: int = 16, max_turns: int = 4, *, median_tokens: int = 16, max_tokens: int = 256,
-    median_tool_s: float = 0.05, prompt_tokens: int = 32, obs_tokens: int = 12, vocab: int = 256,
+    median_tool_s: float = 0.1, prompt_tokens: int = 32, obs_tokens: int = 12, vocab: int = 256,
     seed: int = 0,
 ) -> Workload:  # fmt: skip
     """A seeded synthetic workload (module docstring)."""
@@ -150,13 +150,15 @@ def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
     counts = [0] * len(w.prompts)
     threads = [threading.Thread(target=_episode, args=(engine, w, e, sleep, counts), daemon=True)
                for e in range(len(w.prompts))]  # fmt: skip
-    used, live = [], []
+    used, live, stepping = [], [], 0.0
     start = time.perf_counter()
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads):
         if engine.has_work():
+            t0 = time.perf_counter()
             engine.step()
+            stepping += time.perf_counter() - t0
             used.append(engine.allocator.num_used)
             live.append(engine.cached_tokens())
         else:
@@ -167,15 +169,20 @@ def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
     if sum(counts) != sum(map(sum, w.turn_tokens)):
         raise RuntimeError("the engine arm lost tokens (an episode failed)")
     slots_per_token = engine.page_size * float(np.sum(used)) / max(float(np.sum(live)), 1.0)
-    return {"tokens": sum(counts), "wall_s": wall, "slots_per_live_token": slots_per_token}
+    return {"tokens": sum(counts), "wall_s": wall, "slots_per_live_token": slots_per_token,
+            "step_s": stepping, "steps": len(used)}  # fmt: skip
 
 
 def agentic_section(
     *, episodes: int = 16, max_turns: int = 4, median_tokens: int = 16, max_tokens: int = 256,
-    median_tool_s: float = 0.05, page_size: int = 16, prefill_chunk: int = 64,
-    model_fields: dict[str, Any] | None = None, seed: int = 0,
+    median_tool_s: float = 0.1, page_size: int = 16, prefill_chunk: int = 64,
+    model_fields: dict[str, Any] | None = None, seed: int = 0, warmup: bool = True,
 ) -> dict[str, float]:  # fmt: skip
-    """Runs both arms on one workload (module docstring) and returns the figures."""
+    """Runs both arms on one workload (module docstring) and returns the figures.
+
+    warmup: `Engine.warmup` before the timed run (compiles every bucket: without it, a batch
+    composition the untimed run did not meet compiles inside the timed run).
+    """
     cfg = ModelConfig(**{**SMALL_MODEL, **(model_fields or {})})
     model = Transformer(cfg)
     params = init_params(model, jax.random.key(seed))
@@ -185,6 +192,7 @@ def agentic_section(
     )  # fmt: skip
     sampler = Sampler(model, pad_id=0, length_multiple=64)
     run_lockstep(sampler, params, w, sleep=False)  # compiles every bucket
+    lock_traces = sampler.num_traces
     lock = run_lockstep(sampler, params, w, sleep=True)
     max_pages = -(-w.max_context() // page_size)
     num_pages = max(lock["kv_slots"] // page_size, max_pages + 1)
@@ -193,7 +201,9 @@ def agentic_section(
         num_pages=num_pages, prefill_chunk=prefill_chunk, prefill_rows=2,
         rng=jax.random.key(seed), max_kept=4 * episodes,
     )  # fmt: skip
-    run_engine(engine, w, sleep=False)  # compiles
+    run_engine(engine, w, sleep=False)  # compiles what it meets
+    if warmup:
+        engine.warmup()
     steps_before, traces_before = dict(engine.stats), engine.num_traces
     eng = run_engine(engine, w, sleep=True)
     stats = engine.stats
@@ -217,6 +227,10 @@ def agentic_section(
         "agentic/heavy_tool_share": float(np.mean(tools >= 10 * np.median(tools))),
         "agentic/preemptions": stats["preemptions"] - steps_before["preemptions"],
         "agentic/compiles_timed": float(engine.num_traces - traces_before),
+        "agentic/lockstep_compiles_timed": float(sampler.num_traces - lock_traces),
+        "agentic/engine_ms_per_step": 1000 * eng["step_s"] / max(eng["steps"], 1),
+        "agentic/engine_busy_share": eng["step_s"] / eng["wall_s"],
+        "agentic/tool_s_median": float(np.median(tools)),
     }
 
 
