@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tg_jax import config_files, config_lib, config_schema
+from tg_jax.data.task_settings import SweTasksConfig, TasksConfig
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.envs.transcripts import TranscriptConfig
@@ -115,6 +116,8 @@ SECTIONS = [  # (the ConfigDict builder, its dataclass, the dataclass's instance
     (config_lib.env_config, CodingEnvConfig, CodingEnvConfig()),
     (config_lib.swe_env_config, SweEnvConfig, SweEnvConfig()),
     (config_lib.transcripts_config, TranscriptConfig, TranscriptConfig()),
+    (config_lib.tasks_config, TasksConfig, TasksConfig()),
+    (config_lib.swe_tasks_config, SweTasksConfig, SweTasksConfig()),
 ]  # fmt: skip
 
 

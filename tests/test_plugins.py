@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests import plugin_example
-from tg_jax.config_lib import env_config
+from tg_jax.config_lib import env_config, tasks_config
 from tg_jax.envs import (
     PluginError,
     env_factory,
@@ -141,7 +141,7 @@ def test_the_data_stage_stores_a_plugin_environments_tasks(tmp_path):
 
     config = ml_collections.ConfigDict(
         {"env": env_config(kind=f"{EX}:WordEnv", requirements=(f"{EX}:short_turns",)),
-         "tasks": {"seed": 3, "num_train": 5, "num_heldout": 2, "families": ()}}
+         "tasks": tasks_config(seed=3, num_train=5, num_heldout=2)}
     )  # fmt: skip
     sources = task_data.prepare_tasks(config, str(tmp_path))
     train = task_data.load_tasks(sources, "train")

@@ -19,7 +19,7 @@ from typing import Any
 import ml_collections
 
 from tg_jax import config_schema
-from tg_jax.envs import tasks as tasks_lib
+from tg_jax.data.task_settings import SweTasksConfig, TasksConfig
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.envs.transcripts import TranscriptConfig
@@ -147,23 +147,8 @@ def optim_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The task sets of the data stage (written as TFDS datasets into the workdir)."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # task generation seed (train and held-out sets are disjoint by function)
-    c.num_train = 2048  # RL training tasks (train split)
-    c.num_heldout = 256  # evaluation tasks (held-out split: functions never seen in training)
-    # Hidden-function families (tg_jax.envs.tasks): the one-parameter EASY_FAMILIES, whose
-    # constant is copied from f(0), put a minutes-of-CPU byte model's pass rate in the
-    # 0.2-0.6 band; HARD_FAMILIES (slopes to compute) leave it below 0.1.
-    c.families = tasks_lib.EASY_FAMILIES
-    # A user's task file replacing a split's generated tasks: JSONL (one task per line) or a
-    # directory of *.json tasks, its field names mapped by `fields` ("ours=theirs" entries;
-    # tg_jax.data.task_files). "" = generate.
-    c.train_source = ""
-    c.heldout_source = ""
-    c.fields = ()
-    c.update(overrides)
-    return c
+    """The task sets of the data stage (the fields: `tg_jax.data.task_settings.TasksConfig`)."""
+    return TasksConfig.config_dict(**overrides)
 
 
 def env_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -178,20 +163,8 @@ def swe_env_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def swe_tasks_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The SWE task sets of the data stage: generated bug-fix repositories or imported tasks."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0  # generation seed (train and held-out sets differ by template and names)
-    c.num_train = 512  # generated train tasks
-    c.num_heldout = 64  # generated held-out tasks
-    # Share of the generated overwrite tasks whose instruction says the change is already
-    # approved (the side-effect scenario: asking again is counted, "asked_when_approved").
-    c.approved_share = 0.0
-    # A JSONL file or a directory of task directories (tg_jax.envs.swe.importer) replacing the
-    # generated tasks of that split ("" = generate).
-    c.train_source = ""
-    c.heldout_source = ""
-    c.update(overrides)
-    return c
+    """The SWE task sets (the fields: `tg_jax.data.task_settings.SweTasksConfig`)."""
+    return SweTasksConfig.config_dict(**overrides)
 
 
 def transcripts_config(**overrides: Any) -> ml_collections.ConfigDict:

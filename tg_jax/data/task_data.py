@@ -28,6 +28,7 @@ from typing import Any
 from tg_jax import paths
 from tg_jax.data import tfds_builders
 from tg_jax.data.task_files import read_task_source
+from tg_jax.data.task_settings import SweTasksConfig, TasksConfig
 from tg_jax.envs import decode_task, env_kind
 from tg_jax.envs.plugins import PLUGIN_TASK_KIND, environment_class, is_plugin
 from tg_jax.envs.tasks import check_families, generate_tasks
@@ -36,9 +37,15 @@ from tg_jax.errors import ConfigError
 TFDS_DIR = "tfds"
 
 
+def task_settings(config: Any) -> TasksConfig | SweTasksConfig:
+    """`config.tasks` read back into its dataclass (SweTasksConfig for the SWE environment)."""
+    cls = SweTasksConfig if env_kind(config.env) == "swe" else TasksConfig
+    return cls.from_config(config.tasks)
+
+
 def tasks_dataset_name(config: Any) -> str:
     """The TFDS config name of `config.tasks`: it identifies the dataset's content."""
-    t = config.tasks
+    t = task_settings(config)
     kind = env_kind(config.env)
     if kind == "swe":
         return _swe_dataset_name(t)
@@ -56,7 +63,7 @@ def tasks_dataset_name(config: Any) -> str:
 
 def _task_files(t: Any) -> dict[str, str]:
     """{split: `tasks.<split>_source`} of the splits read from a user's task file."""
-    sources = {s: str(t.get(f"{s}_source", "") or "") for s in ("train", "heldout")}
+    sources = {"train": t.train_source, "heldout": t.heldout_source}
     return {s: src for s, src in sources.items() if src}
 
 
@@ -69,15 +76,15 @@ def _files_suffix(t: Any) -> str:
     h = hashlib.sha256()
     for split, src in sorted(files.items()):
         h.update(split.encode())
-        for record in read_task_source(src, tuple(t.get("fields", ()))):
+        for record in read_task_source(src, t.fields):
             h.update(json.dumps(record, sort_keys=True).encode())
     return f"_files{h.hexdigest()[:12]}"
 
 
 def _swe_dataset_name(t: Any) -> str:
     name = f"swe_v1_seed{int(t.seed)}_train{int(t.num_train)}_heldout{int(t.num_heldout)}"
-    if float(t.get("approved_share", 0.0)):
-        name += f"_approved{round(1000 * float(t.approved_share))}pm"  # per mille
+    if t.approved_share:
+        name += f"_approved{round(1000 * t.approved_share)}pm"  # per mille
     sources = [str(t.train_source), str(t.heldout_source)]
     if any(sources):
         # Imported tasks: the name carries a hash of the source contents.
@@ -94,8 +101,8 @@ def _generate_swe(config: Any):
     from tg_jax.envs.swe.generator import generate_swe_tasks  # noqa: PLC0415
     from tg_jax.envs.swe.importer import load_swe_tasks  # noqa: PLC0415
 
-    t = config.tasks
-    sizes = {"train": int(t.num_train), "heldout": int(t.num_heldout)}
+    t = task_settings(config)
+    sizes = {"train": t.num_train, "heldout": t.num_heldout}
     sources = {"train": str(t.train_source), "heldout": str(t.heldout_source)}
 
     def generate(split: str) -> Iterator[dict]:
@@ -103,8 +110,7 @@ def _generate_swe(config: Any):
             for record in load_swe_tasks(sources[split]):
                 yield {**record, "split": split}
         else:
-            share = float(t.get("approved_share", 0.0))
-            for task in generate_swe_tasks(split, sizes[split], int(t.seed), share):
+            for task in generate_swe_tasks(split, sizes[split], t.seed, t.approved_share):
                 yield task.to_record()
 
     return generate
@@ -112,13 +118,13 @@ def _generate_swe(config: Any):
 
 def _generate_plugin(config: Any, kind: str):
     cls = environment_class(kind)
-    t = config.tasks
-    sizes = {"train": int(t.num_train), "heldout": int(t.num_heldout)}
+    t = task_settings(config)
+    sizes = {"train": t.num_train, "heldout": t.num_heldout}
     files = _task_files(t)
 
     def generate(split: str) -> Iterator[dict]:
         if split in files:
-            for record in read_task_source(files[split], tuple(t.get("fields", ()))):
+            for record in read_task_source(files[split], t.fields):
                 yield {**record, "kind": PLUGIN_TASK_KIND, "split": split}
             return
         if not callable(getattr(cls, "generate_tasks", None)):
@@ -147,15 +153,16 @@ def _generate(config: Any):
         return _generate_swe(config)
     if is_plugin(kind):
         return _generate_plugin(config, kind)
-    sizes = {"train": int(config.tasks.num_train), "heldout": int(config.tasks.num_heldout)}
-    files = _task_files(config.tasks)
+    t = task_settings(config)
+    sizes = {"train": t.num_train, "heldout": t.num_heldout}
+    files = _task_files(t)
 
     def generate(split: str) -> Iterator[dict]:
         if split in files:  # coding tasks from a file: Task records (validated on writing)
-            yield from read_task_source(files[split], tuple(config.tasks.get("fields", ())))
+            yield from read_task_source(files[split], t.fields)
             return
         for task in generate_tasks(
-            split, sizes[split], seed=int(config.tasks.seed), families=config.tasks.families
+            split, sizes[split], seed=t.seed, families=t.families
         ):
             yield task.to_record()
 
