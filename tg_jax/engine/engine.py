@@ -39,7 +39,6 @@ values from the older weights, and no new request shares them;
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 from collections.abc import Hashable, Iterable
 from typing import Any
@@ -47,33 +46,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from tg_jax import tracing
 from tg_jax.engine import paged
+from tg_jax.engine.paged import TRACES, copy_jit, decode_jit, prefill_jit, weights_jit
 from tg_jax.engine.pages import SCRATCH_PAGE, PageAllocator, PrefixIndex, chain_key
 from tg_jax.engine.requests import Completion, Request, Sequence, error_completion
-from tg_jax.models import decode
 from tg_jax.models.qwen3 import Transformer
-
-# The jitted calls, shared by engines of the same model and shapes (compiled once per shape);
-# the model is static. _TRACES[0] counts their traces (each trace compiles).
-_TRACES = [0]
-
-
-def _traced(fn):
-    def body(model, *args):
-        _TRACES[0] += 1
-        return fn(model, *args)
-
-    return functools.wraps(fn)(body)
-
-
-_weights_jit = tracing.jit(_traced(decode.decode_weights), static_argnums=0)
-_prefill_jit = tracing.jit(_traced(paged.prefill_chunk), static_argnums=0, donate_argnums=(2,))
-_decode_jit = tracing.jit(_traced(paged.sample_step), static_argnums=0, donate_argnums=(2,))
-_copy_jit = tracing.jit(
-    _traced(lambda model, pool, src, dst: paged.copy_page(pool, src, dst)),
-    static_argnums=0, donate_argnums=(1,),
-)  # fmt: skip
 
 
 class Engine:
@@ -141,9 +118,9 @@ class Engine:
 
     def _call(self, fn, *args):
         """A jitted function of this module, counting the traces the call caused."""
-        before = _TRACES[0]
+        before = TRACES[0]
         out = fn(self.model, *args)
-        self.num_traces += _TRACES[0] - before
+        self.num_traces += TRACES[0] - before
         return out
 
     # --- public API -----------------------------------------------------------------------
@@ -156,7 +133,7 @@ class Engine:
     def update_weights(self, params: Any, version: int) -> None:
         """New weights from the next step on (call between steps: it takes the step lock)."""
         with self._step_lock:
-            self._weights = self._call(_weights_jit, params)
+            self._weights = self._call(weights_jit, params)
             self.version = int(version)
             # Pages written so far hold the old weights' keys and values: no new request may
             # share them (running and kept sequences keep their own).
@@ -388,7 +365,7 @@ class Engine:
             new = self._alloc(seq)
             if new is None:
                 return False
-            self.pool = self._call(_copy_jit, self.pool, np.int32(old), np.int32(new))
+            self.pool = self._call(copy_jit, self.pool, np.int32(old), np.int32(new))
             known = self.index.tokens(old)
             if seq.shareable and len(known) >= start % ps:
                 self.index.register(new, self._page_key(seq, start // ps), known[: start % ps])
@@ -451,11 +428,8 @@ class Engine:
             self._waiting.appendleft(seq)
 
     def page_buckets(self) -> list[int]:
-        """Page-table widths a call may get: powers of two below max_pages_per_seq, and it."""
-        if not self.bucket_pages:
-            return [self.max_pages_per_seq]
-        widths = [1 << i for i in range(self.max_pages_per_seq.bit_length())]
-        return [w for w in widths if w < self.max_pages_per_seq] + [self.max_pages_per_seq]
+        """Page-table widths a call may get (`paged.buckets` of max_pages_per_seq)."""
+        return paged.buckets(self.max_pages_per_seq, self.bucket_pages)
 
     def _table(self, seqs: list[Sequence | None]) -> np.ndarray:
         """[len(seqs), width] page tables (unused columns: the scratch page); the width is
@@ -478,17 +452,15 @@ class Engine:
                 table = np.zeros((b, width), np.int32)
                 tokens = np.zeros((b, c), np.int32)
                 self.pool = self._call(
-                    _prefill_jit, self._weights, self.pool, tokens, zeros_b, zeros_b, table
+                    prefill_jit, self._weights, self.pool, tokens, zeros_b, zeros_b, table
                 )
                 for rows in self.slot_buckets():
                     batch = self._decode_batch([])
                     batch = {k: np.resize(v, (rows,)) for k, v in batch.items() if k != "table"}
                     batch["active"][:] = False
                     batch["table"] = np.zeros((rows, width), np.int32)
-                    _, self.pool = self._call(
-                        _decode_jit, self._weights, self.pool, self.rng, batch
-                    )
-            self.pool = self._call(_copy_jit, self.pool, np.int32(0), np.int32(0))
+                    _, self.pool = self._call(decode_jit, self._weights, self.pool, self.rng, batch)
+            self.pool = self._call(copy_jit, self.pool, np.int32(0), np.int32(0))
             jax.block_until_ready(self.pool)
 
     # --- the two calls ------------------------------------------------------------------------
@@ -519,9 +491,7 @@ class Engine:
             tokens[i, :n] = seq.tokens[seq.cached : seq.cached + n]
             start[i], lengths[i] = seq.cached, n
         table = self._table([s for s, _ in rows] + [None] * (b - len(rows)))
-        self.pool = self._call(
-            _prefill_jit, self._weights, self.pool, tokens, start, lengths, table
-        )
+        self.pool = self._call(prefill_jit, self._weights, self.pool, tokens, start, lengths, table)
         self._counts["prefill_calls"] += 1
         for seq, n in rows:
             self._record_write(seq, n)
@@ -529,11 +499,8 @@ class Engine:
             self._counts["prefill_tokens"] += n
 
     def slot_buckets(self) -> list[int]:
-        """Decode batch sizes: powers of two below max_slots, and it (with bucket_slots)."""
-        if not self.bucket_slots:
-            return [self.max_slots]
-        sizes = [1 << i for i in range(self.max_slots.bit_length())]
-        return [n for n in sizes if n < self.max_slots] + [self.max_slots]
+        """Decode batch sizes (`paged.buckets` of max_slots)."""
+        return paged.buckets(self.max_slots, self.bucket_slots)
 
     def _decode_batch(self, rows: list[Sequence]) -> dict[str, np.ndarray]:
         """The decode call's arrays: row i is rows[i], padded to a `slot_buckets` size."""
@@ -568,7 +535,7 @@ class Engine:
             return
         batch = self._decode_batch(rows)
         (tok, lp, raw), self.pool = self._call(
-            _decode_jit, self._weights, self.pool, self.rng, batch
+            decode_jit, self._weights, self.pool, self.rng, batch
         )
         tok, lp, raw = jax.device_get((tok, lp, raw))
         self._counts["decode_steps"] += 1

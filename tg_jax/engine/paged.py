@@ -21,20 +21,27 @@ return the updated pool (jit them with the pool donated, so the writes are in pl
   decode_step    one token per row at position pos_b: writes it, attends over the row's
                  pages, returns fp32 logits [B, V]; `draw` samples from them.
 
-Shapes are fixed by the engine (B slots or prefill rows, C chunk, M pages per sequence), so
-each function compiles once. Limits: every step gathers all M pages of every row (the cost of
-a step grows with the per-sequence context limit, not with the live length); no ragged or
-flattened batch (prefill and decode are separate calls).
+`weights_jit`, `prefill_jit`, `decode_jit` (`sample_step`: decode and draw) and `copy_jit`
+are the jitted forms the engine calls (`tracing.jit`, the model static, the pool donated);
+`TRACES` counts their traces. The engine buckets B (decode rows) and M (page-table width) to
+powers of two (`buckets`), so each compiles once per bucket.
+
+Limits: a step gathers M pages of every row into a contiguous copy before attending (XLA has
+no paged-attention kernel here: the gather costs one extra read and write of the keys and
+values a step attends to), M being the longest row's bucket; no ragged or flattened batch
+(prefill and decode are separate calls).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tg_jax import tracing
 from tg_jax.models import decode
 from tg_jax.models.decode import (
     _attention_inputs,
@@ -228,8 +235,43 @@ def sample_step(
     return draw(rng, logits_BxV, batch), pool
 
 
+def buckets(limit: int, on: bool = True) -> list[int]:
+    """Sizes a bucketed dimension takes: powers of two below `limit`, then `limit` (off:
+    `limit` only)."""
+    if not on:
+        return [limit]
+    return [1 << i for i in range(limit.bit_length()) if 1 << i < limit] + [limit]
+
+
+# The jitted calls, shared by engines of the same model and shapes (the model is static, the
+# pool donated: the writes are in place). TRACES[0] counts their traces (each compiles).
+TRACES = [0]
+
+
+def _traced(fn):
+    def body(model, *args):
+        TRACES[0] += 1
+        return fn(model, *args)
+
+    return functools.wraps(fn)(body)
+
+
+weights_jit = tracing.jit(_traced(decode.decode_weights), static_argnums=0)
+prefill_jit = tracing.jit(_traced(prefill_chunk), static_argnums=0, donate_argnums=(2,))
+decode_jit = tracing.jit(_traced(sample_step), static_argnums=0, donate_argnums=(2,))
+copy_jit = tracing.jit(
+    _traced(lambda model, pool, src, dst: copy_page(pool, src, dst)),
+    static_argnums=0, donate_argnums=(1,),
+)  # fmt: skip
+
 __all__ = [
+    "TRACES",
     "PagedPool",
+    "buckets",
+    "copy_jit",
+    "decode_jit",
+    "prefill_jit",
+    "weights_jit",
     "copy_page",
     "decode_step",
     "draw",
