@@ -161,9 +161,7 @@ def _generate(config: Any):
         if split in files:  # coding tasks from a file: Task records (validated on writing)
             yield from read_task_source(files[split], t.fields)
             return
-        for task in generate_tasks(
-            split, sizes[split], seed=t.seed, families=t.families
-        ):
+        for task in generate_tasks(split, sizes[split], seed=t.seed, families=t.families):
             yield task.to_record()
 
     return generate
