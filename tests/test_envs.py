@@ -322,6 +322,7 @@ def test_correct_legacy_episode():
         "actions": {"run_tests": 1, "submit": 1, "malformed": 0},
         "turns": 2,
         "end_reason": "submit",
+        "unjudged": {},  # no plug-in checker failed (tg_jax.envs.plugins)
     }
 
 
