@@ -135,8 +135,9 @@ def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def tg_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Targeted guidance: divergence, estimator, gating, lambda schedule, teacher context (the
-    fields: `tg_jax.rl.step_config.TGConfig`)."""
+    """Targeted guidance: divergence, estimator, gating, lambda schedule, teacher context, and
+    tg.method (tg | the peers' sdpo, opsd, sdar, sgcd on the same teacher path,
+    `tg_jax.rl.peers`) with its fields (the fields: `tg_jax.rl.step_config.TGConfig`)."""
     return TGConfig.config_dict(**overrides)
 
 

@@ -14,6 +14,11 @@
     L = L_GRPO(A) + lambda_tg * sum_{t in M} D_t / |M| (+ kl_coef * KL to the reference):
     `policy_term` (`ppo_loss` on the assistant tokens), `tg_term` (`tg_loss` on `tg_mask(...)`
     with lambda_tg from `lambda_schedule(step)`), `reference_term`.
+ e. tg.method other than "tg" (the peers' methods, `tg_jax.rl.peers`) changes only the
+    teacher term D_t of step c (`peers.divergence_options`), its weight
+    (`peers.distill_weight`) and how the terms combine: sdpo blends (1 - w) L_GRPO + w L_distill
+    (`policy_and_distill`), sgcd reweights the advantages and has no distillation term
+    (`peer_advantages`); opsd is tg with the all-turns gate.
 Every mean is divided by whole-batch counts (`Normalizers`), so micro-batch shares add up to
 the big batch's loss for every aggregation mode.
 """
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.models import hidden_states, unembed
+from tg_jax.rl import peers
 from tg_jax.rl.advantages import AdvantageMetrics, compute_advantages, turn_advantages
 from tg_jax.rl.batch import Batch
 from tg_jax.rl.policy_loss import PolicyLossMetrics, ppo_loss, reference_kl
@@ -40,7 +46,7 @@ from tg_jax.rl.teacher import (
     student_forward,
     teacher_rows_hidden,
 )
-from tg_jax.rl.tg_loss import TokenStats, chunked_token_stats, lambda_schedule, tg_loss, tg_mask
+from tg_jax.rl.tg_loss import TokenStats, chunked_token_stats, tg_loss, tg_mask
 
 Metrics = dict[str, jax.Array]
 
@@ -54,8 +60,9 @@ class Normalizers(NamedTuple):
     req_tokens_R: jax.Array  # |M| per requirement
 
 
-def distill_mask(batch: Batch, tg_cfg: TGConfig) -> jax.Array:
-    """M [B, T]: `tg_mask` of the batch under the config's gate and thinking options."""
+def teacher_mask(batch: Batch, tg_cfg: TGConfig) -> jax.Array:
+    """[B, T]: `tg_mask` of the batch under the config's gate and thinking options, the tokens
+    whose teacher term D_t the loss reads (for every tg.method)."""
     return tg_mask(
         batch.distill_mask_BxT,
         batch.thinking_mask_BxT,
@@ -64,6 +71,13 @@ def distill_mask(batch: Batch, tg_cfg: TGConfig) -> jax.Array:
         include_thinking=tg_cfg.include_thinking,
         gate=tg_cfg.gate,
     )
+
+
+def distill_mask(batch: Batch, tg_cfg: TGConfig) -> jax.Array:
+    """M [B, T]: the tokens under the distillation term, `teacher_mask`; empty for tg.method
+    "sgcd", which distils nothing (its teacher signal reweights the advantages instead)."""
+    mask_BxT = teacher_mask(batch, tg_cfg)
+    return jnp.zeros_like(mask_BxT) if tg_cfg.method == "sgcd" else mask_BxT
 
 
 def normalizers(batch: Batch, tg_cfg: TGConfig) -> Normalizers:
@@ -163,16 +177,13 @@ def token_stats(
         teacher_hidden_BxTxD=teacher_hidden_BxTxD if tg_cfg.enabled else None,
         teacher_unembed_fn=teacher_unembed_fn,
         chunk_size=tg_cfg.chunk_size,
-        kind=tg_cfg.kind,
-        beta=tg_cfg.beta,
-        estimator=tg_cfg.estimator,
-        top_k=tg_cfg.top_k,
+        **peers.divergence_options(tg_cfg),
     )
     if run_teacher and divergence_at_slots(batch):
         stats = stats._replace(divergence_BxT=slot_divergence(
             hidden_BxTxD, teacher_BtxTtxD, batch, _unembed_fn(model, params, rl_cfg.temperature),
-            distill_mask(batch, tg_cfg), chunk_size=tg_cfg.chunk_size, kind=tg_cfg.kind,
-            beta=tg_cfg.beta, estimator=tg_cfg.estimator, top_k=tg_cfg.top_k,
+            teacher_mask(batch, tg_cfg), chunk_size=tg_cfg.chunk_size,
+            **peers.divergence_options(tg_cfg),
         ))  # fmt: skip
     return stats, router if router is not None else jnp.zeros((), jnp.float32)
 
@@ -229,18 +240,20 @@ def tg_term(
     norms: Normalizers,
     step: int | jax.Array,
 ) -> TGTerm:
-    """lambda_tg * sum_{t in M} D_t / N (this batch's share of it); zeros for the GRPO arm.
+    """lambda_tg * sum_{t in M} D_t / N (this batch's share of it); zeros for the GRPO arm
+    and for tg.method "sgcd" (no distillation term). lambda_tg: `peers.distill_weight` (the
+    schedule; sdpo's w).
 
     N = |M| (tg.normalize token_mean) or the whole batch's trajectories x tg.norm_length
     (token_sum: a micro-batch's sum over that N is already its share)."""
     num_req = len(batch.requirement_names)
-    if not tg_cfg.enabled:
+    if not tg_cfg.enabled or tg_cfg.method == "sgcd":
         zero = jnp.zeros((), jnp.float32)
         return TGTerm(loss=zero, kl=zero, kl_R=jnp.zeros((num_req,), jnp.float32))
     local, tm = tg_loss(
         divergence_BxT,
         distill_mask(batch, tg_cfg),
-        lambda_schedule(step, tg_cfg.schedule),
+        peers.distill_weight(step, tg_cfg),
         assistant_mask_BxT=batch.loss_mask_BxT.astype(bool),
         requirement_ids_BxT=batch.requirement_ids_BxT,
         num_requirements=num_req,
@@ -391,6 +404,7 @@ def loss_fn(
         teacher_hidden_BxTxD=teacher_hidden_BxTxD, teacher_params=teacher_params,
     )  # fmt: skip
 
+    advantages_B, peer_metrics = peer_advantages(advantages_B, stats, batch, tg_cfg, norms)
     policy, pm = policy_term(
         stats.logprob_BxT, batch, advantages_B, rl_cfg, share, logp_proximal_BxT
     )
@@ -401,10 +415,38 @@ def loss_fn(
     )  # fmt: skip
     # The router loss is a mean over this batch's tokens: weighted like the other token means.
     router = router * share.tokens
-    loss = policy + tg.loss + reference + router
+    loss = policy_and_distill(policy, tg, tg_cfg) + reference + router
 
     sums, maxes = loss_metrics(loss, policy, pm, tg, ref_kl, stats, batch, norms, share)
-    return loss, ({**sums, "router_aux_loss": jax.lax.stop_gradient(router)}, maxes)
+    sums = {**sums, "router_aux_loss": jax.lax.stop_gradient(router), **peer_metrics}
+    return loss, (sums, maxes)
+
+
+def peer_advantages(
+    advantages: jax.Array, stats: TokenStats, batch: Batch, tg_cfg: TGConfig, norms: Normalizers
+) -> tuple[jax.Array, Metrics]:
+    """tg.method "sgcd": the advantages times the per-token teacher weights (`peers.sgcd`),
+    [B, T], and the metric shares sgcd_weight_mean / sgcd_score_mean (over assistant tokens);
+    any other method: the advantages as they are and no metrics."""
+    if not (tg_cfg.enabled and tg_cfg.method == "sgcd"):
+        return advantages, {}
+    score_BxT = peers.sgcd.score(stats.divergence_BxT, teacher_mask(batch, tg_cfg))
+    weight_BxT = peers.sgcd.advantage_weight(score_BxT, tg_cfg.sgcd_alpha, tg_cfg.sgcd_clip)
+    mask_BxT = batch.loss_mask_BxT.astype(jnp.float32)
+    num_tokens = jnp.maximum(norms.num_tokens, 1.0)
+    metrics = {
+        "sgcd_weight_mean": (jnp.where(mask_BxT > 0, weight_BxT, 0.0)).sum() / num_tokens,
+        "sgcd_score_mean": (score_BxT * mask_BxT).sum() / num_tokens,
+    }
+    return peers.sgcd.reweight(advantages, weight_BxT), jax.lax.stop_gradient(metrics)
+
+
+def policy_and_distill(policy: jax.Array, tg: TGTerm, tg_cfg: TGConfig) -> jax.Array:
+    """L_GRPO + the distillation term (`TGTerm.loss`, weighted by `peers.distill_weight`);
+    tg.method "sdpo": (1 - w) L_GRPO + w L_distill (`peers.sdpo.blend`)."""
+    if tg_cfg.enabled and tg_cfg.method == "sdpo":
+        return peers.sdpo.blend(policy, tg.loss, tg_cfg.peer_weight)
+    return policy + tg.loss
 
 
 def batch_advantages(

@@ -28,6 +28,8 @@ TG_NORMALIZE = ("token_mean", "token_sum")
 DISTILL_BUDGETS = ("all", "answer_tokens")
 TG_SPANS = ("turn", "to_break")
 LAMBDA_KINDS = ("constant", "linear_warmup", "cosine")
+TG_METHODS = ("tg", "sdpo", "opsd", "sdar", "sgcd")
+PEER_ESTIMATORS = ("full", "topk", "sampled")
 LR_SCHEDULES = ("constant", "warmup_cosine")
 
 
@@ -185,7 +187,8 @@ class LambdaSchedule(Section):
 
 @dataclasses.dataclass(frozen=True)
 class TGConfig(Section):
-    """Targeted guidance: divergence, estimator, gating, chunking, lambda schedule."""
+    """Targeted guidance: divergence, estimator, gating, chunking, lambda schedule; tg.method
+    picks TG or a peer's method on the same teacher path (`tg_jax.rl.peers`)."""
 
     section: ClassVar[str] = "tg"
 
@@ -232,6 +235,24 @@ class TGConfig(Section):
     """token_sum: tokens per trajectory the sum is normalised by (> 0)."""
     schedule: LambdaSchedule = LambdaSchedule()
     """The lambda_tg schedule."""
+    method: str = "tg"
+    """tg | sdpo | opsd | sdar | sgcd: the loss on the shared teacher path (tg_jax.rl.peers);
+    sdpo and opsd distil every turn (need gate all_turns). Ignored when enabled is False."""
+    peer_weight: float = 0.5
+    """sdpo: w of L = (1 - w) L_GRPO + w L_distill, in [0, 1] (replaces lambda_tg)."""
+    peer_estimator: str = "full"
+    """sdpo: full (whole-vocabulary divergence of tg.kind) | topk (over the teacher's top
+    peer_top_k tokens, both distributions renormalised) | sampled (log p_s(y) - log p_t(y))."""
+    peer_top_k: int = 16
+    """sdpo topk: the teacher's top-k tokens the divergence is restricted to."""
+    sdar_beta: float = 5.0
+    """sdar: slope of the token gate sigmoid(beta (gap - tau)), gap = log p_t(y) - log p_s(y)."""
+    sdar_tau: float = 0.0
+    """sdar: threshold of the token gate."""
+    sgcd_alpha: float = 0.5
+    """sgcd: advantage reweighting A' = A clip(1 + alpha tanh(gap), 1 - c, 1 + c)."""
+    sgcd_clip: float = 0.2
+    """sgcd: c of that clip, in [0, 1]."""
 
     def __post_init__(self):
         s = "tg"
@@ -243,6 +264,7 @@ class TGConfig(Section):
         _check_choice(s, "normalize", self.normalize, TG_NORMALIZE)
         _check_choice(s, "distill_budget", self.distill_budget, DISTILL_BUDGETS)
         _check_choice(s, "span", self.span, TG_SPANS)
+        self._check_method()
         if self.distill_budget != "all" and not self.include_thinking:
             raise ValueError(
                 f"tg.distill_budget={self.distill_budget!r} caps the thinking arm at the answer "
@@ -257,6 +279,21 @@ class TGConfig(Section):
             raise ValueError("tg.top_k applies to the full estimator only")
         _check(self.max_teacher_rows >= 1, s, "max_teacher_rows", ">= 1", self.max_teacher_rows)
         _check(self.chunk_size >= 1, s, "chunk_size", ">= 1", self.chunk_size)
+
+    def _check_method(self) -> None:
+        """The fields of tg.method (`tg_jax.rl.peers`)."""
+        s = "tg"
+        _check_choice(s, "method", self.method, TG_METHODS)
+        _check_choice(s, "peer_estimator", self.peer_estimator, PEER_ESTIMATORS)
+        _check(0 <= self.peer_weight <= 1, s, "peer_weight", "in [0, 1]", self.peer_weight)
+        _check(self.peer_top_k >= 1, s, "peer_top_k", ">= 1", self.peer_top_k)
+        _check(self.sgcd_alpha >= 0, s, "sgcd_alpha", ">= 0", self.sgcd_alpha)
+        _check(0 <= self.sgcd_clip <= 1, s, "sgcd_clip", "in [0, 1]", self.sgcd_clip)
+        if self.enabled and self.method in ("sdpo", "opsd") and self.gate != "all_turns":
+            raise ValueError(
+                f"tg.method={self.method!r} distils every turn: it needs tg.gate='all_turns' "
+                f"(got {self.gate!r}; batch building reads the gate)"
+            )
 
     @property
     def reference_teacher(self) -> bool:

@@ -158,7 +158,10 @@ def _divergence_from_log_probs(
     sampled_token: jax.Array | None,
     top_k: int | None,
 ) -> jax.Array:
-    """`token_divergence` on already computed (floored, fp32) log-probs; teacher already sg."""
+    """`token_divergence` on already computed (floored, fp32) log-probs; teacher already sg.
+    A callable estimator (a peer method's, `tg_jax.rl.peers`) maps (log_s, log_t, y) -> D."""
+    if callable(estimator):
+        return estimator(log_s_xV, log_t_xV, sampled_token)
     if estimator == "sampled":
         return _sampled_divergence(log_s_xV, log_t_xV, sampled_token, kind, beta)
     if top_k is not None:
@@ -171,7 +174,7 @@ def _check_divergence_options(
 ) -> None:
     if kind not in ("reverse", "forward", "jsd"):
         raise ValueError(f"unknown divergence kind {kind!r}")
-    if estimator not in ("full", "sampled"):
+    if not callable(estimator) and estimator not in ("full", "sampled"):
         raise ValueError(f"unknown estimator {estimator!r}")
     if kind == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd needs 0 < beta < 1 (use reverse/forward for the limits): {beta}")

@@ -28,8 +28,9 @@ Metrics (float32 scalars; token means over assistant tokens of the whole batch; 
 updates, the update metrics are means over the update phase and maxima its max):
   loss, pg_loss, ref_kl, tg_loss (= lambda_tg * tg_kl), tg_kl (mean D over distilled tokens),
   tg_kl/<requirement>, tg_tokens/<requirement>, tg_distilled_frac (|M| / assistant tokens),
-  tg_num_distilled, num_tokens, lambda_tg, tg_teacher_param_norm, tg_teacher_drift
-  (`teacher_metrics`), clip_frac_low, clip_frac_high, dual_clip_frac,
+  tg_num_distilled, num_tokens, lambda_tg (the distillation weight: `peers.distill_weight`),
+  sgcd_weight_mean / sgcd_score_mean (tg.method "sgcd" only), tg_teacher_param_norm,
+  tg_teacher_drift (`teacher_metrics`), clip_frac_low, clip_frac_high, dual_clip_frac,
   ratio_mean, ratio_max, ratio_abs_dev (mean |ratio - 1|), approx_kl (KL(proximal || current)
   when the ratio is to the proximal policy), tis_weight_mean, entropy, logprob_mismatch_mean /
   logprob_mismatch_max (|behaviour - trainer log-prob| on assistant tokens: ~0 on-policy),
@@ -53,7 +54,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tg_jax import sharding, tracing
-from tg_jax.rl import updates
+from tg_jax.rl import peers, updates
 from tg_jax.rl.batch import Batch
 from tg_jax.rl.loss import (
     Normalizers,
@@ -72,7 +73,6 @@ from tg_jax.rl.loss import (
 )
 from tg_jax.rl.step_config import StepConfig, TGConfig
 from tg_jax.rl.teacher import gather_teacher
-from tg_jax.rl.tg_loss import lambda_schedule
 from tg_jax.rl.train_state import (
     TrainState,
     make_lr_schedule,
@@ -278,9 +278,7 @@ def train_step(
     metrics = dict(update_metrics)
     metrics.update(
         lr=make_lr_schedule(config.optim)(schedule_count(state.opt_state)),
-        lambda_tg=(
-            lambda_schedule(state.step, tg_cfg.schedule) if tg_cfg.enabled else jnp.zeros(())
-        ),
+        lambda_tg=(peers.distill_weight(state.step, tg_cfg) if tg_cfg.enabled else jnp.zeros(())),
         reward=adv_metrics.reward_mean,
         reward_std=adv_metrics.reward_std,
         frac_zero_std_groups=adv_metrics.frac_zero_std_groups,

@@ -118,6 +118,31 @@ ARMS: dict[str, Arm] = {
     "tg_lambda_low": Arm(
         {"tg.enabled": True, "tg.schedule.value": Scale(0.25)}, "ablation", "TG with lambda_tg / 4"
     ),
+    # Peers' methods on the same teacher path (tg.method, tg_jax.rl.peers): same steps,
+    # rollouts and sampled tokens as tg; only the loss differs.
+    "sdpo": Arm(
+        {"tg.enabled": True, "tg.method": "sdpo", "tg.gate": "all_turns"},
+        "ablation",
+        "Peer SDPO: (1 - w) GRPO + w self-distillation, hinted teacher on every turn "
+        "(tg.peer_weight, tg.peer_estimator)",
+    ),
+    "opsd": Arm(
+        {"tg.enabled": True, "tg.method": "opsd", "tg.gate": "all_turns"},
+        "ablation",
+        "Peer OPSD (pi-Distill): GRPO + lambda KL to the privileged-context teacher on every "
+        "turn (= TG with the all-turns gate)",
+    ),
+    "sdar": Arm(
+        {"tg.enabled": True, "tg.method": "sdar", "tg.gate": "all_turns"},
+        "ablation",
+        "Peer SDAR: GRPO + lambda KL gated per token by sigmoid(beta (teacher-student gap - tau))",
+    ),
+    "sgcd": Arm(
+        {"tg.enabled": True, "tg.method": "sgcd", "tg.gate": "all_turns"},
+        "ablation",
+        "Peer SGCD: no KL; advantages reweighted per token by tanh(teacher-student gap), "
+        "clipped to 1 +- c",
+    ),
     "tg_stress": Arm(
         {
             "tg.enabled": True,
