@@ -15,8 +15,12 @@ CFG = ModelConfig(
     vocab_size=96, d_model=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
     mlp_dim=80, rope_theta=10_000.0, max_seq_len=128,
 )  # fmt: skip
-# One engine geometry for most tests (the jitted calls compile once per geometry).
-GEOMETRY = dict(max_slots=4, page_size=4, max_pages_per_seq=12, prefill_chunk=8, prefill_rows=2)
+# One engine geometry for most tests, unbucketed: the jitted calls compile once (buckets:
+# test_no_recompilation_after_warmup).
+GEOMETRY = dict(
+    max_slots=4, page_size=4, max_pages_per_seq=12, prefill_chunk=8, prefill_rows=2,
+    bucket_pages=False, bucket_slots=False,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -263,30 +267,35 @@ def test_weights_update_pause_and_policy_version(setup):
 
 
 def test_no_recompilation_after_warmup(setup):
-    """Everything that varies between steps is an array or a page-table bucket: after
-    `warmup` (prefill and decode per bucket, the page copy), new prompts, lengths, sampling
-    settings, continuations, sharing and preemption trace nothing."""
-    engine = _engine(setup, max_slots=3, num_pages=11)
-    assert engine.page_buckets() == [1, 2, 4, 8, 12] and engine.slot_buckets() == [1, 2, 3]
+    """Everything that varies between steps is an array or a bucket (decode rows, page-table
+    width): after `warmup` (prefill per width, decode per rows and width, the page copy), new
+    prompts, lengths, sampling settings, continuations, sharing and preemption trace nothing."""
+    geometry = dict(max_slots=2, page_size=8, max_pages_per_seq=4, prefill_chunk=8,
+                    prefill_rows=2, num_pages=5)  # fmt: skip
+    model, params = setup
+    engine = Engine(model, params, **geometry)
+    assert engine.page_buckets() == [1, 2, 4] and engine.slot_buckets() == [1, 2]
+    before = engine.num_traces  # the weights' conversion when first in this process
     engine.warmup()
     warm = engine.num_traces
-    assert warm == 5 + 5 * 3 + 1  # prefill per width, decode per (rows, width), page copy
-    prompts = _prompts((3, 17, 10, 10, 25), seed=8)
+    assert warm - before == 3 + 3 * 2 + 1  # (this geometry was not compiled before)
+    prompts = _prompts((3, 12, 10, 10, 20), seed=8)
     prompts[3] = prompts[2]  # shared prefix, copy-on-write
-    reqs = [Request(i, p, 9 + i, temperature=0.5 * i, top_k=i, top_p=0.9, stop_ids=(5, 6))
+    reqs = [Request(i, p, 6 + i, temperature=0.5 * i, top_k=i, top_p=0.9, stop_ids=(5, 6))
             for i, p in enumerate(prompts)]  # fmt: skip
     out = engine.generate(reqs)
     out += engine.generate([Request("c", [4, 4], 5, continue_from=0)])
-    assert len(out) == 6 and all(c.finish_reason in ("stop", "length") for c in out)
-    assert engine.stats["preemptions"] >= 1 and engine.stats["cow_copies"] >= 1
+    assert len(out) == 6 and all(c.finish_reason in ("stop", "length") for c in out), out
+    assert engine.stats["preemptions"] >= 1, engine.stats and engine.stats["cow_copies"] >= 1
     engine.generate([Request(i, p, 5, seed=i) for i, p in enumerate(prompts[:3])])
     assert engine.num_traces == warm
     # Without warmup, the first use of a bucket traces (here: several buckets, then none).
-    cold = _engine(setup, max_slots=3, num_pages=12)
+    cold = Engine(model, params, **{**geometry, "num_pages": 6})
     cold.generate(reqs[:2])
     first = cold.num_traces
     assert first >= 3
-    cold.generate([Request(9, prompts[1], 10, seed=3)])
+    _release_all(cold, range(2))
+    cold.generate(reqs[:2])  # the same schedule again: its buckets are compiled
     assert cold.num_traces == first
 
 
@@ -314,3 +323,27 @@ def test_page_allocator_and_prefix_index_by_hand():
     assert index.match([1, 2, 3, 4], 4) == ([5, 6], 3)
     index.forget(5)
     assert index.match([1, 2, 3, 4], 4) == ([], 0)
+
+
+def test_agentic_bench_section_runs_both_arms_on_one_workload():
+    """tg_jax.bench.agentic at toy sizes: both arms generate the workload's tokens, at equal
+    KV bytes, and the figures are finite."""
+    from tg_jax.bench.agentic import agentic_section, make_workload
+
+    w = make_workload(3, 2, median_tokens=4, max_tokens=8, median_tool_s=0.002, vocab=96)
+    tools = np.concatenate(w.tool_s)
+    assert np.mean(tools >= 10 * np.median(tools)) >= 0.1  # the heavy tail
+    fields = dict(vocab_size=96, d_model=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, mlp_dim=80, max_seq_len=128)  # fmt: skip
+    out = agentic_section(
+        episodes=3, max_turns=2, median_tokens=4, max_tokens=8, median_tool_s=0.002,
+        page_size=4, prefill_chunk=8, model_fields=fields, warmup=False,
+        engine_options=dict(bucket_pages=False, bucket_slots=False),
+    )  # fmt: skip
+    assert all(np.isfinite(v) for v in out.values())
+    assert out["agentic/tokens"] == sum(map(sum, w.turn_tokens))
+    assert out["agentic/kv_bytes"] == out["agentic/lockstep_kv_bytes"]
+    slot_bytes = 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads, head dim 16, fp32
+    assert out["agentic/kv_bytes_per_live_token"] >= slot_bytes
+    assert out["agentic/tok_s"] > 0 and out["agentic/lockstep_tok_s"] > 0
+    assert 0 < out["agentic/slot_occupancy"] <= 1

@@ -177,11 +177,13 @@ def agentic_section(
     *, episodes: int = 16, max_turns: int = 4, median_tokens: int = 16, max_tokens: int = 256,
     median_tool_s: float = 0.1, page_size: int = 16, prefill_chunk: int = 64,
     model_fields: dict[str, Any] | None = None, seed: int = 0, warmup: bool = True,
+    engine_options: dict[str, Any] | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """Runs both arms on one workload (module docstring) and returns the figures.
 
     warmup: `Engine.warmup` before the timed run (compiles every bucket: without it, a batch
     composition the untimed run did not meet compiles inside the timed run).
+    engine_options: more `Engine` arguments (e.g. bucket_slots=False).
     """
     cfg = ModelConfig(**{**SMALL_MODEL, **(model_fields or {})})
     model = Transformer(cfg)
@@ -199,7 +201,7 @@ def agentic_section(
     engine = Engine(
         model, params, max_slots=episodes, page_size=page_size, max_pages_per_seq=max_pages,
         num_pages=num_pages, prefill_chunk=prefill_chunk, prefill_rows=2,
-        rng=jax.random.key(seed), max_kept=4 * episodes,
+        rng=jax.random.key(seed), max_kept=4 * episodes, **(engine_options or {}),
     )  # fmt: skip
     run_engine(engine, w, sleep=False)  # compiles what it meets
     if warmup:
