@@ -6,6 +6,7 @@ unembedding), one train step per arm on the tiny model, the arms' distilled-toke
 the default method leaving the TG loss bit-for-bit what it was before the peers existed.
 """
 
+import dataclasses
 import types
 
 import jax
@@ -377,3 +378,31 @@ def test_default_method_leaves_the_tg_loss_bit_for_bit_unchanged(compact):
     assert float(loss) == BEFORE[compact][0]
     assert sq == BEFORE[compact][1]
     assert sums["tg_loss"] > 1e-4
+
+
+@pytest.mark.parametrize(
+    "method,gate",
+    [("sdpo", "all_turns"), ("sdar", "failed_turns"), ("sgcd", "failed_turns")],
+)
+def test_compact_teacher_rows_equal_full_rows(method, gate):
+    """The peers' per-token terms through compact teacher rows (D at the teacher slots,
+    `slot_divergence`, where they are few) give the loss and gradients of full rows."""
+    from tests.test_train_step import _tree_close
+    from tg_jax.rl.teacher import divergence_at_slots
+
+    over = {"tg.method": method, "tg.gate": gate, "tg.peer_estimator": "topk", "tg.peer_top_k": 4}
+    cfg = _config(**over)
+    trajs = [  # turn 0 fails in every fourth row: few compact rows
+        dataclasses.replace(t, turn_verdicts=[{"fence": i % 4 != 0}, {"fence": True}])
+        for i, t in enumerate(_trajectories())
+    ]
+    full = _batch(trajs, gate=gate)
+    compact = _batch(trajs, gate=gate, compact=True)
+    assert divergence_at_slots(compact) == (gate == "failed_turns")
+    loss_a, sums_a, grads_a = _loss_and_grad(cfg, full)
+    loss_b, sums_b, grads_b = _loss_and_grad(cfg, compact)
+    assert sums_a["tg_loss"] > 1e-5 if method != "sgcd" else sums_a["sgcd_weight_mean"] != 1.0
+    for k in sums_a:
+        np.testing.assert_allclose(sums_a[k], sums_b[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6, atol=1e-7)
+    _tree_close(grads_a, grads_b, atol=1e-6, rtol=1e-4)
