@@ -101,6 +101,7 @@ def test_pages_are_held_for_live_tokens_and_returned(setup):
     prompts = _prompts((5, 9, 14, 3, 8, 6), seed=2)
     out = engine.generate(_requests(prompts, n=10))
     assert all(len(c.token_ids) == 10 for c in out)
+    assert engine._results == {}  # handed over, not kept
     # Finished requests keep their written tokens' pages (for continuation): positions
     # 0..L+9-1 (the last drawn token is never fed), ceil(that / 4) pages each.
     held = sum(-(-(len(p) + 9) // 4) for p in prompts)

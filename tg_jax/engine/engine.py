@@ -177,10 +177,14 @@ class Engine:
         return waiting or any(s is not None for s in self._slots)
 
     def run_until_done(self) -> list[Completion]:
-        """Steps until nothing is running or admissible; returns the completions, in order."""
+        """Steps until nothing is running or admissible; returns the completions, in order
+        (handed over: `result` no longer holds them)."""
         done = []
         while not self._paused and self.has_work():
             done.extend(self.step())
+        with self._cond:
+            for c in done:
+                self._results.pop(c.request_id, None)
         return done
 
     def generate(self, requests: Iterable[Request]) -> list[Completion]:
@@ -188,9 +192,12 @@ class Engine:
         requests = list(requests)
         for r in requests:
             self.submit(r)
-        self.run_until_done()
-        with self._cond:
-            return [self._results.pop(r.request_id) for r in requests]
+        by_id = {c.request_id: c for c in self.run_until_done()}
+        with self._cond:  # any that an earlier `step` finished
+            for r in requests:
+                if r.request_id not in by_id and r.request_id in self._results:
+                    by_id[r.request_id] = self._results.pop(r.request_id)
+        return [by_id[r.request_id] for r in requests]
 
     def cached_tokens(self) -> int:
         """Tokens whose keys and values are in pages (running and kept sequences)."""
@@ -216,7 +223,9 @@ class Engine:
         return out
 
     def step(self) -> list[Completion]:
-        """One scheduling iteration (module docstring); returns the requests it finished."""
+        """One scheduling iteration (module docstring); returns the requests it finished,
+        which `result` also holds until taken (a caller that only steps should take them, or
+        use `run_until_done`)."""
         with self._step_lock:
             if self._paused:
                 return []
