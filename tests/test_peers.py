@@ -285,7 +285,7 @@ def test_sgcd_advantage_reweighting_clipping_and_no_kl():
 
     def np_weight(ls):
         score = np.where(mask, np.tanh(_np_gap(ls, lt, batch)), 0.0)
-        return np.clip(1 + alpha * score, 1 - c, 1 + c)
+        return np.clip(1 + alpha * np.sign(ADV_B)[:, None] * score, 1 - c, 1 + c)
 
     weight = np_weight(_np_log_softmax(zs))
     # Both clip bounds are hit, unmasked tokens keep weight 1, masked ones move.

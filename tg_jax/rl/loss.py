@@ -431,7 +431,9 @@ def peer_advantages(
     if not (tg_cfg.enabled and tg_cfg.method == "sgcd"):
         return advantages, {}
     score_BxT = peers.sgcd.score(stats.divergence_BxT, teacher_mask(batch, tg_cfg))
-    weight_BxT = peers.sgcd.advantage_weight(score_BxT, tg_cfg.sgcd_alpha, tg_cfg.sgcd_clip)
+    weight_BxT = peers.sgcd.advantage_weight(
+        score_BxT, advantages, tg_cfg.sgcd_alpha, tg_cfg.sgcd_clip
+    )
     mask_BxT = batch.loss_mask_BxT.astype(jnp.float32)
     num_tokens = jnp.maximum(norms.num_tokens, 1.0)
     metrics = {
