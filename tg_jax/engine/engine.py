@@ -7,10 +7,13 @@ One scheduling iteration (`Engine.step`), driven by ONE thread (any thread may `
      live pages (`pages.PrefixIndex`): pages holding the same prefix (an identical prompt of
      a GRPO group, the finished turn a `continue_from` request extends) are shared by
      refcount, so only the rest is prefilled. At least the last context token is always
-     fed again: its logits draw the first new token.
+     fed again: its logits draw the first new token. Skipped for now (later ones may pass
+     them): requests waiting for a weights version (`Request.policy_version`), and requests
+     whose prefix a running sequence is still prefilling (a GRPO group's G - 1 followers
+     wait for the leader's pages instead of prefilling the same prompt G times).
   2. prefill: up to `prefill_rows` sequences in their prefill phase run one chunk of
      `prefill_chunk` tokens each (one jitted call); a context's last token is left to 3.
-  3. decode: every sequence in its decode phase (all slots, one jitted call) feeds its last
+  3. decode: every sequence in its decode phase (one jitted call) feeds its last
      token, draws the next one (per-request random streams) and finishes on a stop id or
      its token budget; its slot is free for the next step's admissions.
 
