@@ -42,7 +42,7 @@ def test_arms_differ_only_in_their_overrides():
 
 
 def test_every_arm_applies_to_the_default_and_experiment_configs():
-    for name in ("default.py", "experiment.py"):
+    for name in ("default.py", "experiment.py", "peers.py"):
         config = config_files.load_config_file(os.path.join(CONFIG_DIR, name))
         for arm, spec in pipeline.ARMS.items():
             cfg = pipeline.arm_config(config, arm)
@@ -66,9 +66,12 @@ def test_every_arm_applies_to_the_default_and_experiment_configs():
                     assert node == pytest.approx(base * value.factor), (name, arm, key)
                     continue
                 assert node == value, (name, arm, key)
+    # Every arm is run by one of the two protocols: the evaluation protocol or the peers'.
     experiment = config_files.load_config_file(os.path.join(CONFIG_DIR, "experiment.py"))
-    assert set(experiment.pipeline.arms) == set(pipeline.ARMS)
-    assert len(experiment.eval.train_seeds) >= 3
+    peers = config_files.load_config_file(os.path.join(CONFIG_DIR, "peers.py"))
+    assert set(experiment.pipeline.arms) | set(peers.pipeline.arms) == set(pipeline.ARMS)
+    assert {"grpo", "tg"} <= set(experiment.pipeline.arms) & set(peers.pipeline.arms)
+    assert len(experiment.eval.train_seeds) >= 3 and len(peers.eval.train_seeds) >= 3
 
 
 def test_lambda_ablations_scale_the_configs_own_lambda():

@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--sections",
         default="",
-        help="comma-separated subset: sampler,train,rl,kl,overlap,sandbox,e2e",
+        help="comma-separated subset: sampler,train,rl,kl,overlap,sandbox,e2e (the default), "
+        "agentic (asked for by name)",
     )
     parser.add_argument(
         "--no_hugepages", action="store_true", help="do not set glibc.malloc.hugetlb=1"

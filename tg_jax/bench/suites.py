@@ -25,7 +25,7 @@ import jax
 import ml_collections
 
 from tg_jax import config_files, config_lib
-from tg_jax.bench import e2e, hf_reference, measure, overlap, throughput
+from tg_jax.bench import agentic, e2e, hf_reference, measure, overlap, throughput
 from tg_jax.bench import sandbox as sandbox_bench
 from tg_jax.models import ModelConfig
 
@@ -407,6 +407,11 @@ def run_suite(
             **({"n": 6, "n_pytest": 3} if suite.tiny_models else {})
         ),
         "e2e": lambda: e2e.read_workdir(workdir) or {"status": "not measured"},
+        # Asked for by name (--sections agentic): the lock-step sampler against the engine's
+        # agent loops on one multi-turn workload at equal KV bytes (tg_jax.bench.agentic).
+        "agentic": lambda: agentic.agentic_section(
+            **({"episodes": 4, "max_turns": 2, "max_tokens": 64} if suite.tiny_models else {})
+        ),
     }
     seconds = {}
     for name, run in runners.items():
