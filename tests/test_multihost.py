@@ -306,3 +306,21 @@ def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
         assert p.returncode == 0, err[-2000:]
         assert "read 0" in out and "agreed 10" in out, out
     assert (tmp_path / "shared.txt").read_text() == "0\n"
+
+
+def test_cpu_processes_get_a_collective_timeout(monkeypatch):
+    """A multi-process CPU run fails a stuck gloo collective after COLLECTIVE_TIMEOUT_S (or
+    TG_JAX_COLLECTIVE_TIMEOUT_S) instead of hanging; a timeout in XLA_FLAGS stands."""
+    from tg_jax.tpu import distributed
+
+    flag = "--xla_cpu_collective_timeout_seconds"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    distributed.collective_timeout({})
+    assert os.environ["XLA_FLAGS"] == (
+        f"--xla_force_host_platform_device_count=4 {flag}={distributed.COLLECTIVE_TIMEOUT_S}"
+    )
+    monkeypatch.delenv("XLA_FLAGS")
+    distributed.collective_timeout({distributed.ENV_COLLECTIVE_TIMEOUT: "42"})
+    assert os.environ["XLA_FLAGS"] == f"{flag}=42"
+    distributed.collective_timeout({distributed.ENV_COLLECTIVE_TIMEOUT: "7"})  # already set
+    assert os.environ["XLA_FLAGS"] == f"{flag}=42"

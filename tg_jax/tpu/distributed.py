@@ -69,6 +69,7 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
     if platforms == "cpu":
         # CPU processes have no collectives of their own; gloo runs them over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        collective_timeout(env)
     jax.distributed.initialize(**initialize_kwargs(environ))
     _barriers_off_the_devices()
     _initialized = True
@@ -103,6 +104,38 @@ def threads_for_blocking_collectives(env) -> None:
         if part.startswith("--xla_force_host_platform_device_count="):
             devices = max(devices, int(part.split("=", 1)[1]))
     os.environ["NPROC"] = str(max(os.cpu_count() or 1, THREADS_PER_CPU_DEVICE * devices))
+
+
+# Seconds a gloo collective waits for the other processes before it fails (XLA's default: 30
+# min). TG_JAX_COLLECTIVE_TIMEOUT_S overrides it; an --xla_cpu_collective_timeout_seconds in
+# XLA_FLAGS stands.
+COLLECTIVE_TIMEOUT_S = 600
+ENV_COLLECTIVE_TIMEOUT = "TG_JAX_COLLECTIVE_TIMEOUT_S"
+_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+
+def collective_timeout(env) -> None:
+    """A stuck gloo collective fails (JaxRuntimeError "Gloo ... Timed out waiting") instead of
+    hanging: processes that stopped calling the same collectives in the same order (one
+    raised before a barrier, or XLA:CPU ran two collectives of one device at once, see below)
+    then end with an error, and the launcher's other workers with them.
+
+    Why collectives can meet out of order on CPU: XLA:CPU orders a device's collectives only
+    by when they start (its thunk executor links them with scheduling edges, not completion
+    edges), so a top-level collective independent of a while loop (the scanned layers, the
+    chunked loss) may start while the loop's own collectives still run, at a point that
+    depends on thread timing on each device. XLA's gloo communicator gives every collective
+    the same tag, so two collectives of one device in flight at once can pair with different
+    collectives on its peers, and the devices wait for each other: the likely cause of the
+    loaded local-pod runs that hung with a process's devices in AllReduce and AllGather of one
+    train step (not reproduced since; nothing in XLA's flags makes the executor wait).
+    Set before the CPU client exists, like NPROC (XLA reads XLA_FLAGS when it is created).
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _TIMEOUT_FLAG in flags:
+        return  # the user's choice stands
+    seconds = int(env.get(ENV_COLLECTIVE_TIMEOUT, "") or COLLECTIVE_TIMEOUT_S)
+    os.environ["XLA_FLAGS"] = f"{flags} {_TIMEOUT_FLAG}={seconds}".strip()
 
 
 def _barriers_off_the_devices() -> None:
