@@ -198,7 +198,7 @@ def test_hint_requirements_set_the_hints_of_the_sft_transcripts():
     plain = config_files.apply_overrides(config, {"sft.hint_requirements": ()})
     assert sft_data.transcript_env_config(plain).requirements == ("tool_json",)
     bad = config_files.apply_overrides(config, {"sft.hint_requirements": ("fence", "bogus")})
-    with pytest.raises(ValueError, match="requirements must be a subset"):
+    with pytest.raises(ValueError, match="requirements must be names from"):
         sft_data.transcript_env_config(bad)
 
 

@@ -71,11 +71,11 @@ def test_tiny_sft_keeps_the_selected_step_and_loads_it(tmp_path, monkeypatch):
     figures = {3: (0.3, 1.0), 6: (0.5, 0.2)}
     calls = []
 
-    def fake_eval(model, params, renderer, tasks, env_cfg, eval_cfg, max_len):
+    def fake_eval(model, params, renderer, tasks, make_env, eval_cfg, max_len):
         step = (3, 6)[len(calls)]
         calls.append(step)
         p, h = figures[step]
-        r = env_cfg.requirements[0]
+        r = make_env().requirements[0].name
         mode = lambda pr, c: {"pass_rate": pr, f"compliance/{r}": c}  # noqa: E731
         return {"modes": {"t1.0/plain": mode(p, 0.0), "t1.0/hinted": mode(0.0, h)}}
 
@@ -158,10 +158,10 @@ def test_extension_decision_and_schedule():
 
 
 def _fake_dev_eval(pass_rates, calls):
-    def fake_eval(model, params, renderer, tasks, env_cfg, eval_cfg, max_len):
+    def fake_eval(model, params, renderer, tasks, make_env, eval_cfg, max_len):
         p = pass_rates[len(calls)]
         calls.append(p)
-        r = env_cfg.requirements[0]
+        r = make_env().requirements[0].name
         mode = lambda pr, c: {"pass_rate": pr, f"compliance/{r}": c}  # noqa: E731
         return {"modes": {"t1.0/plain": mode(p, 0.0), "t1.0/hinted": mode(0.0, 1.0)}}
 
