@@ -273,6 +273,12 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     # (docs/experiments.md); more pays where a call waits long (a SWE task's pytest).
     c.env_workers = 2
     c.queue_size = 1  # rollout groups sampled ahead (more: less waiting, more stale drops)
+    # Who plays the episodes (RL rollouts and held-out evaluation): "lockstep" = every turn
+    # of every live episode in one sampler call (tg_jax.sampling.rollout); "builtin" = one
+    # agent loop per episode on the continuous-batching engine (tg_jax.sampling.agent_loop).
+    c.rollout_engine = "lockstep"
+    c.engine_slots = 0  # "builtin": episodes decoded at once (0 = every episode of a call)
+    c.engine_page_size = 16  # "builtin": tokens per KV page
     c.data_seed = 0  # task order of the train split (the run seed is folded in)
     c.eval_every = 25  # periodic held-out evaluation interval in steps (0 = off; last step too)
     c.eval_tasks = 32  # held-out tasks of the periodic evaluation (plain prompts, 1 sample)

@@ -23,10 +23,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from tg_jax import engine as engine_api
 from tg_jax import multihost, paths
 from tg_jax.envs import env_factory
 from tg_jax.models import ModelConfig, Transformer
-from tg_jax.sampling import rollout
+from tg_jax.sampling import agent_loop, rollout
 from tg_jax.sampling.episode import CONDITIONS, EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
@@ -95,15 +96,21 @@ def heldout_episodes(
         max_rows=int(config.sampler_mesh.max_rows),
     )
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
+    # rl_loop.rollout_engine "builtin": the episodes' agent loops on the engine.
+    runner = agent_loop.runner_from_config(
+        config, engine_api, sampler.model, episodes=len(tasks),
+        max_total_tokens=rollout_cfg.max_total_tokens, pad_id=renderer.tokenizer.pad_id,
+    )  # fmt: skip
     records: list[EpisodeRecord] = []
     trajectories: list[Any] = []
     for i, condition in enumerate(conditions):
         recs, trajs = rollout.evaluate(
-            sampler, params, renderer, make_env, tasks,
+            runner or sampler, params, renderer, make_env, tasks,
             config=rollout_cfg, rng=jax.random.fold_in(jax.random.key(seed), i),
             condition=condition,
             samples_per_task=int(ev.samples_per_task if samples_per_task is None
                                  else samples_per_task),
+            play=None if runner is None else agent_loop.play_episodes,
         )  # fmt: skip
         records.extend(recs)
         trajectories.extend(trajs)

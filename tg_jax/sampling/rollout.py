@@ -61,7 +61,7 @@ from tg_jax.envs import leakage
 from tg_jax.envs.base import Environment, EpisodeSummary, StepResult, join_hints
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
-from tg_jax.sampling.sampler import Sampler, SampleResult
+from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.trajectory import Role, Trajectory, hint_key
 from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
@@ -207,20 +207,19 @@ def _start_episodes(
     return episodes
 
 
-def _record_turn(ep: Episode, renderer: ChatRenderer, out: SampleResult, k: int) -> str:
-    """Appends row k of a sampled turn to its episode; returns the turn's text (no stop token).
-
-    A turn cut at its budget is closed by an `<|im_end|>` the policy did not sample.
-    """
-    if out.prefill_tokens is not None:
-        ep.prefill_tokens += float(out.prefill_tokens[k])
+def record_tokens(ep: Episode, renderer: ChatRenderer, tokens, logprobs, stopped: bool,
+                  prefill_tokens: float | None = None) -> str:  # fmt: skip
+    """Appends a sampled turn to `ep` (its stop token last if `stopped`; a turn cut at its
+    budget is closed by an `<|im_end|>` the policy did not sample); returns its text."""
+    if prefill_tokens is not None:
+        ep.prefill_tokens += float(prefill_tokens)
     header = renderer.assistant_header()
     k_turn = len(ep.turn_starts) - 1
-    new = [int(t) for t in out.tokens[k]]
+    new = [int(t) for t in tokens]
     think = renderer.split_thinking(header + new)[len(header) :]
-    for t, lp, is_think in zip(new, out.logprobs[k], think, strict=True):
+    for t, lp, is_think in zip(new, logprobs, think, strict=True):
         ep.append([t], Role.THINK if is_think else Role.ANSWER, k_turn, [lp])
-    if out.stopped[k]:
+    if stopped:
         new = new[:-1]
     else:
         ep.truncated_turns += 1
@@ -312,7 +311,9 @@ def play_episodes(
                 row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
                 cache=cache, keys=[id(ep) for ep in live],
             )  # fmt: skip
-            texts = [_record_turn(ep, renderer, out, k) for k, ep in enumerate(live)]
+            pre = [None] * len(live) if out.prefill_tokens is None else out.prefill_tokens
+            texts = [record_tokens(ep, renderer, out.tokens[k], out.logprobs[k], out.stopped[k],
+                                   pre[k]) for k, ep in enumerate(live)]  # fmt: skip
             results = list(pool.map(_step, live, texts))
 
             live = [ep for ep, text, res in zip(live, texts, results, strict=True)
@@ -495,6 +496,7 @@ def rollout_groups(
     policy_version: int,
     first_group_id: int = 0,
     hint_picker: Callable[[str, int], str] | None = None,
+    play: Callable[..., list[Episode]] | None = None,
 ) -> list[Trajectory]:
     """G rollouts of each of N tasks (GRPO groups), as Trajectory records.
 
@@ -508,6 +510,7 @@ def rollout_groups(
         episode; the texts are recorded per turn in info["turn_hint_texts"] and the tokens in
         `Trajectory.turn_hint_tokens`. info["hint_leaking_turns"]: turns that reproduce a
         hint n-gram (`hint_leaking_turns`).
+      play: `play_episodes` (default) or `agent_loop.play_episodes` (sampler: its runner).
       (others: see `play_episodes`.)
     Returns:
       N * G trajectories, grouped task by task. Rollout g of group id k samples from its own
@@ -519,7 +522,7 @@ def rollout_groups(
     flat = [t for t in tasks for _ in range(g)]
     gids = [first_group_id + n for n in range(len(tasks)) for _ in range(g)]
     streams = [k * g + r % g for r, k in enumerate(gids)]
-    episodes = play_episodes(
+    episodes = (play or play_episodes)(
         sampler, params, renderer, env_factory, flat, config=config, rng=rng, group_ids=gids,
         stream_ids=streams,
     )  # fmt: skip
@@ -550,6 +553,7 @@ def evaluate(
     rng: jax.Array,
     condition: str = "plain",
     samples_per_task: int = 1,
+    play: Callable[..., list[Episode]] | None = None,
 ) -> tuple[list[EpisodeRecord], list[Trajectory]]:
     """Held-out evaluation: episodes -> per-episode compliance, task success and actions.
 
@@ -560,6 +564,7 @@ def evaluate(
         every requirement right before every assistant turn: "can do when reminded").
       samples_per_task: episodes per task (sample index s uses fold_in(rng, s); episode i
         draws from random stream i, whatever the chunks of `config.max_rows`).
+      play: as in `rollout_groups`.
     Returns:
       (EpisodeRecords for tg_jax.evaluation.stats, the Trajectories, policy_version -1).
       Task success: the "task" reward is 1 (all hidden tests pass); compliance per
@@ -569,7 +574,7 @@ def evaluate(
         raise ValueError(f"condition must be 'plain' or 'hinted', got {condition!r}")
     records, trajectories = [], []
     for s in range(samples_per_task):
-        episodes = play_episodes(
+        episodes = (play or play_episodes)(
             sampler, params, renderer, env_factory, tasks, config=config,
             rng=jax.random.fold_in(rng, s), hint_before_every_turn=condition == "hinted",
             stream_ids=range(len(tasks)),

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tg_jax import checkpointing, faults, multihost, paths, sharding
+from tg_jax import engine as engine_api
 from tg_jax.data.pipeline import TaskIterator, to_record
 from tg_jax.envs import decode_task, env_factory, make_env, requirement_names
 from tg_jax.envs.hints import noisy_judge
@@ -73,7 +74,7 @@ from tg_jax.rl.loss import distill_mask
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
-from tg_jax.sampling import placement, rollout
+from tg_jax.sampling import agent_loop, placement, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import memory, rl_rollouts
@@ -252,6 +253,11 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
         ),
         sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
         rates=rl_rollouts.feedback_rates(lc.feedback),
+        engine=agent_loop.runner_from_config(  # rl_loop.rollout_engine "builtin"
+            config, engine_api, parts.sampler.model,
+            episodes=int(lc.groups_per_step * lc.rollouts_per_group),
+            max_total_tokens=parts.student_max, pad_id=parts.renderer.tokenizer.pad_id,
+        ),
     )  # fmt: skip
     return rl_rollouts.rollout_source(
         rollout_fn, tasks, first_index=first_index, async_sampling=bool(lc.async_sampling),

@@ -43,7 +43,7 @@ from tg_jax.envs.hints import (
     VerdictNoise,
     pick_hint,
 )
-from tg_jax.sampling import rollout
+from tg_jax.sampling import agent_loop, rollout
 from tg_jax.sampling.episode import episode_compliance
 from tg_jax.sampling.loop import InlineLoop, RolloutGroup, SamplingLoop
 from tg_jax.sampling.sampler import Sampler
@@ -94,8 +94,12 @@ class BatchRollout:
         sampling_key: jax.Array,
         seed: int,
         rates: FeedbackRates,
+        engine: agent_loop.EngineRunner | None = None,
     ):
+        """engine: play the episodes on it (`agent_loop.play_episodes`, each batch's params
+        and version loaded first) instead of the sampler's lock-step turns."""
         self.sampler, self.renderer, self.env_factory = sampler, renderer, env_factory
+        self.engine = engine
         self.rollouts_per_group = rollouts_per_group
         self.config = config
         self.sampling_key = sampling_key
@@ -119,11 +123,15 @@ class BatchRollout:
                 return text
 
         share = multihost.process_slice(len(tasks))
+        sampler, play = self.sampler, None
+        if self.engine is not None:
+            self.engine.load(params, version)
+            sampler, play = self.engine, agent_loop.play_episodes
         trajectories = rollout.rollout_groups(
-            self.sampler, params, self.renderer, self.env_factory, tasks[share],
+            sampler, params, self.renderer, self.env_factory, tasks[share],
             rollouts_per_task=self.rollouts_per_group, config=self.config,
             rng=jax.random.fold_in(self.sampling_key, index), policy_version=version,
-            first_group_id=index * len(tasks) + share.start, hint_picker=picker,
+            first_group_id=index * len(tasks) + share.start, hint_picker=picker, play=play,
         )  # fmt: skip
         for t in trajectories:
             t.info["batch_index"] = index

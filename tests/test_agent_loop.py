@@ -1,0 +1,236 @@
+"""Per-episode agent loops on the rollout engine (tg_jax.sampling.agent_loop) against the
+lock-step rollouts (tg_jax.sampling.rollout): same trajectories, failures and cut turns, and
+the main job's RL stage with rl_loop.rollout_engine = "builtin"."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from tg_jax import config_lib
+from tg_jax import engine as engine_api
+from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
+from tg_jax.envs.tasks import generate_tasks
+from tg_jax.models import ModelConfig, Transformer, init_params
+from tg_jax.sampling import agent_loop
+from tg_jax.sampling.rollout import RolloutConfig, evaluate, rollout_groups
+from tg_jax.sampling.sampler import Sampler, sequence_logprobs
+from tg_jax.text import ByteTokenizer, ChatRenderer, Role
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+RENDERER = ChatRenderer(ByteTokenizer())
+TASKS = generate_tasks("heldout", 2, seed=0)
+MAX_TOTAL = 192
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A tiny model with peaked next-token distributions (no greedy near-ties), its sampler,
+    and one engine runner for every test (its calls compile once)."""
+    model = Transformer(ModelConfig.from_config(config_lib.tiny_model_config()))
+    params = init_params(model, jax.random.key(0))
+    params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
+    sampler = Sampler(model, pad_id=RENDERER.tokenizer.pad_id)
+    runner = agent_loop.EngineRunner(
+        engine_api, model, slots=4, max_total_tokens=MAX_TOTAL, pad_id=RENDERER.tokenizer.pad_id
+    )
+    return model, params, sampler, runner
+
+
+def _env():
+    return CodingEnv(CodingEnvConfig(max_turns=3))
+
+
+class _BrokenOnSecondTurn(CodingEnv):
+    def step(self, text):
+        if self.summary().turns >= 1:
+            raise ConnectionError("tool server went away")
+        return super().step(text)
+
+
+def _both(setup, env_factory, config, tasks=TASKS, g=2):
+    """(lock-step trajectories, engine trajectories) of the same groups."""
+    _, params, sampler, runner = setup
+    kw = dict(rollouts_per_task=g, config=config, rng=jax.random.key(1), policy_version=3)
+    lock = rollout_groups(sampler, params, RENDERER, env_factory, tasks, **kw)
+    eng = rollout_groups(
+        runner, params, RENDERER, env_factory, tasks, play=agent_loop.play_episodes, **kw
+    )
+    return lock, eng
+
+
+def _assert_same(lock, eng):
+    assert len(lock) == len(eng)
+    for a, b in zip(lock, eng, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.roles, b.roles)
+        np.testing.assert_array_equal(a.turn_ids, b.turn_ids)
+        np.testing.assert_array_equal(a.turn_starts, b.turn_starts)
+        np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5)
+        assert a.turn_verdicts == b.turn_verdicts and a.rewards == b.rewards
+        assert a.turn_breaks == b.turn_breaks and a.hint_tokens == b.hint_tokens
+        assert (a.group_id, a.task_id, a.policy_version) == (b.group_id, b.task_id, 3)
+        for key in ("termination", "turns", "truncated_turns", "steps", "num_tokens"):
+            assert a.info[key] == b.info[key], key
+
+
+def test_greedy_episodes_equal_the_lockstep_path_token_for_token(setup):
+    """Multi-turn greedy episodes (turns cut at their budget, closed by an unsampled
+    <|im_end|>, observations appended): the engine's trajectories are the lock-step ones."""
+    config = RolloutConfig(max_new_tokens=12, max_total_tokens=MAX_TOTAL, temperature=0.0)
+    lock, eng = _both(setup, _env, config)
+    _assert_same(lock, eng)
+    assert [t.group_id for t in eng] == [0, 0, 1, 1]
+    for t in eng:
+        assert t.num_turns == 2 and t.info["termination"] == "max_tokens"
+        ends = [np.flatnonzero(t.turn_ids == k)[-1] + 1 for k in range(2)]
+        cut = [k for k in range(2) if (t.turn_ids == k).sum() == 12]  # turns at their budget
+        assert t.info["truncated_turns"] == len(cut) >= 1
+        assert all(t.tokens[ends[k]] == RENDERER.end_of_turn_ids[0] for k in cut)
+        assert all(t.roles[ends[k]] == Role.PROMPT for k in cut)
+        assert all(t.behaviour_logprobs[ends[k]] == 0.0 for k in cut)
+        assert (t.roles == Role.ENV).sum() > 0
+        # Turns after the first prefill only what was appended (the shared prompt once).
+        assert 0 < t.info["prefill_tokens"] < t.info["num_tokens"]
+
+
+def test_a_turn_that_hits_its_context_budget_is_closed_as_lockstep(setup):
+    """The context limit cuts the first turn short and ends the episode "max_tokens"."""
+    prompt = RENDERER.render_with_roles([{"role": "user", "content": TASKS[0].prompt}])[0]
+    limit = len(prompt) + len(RENDERER.assistant_header()) + 10
+    config = RolloutConfig(
+        max_new_tokens=64, max_total_tokens=limit, min_turn_tokens=4, temperature=0.0
+    )
+    lock, eng = _both(setup, _env, config, TASKS[:1], g=1)
+    _assert_same(lock, eng)
+    (t,) = eng
+    assert t.info["termination"] == "max_tokens" and t.num_turns == 1
+    assert (t.turn_ids == 0).sum() == 9 and len(t.tokens) == limit
+    assert t.tokens[-1] == RENDERER.end_of_turn_ids[0] and t.info["truncated_turns"] == 1
+
+
+def test_an_environment_that_raises_ends_only_its_episode(setup):
+    made = []
+
+    def env_factory():
+        env = (_BrokenOnSecondTurn if len(made) % 2 == 0 else CodingEnv)(
+            CodingEnvConfig(max_turns=3)
+        )
+        made.append(env)
+        return env
+
+    config = RolloutConfig(max_new_tokens=12, max_total_tokens=MAX_TOTAL, temperature=0.0)
+    lock, eng = _both(setup, env_factory, config, TASKS[:1])
+    _assert_same(lock, eng)
+    broken, fine = eng
+    assert broken.info["termination"] == "env_error" and broken.num_turns == 2
+    assert broken.info["env_error"] == "ConnectionError: tool server went away"
+    assert broken.rewards == {"task": 0.0, "fence": 0.0, "tool_json": 0.0}
+    assert fine.info["termination"] == "max_tokens" and fine.num_turns == 2
+
+
+def test_sampled_turns_carry_the_policy_s_logprobs_and_hinted_evaluation_runs(setup):
+    """Temperature 1: the behaviour log-probs are the model's (a full forward recomputes
+    them), an episode samples the same whatever shares its call (its stream ids), and the
+    hinted evaluation puts the hint before every turn, as lock-step."""
+    model, params, sampler, runner = setup
+    config = RolloutConfig(max_new_tokens=12, max_total_tokens=MAX_TOTAL, temperature=1.0)
+    kw = dict(config=config, rng=jax.random.key(5), policy_version=0)
+    trajs = rollout_groups(runner, params, RENDERER, _env, TASKS, rollouts_per_task=2,
+                           play=agent_loop.play_episodes, **kw)  # fmt: skip
+    tokens = np.zeros((len(trajs), MAX_TOTAL), np.int32)
+    for i, t in enumerate(trajs):
+        tokens[i, : len(t.tokens)] = t.tokens
+    recomputed = np.asarray(jax.jit(sequence_logprobs, static_argnums=0)(model, params, tokens))
+    for i, t in enumerate(trajs):
+        sampled = t.turn_ids >= 0
+        np.testing.assert_allclose(
+            t.behaviour_logprobs[sampled], recomputed[i, : len(t.tokens)][sampled], atol=2e-4
+        )
+    assert len({tuple(t.tokens) for t in trajs}) == 4  # each rollout its own stream
+    second = rollout_groups(runner, params, RENDERER, _env, TASKS[1:], rollouts_per_task=2,
+                            first_group_id=1, play=agent_loop.play_episodes, **kw)  # fmt: skip
+    for a, b in zip(trajs[2:], second, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    ev = dict(config=dataclasses.replace(config, temperature=0.0), rng=jax.random.key(0),
+              condition="hinted")  # fmt: skip
+    recs_l, lock = evaluate(sampler, params, RENDERER, _env, TASKS, **ev)
+    recs_e, eng = evaluate(runner, params, RENDERER, _env, TASKS, play=agent_loop.play_episodes,
+                           **ev)  # fmt: skip
+    assert recs_l == recs_e
+    for a, b in zip(lock, eng, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        assert (b.roles == Role.HINT).sum() > 0
+
+
+def _runner(cfg, episodes, max_total):
+    return agent_loop.runner_from_config(
+        cfg, engine_api, None, episodes=episodes, max_total_tokens=max_total, pad_id=0
+    )
+
+
+def test_runner_from_config_defaults_to_lockstep():
+    c = config_lib.loop_config()
+    assert c.rollout_engine == "lockstep"
+    cfg = ml_collections.ConfigDict({"rl_loop": c})
+    assert (
+        agent_loop.runner_from_config(
+            cfg, engine_api, None, episodes=4, max_total_tokens=64, pad_id=0
+        )
+        is None
+    )
+    cfg.rl_loop.rollout_engine = "builtin"
+    runner = agent_loop.runner_from_config(
+        cfg, engine_api, None, episodes=6, max_total_tokens=100, pad_id=0
+    )
+    assert (runner.slots, runner.page_size, runner.max_pages) == (6, 16, 7)
+    cfg.rl_loop.rollout_engine = "vllm"
+    with pytest.raises(ValueError, match="rollout_engine"):
+        agent_loop.runner_from_config(
+            cfg, engine_api, None, episodes=4, max_total_tokens=64, pad_id=0
+        )
+
+
+# Runs the main job, counting the episodes the engine's agent loops play (RL and held-out).
+MAIN = """
+import atexit, sys, runpy
+from tg_jax.sampling import agent_loop
+calls, play = [0], agent_loop.play_episodes
+def counted(*a, **k):
+    episodes = play(*a, **k)
+    calls[0] += len(episodes)
+    return episodes
+agent_loop.play_episodes = counted
+atexit.register(lambda: print(f"agent loop episodes: {calls[0]}"))
+sys.argv = ["tg_jax.main", *sys.argv[1:]]
+runpy.run_module("tg_jax.main", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_main_job_rl_stage_with_the_builtin_engine(tmp_path):
+    """The tiny main job (SFT, then 2 RL steps of the tg arm, held-out evaluations) with
+    rl_loop.rollout_engine=builtin: every rollout is played by the engine's agent loops."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", MAIN, "--config=configs/tiny.py",
+           f"--workdir={tmp_path / 'w'}", "--config.stage=pipeline",
+           "--config.pipeline.arms=('tg',)", "--config.rl_loop.rollout_engine=builtin",
+           "--config.rl_loop.steps=2"]  # fmt: skip
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (metrics,) = (tmp_path / "w" / "runs").rglob("metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if r["stage"] == "train"] == [1, 2]
+    assert all(r["cost/sampled_tokens"] > 0 for r in rows if r["stage"] == "train")
+    # 2 steps x 2 groups x 2 rollouts, 2 periodic evaluations of 4 tasks, the final 16 + 16.
+    played = int(proc.stdout.rsplit("agent loop episodes: ", 1)[1].split()[0])
+    assert played >= 8 + 8, proc.stdout[-2000:]
+    print(f"main job with the builtin engine: {time.time() - start:.1f}s, {played} episodes")

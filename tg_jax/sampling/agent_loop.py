@@ -1,0 +1,261 @@
+"""Multi-turn rollouts on the rollout engine: one agent loop per episode, no turn barrier.
+
+`play_episodes` has the arguments and results of `tg_jax.sampling.rollout.play_episodes`
+(the lock-step path), with an `EngineRunner` (a `tg_jax.engine.Engine` and its weights) in
+place of the sampler; `rollout.rollout_groups` and `rollout.evaluate` take it as their `play`
+(config `rl_loop.rollout_engine = "builtin"`). The episodes' bookkeeping is rollout.py's
+(`_start_episodes`, `record_tokens`, `_after_turn`, `to_trajectory`), so the trajectories have
+the same tokens, roles, turn ids, behaviour log-probs, verdicts, breaks, hints and info.
+
+An episode flows through the engine as:
+
+    first turn: prompt [+ hint] + header           submitted at once
+    engine.step() (this thread only)               -> Completion of the turn
+    record_tokens                                  sampled tokens, a cut turn closed
+    env.step(text) in the thread pool              other episodes decode meanwhile
+    _after_turn (this thread)                      verdicts, breaks, the end or the observation
+    next turn: Request(continue_from=last turn)    only the tokens appended since (the closing
+                                                   token of a cut turn, separator, observation,
+                                                   hint, header) are prefilled
+
+One thread (the caller's) drives `Engine.step` until every episode is done; it alone calls
+into the engine (`submit` too) and records the episodes; the environments' steps run in a
+pool of `config.env_workers` threads.
+
+Random streams: turn t of the episode with stream id s (`stream_ids`, as in the lock-step
+path) draws from the engine stream `request_seed(rng, s, t)`, a hash of the call's key, s and
+t: what an episode samples does not depend on the other episodes of the call, the slot or the
+step. Greedy episodes (temperature 0) are token for token those of the lock-step path; sampled
+ones follow the same distribution from other random numbers (the engine's draws are
+uniform(engine key, seed, i), not the sampler's fold_in(rng, turn) streams).
+
+Limits: `config.max_rows` is not a chunk size here: the engine's slots bound the decoding
+episodes (more wait in its queue). Engine errors (a request that cannot fit the pages) raise
+RuntimeError: the engine is sized for `max_total_tokens` per episode (`EngineRunner`), and an
+error leaves that call's turns in the engine. Tried on one device only (the engine's pool is
+not sharded; a sampler mesh of its own, sampler_mesh.num_devices > 0, is untested).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import zlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tg_jax.envs.base import Environment
+from tg_jax.sampling import rollout
+from tg_jax.sampling.rollout import Episode, RolloutConfig
+from tg_jax.sampling.trajectory import Role
+from tg_jax.text import ChatRenderer, hint_message
+
+ENGINES = ("lockstep", "builtin")  # rl_loop.rollout_engine
+_CALLS = itertools.count()  # request ids of different calls never collide
+
+
+class EngineRunner:
+    """An `Engine` made at the first `load`, sized for `slots` episodes of `max_total_tokens`.
+
+    Every episode may hold max_total_tokens tokens in pages of `page_size`: the pool has
+    slots * ceil(max_total_tokens / page_size) pages (+ the scratch page), so no admitted
+    sequence is ever preempted for lack of pages. `engine_api` is the `tg_jax.engine` package
+    (its `Engine` and `Request`): it imports tg_jax.sampling (the draws), so this module takes
+    it from its callers instead of importing it (no package import cycle, tests/test_layout).
+    """
+
+    def __init__(self, engine_api: Any, model: Any, *, slots: int, max_total_tokens: int,
+                 page_size: int = 16, pad_id: int = 0, prefill_chunk: int = 64,
+                 prefill_rows: int = 4):  # fmt: skip
+        self.api = engine_api
+        if slots < 1 or page_size < 1:
+            raise ValueError(f"engine slots and page size must be >= 1, got {slots}, {page_size}")
+        self.model, self.slots, self.page_size = model, int(slots), int(page_size)
+        self.max_pages = -(-int(max_total_tokens) // self.page_size)
+        self.pad_id, self.prefill_chunk = pad_id, prefill_chunk
+        self.prefill_rows = min(prefill_rows, self.slots)
+        self.engine: Any = None  # the tg_jax.engine.Engine
+        self._params: Any = None
+
+    def load(self, params: Any, version: int | None = None) -> Any:
+        """The engine, holding `params` (`Engine.update_weights` when they are new; version
+        default: the engine's + 1)."""
+        if self.engine is None:
+            self.engine = self.api.Engine(
+                self.model, params, max_slots=self.slots, page_size=self.page_size,
+                max_pages_per_seq=self.max_pages, prefill_chunk=self.prefill_chunk,
+                prefill_rows=self.prefill_rows, pad_id=self.pad_id,
+                max_kept=max(1024, 2 * self.slots), version=0 if version is None else version,
+            )  # fmt: skip
+        elif params is not self._params:
+            new = self.engine.version + 1 if version is None else version
+            self.engine.update_weights(params, new)
+        self._params = params
+        return self.engine
+
+
+def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: int,
+                       max_total_tokens: int, pad_id: int) -> EngineRunner | None:  # fmt: skip
+    """The engine of `rl_loop.rollout_engine` ("builtin"), or None for the lock-step path.
+
+    slots: `rl_loop.engine_slots`, 0 = `episodes` (every episode of a call decodes at once);
+    page size `rl_loop.engine_page_size`.
+    """
+    lc = config.get("rl_loop") if hasattr(config, "get") else None
+    kind = str(lc.get("rollout_engine", "lockstep")) if lc is not None else "lockstep"
+    if kind not in ENGINES:
+        raise ValueError(f"rl_loop.rollout_engine must be one of {ENGINES}, got {kind!r}")
+    if kind == "lockstep":
+        return None
+    slots = int(lc.get("engine_slots", 0)) or max(1, int(episodes))
+    return EngineRunner(
+        engine_api, model, slots=slots, max_total_tokens=max_total_tokens,
+        page_size=int(lc.get("engine_page_size", 16)), pad_id=pad_id,
+    )  # fmt: skip
+
+
+def request_seed(rng: jax.Array, stream_id: int, turn: int) -> int:
+    """The engine stream of turn `turn` of the episode with stream id `stream_id` (int31)."""
+    return _seed(_key_hash(rng), stream_id, turn)
+
+
+def _seed(salt: int, stream_id: int, turn: int) -> int:
+    return zlib.crc32(f"{int(stream_id)}-{int(turn)}".encode(), salt) & 0x7FFFFFFF
+
+
+def _key_hash(rng: jax.Array) -> int:
+    """A 32-bit hash of a PRNG key (typed or raw uint32)."""
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    return zlib.crc32(np.asarray(rng).tobytes())
+
+
+@dataclasses.dataclass
+class _Loop:
+    """One call's agent loops: what is in flight, and what every turn needs."""
+
+    runner: EngineRunner
+    renderer: ChatRenderer
+    config: RolloutConfig
+    hint_ids: list[int]
+    room: Callable[[Episode], int]
+    salt: int  # _key_hash of the call's key
+    call: int
+    last: dict[int, Hashable] = dataclasses.field(default_factory=dict)  # episode -> last turn
+    known: dict[int, int] = dataclasses.field(default_factory=dict)  # its tokens in the engine
+    pending: dict[Hashable, int] = dataclasses.field(default_factory=dict)  # request -> episode
+
+    def submit_turn(self, i: int, ep: Episode) -> None:
+        """Appends [hint] + header to episode i and submits its next turn, continuing its last
+        turn's context (only the tokens appended since are prefilled)."""
+        budget = min(self.config.max_new_tokens, self.room(ep))
+        ep.append(self.hint_ids, Role.HINT)
+        ep.turn_starts.append(len(ep.tokens))
+        ep.append(self.renderer.assistant_header(), Role.PROMPT)
+        turn = len(ep.turn_starts) - 1
+        rid, parent = (self.call, i, turn), self.last.get(i)
+        prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]
+        self.runner.engine.submit(self.runner.api.Request(
+            rid, list(prompt), budget, temperature=self.config.temperature,
+            top_k=self.config.top_k, top_p=self.config.top_p,
+            stop_ids=tuple(self.renderer.end_of_turn_ids), continue_from=parent,
+            seed=_seed(self.salt, ep.stream_id, turn),
+        ))  # fmt: skip
+        self.known[i] = len(ep.tokens)  # the context; + the generated tokens once done
+        self.pending[rid] = i
+
+    def finish_turn(self, ep: Episode, done: Any) -> str:
+        """Records a finished turn; returns its text for the environment."""
+        i = self.pending.pop(done.request_id)
+        if done.finish_reason == "error":
+            raise RuntimeError(f"task {ep.task_id}: the engine refused a turn: {done.message}")
+        if i in self.last:
+            self.runner.engine.release(self.last[i])  # the new turn holds what it shares of it
+        self.last[i] = done.request_id
+        self.known[i] += len(done.token_ids)
+        stopped = done.finish_reason == "stop"
+        return rollout.record_tokens(
+            ep, self.renderer, done.token_ids, done.logprobs, stopped, float(done.prefill_tokens)
+        )
+
+    def end(self, i: int) -> None:
+        """Episode i is over: its last turn's pages are freed."""
+        if i in self.last:
+            self.runner.engine.release(self.last.pop(i))
+
+
+def play_episodes(
+    sampler: EngineRunner,
+    params: Any,
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    *,
+    config: RolloutConfig,
+    rng: jax.Array,
+    group_ids: Sequence[int] | None = None,
+    hint_before_every_turn: bool = False,
+    stream_ids: Sequence[int] | None = None,
+) -> list[Episode]:
+    """Plays one episode per entry of `tasks` on the engine, each at its own pace.
+
+    Args:
+      sampler: the `EngineRunner` (it loads `params` into its engine when they are new).
+      rng: the call's key (the episodes' engine streams, `request_seed`).
+      stream_ids: per episode, its random stream; None: its position in `tasks`.
+      (others: see `rollout.play_episodes`.)
+    Returns:
+      The finished episodes, in the order of `tasks`.
+    """
+    sampler.load(params)
+    episodes = rollout._start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
+    hint_ids: list[int] = []
+    if hint_before_every_turn and episodes:  # as rollout.play_episodes
+        every = [r.name for r in episodes[0].env.requirements]
+        hint_ids = renderer.render_message(hint_message(episodes[0].env.hint(every)))
+    extra = len(hint_ids) + len(renderer.assistant_header()) + 1  # + the slot to close a cut turn
+
+    def room(ep: Episode) -> int:
+        return config.max_total_tokens - len(ep.tokens) - extra
+
+    rollout._check_room(episodes, room, config)
+    loop = _Loop(sampler, renderer, config, hint_ids, room, _key_hash(rng), next(_CALLS))
+    for i, ep in enumerate(episodes):
+        loop.submit_turn(i, ep)
+    workers = max(1, config.env_workers)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        _drive(loop, episodes, pool)
+    return episodes
+
+
+def _drive(loop: _Loop, episodes: list[Episode],
+           pool: concurrent.futures.ThreadPoolExecutor) -> None:  # fmt: skip
+    """Steps the engine until every episode is done: a finished turn's environment step goes
+    to the pool; a returned one is recorded and the episode's next turn submitted at once."""
+    engine, steps = loop.runner.engine, {}  # future -> (episode, text)
+    while loop.pending or steps:
+        if engine.has_work():
+            for done in engine.step():
+                engine.result(done.request_id, 0)  # taken from step(): result() lets go
+                i = loop.pending[done.request_id]
+                text = loop.finish_turn(episodes[i], done)
+                steps[pool.submit(rollout._step, episodes[i], text)] = (i, text)
+        elif loop.pending and not steps:
+            raise RuntimeError("the engine holds turns it cannot run (no admissible work)")
+        elif steps:
+            concurrent.futures.wait(steps, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in [f for f in steps if f.done()]:
+            i, text = steps.pop(future)
+            ep = episodes[i]
+            if rollout._after_turn(ep, text, future.result(), loop.renderer, loop.config,
+                                   loop.room):  # fmt: skip
+                loop.submit_turn(i, ep)
+            else:
+                loop.end(i)
+
+
+__all__ = ["ENGINES", "EngineRunner", "play_episodes", "request_seed", "runner_from_config"]
