@@ -209,3 +209,25 @@ def test_a_collapsed_baseline_seed_is_named_in_the_report(tmp_path):
     assert res["noninferiority"]["verdict"] == "not meaningful"
     md = (tmp_path / "report.md").read_text()
     assert "NOT MEANINGFUL.** The baseline collapsed in training seed(s) [1]" in md
+
+
+def test_the_budget_section_checks_the_sampled_tokens_each_arm_used():
+    from tg_jax.evaluation import md_budget
+
+    budget = {
+        "steps": 2, "groups_per_step": 2, "rollouts_per_group": 2, "episodes": 8,
+        "max_new_tokens_per_turn": 16, "max_turns": 1, "sampled_token_budget": 128,
+        "lr": 1e-3, "lr_schedule": "constant", "train_seeds": [0], "heldout_tasks": 4,
+    }  # fmt: skip
+
+    def text(grpo, tg):
+        arms = {a: {"costs": {"sampled_tokens": {"mean": v}}} for a, v in (("grpo", grpo),
+                                                                          ("tg", tg))}  # fmt: skip
+        res = {"arms": arms, "context": {"budget": budget, "budget_equal": True}}
+        return "\n".join(md_budget.budget_section(res))
+
+    assert "max / min 1.05, within the 10% tolerance" in text(100.0, 105.0)
+    assert "max / min 1.50, **beyond the 10% tolerance" in text(100.0, 150.0)
+    assert "`grpo` 100, `tg` 150" in text(100.0, 150.0)
+    # The held-out tasks' other readers are named, not denied.
+    assert "read the first of them too" in text(100.0, 100.0)

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from tg_jax.evaluation import stats
+from tg_jax.evaluation.md_budget import budget_section
 from tg_jax.evaluation.md_cells import big, ci, minutes, num, pm, table
 from tg_jax.evaluation.plots import (
     ACTIONS_FIGURE,
     CURVE_METRICS,
     FOREST_FILE,
-    TUNING_FILE,
     action_names,
     curve_file,
     curve_groups,
@@ -473,61 +473,6 @@ def _leakage_section(res: dict[str, Any]) -> list[str]:
     return lines + table(header, rows) + [""]
 
 
-def _budget_section(res: dict[str, Any]) -> list[str]:
-    b = (res.get("context") or {}).get("budget")
-    if not b:
-        return []
-    tokens = b.get("sampled_token_budget")
-    cap = "no fixed cap (turns left to the environment)" if tokens is None else big(tokens)
-    equal = (res.get("context") or {}).get("budget_equal", True)
-    tuning = (res.get("context") or {}).get("tuning")
-    arms = ", ".join(f"`{a}`" for a in res["arms"])
-    lr = (f"learning rate {b['lr']:g} for every arm, not tuned (one trial each)" if not tuning
-          else "each arm's learning rate chosen by the procedure below")  # fmt: skip
-    lines = [
-        "## Equal tuning budget",
-        "",
-        f"Every arm ({arms}) trained with the same budget: {b['steps']} RL steps of "
-        f"{b['groups_per_step']} groups x {b['rollouts_per_group']} rollouts "
-        f"({b['episodes']} episodes), at most {b['max_new_tokens_per_turn']} new tokens per "
-        f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
-        f"{cap}), {lr} (schedule {b['lr_schedule']}), training seeds "
-        f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
-        + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). " if equal
-           else "**The arms' budgets differ: the comparison is not at an equal budget.** ")
-        + "No learning rate or other setting was tuned on the held-out tasks: they are "
-        "evaluated once, after training; the settings, and the tuning procedure if any, were "
-        "fixed in the config and the pre-registration before the first RL step.",
-        "",
-    ]  # fmt: skip
-    return lines + (_tuning_lines(tuning) if tuning else [])
-
-
-def _tuning_lines(t: dict[str, Any]) -> list[str]:
-    """The learning-rate trials: the procedure, one row per arm, its choice."""
-    lrs = t["lrs"]
-    rows = []
-    for arm, a in t["arms"].items():
-        cells = [f"{x['score']:.3f} (task {x['task_success']:.2f}, compliance "
-                 f"{x['compliance']:.2f})" for x in a["trials"]]  # fmt: skip
-        rows.append([f"`{arm}`", *cells, f"{a['chosen_lr']:g}"])
-    return [
-        f"Learning-rate trials (tg_jax.train.tuning): every arm trained once per rate "
-        f"({', '.join(f'{x:g}' for x in lrs)}; {len(lrs)} trials per arm) with training seed "
-        f"{t['seed']} on the train tasks minus a validation split of {t['val_tasks']} of them, "
-        f"which the trials never trained on; each trial was scored on that split (plain "
-        f"prompts, {t['samples_per_task']} episode(s) per task) by one yardstick for every "
-        f"arm, the {t['score']}; each arm kept its best rate (a tie keeps the first listed) "
-        "and trained its seeds at it on the whole train split. The held-out tasks were not "
-        f"read. Trials' compute: {minutes(t.get('wall_s'))}.",
-        "",
-        *table(["arm", *[f"lr {x:g}" for x in lrs], "chosen lr"], rows),
-        "",
-        f"![{TUNING_FILE}]({TUNING_FILE})",
-        "",
-    ]
-
-
 def _group_sections(res: dict[str, Any]) -> list[str]:
     st, lines = res["settings"], []
     sections = (("stress", "Stress tests (imperfect feedback)"), ("ablation", "Ablations"))
@@ -579,7 +524,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     sections = (_verdict_section, _context_section, _train_section, _heldout_section,
                 _requirements_section,
                 _differences_section, _diagnostic_section, _side_effects_section,
-                _costs_section, _stability_section, _leakage_section, _budget_section,
+                _costs_section, _stability_section, _leakage_section, budget_section,
                 _group_sections, _plots_section)  # fmt: skip
     lines = ["# GRPO vs targeted guidance: report", ""]
     for section in sections:

@@ -1,0 +1,84 @@
+"""report.md's "Equal tuning budget" section: the declared budget, the sampled tokens each arm
+used against a stated tolerance, and the learning-rate trials."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tg_jax.evaluation.md_cells import big, minutes, table
+from tg_jax.evaluation.plots import TUNING_FILE
+
+
+def budget_section(res: dict[str, Any]) -> list[str]:
+    b = (res.get("context") or {}).get("budget")
+    if not b:
+        return []
+    tokens = b.get("sampled_token_budget")
+    cap = "no fixed cap (turns left to the environment)" if tokens is None else big(tokens)
+    equal = (res.get("context") or {}).get("budget_equal", True)
+    tuning = (res.get("context") or {}).get("tuning")
+    arms = ", ".join(f"`{a}`" for a in res["arms"])
+    lr = (f"learning rate {b['lr']:g} for every arm, not tuned (one trial each)" if not tuning
+          else "each arm's learning rate chosen by the procedure below")  # fmt: skip
+    lines = [
+        "## Equal tuning budget",
+        "",
+        f"Every arm ({arms}) trained with the same budget: {b['steps']} RL steps of "
+        f"{b['groups_per_step']} groups x {b['rollouts_per_group']} rollouts "
+        f"({b['episodes']} episodes), at most {b['max_new_tokens_per_turn']} new tokens per "
+        f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
+        f"{cap}), {lr} (schedule {b['lr_schedule']}), training seeds "
+        f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
+        + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). " if equal
+           else "**The arms' budgets differ: the comparison is not at an equal budget.** ")
+        + _measured_budget(res)
+        + "No learning rate or other setting was tuned on the held-out tasks; the settings, "
+        "and the tuning procedure if any, were fixed in the config and the pre-registration "
+        "before the first RL step. The held-out tasks are not read only by the final "
+        "evaluation: the base model's gates (sft_eval.json) and the periodic evaluation "
+        "during RL (metrics only, no decision) read the first of them too.",
+        "",
+    ]  # fmt: skip
+    return lines + (_tuning_lines(tuning) if tuning else [])
+
+
+BUDGET_TOLERANCE = 0.10  # sampled tokens of the arms within this share of each other: equal
+
+
+def _measured_budget(res: dict[str, Any]) -> str:
+    """The sampled tokens each arm used (mean over its seeds) against `BUDGET_TOLERANCE`."""
+    used = {a: (r.get("costs") or {}).get("sampled_tokens") for a, r in res["arms"].items()}
+    used = {a: float(v["mean"]) for a, v in used.items() if v and v.get("mean")}
+    if len(used) < 2:
+        return ""
+    ratio = max(used.values()) / min(used.values())
+    each = ", ".join(f"`{a}` {big(v)}" for a, v in used.items())
+    verdict = (f"within the {BUDGET_TOLERANCE:.0%} tolerance" if ratio <= 1 + BUDGET_TOLERANCE
+               else f"**beyond the {BUDGET_TOLERANCE:.0%} tolerance: the arms used unequal "
+               "sampling budgets**")  # fmt: skip
+    return f"Measured sampled tokens per seed: {each} (max / min {ratio:.2f}, {verdict}). "
+
+
+def _tuning_lines(t: dict[str, Any]) -> list[str]:
+    """The learning-rate trials: the procedure, one row per arm, its choice."""
+    lrs = t["lrs"]
+    rows = []
+    for arm, a in t["arms"].items():
+        cells = [f"{x['score']:.3f} (task {x['task_success']:.2f}, compliance "
+                 f"{x['compliance']:.2f})" for x in a["trials"]]  # fmt: skip
+        rows.append([f"`{arm}`", *cells, f"{a['chosen_lr']:g}"])
+    return [
+        f"Learning-rate trials (tg_jax.train.tuning): every arm trained once per rate "
+        f"({', '.join(f'{x:g}' for x in lrs)}; {len(lrs)} trials per arm) with training seed "
+        f"{t['seed']} on the train tasks minus a validation split of {t['val_tasks']} of them, "
+        f"which the trials never trained on; each trial was scored on that split (plain "
+        f"prompts, {t['samples_per_task']} episode(s) per task) by one yardstick for every "
+        f"arm, the {t['score']}; each arm kept its best rate (a tie keeps the first listed) "
+        "and trained its seeds at it on the whole train split. The held-out tasks were not "
+        f"read. Trials' compute: {minutes(t.get('wall_s'))}.",
+        "",
+        *table(["arm", *[f"lr {x:g}" for x in lrs], "chosen lr"], rows),
+        "",
+        f"![{TUNING_FILE}]({TUNING_FILE})",
+        "",
+    ]
