@@ -51,6 +51,11 @@ def _main(*args: str) -> subprocess.CompletedProcess:
             "--config.sft.require.max_format_cost=-2",
             "error: invalid config: sft.require.max_format_cost must be >= -1",
         ),
+        (
+            "--config.rl_loop.rollout_engine=vllm",
+            "error: invalid config: rl_loop.rollout_engine must be one of ('lockstep', 'builtin'), "
+            "got 'vllm'",
+        ),
     ],
     ids=[
         "unknown_field",
@@ -63,6 +68,7 @@ def _main(*args: str) -> subprocess.CompletedProcess:
         "epochs",
         "gate_range",
         "format_cost_gate",
+        "rollout_engine",
     ],  # fmt: skip
 )
 def test_bad_override_is_one_line_and_exit_2(tmp_path, override, line):
