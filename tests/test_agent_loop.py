@@ -187,10 +187,15 @@ def test_runner_from_config_defaults_to_lockstep():
         is None
     )
     cfg.rl_loop.rollout_engine = "builtin"
+    model = object()  # the engine is built at the first load: any model object here
     runner = agent_loop.runner_from_config(
-        cfg, engine_api, None, episodes=6, max_total_tokens=100, pad_id=0
+        cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
     )
     assert (runner.slots, runner.page_size, runner.max_pages) == (6, 16, 7)
+    with pytest.raises(ValueError, match="needs the model's own sampler"):  # a wrapped sampler
+        agent_loop.runner_from_config(
+            cfg, engine_api, None, episodes=6, max_total_tokens=100, pad_id=0
+        )
     cfg.rl_loop.rollout_engine = "vllm"
     with pytest.raises(ValueError, match="rollout_engine"):
         agent_loop.runner_from_config(

@@ -98,7 +98,7 @@ def heldout_episodes(
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
     # rl_loop.rollout_engine "builtin": the episodes' agent loops on the engine.
     runner = agent_loop.runner_from_config(
-        config, engine_api, sampler.model, episodes=len(tasks),
+        config, engine_api, getattr(sampler, "model", None), episodes=len(tasks),
         max_total_tokens=rollout_cfg.max_total_tokens, pad_id=renderer.tokenizer.pad_id,
     )  # fmt: skip
     records: list[EpisodeRecord] = []

@@ -111,6 +111,11 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
         raise ValueError(f"rl_loop.rollout_engine must be one of {ENGINES}, got {kind!r}")
     if kind == "lockstep":
         return None
+    if model is None:
+        raise ValueError(
+            "rl_loop.rollout_engine 'builtin' needs the model's own sampler; a wrapped one "
+            "(e.g. a prefilled format, tg_jax.evaluation.prefill) runs lock-step only"
+        )
     slots = int(lc.get("engine_slots", 0)) or max(1, int(episodes))
     return EngineRunner(
         engine_api, model, slots=slots, max_total_tokens=max_total_tokens,
