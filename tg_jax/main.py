@@ -212,12 +212,13 @@ def _check_config(config, workdir: str) -> None:
         except ValueError as e:
             _fail(f"invalid config: {e}")
     if "rl_loop" in config and "feedback" in config.rl_loop:
+        from tg_jax.sampling import agent_loop
         from tg_jax.train import rl_rollouts
 
         try:  # hint kinds, the judge's error rates, the rollout engine: before data and SFT
             rl_rollouts.feedback_rates(config.rl_loop.feedback)
             rl_rollouts.verdict_noise(config.rl_loop.feedback)
-            rl_rollouts.check_rollout_engine(config.rl_loop)
+            agent_loop.engine_kind(config.rl_loop)
         except ValueError as e:
             _fail(f"invalid config: {e}")
     if all(name in config for name in ("rl", "tg", "optim")):

@@ -249,16 +249,19 @@ def _plain_boots(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _suffixes(boots: dict[str, dict[str, Any]], prefix: str) -> list[str]:
+    """The sorted names after `prefix` of the metrics any arm has ("compliance/fence" ->
+    "fence")."""
+    return sorted(
+        {k.removeprefix(prefix) for b in boots.values() for k in b if k.startswith(prefix)}
+    )
+
+
 def _requirements_section(res: dict[str, Any]) -> list[str]:
     """Held-out compliance per requirement (plug-ins under their own names), and the turns a
     plug-in's checker could not judge (`tg_jax.envs.plugins`), per arm."""
     boots = _plain_boots(res)
-    names = sorted(
-        {k.split("/", 1)[1] for b in boots.values() for k in b if k.startswith("compliance/")}
-    )
-    unjudged = sorted(
-        {k.split("/", 1)[1] for b in boots.values() for k in b if k.startswith("unjudged/")}
-    )
+    names, unjudged = _suffixes(boots, "compliance/"), _suffixes(boots, "unjudged/")
     if not names:
         return []
     pct = round(100 * res["settings"]["level"])
@@ -340,8 +343,7 @@ def _side_effects_section(res: dict[str, Any]) -> list[str]:
     boots = _plain_boots(res)
     # The common actions, then every other action the environment counts (its side effects:
     # the SWE environment's overwrite, stopped_after_ask, asked_when_approved, ...).
-    others = sorted({k.split("/", 1)[1] for b in boots.values() for k in b
-                     if k.startswith("actions/")} - set(stats.ACTION_METRICS))  # fmt: skip
+    others = [a for a in _suffixes(boots, "actions/") if a not in stats.ACTION_METRICS]
     keys = [f"actions/{k}" for k in (*stats.ACTION_METRICS, *others)] + ["turns"]
     rows = [[arm] + [ci(b.get(k)) for k in keys] for arm, b in boots.items() if b]
     if not rows:

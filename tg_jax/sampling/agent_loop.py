@@ -98,6 +98,14 @@ class EngineRunner:
         return self.engine
 
 
+def engine_kind(loop_cfg: Any) -> str:
+    """`rl_loop.rollout_engine` ("lockstep" when unset); ValueError unless one of ENGINES."""
+    kind = str(loop_cfg.get("rollout_engine", "lockstep"))
+    if kind not in ENGINES:
+        raise ValueError(f"rl_loop.rollout_engine must be one of {ENGINES}, got {kind!r}")
+    return kind
+
+
 def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: int,
                        max_total_tokens: int, pad_id: int) -> EngineRunner | None:  # fmt: skip
     """The engine of `rl_loop.rollout_engine` ("builtin"), or None for the lock-step path.
@@ -106,10 +114,7 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
     page size `rl_loop.engine_page_size`.
     """
     lc = config.get("rl_loop") if hasattr(config, "get") else None
-    kind = str(lc.get("rollout_engine", "lockstep")) if lc is not None else "lockstep"
-    if kind not in ENGINES:
-        raise ValueError(f"rl_loop.rollout_engine must be one of {ENGINES}, got {kind!r}")
-    if kind == "lockstep":
+    if lc is None or engine_kind(lc) == "lockstep":
         return None
     if model is None:
         raise ValueError(

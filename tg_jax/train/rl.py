@@ -61,7 +61,7 @@ import numpy as np
 from tg_jax import checkpointing, faults, multihost, paths, sharding
 from tg_jax import engine as engine_api
 from tg_jax.data.pipeline import TaskIterator, to_record
-from tg_jax.envs import decode_task, env_factory, make_env, requirement_names
+from tg_jax.envs import Requirement, decode_task, env_factory, make_env
 from tg_jax.envs.hints import noisy_judge
 from tg_jax.errors import RunError
 from tg_jax.evaluation import heldout
@@ -124,16 +124,17 @@ class _Parts:
     key: jax.Array  # the run's key: fold_in 0 = state init, 1 = rollout sampling
     batch_sharding: Any  # of the train batch's leading axis on the trainer's mesh
     to_sampler: Callable[[Any], Any] | None  # params -> the sampler's (None: the same)
+    requirement_names: tuple[str, ...]  # the environment's (plug-ins by their own names)
 
 
-def _lengths(config: Any, renderer: ChatRenderer) -> tuple[int, int]:
-    """(student max length, teacher max length). Both arms get the same student budget: the
-    teacher's hints must fit on top of it within the model's context."""
+def _lengths(
+    config: Any, renderer: ChatRenderer, requirements: Sequence[Requirement]
+) -> tuple[int, int]:
+    """(student max length, teacher max length) for the environment's `requirements`. Both
+    arms get the same student budget: the teacher's hints must fit on top of it within the
+    model's context."""
     teacher_max = int(config.model.max_seq_len)
-    reserve = rl_rollouts.hint_reserve(
-        renderer, make_env(config.env, renderer.tool_format).requirements,
-        int(config.env.max_turns),
-    )  # fmt: skip
+    reserve = rl_rollouts.hint_reserve(renderer, requirements, int(config.env.max_turns))
     student_max = int(config.rl_loop.seq_len) or teacher_max - reserve
     if student_max + reserve > teacher_max:
         raise ValueError(
@@ -152,7 +153,9 @@ def _build(
     trainer_devices, sampler_devices = sharding.split_devices(config)  # config.sampler_mesh
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
-    student_max, teacher_max = _lengths(config, renderer)
+    # The environment's requirements, read once (a plug-in's are built by its import path).
+    requirements = make_env(config.env, renderer.tool_format).requirements
+    student_max, teacher_max = _lengths(config, renderer, requirements)
     key = jax.random.key(seed)
     if sampler_devices is not None and init_params is not None:  # e.g. SFT's, on every device
         shardings = sharding.param_partition_specs(model, mesh, rules)
@@ -176,6 +179,7 @@ def _build(
         ref_params=ref_params, step_fn=make_train_step(config, model, mesh, rules),
         sampler=sampler, renderer=renderer, key=key, to_sampler=to_sampler,
         batch_sharding=sharding.data_sharding(mesh, rules, ndim=1),
+        requirement_names=tuple(r.name for r in requirements),
     )  # fmt: skip
 
 
@@ -290,7 +294,7 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
         trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
-        requirement_names=requirement_names(config.env),
+        requirement_names=parts.requirement_names,
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
         compact=TGConfig.from_config(config.tg).compact_rows,  # full rows: reference teacher
@@ -385,7 +389,7 @@ def run_rl(
     rl_cfg = RLConfig.from_config(config.rl)
     rl_cfg.check_rows(rows, parts.divisor)
     if rl_cfg.requirement_credit == "turn":  # the requirement rewards to credit per turn
-        rl_cfg.credit_split(requirement_names(config.env))
+        rl_cfg.credit_split(parts.requirement_names)
     paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     ckpt = checkpointing.TrainingCheckpointer(
         os.path.join(workdir, CHECKPOINT_DIR),

@@ -56,15 +56,6 @@ def feedback_rates(cfg: Any) -> FeedbackRates:
     return FeedbackRates(float(cfg.correct), float(cfg.irrelevant), float(cfg.wrong))
 
 
-def check_rollout_engine(loop_cfg: Any) -> None:
-    """ValueError for an `rl_loop.rollout_engine` that is not one of agent_loop.ENGINES."""
-    kind = str(loop_cfg.get("rollout_engine", "lockstep"))
-    if kind not in agent_loop.ENGINES:
-        raise ValueError(
-            f"rl_loop.rollout_engine must be one of {agent_loop.ENGINES}, got {kind!r}"
-        )
-
-
 def verdict_noise(cfg: Any) -> VerdictNoise:
     """VerdictNoise from `rl_loop.feedback` (none when the config predates the fields)."""
     return VerdictNoise(

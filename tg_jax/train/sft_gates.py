@@ -41,25 +41,22 @@ def _format_cost_bound(req: Any) -> float | None:
     return bound if bound < 1.0 else None
 
 
-def _openings(config: Any) -> dict[str, str | None]:
-    """{name: `Requirement.opening`} of the environment's requirements."""
-    return {r.name: r.opening for r in make_env(config.env).requirements}
-
-
-def _kinds(config: Any, requirement: str) -> tuple[str, ...]:
-    """The gated kinds of one requirement: the format cost too when its gate is on and the
-    requirement has an opening."""
+def _gated_kinds(config: Any) -> dict[str, tuple[str, ...]]:
+    """The gated kinds of each requirement of the environment (in order; the environment is
+    built once): the format cost too when its gate is on and the requirement has an opening."""
     gate_on = _format_cost_bound(config.sft.require) is not None
-    if gate_on and _openings(config).get(requirement) is not None:
-        return (*REQUIREMENT_KINDS, FORMAT_COST)
-    return REQUIREMENT_KINDS
+    return {
+        r.name: (*REQUIREMENT_KINDS, FORMAT_COST) if gate_on and r.opening is not None
+        else REQUIREMENT_KINDS
+        for r in make_env(config.env).requirements
+    }  # fmt: skip
 
 
 def gate_figures(config: Any, result: dict[str, Any]) -> dict[str, float | None]:
     """The gated figures of an sft_eval.json result (None = not measured)."""
     out: dict[str, float | None] = {"pass_rate": result.get("pass_rate")}
-    for r in requirement_names(config.env):
-        for kind in _kinds(config, r):
+    for r, kinds in _gated_kinds(config).items():
+        for kind in kinds:
             out[f"{kind}/{r}"] = result.get(f"{kind}/{r}")
     return out
 
@@ -68,10 +65,9 @@ def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
     """The requirements of `config.env.requirements` whose gated figures an sft_eval.json
     result lacks (a base model evaluated for other requirements, e.g. the demo's base copied
     into a fence workdir)."""
-    figures = gate_figures(config, result)
     return [
-        r for r in requirement_names(config.env)
-        if any(figures[f"{kind}/{r}"] is None for kind in _kinds(config, r))
+        r for r, kinds in _gated_kinds(config).items()
+        if any(result.get(f"{kind}/{r}") is None for kind in kinds)
     ]  # fmt: skip
 
 

@@ -169,6 +169,7 @@ class SweEnv(Environment):
             lambda names: reqs.make_requirements(names, config.requirement_weight, self),
         )
         self._done = True
+        self._task: SweTask | None = None
         self.workspace = Workspace({})
         self.questions: list[str] = []
 
@@ -192,7 +193,7 @@ class SweEnv(Environment):
     @property
     def approved(self) -> bool:
         """The running task's instruction says the change is already approved."""
-        return bool(getattr(self, "_task", None) and self._task.approved)
+        return self._task is not None and self._task.approved
 
     def _run_tool(self, call: ToolCall, info: dict[str, Any]) -> tuple[str, bool, float]:
         """(observation, done, task reward) of a well-formed call."""
