@@ -140,3 +140,59 @@ def test_compare_flags_only_differences_beyond_the_sampling_interval():
         {"num_tasks": 8, "pass_rate": 0.0}, {"num_tasks": 8, "pass_rate": 0.0}
     )
     assert same["pass_rate"]["difference"] == 0.0 and not same["pass_rate"]["beyond"]
+
+
+def _continued(tmp_path, **overrides):
+    """configs/fence.py's model with configs/tiny.py's SFT section (2 steps at lr 1e-4), run
+    by the sft stage; the per-step losses."""
+    from tg_jax.metrics import read_metrics
+    from tg_jax.train import sft
+
+    tiny = config_files.load_config_file(os.path.join(REPO, "configs", "tiny.py"))
+    config = config_files.load_config_file(os.path.join(REPO, "configs", "fence.py"))
+    config.unlock()
+    config.sft = tiny.sft
+    config = config_files.apply_overrides(
+        config, {"sft.steps": 2, "sft.optim.lr": 1e-4, "sft.select.start": 99, **overrides}
+    )
+    sft.run_sft(config, str(tmp_path))
+    return [r["loss"] for r in read_metrics(tmp_path, stage="sft")]
+
+
+def test_sft_init_continues_the_shipped_base(tmp_path):
+    """SFT from sft.init starts at the base's loss on fence transcripts (the default base was
+    trained on the same expert: well under 1 nat per token), a random init at ~ln 272 = 5.6;
+    its first update is taken from the base's weights: the loss at step 1 is the base's."""
+    from safetensors.numpy import load_file
+
+    from tg_jax import sharding
+    from tg_jax.models import hf_io
+    from tg_jax.train import sft
+
+    base = _continued(tmp_path / "init", **{"sft.init": "default"})
+    scratch = _continued(tmp_path / "scratch")
+    assert base[0] < 1.0 < 4.5 < scratch[0], (base, scratch)
+    config = config_files.apply_overrides(_default(), {"sft.init": "default"})
+    mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config.mesh)
+    params = sft.initial_params(config, mesh, rules)  # the base's weights, named as in its file
+    got = hf_io.params_to_hf(params, ModelConfig.from_config(config.model))
+    want = load_file(os.path.join(shipped_base.BASES_DIR, "default", "model.safetensors"))
+    assert set(got) <= set(want) and "model.embed_tokens.weight" in got
+    for name, value in got.items():
+        np.testing.assert_array_equal(np.asarray(value), want[name], err_msg=name)
+    assert sft.initial_params(_default(), mesh, rules) is None  # sft.init "": a random init
+
+
+def test_a_bad_sft_init_is_one_error_line(tmp_path):
+    for extra, want in (
+        (("--config.sft.init=nope",), "error: invalid config: sft.init='nope': no shipped base in"),
+        (("--config.sft.init=default", "--config.sft.tokenizer=bpe"),
+         "error: invalid config: sft.init='default' needs sft.tokenizer='byte'"),
+        (("--config.sft.init=default", "--config.model.num_layers=3"),
+         "error: invalid config: sft.init='default': the base does not fit the config"),
+    ):  # fmt: skip
+        proc = _main(tmp_path / "w", "--config.stage=sft", *extra)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(want), line
+    assert not (tmp_path / "w").exists() or not os.listdir(tmp_path / "w")

@@ -187,6 +187,9 @@ def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict
     c.seq_len = 512
     c.num_transcripts = 12_000  # expert transcripts, one per drawn train task (~1 epoch)
     c.data_seed = 1  # seed of the SFT tasks, transcripts, packing and batch order
+    # The weights SFT starts from: "" = a random init of `seed`; else a shipped base (a name
+    # under tg_jax/bases, or its directory) that SFT continues (sft.tokenizer "byte").
+    c.init = ""
     # Requirements whose hints appear in the SFT transcripts (the hints the base model learns
     # to follow); empty = env.requirements. RL judges and teaches env.requirements only.
     c.hint_requirements = ()

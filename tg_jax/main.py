@@ -281,12 +281,14 @@ def _check_config_on_devices(config) -> None:
             _fail(f"invalid config: {e}")
     if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":
         _check_model_dir(config)
-    elif config.stage == "pipeline" and "sft" in config:  # a shipped base: there and right
+    elif config.stage in ("pipeline", "sft") and "sft" in config:  # shipped bases: there, right
         from tg_jax.train import shipped_base
 
         try:
-            if shipped_base.source(config) == "shipped":
+            if config.stage == "pipeline" and shipped_base.source(config) == "shipped":
                 shipped_base.check(config)
+            else:  # SFT trains the base: from sft.init's weights when set
+                shipped_base.sft_init(config)
         except ConfigError as e:
             _fail(f"invalid config: {e}")
 

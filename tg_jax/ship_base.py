@@ -55,7 +55,7 @@ def write(config: Any, workdir: str, name: str, command: str) -> str:
     sources = task_data.prepare_tasks(cfg, workdir)
     params, result, attempts = pipeline.run_base_model(cfg, workdir, sources)
     sft_dir = attempts[-1]["workdir"]
-    out = os.path.join(shipped_base.BASES_DIR, name) if os.sep not in name else name
+    out = shipped_base.resolve(name)
     with tempfile.TemporaryDirectory(prefix="tg_shipped_base_") as tmp:
         sft.write_tokenizer_files(cfg, sft_dir, tmp)
         model_config = pipeline.base_config(cfg, sft_dir).model
@@ -67,6 +67,9 @@ def write(config: Any, workdir: str, name: str, command: str) -> str:
                          for a in attempts],
             "sha256": shipped_base.sha256(os.path.join(tmp, shipped_base.WEIGHTS_FILE)),
         }  # fmt: skip
+        init = shipped_base.sft_init(cfg)
+        if init is not None:  # the base SFT continued from (sft.init)
+            prov["init"] = {"base": str(cfg.sft.init), "sha256": init[1]["sha256"]}
         with open(os.path.join(tmp, shipped_base.PROVENANCE_FILE), "w", encoding="utf-8") as f:
             json.dump(prov, f, indent=1, sort_keys=True)
             f.write("\n")
@@ -100,7 +103,7 @@ def ship_from_workdir(workdir: str, name: str, command: str) -> str:
                      for a in context.get("sft_attempts") or []],
         "sha256": shipped_base.sha256(os.path.join(base, shipped_base.WEIGHTS_FILE)),
     }  # fmt: skip
-    out = os.path.join(shipped_base.BASES_DIR, name) if os.sep not in name else name
+    out = shipped_base.resolve(name)
     if os.path.exists(out):
         shutil.rmtree(out)
     shutil.copytree(base, out)

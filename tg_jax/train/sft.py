@@ -49,7 +49,7 @@ from tg_jax.rl.train_state import (
     train_state_shardings,
 )
 from tg_jax.text import ByteTokenizer, ChatRenderer, HFTokenizer, Tokenizer, bpe, byte_hf
-from tg_jax.train import sft_eval, sft_select
+from tg_jax.train import sft_eval, sft_select, shipped_base
 from tg_jax.train.sft_data import (
     batch_indices,
     make_sft_rows,
@@ -266,6 +266,17 @@ def build_model(config: Any, tokenizer: Tokenizer | None = None) -> Transformer:
     return Transformer(model_cfg)
 
 
+def initial_params(config: Any, mesh, rules) -> Any:
+    """The params SFT starts from: those of the shipped base `sft.init` (checked:
+    `shipped_base.sft_init`), or None (a random init of `seed`)."""
+    init = shipped_base.sft_init(config)
+    if init is None:
+        return None
+    print(f"sft: starts from base {config.sft.init} (sha256 {init[1]['sha256'][:16]}...)")
+    model_cfg = ModelConfig.from_config(config.model)
+    return hf_dir.open_model_dir(init[0]).load_params(model_cfg, mesh=mesh, rules=rules)
+
+
 def sft_checkpoint_dir(workdir: str) -> str:
     return os.path.join(workdir, SFT_DIR, "checkpoints")
 
@@ -309,11 +320,15 @@ def run_sft(config: Any, workdir: str, *, stop_after: int | None = None) -> Trai
             f"{sharding.batch_divisor(mesh, rules)}"
         )
     optimizer, step_fn = make_sft_step(config, model, mesh, rules)
-    state = create_train_state(model, optimizer, mesh, rules, jax.random.key(int(config.seed)))
     ckpt = checkpointing.TrainingCheckpointer(
         sft_checkpoint_dir(workdir), max_to_keep=2, save_interval_steps=int(sft.checkpoint_every)
     )
     try:
+        # sft.init's weights only for a fresh run (a checkpoint's are restored over the state).
+        init = None if ckpt.latest_step() is not None else initial_params(config, mesh, rules)
+        state = create_train_state(
+            model, optimizer, mesh, rules, jax.random.key(int(config.seed)), params=init
+        )
         restored = ckpt.restore_latest(state)
         start = 0
         if restored is not None:

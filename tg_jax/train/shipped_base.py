@@ -39,12 +39,17 @@ def source(config: Any) -> str:
     return value
 
 
+def resolve(name: str) -> str:
+    """A base's directory: a name under tg_jax/bases, or a path (it has a separator)."""
+    return name if os.sep in name else os.path.join(BASES_DIR, name)
+
+
 def base_dir(config: Any) -> str:
     """The shipped base's directory: `sft.base`, a name under tg_jax/bases or a path."""
     name = str(config.sft.get("base", ""))
     if not name:
         raise ConfigError("sft.source='shipped' needs sft.base (a name under tg_jax/bases)")
-    return name if os.sep in name else os.path.join(BASES_DIR, name)
+    return resolve(name)
 
 
 def sha256(path: str) -> str:
@@ -61,8 +66,7 @@ def read_provenance(directory: str) -> dict[str, Any]:
 
 
 def check(config: Any) -> tuple[str, dict[str, Any]]:
-    """(the shipped base's directory, its provenance), after checking that it exists, that
-    its weights are the recorded ones (sha256) and that its architecture is the config's.
+    """(the shipped base's directory, its provenance), after `check_directory`.
 
     Raises:
       ConfigError: a missing base, weights that are not the recorded ones, or an architecture
@@ -74,13 +78,23 @@ def check(config: Any) -> tuple[str, dict[str, Any]]:
         f"--name={os.path.basename(directory)}`, or train the base in the run with "
         "--config.sft.source=train"
     )
+    return directory, check_directory(config, directory, "sft.source='shipped'", how)
+
+
+def check_directory(config: Any, directory: str, what: str, how: str) -> dict[str, Any]:
+    """The provenance of the base in `directory`, after checking that it exists, that its
+    weights are the recorded ones (sha256) and that its architecture is `config.model`'s.
+
+    Raises:
+      ConfigError: "`what`: <the problem>; `how`" (missing, changed or mismatched).
+    """
     if not os.path.exists(os.path.join(directory, PROVENANCE_FILE)):
-        raise ConfigError(f"sft.source='shipped': no shipped base in {directory}; {how}")
+        raise ConfigError(f"{what}: no shipped base in {directory}; {how}")
     prov = read_provenance(directory)
     got = sha256(os.path.join(directory, WEIGHTS_FILE))
     if got != prov["sha256"]:
         raise ConfigError(
-            f"sft.source='shipped': {directory}/{WEIGHTS_FILE} has sha256 {got}, its "
+            f"{what}: {directory}/{WEIGHTS_FILE} has sha256 {got}, its "
             f"provenance records {prov['sha256']}: the file was changed; restore it or {how}"
         )
     from tg_jax.models import hf_dir  # noqa: PLC0415 (jax: only when a run uses it)
@@ -88,9 +102,27 @@ def check(config: Any) -> tuple[str, dict[str, Any]]:
     try:  # the architecture check of every checkpoint directory (tg_jax.models.hf_dir)
         hf_dir.resolve_model_section(config.model, hf_dir.open_model_dir(directory))
     except hf_dir.ModelDirError as e:
-        msg = f"sft.source='shipped': the base does not fit the config: {e}; {how}"
-        raise ConfigError(msg) from None
-    return directory, prov
+        raise ConfigError(f"{what}: the base does not fit the config: {e}; {how}") from None
+    return prov
+
+
+def sft_init(config: Any) -> tuple[str, dict[str, Any]] | None:
+    """`sft.init` checked: None (SFT starts from a random init of `seed`), else (the
+    directory of the shipped base SFT continues from, its provenance).
+
+    Raises:
+      ConfigError: a missing, changed or mismatched base (`check_directory`), or a BPE
+        tokenizer (trained per workdir: its ids are not the base's).
+    """
+    name = str(config.sft.get("init", "") or "")
+    if not name:
+        return None
+    what = f"sft.init={name!r}"
+    if str(config.sft.get("tokenizer", "byte")) != "byte":
+        raise ConfigError(f"{what} needs sft.tokenizer='byte' (a BPE is trained per workdir)")
+    how = "set sft.init to a name under tg_jax/bases or a shipped base's directory, or ''"
+    directory = resolve(name)
+    return directory, check_directory(config, directory, what, how)
 
 
 def install(config: Any, workdir: str, out: str) -> dict[str, Any]:
