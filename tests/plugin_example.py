@@ -41,7 +41,7 @@ def _boom(turn: str) -> bool:
 
 
 def _slow(turn: str) -> bool:
-    time.sleep(2.0)
+    time.sleep(8.0)  # far past its 0.2 s timeout, even on a loaded machine
     return True
 
 

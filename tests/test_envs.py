@@ -323,6 +323,7 @@ def test_correct_legacy_episode():
         "turns": 2,
         "end_reason": "submit",
         "unjudged": {},  # no plug-in checker failed (tg_jax.envs.plugins)
+        "rejected": [],  # every turn was accepted
     }
 
 
@@ -374,6 +375,23 @@ def test_malformed_turns_until_the_turn_limit():
     assert summ.end_reason == "max_turns" and summ.actions["malformed"] == 3
     with pytest.raises(RuntimeError):
         env.step(LEGACY)
+
+
+def test_a_requirement_met_on_a_rejected_turn_earns_no_reward():
+    """The tool_json hack: a well-formed tool call around no code is judged compliant (the
+    format) but the environment rejects the turn, so it earns no requirement reward."""
+    env = CodingEnv(CodingEnvConfig(max_turns=3))
+    hack = '<tool_call>{"name": "run_tests"}</tool_call>'
+    sub = '<tool_call>{"name": "submit"}</tool_call>'
+    _, (r1, r2, r3) = _episode(env, LIN, [hack, STRICT, sub])
+    assert r1.observation == "error: no code to test"
+    summ = env.summary()
+    assert summ.verdicts["tool_json"] == [True, True, True] and summ.rejected == [0]
+    assert r3.rewards == {"task": 1.0, "fence": 1.0, "tool_json": pytest.approx(2 / 3)}
+    _, rs = _episode(env, LIN, [hack] * 3)  # only the format, never the work
+    assert env.summary().verdicts["tool_json"] == [True] * 3
+    assert env.summary().rejected == [0, 1, 2]
+    assert rs[-1].rewards == {"task": 0.0, "fence": 0.0, "tool_json": 0.0}
 
 
 def test_broken_code_gives_error_observations_not_exceptions():
@@ -429,6 +447,13 @@ def test_episode_summary_rewards_and_hint_messages():
     assert s.requirement_reward("fence") == pytest.approx(2 / 3)
     assert s.requirement_reward("fence", "all") == 0.0
     assert EpisodeSummary({"fence": [None]}, {}).requirement_reward("fence") == 0.0
+    # Turn 3 rejected: met there is not rewarded (1 of 3 judged), its verdict still stands.
+    r = EpisodeSummary({"fence": [True, False, None, True]}, {}, turns=4, rejected=[3])
+    assert r.requirement_reward("fence") == pytest.approx(1 / 3) and r.failed_turns("fence") == [1]
+    assert EpisodeSummary({"fence": [True]}, {}, turns=1, rejected=[0]).requirement_reward(
+        "fence", "all") == 0.0  # fmt: skip
+    with pytest.raises(RuntimeError, match="before any turn"):
+        EpisodeSummary({"fence": []}, {}).reject_turn()
     env = CodingEnv()
     assert env.hint_message(["tool_json", "fence"]) == {
         "role": HINT_ROLE,

@@ -98,7 +98,8 @@ def test_a_checker_that_raises_or_hangs_leaves_the_turn_unjudged(caplog):
     res = env.step("```python\ndef f(x): return x\n```\nCALL run_tests")
     took = time.monotonic() - t0
     assert res.info["verdicts"] == {"fence": True, "raises": None, "slow": None}
-    assert took < 1.5, f"the 0.2 s timeout did not bound the 2 s checker ({took:.2f} s)"
+    # The 8 s checker bounded by its 0.2 s timeout (slack for a loaded machine).
+    assert took < 4.0, f"the 0.2 s timeout did not bound the 8 s checker ({took:.2f} s)"
     env.step("CALL submit")
     summary = env.summary()
     assert summary.unjudged == {"raises": 2, "slow": 2}

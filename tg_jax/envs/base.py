@@ -107,6 +107,9 @@ class EpisodeSummary:
       end_reason: "submit", "max_turns" or "" while running.
       unjudged: requirement name -> turns it could not judge (`Unjudged`; their verdict is
         None).
+      rejected: indices of the turns the environment did not accept (malformed: nothing was
+        executed; `reject_turn`). Their verdicts stand (compliance and the TG gate judge the
+        format), but a requirement met there earns no reward (`requirement_reward`).
     """
 
     verdicts: dict[str, list[bool | None]]
@@ -114,6 +117,14 @@ class EpisodeSummary:
     turns: int = 0
     end_reason: str = ""
     unjudged: dict[str, int] = dataclasses.field(default_factory=dict)
+    rejected: list[int] = dataclasses.field(default_factory=list)
+
+    def reject_turn(self) -> None:
+        """Marks the current turn (the last one counted) as not accepted by the environment."""
+        if self.turns < 1:
+            raise RuntimeError("reject_turn() before any turn was counted")
+        if not self.rejected or self.rejected[-1] != self.turns - 1:
+            self.rejected.append(self.turns - 1)
 
     def failed_turns(self, name: str) -> list[int]:
         """Indices of assistant turns that failed requirement `name` (the TG gate)."""
@@ -123,6 +134,13 @@ class EpisodeSummary:
         self, name: str, mode: str = "fraction", conditional: bool = False
     ) -> float:
         """Requirement reward of the episode.
+
+        A turn meets the requirement for the reward only when its verdict is True and the
+        environment accepted it (not in `rejected`): a well-formed tool call around no code, or
+        a fence around a broken action, is not rewarded. Otherwise the requirement's reward is
+        worth more than the task to a policy that fails most tasks, and GRPO learns to write
+        the format without the work (configs/joint.py: 2 of 3 GRPO seeds collapsed to task
+        success 0 with tool_json "compliance" 1.0).
 
         Args:
           name: requirement name.
@@ -135,7 +153,10 @@ class EpisodeSummary:
         Returns:
           The reward in [0, 1].
         """
-        judged = [v for v in self.verdicts[name] if v is not None]
+        rejected = set(self.rejected)
+        judged = [
+            v and k not in rejected for k, v in enumerate(self.verdicts[name]) if v is not None
+        ]
         if not judged:
             return 1.0 if conditional else 0.0
         if mode == "fraction":

@@ -327,6 +327,7 @@ class CodingEnv(Environment):
         if parsed.error is not None or obs is not None:
             # Nothing was executed: the turn is malformed.
             summ.actions["malformed"] += 1
+            summ.reject_turn()
             info["error"] = obs
         elif parsed.tool == "run_tests":
             self._last_code = parsed.code

@@ -250,6 +250,7 @@ class SweEnv(Environment):
         task_reward, done = 0.0, False
         if call.error is not None:
             summ.actions["malformed"] += 1
+            summ.reject_turn()
             obs = call.error
         else:
             summ.actions[call.name] += 1
