@@ -4,13 +4,24 @@ Same data as configs/default.py and twice its RL steps (below); RL judges and TG
 fence requirement (code in a ```python block) instead of the tool-call protocol:
     python -m tg_jax.main --config=configs/fence.py --workdir=./workdir_fence
 
-The base model is configs/default.py's SFT recipe plus forced fences (below), so it is its own
-(the pipeline trains it, ~5 min on 2 CPU cores). Measured results: docs/experiments.md.
+The base model is shipped (tg_jax/bases/fence, provenance.json beside it): configs/default.py's
+shipped base continued by SFT with forced fences (sft.init "default", below; ~6 min on 2 CPU
+cores), written once by
+    python -m tg_jax.ship_base --config=configs/fence.py --workdir=W --name=fence
+and the same file on every machine (--config.sft.source=train trains it in the run instead).
+Measured results: docs/experiments.md.
 
 `configs/fence.py:runlocal` takes configs/tiny.py's model, task, SFT, loop and evaluation
 sections (single-turn episodes): a CPU smoke run of the config in about a minute (the tests).
 
 Why these choices:
+  * The base continues configs/default.py's shipped base (sft.init), not a random init: 1500
+    steps at the default's SFT lr, dev selection from step 500 (sft.select.start), the
+    default's gates. SFT of this byte model from scratch is chaotic: on an AMD EPYC (family 25)
+    three from-scratch fence bases solved 0.180 / 0.195 / 0.039 of held-out tasks, all under
+    the 0.2 gate; the continued one solved 0.31 with hinted fence compliance 0.97 and no
+    format cost (its provenance.json). At lr 1e-3 it kept the default base's hint-following
+    (hinted fence compliance 0.92 / 0.93 after 1000-1500 steps, under the 0.95 gate).
   * Forced fences in SFT (sft.transcripts.p_forced 0.3, forced_requirements ("fence",)): 30%
     of the unhinted transcripts write their code fenced, the first backtick left out of the
     SFT loss. Without them the base model had seen fenced code only after a fence hint: made
@@ -64,7 +75,13 @@ def get_config(arg=None):
     # The base model continues a fence it did not open as well as plain code (docstring).
     c.sft.transcripts.p_forced = 0.3
     c.sft.transcripts.forced_requirements = ("fence",)
-    c.sft.source = "train"  # its own SFT (forced fences): no shipped base yet
+    # The shipped base (tg_jax/bases/fence) and the recipe that made it: the default's shipped
+    # base continued with forced fences (docstring).
+    c.sft.source = "shipped"
+    c.sft.base = "fence"
+    c.sft.init = "default"
+    c.sft.steps = 1500
+    c.sft.select.start = 500
     # GRPO (both arms): task reward plus the fence reward.
     c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5})
     # Targeted guidance: configs/default.py's forward KL at lambda_tg 0.05, token_sum (the

@@ -7,10 +7,12 @@ the base model learnt to follow in SFT, where half the transcripts are hinted fo
 both). Compliance is reported per requirement and joint (both met):
     python -m tg_jax.main --config=configs/joint.py --workdir=./workdir_joint
 
-The base model is configs/fence.py's with both requirements forced in SFT
+The base model is configs/fence.py's recipe with both requirements forced in SFT
 (sft.transcripts.forced_requirements: each unhinted forced transcript fences its code and
 calls its tools in JSON, the token where each format starts left out of the SFT loss; the
-reason is in configs/fence.py). Measured results: docs/experiments.md.
+reason is in configs/fence.py), shipped as tg_jax/bases/joint:
+    python -m tg_jax.ship_base --config=configs/joint.py --workdir=W --name=joint
+Measured results: docs/experiments.md.
 
 `configs/joint.py:runlocal`: configs/fence.py:runlocal's tiny sections, a CPU smoke run.
 """
@@ -30,5 +32,7 @@ def get_config(arg=None):
     c.unlock()
     c.env.requirements = ("fence", "tool_json")
     c.sft.transcripts.forced_requirements = ("fence", "tool_json")  # each requirement TG teaches
+    if arg != "runlocal":  # the smoke run trains its tiny base
+        c.sft.base = "joint"  # shipped, made by the command above
     c.rl.reward_weights = ml_collections.ConfigDict({"task": 1.0, "fence": 0.5, "tool_json": 0.5})
     return c

@@ -23,11 +23,16 @@ def _default():
     return config_files.load_config_file(os.path.join(REPO, "configs", "default.py"))
 
 
-def test_the_default_s_shipped_base_is_the_recorded_file_and_architecture():
-    config = _default()
+def _config(name):
+    return config_files.load_config_file(os.path.join(REPO, "configs", f"{name}.py"))
+
+
+@pytest.mark.parametrize("name", ["default", "fence", "joint"])
+def test_each_embedded_config_s_shipped_base_is_the_recorded_file_and_architecture(name):
+    config = _config(name)
     assert shipped_base.source(config) == "shipped"
     directory, prov = shipped_base.check(config)
-    assert directory == os.path.join(shipped_base.BASES_DIR, "default")
+    assert directory == os.path.join(shipped_base.BASES_DIR, name)
     assert shipped_base.sha256(os.path.join(directory, "model.safetensors")) == prov["sha256"]
     assert prov["commit"] and prov["machine"]["cpu_model"] and prov["command"]
     assert not sft_gates.check_base_model(config, prov["sft_eval"])  # it passed its gates
@@ -37,6 +42,10 @@ def test_the_default_s_shipped_base_is_the_recorded_file_and_architecture():
     assert md.architecture.num_layers == want.num_layers == 2
     n = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(params))
     assert n == want.num_params() == prov["sft_eval"]["num_params"]
+    assert prov["sft_eval"]["requirements"] == list(config.env.requirements)
+    if config.sft.init:  # continued from another shipped base: the one its config names
+        init_prov = shipped_base.read_provenance(shipped_base.resolve(config.sft.init))
+        assert prov["init"] == {"base": config.sft.init, "sha256": init_prov["sha256"]}
 
 
 def test_a_changed_or_mismatched_base_is_refused(tmp_path):
