@@ -213,7 +213,13 @@ def counted(*a, **k):
     calls[0] += len(episodes)
     return episodes
 agent_loop.play_episodes = counted
+shapes, init = set(), agent_loop.EngineRunner.__init__
+def recorded(self, *a, **k):
+    init(self, *a, **k)
+    shapes.add((self.slots, self.page_size))
+agent_loop.EngineRunner.__init__ = recorded
 atexit.register(lambda: print(f"agent loop episodes: {calls[0]}"))
+atexit.register(lambda: print(f"engine slots, page size: {sorted(shapes)}"))
 sys.argv = ["tg_jax.main", *sys.argv[1:]]
 runpy.run_module("tg_jax.main", run_name="__main__")
 """
@@ -222,12 +228,15 @@ runpy.run_module("tg_jax.main", run_name="__main__")
 @pytest.mark.slow
 def test_main_job_rl_stage_with_the_builtin_engine(tmp_path):
     """The tiny main job (SFT, then 2 RL steps of the tg arm, held-out evaluations) with
-    rl_loop.rollout_engine=builtin: every rollout is played by the engine's agent loops."""
+    rl_loop.rollout_engine=builtin: every rollout is played by the engine's agent loops, on
+    the engine's slots and page size from the command line (fewer slots than episodes: the
+    engine admits the rest as slots free)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-c", MAIN, "--config=configs/tiny.py",
            f"--workdir={tmp_path / 'w'}", "--config.stage=pipeline",
            "--config.pipeline.arms=('tg',)", "--config.rl_loop.rollout_engine=builtin",
-           "--config.rl_loop.steps=2"]  # fmt: skip
+           "--config.rl_loop.steps=2", "--config.rl_loop.engine_slots=3",
+           "--config.rl_loop.engine_page_size=8"]  # fmt: skip
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -238,4 +247,5 @@ def test_main_job_rl_stage_with_the_builtin_engine(tmp_path):
     # 2 steps x 2 groups x 2 rollouts, 2 periodic evaluations of 4 tasks, the final 16 + 16.
     played = int(proc.stdout.rsplit("agent loop episodes: ", 1)[1].split()[0])
     assert played >= 8 + 8, proc.stdout[-2000:]
+    assert "engine slots, page size: [(3, 8)]" in proc.stdout, proc.stdout[-2000:]
     print(f"main job with the builtin engine: {time.time() - start:.1f}s, {played} episodes")

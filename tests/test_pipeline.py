@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from tg_jax import checkpointing, config_files
-from tg_jax.evaluation import protocol
+from tg_jax.evaluation import heldout_reads, protocol
 from tg_jax.train import pipeline, rl, sft, sft_eval, sft_gates
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -196,6 +196,26 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     for p, t in stamps.items():
         assert os.path.getmtime(os.path.join(workdir, p)) == t, p
     assert again["arms"]["tg"]["heldout"] == res["arms"]["tg"]["heldout"]
+
+    # The held-out tasks were read once per run, by its final evaluation; the base model was
+    # evaluated on dev tasks (and the periodic evaluation reads dev tasks too).
+    assert base["tasks"] == {"split": "dev", "seed": 8}
+    reads = heldout_reads.reads(workdir)
+    assert [(r["purpose"], r["run"], r["asked"]) for r in reads] == [
+        ("final evaluation", "grpo_seed0", False),
+        ("final evaluation", "tg_seed0", False),
+    ]
+    assert "the final evaluation of 2 run(s), once each; nothing else read" in md
+    # A deleted heldout.jsonl is not evaluated again unasked: a second look is an error.
+    os.remove(os.path.join(workdir, "runs", "tg_seed0", "heldout.jsonl"))
+    with pytest.raises(heldout_reads.HeldoutReadError, match="run tg_seed0 was already evaluated"):
+        pipeline.run_pipeline(config, workdir)
+    asked = config_files.apply_overrides(config, {"eval.reread_heldout": True})
+    res = pipeline.run_pipeline(asked, workdir)
+    assert [r["asked"] for r in heldout_reads.reads(workdir)] == [False, False, True]
+    assert res["context"]["heldout_reads"]["extra"][0]["run"] == "tg_seed0"
+    with open(os.path.join(workdir, "report", "report.md")) as f:
+        assert "**1 more read(s)**: final evaluation of tg_seed0 on" in f.read()
 
 
 def test_changed_protocol_is_refused(tmp_path):

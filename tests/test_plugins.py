@@ -173,13 +173,23 @@ def test_a_bad_plugin_on_the_command_line_is_one_error_line(tmp_path):
 @pytest.mark.slow
 def test_the_tiny_main_job_with_a_plugin_requirement_and_environment(tmp_path):
     """The user's command on the tiny main job: a plug-in requirement beside the fence in the
-    coding environment, then a plug-in environment; each plug-in's compliance is in the
-    report and the held-out figures."""
+    coding environment, its held-out tasks from the user's file with its own field names,
+    then a plug-in environment; each plug-in's compliance is in the report and the held-out
+    figures."""
     work = tmp_path / "coding"
+    mine = tmp_path / "mine.jsonl"
+    with mine.open("w") as f:
+        for i, t in enumerate(generate_tasks("heldout", 16, seed=5)):
+            rec = {("uid" if k == "task_id" else k): v for k, v in t.to_record().items()}
+            f.write(json.dumps({**rec, "uid": f"mine-{i}"}) + "\n")
     reqs = "--config.env.requirements=('fence', 'tests.plugin_example:no_shouting')"
     proc = _main(f"--workdir={work}", "--config.stage=pipeline",
-                 "--config.pipeline.arms=('tg',)", reqs)  # fmt: skip
+                 "--config.pipeline.arms=('tg',)", reqs, f"--config.tasks.heldout_source={mine}",
+                 "--config.tasks.fields=('task_id=uid',)")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluated = [json.loads(line)["task_id"]
+                 for line in (work / "runs" / "tg_seed0" / "heldout.jsonl").open()]  # fmt: skip
+    assert evaluated and all(t.startswith("mine-") for t in evaluated), evaluated[:4]
     table = _requirement_table(work)
     assert table[0] == ["arm", "fence", "no_shouting"] and table[2][0] == "tg", table
     results = json.loads((work / "report" / "results.json").read_text())

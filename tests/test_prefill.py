@@ -155,7 +155,7 @@ def test_summary_numbers():
     assert 0.0 <= lo <= 0.5 <= hi <= 1.0
 
 
-def test_users_command_on_a_saved_model(tmp_path):
+def test_users_command_on_a_saved_model(tmp_path, capsys):
     from tg_jax.data import task_data
     from tg_jax.models import ModelConfig, Transformer, hf_dir, init_params
     from tg_jax.text import write_byte_tokenizer
@@ -188,3 +188,19 @@ def test_users_command_on_a_saved_model(tmp_path):
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["after_thinking"] is True and result["prefilled"]["episodes"] == 3
+    # Both ran on dev tasks; the held-out tasks are the final evaluation's: refused, and read
+    # only when asked, the read recorded in the workdir's ledger.
+    from tg_jax.evaluation import heldout_reads
+
+    assert heldout_reads.reads(str(work)) == []
+    held = ["--config", os.path.join(ROOT, "configs", "fence.py:runlocal"), "--workdir",
+            str(work), "--model_dir", str(model_dir), "--prefill", "```python\\n",
+            "--num_tasks", "3", "--samples", "1", "--split", "heldout"]  # fmt: skip
+    assert prefill.main(held) == 2
+    assert "only the final evaluation reads" in capsys.readouterr().err
+    assert heldout_reads.reads(str(work)) == []
+    assert prefill.main([*held, "--reread_heldout"]) == 0
+    (read,) = heldout_reads.reads(str(work))
+    assert read["purpose"] == "tg_jax.evaluation.prefill" and read["asked"] and read["tasks"] == 3
+    assert "1 more read(s)**: tg_jax.evaluation.prefill on" in heldout_reads.describe(
+        heldout_reads.summary(str(work)))  # fmt: skip

@@ -205,3 +205,27 @@ def test_a_bad_sft_init_is_one_error_line(tmp_path):
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(want), line
     assert not (tmp_path / "w").exists() or not os.listdir(tmp_path / "w")
+
+
+def test_remeasure_records_dev_figures_and_keeps_the_earlier_ones(tmp_path):
+    """`python -m tg_jax.ship_base --remeasure`: the base's figures measured again on its dev
+    tasks (sft.eval) become the recorded ones; the weights and the earlier figures stay."""
+    from tg_jax import ship_base
+
+    copy = tmp_path / "base"
+    shutil.copytree(os.path.join(shipped_base.BASES_DIR, "default"), copy)
+    before = shipped_base.read_provenance(str(copy))
+    config = config_files.apply_overrides(
+        _default(), {"sft.eval.num_tasks": 4, "sft.eval.max_new_tokens": 16,
+                     "sft.eval.temperatures": (1.0,)},
+    )  # fmt: skip
+    got = ship_base.remeasure(config, str(copy), "this test")
+    after = shipped_base.read_provenance(str(copy))
+    assert after["sft_eval"] == json.loads(json.dumps(got))
+    assert got["tasks"] == {"split": "dev", "seed": 8} and got["num_tasks"] == 4
+    assert got["selected_step"] == before["sft_eval"]["selected_step"]  # how it was made
+    (old,) = after["sft_eval_history"]
+    assert old["sft_eval"] == before["sft_eval"] and old["by"] == "this test"
+    assert (
+        after["sha256"] == before["sha256"] == shipped_base.sha256(str(copy / "model.safetensors"))
+    )

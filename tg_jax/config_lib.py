@@ -250,7 +250,10 @@ def sft_require_config(**overrides: Any) -> ml_collections.ConfigDict:
 def sft_eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     """Base-model evaluation on held-out tasks (pass rate, unprompted/hinted compliance)."""
     c = ml_collections.ConfigDict()
-    c.num_tasks = 128  # held-out tasks per evaluation mode
+    # Dev tasks per evaluation mode (task_data.dev_tasks, never the held-out ones: the gates
+    # are checked before any run, and only the final evaluation reads held-out tasks).
+    c.num_tasks = 128
+    c.task_seed = 8  # their generation seed (sft.select's dev tasks use sft.select.seed)
     c.seed = 0  # sampling seed
     c.temperatures = (1.0, 0.0)  # 1.0 = the RL sampling temperature, 0.0 = greedy
     c.max_new_tokens = 128  # decode budget per assistant turn
@@ -283,8 +286,11 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.engine_slots = 0  # "builtin": episodes decoded at once (0 = every episode of a call)
     c.engine_page_size = 16  # "builtin": tokens per KV page
     c.data_seed = 0  # task order of the train split (the run seed is folded in)
-    c.eval_every = 25  # periodic held-out evaluation interval in steps (0 = off; last step too)
-    c.eval_tasks = 32  # held-out tasks of the periodic evaluation (plain prompts, 1 sample)
+    c.eval_every = 25  # periodic evaluation interval in steps (0 = off; last step too)
+    # Dev tasks of the periodic evaluation (plain prompts, 1 sample): never the held-out ones,
+    # which only the final evaluation reads (tg_jax.evaluation.heldout_reads).
+    c.eval_tasks = 32
+    c.eval_task_seed = 9  # their generation seed (task_data.dev_tasks)
     c.checkpoint_every = 25  # checkpoint interval in steps (the last step is always saved)
     c.keep_checkpoints = 2  # checkpoints kept (keep-N)
     # Also export the policy as a Hugging Face checkpoint directory every N steps, to
@@ -330,6 +336,9 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.sampling_seed = 1234  # sampling key of the evaluation (same for every arm and seed)
     c.env_workers = 2  # threads running one turn's tool calls at once (rl_loop.env_workers)
     c.train_seeds = (0, 1, 2)  # training seeds per arm (the seed spread is reported apart)
+    # Each run's final evaluation reads the held-out tasks once (W/heldout_reads.json); True
+    # evaluates a run again whose heldout.jsonl was deleted (recorded, listed in the report).
+    c.reread_heldout = False
     # How the report compares the arms: baseline, candidate, margin, ni_interval, floor,
     # level, n_boot, bootstrap_seed, last_k (declared in tg_jax.evaluation.report).
     c.update(ReportSettings.config_dict())

@@ -22,6 +22,7 @@ from typing import Any
 
 from absl import app, flags
 
+from tg_jax import config_files
 from tg_jax import main as main_lib  # --config and --workdir, parsed as the main job's
 from tg_jax.data import task_data
 from tg_jax.evaluation import protocol
@@ -34,6 +35,12 @@ _FROM_WORKDIR = flags.DEFINE_bool(
     "from_workdir", False, "Ship the base of the finished main job in --workdir (no training)."
 )
 _MADE_BY = flags.DEFINE_string("made_by", "", "With --from_workdir: the command that ran it.")
+_REMEASURE = flags.DEFINE_bool(
+    "remeasure",
+    False,
+    "Measure the shipped base NAME again with the config's sft.eval (its "
+    "dev tasks) and record the figures in its provenance (the weights are unchanged).",
+)
 flags.mark_flag_as_required("name")
 
 
@@ -114,6 +121,38 @@ def ship_from_workdir(workdir: str, name: str, command: str) -> str:
     return out
 
 
+def remeasure(config: Any, name: str, command: str) -> dict[str, Any]:
+    """Measures shipped base `name` again (`sft_eval.measure`: the config's sft.eval on its dev
+    tasks) and makes those its recorded figures; the earlier ones move to the provenance's
+    `sft_eval_history` with the command and date. Returns the new figures."""
+    import datetime  # noqa: PLC0415
+
+    from tg_jax.train import sft_eval  # noqa: PLC0415
+
+    directory = shipped_base.resolve(name)
+    cfg = config_files.apply_overrides(config, {"sft.source": "shipped", "sft.base": directory})
+    directory, prov = shipped_base.check(cfg)  # the recorded weights, the config's architecture
+    md = hf_dir.open_model_dir(directory)
+    model_cfg = ModelConfig.from_config(cfg.model)
+    result = sft_eval.measure(cfg, model_cfg, md.load_params(model_cfg), md.renderer)
+    for key in ("selected_step", "sft_steps", "sft_wall_s"):  # how it was made: unchanged
+        if key in prov["sft_eval"]:
+            result[key] = prov["sft_eval"][key]
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    prov["sft_eval_history"] = [
+        *prov.get("sft_eval_history", []),
+        {"sft_eval": prov["sft_eval"], "replaced": when, "by": command, "commit": _commit(),
+         "machine": protocol.machine_info()},
+    ]  # fmt: skip
+    prov["sft_eval"] = result
+    with open(os.path.join(directory, shipped_base.PROVENANCE_FILE), "w", encoding="utf-8") as f:
+        json.dump(prov, f, indent=1, sort_keys=True)
+        f.write("\n")
+    headline = {k: round(v, 3) for k, v in result.items() if isinstance(v, float) and "_s" not in k}
+    print(f"shipped base {name}: re-measured on {result['tasks']}: {headline}")
+    return result
+
+
 def main(argv: list[str]) -> None:
     del argv
     from tg_jax.tpu import distributed  # noqa: PLC0415
@@ -129,6 +168,9 @@ def main(argv: list[str]) -> None:
         return
     distributed.initialize_from_env()  # the CPU thread pool tg_jax.main runs SFT with
     command = "python -m tg_jax.ship_base " + " ".join(sys.argv[1:])
+    if _REMEASURE.value:
+        remeasure(main_lib._CONFIG.value, name, command)
+        return
     try:
         write(main_lib._CONFIG.value, workdir, name, command)
     except BaseModelGateError as e:  # a measured outcome: no base is written

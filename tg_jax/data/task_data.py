@@ -211,6 +211,37 @@ def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
     return sources
 
 
+def dev_tasks(config: Any, n: int, seed: int) -> list[Any]:
+    """`n` tasks of the dev split, generated (never stored): functions, templates or words that
+    neither training nor the held-out evaluation uses. Every check made before the final
+    evaluation reads these (the base-model gates, the periodic RL evaluation), so the held-out
+    split is opened by the final evaluation only (`tg_jax.evaluation.heldout_reads`).
+
+    Coding tasks come from `tg_jax.envs.tasks` (with a task file too: the file's own
+    distribution has no dev split), SWE tasks from its generator, a plug-in environment's from
+    its class's `generate_tasks("dev", n, seed)`.
+
+    Raises:
+      ConfigError: a plug-in environment whose class generates no tasks.
+    """
+    kind = env_kind(config.env)
+    if kind == "swe":
+        from tg_jax.envs.swe.generator import generate_swe_tasks  # noqa: PLC0415
+
+        return list(generate_swe_tasks("dev", n, seed))
+    if is_plugin(kind):
+        cls = environment_class(kind)
+        if not callable(getattr(cls, "generate_tasks", None)):
+            raise ConfigError(
+                f"env.kind {kind!r}: no dev tasks (the checks before the final evaluation read "
+                f"them): {cls.__name__} has no generate_tasks(split, num, seed) classmethod"
+            )
+        records = list(cls.generate_tasks("dev", n, seed))[:n]
+        return [decode_task({**r, "kind": PLUGIN_TASK_KIND, "split": "dev"}) for r in records]
+    families = task_settings(config).families
+    return generate_tasks("dev", n, seed=seed, families=families)
+
+
 def load_tasks(sources: dict[str, Any], split: str, limit: int | None = None) -> list[Any]:
     """The first `limit` (default: all) tasks of a split, in generation order."""
     source = sources[split]

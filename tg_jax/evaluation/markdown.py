@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tg_jax.evaluation import stats
+from tg_jax.evaluation import heldout_reads, stats
 from tg_jax.evaluation.md_budget import budget_section
 from tg_jax.evaluation.md_cells import big, ci, minutes, num, pm, table
 from tg_jax.evaluation.plots import (
@@ -171,6 +171,9 @@ def _context_section(res: dict[str, Any]) -> list[str]:
     if base:
         figures = ", ".join(f"{k} {num(v)}" for k, v in base.items())
         where = "recorded when it was made" if shipped else "SFT, sft_eval.json"
+        tasks = ctx.get("base_tasks") or {}  # older sft_eval.json files: held-out tasks
+        where += (f", dev tasks of seed {tasks.get('seed')}" if tasks.get("split") == "dev"
+                  else ", held-out tasks")  # fmt: skip
         lines.append(f"* Base model ({where}): {figures}.")
     remeasured = ctx.get("base_remeasured")
     if remeasured:
@@ -184,6 +187,8 @@ def _context_section(res: dict[str, Any]) -> list[str]:
             else "every difference within the sampling interval"  # fmt: skip
         lines.append(f"* Base model (re-measured on this machine, sft_eval.json): {figures}; "
                      f"{verdict}.")  # fmt: skip
+    if ctx.get("heldout_reads"):
+        lines.append(f"* {heldout_reads.describe(ctx['heldout_reads'])}")
     for a in ctx.get("sft_attempts") or []:
         lines.append(
             f"* SFT attempt {a['attempt']} (seed {a['seed']}, data_seed {a['data_seed']}, "

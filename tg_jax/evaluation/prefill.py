@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from tg_jax import paths
+from tg_jax.evaluation import heldout_reads
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.rows import stop_lists
 from tg_jax.sampling.sampler import SampleResult
@@ -220,11 +221,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "place)")  # fmt: skip
     parser.add_argument("--num_tasks", type=int, default=0, help="0 = config.eval.num_tasks")
     parser.add_argument("--samples", type=int, default=0, help="0 = config.eval.samples_per_task")
+    heldout_reads.add_split_flags(parser)
     parser.add_argument("--out", default="", help="write the summaries as JSON here")
     args = parser.parse_args(argv)
 
     from tg_jax import config_files  # noqa: PLC0415
-    from tg_jax.data import task_data  # noqa: PLC0415
     from tg_jax.models import ModelConfig, hf_dir  # noqa: PLC0415
 
     prefill = codecs.decode(args.prefill, "unicode_escape")
@@ -233,13 +234,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = hf_dir.open_model_dir(args.model_dir)
     config = hf_dir.resolve_config(config, md)
     params = md.load_params(ModelConfig.from_config(config.model))
-    sources = task_data.prepare_tasks(config, args.workdir)
-    tasks = task_data.load_tasks(sources, "heldout", args.num_tasks or config.eval.num_tasks)
+    try:
+        tasks = heldout_reads.analysis_tasks(
+            config,
+            args.workdir,
+            args,
+            args.num_tasks or config.eval.num_tasks,
+            "tg_jax.evaluation.prefill",
+        )
+    except heldout_reads.HeldoutReadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     result = evaluate_prefill(config, params, tasks, md.renderer, prefill,
                               samples_per_task=args.samples or None,
                               after_thinking=args.after_thinking)  # fmt: skip
     where = "after the first thinking block" if args.after_thinking else "at the first answer"
-    print(f"prefill {prefill!r} {where}, {len(tasks)} held-out tasks, model {args.model_dir}")
+    print(f"prefill {prefill!r} {where}, {len(tasks)} {args.split} tasks, model {args.model_dir}")
     for name, s in result.items():
         comp = " ".join(f"{n} {v:.2f}" for n, v in s["compliance"].items())
         lo, hi = s["task_success_ci"]

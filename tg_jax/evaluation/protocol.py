@@ -28,6 +28,9 @@ PREREGISTRATION_FILE = "preregistration.json"
 # The fields compared between the file and the config (besides the arms' configs).
 EVAL_FIELDS = ("margin", "floor", "ni_interval", "baseline", "candidate", "level", "hypothesis",
                "earlier")  # fmt: skip
+# Fields of the arms' configs that are no part of the protocol: asking to read the held-out
+# tasks again (the read is recorded and the report lists it) changes no setting of a run.
+NOT_REGISTERED = (("eval", "reread_heldout"),)
 
 
 class PreregistrationMismatch(ConfigError):
@@ -42,6 +45,8 @@ def preregistration(config: Any, arms_configs: Mapping[str, Any]) -> dict[str, A
     record = {k: ev.get(k) for k in EVAL_FIELDS}
     record["arms"] = {arm: _plain(cfg.to_dict()) for arm, cfg in arms_configs.items()}
     for arm in record["arms"].values():
+        for section, field in NOT_REGISTERED:
+            (arm.get(section) or {}).pop(field, None)
         model = arm.get("model") or {}
         if model.get("hf_checkpoint"):
             from tg_jax.models import hf_dir  # noqa: PLC0415

@@ -25,6 +25,7 @@ import numpy as np
 
 from tg_jax import paths
 from tg_jax.envs.protocol import parse_turn
+from tg_jax.evaluation import heldout_reads
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ChatRenderer
 
@@ -96,23 +97,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="checkpoint directory to profile (repeat for several)")  # fmt: skip
     parser.add_argument("--num_tasks", type=int, default=0, help="0 = config.eval.num_tasks")
     parser.add_argument("--samples", type=int, default=0, help="0 = config.eval.samples_per_task")
+    heldout_reads.add_split_flags(parser)
     parser.add_argument("--out", default="", help="write the profiles as JSON here")
     args = parser.parse_args(argv)
 
     from tg_jax import config_files  # noqa: PLC0415
-    from tg_jax.data import task_data  # noqa: PLC0415
     from tg_jax.evaluation import heldout  # noqa: PLC0415
     from tg_jax.models import ModelConfig, hf_dir  # noqa: PLC0415
 
     path, _, arg = args.config.partition(":")
     base = config_files.load_config_file(path, arg or None)
     result: dict[str, Any] = {}
+    try:  # the same tasks for every model, read once
+        n = args.num_tasks or base.eval.num_tasks
+        tasks = heldout_reads.analysis_tasks(base, args.workdir, args, n, "tg_jax.evaluation.turns")
+    except heldout_reads.HeldoutReadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for model_dir in args.model_dir:
         md = hf_dir.open_model_dir(model_dir)
         config = hf_dir.resolve_config(base, md)
         params = md.load_params(ModelConfig.from_config(config.model))
-        sources = task_data.prepare_tasks(config, args.workdir)
-        tasks = task_data.load_tasks(sources, "heldout", args.num_tasks or config.eval.num_tasks)
         records, trajs = heldout.heldout_episodes(
             config, params, tasks, conditions=("plain",), samples_per_task=args.samples or None,
             sampler=heldout.make_sampler(config, md.renderer), renderer=md.renderer,
@@ -120,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = turn_profile(trajs, md.renderer)
         success = float(np.mean([r.task_success for r in records])) if records else 0.0
         result[model_dir] = {"episodes": len(records), "task_success": success, "turns": rows}
-        print(f"{model_dir}: {len(records)} held-out episodes, task success {success:.3f}")
+        print(f"{model_dir}: {len(records)} {args.split} episodes, task success {success:.3f}")
         print(format_profile(rows))
     if args.out:  # a local path or gs://
         paths.write_json_atomic(args.out, result, indent=2)

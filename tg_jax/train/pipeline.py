@@ -47,7 +47,7 @@ from typing import Any
 
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
-from tg_jax.evaluation import heldout, protocol, registry, stability
+from tg_jax.evaluation import heldout, heldout_reads, protocol, registry, stability
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
@@ -243,9 +243,7 @@ def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = No
             f"sft: {sft_eval.EVAL_FILE} in {workdir} has no figures for requirement(s) "
             f"{missing} of env.requirements: evaluating the base model again"
         )
-    sources = sources if sources is not None else task_data.prepare_tasks(config, workdir)
-    tasks = task_data.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
-    result = sft.write_sft_eval(config, workdir, state.params, tasks)
+    result = sft.write_sft_eval(config, workdir, state.params)
     headline = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
     print("sft_eval:", json.dumps(headline, indent=1))
     return state.params
@@ -353,9 +351,8 @@ def remeasure_shipped_base(
     if multihost.agreed(path.exists()):
         result = _read_json(str(path))
     else:
-        tasks = task_data.load_tasks(sources, "heldout", config.sft.eval.num_tasks)
         model_cfg = ModelConfig.from_config(config.model)
-        result = sft_eval.measure(config, model_cfg, params, md.renderer, tasks)
+        result = sft_eval.measure(config, model_cfg, params, md.renderer)
         result["shipped"] = recorded.get("shipped")
         result["comparison"] = shipped_base.compare(recorded, result)
         if multihost.is_primary():
@@ -419,9 +416,8 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
             if checkpointing.preemption_requested() or not result.finished:
                 raise _preempted(f"RL run {arm} seed {int(seed)}", run_dir)
             _export(cfg, workdir, run_name, result.state.params, md)
-            records = heldout.evaluate_run(
-                cfg, run_dir, result.state.params, eval_tasks, renderer=md.renderer
-            )
+            records = _final_evaluation(cfg, workdir, run_name, run_dir, result.state.params,
+                                        eval_tasks, md)  # fmt: skip
             runs.append(
                 report.load_run_result(
                     run_dir,
@@ -431,6 +427,23 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
                 )  # fmt: skip
             )
     return runs
+
+
+def _final_evaluation(cfg, workdir, run_name, run_dir, params, eval_tasks, md) -> list[Any]:
+    """The run's final evaluation on the held-out tasks (`heldout.evaluate_run`), the one read
+    of them per run: checked against and recorded in the workdir's ledger
+    (`heldout_reads`) when it runs; a cached heldout.jsonl is read back, no read."""
+    cached = multihost.agreed((paths.as_path(run_dir) / heldout.HELDOUT_FILE).exists())
+    again = bool(cfg.eval.get("reread_heldout", False))
+    second = not cached and heldout_reads.check_read(
+        workdir, heldout_reads.FINAL, run_name, again=again
+    )
+    records = heldout.evaluate_run(cfg, run_dir, params, eval_tasks, renderer=md.renderer)
+    if not cached:
+        heldout_reads.record_read(
+            workdir, heldout_reads.FINAL, run_name, tasks=len(eval_tasks), asked=second
+        )
+    return records
 
 
 def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
@@ -474,6 +487,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "machine": protocol.machine_info(),
         "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),
         "base_model": _base_figures(base_result),
+        "base_tasks": base_result.get("tasks"),
         "shipped_base": base_result.get("shipped"),
         "base_remeasured": remeasured,
         "sft_attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "workdir",
@@ -483,6 +497,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
                              for c in arms_cfgs.values()}) <= 1,
         "tuning": tuned,
         "registry": _registry_context(config, prereg.get("registry_id")),
+        "heldout_reads": heldout_reads.summary(workdir),
     }  # fmt: skip
     if not multihost.is_primary():  # process 0 writes the report; the others are done
         return {}

@@ -60,7 +60,7 @@ import numpy as np
 
 from tg_jax import checkpointing, faults, multihost, paths, sharding
 from tg_jax import engine as engine_api
-from tg_jax.data.pipeline import TaskIterator, to_record
+from tg_jax.data.pipeline import TaskIterator
 from tg_jax.envs import Requirement, decode_task, env_factory, make_env
 from tg_jax.envs.hints import noisy_judge
 from tg_jax.errors import RunError
@@ -217,16 +217,16 @@ def _tasks(
     eval_tasks: Sequence[Any] | None,
     data_state: dict[str, Any] | None,
 ) -> tuple[TaskIterator, Sequence[Any] | None]:
-    """(train task iterator at its restored position, held-out evaluation tasks)."""
+    """(train task iterator at its restored position, periodic evaluation tasks: the dev
+    split's unless given; the held-out split is the final evaluation's alone)."""
+    from tg_jax.data import task_data
+
     lc = config.rl_loop
     if sources is None:
-        from tg_jax.data import task_data
-
         sources = task_data.prepare_tasks(config, workdir)
     if eval_tasks is None and int(lc.eval_every) > 0:
-        held = sources["heldout"]
-        n = min(int(lc.eval_tasks), len(held))
-        eval_tasks = [decode_task(to_record(held[i])) for i in range(n)]
+        seed = int(lc.get("eval_task_seed", 9))
+        eval_tasks = task_data.dev_tasks(config, int(lc.eval_tasks), seed=seed)
     multihost.process_slice(int(lc.groups_per_step))  # fails early unless it splits evenly
     # Every process iterates the same batches (one process's settings, so checkpoints of
     # either kind resume the other); each rolls out its own share of a batch's groups.
@@ -369,8 +369,8 @@ def run_rl(
       seed: training seed (state RNG, sampling keys, feedback picks, task order).
       sources: {"train": ..., "heldout": ...} task sources (`task_data.prepare_tasks`);
         default: prepared in `workdir`.
-      eval_tasks: tasks of the periodic held-out evaluation; default: the first
-        `rl_loop.eval_tasks` of sources["heldout"].
+      eval_tasks: tasks of the periodic evaluation; default: `rl_loop.eval_tasks` dev tasks
+        (`task_data.dev_tasks`, seed `rl_loop.eval_task_seed`), never held-out ones.
       renderer: chat renderer (default: the byte tokenizer's).
       stop_after: stop with a checkpoint once this many steps are done (tests; as if preempted).
       exporter: `exporter(params, out_dir)` writes params as a checkpoint directory; called

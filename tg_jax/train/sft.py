@@ -25,7 +25,6 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -37,7 +36,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tg_jax import checkpointing, config_files, paths, sharding, tracing
-from tg_jax.envs.tasks import Task
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer, forward, hf_dir, init_params
 from tg_jax.progress import ProgressBar
@@ -443,8 +441,8 @@ def last_step(config: Any, workdir: str) -> int:
     return int(config.sft.steps) if final is None else final
 
 
-def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]) -> dict:
-    """Evaluates the base model on held-out `tasks` (`sft_eval.measure`) and writes
+def write_sft_eval(config: Any, workdir: str, params: Any) -> dict:
+    """Evaluates the base model on its dev tasks (`sft_eval.measure`) and writes
     `workdir/sft_eval.json`.
 
     The file also records what was measured: the requirements, the parameter count, the
@@ -452,7 +450,7 @@ def write_sft_eval(config: Any, workdir: str, params: Any, tasks: Sequence[Task]
     """
     tokenizer = sft_tokenizer(config, workdir)
     model_cfg = ModelConfig.from_config(tokenized_config(config, tokenizer).model)
-    result = sft_eval.measure(config, model_cfg, params, ChatRenderer(tokenizer), tasks)
+    result = sft_eval.measure(config, model_cfg, params, ChatRenderer(tokenizer))
     result["selected_step"] = selected_step(config, workdir)
     result["sft_steps"] = last_step(config, workdir)  # sft.steps, + an extension if any
     if (paths.as_path(workdir) / SFT_DIR / SUMMARY_FILE).exists():

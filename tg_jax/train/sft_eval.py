@@ -136,11 +136,24 @@ def evaluate_base_model(
     return out
 
 
-def measure(config: Any, model_cfg: ModelConfig, params: Any, renderer: ChatRenderer,
-            tasks: Sequence[Any]) -> dict[str, Any]:  # fmt: skip
-    """The figures of sft_eval.json for a base model: `evaluate_base_model` on held-out `tasks`
-    with `config.sft.eval` (forced modes included), and what was measured: the evaluation
-    time, the requirements and the parameter count."""
+def base_eval_tasks(config: Any) -> list[Any]:
+    """The base model's evaluation tasks (sft_eval.json, the gates): `sft.eval.num_tasks` dev
+    tasks (`task_data.dev_tasks`, seed `sft.eval.task_seed`). The gates are checked before any
+    run, so they never read the held-out split, which only the final evaluation reads
+    (`tg_jax.evaluation.heldout_reads`)."""
+    from tg_jax.data import task_data  # noqa: PLC0415
+
+    ev = config.sft.eval
+    return task_data.dev_tasks(config, int(ev.num_tasks), seed=int(ev.get("task_seed", 8)))
+
+
+def measure(
+    config: Any, model_cfg: ModelConfig, params: Any, renderer: ChatRenderer
+) -> dict[str, Any]:
+    """The figures of sft_eval.json for a base model: `evaluate_base_model` on its dev tasks
+    (`base_eval_tasks`) with `config.sft.eval` (forced modes included), and what was measured:
+    the tasks, the evaluation time, the requirements and the parameter count."""
+    tasks = base_eval_tasks(config)
     t0 = time.time()
     result = evaluate_base_model(
         Transformer(model_cfg), params, renderer, tasks,
@@ -148,6 +161,7 @@ def measure(config: Any, model_cfg: ModelConfig, params: Any, renderer: ChatRend
         config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
     )  # fmt: skip
     result["eval_s"] = time.time() - t0
+    result["tasks"] = {"split": "dev", "seed": int(config.sft.eval.get("task_seed", 8))}
     result["requirements"] = list(requirement_names(config.env))
     result["num_params"] = model_cfg.num_params()
     return result
