@@ -196,7 +196,20 @@ def test_markdown_names_clusters_when_tasks_share_functions(tmp_path):
     res = report.write_report(tmp_path, runs, {"n_boot": 100})
     assert res["arms"]["tg"]["heldout"]["plain"]["num_clusters"] == 5
     md = (tmp_path / "report.md").read_text()
-    assert "5 clusters (tasks sharing a hidden function) of 20 tasks" in md
+    assert ("5 clusters (tasks sharing a hidden function) of 20 tasks (**warning: 5 resampled "
+            "units, under 20: the intervals are unreliable**)") in md  # fmt: skip
+    # The unit follows the environment: SWE tasks cluster by code template.
+    res = report.write_report(tmp_path, runs, {"n_boot": 100}, context={"env_kind": "swe"})
+    assert "5 clusters (tasks sharing a code template) of 20 tasks" in (
+        tmp_path / "report.md").read_text()  # fmt: skip
+    # 20 units or more: no warning.
+    wide = [report.RunResult(r.arm, 0, [dataclasses.replace(e, cluster_id=e.task_id)
+                                        for e in r.heldout], r.train_records, {})
+            for r in runs]  # fmt: skip
+    report.write_report(tmp_path, wide, {"n_boot": 100})
+    md = (tmp_path / "report.md").read_text()
+    assert "the resampled unit: 20 tasks (one cluster each) (100 replicates" in md
+    assert "resampled units, under" not in md
 
 
 def test_a_collapsed_baseline_seed_is_named_in_the_report(tmp_path):

@@ -213,9 +213,15 @@ def _train_section(res: dict[str, Any]) -> list[str]:
     return lines + table(["arm", "compliance", "task success", "joint"], rows) + [""]
 
 
+MIN_CLUSTERS = 20  # under this many resampled units a percentile bootstrap is unreliable
+# What a cluster is, by environment kind (the tasks' `function_id` / a record's cluster_id).
+CLUSTER_UNITS = {"coding": "tasks sharing a hidden function",
+                 "swe": "tasks sharing a code template"}  # fmt: skip
+
+
 def bootstrap_unit(res: dict[str, Any]) -> str:
     """What the held-out bootstrap resamples, e.g. '104 clusters (tasks sharing a hidden
-    function) of 128 tasks'."""
+    function) of 128 tasks', with a warning under MIN_CLUSTERS units."""
     sizes = {
         (h["plain"]["num_tasks"], h["plain"].get("num_clusters"))
         for h in (a["heldout"] for a in res["arms"].values())
@@ -224,9 +230,14 @@ def bootstrap_unit(res: dict[str, Any]) -> str:
     if not sizes:
         return "n/a"
     tasks, clusters = max(sizes, key=lambda s: s[0])
+    units = tasks if clusters is None else clusters
+    warn = (f" (**warning: {units} resampled units, under {MIN_CLUSTERS}: the intervals are "
+            "unreliable**)") if units < MIN_CLUSTERS else ""  # fmt: skip
     if clusters is None or clusters == tasks:
-        return f"{tasks} tasks (one cluster each)"
-    return f"{clusters} clusters (tasks sharing a hidden function) of {tasks} tasks"
+        return f"{tasks} tasks (one cluster each){warn}"
+    kind = (res.get("context") or {}).get("env_kind", "coding")
+    what = CLUSTER_UNITS.get(kind, "tasks of one record cluster_id")
+    return f"{clusters} clusters ({what}) of {tasks} tasks{warn}"
 
 
 def _heldout_section(res: dict[str, Any]) -> list[str]:

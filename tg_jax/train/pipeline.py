@@ -47,6 +47,7 @@ from typing import Any
 
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
+from tg_jax.envs import env_kind
 from tg_jax.evaluation import heldout, heldout_reads, protocol, registry, stability
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models import ModelConfig, hf_dir
@@ -498,6 +499,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "tuning": tuned,
         "registry": _registry_context(config, prereg.get("registry_id")),
         "heldout_reads": heldout_reads.summary(workdir),
+        "env_kind": env_kind(config.env),  # what a bootstrap cluster is
     }  # fmt: skip
     if not multihost.is_primary():  # process 0 writes the report; the others are done
         return {}
