@@ -134,10 +134,14 @@ def test_bad_arm_fails_before_any_work(tmp_path):
 def test_pipeline_runs_every_stage_and_caches(tmp_path):
     reg = tmp_path / "preregistrations.jsonl"  # a registered hypothesis (evaluation.registry)
     config = config_files.apply_overrides(
-        _config(), {"eval.hypothesis": "tiny/tg-vs-grpo", "eval.registry": str(reg)}
-    )
+        _config(), {"eval.hypothesis": "tiny/tg-vs-grpo", "eval.registry": str(reg),
+                    "eval.references": ("base",)},  # the base model as a second reference
+    )  # fmt: skip
     workdir = str(tmp_path / "w")
     res = pipeline.run_pipeline(config, workdir)
+    assert list(res["references"]) == ["grpo", "base"]
+    assert res["references"]["grpo"] == res["noninferiority"]
+    assert res["references"]["base"]["verdict"] in ("exploratory", "not meaningful")
     entry, outcome = (json.loads(x) for x in reg.read_text().splitlines())
     assert entry["id"] == outcome["id"] == "tiny/tg-vs-grpo#1" and entry["outcome"] is None
     assert outcome["outcome"]["verdict"] == res["noninferiority"]["verdict"]
@@ -204,15 +208,16 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     assert [(r["purpose"], r["run"], r["asked"]) for r in reads] == [
         ("final evaluation", "grpo_seed0", False),
         ("final evaluation", "tg_seed0", False),
+        ("final evaluation", "base", False),
     ]
-    assert "the final evaluation of 2 run(s), once each; nothing else read" in md
+    assert "the final evaluation of 3 run(s), once each; nothing else read" in md
     # A deleted heldout.jsonl is not evaluated again unasked: a second look is an error.
     os.remove(os.path.join(workdir, "runs", "tg_seed0", "heldout.jsonl"))
     with pytest.raises(heldout_reads.HeldoutReadError, match="run tg_seed0 was already evaluated"):
         pipeline.run_pipeline(config, workdir)
     asked = config_files.apply_overrides(config, {"eval.reread_heldout": True})
     res = pipeline.run_pipeline(asked, workdir)
-    assert [r["asked"] for r in heldout_reads.reads(workdir)] == [False, False, True]
+    assert [r["asked"] for r in heldout_reads.reads(workdir)] == [False, False, False, True]
     assert res["context"]["heldout_reads"]["extra"][0]["run"] == "tg_seed0"
     with open(os.path.join(workdir, "report", "report.md")) as f:
         assert "**1 more read(s)**: final evaluation of tg_seed0 on" in f.read()

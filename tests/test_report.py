@@ -244,3 +244,29 @@ def test_the_budget_section_checks_the_sampled_tokens_each_arm_used():
     assert "`grpo` 100, `tg` 150" in text(100.0, 150.0)
     # The held-out tasks' other readers are named, not denied.
     assert "read the first of them too" in text(100.0, 100.0)
+
+
+def test_the_candidate_is_tested_against_each_registered_reference(tmp_path):
+    """eval.references: the verdict against the baseline (the headline), another arm and the
+    base model (one set of episodes standing for every seed); a reference not run says so."""
+    runs = [
+        report.RunResult(arm, s, _episodes(k, arm == "tg"), _curves(s, 0.5), {})
+        for arm, k in (("grpo", 10), ("tg", 10), ("grpo_task_only", 14))
+        for s in (0, 1, 2)
+    ]
+    base = _episodes(6, False)  # the base model solves 6 of 20 tasks
+    settings = {"n_boot": 200, "references": ("grpo_task_only", "base", "tg_all_turns")}
+    res = report.write_report(tmp_path, runs, settings, reference_runs={"base": base})
+    refs = res["references"]
+    assert list(refs) == ["grpo", "grpo_task_only", "base", "tg_all_turns"]
+    assert refs["grpo"] == res["noninferiority"]  # the headline is the baseline's
+    # Every task identical across seeds: the difference is the hand-computed one.
+    assert refs["grpo"]["mean"] == pytest.approx(0.0)
+    assert refs["grpo_task_only"]["mean"] == pytest.approx((10 - 14) / 20)
+    assert refs["base"]["mean"] == pytest.approx((10 - 6) / 20)
+    assert refs["base"]["seeds"] == {"candidate": [0, 1, 2], "baseline": [0, 1, 2]}
+    assert refs["grpo_task_only"]["verdict"] == "fail" and refs["base"]["verdict"] == "pass"
+    assert refs["tg_all_turns"] == {"verdict": "not run"}
+    md = (tmp_path / "report.md").read_text()
+    assert "## Non-inferiority of `tg` against each reference" in md
+    assert "| grpo_task_only | -0.200 |" in md and "| tg_all_turns | n/a | n/a | not run |" in md

@@ -299,6 +299,31 @@ def _requirements_section(res: dict[str, Any]) -> list[str]:
     return lines + table(header, rows) + [""]
 
 
+def _references_section(res: dict[str, Any]) -> list[str]:
+    """The candidate's verdict against each pre-registered reference (`eval.references`)."""
+    refs, st = res.get("references") or {}, res["settings"]
+    if not st.get("references"):
+        return []
+    pct = round(100 * st["level"])
+    lines = [
+        f"## Non-inferiority of `{st['candidate']}` against each reference",
+        "",
+        f"Each reference pre-registered beside the baseline (`eval.references`); the headline "
+        f"verdict above is the one against `{st['baseline']}`. Held-out task success, "
+        f"{st['ni_interval'].replace('_', ' ')} interval ({pct}%, two-sided), margin "
+        f"{num(st['margin'], 3)}. `base` is the base model, evaluated once: its episodes stand "
+        "for every training seed.",
+        "",
+    ]
+    rows = []
+    for ref, ni in refs.items():
+        if ni.get("verdict") == "not run":
+            rows.append([ref, "n/a", "n/a", "not run"])
+        else:
+            rows.append([ref, num(ni["mean"], 3), num(ni["lower"], 3), ni["verdict"]])
+    return lines + table(["reference", "difference", "lower bound", "verdict"], rows) + [""]
+
+
 def _differences_section(res: dict[str, Any]) -> list[str]:
     st = res["settings"]
     if not res["comparisons"]:
@@ -539,8 +564,8 @@ def _plots_section(res: dict[str, Any]) -> list[str]:
 
 def render_markdown(res: dict[str, Any]) -> str:
     """report.md from `compute_results` output, section by section."""
-    sections = (_verdict_section, _context_section, _train_section, _heldout_section,
-                _requirements_section,
+    sections = (_verdict_section, _references_section, _context_section, _train_section,
+                _heldout_section, _requirements_section,
                 _differences_section, _diagnostic_section, _side_effects_section,
                 _costs_section, _stability_section, _leakage_section, budget_section,
                 _group_sections, _plots_section)  # fmt: skip

@@ -27,7 +27,7 @@ from tg_jax.evaluation import registry
 PREREGISTRATION_FILE = "preregistration.json"
 # The fields compared between the file and the config (besides the arms' configs).
 EVAL_FIELDS = ("margin", "floor", "ni_interval", "baseline", "candidate", "level", "hypothesis",
-               "earlier")  # fmt: skip
+               "earlier", "references")  # fmt: skip
 # Fields of the arms' configs that are no part of the protocol: asking to read the held-out
 # tasks again (the read is recorded and the report lists it) changes no setting of a run.
 NOT_REGISTERED = (("eval", "reread_heldout"),)
@@ -101,8 +101,9 @@ def check_preregistration(
         raise PreregistrationMismatch(f"{path} is missing: the RL runs were not pre-registered")
     raw = path.read_bytes()
     stored, now = json.loads(raw), preregistration(config, arms_configs)
+    # A field added after the file was written is absent there: equal when empty.
     diffs = [f"eval.{k}: file {stored.get(k)!r}, config {now[k]!r}" for k in EVAL_FIELDS
-             if stored.get(k) != now[k]]  # fmt: skip
+             if stored.get(k) != now[k] and (k in stored or now[k] not in (None, []))]  # fmt: skip
     old_arms, new_arms = stored.get("arms", {}), now["arms"]
     if sorted(old_arms) != sorted(new_arms):  # the file's keys are sorted; order is no setting
         diffs.append(f"arms: file {sorted(old_arms)}, config {sorted(new_arms)}")

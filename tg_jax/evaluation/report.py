@@ -139,8 +139,10 @@ def compute_results(
     settings: ReportSettings,
     sft_wall_s: float | None = None,
     tune_wall_s: float | None = None,
+    reference_runs: Mapping[str, Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
-    """Every number of the report, JSON-ready (see the module docstring)."""
+    """Every number of the report, JSON-ready (see the module docstring); `reference_runs`:
+    held-out episodes of references that are no arm (`eval.references`: "base")."""
     arms = _by_arm(runs)
     if settings.baseline not in arms and len(arms) > 1:
         raise ValueError(f"baseline arm {settings.baseline!r} not among the runs {sorted(arms)}")
@@ -197,10 +199,39 @@ def compute_results(
         if settings.baseline in arms and arm != settings.baseline and arms[arm][0].heldout
         and arms[settings.baseline][0].heldout
     }  # fmt: skip
+    out["references"] = _references(settings, arms, episodes, reference_runs or {}, boot)
     # One arm alone (e.g. TG from a user's checkpoint): figures, no comparison.
     out["single_arm"] = settings.baseline not in arms
     out["noninferiority"] = out["comparisons"].get(settings.candidate, {}).get("noninferiority")
     out["compute_time"] = compute_time(runs, sft_wall_s, tune_wall_s)
+    return out
+
+
+BASE_REFERENCE = "base"  # eval.references: the base model, evaluated once
+
+
+def _references(settings, arms, episodes, reference_runs, boot) -> dict[str, Any]:
+    """The candidate's non-inferiority against the baseline and each of `eval.references`
+    (an arm, or a reference run such as the base model, whose one set of episodes stands for
+    every training seed of the candidate): {reference: verdict dict, or {"verdict": "not
+    run"}}."""
+    cand = settings.candidate
+    if cand not in arms or not arms[cand][0].heldout:
+        return {}
+    out: dict[str, Any] = {}
+    for ref in dict.fromkeys((settings.baseline, *settings.references)):
+        if ref in arms and arms[ref][0].heldout and ref != cand:
+            ref_eps = episodes[ref]
+        elif ref in reference_runs:
+            ref_eps = {s: reference_runs[ref] for s in episodes[cand]}
+        else:
+            out[ref] = {"verdict": "not run"}
+            continue
+        c = stats.compare_arms(
+            episodes[cand], ref_eps, margin=settings.margin, ni_interval=settings.ni_interval,
+            floor=settings.floor, **{**boot, "level": settings.verdict_level()},
+        )  # fmt: skip
+        out[ref] = c["noninferiority"]
     return out
 
 
@@ -224,6 +255,7 @@ def write_report(
     sft_wall_s: float | None = None,
     context: Mapping[str, Any] | None = None,
     tune_wall_s: float | None = None,
+    reference_runs: Mapping[str, Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
     """Writes report.md, results.json and curve PNGs to `out_dir`; returns the results dict.
 
@@ -240,6 +272,8 @@ def write_report(
         budget is the same) and "tuning" (`tg_jax.train.tuning.tune_arms`' result, or None:
         no learning-rate trials).
       tune_wall_s: the learning-rate trials' wall time (RL + validation), None without them.
+      reference_runs: {"base": the base model's held-out episodes} when `eval.references`
+        names it (the candidate's verdict against each reference: results["references"]).
 
     Returns:
       The results dict written to results.json (NaN written as null).
@@ -248,7 +282,7 @@ def write_report(
         settings = ReportSettings.from_config(settings)
     out_dir = os.fspath(paths.as_path(out_dir))
     paths.as_path(out_dir).mkdir(parents=True, exist_ok=True)
-    res = compute_results(runs, settings, sft_wall_s, tune_wall_s)
+    res = compute_results(runs, settings, sft_wall_s, tune_wall_s, reference_runs)
     res["context"] = dict(context or {})
     res = _json_safe(res)
     paths.write_json_atomic(paths.as_path(out_dir) / RESULTS_FILE, res, indent=1, allow_nan=False)

@@ -22,6 +22,11 @@ class ReportSettings(Section):
     """Arm every other arm is compared with."""
     candidate: str = "tg"
     """Arm whose non-inferiority is the headline verdict."""
+    references: tuple[str, ...] = ()
+    """More references the candidate's non-inferiority is tested against, beside `baseline`
+    (pre-registered with it; the headline stays the baseline's): arms (e.g.
+    "grpo_task_only", GRPO without the requirement reward) or "base" (the base model itself,
+    evaluated once on the held-out tasks: its episodes stand for every training seed)."""
     margin: float = -0.05
     """Allowed drop in held-out task success, candidate - baseline (<= 0; fixed before the
     run)."""

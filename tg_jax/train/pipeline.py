@@ -463,6 +463,13 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
             f"{list(config.pipeline.arms)}: the report compares every arm with it; add it to the "
             "arms or set eval.baseline to one of them"
         )
+    from tg_jax.evaluation.report import BASE_REFERENCE  # noqa: PLC0415 (matplotlib)
+
+    if bad := [r for r in config.eval.get("references", ()) if r not in (*arms, BASE_REFERENCE)]:
+        raise ValueError(
+            f"eval.references {bad} are neither among pipeline.arms {list(arms)} nor "
+            f"{BASE_REFERENCE!r} (the base model): a reference is a run of this job"
+        )
     sources = multihost.primary_first("data", lambda: run_data(config, workdir))
     md, base_result, attempts = base_model_dir(config, workdir, sources)
     if attempts:  # the embedded model: its vocabulary is its tokenizer's (sft.tokenizer)
@@ -481,6 +488,13 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     runs = _run_arms(
         config, workdir, tuning.tuned_configs(arms_cfgs, tuned), md, sources, base_params
     )
+    reference_runs = {}
+    if report.BASE_REFERENCE in tuple(config.eval.get("references", ())):  # the base model
+        eval_tasks = task_data.load_tasks(sources, "heldout", config.eval.num_tasks)
+        reference_runs[report.BASE_REFERENCE] = _final_evaluation(
+            config, workdir, report.BASE_REFERENCE,
+            os.path.join(workdir, RUNS_DIR, report.BASE_REFERENCE), base_params, eval_tasks, md,
+        )  # fmt: skip
     remeasured = None
     if base_result.get("shipped"):
         remeasured = remeasure_shipped_base(config, workdir, md, base_params, sources, base_result)
@@ -511,6 +525,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         sft_wall_s=None if (None in walls or not walls) else sum(walls),
         tune_wall_s=tuned["wall_s"] if tuned else None,
         context=context,
+        reference_runs=reference_runs,
     )
     print(headline(res))
     print(f"report: {os.path.join(workdir, REPORT_DIR, report.REPORT_FILE)}")
