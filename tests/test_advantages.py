@@ -186,6 +186,7 @@ def test_turn_credit_in_batch_advantages():
         requirement_names=("tool_json",),
         loss_mask_BxT=loss,
         failed_turn_mask_BxT=failed,
+        unmet_turn_mask_BxT=failed,  # no turn refused by the environment
     )
     weights = (("task", 1.0), ("tool_json", 0.5))
     episode = RLConfig(reward_weights=weights, adv_eps=0.0)
@@ -208,6 +209,13 @@ def test_turn_credit_in_batch_advantages():
         ]
     )
     np.testing.assert_allclose(adv_t, want, rtol=1e-5, atol=1e-6)
+    # Row 0's second turn (tokens 2-3) met the requirement but the environment refused it:
+    # unmet for the credit. Group 0: 4 of 8 tokens pass (mean 1/2, std 1/2): +-1, weight 0.5.
+    batch.unmet_turn_mask_BxT = failed | np.array([[0, 0, 1, 1]] + [[0] * 4] * 3, bool)
+    adv_r, _, _ = batch_advantages(batch, turn)
+    want[0], want[1] = [1.5, 1.5, 0.5, 0.5], [-0.5, -0.5, -1.5, -1.5]
+    np.testing.assert_allclose(adv_r, want, rtol=1e-5, atol=1e-6)
+    batch.unmet_turn_mask_BxT = failed
     # Row 1's first turn (tokens 0-1) keeps a positive requirement term: its own turn passed.
     no_req = RLConfig(reward_weights=(("task", 1.0),), requirement_credit="turn")
     with pytest.raises(ValueError, match="requirement_credit"):

@@ -85,6 +85,20 @@ def test_masks_are_shifted_to_targets():
     assert b.rewards["task"].tolist() == [1.0] and b.policy_version_B.tolist() == [3]
 
 
+def test_a_rejected_turn_is_unmet_for_turn_credit_but_not_a_failed_turn():
+    """Turn 1 met both requirements, but the environment refused it (malformed): for
+    rl.requirement_credit "turn" it is unmet (no requirement credit), while the TG gate
+    (failed turns) is the judge's alone."""
+    traj = _two_turns([{"fence": False}, {"fence": True}])
+    traj.info["rejected_turns"] = [1]
+    b = build_batch([traj], max_len=64, teacher_max_len=64, pad_to_multiple=8)
+    assert np.nonzero(b.failed_turn_mask_BxT[0])[0].tolist() == [4, 5, 6, 7, 8]
+    assert np.nonzero(b.unmet_turn_mask_BxT[0])[0].tolist() == [4, 5, 6, 7, 8, 14, 15]
+    accepted = build_batch([_two_turns([{"fence": False}, {"fence": True}])], max_len=64,
+                           teacher_max_len=64, pad_to_multiple=8)  # fmt: skip
+    assert np.array_equal(accepted.unmet_turn_mask_BxT, accepted.failed_turn_mask_BxT)
+
+
 def test_per_trajectory_teacher_and_index_map():
     traj = _two_turns()
     b = build_batch([traj], max_len=64, teacher_max_len=64, pad_to_multiple=8)

@@ -76,6 +76,8 @@ class Batch:
       thinking_mask_BxT: bool, the target is a THINK token (<think>...</think>, tags included).
       failed_turn_mask_BxT: bool, the target belongs to an assistant turn that broke at least
         one requirement.
+      unmet_turn_mask_BxT: bool, failed, or the environment refused the turn (a requirement
+        met there earns no reward: `rl.requirement_credit` "turn" credits it as unmet).
       distill_mask_BxT: bool, the target has a hinted teacher counterpart (targeted turn,
         non-empty hint, teacher row present).
       requirement_ids_BxT: int32 index into `requirement_names` of the first targeted
@@ -121,6 +123,7 @@ class Batch:
     group_ids_B: Any
     policy_version_B: Any
     valid_B: Any
+    unmet_turn_mask_BxT: Any = None
     teacher_src_row_Bt: Any = None
     teacher_start_Bt: Any = None
     requirement_names: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
@@ -185,10 +188,13 @@ def _fill_student_targets(
     per_token["behaviour"][b, s] = np.asarray(traj.behaviour_logprobs, np.float32)[1:]
 
     hints = {}
+    rejected = set(traj.info.get("rejected_turns", ()))  # the environment refused the turn
     for k in range(traj.num_turns):
         in_turn = (turn_ids == k) & produced
         if _failed(traj, k):
             per_token["failed"][b, s] |= in_turn
+        if _failed(traj, k) or k in rejected:  # rl.requirement_credit "turn": not met
+            per_token["unmet"][b, s] |= in_turn
         targeted = targeted_requirements(traj, k, gate)
         if not targeted:
             continue
@@ -307,6 +313,7 @@ def _empty_per_token(rows: int, length: int) -> dict[str, np.ndarray]:
         "answer": np.zeros((rows, length), bool),
         "thinking": np.zeros((rows, length), bool),
         "failed": np.zeros((rows, length), bool),
+        "unmet": np.zeros((rows, length), bool),
         "distill": np.zeros((rows, length), bool),
         "req": np.full((rows, length), -1, np.int32),
         "turn": np.full((rows, length), -1, np.int32),
@@ -530,6 +537,7 @@ def _assemble(student, per_token, teacher, trajectories, rows, reward_names, req
         answer_mask_BxT=per_token["answer"],
         thinking_mask_BxT=per_token["thinking"],
         failed_turn_mask_BxT=per_token["failed"],
+        unmet_turn_mask_BxT=per_token["unmet"],
         distill_mask_BxT=per_token["distill"],
         requirement_ids_BxT=per_token["req"],
         turn_ids_BxT=per_token["turn"],

@@ -474,6 +474,8 @@ def batch_advantages(
         dict(batch.rewards), episode, batch.group_ids_B, reward_norm=rl_cfg.reward_norm, **kw
     )
     mask_BxT = batch.loss_mask_BxT
-    turn_BxT = turn_advantages(~batch.failed_turn_mask_BxT, mask_BxT, batch.group_ids_B, **kw)
+    unmet = batch.unmet_turn_mask_BxT  # failed or rejected (met on a refused turn earns nothing)
+    unmet = batch.failed_turn_mask_BxT if unmet is None else unmet
+    turn_BxT = turn_advantages(~unmet, mask_BxT, batch.group_ids_B, **kw)
     w_req = sum(weights[k] for k in req)
     return adv_B[:, None] * mask_BxT + w_req * turn_BxT, rewards_B, metrics

@@ -454,6 +454,7 @@ def to_trajectory(
         "end_reason": summary.end_reason,
         "actions": dict(summary.actions),
         "unjudged": dict(summary.unjudged),
+        "rejected_turns": list(summary.rejected),  # not accepted: met there earns nothing
         "turns": len(ep.turn_starts),
         "truncated_turns": ep.truncated_turns,
         "num_tokens": len(ep.tokens),
