@@ -112,3 +112,9 @@ def _no_builtins(names: list[str]) -> list[Requirement]:
     if names:
         raise ValueError(f"WordEnv has no built-in requirements, got {names}")
     return []
+
+
+class FileOnlyEnv(WordEnv):
+    """WordEnv whose tasks come from task files only: no generator (so no dev tasks)."""
+
+    generate_tasks = None

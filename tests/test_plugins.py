@@ -170,6 +170,17 @@ def test_a_bad_plugin_on_the_command_line_is_one_error_line(tmp_path):
     assert not any(tmp_path.iterdir()), "nothing may be written before the config is checked"
 
 
+def test_a_plugin_environment_without_dev_tasks_and_a_periodic_evaluation_is_refused(tmp_path):
+    proc = _main(f"--workdir={tmp_path}", "--config.stage=pipeline",
+                 "--config.rl_loop.eval_every=1", f"--config.env.kind={EX}:FileOnlyEnv",
+                 f"--config.env.requirements=('{EX}:short_turns',)")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: invalid config: env.kind '{EX}:FileOnlyEnv': the periodic "
+                           "evaluation (rl_loop.eval_every) reads dev tasks"), line  # fmt: skip
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_the_tiny_main_job_with_a_plugin_requirement_and_environment(tmp_path):
     """The user's command on the tiny main job: a plug-in requirement beside the fence in the
