@@ -192,3 +192,20 @@ def test_sigterm_then_failed_save_then_resume(full_run, tmp_path, monkeypatch):
     a, b = driver.flat_params(full.state.params), driver.flat_params(resumed.state.params)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_the_train_task_order_follows_the_run_seed_with_a_periodic_evaluation(tmp_path):
+    """rl._tasks: the train iterator's seed is rl_loop.data_seed * 100003 + the run's seed,
+    whatever the periodic evaluation's dev tasks use (rl_loop.eval_task_seed)."""
+    from tg_jax import config_files
+    from tg_jax.data import task_data
+
+    config = config_files.load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+    assert int(config.rl_loop.eval_every) > 0
+    sources = task_data.prepare_tasks(config, str(tmp_path))
+    for seed in (0, 3):
+        tasks, dev = rl._tasks(config, str(tmp_path), seed, sources, None, None)
+        want = int(config.rl_loop.data_seed) * 100_003 + seed
+        assert tasks.get_state()["settings"]["seed"] == want
+        assert len(dev) == int(config.rl_loop.eval_tasks)
+        assert all(t.task_id.startswith("dev/9/") for t in dev)  # rl_loop.eval_task_seed

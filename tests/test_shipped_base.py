@@ -210,8 +210,6 @@ def test_a_bad_sft_init_is_one_error_line(tmp_path):
 def test_remeasure_records_dev_figures_and_keeps_the_earlier_ones(tmp_path):
     """`python -m tg_jax.ship_base --remeasure`: the base's figures measured again on its dev
     tasks (sft.eval) become the recorded ones; the weights and the earlier figures stay."""
-    from tg_jax import ship_base
-
     copy = tmp_path / "base"
     shutil.copytree(os.path.join(shipped_base.BASES_DIR, "default"), copy)
     before = shipped_base.read_provenance(str(copy))
@@ -219,7 +217,7 @@ def test_remeasure_records_dev_figures_and_keeps_the_earlier_ones(tmp_path):
         _default(), {"sft.eval.num_tasks": 4, "sft.eval.max_new_tokens": 16,
                      "sft.eval.temperatures": (1.0,)},
     )  # fmt: skip
-    got = ship_base.remeasure(config, str(copy), "this test")
+    got = shipped_base.remeasure(config, str(copy), "this test", "abc123")
     after = shipped_base.read_provenance(str(copy))
     assert after["sft_eval"] == json.loads(json.dumps(got))
     assert got["tasks"] == {"split": "dev", "seed": 8} and got["num_tasks"] == 4
@@ -227,6 +225,7 @@ def test_remeasure_records_dev_figures_and_keeps_the_earlier_ones(tmp_path):
     *kept, old = after["sft_eval_history"]
     assert kept == before.get("sft_eval_history", [])
     assert old["sft_eval"] == before["sft_eval"] and old["by"] == "this test"
+    assert old["commit"] == "abc123"
     assert (
         after["sha256"] == before["sha256"] == shipped_base.sha256(str(copy / "model.safetensors"))
     )

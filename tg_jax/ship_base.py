@@ -22,7 +22,6 @@ from typing import Any
 
 from absl import app, flags
 
-from tg_jax import config_files
 from tg_jax import main as main_lib  # --config and --workdir, parsed as the main job's
 from tg_jax.data import task_data
 from tg_jax.evaluation import protocol
@@ -121,38 +120,6 @@ def ship_from_workdir(workdir: str, name: str, command: str) -> str:
     return out
 
 
-def remeasure(config: Any, name: str, command: str) -> dict[str, Any]:
-    """Measures shipped base `name` again (`sft_eval.measure`: the config's sft.eval on its dev
-    tasks) and makes those its recorded figures; the earlier ones move to the provenance's
-    `sft_eval_history` with the command and date. Returns the new figures."""
-    import datetime  # noqa: PLC0415
-
-    from tg_jax.train import sft_eval  # noqa: PLC0415
-
-    directory = shipped_base.resolve(name)
-    cfg = config_files.apply_overrides(config, {"sft.source": "shipped", "sft.base": directory})
-    directory, prov = shipped_base.check(cfg)  # the recorded weights, the config's architecture
-    md = hf_dir.open_model_dir(directory)
-    model_cfg = ModelConfig.from_config(cfg.model)
-    result = sft_eval.measure(cfg, model_cfg, md.load_params(model_cfg), md.renderer)
-    for key in ("selected_step", "sft_steps", "sft_wall_s"):  # how it was made: unchanged
-        if key in prov["sft_eval"]:
-            result[key] = prov["sft_eval"][key]
-    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    prov["sft_eval_history"] = [
-        *prov.get("sft_eval_history", []),
-        {"sft_eval": prov["sft_eval"], "replaced": when, "by": command, "commit": _commit(),
-         "machine": protocol.machine_info()},
-    ]  # fmt: skip
-    prov["sft_eval"] = result
-    with open(os.path.join(directory, shipped_base.PROVENANCE_FILE), "w", encoding="utf-8") as f:
-        json.dump(prov, f, indent=1, sort_keys=True)
-        f.write("\n")
-    headline = {k: round(v, 3) for k, v in result.items() if isinstance(v, float) and "_s" not in k}
-    print(f"shipped base {name}: re-measured on {result['tasks']}: {headline}")
-    return result
-
-
 def main(argv: list[str]) -> None:
     del argv
     from tg_jax.tpu import distributed  # noqa: PLC0415
@@ -169,7 +136,7 @@ def main(argv: list[str]) -> None:
     distributed.initialize_from_env()  # the CPU thread pool tg_jax.main runs SFT with
     command = "python -m tg_jax.ship_base " + " ".join(sys.argv[1:])
     if _REMEASURE.value:
-        remeasure(main_lib._CONFIG.value, name, command)
+        shipped_base.remeasure(main_lib._CONFIG.value, name, command, _commit())
         return
     try:
         write(main_lib._CONFIG.value, workdir, name, command)

@@ -79,6 +79,22 @@ def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False
     return False
 
 
+def final_evaluation(cfg, workdir, run_name, run_dir, params, tasks, renderer) -> list[Any]:
+    """Run `run_name`'s final evaluation on the held-out `tasks` (`heldout.evaluate_run` in
+    `run_dir`), the one read of them per run: checked against (`check_read`, asking again
+    with `eval.reread_heldout`) and recorded in `workdir`'s ledger when it runs; a cached
+    heldout.jsonl is read back, which is no read."""
+    from tg_jax.evaluation import heldout  # noqa: PLC0415 (jax: only when a run evaluates)
+
+    cached = multihost.agreed((paths.as_path(run_dir) / heldout.HELDOUT_FILE).exists())
+    again = bool(cfg.eval.get("reread_heldout", False))
+    second = not cached and check_read(workdir, FINAL, run_name, again=again)
+    records = heldout.evaluate_run(cfg, run_dir, params, tasks, renderer=renderer)
+    if not cached:
+        record_read(workdir, FINAL, run_name, tasks=len(tasks), asked=second)
+    return records
+
+
 def record_read(
     workdir: str, purpose: str, run: str = "", *, tasks: int, asked: bool = False
 ) -> dict[str, Any]:

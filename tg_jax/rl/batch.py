@@ -56,7 +56,7 @@ from tg_jax.rl.compact import (
 )
 from tg_jax.sampling.trajectory import Role, Trajectory
 
-__all__ = ["Batch", "bucket_length", "build_batch", "filter_stale", "num_rows", "split_batch",
+__all__ = ["Batch", "bucket_length", "build_batch", "num_rows", "split_batch",
            "split_microbatches"]  # fmt: skip
 
 TeacherMode = Literal["per_trajectory", "per_turn", "none"]
@@ -190,11 +190,9 @@ def _fill_student_targets(
     hints = {}
     rejected = set(traj.info.get("rejected_turns", ()))  # the environment refused the turn
     for k in range(traj.num_turns):
-        in_turn = (turn_ids == k) & produced
-        if _failed(traj, k):
-            per_token["failed"][b, s] |= in_turn
-        if _failed(traj, k) or k in rejected:  # rl.requirement_credit "turn": not met
-            per_token["unmet"][b, s] |= in_turn
+        in_turn, failed = (turn_ids == k) & produced, bool(_failed(traj, k))
+        per_token["failed"][b, s] |= in_turn & failed
+        per_token["unmet"][b, s] |= in_turn & (failed or k in rejected)  # requirement_credit
         targeted = targeted_requirements(traj, k, gate)
         if not targeted:
             continue
@@ -588,18 +586,6 @@ def split_batch(batch: Batch, num: int) -> list[Batch]:
 
 def _tree_map(fn, batch: Batch) -> Batch:
     return jax.tree.map(fn, batch)
-
-
-def filter_stale(
-    trajectories: Sequence[Trajectory], current_version: int, max_staleness: int
-) -> tuple[list[Trajectory], int]:
-    """Drops rollouts sampled more than `max_staleness` versions before `current_version`.
-
-    Returns:
-      (kept trajectories, number dropped).
-    """
-    kept = [t for t in trajectories if current_version - t.policy_version <= max_staleness]
-    return kept, len(trajectories) - len(kept)
 
 
 def num_rows(num_trajectories: int, batch_multiple: int, micro_batches: int) -> int:

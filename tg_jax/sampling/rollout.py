@@ -26,9 +26,8 @@ Limits:
   * A turn that reaches its token budget without a stop token is still recorded and sent to the
     environment (which answers a malformed turn with an observation). To keep the chat format
     well formed for the next turn, the stop token (`<|im_end|>`) is appended that the policy did
-    NOT sample:
-    role PROMPT, turn id -1, behaviour log-prob 0, so the trainer never trains on it
-    (counted in info["truncated_turns"]).
+    NOT sample: role PROMPT, turn id -1, behaviour log-prob 0, so the trainer never trains on
+    it (counted in info["truncated_turns"]).
   * The context limit `max_total_tokens` (never exceeded): a turn's budget is
     min(max_new_tokens, room left - 1), the one slot kept for closing a cut turn; when not even
     `min_turn_tokens` fit before the next turn, the episode ends with termination "max_tokens"

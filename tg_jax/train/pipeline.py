@@ -48,7 +48,7 @@ from typing import Any
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
 from tg_jax.envs import env_kind
-from tg_jax.evaluation import heldout, heldout_reads, protocol, registry, stability
+from tg_jax.evaluation import heldout_reads, protocol, registry, stability
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
@@ -342,12 +342,15 @@ def _shipped_base(config: Any, workdir: str) -> tuple[Any, dict, list]:
 
 
 def remeasure_shipped_base(
-    config: Any, workdir: str, md: Any, params: Any, sources: dict[str, Any], recorded: dict
-) -> dict[str, Any]:
-    """The shipped base's held-out figures measured on this machine, once per workdir
+    config: Any, workdir: str, md: Any, params: Any, recorded: dict
+) -> dict[str, Any] | None:
+    """A shipped base's figures (its dev tasks) measured on this machine, once per workdir
     (`workdir/sft_eval.json`, read back on a rerun), compared with the recorded ones
     (`shipped_base.compare`); a difference beyond the sampling interval is printed as a
-    warning and the report lists it. After the arms, so RL starts at once."""
+    warning and the report lists it. After the arms, so RL starts at once. None when the base
+    was not shipped (`recorded` has no "shipped")."""
+    if not recorded.get("shipped"):
+        return None
     path = paths.as_path(workdir) / sft_eval.EVAL_FILE
     if multihost.agreed(path.exists()):
         result = _read_json(str(path))
@@ -417,8 +420,9 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
             if checkpointing.preemption_requested() or not result.finished:
                 raise _preempted(f"RL run {arm} seed {int(seed)}", run_dir)
             _export(cfg, workdir, run_name, result.state.params, md)
-            records = _final_evaluation(cfg, workdir, run_name, run_dir, result.state.params,
-                                        eval_tasks, md)  # fmt: skip
+            records = heldout_reads.final_evaluation(
+                cfg, workdir, run_name, run_dir, result.state.params, eval_tasks, md.renderer
+            )
             runs.append(
                 report.load_run_result(
                     run_dir,
@@ -430,21 +434,19 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
     return runs
 
 
-def _final_evaluation(cfg, workdir, run_name, run_dir, params, eval_tasks, md) -> list[Any]:
-    """The run's final evaluation on the held-out tasks (`heldout.evaluate_run`), the one read
-    of them per run: checked against and recorded in the workdir's ledger
-    (`heldout_reads`) when it runs; a cached heldout.jsonl is read back, no read."""
-    cached = multihost.agreed((paths.as_path(run_dir) / heldout.HELDOUT_FILE).exists())
-    again = bool(cfg.eval.get("reread_heldout", False))
-    second = not cached and heldout_reads.check_read(
-        workdir, heldout_reads.FINAL, run_name, again=again
+def _reference_runs(config, workdir, sources, base_params, md) -> dict[str, list[Any]]:
+    """The held-out episodes of the references that are no arm (`eval.references`): "base",
+    the base model, evaluated once like a run (`heldout_reads.final_evaluation`)."""
+    from tg_jax.evaluation.report import BASE_REFERENCE  # noqa: PLC0415 (matplotlib)
+
+    if BASE_REFERENCE not in tuple(config.eval.get("references", ())):
+        return {}
+    eval_tasks = task_data.load_tasks(sources, "heldout", config.eval.num_tasks)
+    run_dir = os.path.join(workdir, RUNS_DIR, BASE_REFERENCE)
+    records = heldout_reads.final_evaluation(
+        config, workdir, BASE_REFERENCE, run_dir, base_params, eval_tasks, md.renderer
     )
-    records = heldout.evaluate_run(cfg, run_dir, params, eval_tasks, renderer=md.renderer)
-    if not cached:
-        heldout_reads.record_read(
-            workdir, heldout_reads.FINAL, run_name, tasks=len(eval_tasks), asked=second
-        )
-    return records
+    return {BASE_REFERENCE: records}
 
 
 def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
@@ -488,16 +490,8 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     runs = _run_arms(
         config, workdir, tuning.tuned_configs(arms_cfgs, tuned), md, sources, base_params
     )
-    reference_runs = {}
-    if report.BASE_REFERENCE in tuple(config.eval.get("references", ())):  # the base model
-        eval_tasks = task_data.load_tasks(sources, "heldout", config.eval.num_tasks)
-        reference_runs[report.BASE_REFERENCE] = _final_evaluation(
-            config, workdir, report.BASE_REFERENCE,
-            os.path.join(workdir, RUNS_DIR, report.BASE_REFERENCE), base_params, eval_tasks, md,
-        )  # fmt: skip
-    remeasured = None
-    if base_result.get("shipped"):
-        remeasured = remeasure_shipped_base(config, workdir, md, base_params, sources, base_result)
+    reference_runs = _reference_runs(config, workdir, sources, base_params, md)
+    remeasured = remeasure_shipped_base(config, workdir, md, base_params, base_result)
     context = {
         "machine": protocol.machine_info(),
         "preregistration": protocol.check_preregistration(config, workdir, arms_cfgs),

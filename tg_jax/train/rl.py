@@ -225,8 +225,8 @@ def _tasks(
     if sources is None:
         sources = task_data.prepare_tasks(config, workdir)
     if eval_tasks is None and int(lc.eval_every) > 0:
-        seed = int(lc.get("eval_task_seed", 9))
-        eval_tasks = task_data.dev_tasks(config, int(lc.eval_tasks), seed=seed)
+        dev_seed = int(lc.get("eval_task_seed", 9))  # not `seed`: the run's, used below
+        eval_tasks = task_data.dev_tasks(config, int(lc.eval_tasks), seed=dev_seed)
     multihost.process_slice(int(lc.groups_per_step))  # fails early unless it splits evenly
     # Every process iterates the same batches (one process's settings, so checkpoints of
     # either kind resume the other); each rolls out its own share of a batch's groups.
