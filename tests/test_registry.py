@@ -59,6 +59,14 @@ def test_attempts_are_appended_once_and_a_second_must_name_the_first(tmp_path):
     assert entries["tiny/tg-vs-grpo#2"]["outcome"] is None
     assert registry.attempts(entries, "tiny/tg-vs-grpo") == ["tiny/tg-vs-grpo#1",
                                                               "tiny/tg-vs-grpo#2"]  # fmt: skip
+    # An attempt stopped before its verdict is recorded as such, and still counts.
+    registry.record_abandoned(str(reg), "tiny/tg-vs-grpo#2", "a bug in its commit")
+    entries = registry.read(str(reg))
+    assert entries["tiny/tg-vs-grpo#2"]["outcome"] == {"verdict": "abandoned",
+                                                       "why": "a bug in its commit"}  # fmt: skip
+    assert len(registry.attempts(entries, "tiny/tg-vs-grpo")) == 2
+    with pytest.raises(registry.RegistryError, match="no registered attempt 'tiny/x#1'"):
+        registry.record_abandoned(str(reg), "tiny/x#1", "never registered")
 
 
 def test_the_error_rate_is_split_over_the_attempts():
@@ -102,4 +110,4 @@ def test_the_projects_registry_reads_and_every_attempt_names_the_ones_before():
         assert ids == [f"{hypothesis}#{n}" for n in range(1, len(ids) + 1)]
         for n, key in enumerate(ids):
             assert entries[key]["earlier"] == ids[:n], key
-            assert entries[key]["outcome"]["verdict"] in ("pass", "fail", "not meaningful")
+            assert entries[key]["outcome"]["verdict"] in registry.OUTCOMES

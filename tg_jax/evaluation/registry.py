@@ -130,6 +130,19 @@ def record_outcome(registry: str, key: str, ni: dict[str, Any]) -> None:
     _append(registry, {"id": key, "date": datetime.date.today().isoformat(), "outcome": outcome})
 
 
+# An attempt's outcome: a report's verdict, or "abandoned" (stopped before its verdict, with
+# the reason; it still counts as an attempt in the correction).
+OUTCOMES = ("pass", "fail", "exploratory", "not meaningful", "abandoned")
+
+
+def record_abandoned(registry: str, key: str, why: str) -> None:
+    """Appends that attempt `key` was stopped before its verdict, and why."""
+    if key not in read(registry):
+        raise RegistryError(f"{registry}: no registered attempt {key!r}")
+    outcome = {"verdict": "abandoned", "why": why}
+    _append(registry, {"id": key, "date": datetime.date.today().isoformat(), "outcome": outcome})
+
+
 def _append(path: str, rec: dict[str, Any]) -> None:
     p = paths.as_path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
