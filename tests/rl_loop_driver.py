@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import types
 
 import jax
 import ml_collections
@@ -46,6 +47,15 @@ def make_config(arm: str = "tg", async_sampling: bool = False, steps: int = STEP
 
 def make_sources(n: int = 16) -> dict[str, list[dict]]:
     return {s: [t.to_record() for t in generate_tasks(s, n, seed=0)] for s in ("train", "heldout")}
+
+
+def batch_parts(config, student_max: int, teacher_max: int) -> types.SimpleNamespace:
+    """What `rl._build_batch` reads of a run's parts (`rl._Parts`), for a batch of `config`
+    at these lengths on one device."""
+    return types.SimpleNamespace(
+        config=config, student_max=student_max, teacher_max=teacher_max, divisor=1,
+        requirement_names=tuple(config.env.requirements),
+    )  # fmt: skip
 
 
 def initial_params(config):

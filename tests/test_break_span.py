@@ -211,13 +211,7 @@ def test_the_rl_loop_applies_the_option_and_the_config_checks_it():
             driver.make_config("tg"),
             {"tg.span": span, "rl_loop.length_multiple": 0, "env.requirements": ("fence",)},
         )
-        parts = types.SimpleNamespace(
-            config=config,
-            student_max=512,
-            teacher_max=768,
-            divisor=1,
-            requirement_names=tuple(config.env.requirements),
-        )
+        parts = driver.batch_parts(config, 512, 768)
         counts[span] = int(np.asarray(rl._build_batch(parts, [traj], 0).distill_mask_BxT).sum())
     # The whole answer + <|im_end|> vs the first code token only (the break is at offset 0).
     assert counts["turn"] == len(text) + 1 and counts["to_break"] == 1

@@ -1,7 +1,5 @@
 """The thinking-token control at an equal distilled-token budget (`tg.distill_budget`)."""
 
-import types
-
 import numpy as np
 import pytest
 
@@ -103,13 +101,7 @@ def test_the_rl_loop_applies_it_and_the_tg_term_sees_the_budget():
         config = config_files.apply_overrides(
             driver.make_config("tg"), {**over, "rl_loop.length_multiple": 0}
         )
-        parts = types.SimpleNamespace(
-            config=config,
-            student_max=128,
-            teacher_max=160,
-            divisor=1,
-            requirement_names=tuple(config.env.requirements),
-        )
+        parts = driver.batch_parts(config, 128, 160)
         batch = rl._build_batch(parts, trajs, 5)
         counts[name] = rl.distilled_tokens(config.tg, batch)  # what the TG term's M holds
         mask = tg_loss.tg_mask(

@@ -109,8 +109,6 @@ def test_mask_hint_copies_on_a_built_batch(mode):
 
 
 def test_the_rl_loop_applies_the_option():
-    import types
-
     from tests import rl_loop_driver as driver
     from tg_jax import config_files
     from tg_jax.train import rl
@@ -123,13 +121,7 @@ def test_the_rl_loop_applies_the_option():
         config = config_files.apply_overrides(
             driver.make_config("tg"), {"tg.mask_hint_copies": on, "rl_loop.length_multiple": 0}
         )
-        parts = types.SimpleNamespace(
-            config=config,
-            student_max=32,
-            teacher_max=64,
-            divisor=1,
-            requirement_names=tuple(config.env.requirements),
-        )
+        parts = driver.batch_parts(config, 32, 64)
         batch = rl._build_batch(parts, trajs, 0)
         counts[on] = int(np.asarray(batch.distill_mask_BxT).sum())
     # The default n = 12 finds no 12-token copy here; the option changes nothing then.
@@ -140,12 +132,6 @@ def test_the_rl_loop_applies_the_option():
         config = config_files.apply_overrides(
             driver.make_config("tg"), {"tg.mask_hint_copies": on, "rl_loop.length_multiple": 0}
         )
-        parts = types.SimpleNamespace(
-            config=config,
-            student_max=64,
-            teacher_max=128,
-            divisor=1,
-            requirement_names=tuple(config.env.requirements),
-        )
+        parts = driver.batch_parts(config, 64, 128)
         counts[on] = int(np.asarray(rl._build_batch(parts, trajs, 0).distill_mask_BxT).sum())
     assert counts[False] - counts[True] == 17  # the 17-token copy, all of it

@@ -276,9 +276,9 @@ def test_retry_seed_that_passes_the_gates_is_used_and_reported(tmp_path, monkeyp
     workdir = str(tmp_path)
     real_stage, last_dir = pipeline.run_sft_stage, []
 
-    def stage(cfg, sft_dir, sources=None):
+    def stage(cfg, sft_dir):
         last_dir.append(sft_dir)
-        return real_stage(cfg, sft_dir, sources)
+        return real_stage(cfg, sft_dir)
 
     def check(cfg, result):  # attempt 0 fails its gates, attempt 1 passes
         return ["pass_rate 0.000 outside [0.2, 0.6]"] if last_dir[-1] == workdir else []

@@ -205,18 +205,15 @@ def _check_config(config, workdir: str) -> None:
         _fail(f"unknown stage {config.stage!r} (known: {', '.join(sorted(STAGES))})")
     if "env" in config:
         from tg_jax.envs import env_kind, requirement_names
-        from tg_jax.envs.plugins import environment_class, is_plugin
 
         try:  # the environment and its requirements, plug-ins loaded and checked
-            kind = env_kind(config.env)
+            env_kind(config.env)
             requirement_names(config.env)
-            if is_plugin(kind) and "rl_loop" in config and int(config.rl_loop.eval_every) > 0:
-                if not callable(getattr(environment_class(kind), "generate_tasks", None)):
-                    raise ValueError(
-                        f"env.kind {kind!r}: the periodic evaluation (rl_loop.eval_every) reads "
-                        "dev tasks, and the class has no generate_tasks(split, num, seed); set "
-                        "rl_loop.eval_every=0 or give it one"
-                    )
+            if "rl_loop" in config and int(config.rl_loop.eval_every) > 0:
+                from tg_jax.data.task_data import check_dev_tasks
+
+                check_dev_tasks(config.env, "the periodic evaluation (rl_loop.eval_every)",
+                                "; set rl_loop.eval_every=0 or give it one")  # fmt: skip
         except ValueError as e:
             _fail(f"invalid config: {e}")
     if "rl_loop" in config and "feedback" in config.rl_loop:

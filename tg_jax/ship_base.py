@@ -23,7 +23,6 @@ from typing import Any
 from absl import app, flags
 
 from tg_jax import main as main_lib  # --config and --workdir, parsed as the main job's
-from tg_jax.data import task_data
 from tg_jax.evaluation import protocol
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import pipeline, sft, shipped_base
@@ -58,8 +57,7 @@ def write(config: Any, workdir: str, name: str, command: str) -> str:
     """Trains the base of `config` in `workdir` (`pipeline.run_base_model`), writes it as
     shipped base `name` with its provenance, and returns the directory."""
     cfg = pipeline.train_source(config)
-    sources = task_data.prepare_tasks(cfg, workdir)
-    params, result, attempts = pipeline.run_base_model(cfg, workdir, sources)
+    params, result, attempts = pipeline.run_base_model(cfg, workdir)
     sft_dir = attempts[-1]["workdir"]
     out = shipped_base.resolve(name)
     with tempfile.TemporaryDirectory(prefix="tg_shipped_base_") as tmp:

@@ -211,6 +211,20 @@ def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
     return sources
 
 
+def check_dev_tasks(env_config: Any, reader: str, fix: str = "") -> None:
+    """ConfigError when the environment cannot make dev tasks (a plug-in class without
+    `generate_tasks`) that `reader` reads; `fix` ends the message."""
+    kind = env_kind(env_config)
+    if not is_plugin(kind):
+        return
+    cls = environment_class(kind)
+    if not callable(getattr(cls, "generate_tasks", None)):
+        raise ConfigError(
+            f"env.kind {kind!r}: {reader} reads dev tasks, and {cls.__name__} has no "
+            f"generate_tasks(split, num, seed) classmethod{fix}"
+        )
+
+
 def dev_tasks(config: Any, n: int, seed: int) -> list[Any]:
     """`n` tasks of the dev split, generated (never stored): functions, templates or words that
     neither training nor the held-out evaluation uses. Every check made before the final
@@ -230,13 +244,8 @@ def dev_tasks(config: Any, n: int, seed: int) -> list[Any]:
 
         return list(generate_swe_tasks("dev", n, seed))
     if is_plugin(kind):
-        cls = environment_class(kind)
-        if not callable(getattr(cls, "generate_tasks", None)):
-            raise ConfigError(
-                f"env.kind {kind!r}: no dev tasks (the checks before the final evaluation read "
-                f"them): {cls.__name__} has no generate_tasks(split, num, seed) classmethod"
-            )
-        records = list(cls.generate_tasks("dev", n, seed))[:n]
+        check_dev_tasks(config.env, "the checks before the final evaluation")
+        records = list(environment_class(kind).generate_tasks("dev", n, seed))[:n]
         return [decode_task({**r, "kind": PLUGIN_TASK_KIND, "split": "dev"}) for r in records]
     families = task_settings(config).families
     return generate_tasks("dev", n, seed=seed, families=families)

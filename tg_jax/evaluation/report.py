@@ -199,7 +199,9 @@ def compute_results(
         if settings.baseline in arms and arm != settings.baseline and arms[arm][0].heldout
         and arms[settings.baseline][0].heldout
     }  # fmt: skip
-    out["references"] = _references(settings, arms, episodes, reference_runs or {}, boot)
+    out["references"] = _references(
+        settings, arms, episodes, reference_runs or {}, boot, out["comparisons"]
+    )
     # One arm alone (e.g. TG from a user's checkpoint): figures, no comparison.
     out["single_arm"] = settings.baseline not in arms
     out["noninferiority"] = out["comparisons"].get(settings.candidate, {}).get("noninferiority")
@@ -210,16 +212,19 @@ def compute_results(
 BASE_REFERENCE = "base"  # eval.references: the base model, evaluated once
 
 
-def _references(settings, arms, episodes, reference_runs, boot) -> dict[str, Any]:
-    """The candidate's non-inferiority against the baseline and each of `eval.references`
-    (an arm, or a reference run such as the base model, whose one set of episodes stands for
-    every training seed of the candidate): {reference: verdict dict, or {"verdict": "not
-    run"}}."""
+def _references(settings, arms, episodes, reference_runs, boot, comparisons) -> dict[str, Any]:
+    """The candidate's non-inferiority against the baseline (its verdict in `comparisons`)
+    and each of `eval.references` (an arm, or a reference run such as the base model, whose
+    one set of episodes stands for every training seed of the candidate): {reference: verdict
+    dict, or {"verdict": "not run"}}."""
     cand = settings.candidate
     if cand not in arms or not arms[cand][0].heldout:
         return {}
     out: dict[str, Any] = {}
     for ref in dict.fromkeys((settings.baseline, *settings.references)):
+        if ref == settings.baseline and cand in comparisons:
+            out[ref] = comparisons[cand]["noninferiority"]
+            continue
         if ref in arms and arms[ref][0].heldout and ref != cand:
             ref_eps = episodes[ref]
         elif ref in reference_runs:

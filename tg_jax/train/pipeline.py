@@ -224,7 +224,7 @@ def _read_json(path: str) -> dict[str, Any]:
     return paths.read_json(path)
 
 
-def run_sft_stage(config: Any, workdir: str, sources: dict[str, Any] | None = None) -> Any:
+def run_sft_stage(config: Any, workdir: str) -> Any:
     """SFT stage: trains, resumes or loads the base model, evaluates it once; returns params.
 
     Raises:
@@ -259,9 +259,7 @@ def sft_attempt(config: Any, workdir: str, k: int) -> tuple[Any, str]:
     return config_files.apply_overrides(config, overrides), os.path.join(workdir, f"sft_retry{k}")
 
 
-def run_base_model(
-    config: Any, workdir: str, sources: dict[str, Any] | None = None
-) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+def run_base_model(config: Any, workdir: str) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """SFT until a base model passes the gates of `sft.require`, at most 1 + sft.retry_seeds
     attempts (`sft_attempt`); cached attempts are read back, not retrained.
 
@@ -275,7 +273,7 @@ def run_base_model(
     attempts = []
     for k in range(int(config.sft.retry_seeds) + 1):
         cfg, sft_dir = sft_attempt(config, workdir, k)
-        params = run_sft_stage(cfg, sft_dir, sources)
+        params = run_sft_stage(cfg, sft_dir)
         result = _read_json(os.path.join(sft_dir, sft_eval.EVAL_FILE))
         failures = sft_gates.check_base_model(config, result)
         verdict = "accepted" if not failures else "rejected (" + "; ".join(failures) + ")"
@@ -296,7 +294,7 @@ def _base_figures(result: dict[str, Any]) -> dict[str, float]:
             and ("pass_rate" in k or "compliance" in k or "format_cost" in k)}  # fmt: skip
 
 
-def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[Any, dict, list]:
+def base_model_dir(config: Any, workdir: str) -> tuple[Any, dict, list]:
     """(the base model's checkpoint directory opened, its SFT evaluation, the SFT attempts).
 
     With `model.hf_checkpoint` that directory is the user's (no SFT). Otherwise SFT trains a
@@ -312,7 +310,7 @@ def base_model_dir(config: Any, workdir: str, sources: dict[str, Any]) -> tuple[
         return md, {}, []
     if shipped_base.source(config) == "shipped":
         return _shipped_base(config, workdir)
-    params, result, attempts = run_base_model(config, workdir, sources)
+    params, result, attempts = run_base_model(config, workdir)
     out = paths.as_path(workdir) / BASE_MODEL_DIR
     if not (out / hf_dir.CONFIG_FILE).exists():
         sft_dir = attempts[-1]["workdir"]  # the accepted attempt: its tokenizer (sft.tokenizer)
@@ -465,15 +463,14 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
             f"{list(config.pipeline.arms)}: the report compares every arm with it; add it to the "
             "arms or set eval.baseline to one of them"
         )
-    from tg_jax.evaluation.report import BASE_REFERENCE  # noqa: PLC0415 (matplotlib)
-
-    if bad := [r for r in config.eval.get("references", ()) if r not in (*arms, BASE_REFERENCE)]:
+    base_ref = report.BASE_REFERENCE
+    if bad := [r for r in config.eval.get("references", ()) if r not in (*arms, base_ref)]:
         raise ValueError(
             f"eval.references {bad} are neither among pipeline.arms {list(arms)} nor "
-            f"{BASE_REFERENCE!r} (the base model): a reference is a run of this job"
+            f"{base_ref!r} (the base model): a reference is a run of this job"
         )
     sources = multihost.primary_first("data", lambda: run_data(config, workdir))
-    md, base_result, attempts = base_model_dir(config, workdir, sources)
+    md, base_result, attempts = base_model_dir(config, workdir)
     if attempts:  # the embedded model: its vocabulary is its tokenizer's (sft.tokenizer)
         config = base_config(config, attempts[-1]["workdir"])
     config = hf_dir.resolve_config(config, md)

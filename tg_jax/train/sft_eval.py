@@ -143,8 +143,11 @@ def base_eval_tasks(config: Any) -> list[Any]:
     (`tg_jax.evaluation.heldout_reads`)."""
     from tg_jax.data import task_data  # noqa: PLC0415
 
-    ev = config.sft.eval
-    return task_data.dev_tasks(config, int(ev.num_tasks), seed=int(ev.get("task_seed", 8)))
+    return task_data.dev_tasks(config, int(config.sft.eval.num_tasks), seed=_task_seed(config))
+
+
+def _task_seed(config: Any) -> int:
+    return int(config.sft.eval.get("task_seed", 8))
 
 
 def measure(
@@ -161,7 +164,7 @@ def measure(
         config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
     )  # fmt: skip
     result["eval_s"] = time.time() - t0
-    result["tasks"] = {"split": "dev", "seed": int(config.sft.eval.get("task_seed", 8))}
+    result["tasks"] = {"split": "dev", "seed": _task_seed(config)}
     result["requirements"] = list(requirement_names(config.env))
     result["num_params"] = model_cfg.num_params()
     return result
