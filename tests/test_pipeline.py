@@ -129,6 +129,20 @@ def test_bad_arm_fails_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="eval.baseline 'grpo' is not among pipeline.arms"):
         pipeline.run_pipeline(config, str(tmp_path))
     assert os.listdir(tmp_path) == []
+    # A reference that is no run of this job (neither an arm nor the base model).
+    config = config_files.apply_overrides(_config(), {"eval.references": ("base", "sdpo")})
+    with pytest.raises(ValueError, match=r"eval.references \['sdpo'\] are neither among"):
+        pipeline.run_pipeline(config, str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_torn_heldout_read_ledger_is_a_clear_error(tmp_path):
+    (tmp_path / heldout_reads.READS_FILE).write_text('{"reads": [{"purpose"')
+    with pytest.raises(heldout_reads.HeldoutReadError, match="not a held-out read ledger"):
+        heldout_reads.check_read(str(tmp_path), heldout_reads.FINAL, "tg_seed0")
+    (tmp_path / heldout_reads.READS_FILE).write_text('{"reads": {}}')
+    with pytest.raises(heldout_reads.HeldoutReadError, match="reads is not a list"):
+        heldout_reads.reads(str(tmp_path))
 
 
 def test_pipeline_runs_every_stage_and_caches(tmp_path):
