@@ -261,3 +261,28 @@ def test_serve_calls_times_each_request_and_rejects_other_input():
     assert [sorted(r) for r in lines[1:]] == [["cpu", "wall"], ["cpu", "wall"]]
     with pytest.raises(ValueError, match="expected 'run', got 'stop'"):
         measure.serve_calls(lambda: None, stdin=io.StringIO("stop\n"), stdout=io.StringIO())
+
+
+def test_accelerator_bench_tiny_figures_follow_from_their_timings(tmp_path):
+    """`python -m tg_jax.bench.accelerator --tiny` (any backend): every section's figures,
+    and each MFU / rate is its FLOPs or tokens over its own timing and the run's peak."""
+    from tg_jax.bench import accelerator, throughput  # noqa: PLC0415
+    from tg_jax.models import ModelConfig  # noqa: PLC0415
+
+    out = tmp_path / "acc.json"
+    accelerator.main(["--tiny", "--sections", "train,engine", "--decode_steps", "1,4",
+                      "--out", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())
+    peak = res["sections"]["peak"]["tflops"] * 1e12
+    train = res["sections"]["train"]
+    cfg = ModelConfig.from_config(accelerator.config_lib.model_config(**accelerator.TINY))
+    flops = throughput.train_flops(cfg, train["batch"], train["seq_len"])
+    assert flops == 3 * cfg.flops_per_token(128) * 4 * 128
+    assert math.isclose(train["mfu"], flops / train["step_s"] / peak, rel_tol=1e-9)
+    assert math.isclose(train["tok_s"], 4 * 128 / train["step_s"], rel_tol=1e-9)
+    engine = res["sections"]["engine"]
+    for k in (1, 4):
+        ratio = engine[f"engine_k{k}_tok_s"] / engine["sampler_tok_s"]
+        assert math.isclose(engine[f"engine_k{k}_over_sampler"], ratio, rel_tol=1e-9)
+        assert engine[f"engine_k{k}_tok_s"] > 0
+    assert res["platform"] == "cpu" and "weight_read_share" not in str(engine)

@@ -361,3 +361,34 @@ def test_agentic_bench_section_runs_both_arms_on_one_workload():
     assert out["agentic/kv_bytes_per_live_token"] >= slot_bytes
     assert out["agentic/tok_s"] > 0 and out["agentic/lockstep_tok_s"] > 0
     assert 0 < out["agentic/slot_occupancy"] <= 1
+
+
+def test_multi_step_decode_draws_what_single_steps_draw(setup):
+    """decode_steps=5: up to 5 tokens a row per decode call, the same tokens and log-probs as
+    one a call, through slot refills, stop ids (one checked on the device, one only on the
+    host: stop_width=1), token budgets that are no multiple of 5, preemption and a
+    continuation; about a fifth of the scheduling steps."""
+    prompts = _prompts((5, 13, 1, 9, 20, 3), seed=11)
+    free = _engine(setup).generate(_requests(prompts, n=12))
+    stops = (free[1].token_ids[6], free[4].token_ids[2])  # the second: host-checked only
+    reqs = [Request(i, p, 7 + i, temperature=(0.0, 1.0)[i % 2], seed=i, stop_ids=stops)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    cont = [Request("c", [7, 8], 9, temperature=1.0, continue_from=2)]
+    for geometry in ({}, {"num_pages": 13}):  # the second: preemption
+        one = _engine(setup, rng=jax.random.key(4), **geometry)
+        ref = one.generate(reqs) + one.generate(cont)
+        many = _engine(setup, rng=jax.random.key(4), decode_steps=5, stop_width=1, **geometry)
+        out = many.generate(reqs) + many.generate(cont)
+        assert [c.finish_reason for c in out] == [c.finish_reason for c in ref]
+        assert any(c.finish_reason == "stop" and c.token_ids[-1] == stops[1] for c in out)
+        for a, b in zip(out, ref, strict=True):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+            np.testing.assert_allclose(a.raw_logprobs, b.raw_logprobs, atol=1e-5)
+        assert many.stats["decode_tokens"] == one.stats["decode_tokens"]
+        if not geometry:
+            assert many.stats["steps"] < one.stats["steps"] / 3, (many.stats, one.stats)
+        else:
+            assert many.stats["preemptions"] >= 1
+    with pytest.raises(ValueError, match="decode_steps"):
+        _engine(setup, decode_steps=0)

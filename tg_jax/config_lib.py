@@ -285,6 +285,9 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     c.rollout_engine = "lockstep"
     c.engine_slots = 0  # "builtin": episodes decoded at once (0 = every episode of a call)
     c.engine_page_size = 16  # "builtin": tokens per KV page
+    # "builtin": tokens a decode call draws per sequence at most (one host round trip per
+    # call; a sequence that stops early idles for the rest of the call).
+    c.engine_decode_steps = 1
     c.data_seed = 0  # task order of the train split (the run seed is folded in)
     c.eval_every = 25  # periodic evaluation interval in steps (0 = off; last step too)
     # Dev tasks of the periodic evaluation (plain prompts, 1 sample): never the held-out ones,

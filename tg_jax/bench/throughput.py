@@ -165,13 +165,14 @@ def lm_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, j
     }
 
 
-def lm_step_timing(config: Any, repeats: int, warmup: int = 1) -> Timing:
-    """Seconds per SFT train step of `config` (model, mesh, sft sections); see module doc."""
+def lm_step_timing(config: Any, repeats: int, warmup: int = 1, devices: Any = None) -> Timing:
+    """Seconds per SFT train step of `config` (model, mesh, sft sections) on `devices`
+    (default: all); see module doc."""
     from tg_jax.rl.train_state import create_train_state  # noqa: PLC0415
     from tg_jax.train.sft import make_sft_step  # noqa: PLC0415
 
     model = Transformer(ModelConfig.from_config(config.model))
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = sharding.make_mesh(config.mesh, devices=devices)
     rules = sharding.logical_rules(config.mesh)
     optimizer, step = make_sft_step(config, model, mesh, rules)
     state = create_train_state(model, optimizer, mesh, rules, jax.random.key(0))

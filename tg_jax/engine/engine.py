@@ -14,8 +14,9 @@ One scheduling iteration (`Engine.step`), driven by ONE thread (any thread may `
   2. prefill: up to `prefill_rows` sequences in their prefill phase run one chunk of
      `prefill_chunk` tokens each (one jitted call); a context's last token is left to 3.
   3. decode: every sequence in its decode phase (one jitted call) feeds its last
-     token, draws the next one (per-request random streams) and finishes on a stop id or
-     its token budget; its slot is free for the next step's admissions.
+     token, draws the next one (per-request random streams; up to `decode_steps` tokens a
+     call) and finishes on a stop id or its token budget; its slot is free for the next
+     step's admissions.
 
 Pages are allocated when a write needs them (a sequence holds pages only for its written
 tokens); a write into a shared page copies it first (copy-on-write). When the pool is empty,
@@ -32,8 +33,8 @@ Shapes (`warmup` compiles them all up front; nothing compiles in steady state, a
 sequences (`slot_buckets`, at most max_slots: a step computes only what is decoding), prefill
 [prefill_rows, prefill_chunk], page tables [., width] with width the power-of-two bucket of
 the longest row's pages (`page_buckets`, at most max_pages_per_seq). Limits: host scheduling
-between calls (each step waits for its drawn tokens, one token per sequence per step); a
-step's attention reads `width` pages of every row, the longest row's bucket;
+between calls (each step waits for its drawn tokens: with decode_steps 1, one host round trip
+per token); a step's attention reads `width` pages of every row, the longest row's bucket;
 `update_weights` applies from the next step on (sequences in flight keep their keys and
 values from the older weights, and no new request shares them;
 `Completion.first_policy_version` tells).
@@ -77,6 +78,8 @@ class Engine:
         pad_id: int = 0,
         bucket_pages: bool = True,
         bucket_slots: bool = True,
+        decode_steps: int = 1,
+        stop_width: int = 4,
     ):
         """Args:
         max_slots: sequences decoded per step.
@@ -94,7 +97,14 @@ class Engine:
           off: always max_pages_per_seq wide (one compilation, every step reads all pages).
         bucket_slots: a decode call has as many rows as sequences decode, rounded up to a
           power of two (`slot_buckets`; off: always max_slots rows).
+        decode_steps: tokens a decode call draws per row at most (`paged.sample_steps`): one
+          host round trip per K tokens instead of per token; a row that stops early idles for
+          the rest of the call, and admissions wait for the call's end.
+        stop_width: stop ids per request checked on the device (more are checked on the
+          host; the row then draws past its stop, which is dropped).
         """
+        if min(decode_steps, stop_width) < 1:
+            raise ValueError(f"decode_steps, stop_width must be >= 1: {decode_steps}, {stop_width}")
         self.model = model
         self.max_slots, self.page_size = int(max_slots), int(page_size)
         self.max_pages_per_seq = int(max_pages_per_seq)
@@ -103,6 +113,7 @@ class Engine:
         self.rng = jax.random.key(0) if rng is None else rng
         self.prefix_sharing, self.max_kept, self.pad_id = prefix_sharing, max_kept, pad_id
         self.bucket_pages, self.bucket_slots = bucket_pages, bucket_slots
+        self.decode_steps, self.stop_width = int(decode_steps), int(stop_width)
         self.num_traces = 0  # traces (compilations) this engine's calls caused
         self.pool = paged.init_pool(model, self.num_pages, self.page_size)
         self.allocator = PageAllocator(self.num_pages)
@@ -467,15 +478,13 @@ class Engine:
                     prefill_jit, self._weights, self.pool, tokens, zeros_b, zeros_b, table
                 )
                 for rows in self.slot_buckets():
-                    batch = self._decode_batch([])
-                    batch = {k: np.resize(v, (rows,)) for k, v in batch.items() if k != "table"}
-                    batch["active"][:] = False
+                    batch = self._decode_batch([], size=rows)
                     batch["table"] = np.zeros((rows, width), np.int32)
-                    _, self.pool = self._call(decode_jit, self._weights, self.pool, self.rng, batch)
+                    _, self.pool = self._call(
+                        decode_jit, self._weights, self.pool, self.rng, batch, self.decode_steps
+                    )
             self.pool = self._call(copy_jit, self.pool, np.int32(0), np.int32(0))
             jax.block_until_ready(self.pool)
-
-    # --- the two calls ------------------------------------------------------------------------
 
     def _running(self, prefill: bool) -> list[Sequence]:
         """Running sequences in their prefill (or decode) phase, oldest first."""
@@ -514,57 +523,66 @@ class Engine:
         """Decode batch sizes (`paged.buckets` of max_slots)."""
         return paged.buckets(self.max_slots, self.bucket_slots)
 
-    def _decode_batch(self, rows: list[Sequence]) -> dict[str, np.ndarray]:
-        """The decode call's arrays: row i is rows[i], padded to a `slot_buckets` size."""
-        b = next(n for n in self.slot_buckets() if n >= max(len(rows), 1))
-        batch = {
-            "tokens": np.full((b,), self.pad_id, np.int32), "pos": np.zeros((b,), np.int32),
-            "active": np.zeros((b,), bool), "seed": np.zeros((b,), np.int32),
-            "index": np.zeros((b,), np.int32), "temperature": np.ones((b,), np.float32),
-            "top_k": np.zeros((b,), np.int32), "top_p": np.ones((b,), np.float32),
-        }  # fmt: skip
-        for i, seq in enumerate(rows):
-            r = seq.request
-            batch["tokens"][i], batch["pos"][i], batch["seed"][i] = (
-                seq.tokens[-1],
-                seq.cached,
-                r.stream(),
-            )
-            batch["index"][i], batch["temperature"][i] = seq.generated, r.temperature
-            batch["top_k"][i], batch["top_p"][i] = r.top_k, r.top_p
-        batch["active"][: len(rows)] = True
-        batch["table"] = self._table(rows + [None] * (b - len(rows)))
-        return batch
+    def _decode_batch(self, rows: list[Sequence], size: int = 0) -> dict[str, np.ndarray]:
+        """The decode call's arrays: row i is rows[i], padded to a `slot_buckets` size (or
+        to `size` rows)."""
+        b = size or next(n for n in self.slot_buckets() if n >= max(len(rows), 1))
+        pad, w, reqs = b - len(rows), self.stop_width, [s.request for s in rows]
+
+        def col(values, fill, dtype):
+            return np.asarray([*values, *[fill] * pad], dtype)
+
+        stop = [(list(r.stop_ids)[:w] + [-1] * w)[:w] for r in reqs] + [[-1] * w] * pad
+        steps = [min(self.decode_steps, s.request.max_new_tokens - s.generated) for s in rows]
+        return {
+            "tokens": col([s.tokens[-1] for s in rows], self.pad_id, np.int32),
+            "pos": col([s.cached for s in rows], 0, np.int32),
+            "active": col([True] * len(rows), False, bool),
+            "seed": col([r.stream() for r in reqs], 0, np.int32),
+            "index": col([s.generated for s in rows], 0, np.int32),
+            "temperature": col([r.temperature for r in reqs], 1.0, np.float32),
+            "top_k": col([r.top_k for r in reqs], 0, np.int32),
+            "top_p": col([r.top_p for r in reqs], 1.0, np.float32),
+            "steps": col(steps, 0, np.int32),
+            "stop": np.asarray(stop, np.int32).reshape(b, w),
+            "table": self._table(rows + [None] * pad),
+        }
 
     def _run_decode(self, finished: list[Completion]) -> None:
-        """One decode step of every sequence in its decode phase; finishes the done ones."""
+        """One decode call (<= decode_steps tokens a row) of every sequence in its decode phase;
+        finishes the done ones."""
         rows = []
         for seq in self._running(prefill=False):
-            if seq.slot is not None and self._prepare_write(seq, 1):
+            n = min(self.decode_steps, seq.request.max_new_tokens - seq.generated)
+            if seq.slot is not None and self._prepare_write(seq, n):
                 rows.append(seq)
         rows = [s for s in rows if s.slot is not None]
         if not rows:
             return
         batch = self._decode_batch(rows)
-        (tok, lp, raw), self.pool = self._call(
-            decode_jit, self._weights, self.pool, self.rng, batch
-        )
-        tok, lp, raw = jax.device_get((tok, lp, raw))
-        self._counts["decode_steps"] += 1
-        self._counts["decode_tokens"] += len(rows)
+        args = (self._weights, self.pool, self.rng, batch, self.decode_steps)
+        outs, self.pool = self._call(decode_jit, *args)
+        tok, lp, raw, drawn = jax.device_get(outs)
+        self._counts["decode_steps"] += int(batch["steps"].max())
         for i, seq in enumerate(rows):
-            self._record_write(seq, 1)
-            if seq.generated == 0:
-                self._counts["prefill_tokens"] += 1  # the context's last token
-                seq.prefill_tokens += 1
-            seq.tokens.append(int(tok[i]))
-            seq.logprobs.append(float(lp[i]))
-            seq.raw_logprobs.append(float(raw[i]))
-            seq.versions.append(self.version)
-            if int(tok[i]) in seq.request.stop_ids:
-                finished.append(self._finish(seq, "stop"))
-            elif seq.generated >= seq.request.max_new_tokens:
-                finished.append(self._finish(seq, "length"))
+            n, reason = 0, None
+            first = int(seq.generated == 0 and drawn[i, 0])  # the context's last token fed
+            self._counts["prefill_tokens"] += first
+            seq.prefill_tokens += first
+            while reason is None and n < self.decode_steps and drawn[i, n]:
+                seq.tokens.append(int(tok[i, n]))
+                seq.logprobs.append(float(lp[i, n]))
+                seq.raw_logprobs.append(float(raw[i, n]))
+                seq.versions.append(self.version)
+                n += 1
+                if seq.tokens[-1] in seq.request.stop_ids:
+                    reason = "stop"
+                elif seq.generated >= seq.request.max_new_tokens:
+                    reason = "length"
+            self._record_write(seq, n)  # the n tokens fed (the last drawn: by the next call)
+            self._counts["decode_tokens"] += n
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
 
     def _finish(self, seq: Sequence, reason: str) -> Completion:
         """Frees the slot; the sequence (and its pages) is kept for `continue_from`."""

@@ -21,7 +21,8 @@ return the updated pool (jit them with the pool donated, so the writes are in pl
   decode_step    one token per row at position pos_b: writes it, attends over the row's
                  pages, returns fp32 logits [B, V]; `draw` samples from them.
 
-`weights_jit`, `prefill_jit`, `decode_jit` (`sample_step`: decode and draw) and `copy_jit`
+`weights_jit`, `prefill_jit`, `decode_jit` (`sample_steps`: decode and draw, one or several
+tokens a row per call) and `copy_jit`
 are the jitted forms the engine calls (`tracing.jit`, the model static, the pool donated);
 `TRACES` counts their traces. The engine buckets B (decode rows) and M (page-table width) to
 powers of two (`buckets`), so each compiles once per bucket.
@@ -235,6 +236,43 @@ def sample_step(
     return draw(rng, logits_BxV, batch), pool
 
 
+def sample_steps(
+    model: Transformer,
+    weights: decode.DecodeWeights,
+    pool: PagedPool,
+    rng: Array,
+    batch: dict[str, Any],
+    num_steps: int,
+) -> tuple[tuple[Array, ...], PagedPool]:
+    """Up to `num_steps` `sample_step`s in one call (multi-step decode: one host round trip and
+    one dispatch for several tokens per row).
+
+    batch: `sample_step`'s, plus [B] "steps" (tokens row b may draw in this call, <= num_steps)
+    and [B, S] "stop" (its stop ids, -1 padded). Row b runs while it is active, has drawn fewer
+    than steps_b tokens and has not drawn a stop id; each draw feeds the previous one at the
+    next position and uses the next index of the row's random stream, so the tokens equal
+    those of num_steps single-step calls. A stopped row writes only the scratch page.
+    Returns ((tokens, log-probs, raw log-probs, drawn) each [B, num_steps], pool); drawn[b, j]
+    says whether row b drew its j-th token here.
+    """
+
+    def body(carry, step):
+        pool, tokens_B, pos_B, index_B, alive_B = carry
+        active_B = alive_B & (step < batch["steps"])
+        inner = {**batch, "tokens": tokens_B, "pos": pos_B, "index": index_B, "active": active_B}
+        (tok_B, lp_B, raw_B), pool = sample_step(model, weights, pool, rng, inner)
+        stopped_B = jnp.any(tok_B[:, None] == batch["stop"], axis=-1)
+        more_B = active_B.astype(jnp.int32)
+        carry = (pool, jnp.where(active_B, tok_B, tokens_B), pos_B + more_B, index_B + more_B,
+                 alive_B & ~(active_B & stopped_B))  # fmt: skip
+        return carry, (tok_B, lp_B, raw_B, active_B)
+
+    init = (pool, batch["tokens"], batch["pos"], batch["index"], batch["active"])
+    steps = jnp.arange(num_steps, dtype=jnp.int32)
+    (pool, *_), outs = jax.lax.scan(body, init, steps)
+    return tuple(x.T for x in outs), pool
+
+
 def buckets(limit: int, on: bool = True) -> list[int]:
     """Sizes a bucketed dimension takes: powers of two below `limit`, then `limit` (off:
     `limit` only)."""
@@ -258,7 +296,7 @@ def _traced(fn):
 
 weights_jit = tracing.jit(_traced(decode.decode_weights), static_argnums=0)
 prefill_jit = tracing.jit(_traced(prefill_chunk), static_argnums=0, donate_argnums=(2,))
-decode_jit = tracing.jit(_traced(sample_step), static_argnums=0, donate_argnums=(2,))
+decode_jit = tracing.jit(_traced(sample_steps), static_argnums=(0, 5), donate_argnums=(2,))
 copy_jit = tracing.jit(
     _traced(lambda model, pool, src, dst: copy_page(pool, src, dst)),
     static_argnums=0, donate_argnums=(1,),
@@ -280,4 +318,5 @@ __all__ = [
     "prefill_chunk",
     "request_uniforms",
     "sample_step",
+    "sample_steps",
 ]

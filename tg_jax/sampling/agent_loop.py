@@ -70,14 +70,14 @@ class EngineRunner:
 
     def __init__(self, engine_api: Any, model: Any, *, slots: int, max_total_tokens: int,
                  page_size: int = 16, pad_id: int = 0, prefill_chunk: int = 64,
-                 prefill_rows: int = 4):  # fmt: skip
+                 prefill_rows: int = 4, decode_steps: int = 1):  # fmt: skip
         self.api = engine_api
         if slots < 1 or page_size < 1:
             raise ValueError(f"engine slots and page size must be >= 1, got {slots}, {page_size}")
         self.model, self.slots, self.page_size = model, int(slots), int(page_size)
         self.max_pages = -(-int(max_total_tokens) // self.page_size)
         self.pad_id, self.prefill_chunk = pad_id, prefill_chunk
-        self.prefill_rows = min(prefill_rows, self.slots)
+        self.prefill_rows, self.decode_steps = min(prefill_rows, self.slots), int(decode_steps)
         self.engine: Any = None  # the tg_jax.engine.Engine
         self._params: Any = None
 
@@ -88,7 +88,7 @@ class EngineRunner:
             self.engine = self.api.Engine(
                 self.model, params, max_slots=self.slots, page_size=self.page_size,
                 max_pages_per_seq=self.max_pages, prefill_chunk=self.prefill_chunk,
-                prefill_rows=self.prefill_rows, pad_id=self.pad_id,
+                prefill_rows=self.prefill_rows, pad_id=self.pad_id, decode_steps=self.decode_steps,
                 max_kept=max(1024, 2 * self.slots), version=0 if version is None else version,
             )  # fmt: skip
         elif params is not self._params:
@@ -111,7 +111,7 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
     """The engine of `rl_loop.rollout_engine` ("builtin"), or None for the lock-step path.
 
     slots: `rl_loop.engine_slots`, 0 = `episodes` (every episode of a call decodes at once);
-    page size `rl_loop.engine_page_size`.
+    page size `rl_loop.engine_page_size`, tokens per decode call `rl_loop.engine_decode_steps`.
     """
     lc = config.get("rl_loop") if hasattr(config, "get") else None
     if lc is None or engine_kind(lc) == "lockstep":
@@ -125,6 +125,7 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
     return EngineRunner(
         engine_api, model, slots=slots, max_total_tokens=max_total_tokens,
         page_size=int(lc.get("engine_page_size", 16)), pad_id=pad_id,
+        decode_steps=int(lc.get("engine_decode_steps", 1)),
     )  # fmt: skip
 
 
