@@ -28,6 +28,7 @@ is that layout on a tiny checkpoint (trainer 4 + sampler 4 CPU devices).
 import os
 
 from tg_jax import config_files, config_lib
+from tg_jax.mesh_settings import DEFAULT_RULES
 
 # One train step = GROUPS x ROLLOUTS rows; padded to SEQ_LEN tokens (multi-turn agentic coding
 # episodes: prompt, tool outputs and several assistant turns).
@@ -78,7 +79,7 @@ def get_config(arg=None):
     c.mesh.shape = (1, 8, 1, 4)  # data, fsdp, tensor, expert
     c.mesh.rules = tuple(
         (name, ("data", "fsdp", "expert") if name == "batch" else target)
-        for name, target in config_lib.DEFAULT_RULES
+        for name, target in DEFAULT_RULES
     )  # logical axis -> mesh axes: DEFAULT_RULES with the batch over the expert axis too
     c.rl.micro_batches = GROUPS * ROLLOUTS // 32  # one row per chip per micro-batch (HBM)
     # Each host (4 chips) samples its share of the rows with its own bf16 copy of the weights

@@ -56,6 +56,10 @@ def _main(*args: str) -> subprocess.CompletedProcess:
             "error: invalid config: rl_loop.rollout_engine must be one of ('lockstep', 'builtin'), "
             "got 'vllm'",
         ),
+        (
+            "--config.rl_loop.engine_decode_steps=0",
+            "error: invalid config: rl_loop.engine_decode_steps must be >= 1, got 0",
+        ),
     ],
     ids=[
         "unknown_field",
@@ -69,6 +73,7 @@ def _main(*args: str) -> subprocess.CompletedProcess:
         "gate_range",
         "format_cost_gate",
         "rollout_engine",
+        "decode_steps",
     ],  # fmt: skip
 )
 def test_bad_override_is_one_line_and_exit_2(tmp_path, override, line):

@@ -11,10 +11,13 @@ from tg_jax.data.task_settings import SweTasksConfig, TasksConfig
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.envs.transcripts import TranscriptConfig
+from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
 from tg_jax.models import ModelConfig
 from tg_jax.rl import step_config
 from tg_jax.rl.step_config import OptimConfig, StepConfig, TGConfig
+from tg_jax.train.loop_settings import FeedbackConfig, LoopConfig, PipelineConfig, TuneConfig
 from tg_jax.train.sft_select import ExtendConfig, SelectConfig
+from tg_jax.train.sft_settings import RequireConfig, SftEvalConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
@@ -118,6 +121,14 @@ SECTIONS = [  # (the ConfigDict builder, its dataclass, the dataclass's instance
     (config_lib.transcripts_config, TranscriptConfig, TranscriptConfig()),
     (config_lib.tasks_config, TasksConfig, TasksConfig()),
     (config_lib.swe_tasks_config, SweTasksConfig, SweTasksConfig()),
+    (config_lib.sft_require_config, RequireConfig, RequireConfig()),
+    (config_lib.sft_eval_config, SftEvalConfig, SftEvalConfig()),
+    (config_lib.loop_config, LoopConfig, LoopConfig()),
+    (lambda: config_lib.loop_config().feedback, FeedbackConfig, FeedbackConfig()),
+    (config_lib.pipeline_config, PipelineConfig, PipelineConfig()),
+    (lambda: config_lib.pipeline_config().tune, TuneConfig, TuneConfig()),
+    (config_lib.mesh_config, MeshConfig, MeshConfig()),
+    (config_lib.sampler_mesh_config, SamplerMeshConfig, SamplerMeshConfig()),
 ]  # fmt: skip
 
 
@@ -148,3 +159,26 @@ def test_off_and_pairs_fields_round_trip():
     assert step_config.RLConfig.from_config(back) == rl
     with pytest.raises(ValueError, match=r"rl\.clip_low: could not convert"):
         step_config.RLConfig.from_config({"clip_low": "wide"})
+
+
+def test_loop_pipeline_and_mesh_sections_check_their_values():
+    """A bad value of the rl_loop, pipeline and mesh sections is an error naming the field."""
+    for section, cls, bad, match in (
+        (config_lib.loop_config(engine_decode_steps=0), LoopConfig, None, "engine_decode_steps"),
+        (config_lib.loop_config(rollout_engine="vllm"), LoopConfig, None, "rollout_engine"),
+        (config_lib.loop_config(), LoopConfig, ("feedback.wrong", 1.5), "feedback.wrong"),
+        (config_lib.loop_config(), LoopConfig, ("speed", 2), "unknown fields"),
+        (config_lib.pipeline_config(arms=("tg", "tg")), PipelineConfig, None, "distinct"),
+        (config_lib.mesh_config(shape=(-1, -1, 1, 1)), MeshConfig, None, "at most one -1"),
+        (config_lib.sampler_mesh_config(shape=(2,)), SamplerMeshConfig, None, "differ"),
+        (config_lib.sampler_mesh_config(), SamplerMeshConfig, ("max_rows", -1), "max_rows"),
+    ):
+        cfg = section.to_dict()
+        if bad is not None:
+            *parents, key = bad[0].split(".")
+            node = cfg
+            for p in parents:
+                node = node[p]
+            node[key] = bad[1]
+        with pytest.raises(ValueError, match=match):
+            cls.from_config(cfg)

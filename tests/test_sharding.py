@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tg_jax import config_lib, sharding
+from tg_jax.mesh_settings import DEFAULT_RULES
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 
 
@@ -67,7 +68,7 @@ def test_sharded_forward_equals_single_device_and_placement():
 def test_replicated_large_params_fail_loudly():
     model = _model()
     mesh = sharding.make_mesh(config_lib.mesh_config((2, 2, 2, 1)))
-    no_rules = tuple((name, None) for name, _ in config_lib.DEFAULT_RULES)
+    no_rules = tuple((name, None) for name, _ in DEFAULT_RULES)
     params, _ = sharding.create_sharded_params(
         model, jax.random.key(0), mesh, no_rules, check=False
     )

@@ -24,51 +24,22 @@ from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.envs.transcripts import TranscriptConfig
 from tg_jax.evaluation.report_settings import ReportSettings
+from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
 from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
-from tg_jax.train.sft_settings import ExtendConfig, SelectConfig
-
-# Logical axis -> mesh axes. Params: embed/vocab/heads/kv_heads/mlp/expert/head_dim/layers/
-# norm. Activations: batch/length/act_embed plus heads/mlp/vocab.
-DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("act_embed", None),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("expert", "expert"),
-    ("moe_mlp", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("norm", None),
-)
+from tg_jax.train.loop_settings import LoopConfig, PipelineConfig
+from tg_jax.train.sft_settings import ExtendConfig, RequireConfig, SelectConfig, SftEvalConfig
 
 
 def mesh_config(shape=(1, -1, 1, 1)) -> ml_collections.ConfigDict:
-    """Mesh axes, sizes (one may be -1 = the rest of the devices) and logical rules."""
-    c = ml_collections.ConfigDict()
-    c.axes = ("data", "fsdp", "tensor", "expert")  # mesh axis names
-    c.shape = tuple(shape)  # size per axis; one -1 takes the remaining devices
-    c.rules = DEFAULT_RULES  # logical axis name -> mesh axis (or tuple of axes, or None)
-    return c
+    """Mesh axes, sizes (one may be -1 = the rest of the devices) and logical rules (the
+    fields: `tg_jax.mesh_settings.MeshConfig`)."""
+    return MeshConfig.config_dict(shape=tuple(shape))
 
 
 def sampler_mesh_config(num_devices: int = 0, shape=(-1, 1)) -> ml_collections.ConfigDict:
-    """The sampler's own devices and mesh (tg_jax.sharding.split_devices, make_sampler_mesh)."""
-    c = ml_collections.ConfigDict()
-    # 0 = colocated: the sampler uses the trainer's devices and mesh. N > 0: the last N devices
-    # are the sampler's, the trainer's mesh (`mesh`) is built over the others, and each train
-    # step's weights are resharded onto the sampler's devices (one process only, for now).
-    c.num_devices = num_devices
-    c.axes = ("data", "tensor")  # data-parallel replicas x tensor parallelism (heads, mlp)
-    c.shape = tuple(shape)  # size per axis; one -1 takes the rest of the sampler's devices
-    # Most episodes in one sampler call (0 = all of a step's, or of an evaluation's): more are
-    # played in chunks of this many, with the same rollouts (tg_jax.sampling.rollout).
-    c.max_rows = 0
-    return c
+    """The sampler's own devices and mesh (the fields: `tg_jax.mesh_settings.SamplerMeshConfig`)."""
+    return SamplerMeshConfig.config_dict(num_devices=num_devices, shape=tuple(shape))
 
 
 # The embedded CPU model (a byte tokenizer: 256 bytes + special tokens, padded to a multiple
@@ -234,83 +205,21 @@ def sft_select_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def sft_require_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Gates on the base model's sft_eval.json (tg_jax.train.sft_gates), checked before RL."""
-    c = ml_collections.ConfigDict()
-    c.enabled = True  # False: no gates (the tiny test configs)
-    c.pass_rate = (0.2, 0.6)  # allowed range of the temperature-1 held-out pass rate
-    c.max_unprompted_compliance = 0.02  # per requirement RL judges, plain prompts, at most
-    c.min_hinted_compliance = 0.95  # per requirement RL judges, hinted prompts, at least
-    # Per requirement RL judges with an opening (the fence), at most: plain pass rate minus the
-    # pass rate with the first answer opened in the format (sft_eval's format_cost); 1.0 = off.
-    c.max_format_cost = 1.0
-    c.update(overrides)
-    return c
+    """Gates on the base model's sft_eval.json, checked before RL (the fields:
+    `tg_jax.train.sft_settings.RequireConfig`)."""
+    return RequireConfig.config_dict(**overrides)
 
 
 def sft_eval_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Base-model evaluation on held-out tasks (pass rate, unprompted/hinted compliance)."""
-    c = ml_collections.ConfigDict()
-    # Dev tasks per evaluation mode (task_data.dev_tasks, never the held-out ones: the gates
-    # are checked before any run, and only the final evaluation reads held-out tasks).
-    c.num_tasks = 128
-    c.task_seed = 8  # their generation seed (sft.select's dev tasks use sft.select.seed)
-    c.seed = 0  # sampling seed
-    c.temperatures = (1.0, 0.0)  # 1.0 = the RL sampling temperature, 0.0 = greedy
-    c.max_new_tokens = 128  # decode budget per assistant turn
-    c.update(overrides)
-    return c
+    """The base model's evaluation on dev tasks (the fields:
+    `tg_jax.train.sft_settings.SftEvalConfig`)."""
+    return SftEvalConfig.config_dict(**overrides)
 
 
 def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The RL loop: steps, rollout groups, sampling, evaluation, checkpoints, feedback quality."""
-    c = ml_collections.ConfigDict()
-    c.steps = 100  # RL train steps (one policy update each)
-    # Passes over the train tasks the run makes (0 = not declared). When set, steps x
-    # groups_per_step must equal epochs x the train tasks (checked once the tasks are known).
-    c.epochs = 0.0
-    c.groups_per_step = 8  # N tasks per step (GRPO groups)
-    c.rollouts_per_group = 8  # G rollouts of the same task per group
-    c.max_new_tokens = 128  # decode budget per assistant turn
-    c.seq_len = 0  # padded student length T of a batch; 0 = model.max_seq_len
-    c.length_multiple = 64  # batch T is rounded up to a multiple of this (0 = always seq_len)
-    c.async_sampling = True  # sampling loop in its own thread; False = deterministic, in-line
-    # Threads running one turn's tool calls (env.step) at once. 8 instead of 2 made neither the
-    # held-out evaluation nor RL steps of the default faster on an idle 2-core machine
-    # (docs/experiments.md); more pays where a call waits long (a SWE task's pytest).
-    c.env_workers = 2
-    c.queue_size = 1  # rollout groups sampled ahead (more: less waiting, more stale drops)
-    # Who plays the episodes (RL rollouts and held-out evaluation): "lockstep" = every turn
-    # of every live episode in one sampler call (tg_jax.sampling.rollout); "builtin" = one
-    # agent loop per episode on the continuous-batching engine (tg_jax.sampling.agent_loop).
-    c.rollout_engine = "lockstep"
-    c.engine_slots = 0  # "builtin": episodes decoded at once (0 = every episode of a call)
-    c.engine_page_size = 16  # "builtin": tokens per KV page
-    # "builtin": tokens a decode call draws per sequence at most (one host round trip per
-    # call; a sequence that stops early idles for the rest of the call).
-    c.engine_decode_steps = 1
-    c.data_seed = 0  # task order of the train split (the run seed is folded in)
-    c.eval_every = 25  # periodic evaluation interval in steps (0 = off; last step too)
-    # Dev tasks of the periodic evaluation (plain prompts, 1 sample): never the held-out ones,
-    # which only the final evaluation reads (tg_jax.evaluation.heldout_reads).
-    c.eval_tasks = 32
-    c.eval_task_seed = 9  # their generation seed (task_data.dev_tasks)
-    c.checkpoint_every = 25  # checkpoint interval in steps (the last step is always saved)
-    c.keep_checkpoints = 2  # checkpoints kept (keep-N)
-    # Also export the policy as a Hugging Face checkpoint directory every N steps, to
-    # <run>/export/step_<N> (0 = off; the main job always exports the final policy).
-    c.export_every = 0
-    c.log_every = 10  # progress-line interval when stdout is not a TTY
-    c.use_tensorboard = True  # TensorBoard event files next to metrics.jsonl
-    c.feedback = ml_collections.ConfigDict()  # imperfect feedback for teacher hints
-    c.feedback.correct = 1.0  # share of failed turns whose hint is the correct one
-    c.feedback.irrelevant = 0.0  # share shown true-sounding advice unrelated to the requirement
-    c.feedback.wrong = 0.0  # share shown a hint pointing at a different format
-    # A judge that errs (tg_jax.envs.hints.VerdictNoise): share of failed turns judged met, and
-    # of met turns judged failed, in training (the held-out evaluation judges truly).
-    c.feedback.false_positive = 0.0
-    c.feedback.false_negative = 0.0
-    c.update(overrides)
-    return c
+    """The RL loop: steps, rollout groups, sampling, evaluation, checkpoints, feedback quality
+    (the fields: `tg_jax.train.loop_settings.LoopConfig`)."""
+    return LoopConfig.config_dict(**overrides)
 
 
 def tiny_loop_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -350,19 +259,9 @@ def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def pipeline_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """The main job (tg_jax.train.pipeline): its arms and their learning-rate selection."""
-    c = ml_collections.ConfigDict()
-    c.arms = ("grpo", "tg")  # RL arms (tg_jax.train.pipeline.ARMS), same budget each
-    # Learning-rate trials, the same for every arm (tg_jax.train.tuning): each arm trains once
-    # per rate on the train split minus a validation split, is scored there, and its
-    # eval.train_seeds runs use its best rate. () = no trials: every arm at optim.lr.
-    c.tune = ml_collections.ConfigDict()
-    c.tune.lrs = ()  # learning rates tried per arm, e.g. (1e-4, 3e-4, 1e-3)
-    c.tune.seed = 1000  # training seed of the trials (not one of eval.train_seeds)
-    c.tune.val_tasks = 128  # last tasks of the train split: the trials' validation split
-    c.tune.samples_per_task = 2  # validation episodes per task (plain prompts)
-    c.update(overrides)
-    return c
+    """The main job (tg_jax.train.pipeline): its arms and their learning-rate selection (the
+    fields: `tg_jax.train.loop_settings.PipelineConfig`)."""
+    return PipelineConfig.config_dict(**overrides)
 
 
 def tiny_eval_config(**overrides: Any) -> ml_collections.ConfigDict:

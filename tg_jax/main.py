@@ -216,16 +216,20 @@ def _check_config(config, workdir: str) -> None:
                                 "; set rl_loop.eval_every=0 or give it one")  # fmt: skip
         except ValueError as e:
             _fail(f"invalid config: {e}")
-    if "rl_loop" in config and "feedback" in config.rl_loop:
-        from tg_jax.sampling import agent_loop
-        from tg_jax.train import rl_rollouts
+    from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
+    from tg_jax.train import rl_rollouts
+    from tg_jax.train.loop_settings import LoopConfig, PipelineConfig
 
-        try:  # hint kinds, the judge's error rates, the rollout engine: before data and SFT
+    sections = {"rl_loop": LoopConfig, "pipeline": PipelineConfig, "mesh": MeshConfig,
+                "sampler_mesh": SamplerMeshConfig}  # fmt: skip
+    try:  # sections declared as dataclasses (unknown fields, bad values); hint kinds
+        for name in (name for name in sections if name in config):
+            sections[name].from_config(config[name])
+        if "rl_loop" in config:
             rl_rollouts.feedback_rates(config.rl_loop.feedback)
             rl_rollouts.verdict_noise(config.rl_loop.feedback)
-            agent_loop.engine_kind(config.rl_loop)
-        except ValueError as e:
-            _fail(f"invalid config: {e}")
+    except ValueError as e:
+        _fail(f"invalid config: {e}")
     if all(name in config for name in ("rl", "tg", "optim")):
         from tg_jax.rl.step_config import StepConfig
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from tg_jax import config_lib
+from tg_jax import config_lib, tracing
 from tg_jax.bench import rl_step, throughput
 from tg_jax.bench.measure import time_calls
 from tg_jax.models import ModelConfig, Transformer, init_params
@@ -65,7 +65,7 @@ def measure_peak(n: int, repeats: int = 10) -> float:
     """FLOP/s of a bf16 [n, n] @ [n, n] matmul (fp32 accumulation), median of `repeats`."""
     keys = jax.random.split(jax.random.key(0), 2)
     a, b = (jax.random.normal(k, (n, n), jnp.bfloat16) for k in keys)
-    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+    matmul = tracing.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     t = time_calls(lambda: matmul(a, b).block_until_ready(), repeats, warmup=2)
     return 2.0 * n**3 / t.median
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from tg_jax.envs import make_env, requirement_names
+from tg_jax.train.sft_settings import RequireConfig, SftEvalConfig
 
 # What to change when a gate fails (shown in the error).
 KNOBS = (
@@ -73,27 +74,11 @@ def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
 
 def check_require_config(config: Any) -> None:
     """Raises ValueError for `sft.require` bounds no base model can meet or that are not
-    numbers (checked before data and SFT, so a typo does not cost an SFT run)."""
-    req = config.sft.require
-    try:
-        low, high = (float(v) for v in req.pass_rate)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"sft.require.pass_rate must be two numbers (low, high), not {req.pass_rate!r}"
-        ) from None
-    if not 0.0 <= low <= high <= 1.0:
-        raise ValueError(
-            f"sft.require.pass_rate ({low}, {high}) must satisfy 0 <= low <= high <= 1"
-        )
-    for key in ("max_unprompted_compliance", "min_hinted_compliance"):
-        if not 0.0 <= float(req[key]) <= 1.0:
-            raise ValueError(f"sft.require.{key} must be in [0, 1], not {req[key]}")
-    cost = float(req.get("max_format_cost", 1.0))
-    if not cost >= -1.0:  # a pass-rate difference is >= -1; NaN fails too
-        raise ValueError(
-            f"sft.require.max_format_cost must be >= -1 (a pass-rate difference; >= 1 turns "
-            f"the gate off), not {cost}"
-        )
+    numbers, and for a bad `sft.eval` (checked before data and SFT, so a typo does not cost an
+    SFT run; the checks: `sft_settings.RequireConfig`, `SftEvalConfig`)."""
+    RequireConfig.from_config(config.sft.require)
+    if "eval" in config.sft:
+        SftEvalConfig.from_config(config.sft.eval)
 
 
 def check_base_model(config: Any, result: dict[str, Any]) -> list[str]:

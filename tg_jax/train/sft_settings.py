@@ -1,5 +1,5 @@
-"""The SFT selection and extension sections (`config.sft.select`, `config.sft.extend`),
-declared once (`tg_jax.config_schema`); what they drive is `tg_jax.train.sft_select`."""
+"""The SFT sections (`config.sft.select`, `extend`, `require`, `eval`), declared once
+(`tg_jax.config_schema`); what they drive: `tg_jax.train.sft_select`, `sft_gates`, `sft_eval`."""
 
 from __future__ import annotations
 
@@ -69,3 +69,65 @@ class ExtendConfig(Section):
     def __post_init__(self):
         if self.steps < 0 or not 0.0 < self.lr_fraction <= 1.0:
             raise ValueError(f"sft.extend: steps >= 0 and lr_fraction in (0, 1], got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequireConfig(Section):
+    """`config.sft.require`: gates on the base model's sft_eval.json (`tg_jax.train.sft_gates`),
+    checked before any RL; bounds no base model can meet are an error at start-up."""
+
+    section: ClassVar[str] = "sft.require"
+
+    enabled: bool = True
+    """False: no gates (the tiny test configs)."""
+    pass_rate: tuple[float, ...] = (0.2, 0.6)
+    """Allowed range (low, high) of the temperature-1 dev pass rate."""
+    max_unprompted_compliance: float = 0.02
+    """Per requirement RL judges, plain prompts, at most."""
+    min_hinted_compliance: float = 0.95
+    """Per requirement RL judges, hinted prompts, at least."""
+    max_format_cost: float = 1.0
+    """Per requirement RL judges with an opening (the fence), at most: plain pass rate minus the
+    pass rate with the first answer opened in the format (sft_eval's format_cost); 1.0 = off."""
+
+    def __post_init__(self):
+        s = self.section
+        if len(self.pass_rate) != 2:
+            raise ValueError(f"{s}.pass_rate must be two numbers (low, high), not {self.pass_rate}")
+        low, high = self.pass_rate
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"{s}.pass_rate ({low}, {high}) must satisfy 0 <= low <= high <= 1")
+        for key in ("max_unprompted_compliance", "min_hinted_compliance"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"{s}.{key} must be in [0, 1], not {getattr(self, key)}")
+        if not self.max_format_cost >= -1.0:  # a pass-rate difference is >= -1; NaN fails too
+            raise ValueError(
+                f"{s}.max_format_cost must be >= -1 (a pass-rate difference; >= 1 turns the "
+                f"gate off), not {self.max_format_cost}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SftEvalConfig(Section):
+    """`config.sft.eval`: the base model's evaluation (pass rate, unprompted and hinted
+    compliance), written to sft_eval.json and gated by `sft.require`."""
+
+    section: ClassVar[str] = "sft.eval"
+
+    num_tasks: int = 128
+    """Dev tasks per evaluation mode (`task_data.dev_tasks`, never the held-out ones: the gates
+    are checked before any run, and only the final evaluation reads held-out tasks)."""
+    task_seed: int = 8
+    """Their generation seed (sft.select's dev tasks use sft.select.seed)."""
+    seed: int = 0
+    """Sampling seed."""
+    temperatures: tuple[float, ...] = (1.0, 0.0)
+    """1.0 = the RL sampling temperature, 0.0 = greedy."""
+    max_new_tokens: int = 128
+    """Decode budget per assistant turn."""
+
+    def __post_init__(self):
+        if self.num_tasks < 1 or self.max_new_tokens < 1 or not self.temperatures:
+            raise ValueError(
+                f"sft.eval: num_tasks, max_new_tokens >= 1 and some temperatures, got {self}"
+            )

@@ -1,0 +1,157 @@
+"""The `rl_loop` and `pipeline` sections of a run config, declared once (`tg_jax.config_schema`):
+`LoopConfig` (with `FeedbackConfig`) drives `tg_jax.train.rl`, `PipelineConfig` (with
+`TuneConfig`) the main job (`tg_jax.train.pipeline`, `tg_jax.train.tuning`). The start-up check
+(`tg_jax.main`) reads both back, so a bad value is an error before any stage runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from tg_jax.config_schema import Section
+from tg_jax.sampling.agent_loop import ENGINES
+
+
+def _at_least(section: str, cfg: Section, bounds: dict[str, float]) -> None:
+    for name, bound in bounds.items():
+        if getattr(cfg, name) < bound:
+            raise ValueError(f"{section}.{name} must be >= {bound}, got {getattr(cfg, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeedbackConfig(Section):
+    """`rl_loop.feedback`: imperfect feedback for the teacher's hints, and a judge that errs."""
+
+    section: ClassVar[str] = "rl_loop.feedback"
+
+    correct: float = 1.0
+    """Share of failed turns whose hint is the correct one."""
+    irrelevant: float = 0.0
+    """Share shown true-sounding advice unrelated to the requirement."""
+    wrong: float = 0.0
+    """Share shown a hint pointing at a different format."""
+    false_positive: float = 0.0
+    """Share of failed turns the training judge calls met (`tg_jax.envs.hints.VerdictNoise`;
+    the held-out evaluation judges truly)."""
+    false_negative: float = 0.0
+    """Share of met turns the training judge calls failed."""
+
+    def __post_init__(self):
+        for name in ("correct", "irrelevant", "wrong", "false_positive", "false_negative"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{self.section}.{name} must be in [0, 1], got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig(Section):
+    """`rl_loop`: steps, rollout groups, sampling, evaluation, checkpoints, feedback quality."""
+
+    section: ClassVar[str] = "rl_loop"
+
+    steps: int = 100
+    """RL train steps (one policy update each)."""
+    epochs: float = 0.0
+    """Passes over the train tasks the run makes (0 = not declared). When set, steps x
+    groups_per_step must equal epochs x the train tasks (checked once the tasks are known)."""
+    groups_per_step: int = 8
+    """N tasks per step (GRPO groups)."""
+    rollouts_per_group: int = 8
+    """G rollouts of the same task per group."""
+    max_new_tokens: int = 128
+    """Decode budget per assistant turn."""
+    seq_len: int = 0
+    """Padded student length T of a batch; 0 = model.max_seq_len."""
+    length_multiple: int = 64
+    """Batch T is rounded up to a multiple of this (0 = always seq_len)."""
+    async_sampling: bool = True
+    """Sampling loop in its own thread; False = deterministic, in-line."""
+    env_workers: int = 2
+    """Threads running one turn's tool calls (env.step) at once (more pays where a call waits
+    long, e.g. a SWE task's pytest; docs/experiments.md)."""
+    queue_size: int = 1
+    """Rollout groups sampled ahead (more: less waiting, more stale drops)."""
+    rollout_engine: str = "lockstep"
+    """Who plays the episodes (RL rollouts and held-out evaluation): "lockstep" = every turn of
+    every live episode in one sampler call (`tg_jax.sampling.rollout`); "builtin" = one agent
+    loop per episode on the continuous-batching engine (`tg_jax.sampling.agent_loop`)."""
+    engine_slots: int = 0
+    """"builtin": episodes decoded at once (0 = every episode of a call)."""
+    engine_page_size: int = 16
+    """"builtin": tokens per KV page."""
+    engine_decode_steps: int = 1
+    """"builtin": tokens a decode call draws per sequence at most (one host round trip per
+    call; a sequence that stops early idles for the rest of the call; docs/benchmarks.md)."""
+    data_seed: int = 0
+    """Task order of the train split (the run seed is folded in)."""
+    eval_every: int = 25
+    """Periodic evaluation interval in steps (0 = off; the last step too)."""
+    eval_tasks: int = 32
+    """Dev tasks of the periodic evaluation (plain prompts, 1 sample): never the held-out
+    ones, which only the final evaluation reads (`tg_jax.evaluation.heldout_reads`)."""
+    eval_task_seed: int = 9
+    """Their generation seed (`task_data.dev_tasks`)."""
+    checkpoint_every: int = 25
+    """Checkpoint interval in steps (the last step is always saved)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept (keep-N)."""
+    export_every: int = 0
+    """Also export the policy as a Hugging Face checkpoint directory every N steps, to
+    <run>/export/step_<N> (0 = off; the main job always exports the final policy)."""
+    log_every: int = 10
+    """Progress-line interval when stdout is not a TTY."""
+    use_tensorboard: bool = True
+    """TensorBoard event files next to metrics.jsonl."""
+    feedback: FeedbackConfig = FeedbackConfig()
+    """Imperfect feedback for the teacher's hints."""
+
+    def __post_init__(self):
+        _at_least(self.section, self, dict(
+            steps=1, groups_per_step=1, rollouts_per_group=1, max_new_tokens=1, seq_len=0,
+            length_multiple=0, env_workers=1, queue_size=0, engine_slots=0, engine_page_size=1,
+            engine_decode_steps=1, eval_every=0, eval_tasks=0, checkpoint_every=0,
+            keep_checkpoints=1, export_every=0, log_every=1,
+        ))  # fmt: skip
+        if self.epochs < 0:
+            raise ValueError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {self.epochs}")
+        if self.rollout_engine not in ENGINES:
+            raise ValueError(
+                f"rl_loop.rollout_engine must be one of {ENGINES}, got {self.rollout_engine!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig(Section):
+    """`pipeline.tune`: learning-rate trials, the same for every arm (`tg_jax.train.tuning`):
+    each arm trains once per rate on the train split minus a validation split, is scored there,
+    and its eval.train_seeds runs use its best rate."""
+
+    section: ClassVar[str] = "pipeline.tune"
+
+    lrs: tuple[float, ...] = ()
+    """Learning rates tried per arm, e.g. (1e-4, 3e-4, 1e-3); () = no trials: every arm at
+    optim.lr."""
+    seed: int = 1000
+    """Training seed of the trials (not one of eval.train_seeds)."""
+    val_tasks: int = 128
+    """Last tasks of the train split: the trials' validation split."""
+    samples_per_task: int = 2
+    """Validation episodes per task (plain prompts)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig(Section):
+    """`pipeline`: the main job's arms and their learning-rate selection."""
+
+    section: ClassVar[str] = "pipeline"
+
+    arms: tuple[str, ...] = ("grpo", "tg")
+    """RL arms (`tg_jax.train.pipeline.ARMS`), the same budget each."""
+    tune: TuneConfig = TuneConfig()
+    """Learning-rate trials (none by default)."""
+
+    def __post_init__(self):
+        if not self.arms or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"pipeline.arms must be distinct and not empty, got {self.arms}")
+
+
+__all__ = ["FeedbackConfig", "LoopConfig", "PipelineConfig", "TuneConfig"]
