@@ -11,6 +11,7 @@ from tg_jax.data.task_settings import SweTasksConfig, TasksConfig
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.envs.transcripts import TranscriptConfig
+from tg_jax.evaluation.report_settings import EvalConfig
 from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
 from tg_jax.models import ModelConfig
 from tg_jax.rl import step_config
@@ -123,6 +124,7 @@ SECTIONS = [  # (the ConfigDict builder, its dataclass, the dataclass's instance
     (config_lib.swe_tasks_config, SweTasksConfig, SweTasksConfig()),
     (config_lib.sft_require_config, RequireConfig, RequireConfig()),
     (config_lib.sft_eval_config, SftEvalConfig, SftEvalConfig()),
+    (config_lib.eval_config, EvalConfig, EvalConfig()),
     (config_lib.loop_config, LoopConfig, LoopConfig()),
     (lambda: config_lib.loop_config().feedback, FeedbackConfig, FeedbackConfig()),
     (config_lib.pipeline_config, PipelineConfig, PipelineConfig()),

@@ -10,6 +10,7 @@ two modules together). Packages are tg_jax's first-level packages and top-level 
 import ast
 import collections
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,3 +141,13 @@ def test_no_function_over_80_lines():
                 if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
                     long[f"{name}.{node.name}:{node.lineno}"] = n
     assert long == {}
+
+
+def test_readme_is_for_users():
+    """The README stays a user's page: at most 250 lines, no commit hashes (the dated history
+    lives in docs/results.md and docs/experiments.md)."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 250, len(text.splitlines())
+    hashes = re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
+    assert not hashes, hashes

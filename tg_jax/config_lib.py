@@ -23,7 +23,7 @@ from tg_jax.data.task_settings import SweTasksConfig, TasksConfig
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.envs.transcripts import TranscriptConfig
-from tg_jax.evaluation.report_settings import ReportSettings
+from tg_jax.evaluation.report_settings import EvalConfig
 from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
 from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
@@ -234,28 +234,9 @@ def tiny_loop_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def eval_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """Final held-out evaluation, arms and seeds, statistics and the non-inferiority margin.
-
-    The margin and the interval that decides non-inferiority are fixed here, before any run
-    (docs/design.md section 4; see tg_jax.evaluation.stats for the exact interval).
-    """
-    c = ml_collections.ConfigDict()
-    c.num_tasks = 128  # held-out tasks (never used in training); the bootstrap unit
-    c.samples_per_task = 2  # episodes per task and condition (averaged per task first)
-    c.temperature = 1.0  # sampling temperature (the RL sampling temperature)
-    c.max_new_tokens = 128  # decode budget per assistant turn
-    c.conditions = ("plain", "hinted")  # plain prompts; hinted = hint before every turn
-    c.sampling_seed = 1234  # sampling key of the evaluation (same for every arm and seed)
-    c.env_workers = 2  # threads running one turn's tool calls at once (rl_loop.env_workers)
-    c.train_seeds = (0, 1, 2)  # training seeds per arm (the seed spread is reported apart)
-    # Each run's final evaluation reads the held-out tasks once (W/heldout_reads.json); True
-    # evaluates a run again whose heldout.jsonl was deleted (recorded, listed in the report).
-    c.reread_heldout = False
-    # How the report compares the arms: baseline, candidate, margin, ni_interval, floor,
-    # level, n_boot, bootstrap_seed, last_k (declared in tg_jax.evaluation.report).
-    c.update(ReportSettings.config_dict())
-    c.update(overrides)
-    return c
+    """Final held-out evaluation, arms and seeds, statistics and the non-inferiority margin
+    (the fields: `tg_jax.evaluation.report_settings.EvalConfig`)."""
+    return EvalConfig.config_dict(**overrides)
 
 
 def pipeline_config(**overrides: Any) -> ml_collections.ConfigDict:

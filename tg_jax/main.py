@@ -216,12 +216,13 @@ def _check_config(config, workdir: str) -> None:
                                 "; set rl_loop.eval_every=0 or give it one")  # fmt: skip
         except ValueError as e:
             _fail(f"invalid config: {e}")
+    from tg_jax.evaluation.report_settings import EvalConfig
     from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
     from tg_jax.train import rl_rollouts
     from tg_jax.train.loop_settings import LoopConfig, PipelineConfig
 
     sections = {"rl_loop": LoopConfig, "pipeline": PipelineConfig, "mesh": MeshConfig,
-                "sampler_mesh": SamplerMeshConfig}  # fmt: skip
+                "sampler_mesh": SamplerMeshConfig, "eval": EvalConfig}  # fmt: skip
     try:  # sections declared as dataclasses (unknown fields, bad values); hint kinds
         for name in (name for name in sections if name in config):
             sections[name].from_config(config[name])

@@ -1,5 +1,6 @@
-"""How the report compares arms: the report's fields of the `eval` section, declared once
-(`tg_jax.config_schema`); the report is `tg_jax.evaluation.report`."""
+"""The `eval` section, declared once (`tg_jax.config_schema`): `ReportSettings`, how the report
+(`tg_jax.evaluation.report`) compares arms, and `EvalConfig`, those fields and the held-out
+evaluation's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import ClassVar
 
 from tg_jax.config_schema import Section
 from tg_jax.evaluation.registry import corrected_level
+from tg_jax.sampling.episode import CONDITIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,3 +58,42 @@ class ReportSettings(Section):
     def verdict_level(self) -> float:
         """The level of the verdict's interval: `level`, split over the registered attempts."""
         return corrected_level(self.level, len(self.earlier)) if self.hypothesis else self.level
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig(ReportSettings):
+    """`eval`: the final held-out evaluation, the arms' training seeds, and (the fields of
+    `ReportSettings`) how the report compares the arms. The margin and the interval that
+    decides non-inferiority are fixed here, before any run (docs/design.md section 4)."""
+
+    strict: ClassVar[bool] = True
+
+    num_tasks: int = 128
+    """Held-out tasks (never used in training); the bootstrap unit."""
+    samples_per_task: int = 2
+    """Episodes per task and condition (averaged per task first)."""
+    temperature: float = 1.0
+    """Sampling temperature (the RL sampling temperature)."""
+    max_new_tokens: int = 128
+    """Decode budget per assistant turn."""
+    conditions: tuple[str, ...] = CONDITIONS
+    """"plain" prompts; "hinted" = a hint before every turn."""
+    sampling_seed: int = 1234
+    """Sampling key of the evaluation (the same for every arm and seed)."""
+    env_workers: int = 2
+    """Threads running one turn's tool calls at once (rl_loop.env_workers)."""
+    train_seeds: tuple[int, ...] = (0, 1, 2)
+    """Training seeds per arm (the seed spread is reported apart)."""
+    reread_heldout: bool = False
+    """Each run's final evaluation reads the held-out tasks once (W/heldout_reads.json); True
+    evaluates a run again whose heldout.jsonl was deleted (recorded, listed in the report)."""
+
+    def __post_init__(self):
+        if min(self.num_tasks, self.samples_per_task, self.max_new_tokens, self.env_workers) < 1:
+            raise ValueError(
+                "eval.num_tasks, samples_per_task, max_new_tokens and env_workers must be >= 1"
+            )
+        if not self.conditions or set(self.conditions) - set(CONDITIONS):
+            raise ValueError(f"eval.conditions must be some of {CONDITIONS}, got {self.conditions}")
+        if not self.train_seeds or len(set(self.train_seeds)) != len(self.train_seeds):
+            raise ValueError(f"eval.train_seeds must be distinct, not empty: {self.train_seeds}")
