@@ -18,7 +18,7 @@ from tg_jax.rl import step_config
 from tg_jax.rl.step_config import OptimConfig, StepConfig, TGConfig
 from tg_jax.train.loop_settings import FeedbackConfig, LoopConfig, PipelineConfig, TuneConfig
 from tg_jax.train.sft_select import ExtendConfig, SelectConfig
-from tg_jax.train.sft_settings import RequireConfig, SftEvalConfig
+from tg_jax.train.sft_settings import RequireConfig, SftConfig, SftEvalConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
@@ -122,6 +122,7 @@ SECTIONS = [  # (the ConfigDict builder, its dataclass, the dataclass's instance
     (config_lib.transcripts_config, TranscriptConfig, TranscriptConfig()),
     (config_lib.tasks_config, TasksConfig, TasksConfig()),
     (config_lib.swe_tasks_config, SweTasksConfig, SweTasksConfig()),
+    (config_lib.sft_config, SftConfig, SftConfig()),
     (config_lib.sft_require_config, RequireConfig, RequireConfig()),
     (config_lib.sft_eval_config, SftEvalConfig, SftEvalConfig()),
     (config_lib.eval_config, EvalConfig, EvalConfig()),

@@ -28,7 +28,13 @@ from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
 from tg_jax.models.config import ModelConfig
 from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
 from tg_jax.train.loop_settings import LoopConfig, PipelineConfig
-from tg_jax.train.sft_settings import ExtendConfig, RequireConfig, SelectConfig, SftEvalConfig
+from tg_jax.train.sft_settings import (
+    ExtendConfig,
+    RequireConfig,
+    SelectConfig,
+    SftConfig,
+    SftEvalConfig,
+)
 
 
 def mesh_config(shape=(1, -1, 1, 1)) -> ml_collections.ConfigDict:
@@ -145,49 +151,13 @@ def transcripts_config(**overrides: Any) -> ml_collections.ConfigDict:
 
 
 def sft_config(steps: int = 3000, **overrides: Any) -> ml_collections.ConfigDict:
-    """SFT of the base model: data, batches, optimizer, checkpoints, evaluation.
-
-    Why many small steps: after learning the format the byte model plateaus until attention
-    learns to copy numbers out of the prompt, and that takes optimizer steps, not tokens.
-    """
-    c = ml_collections.ConfigDict()
-    c.steps = steps  # train steps
-    c.batch_size = 2  # packed rows per step (a multiple of the mesh's batch split)
-    # Tokens per packed row (<= model.max_seq_len); attention cost grows with it, and longer
-    # transcripts (< 0.5% at max_chars 800) are left out.
-    c.seq_len = 512
-    c.num_transcripts = 12_000  # expert transcripts, one per drawn train task (~1 epoch)
-    c.data_seed = 1  # seed of the SFT tasks, transcripts, packing and batch order
-    # The weights SFT starts from: "" = a random init of `seed`; else a shipped base (a name
-    # under tg_jax/bases, or its directory) that SFT continues (sft.tokenizer "byte").
-    c.init = ""
-    # Requirements whose hints appear in the SFT transcripts (the hints the base model learns
-    # to follow); empty = env.requirements. RL judges and teaches env.requirements only.
-    c.hint_requirements = ()
-    c.transcripts = transcripts_config()  # the synthetic expert's knobs
-    # The base model's tokenizer: "byte" (ByteTokenizer) or "bpe" (a byte-level BPE trained on
-    # the train-split transcripts, tg_jax.text.bpe; model.vocab_size then follows it).
-    c.tokenizer = "byte"
-    c.bpe_vocab_size = 512  # "bpe": ids at most (bytes, specials, fences, merges)
-    c.optim = optim_config(
-        lr=5e-3, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=50, end_lr_fraction=0.05
-    )  # AdamW + warmup-cosine
-    c.optim.total_steps = c.get_ref("steps")  # the cosine ends with SFT (follows sft.steps)
-    c.log_every = 100  # progress-line interval when not on a TTY
-    c.checkpoint_every = 500  # checkpoint interval in steps (the last step is always saved)
-    c.eval = sft_eval_config()  # the base-model evaluation written to sft_eval.json
-    c.require = sft_require_config()  # gates on the base model, checked before any RL
-    c.select = sft_select_config()  # model selection on dev tasks (tg_jax.train.sft_select)
-    # Selection's compliance bounds follow the gates' (overriding a gate moves both).
+    """SFT of the base model (the fields: `tg_jax.train.sft_settings.SftConfig`), with two
+    links: the optimizer's cosine ends with SFT (`optim.total_steps` follows `steps`), and
+    selection's compliance bounds follow the gates' (overriding a gate moves both)."""
+    c = SftConfig.config_dict(steps=steps)
+    c.optim.total_steps = c.get_ref("steps")
     c.select.unprompted_max = c.require.get_ref("max_unprompted_compliance")
     c.select.hinted_min = c.require.get_ref("min_hinted_compliance")
-    c.extend = sft_extend_config()  # more steps for a run still low on dev at sft.steps
-    c.retry_seeds = 0  # on a gate failure retry SFT with seed+1, data_seed+1, this many times
-    # Where the base model comes from: train (SFT in the run, as above) | shipped (the base
-    # `base` under tg_jax/bases, trained once, the same file on every machine; the gates apply
-    # to its recorded figures; tg_jax.train.shipped_base).
-    c.source = "train"
-    c.base = ""  # the shipped base: a name under tg_jax/bases, or a directory
     c.update(overrides)
     return c
 

@@ -220,9 +220,11 @@ def _check_config(config, workdir: str) -> None:
     from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
     from tg_jax.train import rl_rollouts
     from tg_jax.train.loop_settings import LoopConfig, PipelineConfig
+    from tg_jax.train.sft_settings import SftConfig
 
     sections = {"rl_loop": LoopConfig, "pipeline": PipelineConfig, "mesh": MeshConfig,
-                "sampler_mesh": SamplerMeshConfig, "eval": EvalConfig}  # fmt: skip
+                "sampler_mesh": SamplerMeshConfig, "eval": EvalConfig,
+                "sft": SftConfig}  # fmt: skip
     try:  # sections declared as dataclasses (unknown fields, bad values); hint kinds
         for name in (name for name in sections if name in config):
             sections[name].from_config(config[name])

@@ -7,6 +7,8 @@ import dataclasses
 from typing import ClassVar
 
 from tg_jax.config_schema import Section
+from tg_jax.envs.transcripts import TranscriptConfig
+from tg_jax.rl.step_config import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,3 +133,82 @@ class SftEvalConfig(Section):
             raise ValueError(
                 f"sft.eval: num_tasks, max_new_tokens >= 1 and some temperatures, got {self}"
             )
+
+
+_SFT_OPTIM = OptimConfig(
+    lr=5e-3, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=50, end_lr_fraction=0.05,
+    total_steps=3000,
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class SftConfig(Section):
+    """`config.sft`: SFT of the base model (data, batches, optimizer, checkpoints, evaluation,
+    gates, selection), or where a shipped base comes from.
+
+    Why many small steps: after learning the format the byte model plateaus until attention
+    learns to copy numbers out of the prompt, and that takes optimizer steps, not tokens.
+    """
+
+    section: ClassVar[str] = "sft"
+
+    steps: int = 3000
+    """Train steps."""
+    batch_size: int = 2
+    """Packed rows per step (a multiple of the mesh's batch split)."""
+    seq_len: int = 512
+    """Tokens per packed row (<= model.max_seq_len); attention cost grows with it, and longer
+    transcripts (< 0.5% at max_chars 800) are left out."""
+    num_transcripts: int = 12_000
+    """Expert transcripts, one per drawn train task (~1 epoch)."""
+    data_seed: int = 1
+    """Seed of the SFT tasks, transcripts, packing and batch order."""
+    init: str = ""
+    """The weights SFT starts from: "" = a random init of `seed`; else a shipped base (a name
+    under tg_jax/bases, or its directory) that SFT continues (sft.tokenizer "byte")."""
+    hint_requirements: tuple[str, ...] = ()
+    """Requirements whose hints appear in the SFT transcripts (the hints the base model learns
+    to follow); empty = env.requirements. RL judges and teaches env.requirements only."""
+    transcripts: TranscriptConfig = TranscriptConfig()
+    """The synthetic expert's knobs."""
+    tokenizer: str = "byte"
+    """The base model's tokenizer: "byte" (ByteTokenizer) or "bpe" (a byte-level BPE trained on
+    the train-split transcripts, tg_jax.text.bpe; model.vocab_size then follows it)."""
+    bpe_vocab_size: int = 512
+    """"bpe": ids at most (bytes, specials, fences, merges)."""
+    optim: OptimConfig = _SFT_OPTIM
+    """AdamW + warmup-cosine; `total_steps` follows `steps` (config_lib.sft_config)."""
+    log_every: int = 100
+    """Progress-line interval when not on a TTY."""
+    checkpoint_every: int = 500
+    """Checkpoint interval in steps (the last step is always saved)."""
+    eval: SftEvalConfig = SftEvalConfig()
+    """The base-model evaluation written to sft_eval.json."""
+    require: RequireConfig = RequireConfig()
+    """Gates on the base model, checked before any RL."""
+    select: SelectConfig = SelectConfig()
+    """Model selection on dev tasks (`tg_jax.train.sft_select`); its compliance bounds follow
+    the gates' (config_lib.sft_config)."""
+    extend: ExtendConfig = ExtendConfig()
+    """More steps for a run still low on dev at `steps`."""
+    retry_seeds: int = 0
+    """On a gate failure retry SFT with seed+1, data_seed+1, this many times."""
+    source: str = "train"
+    """Where the base model comes from: train (SFT in the run, as above) | shipped (the base
+    `base` under tg_jax/bases, trained once, the same file on every machine; the gates apply to
+    its recorded figures; tg_jax.train.shipped_base)."""
+    base: str = ""
+    """The shipped base: a name under tg_jax/bases, or a directory."""
+
+    def __post_init__(self):
+        positive = ("batch_size", "seq_len", "num_transcripts", "log_every", "checkpoint_every",
+                    "bpe_vocab_size")  # fmt: skip
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 0 or self.retry_seeds < 0:
+            raise ValueError(f"sft.steps and sft.retry_seeds must be >= 0, got {self}")
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"sft.tokenizer {self.tokenizer!r} is not one of ('byte', 'bpe')")
+        if self.source not in ("shipped", "train"):
+            raise ValueError(f"sft.source must be one of shipped, train, got {self.source!r}")
