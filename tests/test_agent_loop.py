@@ -192,6 +192,12 @@ def test_runner_from_config_defaults_to_lockstep():
         cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
     )
     assert (runner.slots, runner.page_size, runner.max_pages) == (6, 16, 7)
+    assert runner.decode_steps == 1
+    cfg.rl_loop.engine_decode_steps = 8
+    runner = agent_loop.runner_from_config(
+        cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
+    )
+    assert runner.decode_steps == 8
     with pytest.raises(ValueError, match="needs the model's own sampler"):  # a wrapped sampler
         agent_loop.runner_from_config(
             cfg, engine_api, None, episodes=6, max_total_tokens=100, pad_id=0
