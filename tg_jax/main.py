@@ -218,7 +218,6 @@ def _check_config(config, workdir: str) -> None:
             _fail(f"invalid config: {e}")
     from tg_jax.evaluation.report_settings import EvalConfig
     from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
-    from tg_jax.train import rl_rollouts
     from tg_jax.train.loop_settings import LoopConfig, PipelineConfig
     from tg_jax.train.sft_settings import SftConfig
 
@@ -226,9 +225,12 @@ def _check_config(config, workdir: str) -> None:
                 "sampler_mesh": SamplerMeshConfig, "eval": EvalConfig,
                 "sft": SftConfig}  # fmt: skip
     try:  # sections declared as dataclasses (unknown fields, bad values); hint kinds
-        for name in (name for name in sections if name in config):
-            sections[name].from_config(config[name])
+        for name, section in sections.items():
+            if name in config:
+                section.from_config(config[name])
         if "rl_loop" in config:
+            from tg_jax.train import rl_rollouts
+
             rl_rollouts.feedback_rates(config.rl_loop.feedback)
             rl_rollouts.verdict_noise(config.rl_loop.feedback)
     except ValueError as e:

@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from tg_jax import tracing
+from tg_jax.mesh_settings import SamplerMeshConfig
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -94,12 +95,11 @@ def split_devices(
         divide the trainer's devices (the weights are staged split that way before the copy).
     """
     devices = list(devices) if devices is not None else jax.devices()
-    cfg = config.get("sampler_mesh")
-    n = int(cfg.num_devices) if cfg is not None else 0
+    section = config.get("sampler_mesh")
+    cfg = SamplerMeshConfig.from_config(section) if section is not None else SamplerMeshConfig()
+    n = cfg.num_devices  # checked (>= 0, axes and shape of one length) by SamplerMeshConfig
     if n == 0:
         return devices, None
-    if n < 0:
-        raise ValueError(f"sampler_mesh.num_devices must be >= 0, got {n}")
     if jax.process_count() > 1:
         raise ValueError(
             f"sampler_mesh.num_devices={n} with {jax.process_count()} processes: a sampler on "
@@ -120,10 +120,7 @@ def split_devices(
         shape = resolve_mesh_shape(cfg.shape, n)
     except ValueError as e:
         raise ValueError(f"sampler_mesh over its {n} devices: {e}") from None
-    axes = tuple(cfg.axes)
-    if len(axes) != len(shape):
-        raise ValueError(f"sampler_mesh.axes {axes} and shape {shape} differ in length")
-    tensor = dict(zip(axes, shape, strict=True)).get("tensor", 1)
+    tensor = dict(zip(cfg.axes, shape, strict=True)).get("tensor", 1)
     if len(trainer) % tensor:
         raise ValueError(
             f"sampler_mesh tensor axis {tensor} does not divide the trainer's {len(trainer)} "
