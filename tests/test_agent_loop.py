@@ -222,10 +222,10 @@ agent_loop.play_episodes = counted
 shapes, init = set(), agent_loop.EngineRunner.__init__
 def recorded(self, *a, **k):
     init(self, *a, **k)
-    shapes.add((self.slots, self.page_size))
+    shapes.add((self.slots, self.page_size, self.decode_steps))
 agent_loop.EngineRunner.__init__ = recorded
 atexit.register(lambda: print(f"agent loop episodes: {calls[0]}"))
-atexit.register(lambda: print(f"engine slots, page size: {sorted(shapes)}"))
+atexit.register(lambda: print(f"engine slots, page size, decode steps: {sorted(shapes)}"))
 sys.argv = ["tg_jax.main", *sys.argv[1:]]
 runpy.run_module("tg_jax.main", run_name="__main__")
 """
@@ -235,14 +235,15 @@ runpy.run_module("tg_jax.main", run_name="__main__")
 def test_main_job_rl_stage_with_the_builtin_engine(tmp_path):
     """The tiny main job (SFT, then 2 RL steps of the tg arm, held-out evaluations) with
     rl_loop.rollout_engine=builtin: every rollout is played by the engine's agent loops, on
-    the engine's slots and page size from the command line (fewer slots than episodes: the
-    engine admits the rest as slots free)."""
+    the engine's slots, page size and tokens per decode call from the command line (fewer slots
+    than episodes: the engine admits the rest as slots free)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-c", MAIN, "--config=configs/tiny.py",
            f"--workdir={tmp_path / 'w'}", "--config.stage=pipeline",
            "--config.pipeline.arms=('tg',)", "--config.rl_loop.rollout_engine=builtin",
            "--config.rl_loop.steps=2", "--config.rl_loop.engine_slots=3",
-           "--config.rl_loop.engine_page_size=8"]  # fmt: skip
+           "--config.rl_loop.engine_page_size=8",
+           "--config.rl_loop.engine_decode_steps=4"]  # fmt: skip
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -253,5 +254,5 @@ def test_main_job_rl_stage_with_the_builtin_engine(tmp_path):
     # 2 steps x 2 groups x 2 rollouts, 2 periodic evaluations of 4 tasks, the final 16 + 16.
     played = int(proc.stdout.rsplit("agent loop episodes: ", 1)[1].split()[0])
     assert played >= 8 + 8, proc.stdout[-2000:]
-    assert "engine slots, page size: [(3, 8)]" in proc.stdout, proc.stdout[-2000:]
+    assert "engine slots, page size, decode steps: [(3, 8, 4)]" in proc.stdout, proc.stdout[-2000:]
     print(f"main job with the builtin engine: {time.time() - start:.1f}s, {played} episodes")
