@@ -74,6 +74,20 @@ def test_every_arm_applies_to_the_default_and_experiment_configs():
     assert len(experiment.eval.train_seeds) >= 3 and len(peers.eval.train_seeds) >= 3
 
 
+def test_peers_config_is_its_base_config_plus_the_arms():
+    for arg, base in ((None, "default.py"), ("fence", "fence.py")):
+        peers = config_files.load_config_file(os.path.join(CONFIG_DIR, "peers.py"), arg).to_dict()
+        want = config_files.load_config_file(os.path.join(CONFIG_DIR, base)).to_dict()
+        assert peers["pipeline"]["arms"] == ("grpo", "tg", "sdpo", "opsd", "sdar", "sgcd")
+        assert peers["eval"]["train_seeds"] == (0, 1, 2)
+        for d in (peers, want):
+            d["pipeline"].pop("arms"), d["eval"].pop("train_seeds")
+        assert peers == want, base
+    assert want["rl_loop"]["steps"] == 120 and want["env"]["requirements"] == ("fence",)
+    with pytest.raises(ValueError, match="configs/peers.py takes one of"):
+        config_files.load_config_file(os.path.join(CONFIG_DIR, "peers.py"), "joint2")
+
+
 def test_lambda_ablations_scale_the_configs_own_lambda():
     for name in ("default.py", "fence.py", "joint.py"):
         config = config_files.load_config_file(os.path.join(CONFIG_DIR, name))
