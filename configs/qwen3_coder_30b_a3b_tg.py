@@ -21,8 +21,9 @@ Either runs `python -m tg_jax.main --config=configs/qwen3_coder_30b_a3b_tg.py --
 `configs/qwen3_coder_30b_a3b_tg.py:runlocal` takes the architecture from the checkpoint and
 shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
 `configs/qwen3_coder_30b_a3b_tg.py:split` puts the trainer and the sampler on their own 32
-chips each of a v5p-128 (`config.sampler_mesh`; README: both steps' fit); `:runlocal_split`
-is that layout on a tiny checkpoint (trainer 4 + sampler 4 CPU devices).
+chips each of a v5p-128, 2 + 2 on every host (`config.sampler_mesh`; docs/tpu.md: both
+steps' fit); `:runlocal_split` is that layout on a tiny checkpoint (trainer 4 + sampler 4 CPU
+devices: one process, or 2 + 2 on each of a local pod's 2 processes).
 """
 
 import os
@@ -109,12 +110,13 @@ def get_config(arg=None):
     return c
 
 
-def _split(c, num_devices=32, tensor=4):
-    """`:split`: the trainer and the sampler on their own 32 chips each of a v5p-128 (4x4x4):
-    the trainer as above on the first 32, the sampler 8 replicas of 4-way tensor parallelism
-    (4 KV heads: one per chip) on the last 32. On a v5p-64 (16 + 16 chips) the sampler's
-    1024-row, 8192-slot KV cache, decode weights and its copy of the fp32 params do not fit.
-    One process only for now (`sharding.split_devices` refuses several)."""
+def _split(c, num_devices=32, tensor=2):
+    """`:split`: the trainer and the sampler on their own 32 chips each of a v5p-128 (4x4x4,
+    16 hosts of 4 chips): every host trains on its first 2 chips (one trainer mesh of 32, as
+    above) and samples its share of the rows (64 of 1024) on its last 2, with its own bf16
+    copy of the weights split 2 ways (2 of the 4 KV heads per chip), copied from its trainer
+    chips after each step (`sharding.split_devices`, `placement.HostReplicas`; docs/tpu.md).
+    On one process (`:runlocal_split` on 8 CPU devices) the last 4 devices sample."""
     # The last chips sample: data-parallel replicas x `tensor`-way tensor parallel.
     c.sampler_mesh = config_lib.sampler_mesh_config(num_devices=num_devices, shape=(-1, tensor))
     # Full teacher rows: compact rows keep every layer's student prefix for the teacher (77.9

@@ -3,11 +3,15 @@
     python -m tests.multihost_driver WORKDIR --devices 8                        # 1 process
     TG_JAX_DISTRIBUTED=1 TG_JAX_COORDINATOR=localhost:PORT TG_JAX_NUM_PROCESSES=2 \\
       TG_JAX_PROCESS_ID=i python -m tests.multihost_driver WORKDIR --devices 4  # process i
+    ... --split 4   # and the same run with the sampler on 4 devices of its own
 
 WORKDIR/det: tests/rl_loop_driver.py's config (configs/tiny.py, TG arm) in the deterministic
 mode for --steps steps (held-out evaluation at steps 0, 2 and the last), exporting the params
 at the last step; process 0 writes det/final_params.npz (every param leaf by path, gathered
 from all processes) when it finishes.
+With --split N > 0, WORKDIR/split: det's run with the sampler on devices of its own
+(sampler_mesh.num_devices N: the last N / P devices of each process), its final params in
+split/final_params.npz likewise.
 Then, with --async-steps N > 0, WORKDIR/async: a copy of det resumed from its last checkpoint
 for N more steps with the sampling thread, without evaluation (the same processes, so the
 start-up is paid once).
@@ -26,6 +30,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--async-steps", type=int, default=0)
+    parser.add_argument("--split", type=int, default=0)
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -50,9 +55,10 @@ def main() -> None:
         os.makedirs(out_dir)
         np.savez(os.path.join(out_dir, "params.npz"), **driver.flat_params(params))
 
-    def run(name, async_sampling, steps):
+    def run(name, async_sampling, steps, split=0):
         workdir = os.path.join(args.workdir, name)
         config = driver.make_config("tg", async_sampling, steps)
+        config.sampler_mesh.num_devices = split
         config.rl_loop.export_every = steps
         if async_sampling:  # only shows that it runs: no evaluation (fewer compilations)
             config.rl_loop.eval_every = 0
@@ -70,6 +76,8 @@ def main() -> None:
         )
 
     run("det", False, args.steps)
+    if args.split > 0:  # the sampler on devices of its own (the last split / P of each process)
+        run("split", False, args.steps, split=args.split)
     if args.async_steps > 0:
         if jax.process_index() == 0:
             shutil.copytree(os.path.join(args.workdir, "det"), os.path.join(args.workdir, "async"))

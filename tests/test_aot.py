@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tg_jax import config_files, sharding
-from tg_jax.models import hf_dir
+from tg_jax.models import ModelConfig, Transformer, hf_dir
 from tg_jax.tpu import aot
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -186,9 +186,10 @@ def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
     )
     assert resolved.model.to_dict() == {**cfg.model.to_dict(), "hf_checkpoint": ckpt}
     assert resolved.model.vocab_size == 151_936
-    if arg == "split":
-        trainer, sampler = sharding.split_devices(resolved, list(range(64)))
-        assert len(trainer) == 32 and sampler == list(range(32, 64))
+    if arg == "split":  # a v5p-128: 16 hosts of 4 chips, each samples on its last 2
+        hosts = [list(range(4 * h, 4 * h + 4)) for h in range(16)]
+        trainer, sampler = sharding.split_devices(resolved, list(range(64)), hosts)
+        assert len(trainer) == 32 and sampler == [4 * h + i for h in range(16) for i in (2, 3)]
 
 
 def test_compile_programs_per_host_samplers_on_cpu():
@@ -217,3 +218,20 @@ def test_compile_programs_per_host_samplers_on_cpu():
     capped = config_files.apply_overrides(cfg, {"sampler_mesh.max_rows": 2})
     (sample,) = aot.compile_programs(capped, devices, ["sample"], rows=8, hosts=hosts)
     assert sample.name.startswith("sample step (2 rows")
+    # Each host's last 2 devices its sampler's: the trainer over the first 2 of each host,
+    # the bf16 copy staged there beside the train step and the next one beside the decode.
+    split = config_files.apply_overrides(cfg, {"sampler_mesh.num_devices": 4})
+    meshes = aot.make_meshes(split, devices, hosts)
+    assert meshes.per_host and meshes.own and not meshes.split and meshes.hosts == 2
+    assert list(meshes.trainer.devices.flat) == devices[:2] + devices[4:6]
+    assert list(meshes.sampler.devices.flat) == devices[2:4]
+    train, sample = aot.compile_programs(split, devices, ["train", "sample"], rows=8, hosts=hosts)
+    divisor = sharding.batch_divisor(meshes.trainer, meshes.trainer_rules)
+    rows = aot.train_shapes(aot.resolve_architecture(split), divisor, rows=8).rows
+    assert sample.name.startswith(f"sample step ({rows // 2} rows")  # a host's share
+    assert set(train.mesh.devices.flat) == set(meshes.trainer.devices.flat)
+    model = Transformer(ModelConfig.from_config(aot.resolve_architecture(split).model))
+    bf16 = aot.bytes_per_device(
+        aot._in_dtype(aot.abstract_params(model, meshes.sampler, meshes.sampler_rules), "bfloat16")
+    )
+    assert train.resident == sample.resident == bf16 > 0

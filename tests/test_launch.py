@@ -3,6 +3,7 @@
 import os
 import shlex
 
+import numpy as np
 import pytest
 
 from tg_jax.tpu import distributed, launch
@@ -166,6 +167,54 @@ def test_local_pod_runs_the_worker_command_on_two_processes(tmp_path):
     # the middle of the other's.
     out = proc.stdout
     assert out.count("forward ok") == 2 and out.count("'fsdp': 8") == 2, out[-2000:]
+
+
+def test_local_pod_of_the_split_layout_trains_what_one_process_trains(tmp_path):
+    """`configs/qwen3_coder_30b_a3b_tg.py:runlocal_split` from a tiny Qwen3-MoE checkpoint:
+    2 processes x 4 devices (each samples on its last 2, one trainer mesh over the first 2 of
+    each) and 1 process x 8 (the last 4 sample), the same launcher command: 2 deterministic
+    RL steps export the same weights, which moved from the checkpoint; the pod logged the
+    seconds of each weight sync."""
+    import subprocess
+
+    from safetensors.numpy import load_file
+
+    from tests.hf_checkpoints import make_model_dir
+    from tests.test_hf_run import MOE
+    from tg_jax.metrics import read_metrics
+
+    ckpt = tmp_path / "ckpt"
+    make_model_dir(ckpt, MOE)
+    extra = ["--config.mesh.shape=(1,2,2,1)", "--config.rl_loop.steps=2",
+             "--config.optim.total_steps=2", "--config.eval.num_tasks=2",
+             "--config.rl_loop.async_sampling=False"]  # fmt: skip
+    procs = {}
+    for p in (2, 1):
+        env = {**os.environ, "HOME": str(tmp_path / f"home{p}")}
+        env.pop("XLA_FLAGS", None)
+        cmd = ["bash", "launch/tpu.sh", "--local", f"--processes={p}",
+               f"--devices-per-process={8 // p}",
+               "--config=configs/qwen3_coder_30b_a3b_tg.py:runlocal_split",
+               f"--workdir={tmp_path / f'w{p}'}", f"--hf-checkpoint={ckpt}",
+               "--", *extra]  # fmt: skip
+        procs[p] = subprocess.Popen(
+            cmd, cwd=os.path.join(os.path.dirname(__file__), ".."), env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    outs = {p: proc.communicate(timeout=1200)[0] for p, proc in procs.items()}
+    for p, proc in procs.items():
+        assert proc.returncode == 0, outs[p][-3000:]
+    assert "process 1/2: 4 local of 8 devices" in outs[2]
+    pod, one = (
+        load_file(str(tmp_path / f"w{p}/export/tg_seed0/model.safetensors")) for p in (2, 1)
+    )
+    start = load_file(str(ckpt / "model.safetensors"))
+    assert sorted(pod) == sorted(one) == sorted(start)
+    for k in one:
+        np.testing.assert_allclose(pod[k], one[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    assert max(float(np.abs(one[k] - start[k]).max()) for k in one) > 1e-5
+    train = [r for r in read_metrics(str(tmp_path / "w2/runs/tg_seed0")) if r["stage"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(r["time/publish_s"] > 0 for r in train)
 
 
 def test_cpu_processes_get_threads_for_blocking_collectives(monkeypatch):

@@ -32,7 +32,8 @@ from tg_jax.train import rl, rl_rollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, ASYNC_STEPS = 3, 2
-TIMEOUT_S = 300  # all runs together; about 1-2 min on 2 busy cores
+SPLIT = 4  # the split runs' sampler devices: the last 2 of each process, 4 of one
+TIMEOUT_S = 480  # all runs together; about 2-3 min on 2 busy cores
 TOL = 1e-5
 
 
@@ -47,7 +48,8 @@ def _start(workdir, devices: int, log: str, env=None, async_steps: int = 0) -> s
     env.pop("XLA_FLAGS", None)  # the driver sets its own device count
     env["TG_JAX_COMPILATION_CACHE"] = jax.config.jax_compilation_cache_dir or ""
     cmd = [sys.executable, "-m", "tests.multihost_driver", str(workdir), "--devices",
-           str(devices), "--steps", str(STEPS), "--async-steps", str(async_steps)]  # fmt: skip
+           str(devices), "--steps", str(STEPS), "--async-steps", str(async_steps),
+           "--split", str(SPLIT)]  # fmt: skip
     with open(log, "w") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -142,6 +144,24 @@ def test_two_processes_equal_one(runs):
     for k in ("sampled_tokens", "teacher_tokens", "teacher_forward_flops"):
         assert sb["costs"][k] == sa["costs"][k], k
     assert sa["costs"]["teacher_forward_flops"] > 0  # TG really ran a teacher
+
+
+def test_a_sampler_on_its_own_devices_of_each_process_equals_one_process(runs):
+    """sampler_mesh.num_devices 4: 2 processes each sample on their last 2 devices and train
+    on their first 2 (one trainer mesh of 4); the single process samples on its last 4. Same
+    final params, and the same as the colocated run; every step logged its weight sync."""
+    ref, mh = runs["ref"], runs["mh"]
+    a = np.load(ref / "split" / "final_params.npz")
+    for other in (mh / "split", ref / "det"):
+        b = np.load(other / "final_params.npz")
+        assert sorted(a.files) == sorted(b.files)
+        for k in a.files:
+            np.testing.assert_allclose(b[k], a[k], rtol=TOL, atol=TOL, err_msg=f"{other}: {k}")
+    train = [r for r in read_metrics(mh / "split") if r["stage"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert all(r["time/publish_s"] > 0 for r in train)
+    assert not any("time/publish_s" in r for r in read_metrics(ref / "split"))  # one process
+    assert "split process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
 
 
 def test_two_process_checkpoint_and_export(runs):

@@ -10,6 +10,7 @@ takes the split as an override; a split that cannot be built is a clear error.
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,11 +92,42 @@ def test_split_that_cannot_be_built_is_a_clear_error(overrides, match):
         sharding.split_devices(config, jax.devices()[:8])
 
 
-def test_split_with_several_processes_is_not_supported_yet(monkeypatch):
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match="not supported yet with several processes"):
-        sharding.split_devices(_config(), jax.devices())
-    assert sharding.split_devices(_config(num_devices=0), jax.devices())[1] is None
+class _Dev(NamedTuple):  # a device of a multi-host slice: its id and process
+    id: int
+    process_index: int
+
+
+def test_split_over_several_processes_gives_each_its_own_sampler_devices():
+    """2 hosts x 4 devices, num_devices 4: the last 2 of each host sample, the first 2 of each
+    train (one trainer mesh over both hosts); the per-host checks name the process share."""
+    devices = [_Dev(i, i // 4) for i in range(8)]
+    config = _config(num_devices=4)
+    config = config_files.apply_overrides(config, {"sampler_mesh.shape": (-1, 2)})
+    trainer, sampler = sharding.split_devices(config, devices)
+    assert [d.id for d in trainer] == [0, 1, 4, 5] and [d.id for d in sampler] == [2, 3, 6, 7]
+    cases = [
+        (3, (-1, 1), "num_devices=3 over 2 processes: .* multiple of 2"),
+        (8, (-1, 1), "below each process's 4 devices \\(4 per process\\)"),
+        (4, (-1, 4), "sampler_mesh over its 2 devices per process: .* does not divide"),
+        (2, (-1, 1), None),  # 3 trainer devices per process, 1 sampler device
+        (2, (1, 1), None),
+    ]
+    for n, shape, match in cases:
+        c = config_files.apply_overrides(
+            config, {"sampler_mesh.num_devices": n, "sampler_mesh.shape": shape}
+        )
+        if match is None:
+            trainer, sampler = sharding.split_devices(c, devices)
+            assert [d.id for d in sampler] == [3, 7] and len(trainer) == 6
+            continue
+        with pytest.raises(ValueError, match=match):
+            sharding.split_devices(c, devices)
+    c = config_files.apply_overrides(
+        config, {"sampler_mesh.num_devices": 2, "sampler_mesh.shape": (1, 1)}
+    )
+    six = [_Dev(i, i // 3) for i in range(6)]  # 2 trainer devices per host, tensor 1: fine
+    assert [d.id for d in sharding.split_devices(c, six)[1]] == [2, 5]
+    assert sharding.split_devices(_config(num_devices=0), devices)[1] is None
 
 
 def test_sampler_axes_are_checked():

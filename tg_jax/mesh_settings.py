@@ -61,8 +61,9 @@ class SamplerMeshConfig(Section):
 
     num_devices: int = 0
     """0 = colocated: the sampler uses the trainer's devices and mesh. N > 0: the last N
-    devices are the sampler's, the trainer's mesh (`mesh`) is built over the others, and each
-    train step's weights are resharded onto the sampler's devices (one process only)."""
+    devices are the sampler's (with P processes, the last N / P of each), the trainer's mesh
+    (`mesh`) is built over the others, and each train step's weights are copied onto the
+    sampler's devices."""
     axes: tuple[str, ...] = ("data", "tensor")
     """Data-parallel replicas x tensor parallelism (heads, mlp)."""
     shape: tuple[int, ...] = (-1, 1)

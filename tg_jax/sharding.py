@@ -77,22 +77,33 @@ def make_mesh(mesh_config: Any, devices: Sequence[jax.Device] | None = None) -> 
     shape = resolve_mesh_shape(mesh_config.shape, len(devices))
     if len(axes) != len(shape):
         raise ValueError(f"mesh.axes {axes} and mesh.shape {shape} differ in length")
-    return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+    types = (AxisType.Auto,) * len(axes)
+    try:  # laid out along the chips' physical links
+        return jax.make_mesh(shape, axes, axis_types=types, devices=devices)
+    except AssertionError:  # TPU chips that form no box (each host's first chips of a split)
+        return Mesh(np.asarray(devices, dtype=object).reshape(shape), axes, axis_types=types)
 
 
 def split_devices(
-    config: Any, devices: Sequence[jax.Device] | None = None
+    config: Any,
+    devices: Sequence[jax.Device] | None = None,
+    hosts: Sequence[Sequence[jax.Device]] | None = None,
 ) -> tuple[list[jax.Device], list[jax.Device] | None]:
     """(trainer's devices, sampler's devices or None) per `config.sampler_mesh`.
 
     num_devices 0 (or no sampler_mesh section) = colocated: every device is the trainer's and
-    the sampler shares them (None). N > 0: the last N of `devices` (default `jax.devices()`)
-    are the sampler's, the rest the trainer's.
+    the sampler shares them (None). N > 0: every process (host) gives the last N / P of its
+    devices to its sampler and the rest to the trainer, P the processes `devices` span (default
+    `jax.devices()`; `hosts` groups them otherwise, e.g. a topology's for an ahead-of-time
+    compile; one process: the last N devices are the sampler's). The trainer's mesh
+    spans every process's trainer devices; each process samples on its own sampler devices
+    (`tg_jax.sampling.placement`).
 
     Raises:
-      ValueError: N < 0; N leaves no trainer device; several processes (not supported yet);
-        a mesh shape that does not divide its devices; a sampler tensor axis that does not
-        divide the trainer's devices (the weights are staged split that way before the copy).
+      ValueError: N < 0; N not a multiple of P; N / P leaves a process no trainer device; a
+        mesh shape that does not divide its devices; a sampler tensor axis that does not
+        divide a process's trainer devices (the weights are staged split that way on them
+        before the copy).
     """
     devices = list(devices) if devices is not None else jax.devices()
     section = config.get("sampler_mesh")
@@ -100,31 +111,43 @@ def split_devices(
     n = cfg.num_devices  # checked (>= 0, axes and shape of one length) by SamplerMeshConfig
     if n == 0:
         return devices, None
-    if jax.process_count() > 1:
+    if hosts is None:
+        by_process: dict[int, list[jax.Device]] = {}
+        for d in devices:  # in the given order within a process
+            by_process.setdefault(int(getattr(d, "process_index", 0)), []).append(d)
+        hosts = [by_process[p] for p in sorted(by_process)]
+    if n % len(hosts):
         raise ValueError(
-            f"sampler_mesh.num_devices={n} with {jax.process_count()} processes: a sampler on "
-            "its own devices is not supported yet with several processes (set it to 0: each "
-            "process then samples on its own devices)"
+            f"sampler_mesh.num_devices={n} over {len(hosts)} processes: each process gives "
+            f"as many of its devices to its sampler, so it must be a multiple of {len(hosts)}"
         )
-    if n >= len(devices):
+    per = n // len(hosts)
+    if any(per >= len(h) for h in hosts):
+        where = f"the {len(devices)} devices" if len(hosts) == 1 else (
+            f"each process's {min(len(h) for h in hosts)} devices ({per} per process)"
+        )  # fmt: skip
         raise ValueError(
-            f"sampler_mesh.num_devices={n} must be below the {len(devices)} devices: the "
-            "trainer needs at least one"
+            f"sampler_mesh.num_devices={n} must be below {where}: the trainer needs at least one"
         )
-    trainer, sampler = devices[:-n], devices[-n:]
+    trainer = [d for h in hosts for d in h[:-per]]
+    sampler = [d for h in hosts for d in h[-per:]]
     try:
         resolve_mesh_shape(config.mesh.shape, len(trainer))
     except ValueError as e:
         raise ValueError(f"mesh over the trainer's {len(trainer)} devices: {e}") from None
     try:
-        shape = resolve_mesh_shape(cfg.shape, n)
+        shape = resolve_mesh_shape(cfg.shape, per)
     except ValueError as e:
-        raise ValueError(f"sampler_mesh over its {n} devices: {e}") from None
+        what = f"its {per} devices" + ("" if len(hosts) == 1 else " per process")
+        raise ValueError(f"sampler_mesh over {what}: {e}") from None
     tensor = dict(zip(cfg.axes, shape, strict=True)).get("tensor", 1)
-    if len(trainer) % tensor:
+    local_trainer = len(hosts[0]) - per
+    if local_trainer % tensor:
         raise ValueError(
-            f"sampler_mesh tensor axis {tensor} does not divide the trainer's {len(trainer)} "
-            "devices (the published weights are split that way on them first)"
+            f"sampler_mesh tensor axis {tensor} does not divide the trainer's {local_trainer} "
+            "devices"
+            + ("" if len(hosts) == 1 else " per process")
+            + " (the published weights are split that way on them first)"
         )
     return trainer, sampler
 

@@ -13,6 +13,10 @@ Three placements (`rollout_sampler` picks one):
                 mesh of them. A `HostReplicas` gives every process its copy of each
                 published policy: the weight matrices in the compute dtype (bf16 on TPU),
                 split `tensor` ways over the process's chips, never a full fp32 copy per chip.
+                With num_devices N > 0 each process samples on the last N / P of its devices
+                and trains on the rest (one trainer mesh over every process's); its copy is
+                staged on its trainer devices and moved to its sampler devices within the
+                process, device to device.
 
 The publisher, in two steps that both stay on devices:
 
@@ -94,28 +98,47 @@ def published_dtype(shape: Sequence[int], dtype: Any, compute: Any) -> Any:
 class HostReplicas:
     """Trainer params (on the global mesh) -> this process's copy for its sampler.
 
-    One jitted copy per publish, on a ("host", "data", "tensor") mesh stacking every process's
-    sampler mesh: each leaf gets the sampler's PartitionSpec (tensor-parallel dims over
-    "tensor", nothing over "host" or "data"), so every process ends up with a whole copy split
-    over its own devices; the weight matrices (2+ dims) are cast to the compute dtype on the
-    way (the sampler's matmuls cast them to it anyway; norm scales keep the param dtype).
-    `local` then views this process's shards as arrays on its own mesh.
+    One jitted copy per publish, on a ("host", "data", "tensor") mesh stacking a (data, tensor)
+    mesh of every process's staging devices: each leaf gets the sampler's PartitionSpec
+    (tensor-parallel dims over "tensor", nothing over "host" or "data"), so every process ends
+    up with a whole copy split over its own devices; the weight matrices (2+ dims) are cast to
+    the compute dtype on the way (the sampler's matmuls cast them to it anyway; norm scales
+    keep the param dtype). `local` then views this process's shards as arrays on its sampler
+    mesh. Colocated, the staging devices are the sampler's (its mesh); with a sampler on
+    devices of its own (`sharding.split_devices` over several processes) they are the
+    process's trainer devices, and `local` copies each shard to the sampler devices of its
+    tensor index, device to device within the process (the staged copy is then freed).
 
     Attributes:
       meshes: per process (in process order), its sampler mesh.
       rules: the sampler's logical rules.
     """
 
-    def __init__(self, model: nn.Module, sampler_mesh_cfg: Any, hosts: Sequence[Sequence[Any]]):
+    def __init__(
+        self,
+        model: nn.Module,
+        sampler_mesh_cfg: Any,
+        hosts: Sequence[Sequence[Any]],
+        targets: Sequence[Sequence[Any]] | None = None,
+    ):
         """Args:
         model: the policy (its config gives the compute dtype).
         sampler_mesh_cfg: `config.sampler_mesh` (axes and shape of each process's mesh).
-        hosts: per process, its devices (`devices_by_process`).
+        hosts: per process, the devices the copy is staged on (`devices_by_process`): its
+          trainer devices, which are also its sampler's when `targets` is None.
+        targets: per process, the sampler's own devices (None: colocated).
         """
-        built = [sharding.make_sampler_mesh(sampler_mesh_cfg, devices) for devices in hosts]
+        built = [sharding.make_sampler_mesh(sampler_mesh_cfg, d) for d in (targets or hosts)]
         self.meshes = [mesh for mesh, _ in built]
         self.rules = built[0][1]
-        stacked = Mesh(np.stack([m.devices for m in self.meshes]), ("host", *sharding.SAMPLER_AXES))
+        if targets is None:
+            self.staging = [m.devices for m in self.meshes]
+        else:
+            tensor = int(self.meshes[0].shape["tensor"])
+            if any(len(h) % tensor for h in hosts):
+                raise ValueError(f"tensor axis {tensor} does not divide every host's devices")
+            self.staging = [np.asarray(list(h), dtype=object).reshape(-1, tensor) for h in hosts]
+        stacked = Mesh(np.stack(self.staging), ("host", *sharding.SAMPLER_AXES))
         local = sharding.param_partition_specs(model, self.meshes[0], self.rules)
         self.specs = jax.tree.map(lambda s: s.spec, local)
         out = jax.tree.map(lambda spec: NamedSharding(stacked, spec), self.specs)
@@ -127,12 +150,16 @@ class HostReplicas:
         self._copy = tracing.jit(lambda t: jax.tree.map(cast, t), out_shardings=out)
 
     def local(self, tree: Any, host: int) -> Any:
-        """Process `host`'s shards of `copy`'s output, as arrays on its sampler mesh."""
-        mesh = self.meshes[host]
+        """Process `host`'s shards of `copy`'s output, as arrays on its sampler mesh (each
+        sampler device's shard copied from the staging device of its tensor index)."""
+        mesh, staging = self.meshes[host], self.staging[host]
 
         def wrap(x: jax.Array, spec: Any) -> jax.Array:
             by_device = {s.device: s.data for s in x.addressable_shards}
-            shards = [by_device[d] for d in mesh.devices.flat]
+            shards = []
+            for (i, j), device in np.ndenumerate(mesh.devices):
+                shard = by_device[staging[i % staging.shape[0], j]]
+                shards.append(shard if shard.device == device else jax.device_put(shard, device))
             return jax.make_array_from_single_device_arrays(
                 x.shape, NamedSharding(mesh, spec), shards
             )
@@ -191,15 +218,20 @@ def rollout_sampler(
       sampler_mesh_cfg, sampler_devices: `config.sampler_mesh` and the sampler's devices
         (`sharding.split_devices`); None = no devices of its own.
     """
-    if sampler_devices:
-        trainer_devices = list(mesh.devices.flat)
-        return own_mesh_sampler(model, pad_id, sampler_mesh_cfg, sampler_devices, trainer_devices)
     if jax.process_count() == 1:
+        if sampler_devices:
+            trainer_devices = list(mesh.devices.flat)
+            return own_mesh_sampler(
+                model, pad_id, sampler_mesh_cfg, sampler_devices, trainer_devices
+            )
         sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
         return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw), None
     if sampler_mesh_cfg is None:
         raise ValueError("several processes need config.sampler_mesh (each process's mesh)")
-    replicas = HostReplicas(model, sampler_mesh_cfg, devices_by_process())
+    replicas = HostReplicas(
+        model, sampler_mesh_cfg, devices_by_process(list(mesh.devices.flat)),
+        devices_by_process(sampler_devices) if sampler_devices else None,
+    )  # fmt: skip
     local = replicas.meshes[jax.process_index()]
     divisor = sharding.batch_divisor(local, replicas.rules)
     sampler = Sampler(model, pad_id=pad_id, batch_divisor=divisor, mesh=local, rules=replicas.rules)

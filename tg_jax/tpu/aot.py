@@ -392,18 +392,19 @@ def resolve_architecture(config: Any) -> Any:
 class Meshes:
     """The trainer's mesh and rules, and the sampler's: the trainer's when colocated on one
     host; with several hosts, one host's sampler mesh (`placement.HostReplicas`: every host
-    samples on its own chips with its own bf16 copy); with `sampler_mesh.num_devices`, the
-    sampler's own devices."""
+    samples on its own chips, or its `sampler_mesh.num_devices / hosts` chips of its own, with
+    its own bf16 copy); with `sampler_mesh.num_devices` on one host, the sampler's devices."""
 
     trainer: Mesh
     trainer_rules: Any
     sampler: Mesh
     sampler_rules: Any
-    hosts: int = 1  # hosts (processes) of the slice; > 1 without a split: per-host samplers
+    hosts: int = 1  # hosts (processes) of the slice; > 1: per-host samplers
+    own: bool = False  # the sampler has devices of its own (`sharding.split_devices`)
 
     @property
     def split(self) -> bool:
-        return self.sampler is not self.trainer and self.hosts == 1
+        return self.own and self.hosts == 1
 
     @property
     def per_host(self) -> bool:
@@ -414,20 +415,19 @@ def make_meshes(
     config: Any, devices: Sequence[Any], hosts: Sequence[Sequence[Any]] | None = None
 ) -> Meshes:
     """The meshes of `config` over `devices` as a run places them (`sharding.split_devices`:
-    with config.sampler_mesh.num_devices = N > 0 the last N are the sampler's; otherwise
-    with several hosts, `hosts` (default: `devices` by process), each host its own sampler)."""
-    trainer_devices, sampler_devices = sharding.split_devices(config, devices)
+    with config.sampler_mesh.num_devices = N > 0 the last N / hosts of each host are the
+    sampler's), with several hosts (`hosts`, default `devices` by process) one host's."""
+    hosts = placement.devices_by_process(devices) if hosts is None else hosts
+    trainer_devices, sampler_devices = sharding.split_devices(config, devices, hosts)
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
-    if sampler_devices is not None:
-        return Meshes(
-            mesh, rules, *sharding.make_sampler_mesh(config.sampler_mesh, sampler_devices)
+    own = sampler_devices is not None
+    first = [d for d in hosts[0] if d in (sampler_devices or ())] if own else hosts[0]
+    if len(hosts) > 1 or own:
+        sampler, sampler_rules = sharding.make_sampler_mesh(
+            config.sampler_mesh, first if len(hosts) > 1 else sampler_devices
         )
-    hosts = placement.devices_by_process(devices) if hosts is None else hosts
-    if len(hosts) > 1:
-        return Meshes(
-            mesh, rules, *sharding.make_sampler_mesh(config.sampler_mesh, hosts[0]), len(hosts)
-        )
+        return Meshes(mesh, rules, sampler, sampler_rules, len(hosts), own)
     return Meshes(mesh, rules, mesh, rules)
 
 
@@ -530,23 +530,22 @@ def _resident(config: Any, meshes: Meshes, program: str) -> int:
     """Bytes per device that stay beside a program outside it. Split layout
     (`tg_jax.sampling.placement.WeightPublisher`): the published params (param_dtype), the
     sampler's own copy beside the decode step, the staged copy (the sampler's specs on the
-    trainer's devices) beside the next train step. Per-host samplers (`HostReplicas`, on the
-    trainer's chips): the host's bf16 copy beside the train step; the trainer's params and
-    AdamW moments beside the decode step. 0 when colocated on one host."""
+    trainer's devices) beside the next train step. Per-host samplers (`HostReplicas`): the
+    host's bf16 copy (staged on its trainer chips) beside the train step; beside the decode
+    step the trainer's params and AdamW moments (colocated) or the next bf16 copy arriving (on
+    chips of its own). 0 when colocated on one host."""
     model = Transformer(ModelConfig.from_config(config.model))
-    if meshes.per_host:
-        if program == "train":
-            sampler_params = abstract_params(model, meshes.sampler, meshes.sampler_rules)
-            return bytes_per_device(_in_dtype(sampler_params, config.model.dtype))
-        return 3 * bytes_per_device(abstract_params(model, meshes.trainer, meshes.trainer_rules))
-    if not meshes.split:
+    if not meshes.per_host and not meshes.split:
         return 0
     mesh = meshes.sampler
-    if program == "train":
+    if program == "train" and meshes.own:  # the staged copy: sampler specs on trainer chips
         tensor = int(meshes.sampler.shape.get("tensor", 1))
         devices = np.asarray(list(meshes.trainer.devices.flat)).reshape(-1, tensor)
         mesh = Mesh(devices, ("data", "tensor"))
-    return bytes_per_device(abstract_params(model, mesh, meshes.sampler_rules))
+    if meshes.per_host and program != "train" and not meshes.own:
+        return 3 * bytes_per_device(abstract_params(model, meshes.trainer, meshes.trainer_rules))
+    params = abstract_params(model, mesh, meshes.sampler_rules)
+    return bytes_per_device(_in_dtype(params, config.model.dtype) if meshes.per_host else params)
 
 
 class Program(NamedTuple):

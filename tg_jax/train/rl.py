@@ -560,6 +560,9 @@ def _train_step(
     # rollouts need these params anyway) and gives a clean train time.
     jax.block_until_ready(metrics)
     t3 = time.perf_counter()
-    _add_costs(parts, session, group, batch, source.stats()["groups_dropped_stale"])
+    stats = source.stats()
+    _add_costs(parts, session, group, batch, stats["groups_dropped_stale"])
     host = host_metrics(group, session.costs, batch, (t0, t1, t2, t3))
+    if "publish_s" in stats:  # several processes: the weight sync to the hosts' samplers
+        host["time/publish_s"] = stats["publish_s"]
     return state, group, {**metrics, **host}

@@ -27,6 +27,7 @@ sampling every group.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -151,9 +152,16 @@ class ProcessGather:
 
     def __init__(self, loop: InlineLoop | SamplingLoop, to_sampler: Callable[[Any], Any]):
         self._loop, self._to_sampler = loop, to_sampler
+        self._publish_s = 0.0
 
     def publish(self, params: Any, version: int) -> None:
-        self._loop.publish(self._to_sampler(params), version)
+        """Hands the loop this host's copy of `params`, once it is on the sampler's devices
+        (the sync's wall time from computed params to placed copy: `stats()["publish_s"]`)."""
+        jax.block_until_ready(params)  # the train step that made them, not the sync's time
+        start = time.perf_counter()
+        local = jax.block_until_ready(self._to_sampler(params))
+        self._publish_s = time.perf_counter() - start
+        self._loop.publish(local, version)
 
     def get(self, max_staleness: int, timeout: float | None = None) -> RolloutGroup | None:
         """Every process's next group, merged; None once any process's tasks ran out."""
@@ -169,7 +177,8 @@ class ProcessGather:
         )
 
     def stats(self) -> dict[str, float]:
-        return self._loop.stats()
+        """The loop's counters and `publish_s`, the last weight sync's seconds."""
+        return {**self._loop.stats(), "publish_s": self._publish_s}
 
     def close(self) -> None:
         self._loop.close()
