@@ -328,6 +328,48 @@ def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
     assert (tmp_path / "shared.txt").read_text() == "0\n"
 
 
+_BARRIER = """
+import sys, time
+from tg_jax.tpu import distributed
+distributed.initialize_from_env()
+import jax
+from tg_jax import multihost
+multihost.barrier("both", timeout_s=60)
+print("passed both", flush=True)
+if jax.process_index() == 1:  # leaves process 0 alone at the next barrier
+    time.sleep(20)
+    sys.exit(0)
+start = time.monotonic()
+try:
+    multihost.barrier("second", timeout_s=4)
+except multihost.BarrierError as e:
+    print(f"after {time.monotonic() - start:.0f} s:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_barrier_a_process_misses_fails_with_its_name_not_a_hang():
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {**os.environ, "TG_JAX_DISTRIBUTED": "1", "TG_JAX_NUM_PROCESSES": "2",
+               "TG_JAX_COORDINATOR": f"localhost:{port}", "TG_JAX_PROCESS_ID": str(i),
+               "JAX_PLATFORMS": "cpu"}  # fmt: skip
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _BARRIER], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    out0, err0 = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=120)
+    assert procs[0].returncode == 3, err0[-2000:]
+    assert "passed both" in out0
+    line = out0.splitlines()[-1]
+    assert "barrier 'second' not reached by every one of 2 processes within 4 s" in line, line
+    assert "tasks that reached the barrier: 1/2" in line, line
+    assert int(line.split()[1]) < 15, line  # the barrier's timeout, not process 1's exit
+
+
 def test_cpu_processes_get_a_collective_timeout(monkeypatch):
     """A multi-process CPU run fails a stuck gloo collective after COLLECTIVE_TIMEOUT_S (or
     TG_JAX_COLLECTIVE_TIMEOUT_S) instead of hanging; a timeout in XLA_FLAGS stands."""

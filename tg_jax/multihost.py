@@ -22,6 +22,7 @@ code paths run unchanged.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,13 +43,43 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-    """Every process waits here until all have reached it (no-op with one process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # noqa: PLC0415
+class BarrierError(RuntimeError):
+    """A barrier that not every process reached in time (one died, or took another branch)."""
 
-        with tracing.TRACE_LOCK:  # a collective: one multi-device computation at a time
-            multihost_utils.sync_global_devices(name)
+
+_barriers = itertools.count()
+
+
+def barrier(name: str, timeout_s: float | None = None) -> None:
+    """Every process waits here until all have reached it (no-op with one process).
+
+    Through the `jax.distributed` coordination service's key-value store, not a device
+    collective: it holds no device and no tracing lock, and it fails after `timeout_s`
+    (default TG_JAX_COLLECTIVE_TIMEOUT_S, 600) saying how many arrived, where a collective
+    whose peer died would wait for XLA's own timeout. Every process calls the
+    barriers in the same order; each call's id is its name and its position in that order.
+
+    Raises:
+      BarrierError: not every process arrived within the timeout.
+    """
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # noqa: PLC0415 (the client jax.distributed made)
+
+    from tg_jax.tpu.distributed import collective_timeout_s  # noqa: PLC0415
+
+    seconds = collective_timeout_s() if timeout_s is None else float(timeout_s)
+    client = distributed.global_state.client
+    barrier_id = f"tg_jax/{next(_barriers)}/{name}"
+    try:
+        client.wait_at_barrier(barrier_id, int(seconds * 1000))
+    except Exception as e:  # JaxRuntimeError DEADLINE_EXCEEDED, or the service gone
+        reached = [ln.strip() for ln in str(e).splitlines() if "reached the barrier" in ln]
+        raise BarrierError(
+            f"process {jax.process_index()}: barrier {name!r} not reached by every one of "
+            f"{jax.process_count()} processes within {seconds:.0f} s"
+            + (f" ({reached[0]})" if reached else f": {str(e).splitlines()[0] if str(e) else e!r}")
+        ) from e
 
 
 def agreed(value: Any) -> Any:

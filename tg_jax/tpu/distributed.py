@@ -114,6 +114,13 @@ ENV_COLLECTIVE_TIMEOUT = "TG_JAX_COLLECTIVE_TIMEOUT_S"
 _TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 
+def collective_timeout_s(env=None) -> float:
+    """The seconds a collective or a barrier (`tg_jax.multihost.barrier`) waits for the other
+    processes: TG_JAX_COLLECTIVE_TIMEOUT_S, else COLLECTIVE_TIMEOUT_S."""
+    env = os.environ if env is None else env
+    return float(env.get(ENV_COLLECTIVE_TIMEOUT, "") or COLLECTIVE_TIMEOUT_S)
+
+
 def collective_timeout(env) -> None:
     """A stuck gloo collective fails (JaxRuntimeError "Gloo ... Timed out waiting") instead of
     hanging: processes that stopped calling the same collectives in the same order (one
@@ -134,7 +141,7 @@ def collective_timeout(env) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if _TIMEOUT_FLAG in flags:
         return  # the user's choice stands
-    seconds = int(env.get(ENV_COLLECTIVE_TIMEOUT, "") or COLLECTIVE_TIMEOUT_S)
+    seconds = int(collective_timeout_s(env))
     os.environ["XLA_FLAGS"] = f"{flags} {_TIMEOUT_FLAG}={seconds}".strip()
 
 
