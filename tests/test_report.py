@@ -233,17 +233,28 @@ def test_the_budget_section_checks_the_sampled_tokens_each_arm_used():
         "lr": 1e-3, "lr_schedule": "constant", "train_seeds": [0], "heldout_tasks": 4,
     }  # fmt: skip
 
-    def text(grpo, tg):
+    def res_of(grpo, tg, declared=True):
         arms = {a: {"costs": {"sampled_tokens": {"mean": v}}} for a, v in (("grpo", grpo),
                                                                           ("tg", tg))}  # fmt: skip
-        res = {"arms": arms, "context": {"budget": budget, "budget_equal": True}}
-        return "\n".join(md_budget.budget_section(res))
+        return {"arms": arms, "context": {"budget": budget, "budget_equal": declared}}
+
+    def text(*args):
+        return "\n".join(md_budget.budget_section(res_of(*args)))
 
     assert "max / min 1.05, within the 10% tolerance" in text(100.0, 105.0)
     assert "max / min 1.50, **beyond the 10% tolerance" in text(100.0, 150.0)
     assert "`grpo` 100, `tg` 150" in text(100.0, 150.0)
-    # The held-out tasks' other readers are named, not denied.
-    assert "read the first of them too" in text(100.0, 100.0)
+    assert "declared budgets differ" in text(100.0, 100.0, False)
+    # What read which split is stated as the code does it: the held-out tasks by no check.
+    assert "the base model's gates and the periodic evaluation during RL the dev split" in (
+        text(100.0, 100.0)
+    )
+    # Equal only when declared equal and used within the tolerance (max / min <= 1.1).
+    check = md_budget.budget_check(res_of(100.0, 110.0))
+    assert check["equal"] and check["sampled_tokens_ratio"] == pytest.approx(1.1)
+    assert not md_budget.budget_check(res_of(100.0, 111.0))["equal"]
+    assert not md_budget.budget_check(res_of(100.0, 100.0, False))["equal"]
+    assert md_budget.budget_check(res_of(None, None))["sampled_tokens_ratio"] is None
 
 
 def test_the_candidate_is_tested_against_each_registered_reference(tmp_path):

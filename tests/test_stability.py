@@ -55,7 +55,7 @@ def test_tuning_budget_from_the_config():
         "steps": 4, "groups_per_step": 2, "rollouts_per_group": 2, "episodes": 16,
         "max_new_tokens_per_turn": 16, "max_turns": 1, "sampled_token_budget": 256,
         "lr": 1e-3, "lr_schedule": "constant", "train_seeds": [0], "heldout_tasks": 4,
-        "lr_trials": 1, "lr_tuned_on_heldout": False,
+        "lr_trials": 1,
     }  # fmt: skip
     config = config_files.apply_overrides(tiny.get_config(), {"pipeline.tune.lrs": (1e-3, 3e-3)})
     assert stability.tuning_budget(config)["lr_trials"] == 2
@@ -119,7 +119,8 @@ def test_report_shows_stability_leakage_budget_and_per_run_costs(tmp_path):
     assert "## Equal tuning budget" in md and "4 RL steps of 2 groups x 2 rollouts" in md
     assert "sampled-token cap 256" in md and "Learning-rate trials" not in md
     assert "learning rate 0.001 for every arm, not tuned (one trial each) (schedule constant)" in md
-    assert "No learning rate or other setting was tuned on the held-out tasks" in md
+    assert "learning-rate trials a validation split of the train tasks" in md
+    assert res["budget_check"]["declared_equal"] and "equal" in res["budget_check"]
     assert "| tg | 5.0 | n/a | 10k | 1G | 1k | 300M | n/a |" in md
     assert "ratio 2.50" in md and "NOT an equal distilled-token budget" in md
     assert "peak memory (B, this run)" in md

@@ -15,7 +15,7 @@ def budget_section(res: dict[str, Any]) -> list[str]:
         return []
     tokens = b.get("sampled_token_budget")
     cap = "no fixed cap (turns left to the environment)" if tokens is None else big(tokens)
-    equal = (res.get("context") or {}).get("budget_equal", True)
+    check = res.get("budget_check") or budget_check(res)
     tuning = (res.get("context") or {}).get("tuning")
     arms = ", ".join(f"`{a}`" for a in res["arms"])
     lr = (f"learning rate {b['lr']:g} for every arm, not tuned (one trial each)" if not tuning
@@ -23,20 +23,22 @@ def budget_section(res: dict[str, Any]) -> list[str]:
     lines = [
         "## Equal tuning budget",
         "",
-        f"Every arm ({arms}) trained with the same budget: {b['steps']} RL steps of "
+        f"Every arm ({arms}) was given the same budget: {b['steps']} RL steps of "
         f"{b['groups_per_step']} groups x {b['rollouts_per_group']} rollouts "
         f"({b['episodes']} episodes), at most {b['max_new_tokens_per_turn']} new tokens per "
         f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
         f"{cap}), {lr} (schedule {b['lr_schedule']}), training seeds "
         f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
-        + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). " if equal
-           else "**The arms' budgets differ: the comparison is not at an equal budget.** ")
-        + _measured_budget(res)
-        + "No learning rate or other setting was tuned on the held-out tasks; the settings, "
-        "and the tuning procedure if any, were fixed in the config and the pre-registration "
-        "before the first RL step. The held-out tasks are not read only by the final "
-        "evaluation: the base model's gates (sft_eval.json) and the periodic evaluation "
-        "during RL (metrics only, no decision) read the first of them too.",
+        + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). "
+           if check["declared_equal"]
+           else "**The arms' declared budgets differ: the comparison is not at an equal "
+           "budget.** ")
+        + _measured_text(check)
+        + "Every setting, and the tuning procedure if any, was fixed in the config and the "
+        "pre-registration before the first RL step. What was decided before the final "
+        "evaluation read other tasks than the held-out ones: the base model's gates and the "
+        "periodic evaluation during RL the dev split, learning-rate trials a validation split "
+        "of the train tasks; the held-out reads are listed under Setting.",
         "",
     ]  # fmt: skip
     return lines + (_tuning_lines(tuning) if tuning else [])
@@ -45,16 +47,29 @@ def budget_section(res: dict[str, Any]) -> list[str]:
 BUDGET_TOLERANCE = 0.10  # sampled tokens of the arms within this share of each other: equal
 
 
-def _measured_budget(res: dict[str, Any]) -> str:
-    """The sampled tokens each arm used (mean over its seeds) against `BUDGET_TOLERANCE`."""
+def budget_check(res: dict[str, Any]) -> dict[str, Any]:
+    """Whether the arms had an equal budget, derived (results.json "budget_check"): the
+    declared budgets equal (`context["budget_equal"]`, every arm's `tuning_budget`) and the
+    sampled tokens each arm used (mean over its seeds) within `BUDGET_TOLERANCE` of each
+    other (max / min); `equal` needs both (unmeasured tokens: the declaration alone)."""
+    declared = bool((res.get("context") or {}).get("budget_equal", True))
     used = {a: (r.get("costs") or {}).get("sampled_tokens") for a, r in res["arms"].items()}
     used = {a: float(v["mean"]) for a, v in used.items() if v and v.get("mean")}
-    if len(used) < 2:
+    ratio = max(used.values()) / min(used.values()) if len(used) >= 2 else None
+    within = ratio is None or ratio <= 1 + BUDGET_TOLERANCE
+    return {"declared_equal": declared, "sampled_tokens": used, "sampled_tokens_ratio": ratio,
+            "tolerance": BUDGET_TOLERANCE, "equal": declared and within}  # fmt: skip
+
+
+def _measured_text(check: dict[str, Any]) -> str:
+    """The sampled tokens each arm used against the tolerance, as a sentence."""
+    ratio = check["sampled_tokens_ratio"]
+    if ratio is None:
         return ""
-    ratio = max(used.values()) / min(used.values())
-    each = ", ".join(f"`{a}` {big(v)}" for a, v in used.items())
-    verdict = (f"within the {BUDGET_TOLERANCE:.0%} tolerance" if ratio <= 1 + BUDGET_TOLERANCE
-               else f"**beyond the {BUDGET_TOLERANCE:.0%} tolerance: the arms used unequal "
+    each = ", ".join(f"`{a}` {big(v)}" for a, v in check["sampled_tokens"].items())
+    tol = check["tolerance"]
+    verdict = (f"within the {tol:.0%} tolerance" if ratio <= 1 + tol
+               else f"**beyond the {tol:.0%} tolerance: the arms used unequal "
                "sampling budgets**")  # fmt: skip
     return f"Measured sampled tokens per seed: {each} (max / min {ratio:.2f}, {verdict}). "
 

@@ -35,6 +35,7 @@ import numpy as np
 from tg_jax import paths
 from tg_jax.evaluation import stability, stats
 from tg_jax.evaluation.markdown import COST_KEYS, render_markdown
+from tg_jax.evaluation.md_budget import budget_check
 from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups, action_names: public here too)
     ACTIONS_PREFIX,
     CURVE_METRICS,
@@ -274,8 +275,9 @@ def write_report(
         ({"path", "sha256"}), "base_model" (headline figures of sft_eval.json),
         "sft_attempts" (one {"attempt", "seed", "data_seed", "workdir", "verdict"} each),
         "budget" (`evaluation.stability.tuning_budget`), "budget_equal" (every arm's
-        budget is the same) and "tuning" (`tg_jax.train.tuning.tune_arms`' result, or None:
-        no learning-rate trials).
+        declared budget is the same; results["budget_check"] adds the sampled tokens each
+        arm used, `md_budget.budget_check`) and "tuning" (`tg_jax.train.tuning.tune_arms`'
+        result, or None: no learning-rate trials).
       tune_wall_s: the learning-rate trials' wall time (RL + validation), None without them.
       reference_runs: {"base": the base model's held-out episodes} when `eval.references`
         names it (the candidate's verdict against each reference: results["references"]).
@@ -289,6 +291,7 @@ def write_report(
     paths.as_path(out_dir).mkdir(parents=True, exist_ok=True)
     res = compute_results(runs, settings, sft_wall_s, tune_wall_s, reference_runs)
     res["context"] = dict(context or {})
+    res["budget_check"] = budget_check(res)
     res = _json_safe(res)
     paths.write_json_atomic(paths.as_path(out_dir) / RESULTS_FILE, res, indent=1, allow_nan=False)
     plot_curves(res, out_dir)

@@ -98,7 +98,7 @@ def tuning_budget(config: Any) -> dict[str, Any]:
         "train_seeds": [int(s) for s in ev.train_seeds],
         "heldout_tasks": int(ev.num_tasks),
         # Learning-rate trials per arm on a validation split of the train tasks
-        # (tg_jax.train.tuning; 1 = none, the config's rate).
+        # (tg_jax.train.tuning; 1 = none, the config's rate). What read the held-out tasks
+        # is the ledger's to say (tg_jax.evaluation.heldout_reads), not a field here.
         "lr_trials": max(1, len(tuple(_tune(config).get("lrs", ())))),
-        "lr_tuned_on_heldout": False,
     }
