@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from tg_jax import config_files, sharding
 from tg_jax.models import ModelConfig, Transformer, hf_dir
+from tg_jax.sampling import placement
 from tg_jax.tpu import aot
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -88,6 +89,21 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
     report = aot.memory_report(train, "train", hbm)
     assert 0 < report.total < hbm  # a tiny model: far below a v5e chip's 16 GiB
     assert report.arguments > 0
+
+
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu not installed (pip install libtpu)")
+def test_a_split_of_every_host_meshes_chips_that_form_no_box():
+    """v5p:4x4x4 (16 hosts of 4 chips), sampler_mesh.num_devices 32: each host's first 2
+    chips train, which form no box of the torus (no physical layout of jax.make_mesh); it is
+    laid out in device order instead, and each host's last 2 make its sampler mesh."""
+    devices = aot.topology_devices("v5p:4x4x4")
+    hosts = placement.devices_by_process(devices)
+    assert len(hosts) == 16 and {len(h) for h in hosts} == {4}
+    cfg = _with_sampler_mesh(_tiny_config((1, 8, 1, 4)), 32)
+    meshes = aot.make_meshes(cfg, devices)
+    assert meshes.per_host and meshes.own and meshes.hosts == 16
+    assert list(meshes.trainer.devices.flat) == [d for h in hosts for d in h[:2]]
+    assert list(meshes.sampler.devices.flat) == hosts[0][2:]
 
 
 def _with_sampler_mesh(cfg, num_devices, shape=(-1, 2)):
