@@ -339,6 +339,43 @@ def test_page_allocator_and_prefix_index_by_hand():
     assert index.match([1, 2, 3, 4], 4) == ([], 0)
 
 
+def test_page_table_writes_copy_a_shared_partial_page_first_by_hand():
+    """PageTable with pages of 2: a follower sharing its leader's pages [1, 2] at 3 cached
+    tokens writes its 4th position into page 2, shared: a fresh page takes page 2's contents
+    (the copy callback) and its record, the follower holds [1, new], page 2 keeps one ref."""
+    from tg_jax.engine.pages import PageTable
+    from tg_jax.engine.requests import Sequence
+
+    table = PageTable(num_pages=8, page_size=2)
+
+    def alloc(seq):  # the engine's policy (evict, preempt) is not needed: pages are free
+        return table.allocator.alloc()
+
+    leader = Sequence(Request("a", [1, 2, 3], max_new_tokens=2))
+    leader.tokens = [1, 2, 3]
+    assert table.prepare_write(leader, 3, alloc, None)
+    table.record_write(leader, 3)
+    assert leader.pages == [1, 2] and leader.cached == 3 and table.index.tokens(2) == [3]
+    follower = Sequence(Request("b", [1, 2, 3, 7], max_new_tokens=2))
+    follower.tokens = [1, 2, 3, 7]
+    pages, matched = table.index.match(follower.tokens, 3)
+    assert (pages, matched) == ([1, 2], 3)
+    for p in pages:
+        table.allocator.incref(p)
+    follower.pages, follower.cached = list(pages), matched
+    copies = []
+    assert table.prepare_write(follower, 1, alloc, lambda o, n: copies.append((o, n)))
+    assert copies == [(2, 3)] and follower.pages == [1, 3]
+    assert list(table.allocator.refcount[:4]) == [0, 2, 1, 1]
+    table.record_write(follower, 1)
+    assert table.index.tokens(3) == [3, 7] and table.index.tokens(2) == [3]
+    grid = table.table([leader, None, follower], widths=[1, 2, 4])
+    assert grid.tolist() == [[1, 2], [0, 0], [1, 3]]  # unused rows: the scratch page 0
+    table.free(leader)
+    assert leader.pages == [] and list(table.allocator.refcount[:4]) == [0, 1, 0, 1]
+    assert table.index.tokens(2) == []  # a freed page leaves the index
+
+
 def test_agentic_bench_section_runs_both_arms_on_one_workload():
     """tg_jax.bench.agentic at toy sizes: both arms generate the workload's tokens, at equal
     KV bytes, and the figures are finite."""

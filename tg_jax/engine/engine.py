@@ -52,7 +52,7 @@ import numpy as np
 
 from tg_jax.engine import paged
 from tg_jax.engine.paged import TRACES, copy_jit, decode_jit, prefill_jit, weights_jit
-from tg_jax.engine.pages import SCRATCH_PAGE, PageAllocator, PrefixIndex, chain_key
+from tg_jax.engine.pages import PageAllocator, PageTable, PrefixIndex
 from tg_jax.engine.requests import Completion, Request, Sequence, error_completion
 from tg_jax.models.qwen3 import Transformer
 
@@ -116,8 +116,7 @@ class Engine:
         self.decode_steps, self.stop_width = int(decode_steps), int(stop_width)
         self.num_traces = 0  # traces (compilations) this engine's calls caused
         self.pool = paged.init_pool(model, self.num_pages, self.page_size)
-        self.allocator = PageAllocator(self.num_pages)
-        self.index = PrefixIndex(self.page_size)
+        self.pages = PageTable(self.num_pages, self.page_size)
         self._slots: list[Sequence | None] = [None] * self.max_slots
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._kept: collections.OrderedDict[Hashable, Sequence] = collections.OrderedDict()
@@ -144,6 +143,14 @@ class Engine:
         """Positions one sequence may use (context + generated tokens)."""
         return self.max_pages_per_seq * self.page_size
 
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.pages.allocator
+
+    @property
+    def index(self) -> PrefixIndex:
+        return self.pages.index
+
     def update_weights(self, params: Any, version: int) -> None:
         """New weights from the next step on (call between steps: it takes the step lock)."""
         with self._step_lock:
@@ -151,7 +158,7 @@ class Engine:
             self.version = int(version)
             # Pages written so far hold the old weights' keys and values: no new request may
             # share them (running and kept sequences keep their own).
-            self.index = PrefixIndex(self.page_size)
+            self.pages.forget_contents()
             for seq in [*self._slots, *self._kept.values()]:
                 if seq is not None:
                     seq.shareable = False
@@ -175,7 +182,7 @@ class Engine:
         with self._step_lock:
             seq = self._kept.pop(request_id, None)
             if seq is not None:
-                self._free_pages(seq)
+                self.pages.free(seq)
 
     def result(self, request_id: Hashable, timeout: float | None = None) -> Completion:
         """Waits for (and removes) a request's completion; TimeoutError after `timeout`."""
@@ -366,54 +373,6 @@ class Engine:
         rc = self.allocator.refcount
         return sum(1 for s in self._kept.values() for p in s.pages if rc[p] == 1)
 
-    # --- pages ------------------------------------------------------------------------------
-
-    def _page_key(self, seq: Sequence, j: int) -> bytes:
-        """Prefix key of the sequence's page j (its tokens before position j * page_size)."""
-        if not seq.keys:
-            seq.keys.append(self.index.root())
-        while len(seq.keys) <= j:
-            i = len(seq.keys)
-            seq.keys.append(
-                chain_key(seq.keys[-1], seq.tokens[(i - 1) * self.page_size : i * self.page_size])
-            )
-        return seq.keys[j]
-
-    def _prepare_write(self, seq: Sequence, n: int) -> bool:
-        """Pages for writing positions cached..cached+n-1: copies a shared partial page first,
-        allocates new ones. False when `seq` itself had to be preempted for them."""
-        ps, start = self.page_size, seq.cached
-        if start % ps and self.allocator.refcount[seq.pages[start // ps]] > 1:
-            old = seq.pages[start // ps]
-            new = self._alloc(seq)
-            if new is None:
-                return False
-            self.pool = self._call(copy_jit, self.pool, np.int32(old), np.int32(new))
-            known = self.index.tokens(old)
-            if seq.shareable and len(known) >= start % ps:
-                self.index.register(new, self._page_key(seq, start // ps), known[: start % ps])
-            seq.pages[start // ps] = new
-            self._decref(old)
-            self._counts["cow_copies"] += 1
-        while len(seq.pages) * ps < start + n:
-            new = self._alloc(seq)
-            if new is None:
-                return False
-            if seq.shareable:
-                self.index.register(new, self._page_key(seq, len(seq.pages)))
-            seq.pages.append(new)
-        return True
-
-    def _record_write(self, seq: Sequence, n: int) -> None:
-        """After a call wrote positions cached..cached+n-1: the index learns their tokens."""
-        ps = self.page_size
-        pos = seq.cached
-        while pos < seq.cached + n:
-            end = min((pos // ps + 1) * ps, seq.cached + n)
-            self.index.write(seq.pages[pos // ps], pos % ps, seq.tokens[pos:end])
-            pos = end
-        seq.cached += n
-
     def _alloc(self, seq: Sequence) -> int | None:
         """A free page for `seq`: evicts kept sequences, then preempts the most recently
         admitted running one (None when that was `seq`)."""
@@ -421,7 +380,7 @@ class Engine:
         while page is None:
             if any(s.pages for s in self._kept.values()):
                 victim = next(s for s in self._kept.values() if s.pages)
-                self._free_pages(victim)
+                self.pages.free(victim)
                 self._counts["evictions"] += 1
             else:
                 victim = max((s for s in self._slots if s is not None), key=lambda s: s.order)
@@ -431,18 +390,9 @@ class Engine:
             page = self.allocator.alloc()
         return page
 
-    def _decref(self, page: int) -> None:
-        if self.allocator.decref(page):
-            self.index.forget(page)
-
-    def _free_pages(self, seq: Sequence) -> None:
-        for page in seq.pages:
-            self._decref(page)
-        seq.pages, seq.cached = [], 0
-
     def _preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's pages and requeues it at the front of the queue."""
-        self._free_pages(seq)
+        self.pages.free(seq)
         self._slots[seq.slot] = None
         seq.slot = None
         seq.preemptions += 1
@@ -455,15 +405,16 @@ class Engine:
         return paged.buckets(self.max_pages_per_seq, self.bucket_pages)
 
     def _table(self, seqs: list[Sequence | None]) -> np.ndarray:
-        """[len(seqs), width] page tables (unused columns: the scratch page); the width is
-        the smallest bucket holding every row's pages (attention reads width pages a row)."""
-        held = max((len(s.pages) for s in seqs if s is not None), default=1)
-        width = next(w for w in self.page_buckets() if w >= held)
-        table = np.full((len(seqs), width), SCRATCH_PAGE, np.int32)
-        for i, s in enumerate(seqs):
-            if s is not None:
-                table[i, : len(s.pages)] = s.pages
-        return table
+        """A call's page tables (`PageTable.table`: the smallest bucket holding every row's
+        pages; attention reads width pages a row)."""
+        return self.pages.table(seqs, self.page_buckets())
+
+    def _prepare_write(self, seq: Sequence, n: int) -> bool:
+        return self.pages.prepare_write(seq, n, self._alloc, self._copy_page)
+
+    def _copy_page(self, old: int, new: int) -> None:
+        self.pool = self._call(copy_jit, self.pool, np.int32(old), np.int32(new))
+        self._counts["cow_copies"] += 1
 
     def warmup(self) -> None:
         """Compiles every call shape (each page-table bucket of prefill and decode, the page
@@ -515,13 +466,17 @@ class Engine:
         self.pool = self._call(prefill_jit, self._weights, self.pool, tokens, start, lengths, table)
         self._counts["prefill_calls"] += 1
         for seq, n in rows:
-            self._record_write(seq, n)
+            self.pages.record_write(seq, n)
             seq.prefill_tokens += n
             self._counts["prefill_tokens"] += n
 
     def slot_buckets(self) -> list[int]:
         """Decode batch sizes (`paged.buckets` of max_slots)."""
         return paged.buckets(self.max_slots, self.bucket_slots)
+
+    def _draws(self, seq: Sequence) -> int:
+        """Tokens the sequence draws in this decode call at most (its budget's rest)."""
+        return min(self.decode_steps, seq.request.max_new_tokens - seq.generated)
 
     def _decode_batch(self, rows: list[Sequence], size: int = 0) -> dict[str, np.ndarray]:
         """The decode call's arrays: row i is rows[i], padded to a `slot_buckets` size (or
@@ -533,7 +488,7 @@ class Engine:
             return np.asarray([*values, *[fill] * pad], dtype)
 
         stop = [(list(r.stop_ids)[:w] + [-1] * w)[:w] for r in reqs] + [[-1] * w] * pad
-        steps = [min(self.decode_steps, s.request.max_new_tokens - s.generated) for s in rows]
+        steps = [self._draws(s) for s in rows]
         return {
             "tokens": col([s.tokens[-1] for s in rows], self.pad_id, np.int32),
             "pos": col([s.cached for s in rows], 0, np.int32),
@@ -553,8 +508,7 @@ class Engine:
         finishes the done ones."""
         rows = []
         for seq in self._running(prefill=False):
-            n = min(self.decode_steps, seq.request.max_new_tokens - seq.generated)
-            if seq.slot is not None and self._prepare_write(seq, n):
+            if seq.slot is not None and self._prepare_write(seq, self._draws(seq)):
                 rows.append(seq)
         rows = [s for s in rows if s.slot is not None]
         if not rows:
@@ -579,7 +533,7 @@ class Engine:
                     reason = "stop"
                 elif seq.generated >= seq.request.max_new_tokens:
                     reason = "length"
-            self._record_write(seq, n)  # the n tokens fed (the last drawn: by the next call)
+            self.pages.record_write(seq, n)  # the n tokens fed (the last drawn: by the next call)
             self._counts["decode_tokens"] += n
             if reason is not None:
                 finished.append(self._finish(seq, reason))
@@ -593,7 +547,7 @@ class Engine:
         self._kept[rid] = seq
         while len(self._kept) > self.max_kept:
             _, old = self._kept.popitem(last=False)
-            self._free_pages(old)
+            self.pages.free(old)
         return seq.completion(reason)
 
 

@@ -8,6 +8,9 @@ attention masks by length). Pages 1..num_pages-1 are handed out.
 
   PageAllocator  free list (LIFO) + a refcount per page; `alloc` returns None when the pool is
                  empty (the engine then evicts finished sequences or preempts a running one).
+  PageTable      a sequence's pages: the allocator and the index together, writes that
+                 allocate pages (and copy a shared partial page first: copy-on-write), the
+                 index's record of what each write put where, page tables of a call.
   PrefixIndex    which live page holds which tokens: page j of a context is keyed by a hash
                  chain over the context's tokens before it (blake2b of the previous key and
                  the previous page's tokens, so a key names the whole prefix), and the index
@@ -27,7 +30,8 @@ context, on the host.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -157,6 +161,93 @@ class PrefixIndex:
         return pages, matched
 
 
+class PageTable:
+    """The pages of the engine's sequences (`tg_jax.engine.requests.Sequence`: its `tokens`,
+    `pages`, `cached` positions written, `keys` and `shareable`) in a pool of `num_pages`.
+
+    Which page to take when none is free, and what to do then, is the engine's: `write`
+    takes its `alloc(seq)` (None: `seq` itself had to give its pages up) and its
+    `copy(old, new)` of a page's device contents."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.index = PrefixIndex(page_size)
+
+    def forget_contents(self) -> None:
+        """No page may be matched from now on (they hold older weights' keys and values)."""
+        self.index = PrefixIndex(self.page_size)
+
+    def page_key(self, seq: Any, j: int) -> bytes:
+        """Prefix key of the sequence's page j (its tokens before position j * page_size)."""
+        if not seq.keys:
+            seq.keys.append(self.index.root())
+        while len(seq.keys) <= j:
+            i = len(seq.keys)
+            seq.keys.append(
+                chain_key(seq.keys[-1], seq.tokens[(i - 1) * self.page_size : i * self.page_size])
+            )
+        return seq.keys[j]
+
+    def prepare_write(
+        self, seq: Any, n: int, alloc: Callable[[Any], int | None],
+        copy: Callable[[int, int], None],
+    ) -> bool:  # fmt: skip
+        """Pages for writing positions cached..cached+n-1: copies a shared partial page first,
+        allocates new ones. False when `seq` itself had to be preempted for them."""
+        ps, start = self.page_size, seq.cached
+        if start % ps and self.allocator.refcount[seq.pages[start // ps]] > 1:
+            old = seq.pages[start // ps]
+            new = alloc(seq)
+            if new is None:
+                return False
+            copy(old, new)
+            known = self.index.tokens(old)
+            if seq.shareable and len(known) >= start % ps:
+                self.index.register(new, self.page_key(seq, start // ps), known[: start % ps])
+            seq.pages[start // ps] = new
+            self.decref(old)
+        while len(seq.pages) * ps < start + n:
+            new = alloc(seq)
+            if new is None:
+                return False
+            if seq.shareable:
+                self.index.register(new, self.page_key(seq, len(seq.pages)))
+            seq.pages.append(new)
+        return True
+
+    def record_write(self, seq: Any, n: int) -> None:
+        """After a call wrote positions cached..cached+n-1: the index learns their tokens."""
+        ps = self.page_size
+        pos = seq.cached
+        while pos < seq.cached + n:
+            end = min((pos // ps + 1) * ps, seq.cached + n)
+            self.index.write(seq.pages[pos // ps], pos % ps, seq.tokens[pos:end])
+            pos = end
+        seq.cached += n
+
+    def decref(self, page: int) -> None:
+        if self.allocator.decref(page):
+            self.index.forget(page)
+
+    def free(self, seq: Any) -> None:
+        """Drops the sequence's pages (its tokens stay: it re-prefills if it runs again)."""
+        for page in seq.pages:
+            self.decref(page)
+        seq.pages, seq.cached = [], 0
+
+    def table(self, seqs: Sequence[Any], widths: Sequence[int]) -> np.ndarray:
+        """[len(seqs), width] page tables (unused columns and None rows: the scratch page);
+        the width is the smallest of `widths` holding every row's pages."""
+        held = max((len(s.pages) for s in seqs if s is not None), default=1)
+        width = next(w for w in widths if w >= held)
+        table = np.full((len(seqs), width), SCRATCH_PAGE, np.int32)
+        for i, s in enumerate(seqs):
+            if s is not None:
+                table[i, : len(s.pages)] = s.pages
+        return table
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -166,4 +257,4 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-__all__ = ["SCRATCH_PAGE", "PageAllocator", "PrefixIndex", "chain_key"]
+__all__ = ["SCRATCH_PAGE", "PageAllocator", "PageTable", "PrefixIndex", "chain_key"]
