@@ -169,27 +169,55 @@ def test_local_pod_runs_the_worker_command_on_two_processes(tmp_path):
     assert out.count("forward ok") == 2 and out.count("'fsdp': 8") == 2, out[-2000:]
 
 
-def test_local_pod_of_the_split_layout_trains_what_one_process_trains(tmp_path):
+def _worker_pid(workdir, process_id: int) -> int | None:
+    """The pid of the local pod's worker `process_id` running on `workdir` (from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"tg_jax.main" in cmd
+            and f"--workdir={workdir}".encode() in cmd
+            and (f"TG_JAX_PROCESS_ID={process_id}".encode() in env)
+        ):
+            return int(entry)
+    return None
+
+
+def test_local_pod_of_the_split_layout_through_a_sigterm_trains_what_one_process_trains(
+    tmp_path,
+):
     """`configs/qwen3_coder_30b_a3b_tg.py:runlocal_split` from a tiny Qwen3-MoE checkpoint:
     2 processes x 4 devices (each samples on its last 2, one trainer mesh over the first 2 of
-    each) and 1 process x 8 (the last 4 sample), the same launcher command: 2 deterministic
-    RL steps export the same weights, which moved from the checkpoint; the pod logged the
-    seconds of each weight sync."""
+    each), SIGTERM to worker 1 alone once checkpoint 1 is written: both workers stop at the
+    step they agree on (exit 143), the same command resumes; 1 process x 8 (the last 4
+    sample) runs uninterrupted. Both export the same weights after 6 deterministic RL steps,
+    moved from the checkpoint; the pod logged each weight sync's seconds, one record a step."""
+    import signal
     import subprocess
+    import time
 
     from safetensors.numpy import load_file
 
     from tests.hf_checkpoints import make_model_dir
     from tests.test_hf_run import MOE
-    from tg_jax.metrics import read_metrics
+    from tg_jax.metrics import read_metrics, read_rl_summary
 
     ckpt = tmp_path / "ckpt"
     make_model_dir(ckpt, MOE)
-    extra = ["--config.mesh.shape=(1,2,2,1)", "--config.rl_loop.steps=2",
-             "--config.optim.total_steps=2", "--config.eval.num_tasks=2",
+    extra = ["--config.mesh.shape=(1,2,2,1)", "--config.rl_loop.steps=6",
+             "--config.optim.total_steps=6", "--config.eval.num_tasks=2",
+             "--config.rl_loop.checkpoint_every=1",
              "--config.rl_loop.async_sampling=False"]  # fmt: skip
-    procs = {}
-    for p in (2, 1):
+    root = os.path.join(os.path.dirname(__file__), "..")
+
+    def start(p):
         env = {**os.environ, "HOME": str(tmp_path / f"home{p}")}
         env.pop("XLA_FLAGS", None)
         cmd = ["bash", "launch/tpu.sh", "--local", f"--processes={p}",
@@ -197,24 +225,40 @@ def test_local_pod_of_the_split_layout_trains_what_one_process_trains(tmp_path):
                "--config=configs/qwen3_coder_30b_a3b_tg.py:runlocal_split",
                f"--workdir={tmp_path / f'w{p}'}", f"--hf-checkpoint={ckpt}",
                "--", *extra]  # fmt: skip
-        procs[p] = subprocess.Popen(
-            cmd, cwd=os.path.join(os.path.dirname(__file__), ".."), env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    outs = {p: proc.communicate(timeout=1200)[0] for p, proc in procs.items()}
-    for p, proc in procs.items():
-        assert proc.returncode == 0, outs[p][-3000:]
-    assert "process 1/2: 4 local of 8 devices" in outs[2]
-    pod, one = (
-        load_file(str(tmp_path / f"w{p}/export/tg_seed0/model.safetensors")) for p in (2, 1)
-    )
-    start = load_file(str(ckpt / "model.safetensors"))
-    assert sorted(pod) == sorted(one) == sorted(start)
-    for k in one:
-        np.testing.assert_allclose(pod[k], one[k], rtol=1e-5, atol=1e-5, err_msg=k)
-    assert max(float(np.abs(one[k] - start[k]).max()) for k in one) > 1e-5
-    train = [r for r in read_metrics(str(tmp_path / "w2/runs/tg_seed0")) if r["stage"] == "train"]
-    assert [r["step"] for r in train] == [1, 2] and all(r["time/publish_s"] > 0 for r in train)
+        return subprocess.Popen(
+            cmd, cwd=root, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+
+    one, pod = start(1), start(2)
+    run = tmp_path / "w2" / "runs" / "tg_seed0"
+    deadline = time.monotonic() + 900
+    while not (run / "checkpoints" / "1").is_dir():
+        assert pod.poll() is None and time.monotonic() < deadline, pod.communicate()[0][-3000:]
+        time.sleep(0.5)
+    pid = _worker_pid(tmp_path / "w2", 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    out = pod.communicate(timeout=900)[0]
+    assert pod.returncode == 143, out[-3000:]
+    assert "process 1/2: 4 local of 8 devices" in out
+    assert not (tmp_path / "w2" / "export" / "tg_seed0").exists()
+    pod = start(2)
+    outs = {"pod": pod.communicate(timeout=1200)[0], "one": one.communicate(timeout=1200)[0]}
+    assert pod.returncode == 0, outs["pod"][-3000:]
+    assert one.returncode == 0, outs["one"][-3000:]
+    summary = read_rl_summary(str(run))
+    assert summary["finished"] and len(summary["sessions"]) == 2
+    assert 1 <= summary["sessions"][1]["start_step"] < 6
+    exports = [tmp_path / f"w{p}/export/tg_seed0/model.safetensors" for p in (2, 1)]
+    pod_w, one_w = (load_file(str(e)) for e in exports)
+    start_w = load_file(str(ckpt / "model.safetensors"))
+    assert sorted(pod_w) == sorted(one_w) == sorted(start_w)
+    for k in one_w:
+        np.testing.assert_allclose(pod_w[k], one_w[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    assert max(float(np.abs(one_w[k] - start_w[k]).max()) for k in one_w) > 1e-5
+    train = [r for r in read_metrics(str(run)) if r["stage"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7))  # one writer, nothing repeated
+    assert all(r["time/publish_s"] > 0 for r in train)
 
 
 def test_cpu_processes_get_threads_for_blocking_collectives(monkeypatch):
