@@ -28,8 +28,10 @@ def _model():
 def test_resolve_mesh_shape():
     assert sharding.resolve_mesh_shape((2, -1, 2), 8) == (2, 2, 2)
     assert sharding.resolve_mesh_shape((1, -1, 1, 1), 8) == (1, 8, 1, 1)
-    with pytest.raises(ValueError, match="At most one"):
+    with pytest.raises(ValueError, match="at most one -1"):
         sharding.resolve_mesh_shape((-1, -1), 8)
+    with pytest.raises(ValueError, match="sizes >= 1"):
+        sharding.resolve_mesh_shape((0, -1), 8)
     with pytest.raises(ValueError, match="needs 4 devices"):
         sharding.resolve_mesh_shape((2, 2), 8)
     with pytest.raises(ValueError, match="does not divide"):

@@ -28,11 +28,16 @@ DEFAULT_RULES = (
 )
 
 
+def check_sizes(section: str, shape: tuple[int, ...]) -> None:
+    """A mesh shape's sizes: each >= 1, or one -1 (the devices left)."""
+    if shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
+        raise ValueError(f"{section}.shape {shape}: sizes >= 1, and at most one -1 (the rest)")
+
+
 def _check_shape(section: str, axes: tuple[str, ...], shape: tuple[int, ...]) -> None:
     if len(axes) != len(shape):
         raise ValueError(f"{section}.axes {axes} and shape {shape} differ in length")
-    if shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
-        raise ValueError(f"{section}.shape {shape}: sizes >= 1, and at most one -1 (the rest)")
+    check_sizes(section, shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,4 +85,4 @@ class SamplerMeshConfig(Section):
             raise ValueError(f"sampler_mesh.num_devices must be >= 0, got {self.num_devices}")
 
 
-__all__ = ["DEFAULT_RULES", "MeshConfig", "SamplerMeshConfig"]
+__all__ = ["DEFAULT_RULES", "MeshConfig", "SamplerMeshConfig", "check_sizes"]

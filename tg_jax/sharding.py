@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from tg_jax import tracing
-from tg_jax.mesh_settings import SamplerMeshConfig
+from tg_jax.mesh_settings import SamplerMeshConfig, check_sizes
 
 Rules = tuple[tuple[str, Any], ...]
 
@@ -53,10 +53,7 @@ SAMPLER_RULES: Rules = (("batch", "data"),) + tuple(
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
     """Replaces one -1 entry by whatever makes the product equal `num_devices`."""
     shape = [int(s) for s in shape]
-    if shape.count(-1) > 1:
-        raise ValueError(f"At most one mesh axis may be -1, got {shape}")
-    if any(s == 0 or s < -1 for s in shape):
-        raise ValueError(f"Mesh axis sizes must be positive or -1, got {shape}")
+    check_sizes("mesh", tuple(shape))  # the sections' own check (mesh_settings)
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape:
         if num_devices % known:
