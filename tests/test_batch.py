@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tg_jax.rl.batch import bucket_length, build_batch, split_batch, split_microbatches
-from tg_jax.rl.compact import row_bucket
+from tg_jax.rl.tg.compact import row_bucket
 from tg_jax.sampling.trajectory import Role, Trajectory
 
 P, TH, A, E = Role.PROMPT, Role.THINK, Role.ANSWER, Role.ENV
@@ -195,7 +195,7 @@ def test_padding_rows_and_buckets():
 
 
 # ---------------------------------------------------------------------------------------------
-# Compact teacher rows (build_batch(compact=True), tg_jax.rl.compact).
+# Compact teacher rows (build_batch(compact=True), tg_jax.rl.tg.compact).
 # ---------------------------------------------------------------------------------------------
 
 

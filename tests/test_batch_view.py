@@ -12,7 +12,7 @@ from tg_jax.models import forward
 from tg_jax.notebook import batch_view, html_render
 from tg_jax.notebook.base_policy import load_base_policy
 from tg_jax.rl.batch import build_batch
-from tg_jax.rl.tg_loss import token_divergence
+from tg_jax.rl.tg.loss import token_divergence
 from tg_jax.sampling.scripted import scripted_rollout
 from tg_jax.text import ByteTokenizer, ChatRenderer, Role
 

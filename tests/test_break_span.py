@@ -20,8 +20,8 @@ from tg_jax.envs.protocol import (
     tool_json_breaks_at,
 )
 from tg_jax.envs.tasks import FAMILIES, generate_tasks
-from tg_jax.rl import break_span
 from tg_jax.rl.batch import build_batch
+from tg_jax.rl.tg import break_span
 from tg_jax.sampling.scripted import scripted_rollout
 from tg_jax.text import ByteTokenizer, ChatRenderer
 

@@ -6,9 +6,10 @@ import pytest
 from tests import rl_loop_driver as driver
 from tests.test_batch import HEADER, TH, A, E, P, _traj
 from tg_jax import config_files, config_lib
-from tg_jax.rl import distill_budget, tg_loss
 from tg_jax.rl.batch import build_batch
 from tg_jax.rl.step_config import TGConfig
+from tg_jax.rl.tg import distill_budget
+from tg_jax.rl.tg import loss as tg_loss
 from tg_jax.train import pipeline, rl
 
 HINTS = {"fence": [90, 91, 92]}

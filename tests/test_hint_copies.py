@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tg_jax.rl import hint_copies
+from tg_jax.rl.tg import hint_copies
 
 
 def test_copy_mask_marks_every_token_of_a_copied_window():

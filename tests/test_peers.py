@@ -34,7 +34,7 @@ from tg_jax.rl.loss import (
     tg_term,
 )
 from tg_jax.rl.step_config import LambdaSchedule, RLConfig, TGConfig
-from tg_jax.rl.tg_loss import chunked_token_stats
+from tg_jax.rl.tg.loss import chunked_token_stats
 
 B, T, V = 2, 5, 7
 RL = RLConfig()  # token_mean, clip 0.2 / 0.28
@@ -388,7 +388,7 @@ def test_compact_teacher_rows_equal_full_rows(method, gate):
     """The peers' per-token terms through compact teacher rows (D at the teacher slots,
     `slot_divergence`, where they are few) give the loss and gradients of full rows."""
     from tests.test_train_step import _tree_close
-    from tg_jax.rl.teacher import divergence_at_slots
+    from tg_jax.rl.tg.teacher import divergence_at_slots
 
     over = {"tg.method": method, "tg.gate": gate, "tg.peer_estimator": "topk", "tg.peer_top_k": 4}
     cfg = _config(**over)

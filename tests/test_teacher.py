@@ -13,10 +13,11 @@ import pytest
 from tg_jax import config_files, config_lib
 from tg_jax.models import ModelConfig, Transformer, forward, hidden_states, init_params
 from tg_jax.models.decode import forward_from_prefix
-from tg_jax.rl import teacher, train_step
+from tg_jax.rl import train_step
 from tg_jax.rl.batch import build_batch
 from tg_jax.rl.step_config import StepConfig
-from tg_jax.rl.tg_loss import chunked_token_stats
+from tg_jax.rl.tg import teacher
+from tg_jax.rl.tg.loss import chunked_token_stats
 from tg_jax.testing import synthetic_trajectories
 
 TINY = dict(
@@ -316,7 +317,7 @@ def test_default_rule_keeps_compact_rows_that_save_the_prefix():
     """The benchmark's rule (MIN_COMPACT_SAVING): every turn failed still saves the prefix
     before the first hint (20% of the slots here), enough to keep compact rows; a saving
     below the bar falls back to full rows."""
-    from tg_jax.rl.compact import MIN_COMPACT_SAVING, compaction_pays  # noqa: PLC0415
+    from tg_jax.rl.tg.compact import MIN_COMPACT_SAVING, compaction_pays  # noqa: PLC0415
 
     kw = dict(max_len=64, teacher_max_len=80, requirement_names=("fence",), pad_to_multiple=16,
               compact=True, min_compact_saving=MIN_COMPACT_SAVING)  # fmt: skip

@@ -8,8 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tg_jax.rl import tg_loss as tg
 from tg_jax.rl.step_config import LambdaSchedule
+from tg_jax.rl.tg import loss as tg
 
 KINDS = ("reverse", "forward", "jsd")
 

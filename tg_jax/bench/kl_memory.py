@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax import tracing
-from tg_jax.rl import tg_loss
+from tg_jax.rl.tg import loss as tg_loss
 
 
 class MemoryReport(NamedTuple):

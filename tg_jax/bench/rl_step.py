@@ -6,9 +6,9 @@
 What to expect: the TG step adds one forward pass of the teacher (no backward) to a
 forward+backward step, plus the full-vocabulary divergence and its backward (small at
 V = 272, significant at V = 151,936). The teacher runs only where it teaches (compact rows,
-`tg_jax.rl.compact`): rows for the trajectories with a failed turn, from the first hint (the
+`tg_jax.rl.tg.compact`): rows for the trajectories with a failed turn, from the first hint (the
 prefix's keys and values are the student's) to the end of the last failed turn, and the
-divergence runs over those rows' slots only (`tg_jax.rl.teacher.slot_divergence`). So both
+divergence runs over those rows' slots only (`tg_jax.rl.tg.teacher.slot_divergence`). So both
 costs fall with the share of trajectories that fail a requirement: the arms "tg" (every
 trajectory has a failed turn, as at the first steps), "tg_50pct" and "tg_10pct" (the
 behaviour mostly learnt); turns fail independently at the rate that gives that share
@@ -33,7 +33,7 @@ import numpy as np
 from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.batch import Batch, build_batch
-from tg_jax.rl.compact import MIN_COMPACT_SAVING
+from tg_jax.rl.tg.compact import MIN_COMPACT_SAVING
 from tg_jax.rl.train_state import create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling.trajectory import Trajectory

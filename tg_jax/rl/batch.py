@@ -29,7 +29,7 @@ Teacher modes:
   none: no teacher (the GRPO arm): [B, 1] placeholder teacher arrays.
 compact=True keeps either mode's teacher contexts but stores only what the teacher must
 compute: rows for targeted trajectories (turns) only, each from its first hint to the end of
-its last targeted turn; the layout and its index map are in `tg_jax.rl.compact`.
+its last targeted turn; the layout and its index map are in `tg_jax.rl.tg.compact`.
 A turn is *targeted* when it failed a requirement (gate="failed_turns"; its hint = the hint
 messages of its failed requirements, in sorted order) or, with gate="all_turns", whenever it
 has verdicts (hint = those of all its requirements). A targeted turn whose hint has no tokens
@@ -47,7 +47,7 @@ import flax.struct
 import jax
 import numpy as np
 
-from tg_jax.rl.compact import (
+from tg_jax.rl.tg.compact import (
     bucket_length,
     compact_teacher,
     compaction_pays,
@@ -95,10 +95,10 @@ class Batch:
       valid_B: bool, False for padding rows.
       teacher_src_row_Bt, teacher_start_Bt: compact teacher rows only (else None): int32 the
         student row (local to the micro-batch) whose prefix the row continues, and the
-        student position p of its first hint (`tg_jax.rl.compact`).
+        student position p of its first hint (`tg_jax.rl.tg.compact`).
       requirement_names: static tuple of requirement names (the ids' meaning).
       teacher_mode: static, the `TeacherMode` the teacher rows were built with.
-      teacher_compact: static, the teacher rows are compact (`tg_jax.rl.compact`).
+      teacher_compact: static, the teacher rows are compact (`tg_jax.rl.tg.compact`).
       teacher_prefix_len: static, compact rows: the student key/value slots the teacher sees.
     """
 
@@ -460,7 +460,7 @@ def build_batch(
         padding rows are added (valid_B False, every mask 0).
       micro_batches: number of micro-batches the train step will split the batch into.
       compact: teacher rows only where a turn is targeted, from the first hint to the end of
-        the last targeted turn (`tg_jax.rl.compact`; the train step reuses the student's keys
+        the last targeted turn (`tg_jax.rl.tg.compact`; the train step reuses the student's keys
         and values for the shared prefix). B_t is bucketed (per_turn: <= max_teacher_rows).
       min_compact_saving: with compact, full rows instead when the compact rows' B_t x T_t
         slots are more than (1 - min_compact_saving) of the full rows'

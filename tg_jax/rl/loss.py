@@ -5,7 +5,7 @@
  a. student forward to final hidden states [B, T, D];
  b. when TG is on, teacher forward on the hinted teacher tokens with the SAME params under
     stop_gradient (compact teacher rows start at the first hint and reuse the student's keys
-    and values for the prefix, `tg_jax.rl.teacher`), gathered to student positions through
+    and values for the prefix, `tg_jax.rl.tg.teacher`), gathered to student positions through
     the batch's index map (the GRPO arm skips it entirely); with tg.teacher_params
     "reference", the frozen reference params instead, on full teacher rows;
  c. `chunked_token_stats`: student log-prob of each target, entropy and the divergence to the
@@ -39,14 +39,14 @@ from tg_jax.rl.advantages import AdvantageMetrics, compute_advantages, turn_adva
 from tg_jax.rl.batch import Batch
 from tg_jax.rl.policy_loss import PolicyLossMetrics, ppo_loss, reference_kl
 from tg_jax.rl.step_config import RLConfig, TGConfig
-from tg_jax.rl.teacher import (
+from tg_jax.rl.tg.loss import TokenStats, chunked_token_stats, tg_loss, tg_mask
+from tg_jax.rl.tg.teacher import (
     divergence_at_slots,
     gather_teacher,
     slot_divergence,
     student_forward,
     teacher_rows_hidden,
 )
-from tg_jax.rl.tg_loss import TokenStats, chunked_token_stats, tg_loss, tg_mask
 
 Metrics = dict[str, jax.Array]
 
@@ -141,7 +141,7 @@ def token_stats(
     the MoE router load-balancing loss (0 unless the model sets router_aux_loss_coef).
 
     The teacher is the same params under stop_gradient on the hinted teacher tokens
-    (`tg_jax.rl.teacher`: compact rows continue the student's prefix keys and values),
+    (`tg_jax.rl.tg.teacher`: compact rows continue the student's prefix keys and values),
     gathered to student positions (`gather_teacher`; compact rows with few slots: D computed at
     the teacher rows' slots instead, `slot_divergence`); `teacher_hidden_BxTxD` replaces it.
     `teacher_params` (e.g. the frozen reference, tg.teacher_params "reference") run the

@@ -214,19 +214,19 @@ class TGConfig(Section):
     """policy (the current params, hint in context) | reference (the frozen reference params
     the step takes as its third argument: the RL start params)."""
     compact: bool = True
-    """Compact teacher rows (read by batch building: tg_jax.rl.compact); only with the policy
+    """Compact teacher rows (read by batch building: tg_jax.rl.tg.compact); only with the policy
     teacher (`compact_rows`)."""
     mask_hint_copies: bool = False
     """Leave out of the TG KL the student tokens that copy their turn's hint (read by batch
-    building, tg_jax.rl.hint_copies)."""
+    building, tg_jax.rl.tg.hint_copies)."""
     distill_budget: str = "all"
     """all | answer_tokens: with include_thinking, distil per step at most as many tokens as
     the answer tokens of the targeted turns, a random subset of answer + thinking tokens (read
-    by batch building, tg_jax.rl.distill_budget): the thinking-token control at an equal
+    by batch building, tg_jax.rl.tg.distill_budget): the thinking-token control at an equal
     distilled-token budget."""
     span: str = "turn"
     """turn | to_break: distil a targeted turn whole, or only up to and including the token
-    that breaks its requirement (read by batch building, tg_jax.rl.break_span)."""
+    that breaks its requirement (read by batch building, tg_jax.rl.tg.break_span)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
     normalize: str = "token_mean"

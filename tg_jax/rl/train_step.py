@@ -72,7 +72,7 @@ from tg_jax.rl.loss import (
     token_stats,
 )
 from tg_jax.rl.step_config import StepConfig, TGConfig
-from tg_jax.rl.teacher import gather_teacher
+from tg_jax.rl.tg.teacher import gather_teacher
 from tg_jax.rl.train_state import (
     TrainState,
     make_lr_schedule,

@@ -180,7 +180,7 @@ def abstract_tg_batch(
     compact: bool = False, mode: str = "per_trajectory",
 ) -> Any:  # fmt: skip
     """An abstract `tg_jax.rl.batch.Batch` of `shapes`; compact: with the compact teacher
-    rows' source rows, starts and prefix slots (`tg_jax.rl.compact`)."""
+    rows' source rows, starts and prefix slots (`tg_jax.rl.tg.compact`)."""
     from tg_jax.rl.batch import Batch  # noqa: PLC0415 (the real step only)
 
     def a(shape, dtype):

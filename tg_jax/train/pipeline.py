@@ -101,7 +101,7 @@ ARMS: dict[str, Arm] = {
         {"tg.enabled": True, "tg.include_thinking": True, "tg.distill_budget": "answer_tokens"},
         "main",
         "TG that distils <think> and answer tokens of failed turns, per step at most as many as "
-        "their answer tokens (tg's distilled-token budget; tg_jax.rl.distill_budget)",
+        "their answer tokens (tg's distilled-token budget; tg_jax.rl.tg.distill_budget)",
     ),
     "tg_all_turns": Arm(
         {"tg.enabled": True, "tg.gate": "all_turns"},

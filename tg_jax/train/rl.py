@@ -68,10 +68,10 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
-from tg_jax.rl import break_span, distill_budget, hint_copies
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.loss import distill_mask
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
+from tg_jax.rl.tg import break_span, distill_budget, hint_copies
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
 from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import agent_loop, placement, rollout
@@ -284,10 +284,10 @@ def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str
 
 def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch:
     """Step `step`'s batch; with `tg.span` "to_break" a targeted turn's targets after the token
-    that breaks its requirement are left out of the TG KL (tg_jax.rl.break_span), with
+    that breaks its requirement are left out of the TG KL (tg_jax.rl.tg.break_span), with
     `tg.mask_hint_copies` the hint-copying targets are left out of
-    the TG KL (tg_jax.rl.hint_copies), and with `tg.distill_budget` "answer_tokens" the
-    thinking arm's TG mask is cut to its answer tokens' count (tg_jax.rl.distill_budget)."""
+    the TG KL (tg_jax.rl.tg.hint_copies), and with `tg.distill_budget` "answer_tokens" the
+    thinking arm's TG mask is cut to its answer tokens' count (tg_jax.rl.tg.distill_budget)."""
     config = parts.config
     tg_on = bool(config.tg.enabled)
     batch = build_batch(

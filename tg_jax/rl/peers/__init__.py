@@ -1,7 +1,7 @@
 """Peers' methods as arms on the TG teacher path (`tg.method`, issue #43).
 
 Every method shares TG's machinery: the same hinted teacher rows (the policy's own weights with
-the hint in context, under stop-gradient; `tg_jax.rl.teacher`), the same chunked
+the hint in context, under stop-gradient; `tg_jax.rl.tg.teacher`), the same chunked
 full-vocabulary pass (`tg_loss.chunked_token_stats`), the same GRPO surrogate and rewards. They
 differ only in the per-token teacher term D_t computed in that pass and in how it enters the
 loss (`tg_jax.rl.loss.loss_fn`):
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from tg_jax.rl.peers import sdar, sdpo, sgcd
 from tg_jax.rl.step_config import TGConfig
-from tg_jax.rl.tg_loss import lambda_schedule
+from tg_jax.rl.tg.loss import lambda_schedule
 
 __all__ = ["divergence_options", "distill_weight", "sdar", "sdpo", "sgcd"]
 

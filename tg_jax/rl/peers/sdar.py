@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.rl.step_config import TGConfig
-from tg_jax.rl.tg_loss import _divergence_from_log_probs
+from tg_jax.rl.tg.loss import _divergence_from_log_probs
 
 
 def log_prob_gap(log_s_xV: jax.Array, log_t_xV: jax.Array, token_x: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.rl.step_config import TGConfig
-from tg_jax.rl.tg_loss import _LOG_FLOOR, DivergenceKind, _full_divergence
+from tg_jax.rl.tg.loss import _LOG_FLOOR, DivergenceKind, _full_divergence
 
 
 def teacher_top_k_divergence(

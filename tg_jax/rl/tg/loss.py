@@ -393,7 +393,7 @@ def chunked_divergence(
     """The divergence D of `chunked_token_stats` alone, at any [R, N] layout of positions.
 
     The caller gathers the student's hidden states and targets to the positions that have a
-    teacher (`tg_jax.rl.teacher.slot_divergence`: the compact teacher rows' slots), so the
+    teacher (`tg_jax.rl.tg.teacher.slot_divergence`: the compact teacher rows' slots), so the
     full-vocabulary work is done there only; same chunks along N, rematerialisation and
     stop-gradient on the teacher as `chunked_token_stats`.
 

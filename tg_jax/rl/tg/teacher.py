@@ -4,9 +4,9 @@ The teacher is the policy's own weights on the hinted context, under stop-gradie
 layouts of its rows (`tg_jax.rl.batch`):
 
   * full rows (build_batch(compact=False), or compact=True where compaction would save little,
-    `tg_jax.rl.compact.compaction_pays`): the whole hinted sequence, run through the model
+    `tg_jax.rl.tg.compact.compaction_pays`): the whole hinted sequence, run through the model
     like the student (optionally with its attention in causal query blocks, `teacher_model`);
-  * compact rows (compact=True, `tg_jax.rl.compact`): only the targeted trajectories (turns),
+  * compact rows (compact=True, `tg_jax.rl.tg.compact`): only the targeted trajectories (turns),
     from the first hint on. Before the first hint the hinted sequence is token for token the
     student's, so its keys and values are the student's: the student forward hands out each
     layer's attention input (after `attn_norm`) and normalised keys (after `k_norm`), which
@@ -37,7 +37,7 @@ from tg_jax.models.decode import forward_from_prefix
 from tg_jax.models.layers import RMSNorm, rope
 from tg_jax.models.moe import load_balancing_loss
 from tg_jax.rl.batch import Batch
-from tg_jax.rl.tg_loss import chunked_divergence
+from tg_jax.rl.tg.loss import chunked_divergence
 
 
 class StudentPrefix(NamedTuple):

@@ -10,7 +10,7 @@ tokens where it differs from the student:
   * columns: positions before the first inserted hint are token for token the student's own
     prefix, so the row starts at the first hint (student position p = turn_starts of the first
     targeted turn) and the teacher forward reads the prefix's keys and values from the student
-    pass (`tg_jax.rl.teacher`); the row ends after its last targeted turn (nothing after it is
+    pass (`tg_jax.rl.tg.teacher`); the row ends after its last targeted turn (nothing after it is
     distilled), and its length is rounded up to the teacher length bucket.
 
 Layout of teacher row r (global index; micro-batch r % M, local index r // M, like the student):
