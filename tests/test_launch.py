@@ -229,23 +229,30 @@ def test_local_pod_of_the_split_layout_through_a_sigterm_trains_what_one_process
             cmd, cwd=root, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
 
-    one, pod = start(1), start(2)
+    def why(out: str) -> str:  # the errors anywhere in a worker's output, and its end
+        errors = [ln for ln in out.splitlines() if "rror" in ln or ln[:1] in ("E", "F")]
+        return "\n".join(errors[-30:]) + "\n...\n" + out[-2000:]
+
+    # One run at a time: with the 1 x 8 run beside the pod, in the full suite beside a long
+    # RL run on 2 cores, both pod workers once aborted in the coordination service
+    # (CoordinationServiceAgent::SetError) before the first checkpoint; cause not found.
+    pod = start(2)
     run = tmp_path / "w2" / "runs" / "tg_seed0"
     deadline = time.monotonic() + 900
     while not (run / "checkpoints" / "1").is_dir():
-        assert pod.poll() is None and time.monotonic() < deadline, pod.communicate()[0][-3000:]
+        assert pod.poll() is None and time.monotonic() < deadline, why(pod.communicate()[0])
         time.sleep(0.5)
     pid = _worker_pid(tmp_path / "w2", 1)
     assert pid is not None
     os.kill(pid, signal.SIGTERM)
     out = pod.communicate(timeout=900)[0]
-    assert pod.returncode == 143, out[-3000:]
+    assert pod.returncode == 143, why(out)
     assert "process 1/2: 4 local of 8 devices" in out
     assert not (tmp_path / "w2" / "export" / "tg_seed0").exists()
-    pod = start(2)
-    outs = {"pod": pod.communicate(timeout=1200)[0], "one": one.communicate(timeout=1200)[0]}
-    assert pod.returncode == 0, outs["pod"][-3000:]
-    assert one.returncode == 0, outs["one"][-3000:]
+    for p in (2, 1):  # the pod resumes; then the uninterrupted single process
+        proc = start(p)
+        out = proc.communicate(timeout=1200)[0]
+        assert proc.returncode == 0, why(out)
     summary = read_rl_summary(str(run))
     assert summary["finished"] and len(summary["sessions"]) == 2
     assert 1 <= summary["sessions"][1]["start_step"] < 6
