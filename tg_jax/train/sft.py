@@ -54,12 +54,12 @@ from tg_jax.train.sft_data import (
     make_sft_transcripts,
     transcript_texts,
 )
+from tg_jax.train.sft_settings import check_tokenizer
 
 Batch = dict[str, jax.Array]
 SFT_DIR = "sft"
 SUMMARY_FILE = "sft_summary.json"
 TOKENIZER_DIR = "tokenizer"  # the BPE of sft.tokenizer = "bpe", in workdir/sft/
-TOKENIZERS = ("byte", "bpe")
 
 
 def sft_loss(
@@ -180,10 +180,7 @@ def make_sft_step(config: Any, model: Transformer, mesh, rules, *, extension: bo
 
 def tokenizer_kind(config: Any) -> str:
     """`config.sft.tokenizer`: "byte" (ByteTokenizer) or "bpe" (trained on the transcripts)."""
-    kind = str(config.sft.get("tokenizer", "byte"))
-    if kind not in TOKENIZERS:
-        raise ValueError(f"sft.tokenizer {kind!r} is not one of {TOKENIZERS}")
-    return kind
+    return check_tokenizer(str(config.sft.get("tokenizer", "byte")))  # saved configs: .get
 
 
 def tokenizer_dir(workdir: str) -> str:

@@ -141,6 +141,17 @@ _SFT_OPTIM = OptimConfig(
 )  # fmt: skip
 
 
+TOKENIZERS = ("byte", "bpe")  # sft.tokenizer's choices
+
+
+def check_tokenizer(kind: str) -> str:
+    """`sft.tokenizer` as given, or a ValueError naming the choices (the section's check, and
+    the reader of saved configs `tg_jax.train.sft.tokenizer_kind`)."""
+    if kind not in TOKENIZERS:
+        raise ValueError(f"sft.tokenizer {kind!r} is not one of {TOKENIZERS}")
+    return kind
+
+
 @dataclasses.dataclass(frozen=True)
 class SftConfig(Section):
     """`config.sft`: SFT of the base model (data, batches, optimizer, checkpoints, evaluation,
@@ -208,7 +219,6 @@ class SftConfig(Section):
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0 or self.retry_seeds < 0:
             raise ValueError(f"sft.steps and sft.retry_seeds must be >= 0, got {self}")
-        if self.tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"sft.tokenizer {self.tokenizer!r} is not one of ('byte', 'bpe')")
+        check_tokenizer(self.tokenizer)
         if self.source not in ("shipped", "train"):
             raise ValueError(f"sft.source must be one of shipped, train, got {self.source!r}")
