@@ -9,6 +9,7 @@ from typing import ClassVar
 from tg_jax.config_schema import Section
 from tg_jax.envs.transcripts import TranscriptConfig
 from tg_jax.rl.step_config import OptimConfig
+from tg_jax.train.shipped_base import check_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,5 +221,4 @@ class SftConfig(Section):
         if self.steps < 0 or self.retry_seeds < 0:
             raise ValueError(f"sft.steps and sft.retry_seeds must be >= 0, got {self}")
         check_tokenizer(self.tokenizer)
-        if self.source not in ("shipped", "train"):
-            raise ValueError(f"sft.source must be one of shipped, train, got {self.source!r}")
+        check_source(self.source)

@@ -31,12 +31,17 @@ WEIGHTS_FILE = "model.safetensors"
 SOURCES = ("shipped", "train")
 
 
-def source(config: Any) -> str:
-    """`sft.source`, checked: "shipped" (the default of the embedded configs) or "train"."""
-    value = str(config.sft.get("source", "train"))
+def check_source(value: str) -> str:
+    """`sft.source` as given, or a ConfigError naming the choices (SftConfig's check too)."""
     if value not in SOURCES:
         raise ConfigError(f"sft.source must be one of {', '.join(SOURCES)}, got {value!r}")
     return value
+
+
+def source(config: Any) -> str:
+    """`sft.source`, checked: "shipped" (the default of the embedded configs) or "train"
+    (read with a default: saved configs of older workdirs lack it)."""
+    return check_source(str(config.sft.get("source", "train")))
 
 
 def resolve(name: str) -> str:
