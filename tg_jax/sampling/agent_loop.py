@@ -98,12 +98,17 @@ class EngineRunner:
         return self.engine
 
 
-def engine_kind(loop_cfg: Any) -> str:
-    """`rl_loop.rollout_engine` ("lockstep" when unset); ValueError unless one of ENGINES."""
-    kind = str(loop_cfg.get("rollout_engine", "lockstep"))
+def check_engine(kind: str) -> str:
+    """`rl_loop.rollout_engine` as given; ValueError unless one of ENGINES (LoopConfig's
+    check too)."""
     if kind not in ENGINES:
         raise ValueError(f"rl_loop.rollout_engine must be one of {ENGINES}, got {kind!r}")
     return kind
+
+
+def engine_kind(loop_cfg: Any) -> str:
+    """`rl_loop.rollout_engine` ("lockstep" when unset: saved configs of older workdirs)."""
+    return check_engine(str(loop_cfg.get("rollout_engine", "lockstep")))
 
 
 def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: int,

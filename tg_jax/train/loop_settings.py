@@ -9,7 +9,7 @@ import dataclasses
 from typing import ClassVar
 
 from tg_jax.config_schema import Section
-from tg_jax.sampling.agent_loop import ENGINES
+from tg_jax.sampling.agent_loop import check_engine
 
 
 def _at_least(section: str, cfg: Section, bounds: dict[str, float]) -> None:
@@ -113,10 +113,7 @@ class LoopConfig(Section):
         ))  # fmt: skip
         if self.epochs < 0:
             raise ValueError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {self.epochs}")
-        if self.rollout_engine not in ENGINES:
-            raise ValueError(
-                f"rl_loop.rollout_engine must be one of {ENGINES}, got {self.rollout_engine!r}"
-            )
+        check_engine(self.rollout_engine)
 
 
 @dataclasses.dataclass(frozen=True)
