@@ -177,11 +177,10 @@ def tasks_dir(workdir: str) -> str:
 
 def check_epochs(loop_config: Any, num_train: int) -> None:
     """`rl_loop.epochs` (when set) against the run's length: steps x groups_per_step tasks are
-    drawn in all (the task iterator repeats the train split, reshuffled each pass)."""
+    drawn in all (the task iterator repeats the train split, reshuffled each pass). The value's own
+    check (>= 0) is LoopConfig's, at start-up."""
     epochs = float(loop_config.get("epochs", 0.0))
-    if epochs < 0:
-        raise ConfigError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {epochs:g}")
-    if epochs == 0:
+    if epochs <= 0:
         return
     drawn = int(loop_config.steps) * int(loop_config.groups_per_step)
     if abs(drawn - epochs * num_train) > 1e-6 * drawn:
