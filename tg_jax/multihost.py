@@ -23,6 +23,7 @@ code paths run unchanged.
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +49,7 @@ class BarrierError(RuntimeError):
 
 
 _barriers = itertools.count()
+BARRIER_TIMEOUT_S = 3600  # what process 0 may take to write a file the others wait for
 
 
 def barrier(name: str, timeout_s: float | None = None) -> None:
@@ -55,8 +57,9 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
 
     Through the `jax.distributed` coordination service's key-value store, not a device
     collective: it holds no device and no tracing lock, and it fails after `timeout_s`
-    (default TG_JAX_COLLECTIVE_TIMEOUT_S, 600) saying how many arrived, where a collective
-    whose peer died would wait for XLA's own timeout. Every process calls the
+    (default TG_JAX_BARRIER_TIMEOUT_S, else BARRIER_TIMEOUT_S: an hour, as process 0 may be
+    writing a task set or a base model the others wait for) saying how many arrived, where a
+    device collective whose peer hung would wait without end. Every process calls the
     barriers in the same order; each call's id is its name and its position in that order.
 
     Raises:
@@ -66,9 +69,9 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
         return
     from jax._src import distributed  # noqa: PLC0415 (the client jax.distributed made)
 
-    from tg_jax.tpu.distributed import collective_timeout_s  # noqa: PLC0415
-
-    seconds = collective_timeout_s() if timeout_s is None else float(timeout_s)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("TG_JAX_BARRIER_TIMEOUT_S", "") or BARRIER_TIMEOUT_S)
+    seconds = float(timeout_s)
     client = distributed.global_state.client
     barrier_id = f"tg_jax/{next(_barriers)}/{name}"
     try:

@@ -115,8 +115,8 @@ _TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 
 
 def collective_timeout_s(env=None) -> float:
-    """The seconds a collective or a barrier (`tg_jax.multihost.barrier`) waits for the other
-    processes: TG_JAX_COLLECTIVE_TIMEOUT_S, else COLLECTIVE_TIMEOUT_S."""
+    """The seconds a CPU collective waits for the other processes: TG_JAX_COLLECTIVE_TIMEOUT_S,
+    else COLLECTIVE_TIMEOUT_S."""
     env = os.environ if env is None else env
     return float(env.get(ENV_COLLECTIVE_TIMEOUT, "") or COLLECTIVE_TIMEOUT_S)
 
