@@ -307,9 +307,8 @@ print("agreed", multihost.agreed(jax.process_index() + 10))
 """
 
 
-def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
-    """Two processes: the shared file is written by process 0 alone and read by both; agreed()
-    gives process 0's value everywhere."""
+def _two_processes(script: str, *args: str) -> list[subprocess.Popen]:
+    """`python -c script args` as processes 0 and 1 of one `jax.distributed` runtime."""
     port = _free_port()
     procs = []
     for i in range(2):
@@ -318,9 +317,16 @@ def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
                "JAX_PLATFORMS": "cpu"}  # fmt: skip
         env.pop("XLA_FLAGS", None)
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", _PRIMARY_FIRST, str(tmp_path / "shared.txt")], env=env,
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-c", script, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
         ))  # fmt: skip
+    return procs
+
+
+def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
+    """Two processes: the shared file is written by process 0 alone and read by both; agreed()
+    gives process 0's value everywhere."""
+    procs = _two_processes(_PRIMARY_FIRST, str(tmp_path / "shared.txt"))
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
@@ -349,17 +355,7 @@ except multihost.BarrierError as e:
 
 
 def test_a_barrier_a_process_misses_fails_with_its_name_not_a_hang():
-    port = _free_port()
-    procs = []
-    for i in range(2):
-        env = {**os.environ, "TG_JAX_DISTRIBUTED": "1", "TG_JAX_NUM_PROCESSES": "2",
-               "TG_JAX_COORDINATOR": f"localhost:{port}", "TG_JAX_PROCESS_ID": str(i),
-               "JAX_PLATFORMS": "cpu"}  # fmt: skip
-        env.pop("XLA_FLAGS", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", _BARRIER], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
+    procs = _two_processes(_BARRIER)
     out0, err0 = procs[0].communicate(timeout=120)
     procs[1].communicate(timeout=120)
     assert procs[0].returncode == 3, err0[-2000:]
