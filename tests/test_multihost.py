@@ -366,6 +366,13 @@ def test_a_barrier_a_process_misses_fails_with_its_name_not_a_hang():
     assert int(line.split()[1]) < 15, line  # the barrier's timeout, not process 1's exit
 
 
+def test_the_barrier_timeout_is_an_hour_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.delenv("TG_JAX_BARRIER_TIMEOUT_S", raising=False)
+    assert multihost.barrier_timeout_s() == multihost.BARRIER_TIMEOUT_S == 3600
+    monkeypatch.setenv("TG_JAX_BARRIER_TIMEOUT_S", "90")
+    assert multihost.barrier_timeout_s() == 90.0
+
+
 def test_cpu_processes_get_a_collective_timeout(monkeypatch):
     """A multi-process CPU run fails a stuck gloo collective after COLLECTIVE_TIMEOUT_S (or
     TG_JAX_COLLECTIVE_TIMEOUT_S) instead of hanging; a timeout in XLA_FLAGS stands."""

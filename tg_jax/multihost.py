@@ -52,6 +52,11 @@ _barriers = itertools.count()
 BARRIER_TIMEOUT_S = 3600  # what process 0 may take to write a file the others wait for
 
 
+def barrier_timeout_s() -> float:
+    """A barrier's default timeout: TG_JAX_BARRIER_TIMEOUT_S, else BARRIER_TIMEOUT_S."""
+    return float(os.environ.get("TG_JAX_BARRIER_TIMEOUT_S", "") or BARRIER_TIMEOUT_S)
+
+
 def barrier(name: str, timeout_s: float | None = None) -> None:
     """Every process waits here until all have reached it (no-op with one process).
 
@@ -69,9 +74,7 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
         return
     from jax._src import distributed  # noqa: PLC0415 (the client jax.distributed made)
 
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("TG_JAX_BARRIER_TIMEOUT_S", "") or BARRIER_TIMEOUT_S)
-    seconds = float(timeout_s)
+    seconds = barrier_timeout_s() if timeout_s is None else float(timeout_s)
     client = distributed.global_state.client
     barrier_id = f"tg_jax/{next(_barriers)}/{name}"
     try:
