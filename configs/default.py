@@ -15,8 +15,9 @@ Why these choices:
     of CPU solves some but not all of them, so both arms have a reward signal to learn from.
   * The requirement is tool_json: the base model follows its hint and never meets it
     unprompted. The fence requirement has its own config (configs/fence.py).
-  * TG is the forward KL at lambda_tg 0.05, summed over the distilled tokens and divided by
-    trajectories x 50 tokens (the recipe of configs/fence.py). The format is decided at one
+  * TG is the library's recipe (tg_jax.rl.step_config.TGConfig's defaults, chosen from these
+    runs): the forward KL at lambda_tg 0.05, summed over the distilled tokens and divided by
+    trajectories x 50 tokens. The format is decided at one
     token per turn, where the base model is sure of its own format and the hinted teacher of
     the other: there the reverse KL's and the JSD's gradients vanish (both saturate on
     near-disjoint distributions), the forward KL's is p_student - p_teacher. JSD(0.5) at
@@ -88,10 +89,10 @@ def get_config(arg=None):
     c.rl = config_lib.rl_config(
         reward_weights=ml_collections.ConfigDict({"task": 1.0, "tool_json": 0.5})
     )
-    # Targeted guidance (the TG arm): forward KL at lambda_tg 0.05, token-sum over
-    # trajectories x 50 tokens; the module docstring says why not the reverse KL or the JSD.
-    c.tg = config_lib.tg_config(kind="forward", normalize="token_sum", norm_length=50.0)
-    c.tg.schedule.value = 0.05
+    # Targeted guidance (the TG arm): the library's recipe (TGConfig's defaults), the forward
+    # KL at lambda_tg 0.05, token-sum over trajectories x 50 tokens; the module docstring says
+    # why not the reverse KL or the JSD.
+    c.tg = config_lib.tg_config()
     c.optim = config_lib.optim_config(lr=3e-4)  # RL optimizer (both arms)
     # The RL loop: 40 steps of 4 groups x 8 rollouts. Batch lengths in multiples of 128 tokens:
     # few distinct shapes, so few compiles.

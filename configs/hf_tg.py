@@ -14,13 +14,11 @@ The architecture comes from DIR/config.json (model fields set here are checked a
 the context is model.max_seq_len (default: config.json's max_position_embeddings), the
 per-turn decode budgets rl_loop.max_new_tokens / eval.max_new_tokens.
 
-TG here is the JSD (beta 0.5), not the embedded default's forward KL at lambda 0.05: that
-recipe was measured on a byte model whose plain and hinted distributions are near-disjoint at
-the tokens that decide a format, where the JSD's gradient vanishes and the forward KL's does not
-(configs/default.py). A pretrained model's overlap (it can write either format unprompted),
-and the JSD is bounded per token, so an untuned lambda cannot blow up the step. Nothing here
-has been measured on a real checkpoint: `--config.tg.kind=forward` with a small
-`--config.tg.schedule.value` is the embedded default's recipe, to compare.
+TG is the library's recipe (tg_jax.rl.step_config.TGConfig's defaults): the forward KL at
+lambda_tg 0.05, summed over the distilled tokens and divided by trajectories x 50 tokens. The
+evidence for it comes from the embedded byte model (configs/default.py); it has not been
+measured on a pretrained checkpoint. The bounded alternative, the JSD at lambda 1 over the
+token mean: `--config.tg.kind=jsd --config.tg.normalize=token_mean --config.tg.schedule.value=1`.
 
 `configs/hf_tg.py:runlocal` shrinks steps, groups, rollouts and lengths so a tiny checkpoint
 runs on a CPU in about two minutes (the tests use it); its task prompt alone describes the tools
@@ -52,7 +50,7 @@ def get_config(arg=None):
         reward_weights=ml_collections.ConfigDict({"task": 1.0, "tool_json": 0.5}),
         micro_batches=8,
     )
-    c.tg = config_lib.tg_config(kind="jsd", beta=0.5, chunk_size=512)
+    c.tg = config_lib.tg_config(chunk_size=512)  # the library's recipe (docstring)
     c.optim = config_lib.optim_config(lr=1e-6, total_steps=200)  # RL fine-tuning: small, flat
     c.rl_loop = config_lib.loop_config(
         steps=200, groups_per_step=16, rollouts_per_group=16, max_new_tokens=2048,

@@ -82,6 +82,8 @@ def _setup(seed=0):
 
 
 def _tg_cfg(method, gate="all_turns", **kw):
+    """The references below are written for the reverse KL (`_np_reverse_kl`), token mean."""
+    kw = dict(kind="reverse", normalize="token_mean") | kw
     return TGConfig(method=method, gate=gate, schedule=LambdaSchedule(value=LAMBDA), **kw)
 
 
@@ -185,11 +187,13 @@ def test_sdpo_top_k_is_the_teachers_and_exact_at_full_vocabulary():
     zs, zt, batch = _setup(1)
     ls, lt = _np_log_softmax(zs), _np_log_softmax(zt)
     got = peers.sdpo.teacher_top_k_divergence(jnp.asarray(ls, jnp.float32),
-                                              jnp.asarray(lt, jnp.float32), k=2)  # fmt: skip
+                                              jnp.asarray(lt, jnp.float32), k=2,
+                                              kind="reverse")  # fmt: skip
     np.testing.assert_allclose(got, _np_topk_kl(ls, lt, 2), rtol=1e-5, atol=1e-6)
     # The student's top-2 gives another value: the tokens are the teacher's.
     assert np.abs(_np_topk_kl(ls, lt, 2, by=ls) - _np_topk_kl(ls, lt, 2)).max() > 1e-2
-    full = peers.sdpo.teacher_top_k_divergence(jnp.asarray(ls), jnp.asarray(lt), k=V)
+    full = peers.sdpo.teacher_top_k_divergence(jnp.asarray(ls), jnp.asarray(lt), k=V,
+                                               kind="reverse")  # fmt: skip
     np.testing.assert_allclose(full, _np_reverse_kl(ls, lt), rtol=1e-5, atol=1e-6)
 
 

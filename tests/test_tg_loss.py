@@ -81,7 +81,7 @@ def test_divergence_analytic_gradients():
     ls, lt = _np_log_softmax(zs), _np_log_softmax(zt)
     ps, pt = np.exp(ls), np.exp(lt)
     kl = (ps * (ls - lt)).sum(-1, keepdims=True)
-    g_rev = jax.grad(lambda a: tg.token_divergence(a, zt).sum())(zs)
+    g_rev = jax.grad(lambda a: tg.token_divergence(a, zt, kind="reverse").sum())(zs)
     np.testing.assert_allclose(g_rev, ps * (ls - lt - kl), rtol=1e-5, atol=1e-7)
     g_fwd = jax.grad(lambda a: tg.token_divergence(a, zt, kind="forward").sum())(zs)
     np.testing.assert_allclose(g_fwd, ps - pt, rtol=1e-5, atol=1e-7)
@@ -118,7 +118,8 @@ def test_divergence_known_values():
     # p_s = (1/2, 1/2), p_t = (3/4, 1/4).
     zs = jnp.array([0.0, 0.0])
     zt = jnp.log(jnp.array([3.0, 1.0]))
-    np.testing.assert_allclose(tg.token_divergence(zs, zt), 0.5 * np.log(4 / 3), rtol=1e-6)
+    rev = tg.token_divergence(zs, zt, kind="reverse")
+    np.testing.assert_allclose(rev, 0.5 * np.log(4 / 3), rtol=1e-6)
     fwd = 0.75 * np.log(1.5) + 0.25 * np.log(0.5)
     np.testing.assert_allclose(tg.token_divergence(zs, zt, kind="forward"), fwd, rtol=1e-6)
     # m = (5/8, 3/8).
@@ -182,12 +183,16 @@ def test_sampled_estimator_monte_carlo():
     zt_n = jnp.broadcast_to(jnp.asarray(zt), (n, vocab))
 
     def mean_estimate(z):
-        return tg.token_divergence(z, zt_n, estimator="sampled", sampled_token=y).mean()
+        return tg.token_divergence(
+            z, zt_n, kind="reverse", estimator="sampled", sampled_token=y
+        ).mean()
 
     value, grad = jax.value_and_grad(lambda z: mean_estimate(jnp.broadcast_to(z, (n, vocab))))(
         jnp.asarray(zs)
     )
-    full, full_grad = jax.value_and_grad(lambda z: tg.token_divergence(z, zt))(jnp.asarray(zs))
+    full, full_grad = jax.value_and_grad(lambda z: tg.token_divergence(z, zt, kind="reverse"))(
+        jnp.asarray(zs)
+    )
     ls, lt = _np_log_softmax(zs), _np_log_softmax(zt)
     per_sample = (ls - lt)[np.asarray(y)]
     stderr = per_sample.std() / np.sqrt(n)
@@ -200,7 +205,8 @@ def test_top_k_tail():
     zs = jnp.log(jnp.array([0.5, 0.3, 0.1, 0.1]))
     zt = jnp.zeros(4)
     want = 0.5 * np.log(2) + 0.3 * np.log(1.2) + 0.2 * np.log(0.4)
-    np.testing.assert_allclose(tg.token_divergence(zs, zt, top_k=2), want, rtol=1e-5)
+    got = tg.token_divergence(zs, zt, kind="reverse", top_k=2)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
     zs, zt = _logits(11, (3, 4, 9)), _logits(12, (3, 4, 9))
 
     @functools.partial(jax.jit, static_argnames=("kind", "top_k"))
@@ -349,15 +355,16 @@ def test_tg_loss_values_and_metrics():
     assistant = jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)
     req = jnp.array([[0, 1, 1, -1], [-1, 1, 0, 2]])
     loss, met = tg.tg_loss(
-        d, m, 0.5, assistant_mask_BxT=assistant, requirement_ids_BxT=req, num_requirements=3
-    )
+        d, m, 0.5, assistant_mask_BxT=assistant, requirement_ids_BxT=req, num_requirements=3,
+        normalize="token_mean",
+    )  # fmt: skip
     np.testing.assert_allclose(loss, 0.5 * (1 + 2 + 5 + 6) / 4, rtol=1e-6)
     np.testing.assert_allclose(met.divergence_mean, 14 / 4, rtol=1e-6)
     np.testing.assert_allclose(met.distilled_fraction, 4 / 7, rtol=1e-6)
     assert int(met.num_distilled) == 4
     np.testing.assert_allclose(met.per_requirement_divergence, [(1 + 6) / 2, (2 + 5) / 2, 0.0])
     np.testing.assert_allclose(met.per_requirement_tokens, [2, 2, 0])
-    g = jax.grad(lambda x: tg.tg_loss(x, m, 0.5)[0])(d)
+    g = jax.grad(lambda x: tg.tg_loss(x, m, 0.5, normalize="token_mean")[0])(d)
     np.testing.assert_allclose(g, 0.5 * np.asarray(m) / 4)
 
 
@@ -373,7 +380,7 @@ def test_tg_loss_token_sum():
     # Half the failed tokens: token_mean keeps the loss (each token weighs more), token_sum
     # halves it (each token keeps its weight).
     half = m.at[1].set(False)
-    mean_half, _ = tg.tg_loss(d, half, 0.5)
+    mean_half, _ = tg.tg_loss(d, half, 0.5, normalize="token_mean")
     sum_half, _ = tg.tg_loss(d, half, 0.5, normalize="token_sum", norm_constant=16.0)
     np.testing.assert_allclose(mean_half, 0.5 * 3 / 2, rtol=1e-6)
     np.testing.assert_allclose(sum_half, 0.5 * 3 / 16, rtol=1e-6)
@@ -386,9 +393,9 @@ def test_tg_loss_token_sum():
 def test_tg_loss_empty_mask_is_exactly_zero():
     d = jnp.array([[1.0, jnp.inf], [2.0, 3.0]])
     empty = jnp.zeros((2, 2), bool)
-    loss, met = jax.jit(lambda x: tg.tg_loss(x, empty, 3.0))(d)
+    loss, met = jax.jit(lambda x: tg.tg_loss(x, empty, 3.0, normalize="token_mean"))(d)
     assert float(loss) == 0.0 and float(met.divergence_mean) == 0.0
-    g = jax.grad(lambda x: tg.tg_loss(x, empty, 3.0)[0])(d)
+    g = jax.grad(lambda x: tg.tg_loss(x, empty, 3.0, normalize="token_mean")[0])(d)
     assert np.all(np.asarray(g) == 0.0)
 
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax import tracing
+from tg_jax.rl.step_config import DIVERGENCES, TGConfig
 from tg_jax.rl.tg import loss as tg_loss
 
 
@@ -91,7 +92,7 @@ def kl_memory_report(
     vocab: int = 151_936,
     chunk_size: int = 512,
     dtype: jnp.dtype = jnp.bfloat16,
-    kind: tg_loss.DivergenceKind = "reverse",
+    kind: tg_loss.DivergenceKind = TGConfig.kind,
 ) -> MemoryReport:
     """Compiles (never runs) both versions for the given shapes and compares temp memory.
 
@@ -99,7 +100,7 @@ def kl_memory_report(
       batch, length, d_model, vocab: B, T, D, V.
       chunk_size: C for the chunked version.
       dtype: dtype of hidden states and unembedding (logits are fp32 either way).
-      kind: divergence kind.
+      kind: divergence kind (default: tg.kind's).
 
     Returns:
       `MemoryReport`.
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--d_model", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--chunk_size", type=int, default=512)
-    parser.add_argument("--kind", default="reverse", choices=["reverse", "forward", "jsd"])
+    parser.add_argument("--kind", default=TGConfig.kind, choices=DIVERGENCES)
     args = parser.parse_args()
     report = kl_memory_report(
         batch=args.batch,

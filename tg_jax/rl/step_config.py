@@ -167,7 +167,7 @@ class LambdaSchedule(Section):
 
     kind: str = "constant"
     """constant | linear_warmup | cosine."""
-    value: float = 1.0
+    value: float = 0.05
     """Peak lambda_tg."""
     warmup_steps: int = 0
     """Linear ramp 0 -> value over these steps (linear_warmup and cosine)."""
@@ -194,8 +194,11 @@ class TGConfig(Section):
 
     enabled: bool = True
     """False = the GRPO arm: no teacher forward, no TG term."""
-    kind: str = "reverse"
-    """reverse | forward | jsd (KL direction, student first)."""
+    kind: str = "forward"
+    """forward | reverse | jsd: KL(sg p_teacher || p_student) (the default: its gradient,
+    p_student - p_teacher, does not vanish where the two distributions are near-disjoint, as
+    they are at the token that decides a format; docs/design.md), KL(p_student || sg p_teacher),
+    or JSD(beta)."""
     beta: float = 0.5
     """Teacher weight of the JSD mixture, in (0, 1) for jsd."""
     estimator: str = "full"
@@ -229,9 +232,10 @@ class TGConfig(Section):
     that breaks its requirement (read by batch building, tg_jax.rl.tg.break_span)."""
     chunk_size: int = 256
     """Positions per chunk of the full-vocabulary logits / KL."""
-    normalize: str = "token_mean"
-    """token_mean: sum_M D / |M| | token_sum: sum_M D / (trajectories x norm_length)."""
-    norm_length: float = 1.0
+    normalize: str = "token_sum"
+    """token_sum: sum_M D / (trajectories x norm_length) (a distilled token's weight does not
+    depend on how many others are distilled) | token_mean: sum_M D / |M|."""
+    norm_length: float = 50.0
     """token_sum: tokens per trajectory the sum is normalised by (> 0)."""
     schedule: LambdaSchedule = LambdaSchedule()
     """The lambda_tg schedule."""

@@ -42,7 +42,7 @@ def teacher_top_k_divergence(
     token_x: jax.Array | None = None,
     *,
     k: int,
-    kind: DivergenceKind = "reverse",
+    kind: DivergenceKind,
     beta: float = 0.5,
 ) -> jax.Array:
     """D over the teacher's top-k tokens, both distributions renormalised there ([...]).

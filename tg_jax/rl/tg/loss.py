@@ -6,8 +6,8 @@ the context with the hint h_r inserted right before that turn, under stop-gradie
 produced at that position) the loss compares the two next-token distributions over the full
 vocabulary:
 
-    D_t = KL( p_theta(. | s_k, y_<t) || sg p_theta(. | s_k + h_r, y_<t) )   (default: reverse)
-    L_TG = lambda_tg * sum_{t in M} D_t / max(|M|, 1)   (token_mean; token_sum: see step 5)
+    D_t = KL( sg p_theta(. | s_k + h_r, y_<t) || p_theta(. | s_k, y_<t) )   (tg.kind forward)
+    L_TG = lambda_tg * sum_{t in M} D_t / (trajectories x tg.norm_length)   (tg.normalize token_sum)
     L = L_GRPO + L_TG  (+ optional reference KL, see policy_loss.py)
 
 The algorithm, in the order the code below implements it:
@@ -21,15 +21,18 @@ The algorithm, in the order the code below implements it:
     and teacher hidden states into fp32 logits [B, C, V], takes the student's log-prob of the
     target (for the policy loss), its entropy, and D_t (`token_divergence`). The chunk body is
     rematerialised, so neither pass ever holds [B, T, V]; only [B, C, V] and [B, T] outputs.
- 3. `token_divergence` turns a pair of logits into D_t: reverse KL (default), forward KL or
+ 3. `token_divergence` turns a pair of logits into D_t: forward KL, reverse KL or
     JSD(beta); over the full vocabulary, as a single-sample estimate from the produced token
     (with a score-function gradient), or over the student's top-k tokens plus one tail bucket.
  4. `tg_mask` builds M: the answer tokens of failed turns (optionally their thinking tokens
     too; optionally every assistant turn). Prompt, environment and tool tokens never count.
- 5. `tg_loss` averages D over M (normalize="token_mean"), or sums it and divides by a fixed
-    constant (normalize="token_sum", e.g. trajectories x tg.norm_length), and scales by
+ 5. `tg_loss` sums D over M and divides by a fixed constant (normalize="token_sum":
+    trajectories x tg.norm_length), or averages it over M ("token_mean"), and scales by
     lambda_tg (`lambda_schedule`); it is exactly 0 when M is empty, so a batch without failed
     turns is plain GRPO.
+
+The recipe (kind, normalize, lambda_tg) is chosen by `tg_jax.rl.step_config.TGConfig`, whose
+defaults are the shipped recipe; the functions here take it as arguments, with no defaults.
 
 Suffix `_xV` below means any leading shape followed by the vocabulary axis.
 """
@@ -188,7 +191,7 @@ def token_divergence(
     student_logits_xV: jax.Array,
     teacher_logits_xV: jax.Array,
     *,
-    kind: DivergenceKind = "reverse",
+    kind: DivergenceKind,
     beta: float = 0.5,
     estimator: Estimator = "full",
     sampled_token: jax.Array | None = None,
@@ -197,8 +200,10 @@ def token_divergence(
     """Per-token divergence D between student and teacher next-token distributions, in fp32.
 
     Kinds (p_s student, p_t teacher; the teacher logits are always stop-gradiented):
-      reverse: KL(p_s || p_t) = sum_v p_s (log p_s - log p_t). Mode-seeking; the default.
-      forward: KL(p_t || p_s) = sum_v p_t (log p_t - log p_s). Mass-covering.
+      forward: KL(p_t || p_s) = sum_v p_t (log p_t - log p_s). Mass-covering; its gradient
+               in the student's logits is p_s - p_t, which does not vanish where the two
+               distributions are near-disjoint (where reverse KL's and JSD's do).
+      reverse: KL(p_s || p_t) = sum_v p_s (log p_s - log p_t). Mode-seeking.
       jsd:     with the mixture m = beta p_t + (1 - beta) p_s,
                JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m)
                (the generalised JSD of GKD, Agarwal et al. 2024, same convention as TRL's GKD).
@@ -212,8 +217,8 @@ def token_divergence(
       full:    exact sum over the vocabulary.
       full + top_k: the student's top-k tokens are kept exactly and the remaining mass of each
                distribution is lumped into one tail bucket; the divergence is taken over these
-               k + 1 buckets. The student side chooses the tokens because the default reverse
-               KL is an expectation under p_s, so its large terms sit on the student's top
+               k + 1 buckets. The student side chooses the tokens because the reverse KL is
+               an expectation under p_s, so its large terms sit on the student's top
                tokens. Coarse-graining can only lower an f-divergence, so this is a lower bound
                on the full value, exact when k = V (or when both distributions agree on how
                the tail mass splits). The top-k selection itself gets no gradient.
@@ -324,7 +329,7 @@ def chunked_token_stats(
     teacher_hidden_BxTxD: jax.Array | None = None,
     teacher_unembed_fn: Callable[[jax.Array], jax.Array] | None = None,
     chunk_size: int = 512,
-    kind: DivergenceKind = "reverse",
+    kind: DivergenceKind | None = None,
     beta: float = 0.5,
     estimator: Estimator = "full",
     top_k: int | None = None,
@@ -348,7 +353,7 @@ def chunked_token_stats(
         unembedding gets no gradient through the teacher either. Where only a few positions
         have a teacher, `chunked_divergence` on those positions is cheaper.
       chunk_size: positions per chunk.
-      kind, beta, estimator, top_k: see `token_divergence`.
+      kind, beta, estimator, top_k: see `token_divergence` (kind is required with a teacher).
 
     Returns:
       `TokenStats` with [B, T] arrays.
@@ -385,7 +390,7 @@ def chunked_divergence(
     unembed_fn: Callable[[jax.Array], jax.Array],
     *,
     chunk_size: int = 512,
-    kind: DivergenceKind = "reverse",
+    kind: DivergenceKind,
     beta: float = 0.5,
     estimator: Estimator = "full",
     top_k: int | None = None,
@@ -505,7 +510,7 @@ def tg_loss(
     assistant_mask_BxT: jax.Array | None = None,
     requirement_ids_BxT: jax.Array | None = None,
     num_requirements: int = 0,
-    normalize: Normalize = "token_mean",
+    normalize: Normalize,
     norm_constant: float | jax.Array = 1.0,
 ) -> tuple[jax.Array, TGMetrics]:
     """L_TG = lambda_tg * sum_{t in M} D_t / N; exactly 0.0 when M is empty.
