@@ -335,7 +335,7 @@ def test_each_arm_runs_one_train_step(method):
 
     w = 0.25  # tg.peer_weight (sdpo); lambda_tg is 0.5
     cfg = _config(**{"tg.method": method, "tg.gate": "all_turns", "tg.peer_weight": w,
-                     "tg.sgcd_clip": 0.3})  # fmt: skip
+                     "tg.sgcd_clip": 0.3, "tg.normalize": "token_mean"})  # fmt: skip
     if method != "tg":
         arm = pipeline.ARMS[method]
         assert arm.group == "ablation" and arm.overrides["tg.method"] == method
@@ -374,7 +374,8 @@ BEFORE = {
 
 @pytest.mark.parametrize("compact", [False, True])
 def test_default_method_leaves_the_tg_loss_bit_for_bit_unchanged(compact):
-    cfg = _config()
+    # BEFORE was recorded with the reverse KL over the token mean (lambda 0.5).
+    cfg = _config(**{"tg.kind": "reverse", "tg.normalize": "token_mean"})
     assert cfg.tg.method == "tg"
     batch = _batch(_trajectories(), compact=compact)
     loss, sums, grads = _loss_and_grad(cfg, batch)
@@ -394,7 +395,8 @@ def test_compact_teacher_rows_equal_full_rows(method, gate):
     from tests.test_train_step import _tree_close
     from tg_jax.rl.tg.teacher import divergence_at_slots
 
-    over = {"tg.method": method, "tg.gate": gate, "tg.peer_estimator": "topk", "tg.peer_top_k": 4}
+    over = {"tg.method": method, "tg.gate": gate, "tg.peer_estimator": "topk", "tg.peer_top_k": 4,
+            "tg.normalize": "token_mean"}  # fmt: skip
     cfg = _config(**over)
     trajs = [  # turn 0 fails in every fourth row: few compact rows
         dataclasses.replace(t, turn_verdicts=[{"fence": i % 4 != 0}, {"fence": True}])

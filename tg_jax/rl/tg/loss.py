@@ -31,10 +31,8 @@ The algorithm, in the order the code below implements it:
     lambda_tg (`lambda_schedule`); it is exactly 0 when M is empty, so a batch without failed
     turns is plain GRPO.
 
-The recipe (kind, normalize, lambda_tg) is chosen by `tg_jax.rl.step_config.TGConfig`, whose
-defaults are the shipped recipe; the functions here take it as arguments, with no defaults.
-
-Suffix `_xV` below means any leading shape followed by the vocabulary axis.
+The recipe (kind, normalize, lambda_tg) is TGConfig's (tg_jax.rl.step_config; its defaults are
+the shipped one), passed in with no defaults here. Suffix `_xV`: any shape, then the vocabulary.
 """
 
 import math
@@ -200,9 +198,8 @@ def token_divergence(
     """Per-token divergence D between student and teacher next-token distributions, in fp32.
 
     Kinds (p_s student, p_t teacher; the teacher logits are always stop-gradiented):
-      forward: KL(p_t || p_s) = sum_v p_t (log p_t - log p_s). Mass-covering; its gradient
-               in the student's logits is p_s - p_t, which does not vanish where the two
-               distributions are near-disjoint (where reverse KL's and JSD's do).
+      forward: KL(p_t || p_s) = sum_v p_t (log p_t - log p_s). Mass-covering; its gradient in
+               the student's logits, p_s - p_t, does not vanish on near-disjoint distributions.
       reverse: KL(p_s || p_t) = sum_v p_s (log p_s - log p_t). Mode-seeking.
       jsd:     with the mixture m = beta p_t + (1 - beta) p_s,
                JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m)
