@@ -10,9 +10,10 @@ position, so stale slots (of a page shared copy-on-write, or past a sequence's l
 never seen.
 
 The layer math is the decode path's (`tg_jax.models.decode`: `_attention_inputs` with q/k
-RMSNorm and RoPE, `_attention_output_and_ffn`, `_logits`, the fused `DecodeWeights`); only the
-cache differs. Both entry points write the new keys and values with one scatter per layer and
-return the updated pool (jit them with the pool donated, so the writes are in place):
+RMSNorm and RoPE, `_attention_output_and_ffn`, `_logits`, the fused `DecodeWeights`) and the
+attention is the model's one core (`tg_jax.models.attention.attend`); only the cache differs.
+Both entry points write the new keys and values with one scatter per layer and return the
+updated pool (jit them with the pool donated, so the writes are in place):
 
   prefill_chunk  [B, C] tokens per row at positions start_b.., n_b of them valid: writes their
                  keys / values and, except in the last layer (whose outputs nobody reads),
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 
 from tg_jax import tracing
 from tg_jax.models import decode
+from tg_jax.models.attention import attend
 from tg_jax.models.decode import (
     _attention_inputs,
     _attention_output_and_ffn,
@@ -55,7 +57,6 @@ from tg_jax.models.qwen3 import Transformer
 from tg_jax.sampling.methods import draw_with_uniforms, uniforms
 
 Array = jax.Array
-_MASKED = jnp.finfo(jnp.float32).min
 
 
 @flax.struct.dataclass
@@ -110,18 +111,10 @@ def _write_and_gather(pool_x: Array, new_BxTxKxH: Array, page_BxT, offset_BxT, t
 def _paged_attention(cfg, q_BxTxNxH: Array, k_BxSxKxH: Array, v_BxSxKxH: Array, pos_BxT) -> Array:
     """Attention of T queries per row over the row's gathered slots s <= the query's
     position (slot == position): [B, T, N, H]."""
-    dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b, t = q_BxTxNxH.shape[:2]
-    s = k_BxSxKxH.shape[1]
-    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h).astype(dt)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH.astype(dt))
-    scores = scores.astype(jnp.float32) * (h**-0.5)
-    visible_BxTxS = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos_BxT[:, :, None]
-    scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH.astype(dt))
-    return out.reshape(b, t, n, h)
+    visible_BxTxS = (
+        jnp.arange(k_BxSxKxH.shape[1], dtype=jnp.int32)[None, None, :] <= pos_BxT[:, :, None]
+    )
+    return attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, visible_BxTxS, dtype=cfg.jnp_dtype)
 
 
 def _slots(table_BxM: Array, pos_BxT: Array, valid_BxT: Array, page_size: int):

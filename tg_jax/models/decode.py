@@ -1,9 +1,10 @@
 """The model's decode path: prefill of a prompt block, then one token per row per step.
 
-This is the one KV-cache implementation (the sampler's loop drives it): the model's layers
-(its `RMSNorm`, RoPE tables, feed-forward and embedding modules, applied to the model's params)
-with q/k/v and gate/up fused into single matmuls by `decode_weights`. `models.forward` is the
-cache-free full-sequence path; tests check this one against it and against Hugging Face
+This is the one KV-cache implementation (the sampler's loop drives it): the model's layers (its
+`RMSNorm`, RoPE tables, feed-forward and embedding modules, applied to the model's params) with
+q/k/v and gate/up fused into single matmuls by `decode_weights`, and the model's one attention
+core (`tg_jax.models.attention.attend`, on the cache's slot-minor layout). `models.forward` is
+the cache-free full-sequence path; tests check this one against it and against Hugging Face
 `generate`. Shape letters: the legend in `tg_jax.models`.
 
 Keys and values are produced directly in the layout of the decode loop:
@@ -41,11 +42,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from tg_jax.models.attention import attend
 from tg_jax.models.layers import RMSNorm, apply_rope, rope_tables
 from tg_jax.models.qwen3 import Transformer, make_ffn
 
 Array = jax.Array
-_MASKED = jnp.finfo(jnp.float32).min  # score of a slot a query must not see
 _PREFILL_QUERY_BLOCK = 128  # prefill attention in causal query blocks of this many tokens
 _PREFIX_QUERY_BLOCK = 64  # the same for `forward_from_prefix` (faster there on CPU than 128)
 
@@ -155,7 +156,7 @@ def prefill(
     """
     cfg = model.config
     dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = cfg.head_dim
     b, p = prompt_BxP.shape
     slots = max_new if slots is None else slots
     weights = decode_weights(model, params) if weights is None else weights
@@ -163,6 +164,7 @@ def prefill(
     cos_1xSx1xH2, sin_1xSx1xH2 = rope_tables(all_positions_1xS, h, cfg.rope_theta)
     rope_P = (cos_1xSx1xH2[:, :p], sin_1xSx1xH2[:, :p])
     t_P = jnp.arange(p)
+    causal_1xPxP = (t_P[None, :] <= t_P[:, None])[None]  # [query, key]: key at or before it
 
     x_BxPxD = _embed(model, weights, prompt_BxP)
     last_Bx1x1 = (prompt_lengths_B - 1)[:, None, None]
@@ -174,19 +176,22 @@ def prefill(
         ks.append(k_BxKxHxP)
         vs.append(v_BxKxPxH)
         if i < len(weights.layers) - 1:
-            out_BxPxNxH = _causal_attention(cfg, q_BxPxNxH, k_BxKxHxP, v_BxKxPxH)
+            # Causal attention of the prompt block over its own keys, in causal query blocks
+            # (the masked upper triangle beyond a block is never computed).
+            out_BxPxNxH = attend(q_BxPxNxH, k_BxKxHxP, v_BxKxPxH, causal_1xPxP, dtype=dt,
+                                 slot_minor=True, query_block=_PREFILL_QUERY_BLOCK,
+                                 causal_keys=0)  # fmt: skip
             x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxNxH)
         else:
             # Past the last layer's keys and values only each row's last prompt token is
             # used (its logits): the rest of the layer runs for that token alone, as a decode
             # step would (about half the prefill FLOPs of a 2-layer model).
-            q_BxNxH = jnp.take_along_axis(q_BxPxNxH, last_Bx1x1[..., None], axis=1)[:, 0]
-            visible_Bx1x1xP = (t_P[None, :] <= last_Bx1x1[:, 0])[:, None, None, :]
-            out_BxKxGxH = _attend(
-                q_BxNxH.reshape(b, n_kv, n // n_kv, h), k_BxKxHxP, v_BxKxPxH, visible_Bx1x1xP, dt
-            )
+            q_Bx1xNxH = jnp.take_along_axis(q_BxPxNxH, last_Bx1x1[..., None], axis=1)
+            visible_Bx1xP = (t_P[None, :] <= last_Bx1x1[:, 0])[:, None, :]
+            out_Bx1xNxH = attend(q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt,
+                                 slot_minor=True)  # fmt: skip
             x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
-            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n, h))
+            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
 
     cache = DecodeCache(
         tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0],
@@ -271,7 +276,7 @@ def prefill_append(
     """
     cfg = model.config
     dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = cfg.head_dim
     b, a = tokens_BxA.shape
     p = cache.prompt_slots
     if cache.v[0].shape[2] != p:
@@ -307,16 +312,16 @@ def prefill_append(
         ks.append(k_BxKxHxP)
         vs.append(v_BxKxPxH)
         if i < len(weights.layers) - 1:
-            out_BxAxNxH = _masked_attention(cfg, q_BxAxNxH, k_BxKxHxP, v_BxKxPxH, visible_BxAxP)
+            out_BxAxNxH = attend(q_BxAxNxH, k_BxKxHxP, v_BxKxPxH, visible_BxAxP, dtype=dt,
+                                 slot_minor=True, query_block=_PREFILL_QUERY_BLOCK)  # fmt: skip
             x_BxAxD = _attention_output_and_ffn(cfg, w, x_BxAxD, out_BxAxNxH)
         else:
-            q_BxNxH = jnp.take_along_axis(q_BxAxNxH, last_Bx1x1[..., None], axis=1)[:, 0]
-            visible_Bx1x1xP = (slot_P[None, :] < end_B[:, None])[:, None, None, :]
-            out_BxKxGxH = _attend(
-                q_BxNxH.reshape(b, n_kv, n // n_kv, h), k_BxKxHxP, v_BxKxPxH, visible_Bx1x1xP, dt
-            )
+            q_Bx1xNxH = jnp.take_along_axis(q_BxAxNxH, last_Bx1x1[..., None], axis=1)
+            visible_Bx1xP = (slot_P[None, :] < end_B[:, None])[:, None, :]
+            out_Bx1xNxH = attend(q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt,
+                                 slot_minor=True)  # fmt: skip
             x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
-            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n, h))
+            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
 
     out = DecodeCache(
         tuple(ks), tuple(vs), end_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0], prompt_slots=p
@@ -373,60 +378,6 @@ def _logits(cfg, weights: DecodeWeights, x_BxD: Array) -> Array:
     return (x_BxD @ weights.unembed).astype(jnp.float32)
 
 
-def _causal_attention(cfg, q_BxPxNxH: Array, k_BxKxHxP: Array, v_BxKxPxH: Array) -> Array:
-    """Causal attention of the prompt block over its own keys: [B, P, N, H]."""
-    dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b, p = q_BxPxNxH.shape[:2]
-    t_P = jnp.arange(p)
-    causal_PxP = t_P[None, :] <= t_P[:, None]  # [query, key]: key at or before the query
-    q_BxKxGxPxH = jnp.transpose(q_BxPxNxH.reshape(b, p, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
-    outs = []
-    for lo in range(0, p, _PREFILL_QUERY_BLOCK):
-        # Causal query block [lo, hi) scores keys [0, hi) only: the masked upper triangle
-        # beyond the block is never computed (the [P, P] scores dominated long prefills).
-        hi = min(lo + _PREFILL_QUERY_BLOCK, p)
-        q_blk = q_BxKxGxPxH[:, :, :, lo:hi]
-        scores = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_BxKxHxP[..., :hi])
-        scores = scores.astype(jnp.float32) * (h**-0.5)
-        scores = jnp.where(causal_PxP[lo:hi, :hi], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxPxH[:, :, :hi]))
-    out_BxKxGxPxH = jnp.concatenate(outs, axis=3)
-    return jnp.transpose(out_BxKxGxPxH, (0, 3, 1, 2, 4)).reshape(b, p, n, h)
-
-
-def _masked_attention(
-    cfg, q_BxTxNxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, visible_BxTxS: Array
-) -> Array:
-    """Attention of T query tokens per row over the cache slots each may see: [B, T, N, H]
-    (in query blocks of `_PREFILL_QUERY_BLOCK`, which bound the scores' size)."""
-    dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b, t = q_BxTxNxH.shape[:2]
-    q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
-    outs = []
-    for lo in range(0, t, _PREFILL_QUERY_BLOCK):
-        hi = min(lo + _PREFILL_QUERY_BLOCK, t)
-        scores = jnp.einsum("bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS)
-        scores = scores.astype(jnp.float32) * (h**-0.5)
-        scores = jnp.where(visible_BxTxS[:, None, None, lo:hi], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH))
-    out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
-    return jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
-
-
-def _attend(q_BxKxGxH: Array, k_BxKxHxS: Array, v_BxKxSxH: Array, visible, dt) -> Array:
-    """One query token per row against the cache slots it may see: [B, K, G, H]."""
-    h = q_BxKxGxH.shape[-1]
-    scores_BxKxGxS = jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, k_BxKxHxS.astype(dt))
-    scores_BxKxGxS = scores_BxKxGxS.astype(jnp.float32) * (h**-0.5)
-    scores_BxKxGxS = jnp.where(visible, scores_BxKxGxS, _MASKED)
-    probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(dt)
-    return jnp.einsum("bkgs,bksh->bkgh", probs_BxKxGxS, v_BxKxSxH.astype(dt))
-
-
 def decode_one(
     model: Transformer, weights: DecodeWeights, tokens_B: Array, index: Array, cache: DecodeCache
 ) -> tuple[Array, DecodeCache]:
@@ -445,8 +396,6 @@ def decode_one(
     """
     cfg = model.config
     dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b = tokens_B.shape[0]
     p = cache.prompt_slots
     slots = cache.v[0].shape[2]
     positions_Bx1 = (cache.prompt_lengths_B + index)[:, None]
@@ -454,7 +403,7 @@ def decode_one(
     slot_S = jnp.arange(slots, dtype=jnp.int32)
     in_prompt_BxS = slot_S[None, :] < cache.prompt_lengths_B[:, None]
     generated_1xS = ((slot_S >= p) & (slot_S <= col))[None, :]
-    visible_Bx1x1xS = (in_prompt_BxS | generated_1xS)[:, None, None, :]
+    visible_Bx1xS = (in_prompt_BxS | generated_1xS)[:, None, :]
     cos = cache.rope_cos[positions_Bx1][:, :, None, :]  # [B, 1, 1, H / 2]
     sin = cache.rope_sin[positions_Bx1][:, :, None, :]
 
@@ -464,9 +413,9 @@ def decode_one(
         q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         new_k[i] = _write(new_k[i], jnp.transpose(k_Bx1xKxH, (0, 2, 3, 1)), col, slot_axis=3)
         new_v[i] = _write(new_v[i], jnp.transpose(v_Bx1xKxH, (0, 2, 1, 3)), col, slot_axis=2)
-        q_BxKxGxH = q_Bx1xNxH.reshape(b, n_kv, n // n_kv, h)
-        out_BxKxGxH = _attend(q_BxKxGxH, new_k[i], new_v[i], visible_Bx1x1xS, dt)
-        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_BxKxGxH.reshape(b, 1, n, h))
+        out_Bx1xNxH = attend(q_Bx1xNxH, new_k[i], new_v[i], visible_Bx1xS, dtype=dt,
+                             slot_minor=True)  # fmt: skip
+        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
 
     return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))
 
@@ -537,30 +486,17 @@ def forward_from_prefix(
 def _prefix_block_attention(
     cfg, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, prefix_k_BxSxKxH, prefix_v_BxSxKxH, visible_BxTxS
 ) -> Array:
-    """One layer's attention of a block over the prefix slots and its own keys: [B, T, N, H]."""
+    """One layer's attention of a block over the prefix slots and its own keys: [B, T, N, H]
+    (the decode layout, keys slot-minor; query block [lo, hi) scores the prefix and the block
+    keys [0, hi) only)."""
     dt = cfg.jnp_dtype
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b, t = q_BxTxNxH.shape[:2]
-    s = prefix_k_BxSxKxH.shape[1]
-    # The decode layout (keys slot-minor), as in `_causal_attention`.
     k_all = jnp.concatenate([prefix_k_BxSxKxH.astype(dt), k_BxTxKxH.astype(dt)], 1)
     v_all = jnp.concatenate([prefix_v_BxSxKxH.astype(dt), v_BxTxKxH.astype(dt)], 1)
     k_BxKxHxS = jnp.transpose(k_all, (0, 2, 3, 1))
     v_BxKxSxH = jnp.transpose(v_all, (0, 2, 1, 3))
-    q_BxKxGxTxH = jnp.transpose(q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h), (0, 2, 3, 1, 4))
-    outs = []
-    for lo in range(0, t, _PREFIX_QUERY_BLOCK):
-        # Query block [lo, hi) scores the prefix and block keys [0, hi) only.
-        hi = min(lo + _PREFIX_QUERY_BLOCK, t)
-        scores = jnp.einsum(
-            "bkgth,bkhs->bkgts", q_BxKxGxTxH[:, :, :, lo:hi], k_BxKxHxS[..., : s + hi]
-        )
-        scores = scores.astype(jnp.float32) * (h**-0.5)
-        scores = jnp.where(visible_BxTxS[:, None, None, lo:hi, : s + hi], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        outs.append(jnp.einsum("bkgts,bksh->bkgth", probs, v_BxKxSxH[:, :, : s + hi]))
-    out_BxKxGxTxH = jnp.concatenate(outs, axis=3)
-    return jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4)).reshape(b, t, n, h)
+    s = prefix_k_BxSxKxH.shape[1]
+    return attend(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, dtype=dt, slot_minor=True,
+                  query_block=_PREFIX_QUERY_BLOCK, causal_keys=s)  # fmt: skip
 
 
 __all__ = [

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tg_jax.models.attention import attend
 from tg_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -78,22 +79,12 @@ def attention_mask(
     q_segments_BxT: Array | None,
     k_segments_BxS: Array | None,
 ) -> Array:
-    """Boolean [B, 1, 1, T, S] mask: causal by position and, when given, same non-zero segment."""
+    """Boolean [B, T, S] mask: causal by position and, when given, same non-zero segment."""
     mask = k_positions_BxS[:, None, :] <= q_positions_BxT[:, :, None]
     if q_segments_BxT is not None:
         same = q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :]
         mask = mask & same & (k_segments_BxS[:, None, :] != 0)
-    return mask[:, None, None, :, :]
-
-
-def _attend(q_BxTxKxGxH: Array, keys_BxSxKxH: Array, values_BxSxKxH: Array, mask) -> Array:
-    """Softmax attention of T queries over S keys: [B, T, K, G, H] (fp32 scores)."""
-    h = q_BxTxKxGxH.shape[-1]
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, keys_BxSxKxH).astype(jnp.float32)
-    scores = scores * (h**-0.5)
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_BxTxKxGxH.dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, values_BxSxKxH)
+    return mask
 
 
 class Attention(nn.Module):
@@ -125,25 +116,15 @@ class Attention(nn.Module):
         k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, cfg.rope_theta)
         q_BxTxNxH = nn.with_logical_constraint(q_BxTxNxH, ("batch", "length", "heads", "head_dim"))
 
-        b, t = q_BxTxNxH.shape[:2]
-        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-        block = cfg.attn_query_block
-        if 0 < block < t:
-            # Causal query blocks: block [lo, hi) scores keys [0, hi) only (see ModelConfig).
-            outs = []
-            for lo in range(0, t, block):
-                hi = min(lo + block, t)
-                seg_q = None if segment_ids_BxT is None else segment_ids_BxT[:, lo:hi]
-                seg_k = None if segment_ids_BxT is None else segment_ids_BxT[:, :hi]
-                mask = attention_mask(positions_BxT[:, lo:hi], positions_BxT[:, :hi], seg_q, seg_k)
-                outs.append(
-                    _attend(q_BxTxKxGxH[:, lo:hi], k_BxTxKxH[:, :hi], v_BxTxKxH[:, :hi], mask)
-                )
-            out_BxTxKxGxH = jnp.concatenate(outs, axis=1)
-        else:
-            mask = attention_mask(positions_BxT, positions_BxT, segment_ids_BxT, segment_ids_BxT)
-            out_BxTxKxGxH = _attend(q_BxTxKxGxH, k_BxTxKxH, v_BxTxKxH, mask)
-        out_BxTxNxH = out_BxTxKxGxH.reshape(b, t, n, h)
+        def visible(lo: int, hi: int, s: int) -> Array:  # queries [lo, hi), keys [0, s)
+            seg = segment_ids_BxT
+            return attention_mask(positions_BxT[:, lo:hi], positions_BxT[:, :s],
+                                  None if seg is None else seg[:, lo:hi],
+                                  None if seg is None else seg[:, :s])  # fmt: skip
+
+        # Causal query blocks (cfg.attn_query_block): block [lo, hi) scores keys [0, hi) only.
+        out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, visible, dtype=dt,
+                             query_block=cfg.attn_query_block, causal_keys=0)  # fmt: skip
         return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, wo.astype(dt))
 
 
