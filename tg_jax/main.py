@@ -212,7 +212,7 @@ def _check_config(config, workdir: str) -> None:
             if "rl_loop" in config and int(config.rl_loop.eval_every) > 0:
                 from tg_jax.data.task_data import check_dev_tasks
 
-                check_dev_tasks(config.env, "the periodic evaluation (rl_loop.eval_every)",
+                check_dev_tasks(config, "the periodic evaluation (rl_loop.eval_every)",
                                 "; set rl_loop.eval_every=0 or give it one")  # fmt: skip
         except ValueError as e:
             _fail(f"invalid config: {e}")

@@ -25,6 +25,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from tg_jax import paths
 from tg_jax.data import tfds_builders
 from tg_jax.data.task_files import read_task_source
@@ -210,17 +212,17 @@ def prepare_tasks(config: Any, workdir: str) -> dict[str, Any]:
     return sources
 
 
-def check_dev_tasks(env_config: Any, reader: str, fix: str = "") -> None:
-    """ConfigError when the environment cannot make dev tasks (a plug-in class without
-    `generate_tasks`) that `reader` reads; `fix` ends the message."""
-    kind = env_kind(env_config)
-    if not is_plugin(kind):
+def check_dev_tasks(config: Any, reader: str, fix: str = "") -> None:
+    """ConfigError when there are no dev tasks for `reader` to read: a plug-in environment
+    whose class has no `generate_tasks` and no `tasks.dev_source`; `fix` ends the message."""
+    kind = env_kind(config.env)
+    if not is_plugin(kind) or ("tasks" in config and task_settings(config).dev_source):
         return
     cls = environment_class(kind)
     if not callable(getattr(cls, "generate_tasks", None)):
         raise ConfigError(
             f"env.kind {kind!r}: {reader} reads dev tasks, and {cls.__name__} has no "
-            f"generate_tasks(split, num, seed) classmethod{fix}"
+            f"generate_tasks(split, num, seed) classmethod and tasks.dev_source is empty{fix}"
         )
 
 
@@ -230,24 +232,45 @@ def dev_tasks(config: Any, n: int, seed: int) -> list[Any]:
     evaluation reads these (the base-model gates, the periodic RL evaluation), so the held-out
     split is opened by the final evaluation only (`tg_jax.evaluation.heldout_reads`).
 
-    Coding tasks come from `tg_jax.envs.tasks` (with a task file too: the file's own
-    distribution has no dev split), SWE tasks from its generator, a plug-in environment's from
-    its class's `generate_tasks("dev", n, seed)`.
+    With `tasks.dev_source` (a user's task file, the format of the other splits' files) they
+    are a sample of `n` of its tasks drawn with `seed` (all of them when it holds fewer).
+    Otherwise coding tasks come from `tg_jax.envs.tasks` (also beside train / held-out task
+    files), SWE tasks from its generator, a plug-in environment's from its class's
+    `generate_tasks("dev", n, seed)`.
 
     Raises:
-      ConfigError: a plug-in environment whose class generates no tasks.
+      ConfigError: a plug-in environment whose class generates no tasks, without a dev file.
     """
     kind = env_kind(config.env)
+    if task_settings(config).dev_source:
+        return _dev_file_tasks(config, n, seed)
     if kind == "swe":
         from tg_jax.envs.swe.generator import generate_swe_tasks  # noqa: PLC0415
 
         return list(generate_swe_tasks("dev", n, seed))
     if is_plugin(kind):
-        check_dev_tasks(config.env, "the checks before the final evaluation")
+        check_dev_tasks(config, "the checks before the final evaluation")
         records = list(environment_class(kind).generate_tasks("dev", n, seed))[:n]
         return [decode_task({**r, "kind": PLUGIN_TASK_KIND, "split": "dev"}) for r in records]
     families = task_settings(config).families
     return generate_tasks("dev", n, seed=seed, families=families)
+
+
+def _dev_file_tasks(config: Any, n: int, seed: int) -> list[Any]:
+    """`n` tasks of `tasks.dev_source` drawn with `seed` (`dev_tasks`)."""
+    t = task_settings(config)
+    kind = env_kind(config.env)
+    if kind == "swe":
+        from tg_jax.envs.swe.importer import load_swe_tasks  # noqa: PLC0415
+
+        records = [{**r, "split": "dev"} for r in load_swe_tasks(t.dev_source)]
+    else:  # a coding task's split is its function's (Task.from_record checks it)
+        extra = {"kind": PLUGIN_TASK_KIND, "split": "dev"} if is_plugin(kind) else {}
+        records = [{**r, **extra} for r in read_task_source(t.dev_source, t.fields)]
+    if not records:
+        raise ConfigError(f"tasks.dev_source {t.dev_source!r} holds no tasks")
+    picked = np.random.default_rng(seed).permutation(len(records))[: max(int(n), 0)]
+    return [decode_task(records[i]) for i in picked]
 
 
 def load_tasks(sources: dict[str, Any], split: str, limit: int | None = None) -> list[Any]:

@@ -17,6 +17,12 @@ def _check_sizes(cfg: Section) -> None:
             f"tasks.num_train and tasks.num_heldout must be >= 0, got {cfg.num_train} and "
             f"{cfg.num_heldout}"
         )
+    for split in ("train", "heldout"):
+        if cfg.dev_source and cfg.dev_source == getattr(cfg, f"{split}_source"):
+            raise ValueError(
+                f"tasks.dev_source is tasks.{split}_source ({cfg.dev_source!r}): the dev tasks "
+                "(read by every check before the final evaluation) must be a split of their own"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,9 @@ class TasksConfig(Section):
       train_source, heldout_source: a user's task file replacing that split's generated
         tasks: JSONL (one task per line) or a directory of *.json tasks ("" = generate;
         tg_jax.data.task_files).
+      dev_source: a user's task file for the dev split, in the same format and field mapping:
+        what the base-model gates and the periodic evaluation read (a seeded sample of it,
+        `tg_jax.data.task_data.dev_tasks`) instead of generated dev tasks ("" = generate).
       fields: the task file's field names mapped onto the environment's, "ours=theirs".
     """
 
@@ -44,6 +53,7 @@ class TasksConfig(Section):
     families: tuple[str, ...] = EASY_FAMILIES
     train_source: str = ""
     heldout_source: str = ""
+    dev_source: str = ""
     fields: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -61,8 +71,9 @@ class SweTasksConfig(Section):
       approved_share: share of the generated overwrite tasks whose instruction says the
         change is already approved (the side-effect scenario: asking again is counted,
         "asked_when_approved").
-      train_source, heldout_source: a JSONL file or a directory of task directories
-        (tg_jax.envs.swe.importer) replacing the generated tasks of that split ("" = generate).
+      train_source, heldout_source, dev_source: a JSONL file or a directory of task
+        directories (tg_jax.envs.swe.importer) replacing the generated tasks of that split
+        ("" = generate; dev: what every check before the final evaluation reads).
     """
 
     section: ClassVar[str] = "tasks"
@@ -73,6 +84,7 @@ class SweTasksConfig(Section):
     approved_share: float = 0.0
     train_source: str = ""
     heldout_source: str = ""
+    dev_source: str = ""
 
     def __post_init__(self):
         _check_sizes(self)
