@@ -17,16 +17,15 @@ Why these choices:
     unprompted. The fence requirement has its own config (configs/fence.py).
   * TG is the library's recipe (tg_jax.rl.step_config.TGConfig's defaults, chosen from these
     runs): the forward KL at lambda_tg 0.05, summed over the distilled tokens and divided by
-    trajectories x 50 tokens. The format is decided at one
-    token per turn, where the base model is sure of its own format and the hinted teacher of
-    the other: there the reverse KL's and the JSD's gradients vanish (both saturate on
-    near-disjoint distributions), the forward KL's is p_student - p_teacher. JSD(0.5) at
-    lambda 1 learnt the protocol from some base models (those SFT stopped at 2500 steps) and
-    never from others: from a base trained to 3000 steps (sft.extend) its divergence stayed
-    flat at ~0.022 per token and compliance at 0.00 (40 steps at lambda 1; lambda 2 and 4
-    stopped at steps 19 and 16, still at 0.00), where this recipe reached 0.9 by step 15
-    (docs/experiments.md). The forward KL at lambda 1 (token mean) drove degenerate outputs;
-    at this strength it did not.
+    trajectories x 50 tokens. The format is decided at one token per turn, where the base model
+    is sure of its own format and the hinted teacher of the other: there the reverse KL's and
+    the JSD's gradients vanish (both saturate on near-disjoint distributions), the forward KL's
+    is p_student - p_teacher. JSD(0.5) at lambda 1 learnt the protocol from some base models
+    (those SFT stopped at 2500 steps) and never from others: from a base trained to 3000 steps
+    (sft.extend) its divergence stayed flat at ~0.022 per token and compliance at 0.00 (40 steps
+    at lambda 1; lambda 2 and 4 stopped at steps 19 and 16, still at 0.00), where this recipe
+    reached 0.9 by step 15 (docs/experiments.md). The forward KL at lambda 1 (token mean) drove
+    degenerate outputs; at this strength it did not.
   * 4 groups x 8 rollouts: learn as fast per step as 8 groups, at half the step time.
   * The byte tokenizer (sft.tokenizer = "byte"), not the transcripts' BPE ("bpe": 512 ids,
     transcripts 2.3x shorter, a fence one token): at 2500 steps with as many transcripts per
