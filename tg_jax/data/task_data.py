@@ -99,9 +99,29 @@ def _swe_dataset_name(t: Any) -> str:
     return name
 
 
+def _file_records(config: Any, source: str, split: str) -> Iterator[dict]:
+    """The task records of a user's task file for `split` (any split, dev included), as the
+    environment stores them: SWE tasks imported (`tg_jax.envs.swe.importer`) and tagged with
+    the split; coding and plug-in records read through `tasks.fields` (task_files), a plug-in's
+    tagged with its kind and the split, a coding task's split left as its function's (which
+    `Task.from_record` checks)."""
+    kind = env_kind(config.env)
+    if kind == "swe":
+        from tg_jax.envs.swe.importer import load_swe_tasks  # noqa: PLC0415
+
+        for record in load_swe_tasks(source):
+            yield {**record, "split": split}
+        return
+    records = read_task_source(source, task_settings(config).fields)
+    if is_plugin(kind):
+        for record in records:
+            yield {**record, "kind": PLUGIN_TASK_KIND, "split": split}
+    else:
+        yield from records
+
+
 def _generate_swe(config: Any):
     from tg_jax.envs.swe.generator import generate_swe_tasks  # noqa: PLC0415
-    from tg_jax.envs.swe.importer import load_swe_tasks  # noqa: PLC0415
 
     t = task_settings(config)
     sizes = {"train": t.num_train, "heldout": t.num_heldout}
@@ -109,8 +129,7 @@ def _generate_swe(config: Any):
 
     def generate(split: str) -> Iterator[dict]:
         if sources[split]:
-            for record in load_swe_tasks(sources[split]):
-                yield {**record, "split": split}
+            yield from _file_records(config, sources[split], split)
         else:
             for task in generate_swe_tasks(split, sizes[split], t.seed, t.approved_share):
                 yield task.to_record()
@@ -126,8 +145,7 @@ def _generate_plugin(config: Any, kind: str):
 
     def generate(split: str) -> Iterator[dict]:
         if split in files:
-            for record in read_task_source(files[split], t.fields):
-                yield {**record, "kind": PLUGIN_TASK_KIND, "split": split}
+            yield from _file_records(config, files[split], split)
             return
         if not callable(getattr(cls, "generate_tasks", None)):
             raise ConfigError(
@@ -161,7 +179,7 @@ def _generate(config: Any):
 
     def generate(split: str) -> Iterator[dict]:
         if split in files:  # coding tasks from a file: Task records (validated on writing)
-            yield from read_task_source(files[split], t.fields)
+            yield from _file_records(config, files[split], split)
             return
         for task in generate_tasks(split, sizes[split], seed=t.seed, families=t.families):
             yield task.to_record()
@@ -242,8 +260,13 @@ def dev_tasks(config: Any, n: int, seed: int) -> list[Any]:
       ConfigError: a plug-in environment whose class generates no tasks, without a dev file.
     """
     kind = env_kind(config.env)
-    if task_settings(config).dev_source:
-        return _dev_file_tasks(config, n, seed)
+    t = task_settings(config)
+    if t.dev_source:
+        records = list(_file_records(config, t.dev_source, "dev"))
+        if not records:
+            raise ConfigError(f"tasks.dev_source {t.dev_source!r} holds no tasks")
+        picked = np.random.default_rng(seed).permutation(len(records))[: max(int(n), 0)]
+        return [decode_task(records[i]) for i in picked]
     if kind == "swe":
         from tg_jax.envs.swe.generator import generate_swe_tasks  # noqa: PLC0415
 
@@ -252,25 +275,7 @@ def dev_tasks(config: Any, n: int, seed: int) -> list[Any]:
         check_dev_tasks(config, "the checks before the final evaluation")
         records = list(environment_class(kind).generate_tasks("dev", n, seed))[:n]
         return [decode_task({**r, "kind": PLUGIN_TASK_KIND, "split": "dev"}) for r in records]
-    families = task_settings(config).families
-    return generate_tasks("dev", n, seed=seed, families=families)
-
-
-def _dev_file_tasks(config: Any, n: int, seed: int) -> list[Any]:
-    """`n` tasks of `tasks.dev_source` drawn with `seed` (`dev_tasks`)."""
-    t = task_settings(config)
-    kind = env_kind(config.env)
-    if kind == "swe":
-        from tg_jax.envs.swe.importer import load_swe_tasks  # noqa: PLC0415
-
-        records = [{**r, "split": "dev"} for r in load_swe_tasks(t.dev_source)]
-    else:  # a coding task's split is its function's (Task.from_record checks it)
-        extra = {"kind": PLUGIN_TASK_KIND, "split": "dev"} if is_plugin(kind) else {}
-        records = [{**r, **extra} for r in read_task_source(t.dev_source, t.fields)]
-    if not records:
-        raise ConfigError(f"tasks.dev_source {t.dev_source!r} holds no tasks")
-    picked = np.random.default_rng(seed).permutation(len(records))[: max(int(n), 0)]
-    return [decode_task(records[i]) for i in picked]
+    return generate_tasks("dev", n, seed=seed, families=t.families)
 
 
 def load_tasks(sources: dict[str, Any], split: str, limit: int | None = None) -> list[Any]:

@@ -11,7 +11,8 @@ from tg_jax.config_schema import Section
 from tg_jax.envs.tasks import EASY_FAMILIES, check_families
 
 
-def _check_sizes(cfg: Section) -> None:
+def _check_splits(cfg: Section) -> None:
+    """The split sizes, and a dev file that is no other split's file."""
     if cfg.num_train < 0 or cfg.num_heldout < 0:
         raise ValueError(
             f"tasks.num_train and tasks.num_heldout must be >= 0, got {cfg.num_train} and "
@@ -57,7 +58,7 @@ class TasksConfig(Section):
     fields: tuple[str, ...] = ()
 
     def __post_init__(self):
-        _check_sizes(self)
+        _check_splits(self)
         check_families(self.families)
 
 
@@ -87,6 +88,6 @@ class SweTasksConfig(Section):
     dev_source: str = ""
 
     def __post_init__(self):
-        _check_sizes(self)
+        _check_splits(self)
         if not 0.0 <= self.approved_share <= 1.0:
             raise ValueError(f"tasks.approved_share must be in [0, 1], got {self.approved_share}")
