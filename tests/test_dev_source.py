@@ -101,3 +101,19 @@ def test_the_command_accepts_a_file_only_plugin_with_a_dev_file(tmp_path):
                  *(f"--config.tasks.{s}_source={p}" for s, p in files.items()))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (work / "tfds").is_dir()
+
+
+@pytest.mark.parametrize("problem", ["missing", "empty", "malformed"])
+def test_the_command_refuses_a_bad_dev_file_at_start_up(tmp_path, problem):
+    """A dev file the run could not read fails before any stage runs (one error line, exit 2,
+    nothing written), not when the base model's gates or the first periodic evaluation read
+    it."""
+    dev = tmp_path / "dev.jsonl"
+    if problem != "missing":
+        dev.write_text("" if problem == "empty" else '{"task_id": "d0", "family": \n')
+    work = tmp_path / "w"
+    proc = _main(f"--workdir={work}", "--config.stage=data", f"--config.tasks.dev_source={dev}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: invalid config: ") and "dev.jsonl" in line, line
+    assert not work.exists() or not any(work.iterdir())

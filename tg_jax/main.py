@@ -214,6 +214,10 @@ def _check_config(config, workdir: str) -> None:
 
                 check_dev_tasks(config, "the periodic evaluation (rl_loop.eval_every)",
                                 "; set rl_loop.eval_every=0 or give it one")  # fmt: skip
+            if "tasks" in config and config.tasks.get("dev_source"):
+                from tg_jax.data.task_data import check_dev_source
+
+                check_dev_source(config)
         except ValueError as e:
             _fail(f"invalid config: {e}")
     from tg_jax.evaluation.report_settings import EvalConfig

@@ -244,6 +244,19 @@ def check_dev_tasks(config: Any, reader: str, fix: str = "") -> None:
         )
 
 
+def check_dev_source(config: Any) -> None:
+    """Reads `tasks.dev_source`, when set, once at start-up: a missing, unreadable, malformed or
+    empty file is a ConfigError before any stage runs, not when the first check reads it
+    (the base model's gates or the first periodic evaluation, minutes later)."""
+    t = task_settings(config)
+    if not t.dev_source:
+        return
+    try:
+        dev_tasks(config, 1, seed=0)
+    except OSError as e:  # the SWE importer's own file errors
+        raise ConfigError(f"tasks.dev_source {t.dev_source!r}: {e}") from e
+
+
 def dev_tasks(config: Any, n: int, seed: int) -> list[Any]:
     """`n` tasks of the dev split, generated (never stored): functions, templates or words that
     neither training nor the held-out evaluation uses. Every check made before the final
