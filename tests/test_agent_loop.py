@@ -202,8 +202,14 @@ def test_runner_from_config_defaults_to_lockstep():
         agent_loop.runner_from_config(
             cfg, engine_api, None, episodes=6, max_total_tokens=100, pad_id=0
         )
-    cfg.rl_loop.rollout_engine = "vllm"
-    with pytest.raises(ValueError, match="rollout_engine"):
+    cfg.rl_loop.rollout_engine = "sglang"
+    with pytest.raises(ValueError, match="rollout_engine must be one of"):
+        agent_loop.runner_from_config(
+            cfg, engine_api, None, episodes=4, max_total_tokens=64, pad_id=0
+        )
+    cfg.rl_loop.rollout_engine = "vllm"  # serves a checkpoint directory: none here
+    cfg.model = ml_collections.ConfigDict({"hf_checkpoint": ""})
+    with pytest.raises(ValueError, match="set model.hf_checkpoint"):
         agent_loop.runner_from_config(
             cfg, engine_api, None, episodes=4, max_total_tokens=64, pad_id=0
         )

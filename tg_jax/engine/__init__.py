@@ -4,6 +4,8 @@
   pages.py     host-side page allocator (free list + refcounts) and the prefix index
   paged.py     the jitted device side: paged prefill chunks and decode steps, page copies
   engine.py    `Engine`: admission, chunked prefill, decode, preemption, prefix sharing
+  vllm_engine.py  `VllmEngine`: the same request API on vLLM in this process (config
+               `rl_loop.rollout_engine = "vllm"`), weight sync from the trainer's params
 
     engine = Engine(model, params, max_slots=8, page_size=16, max_pages_per_seq=64)
     completions = engine.generate([Request("a", prompt, max_new_tokens=64, temperature=1.0)])
@@ -15,5 +17,6 @@ equal its draws with `row_ids` = the requests' seeds (float rounding aside).
 
 from tg_jax.engine.engine import Engine
 from tg_jax.engine.requests import Completion, Request
+from tg_jax.engine.vllm_engine import VllmEngine, VllmRunner  # vllm itself: imported on use
 
-__all__ = ["Completion", "Engine", "Request"]
+__all__ = ["Completion", "Engine", "Request", "VllmEngine", "VllmRunner"]

@@ -39,6 +39,7 @@ start, and every held-out evaluation and rollout call reuses it under its lock.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -107,6 +108,7 @@ class VllmEngine:
         self.start_s = time.perf_counter() - t0
         self._cpu = vllm.platforms.current_platform.is_cpu()
         self._engine = self.llm.llm_engine
+        self.params: Any = None  # the trainer's params last loaded (None: the checkpoint's)
         self.lock = threading.RLock()  # every call into vLLM
         self._running: dict[str, tuple[Request, list[int], int]] = {}  # id -> (req, ctx, ver)
         self._kept: collections.OrderedDict[Hashable, list[int]] = collections.OrderedDict()
@@ -136,10 +138,11 @@ class VllmEngine:
             if self._cpu:
                 self.llm.apply_model(_repack_cpu_experts)
             self.llm.reset_prefix_cache()
-            self.version = int(version)
+            self.version, self.params = int(version), params
             self._counts["weight_syncs"] += 1
             self._last_sync_s = time.perf_counter() - t0
-            self._counts["weight_sync_s_total"] += self._last_sync_s
+            logging.info("vLLM weight sync: version %d, %d tensors in %.2f s", self.version,
+                         len(tensors), self._last_sync_s)  # fmt: skip
 
     def logprobs_of(self, tokens: list[int]) -> np.ndarray:
         """[len(tokens) - 1] log-probs of tokens[1:] given their prefix (temperature 1)."""
@@ -170,8 +173,11 @@ class VllmEngine:
                 return self._refuse(request, f"policy_version {request.policy_version} > "
                                              f"the engine's {self.version}")  # fmt: skip
             if len(context) + request.max_new_tokens > self.max_model_len:
-                return self._refuse(request, f"context {len(context)} + max_new_tokens "
-                                             f"{request.max_new_tokens} > {self.max_model_len}")
+                return self._refuse(
+                    request,
+                    f"context {len(context)} + max_new_tokens "
+                    f"{request.max_new_tokens} > {self.max_model_len}",
+                )
             greedy = request.temperature <= 0.0
             sp = self._sampling_params(
                 n=1, max_tokens=int(request.max_new_tokens), logprobs=0, detokenize=False,
@@ -265,6 +271,9 @@ class VllmEngine:
         at a time: the next one, e.g. of another architecture, starts clean)."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415
 
+        with _SHARED_LOCK:
+            for key in [k for k, v in _SHARED.items() if v is self]:
+                del _SHARED[key]
         with self.lock:
             engine_core = getattr(self._engine, "engine_core", None)
             if engine_core is not None and hasattr(engine_core, "shutdown"):
@@ -299,21 +308,49 @@ def _repack_cpu_experts(model: Any) -> None:
 
 
 _SHARED: dict[tuple, VllmEngine] = {}
-_SHARED_LOCK = threading.Lock()
+_SHARED_LOCK = threading.RLock()
 
 
 def shared_engine(model_dir: str, model_cfg: ModelConfig, *, max_slots: int,
                   max_model_len: int, seed: int = 0) -> VllmEngine:  # fmt: skip
     """This process's engine for the checkpoint and shape (started at the first call; an
     engine of another checkpoint or shape is closed first: vLLM holds one per process)."""
-    key = (os.path.abspath(str(model_dir)), model_cfg, int(max_slots), int(max_model_len))
+    from tg_jax.models.hf_dir import stage_locally  # noqa: PLC0415 (a gs:// checkpoint)
+
+    model_dir = stage_locally(str(model_dir))
+    key = (model_dir, model_cfg, int(max_slots), int(max_model_len))
     with _SHARED_LOCK:
         if key not in _SHARED:
-            for old in [k for k in _SHARED if k != key]:
-                _SHARED.pop(old).close()
+            for old in [v for k, v in _SHARED.items() if k != key]:
+                old.close()
             _SHARED[key] = VllmEngine(model_dir, model_cfg, max_slots=max_slots,
                                       max_model_len=max_model_len, seed=seed)  # fmt: skip
         return _SHARED[key]
 
 
-__all__ = ["INSTALL_HINT", "VllmEngine", "import_vllm", "kv_cache_bytes", "shared_engine"]
+class VllmRunner:
+    """`agent_loop.EngineRunner`'s interface on this process's vLLM engine: `load(params)`
+    syncs the weights when they are not the engine's already, `lock` is the engine's (a call
+    holds it from load to its last turn: the rollouts and a held-out evaluation in another
+    thread take turns)."""
+
+    def __init__(self, engine_api: Any, model_dir: str, model_cfg: ModelConfig, *, slots: int,
+                 max_model_len: int, seed: int = 0):  # fmt: skip
+        self.api = engine_api
+        self.engine = shared_engine(model_dir, model_cfg, max_slots=slots,
+                                    max_model_len=max_model_len, seed=seed)  # fmt: skip
+        self.lock = self.engine.lock
+        self.last_sync_s = 0.0  # seconds the sync of the weights now loaded took
+
+    def load(self, params: Any, version: int | None = None) -> VllmEngine:
+        with self.lock:
+            if params is not self.engine.params:
+                self.engine.update_weights(params, self.engine.version + 1 if version is None
+                                           else version)  # fmt: skip
+                self.last_sync_s = self.engine.stats["weight_sync_s"]
+        return self.engine
+
+
+__all__ = [
+    "INSTALL_HINT", "VllmEngine", "VllmRunner", "import_vllm", "kv_cache_bytes", "shared_engine",
+]  # fmt: skip

@@ -3,7 +3,8 @@
 `play_episodes` has the arguments and results of `tg_jax.sampling.rollout.play_episodes`
 (the lock-step path), with an `EngineRunner` (a `tg_jax.engine.Engine` and its weights) in
 place of the sampler; `rollout.rollout_groups` and `rollout.evaluate` take it as their `play`
-(config `rl_loop.rollout_engine = "builtin"`). The episodes' bookkeeping is rollout.py's
+(config `rl_loop.rollout_engine = "builtin"`, or `"vllm"`: the same loops on vLLM,
+`tg_jax.engine.vllm_engine`). The episodes' bookkeeping is rollout.py's
 (`_start_episodes`, `record_tokens`, `_after_turn`, `to_trajectory`), so the trajectories have
 the same tokens, roles, turn ids, behaviour log-probs, verdicts, breaks, hints and info.
 
@@ -41,6 +42,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import threading
+import time
 import zlib
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -54,7 +57,7 @@ from tg_jax.sampling.rollout import Episode, RolloutConfig
 from tg_jax.sampling.trajectory import Role
 from tg_jax.text import ChatRenderer, hint_message
 
-ENGINES = ("lockstep", "builtin")  # rl_loop.rollout_engine
+ENGINES = ("lockstep", "builtin", "vllm")  # rl_loop.rollout_engine
 _CALLS = itertools.count()  # request ids of different calls never collide
 
 
@@ -80,10 +83,13 @@ class EngineRunner:
         self.prefill_rows, self.decode_steps = min(prefill_rows, self.slots), int(decode_steps)
         self.engine: Any = None  # the tg_jax.engine.Engine
         self._params: Any = None
+        self.lock = threading.RLock()  # held by a call from load to its last turn
+        self.last_sync_s = 0.0  # seconds the update to the weights now loaded took
 
     def load(self, params: Any, version: int | None = None) -> Any:
         """The engine, holding `params` (`Engine.update_weights` when they are new; version
         default: the engine's + 1)."""
+        t0, synced = time.perf_counter(), self.engine is not None and params is not self._params
         if self.engine is None:
             self.engine = self.api.Engine(
                 self.model, params, max_slots=self.slots, page_size=self.page_size,
@@ -94,6 +100,9 @@ class EngineRunner:
         elif params is not self._params:
             new = self.engine.version + 1 if version is None else version
             self.engine.update_weights(params, new)
+            jax.block_until_ready(self.engine._weights)
+        if synced:
+            self.last_sync_s = time.perf_counter() - t0
         self._params = params
         return self.engine
 
@@ -112,15 +121,22 @@ def engine_kind(loop_cfg: Any) -> str:
 
 
 def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: int,
-                       max_total_tokens: int, pad_id: int) -> EngineRunner | None:  # fmt: skip
-    """The engine of `rl_loop.rollout_engine` ("builtin"), or None for the lock-step path.
+                       max_total_tokens: int, pad_id: int) -> Any:  # fmt: skip
+    """The engine of `rl_loop.rollout_engine`: an `EngineRunner` ("builtin"), a
+    `tg_jax.engine.VllmRunner` ("vllm"), or None for the lock-step path.
 
     slots: `rl_loop.engine_slots`, 0 = `episodes` (every episode of a call decodes at once);
     page size `rl_loop.engine_page_size`, tokens per decode call `rl_loop.engine_decode_steps`.
+    vLLM: the checkpoint `model.hf_checkpoint` (the run's base; the trainer's params are
+    loaded into it at each call), slots `rl_loop.engine_slots`, 0 = the RL step's episodes
+    (groups_per_step x rollouts_per_group; more wait in vLLM's queue), contexts up to
+    `model.max_seq_len`: one engine for the rollouts and the held-out evaluations.
     """
     lc = config.get("rl_loop") if hasattr(config, "get") else None
     if lc is None or engine_kind(lc) == "lockstep":
         return None
+    if engine_kind(lc) == "vllm":
+        return _vllm_runner(config, engine_api, lc)
     if model is None:
         raise ValueError(
             "rl_loop.rollout_engine 'builtin' needs the model's own sampler; a wrapped one "
@@ -131,6 +147,22 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
         engine_api, model, slots=slots, max_total_tokens=max_total_tokens,
         page_size=int(lc.get("engine_page_size", 16)), pad_id=pad_id,
         decode_steps=int(lc.get("engine_decode_steps", 1)),
+    )  # fmt: skip
+
+
+def _vllm_runner(config: Any, engine_api: Any, lc: Any) -> Any:
+    from tg_jax.models import ModelConfig  # noqa: PLC0415
+
+    model_dir = str(config.model.get("hf_checkpoint", "") or "")
+    if not model_dir:
+        raise ValueError(
+            "rl_loop.rollout_engine 'vllm' serves a checkpoint directory: set "
+            "model.hf_checkpoint (the pipeline sets it to the run's base model)"
+        )
+    slots = int(lc.get("engine_slots", 0)) or int(lc.groups_per_step * lc.rollouts_per_group)
+    return engine_api.VllmRunner(
+        engine_api, model_dir, ModelConfig.from_config(config.model), slots=slots,
+        max_model_len=int(config.model.max_seq_len), seed=int(config.get("seed", 0)),
     )  # fmt: skip
 
 
@@ -227,8 +259,17 @@ def play_episodes(
     Returns:
       The finished episodes, in the order of `tasks`.
     """
+    with sampler.lock:  # the engine is this call's until its last turn
+        return _play(sampler, params, renderer, env_factory, tasks, config, rng, group_ids,
+                     hint_before_every_turn, stream_ids)  # fmt: skip
+
+
+def _play(sampler, params, renderer, env_factory, tasks, config, rng, group_ids,
+          hint_before_every_turn, stream_ids) -> list[Episode]:  # fmt: skip
     sampler.load(params)
     episodes = rollout._start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
+    for ep in episodes:
+        ep.weight_sync_s = sampler.last_sync_s
     hint_ids: list[int] = []
     if hint_before_every_turn and episodes:  # as rollout.play_episodes
         every = [r.name for r in episodes[0].env.requirements]

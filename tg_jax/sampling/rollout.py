@@ -12,8 +12,7 @@ model's chat template writes for it (`tg_jax.text.ChatRenderer`), e.g. for Qwen3
     [hint] + header + next sampled turn ...
 
 The prompt lists the environment's tools through the template's `tools` argument when the
-environment has `tool_schemas`; the environment reads the model's calls in the renderer's tool
-format.
+environment has `tool_schemas`; the environment reads the model's calls in its tool format.
 
 Every turn of every live episode is sampled in one batched `Sampler.sample` call. The
 episodes' keys and values stay on the device between turns (`tg_jax.sampling.turn_cache`): a
@@ -105,8 +104,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class Episode:
-    """Host-side state of one episode while it is being played (`to_trajectory` makes the record).
-
+    """Host-side state of one episode while it is being played (`to_trajectory` makes the record):
     `tokens`, `roles`, `turn_ids`, `logprobs` grow together (see `Trajectory` for their
     meaning); `verdicts` and `step_infos` get one entry per assistant turn.
     """
@@ -130,6 +128,7 @@ class Episode:
     stream_id: int = 0  # its random stream (play_episodes' stream_ids)
     texts: list[str] = dataclasses.field(default_factory=list)  # per turn, as sent to the env
     error: str = ""  # the environment error that ended it (termination "env_error")
+    weight_sync_s: float = 0.0  # the rollout engine's weight sync before its call (seconds)
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
         self.tokens += [int(t) for t in ids]
@@ -459,6 +458,7 @@ def to_trajectory(
         "num_tokens": len(ep.tokens),
         "sampled_tokens": int(sum(t >= 0 for t in ep.turn_ids)),
         "prefill_tokens": ep.prefill_tokens,
+        "weight_sync_s": ep.weight_sync_s,
         "steps": ep.step_infos,
         # Requirements met where they never applied (`Requirement.conditional`).
         "conditional_requirements": conditional_names(ep.env),

@@ -73,9 +73,12 @@ class LoopConfig(Section):
     rollout_engine: str = "lockstep"
     """Who plays the episodes (RL rollouts and held-out evaluation): "lockstep" = every turn of
     every live episode in one sampler call (`tg_jax.sampling.rollout`); "builtin" = one agent
-    loop per episode on the continuous-batching engine (`tg_jax.sampling.agent_loop`)."""
+    loop per episode on the continuous-batching engine (`tg_jax.sampling.agent_loop`); "vllm" =
+    the same agent loops on vLLM in this process (`tg_jax.engine.vllm_engine`: the `.[vllm]`
+    extra; the trainer's params are loaded into it at each call, no disk)."""
     engine_slots: int = 0
-    """"builtin": episodes decoded at once (0 = every episode of a call)."""
+    """"builtin": episodes decoded at once (0 = every episode of a call); "vllm": vLLM's
+    max_num_seqs (0 = groups_per_step x rollouts_per_group)."""
     engine_page_size: int = 16
     """"builtin": tokens per KV page."""
     engine_decode_steps: int = 1

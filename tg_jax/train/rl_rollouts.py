@@ -263,6 +263,10 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
                 np.mean([t.info.get("truncated_turns", 0) for t in trajectories] or [0])
             ),
             "rollout/length": float(np.mean([len(t.tokens) for t in trajectories] or [0])),
+            # The rollout engine's weight sync before the step's calls ("builtin", "vllm").
+            "rollout/weight_sync_s": max(
+                [t.info.get("weight_sync_s", 0.0) for t in trajectories] or [0.0]
+            ),  # fmt: skip
             "rollout/prefill_tokens": float(
                 np.mean([t.info.get("prefill_tokens", 0.0) for t in trajectories] or [0])
             ),
