@@ -75,6 +75,19 @@ def route(
     return probs_XxE, top_XxJ.astype(dtype), ids_XxJ.astype(jnp.int32)
 
 
+def replay(probs_XxE: Array, replay_XxJ: Array, own_XxJ: Array, cfg: ModelConfig,
+           dtype: Any) -> tuple[Array, Array]:  # fmt: skip
+    """(weights, ids) routing each token to its replayed experts (a row with any -1: its own
+    top-k `own_XxJ`); the weights are the router's probabilities there, renormalised over the
+    k when `cfg.norm_topk_prob` (the gradient reaches the router through them)."""
+    use = jnp.all(replay_XxJ >= 0, axis=-1, keepdims=True)
+    ids_XxJ = jnp.where(use, replay_XxJ, own_XxJ).astype(jnp.int32)
+    top_XxJ = jnp.take_along_axis(probs_XxE, ids_XxJ, axis=-1)
+    if cfg.norm_topk_prob:
+        top_XxJ = top_XxJ / jnp.sum(top_XxJ, axis=-1, keepdims=True)
+    return top_XxJ.astype(dtype), ids_XxJ
+
+
 def _experts_dense(x_XxD, ids_XxJ, w_XxJ, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert):
     e = gate_ExDxF.shape[0]
     # one_hot of an id outside [0, e) is all zeros: experts held by other devices drop out.
@@ -197,7 +210,10 @@ class MoE(nn.Module):
     dispatch: str = "auto"  # "auto" | "dense" | "ragged": how the experts are evaluated
 
     @nn.compact
-    def __call__(self, x_BxTxD: Array) -> Array:
+    def __call__(self, x_BxTxD: Array, replay_BxTxJ: Array | None = None) -> Array:
+        """replay_BxTxJ: experts to route each token to (router replay: the rollout engine's
+        routing), -1 = the router's own choice for that token; the weights are the router's
+        probabilities of the replayed experts (normalised as the router's own)."""
         cfg = self.config
         dt, pdt = cfg.jnp_dtype, cfg.jnp_param_dtype
         d, e, f, k = cfg.d_model, cfg.num_experts, cfg.moe_mlp_dim, cfg.experts_per_token
@@ -208,7 +224,10 @@ class MoE(nn.Module):
         b, t, _ = x_BxTxD.shape
         x = x_BxTxD.astype(dt)
         probs_XxE, w_XxJ, ids_XxJ = route(x.reshape(b * t, d), router, k, cfg.norm_topk_prob, dt)
+        if replay_BxTxJ is not None:
+            w_XxJ, ids_XxJ = replay(probs_XxE, replay_BxTxJ.reshape(b * t, k), ids_XxJ, cfg, dt)
         self._sow_load(probs_XxE, ids_XxJ)
+        self.sow("intermediates", "router_ids", ids_XxJ.reshape(b, t, k))  # only when captured
 
         gate, up, down = gate.astype(dt), up.astype(dt), down.astype(dt)
         mesh = jax.sharding.get_abstract_mesh()

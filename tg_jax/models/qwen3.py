@@ -50,13 +50,14 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT):
+    def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, replay_BxTxJ=None):
         cfg = self.config
         pdt = cfg.jnp_param_dtype
         h = RMSNorm(cfg.rms_norm_eps, pdt, "embed", name="attn_norm")(x_BxTxD)
         x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(h, positions_BxT, segment_ids_BxT)
         h = RMSNorm(cfg.rms_norm_eps, pdt, "embed", name="mlp_norm")(x_BxTxD)
-        x_BxTxD = x_BxTxD + make_ffn(cfg, "mlp")(h)
+        ffn = make_ffn(cfg, "mlp")
+        x_BxTxD = x_BxTxD + (ffn(h) if replay_BxTxJ is None else ffn(h, replay_BxTxJ))
         x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "act_embed"))
         return x_BxTxD, None
 
@@ -78,7 +79,7 @@ def scanned_layers(remat_policy: str, num_layers: int, unroll: int) -> type:
                 layer_cls,
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
-                in_axes=(nn.broadcast, nn.broadcast),
+                in_axes=(nn.broadcast, nn.broadcast, 0),  # the replayed routing: per layer
                 length=num_layers,
                 unroll=unroll,
                 metadata_params={nn.PARTITION_NAME: "layers"},
@@ -127,29 +128,39 @@ class Transformer(nn.Module):
         positions_BxT: Array | None = None,
         segment_ids_BxT: Array | None = None,
         return_hidden: bool = False,
+        replay_BxTxLxJ: Array | None = None,
     ) -> Array:
+        """replay_BxTxLxJ: MoE router replay, per token and layer the experts to route to
+        (-1: the router's own choice; `tg_jax.models.moe.replay`)."""
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(
                 jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32), tokens_BxT.shape
             )
         x = self.embed_tokens(tokens_BxT)
-        x, _ = self.layers(x, positions_BxT, segment_ids_BxT)
+        if replay_BxTxLxJ is not None and not self.config.is_moe:
+            raise ValueError("router replay (replay_BxTxLxJ) needs a mixture-of-experts model")
+        replay = None if replay_BxTxLxJ is None else jnp.moveaxis(replay_BxTxLxJ, 2, 0)
+        x, _ = self.layers(x, positions_BxT, segment_ids_BxT, replay)
         x = self.final_norm(x)
         return x if return_hidden else self.unembed(x)
 
 
-def forward(model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
-    """Full-sequence logits [B, T, V] (fp32)."""
-    return model.apply({"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT)
+def forward(model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None,
+            replay_BxTxLxJ=None):  # fmt: skip
+    """Full-sequence logits [B, T, V] (fp32); replay_BxTxLxJ: MoE router replay."""
+    return model.apply({"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT,
+                       replay_BxTxLxJ=replay_BxTxLxJ)  # fmt: skip
 
 
 def hidden_states(
-    model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None
-):
+    model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None,
+    replay_BxTxLxJ=None,
+):  # fmt: skip
     """Final-norm hidden states [B, T, D]; pair with `unembed` to get logits chunk by chunk."""
     return model.apply(
-        {"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT, return_hidden=True
-    )
+        {"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT, return_hidden=True,
+        replay_BxTxLxJ=replay_BxTxLxJ,
+    )  # fmt: skip
 
 
 def unembed(model: Transformer, params: Any, hidden_BxTxD):
