@@ -255,6 +255,21 @@ def test_the_budget_section_checks_the_sampled_tokens_each_arm_used():
     assert not md_budget.budget_check(res_of(100.0, 111.0))["equal"]
     assert not md_budget.budget_check(res_of(100.0, 100.0, False))["equal"]
     assert md_budget.budget_check(res_of(None, None))["sampled_tokens_ratio"] is None
+    # Compute beside the budget, per arm (reported, not equalised); unequal trials: unequal.
+    res = res_of(100.0, 100.0)
+    costs = {"grpo": (60.0, 0.0, 2e9), "tg": (90.0, 3e12, 3e9)}
+    for arm, (wall, flops, mem) in costs.items():
+        c = res["arms"][arm]["costs"]
+        c["wall_time_s"], c["teacher_forward_flops"] = {"mean": wall}, {"mean": flops}
+        c["peak_memory_above_start_bytes"] = {"mean": mem}
+    check = md_budget.budget_check(res)
+    assert check["equal"] and check["compute"]["wall_time_s"] == {"grpo": 60.0, "tg": 90.0}
+    assert check["compute"]["peak_memory_above_start_bytes"]["tg"] == 3e9
+    line = "\n".join(md_budget.budget_section(res))
+    assert "RL wall time `grpo` 60 s, `tg` 90 s" in line and "teacher forward FLOPs" in line
+    res["context"]["tuning"] = {"arms": {"grpo": {"trials": [1, 2]}, "tg": {"trials": [1]}}}
+    check = md_budget.budget_check(res)
+    assert check["tuning_trials"] == {"grpo": 2, "tg": 1} and not check["equal"]
 
 
 def test_the_candidate_is_tested_against_each_registered_reference(tmp_path):

@@ -51,14 +51,32 @@ def budget_check(res: dict[str, Any]) -> dict[str, Any]:
     """Whether the arms had an equal budget, derived (results.json "budget_check"): the
     declared budgets equal (`context["budget_equal"]`, every arm's `tuning_budget`) and the
     sampled tokens each arm used (mean over its seeds) within `BUDGET_TOLERANCE` of each
-    other (max / min); `equal` needs both (unmeasured tokens: the declaration alone)."""
+    other (max / min) and as many learning-rate trials per arm; `equal` needs all three
+    (unmeasured tokens: the declaration alone). "compute": each arm's wall time, teacher
+    forward FLOPs and peak memory (mean over seeds), reported beside it."""
     declared = bool((res.get("context") or {}).get("budget_equal", True))
-    used = {a: (r.get("costs") or {}).get("sampled_tokens") for a, r in res["arms"].items()}
-    used = {a: float(v["mean"]) for a, v in used.items() if v and v.get("mean")}
+    used = {a: v for a, v in _per_arm(res, "sampled_tokens").items() if v}  # 0: unmeasured
     ratio = max(used.values()) / min(used.values()) if len(used) >= 2 else None
     within = ratio is None or ratio <= 1 + BUDGET_TOLERANCE
+    tuning = (res.get("context") or {}).get("tuning") or {}
+    trials = {a: len(t.get("trials", ())) for a, t in (tuning.get("arms") or {}).items()}
+    trials_equal = len(set(trials.values())) <= 1
+    # What each arm's training cost beside the budget: reported, not equalised (TG's teacher
+    # forward is its method's cost; the arms are compared at equal sampling and tuning).
+    compute = {k: _per_arm(res, k) for k in COMPUTE_KEYS}
     return {"declared_equal": declared, "sampled_tokens": used, "sampled_tokens_ratio": ratio,
-            "tolerance": BUDGET_TOLERANCE, "equal": declared and within}  # fmt: skip
+            "tolerance": BUDGET_TOLERANCE, "tuning_trials": trials, "compute": compute,
+            "equal": declared and within and trials_equal}  # fmt: skip
+
+
+# The compute each arm used (RunResult.costs keys, mean over seeds), beside the budget.
+COMPUTE_KEYS = ("wall_time_s", "teacher_forward_flops", "peak_memory_above_start_bytes")
+
+
+def _per_arm(res: dict[str, Any], key: str) -> dict[str, float]:
+    """{arm: mean over its seeds of costs[key]}, arms without it left out."""
+    vals = {a: (r.get("costs") or {}).get(key) for a, r in res["arms"].items()}
+    return {a: float(v["mean"]) for a, v in vals.items() if v and v.get("mean") is not None}
 
 
 def _measured_text(check: dict[str, Any]) -> str:
@@ -71,7 +89,28 @@ def _measured_text(check: dict[str, Any]) -> str:
     verdict = (f"within the {tol:.0%} tolerance" if ratio <= 1 + tol
                else f"**beyond the {tol:.0%} tolerance: the arms used unequal "
                "sampling budgets**")  # fmt: skip
-    return f"Measured sampled tokens per seed: {each} (max / min {ratio:.2f}, {verdict}). "
+    out = f"Measured sampled tokens per seed: {each} (max / min {ratio:.2f}, {verdict}). "
+    if len(set(check.get("tuning_trials", {}).values())) > 1:
+        out += f"**Unequal learning-rate trials per arm: {check['tuning_trials']}.** "
+    return out + _compute_text(check.get("compute") or {})
+
+
+def _compute_text(compute: dict[str, dict[str, float]]) -> str:
+    """Each arm's compute beside the budget (reported, not equalised), as a sentence."""
+    names = {
+        "wall_time_s": ("RL wall time", lambda v: f"{v:.0f} s"),
+        "teacher_forward_flops": ("teacher forward FLOPs", big),
+        "peak_memory_above_start_bytes": ("peak memory above the run's start", big),
+    }
+    parts = []
+    for key, (name, fmt) in names.items():
+        per = compute.get(key) or {}
+        if len(per) >= 2:
+            parts.append(f"{name} " + ", ".join(f"`{a}` {fmt(v)}" for a, v in per.items()))
+    if not parts:
+        return ""
+    return ("Compute per seed beside the budget (reported, not equalised: the teacher's "
+            "forward is TG's cost): " + "; ".join(parts) + ". ")  # fmt: skip
 
 
 def _tuning_lines(t: dict[str, Any]) -> list[str]:
