@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--sections",
         default="",
         help="comma-separated subset: sampler,train,rl,kl,overlap,sandbox,e2e (the default), "
-        "agentic (asked for by name)",
+        "agentic, agentic_vllm (asked for by name)",
     )
     parser.add_argument(
         "--no_hugepages", action="store_true", help="do not set glibc.malloc.hugetlb=1"

@@ -13,6 +13,10 @@ tokens counts at temperature 1 from the same model.
   engine     (b) one thread per episode submits its next turn (`continue_from` its last turn)
              as soon as its tool call returns; the main thread alone drives `Engine.step`
              (nothing traces in two threads).
+  vllm       (c, `--vllm`) arm (b)'s threads on vLLM in this process (`VllmEngine`, the
+             model exported to a temporary checkpoint): agentic/vllm_tok_s and
+             agentic/vllm_over_engine (against (b)'s timed run), its start-up and one weight
+             sync (seconds).
 
 Both arms run the workload once untimed with zero tool latency (compiles every shape they
 use), then once timed. KV memory is equal: the engine's page pool has the bytes of the
@@ -173,13 +177,62 @@ def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
             "step_s": stepping, "steps": len(used)}  # fmt: skip
 
 
+def run_vllm(engine: Any, w: Workload, *, sleep: bool) -> dict[str, float]:
+    """Arm (c): arm (b)'s agent loops on a `tg_jax.engine.VllmEngine` (vLLM schedules)."""
+    counts = [0] * len(w.prompts)
+    threads = [threading.Thread(target=_episode, args=(engine, w, e, sleep, counts), daemon=True)
+               for e in range(len(w.prompts))]  # fmt: skip
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        if engine.has_work():
+            engine.step()
+        else:
+            time.sleep(0.0005)
+    wall = time.perf_counter() - start
+    for t in threads:
+        t.join()
+    if sum(counts) != sum(map(sum, w.turn_tokens)):
+        raise RuntimeError("the vLLM arm lost tokens (an episode failed)")
+    return {"tokens": sum(counts), "wall_s": wall}
+
+
+def vllm_figures(model: Transformer, params: Any, w: Workload, episodes: int,
+                 builtin: dict[str, float]) -> dict[str, float]:  # fmt: skip
+    """The workload on vLLM in this process (the model exported to a temporary checkpoint),
+    after one untimed run; tok/s against the built-in engine's timed run (`builtin`)."""
+    import tempfile  # noqa: PLC0415
+
+    from tg_jax.engine.vllm_engine import VllmEngine  # noqa: PLC0415 (optional: .[vllm])
+    from tg_jax.models.checkpoint_io import save_hf_checkpoint  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="tg_bench_vllm_") as ckpt:
+        save_hf_checkpoint(ckpt, params, model.config)
+        engine = VllmEngine(ckpt, model.config, max_slots=episodes,
+                            max_model_len=w.max_context() + 8)  # fmt: skip
+        try:
+            run_vllm(engine, w, sleep=False)
+            t0 = time.perf_counter()
+            engine.update_weights(params, 1)
+            sync_s = time.perf_counter() - t0
+            out = run_vllm(engine, w, sleep=True)
+        finally:
+            engine.close()
+    tok_s = out["tokens"] / out["wall_s"]
+    return {"agentic/vllm_tok_s": tok_s, "agentic/vllm_over_engine": tok_s / builtin["tok_s"],
+            "agentic/vllm_start_s": engine.start_s,
+            "agentic/vllm_weight_sync_s": sync_s}  # fmt: skip
+
+
 def agentic_section(
     *, episodes: int = 16, max_turns: int = 4, median_tokens: int = 16, max_tokens: int = 256,
     median_tool_s: float = 0.1, page_size: int = 16, prefill_chunk: int = 64,
     model_fields: dict[str, Any] | None = None, seed: int = 0, warmup: bool = True,
-    engine_options: dict[str, Any] | None = None,
+    engine_options: dict[str, Any] | None = None, vllm: bool = False,
 ) -> dict[str, float]:  # fmt: skip
-    """Runs both arms on one workload (module docstring) and returns the figures.
+    """Runs both arms on one workload (module docstring) and returns the figures; with
+    `vllm`, also arm (c) (`vllm_figures`: the `.[vllm]` extra).
 
     warmup: `Engine.warmup` before the timed run (compiles every bucket: without it, a batch
     composition the untimed run did not meet compiles inside the timed run).
@@ -215,7 +268,10 @@ def agentic_section(
     slot_bytes = engine_paged.pool_bytes(model, 1, 1)
     lengths = np.concatenate([np.asarray(n, float) for n in w.turn_tokens])
     tools = np.concatenate([np.asarray(t) for t in w.tool_s])
-    return {
+    extra = {}
+    if vllm:
+        extra = vllm_figures(model, params, w, episodes, {"tok_s": eng["tokens"] / eng["wall_s"]})
+    return extra | {
         "agentic/tok_s": eng["tokens"] / eng["wall_s"],
         "agentic/lockstep_tok_s": lock["tokens"] / lock["wall_s"],
         "agentic/speedup": lock["wall_s"] / eng["wall_s"],
@@ -236,4 +292,7 @@ def agentic_section(
     }
 
 
-__all__ = ["Workload", "agentic_section", "make_workload", "run_engine", "run_lockstep"]
+__all__ = [
+    "Workload", "agentic_section", "make_workload", "run_engine", "run_lockstep", "run_vllm",
+    "vllm_figures",
+]  # fmt: skip

@@ -412,6 +412,11 @@ def run_suite(
         "agentic": lambda: agentic.agentic_section(
             **({"episodes": 4, "max_turns": 2, "max_tokens": 64} if suite.tiny_models else {})
         ),
+        # The same with vLLM as a third arm (--sections agentic_vllm; the .[vllm] extra).
+        "agentic_vllm": lambda: agentic.agentic_section(
+            vllm=True,
+            **({"episodes": 4, "max_turns": 2, "max_tokens": 64} if suite.tiny_models else {}),
+        ),
     }
     seconds = {}
     for name, run in runners.items():

@@ -113,6 +113,7 @@ class VllmEngine:
         self._running: dict[str, tuple[Request, list[int], int]] = {}  # id -> (req, ctx, ver)
         self._kept: collections.OrderedDict[Hashable, list[int]] = collections.OrderedDict()
         self._results: dict[Hashable, Completion] = {}
+        self._done = threading.Condition()  # a completion arrived (`result` waits on it)
         self._early: list[Completion] = []  # refused at submit: returned by the next step
         self._counts: collections.Counter = collections.Counter()
         self._ids = 0
@@ -212,8 +213,10 @@ class VllmEngine:
                 for out in self._engine.step():
                     if out.finished and out.request_id in self._running:
                         done.append(self._complete(out))
-            for c in done:
-                self._results[c.request_id] = c
+            with self._done:
+                for c in done:
+                    self._results[c.request_id] = c
+                self._done.notify_all()
             return done
 
     def _complete(self, out: Any) -> Completion:
@@ -245,10 +248,11 @@ class VllmEngine:
         )  # fmt: skip
 
     def result(self, request_id: Hashable, timeout: float | None = None) -> Completion:
-        """Removes and returns a finished request's completion (KeyError if it has none:
-        the caller steps, nothing else does)."""
-        del timeout
-        with self.lock:
+        """Waits for (and removes) a request's completion (another thread steps);
+        TimeoutError after `timeout`."""
+        with self._done:
+            if not self._done.wait_for(lambda: request_id in self._results, timeout):
+                raise TimeoutError(f"request {request_id!r} did not complete in {timeout}s")
             return self._results.pop(request_id)
 
     def release(self, request_id: Hashable) -> None:
@@ -264,7 +268,7 @@ class VllmEngine:
                 self.submit(r)
             while self.has_work():
                 self.step()
-            return [self._results.pop(r.request_id) for r in requests]
+            return [self.result(r.request_id, 0) for r in requests]
 
     def close(self) -> None:
         """Shuts the engine down and frees its distributed state (one vLLM engine per process
@@ -275,6 +279,8 @@ class VllmEngine:
             for key in [k for k, v in _SHARED.items() if v is self]:
                 del _SHARED[key]
         with self.lock:
+            if not hasattr(self, "llm"):
+                return  # closed already
             engine_core = getattr(self._engine, "engine_core", None)
             if engine_core is not None and hasattr(engine_core, "shutdown"):
                 engine_core.shutdown()
