@@ -52,9 +52,9 @@ def _main(*args: str) -> subprocess.CompletedProcess:
             "error: invalid config: sft.require.max_format_cost must be >= -1",
         ),
         (
-            "--config.rl_loop.rollout_engine=vllm",
-            "error: invalid config: rl_loop.rollout_engine must be one of ('lockstep', 'builtin'), "
-            "got 'vllm'",
+            "--config.rl_loop.rollout_engine=sglang",
+            "error: invalid config: rl_loop.rollout_engine must be one of ('lockstep', 'builtin', "
+            "'vllm'), got 'sglang'",
         ),
         (
             "--config.rl_loop.engine_decode_steps=0",
