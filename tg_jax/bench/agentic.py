@@ -149,12 +149,12 @@ def _episode(engine: Engine, w: Workload, e: int, sleep: bool, out: list[int]) -
     engine.release(previous)
 
 
-def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
-    """Arm (b): per-episode threads submit turns; this thread drives the engine's steps."""
+def _play_threads(engine: Any, w: Workload, sleep: bool, on_step=None) -> tuple[int, float]:
+    """Per-episode threads submit their turns; this thread alone steps the engine (calling
+    `on_step(seconds)` after each step). Returns (generated tokens, wall seconds)."""
     counts = [0] * len(w.prompts)
     threads = [threading.Thread(target=_episode, args=(engine, w, e, sleep, counts), daemon=True)
                for e in range(len(w.prompts))]  # fmt: skip
-    used, live, stepping = [], [], 0.0
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -162,40 +162,37 @@ def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
         if engine.has_work():
             t0 = time.perf_counter()
             engine.step()
-            stepping += time.perf_counter() - t0
-            used.append(engine.allocator.num_used)
-            live.append(engine.cached_tokens())
+            if on_step is not None:
+                on_step(time.perf_counter() - t0)
         else:
             time.sleep(0.0005)
     wall = time.perf_counter() - start
     for t in threads:
         t.join()
     if sum(counts) != sum(map(sum, w.turn_tokens)):
-        raise RuntimeError("the engine arm lost tokens (an episode failed)")
+        raise RuntimeError(f"{type(engine).__name__} lost tokens (an episode failed)")
+    return sum(counts), wall
+
+
+def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
+    """Arm (b): per-episode threads submit turns; this thread drives the engine's steps."""
+    used, live, stepping = [], [], [0.0]
+
+    def on_step(seconds: float) -> None:
+        stepping[0] += seconds
+        used.append(engine.allocator.num_used)
+        live.append(engine.cached_tokens())
+
+    tokens, wall = _play_threads(engine, w, sleep, on_step)
     slots_per_token = engine.page_size * float(np.sum(used)) / max(float(np.sum(live)), 1.0)
-    return {"tokens": sum(counts), "wall_s": wall, "slots_per_live_token": slots_per_token,
-            "step_s": stepping, "steps": len(used)}  # fmt: skip
+    return {"tokens": tokens, "wall_s": wall, "slots_per_live_token": slots_per_token,
+            "step_s": stepping[0], "steps": len(used)}  # fmt: skip
 
 
 def run_vllm(engine: Any, w: Workload, *, sleep: bool) -> dict[str, float]:
     """Arm (c): arm (b)'s agent loops on a `tg_jax.engine.VllmEngine` (vLLM schedules)."""
-    counts = [0] * len(w.prompts)
-    threads = [threading.Thread(target=_episode, args=(engine, w, e, sleep, counts), daemon=True)
-               for e in range(len(w.prompts))]  # fmt: skip
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        if engine.has_work():
-            engine.step()
-        else:
-            time.sleep(0.0005)
-    wall = time.perf_counter() - start
-    for t in threads:
-        t.join()
-    if sum(counts) != sum(map(sum, w.turn_tokens)):
-        raise RuntimeError("the vLLM arm lost tokens (an episode failed)")
-    return {"tokens": sum(counts), "wall_s": wall}
+    tokens, wall = _play_threads(engine, w, sleep)
+    return {"tokens": tokens, "wall_s": wall}
 
 
 def vllm_figures(model: Transformer, params: Any, w: Workload, episodes: int,
