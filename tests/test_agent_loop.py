@@ -262,3 +262,53 @@ def test_main_job_rl_stage_with_the_builtin_engine(tmp_path):
     assert played >= 8 + 8, proc.stdout[-2000:]
     assert "engine slots, page size, decode steps: [(3, 8, 4)]" in proc.stdout, proc.stdout[-2000:]
     print(f"main job with the builtin engine: {time.time() - start:.1f}s, {played} episodes")
+
+
+def test_unusable_engine_output_ends_the_episode_and_drops_its_group(setup):
+    """An "invalid" completion (a non-finite log-prob from the engine, made here on the
+    second turn of one episode): that episode ends "engine_error" with its first turn only
+    and rewards 0, the others are the unbroken run's, and the training rollouts drop its
+    group (counted)."""
+    from tg_jax.train.rl_rollouts import drop_engine_errors, rollout_metrics
+
+    _, params, _, runner = setup
+    config = RolloutConfig(max_new_tokens=12, max_total_tokens=MAX_TOTAL, temperature=0.0)
+    kw = dict(rollouts_per_task=2, config=config, rng=jax.random.key(1), policy_version=3,
+              play=agent_loop.play_episodes)  # fmt: skip
+    want = rollout_groups(runner, params, RENDERER, _env, TASKS, **kw)
+    engine = runner.load(params)
+    step = engine.step
+
+    def corrupting_step():
+        out = step()
+        for i, c in enumerate(out):
+            if c.request_id[1:] == (2, 1):  # episode 2 (group 1), its second turn
+                lps = c.logprobs.copy()
+                lps[0] = np.nan
+                out[i] = dataclasses.replace(
+                    c,
+                    logprobs=lps,
+                    finish_reason="invalid",
+                    message="vLLM returned a non-finite log-prob",
+                )
+        return out
+
+    engine.step = corrupting_step
+    try:
+        got = rollout_groups(runner, params, RENDERER, _env, TASKS, **kw)
+    finally:
+        del engine.step
+    bad = got[2]
+    assert bad.info["termination"] == "engine_error" and "non-finite" in bad.info["env_error"]
+    assert bad.num_turns == 1 and all(v == 0.0 for v in bad.rewards.values())
+    # Its tokens: the unbroken episode's up to its second turn's header (taken back).
+    np.testing.assert_array_equal(bad.tokens, want[2].tokens[: want[2].turn_starts[1]])
+    assert np.isfinite(bad.behaviour_logprobs).all()
+    for i in (0, 1, 3):
+        np.testing.assert_array_equal(got[i].tokens, want[i].tokens)
+    kept = drop_engine_errors(got)
+    assert [t.group_id for t in kept] == [0, 0] and kept[0].info["engine_error_groups"] == 1
+    assert rollout_metrics(kept)["rollout/engine_error_groups"] == 1.0
+    assert rollout_metrics(kept)["rollout/end/engine_error"] == 0.0
+    with pytest.raises(RuntimeError, match="every rollout group"):
+        drop_engine_errors([t for t in got if t.group_id == 1])

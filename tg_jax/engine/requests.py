@@ -68,7 +68,8 @@ class Completion:
       logprobs: [n] f32 log-probs of the tokens under the distribution they were drawn from
         (the sampler's `logprobs`: 0 for greedy draws).
       raw_logprobs: [n] f32 temperature-1 log-probs of the same tokens (the model's).
-      finish_reason: "stop", "length" or "error".
+      finish_reason: "stop", "length", "error" (the request was refused) or "invalid" (the
+        engine returned unusable output: a non-finite log-prob or an out-of-vocabulary token).
       policy_version: weights version that drew the last token (None on error).
       first_policy_version: weights version that drew the first token.
       message: why, for an "error".

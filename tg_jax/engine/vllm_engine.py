@@ -22,8 +22,9 @@ differences:
     top_k = 0 and top_p = 1), 0 for greedy draws as the built-in engine's; `raw_logprobs`
     are the same when the distribution is the model's (temperature 1, no truncation), else
     NaN (vLLM gives one kind per engine).
-  * A completion with a non-finite log-prob or a token id outside the vocabulary is an
-    "error" completion (`invalid_outputs` counts them): the agent loop drops its episode.
+  * A completion with a non-finite log-prob or a token id outside the vocabulary finishes
+    "invalid" (`invalid_outputs` counts them): the agent loop ends its episode "engine_error"
+    and the training rollouts drop its group (`rl_rollouts.drop_engine_errors`).
   * `update_weights`: the params are converted to the checkpoint's names and layouts by the
     exporter's mapping (`checkpoint_io.hf_tensors`, one layer on the host at a time) and
     loaded into the running model (`model.load_weights` through `LLM.apply_model`); the
@@ -39,6 +40,7 @@ start, and every held-out evaluation and rollout call reuses it under its lock.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -233,7 +235,8 @@ class VllmEngine:
         if bad or o.finish_reason not in ("stop", "length"):
             self._counts["invalid_outputs" if bad else "errors"] += 1
             why = "a non-finite log-prob or an out-of-vocabulary token" if bad else o.finish_reason
-            return error_completion(request, f"vLLM returned {why}")
+            return dataclasses.replace(error_completion(request, f"vLLM returned {why}"),
+                                       finish_reason="invalid" if bad else "error")  # fmt: skip
         untransformed = request.temperature == 1.0 and request.top_k <= 0 and request.top_p >= 1
         if request.temperature <= 0.0:
             lps = np.zeros_like(lps)

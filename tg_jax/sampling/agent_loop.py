@@ -42,6 +42,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 import zlib
@@ -216,9 +217,13 @@ class _Loop:
         self.known[i] = len(ep.tokens)  # the context; + the generated tokens once done
         self.pending[rid] = i
 
-    def finish_turn(self, ep: Episode, done: Any) -> str:
-        """Records a finished turn; returns its text for the environment."""
+    def finish_turn(self, ep: Episode, done: Any) -> str | None:
+        """Records a finished turn; returns its text for the environment, or None when the
+        engine's output was unusable ("invalid": the episode ends "engine_error")."""
         i = self.pending.pop(done.request_id)
+        if done.finish_reason == "invalid":
+            _engine_failed(ep, done.message, len(self.hint_ids))
+            return None
         if done.finish_reason == "error":
             raise RuntimeError(f"task {ep.task_id}: the engine refused a turn: {done.message}")
         if i in self.last:
@@ -289,6 +294,18 @@ def _play(sampler, params, renderer, env_factory, tasks, config, rng, group_ids,
     return episodes
 
 
+def _engine_failed(ep: Episode, message: str, hint_len: int) -> None:
+    """Ends `ep` on unusable engine output: termination "engine_error", every reward 0, the
+    message in info["env_error"]; the failed turn is taken back (its hint and header too), so
+    the episode holds its earlier turns only."""
+    ep.error = f"rollout engine: {message}"
+    logging.warning("task %s: %s; episode ended", ep.task_id, ep.error)
+    cut = ep.turn_starts.pop() - hint_len
+    del ep.tokens[cut:], ep.roles[cut:], ep.turn_ids[cut:], ep.logprobs[cut:]
+    ep.rewards = {"task": 0.0, **{r.name: 0.0 for r in ep.env.requirements}}
+    ep.termination = "engine_error"
+
+
 def _drive(loop: _Loop, episodes: list[Episode],
            pool: concurrent.futures.ThreadPoolExecutor) -> None:  # fmt: skip
     """Steps the engine until every episode is done: a finished turn's environment step goes
@@ -300,6 +317,9 @@ def _drive(loop: _Loop, episodes: list[Episode],
                 engine.result(done.request_id, 0)  # taken from step(): result() lets go
                 i = loop.pending[done.request_id]
                 text = loop.finish_turn(episodes[i], done)
+                if text is None:  # unusable output: the episode is over
+                    loop.end(i)
+                    continue
                 steps[pool.submit(rollout._step, episodes[i], text)] = (i, text)
         elif loop.pending and not steps:
             raise RuntimeError("the engine holds turns it cannot run (no admissible work)")

@@ -65,7 +65,7 @@ from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 from tg_jax.text.tokenizer import token_at_char
 
-TERMINATIONS = ("done", "max_turns", "max_tokens", "env_error")
+TERMINATIONS = ("done", "max_turns", "max_tokens", "env_error", "engine_error")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ sampling every group.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -134,6 +135,7 @@ class BatchRollout:
             rng=jax.random.fold_in(self.sampling_key, index), policy_version=version,
             first_group_id=index * len(tasks) + share.start, hint_picker=picker, play=play,
         )  # fmt: skip
+        trajectories = drop_engine_errors(trajectories)
         for t in trajectories:
             t.info["batch_index"] = index
         if kinds and trajectories:
@@ -219,6 +221,25 @@ def rollout_source(
     return ProcessGather(loop, to_sampler) if gather else loop
 
 
+def drop_engine_errors(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """The trajectories without the groups that hold an episode the rollout engine ended
+    ("engine_error": unusable output, never trained on); the first kept trajectory carries
+    the count in info["engine_error_groups"] (`rollout/engine_error_groups`). RuntimeError
+    when no group is left."""
+    bad = {t.group_id for t in trajectories if t.info.get("termination") == "engine_error"}
+    if not bad:
+        return trajectories
+    kept = [t for t in trajectories if t.group_id not in bad]
+    logging.warning("dropped %d rollout group(s) with unusable engine output", len(bad))
+    if not kept:
+        raise RuntimeError(
+            f"every rollout group of the batch had unusable engine output ({len(bad)} groups): "
+            f"{next(t.info.get('env_error') for t in trajectories if t.group_id in bad)}"
+        )
+    kept[0].info["engine_error_groups"] = len(bad)
+    return kept
+
+
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Training-time rollout statistics (host numbers, no device sync): rates per episode,
     per-requirement compliance, actions, terminations (`rollout/end/env_error`: episodes an
@@ -263,6 +284,9 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
                 np.mean([t.info.get("truncated_turns", 0) for t in trajectories] or [0])
             ),
             "rollout/length": float(np.mean([len(t.tokens) for t in trajectories] or [0])),
+            "rollout/engine_error_groups": float(
+                sum(t.info.get("engine_error_groups", 0) for t in trajectories)
+            ),
             # The rollout engine's weight sync before the step's calls ("builtin", "vllm").
             "rollout/weight_sync_s": max(
                 [t.info.get("weight_sync_s", 0.0) for t in trajectories] or [0.0]
