@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from tg_jax import tracing
 from tg_jax.engine.requests import Completion, Request, error_completion
 from tg_jax.models.config import ModelConfig
 
@@ -132,8 +133,11 @@ class VllmEngine:
             if self._running:
                 raise RuntimeError("update_weights with requests in flight (call between calls)")
             t0 = time.perf_counter()
-            tensors = [(n, torch.from_numpy(np.asarray(get(), np.float32)))
-                       for n, _, get in hf_tensors(params, self.model_cfg)]  # fmt: skip
+            # The params to host, one layer at a time: JAX work (slices of sharded arrays) that
+            # may run in the sampling thread, so under the tracing lock (tg_jax.tracing).
+            with tracing.TRACE_LOCK:
+                tensors = [(n, torch.from_numpy(np.asarray(get(), np.float32)))
+                           for n, _, get in hf_tensors(params, self.model_cfg)]  # fmt: skip
             # vLLM's in-place reload (what its RL weight updates use): checkpoint-format
             # tensors through the model's load_weights, then its kernel repacking again.
             self.llm.collective_rpc("reload_weights", kwargs=dict(
