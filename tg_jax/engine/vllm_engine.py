@@ -27,8 +27,9 @@ differences:
     and the training rollouts drop its group (`rl_rollouts.drop_engine_errors`).
   * `update_weights`: the params are converted to the checkpoint's names and layouts by the
     exporter's mapping (`checkpoint_io.hf_tensors`, one layer on the host at a time) and
-    loaded into the running model (`model.load_weights` through `LLM.apply_model`); the
-    prefix cache is reset. Call it between steps, with no request in flight (the runner
+    loaded into the running model by vLLM's in-place reload (`reload_weights` through
+    `LLM.collective_rpc`; MoE experts re-packed on CPU, `_repack_cpu_experts`); the prefix
+    cache is reset. Call it between steps, with no request in flight (the runner
     holds its lock over a whole call); seconds per sync: `stats["weight_sync_s"]`.
   * `policy_version`: a request never waits for a version (weights change only between
     calls); `Request.policy_version` newer than the engine's is an error.
@@ -76,7 +77,7 @@ def kv_cache_bytes(cfg: ModelConfig, slots: int, max_model_len: int) -> int:
     """KV bytes for `slots` sequences of max_model_len tokens (+ 25% and 16 blocks of slack:
     vLLM rounds to blocks and keeps finished prefixes cached)."""
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    per_token *= np.dtype(cfg.dtype).itemsize if cfg.dtype != "bfloat16" else 2
+    per_token *= np.dtype(cfg.jnp_dtype).itemsize
     tokens = int(slots) * int(max_model_len) * 5 // 4 + 16 * 128
     return int(per_token * tokens)
 
@@ -112,6 +113,7 @@ class VllmEngine:
         self._cpu = vllm.platforms.current_platform.is_cpu()
         self._engine = self.llm.llm_engine
         self.params: Any = None  # the trainer's params last loaded (None: the checkpoint's)
+        self._last_sync_s = 0.0
         self.lock = threading.RLock()  # every call into vLLM
         self._running: dict[str, tuple[Request, list[int], int]] = {}  # id -> (req, ctx, ver)
         self._kept: collections.OrderedDict[Hashable, list[int]] = collections.OrderedDict()
@@ -231,7 +233,8 @@ class VllmEngine:
         tokens = [int(t) for t in o.token_ids]
         lps = np.asarray([d[t].logprob for d, t in zip(o.logprobs, tokens, strict=True)],
                          np.float32)  # fmt: skip
-        self._counts["prefill_tokens"] += len(context) - int(out.num_cached_tokens or 0)
+        prefilled = len(context) - int(out.num_cached_tokens or 0)  # not in the prefix cache
+        self._counts["prefill_tokens"] += prefilled
         self._counts["decode_tokens"] += len(tokens)
         bad = not np.all(np.isfinite(lps)) or any(
             t < 0 or t >= self.model_cfg.vocab_size for t in tokens
@@ -250,8 +253,7 @@ class VllmEngine:
             self._kept.popitem(last=False)
         return Completion(
             request.request_id, tokens, lps, raw, o.finish_reason, policy_version=self.version,
-            first_policy_version=version, prefill_tokens=len(context) - int(out.num_cached_tokens
-                                                                           or 0),
+            first_policy_version=version, prefill_tokens=prefilled,
         )  # fmt: skip
 
     def result(self, request_id: Hashable, timeout: float | None = None) -> Completion:
@@ -301,7 +303,7 @@ class VllmEngine:
         c = self._counts
         out = {k: float(c[k]) for k in ("steps", "prefill_tokens", "decode_tokens", "errors",
                                         "invalid_outputs", "weight_syncs")}  # fmt: skip
-        out["weight_sync_s"] = float(getattr(self, "_last_sync_s", 0.0))
+        out["weight_sync_s"] = float(self._last_sync_s)
         out["start_s"] = float(self.start_s)
         return out
 

@@ -70,22 +70,26 @@ def route(
     )
     probs_XxE = jax.nn.softmax(logits_XxE, axis=-1)
     top_XxJ, ids_XxJ = jax.lax.top_k(probs_XxE, k)
+    return probs_XxE, _gate_weights(top_XxJ, norm_topk_prob, dtype), ids_XxJ.astype(jnp.int32)
+
+
+def _gate_weights(top_XxJ: Array, norm_topk_prob: bool, dtype: Any) -> Array:
+    """The chosen experts' router probabilities as their weights (renormalised over the k
+    when norm_topk_prob)."""
     if norm_topk_prob:
         top_XxJ = top_XxJ / jnp.sum(top_XxJ, axis=-1, keepdims=True)
-    return probs_XxE, top_XxJ.astype(dtype), ids_XxJ.astype(jnp.int32)
+    return top_XxJ.astype(dtype)
 
 
 def replay(probs_XxE: Array, replay_XxJ: Array, own_XxJ: Array, cfg: ModelConfig,
            dtype: Any) -> tuple[Array, Array]:  # fmt: skip
     """(weights, ids) routing each token to its replayed experts (a row with any -1: its own
-    top-k `own_XxJ`); the weights are the router's probabilities there, renormalised over the
-    k when `cfg.norm_topk_prob` (the gradient reaches the router through them)."""
+    top-k `own_XxJ`); the weights are the router's probabilities there, weighted as the
+    router's own (`_gate_weights`: the gradient reaches the router through them)."""
     use = jnp.all(replay_XxJ >= 0, axis=-1, keepdims=True)
     ids_XxJ = jnp.where(use, replay_XxJ, own_XxJ).astype(jnp.int32)
     top_XxJ = jnp.take_along_axis(probs_XxE, ids_XxJ, axis=-1)
-    if cfg.norm_topk_prob:
-        top_XxJ = top_XxJ / jnp.sum(top_XxJ, axis=-1, keepdims=True)
-    return top_XxJ.astype(dtype), ids_XxJ
+    return _gate_weights(top_XxJ, cfg.norm_topk_prob, dtype), ids_XxJ
 
 
 def _experts_dense(x_XxD, ids_XxJ, w_XxJ, gate_ExDxF, up_ExDxF, down_ExFxD, first_expert):
