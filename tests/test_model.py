@@ -15,7 +15,7 @@ from tg_jax.models import (
     init_params,
     prefill,
 )
-from tg_jax.models.hf_io import params_to_hf
+from tg_jax.models.checkpoint_io import params_to_hf
 
 
 def _cfg(**kw):

@@ -175,7 +175,7 @@ def test_sft_init_continues_the_shipped_base(tmp_path):
     from safetensors.numpy import load_file
 
     from tg_jax import sharding
-    from tg_jax.models import hf_io
+    from tg_jax.models.checkpoint_io import params_to_hf
     from tg_jax.train import sft
 
     base = _continued(tmp_path / "init", **{"sft.init": "default"})
@@ -184,7 +184,7 @@ def test_sft_init_continues_the_shipped_base(tmp_path):
     config = config_files.apply_overrides(_default(), {"sft.init": "default"})
     mesh, rules = sharding.make_mesh(config.mesh), sharding.logical_rules(config.mesh)
     params = sft.initial_params(config, mesh, rules)  # the base's weights, named as in its file
-    got = hf_io.params_to_hf(params, ModelConfig.from_config(config.model))
+    got = params_to_hf(params, ModelConfig.from_config(config.model))
     want = load_file(os.path.join(shipped_base.BASES_DIR, "default", "model.safetensors"))
     assert set(got) <= set(want) and "model.embed_tokens.weight" in got
     for name, value in got.items():

@@ -49,7 +49,8 @@ def _generate_runner(job: dict[str, Any]) -> Callable[[], None]:
     import transformers  # noqa: PLC0415
 
     from tg_jax.models import ModelConfig, Transformer, init_params  # noqa: PLC0415
-    from tg_jax.models.hf_io import model_config_to_hf, params_to_hf  # noqa: PLC0415
+    from tg_jax.models.checkpoint_io import params_to_hf  # noqa: PLC0415
+    from tg_jax.models.hf_io import model_config_to_hf  # noqa: PLC0415
 
     cfg = ModelConfig(**job["model"])
     params = jax.device_get(init_params(Transformer(cfg), jax.random.key(int(job["seed"]))))

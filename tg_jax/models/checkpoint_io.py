@@ -391,6 +391,12 @@ def hf_tensors(
     yield e.hf, tuple(_get(params, e.path).shape), lambda: layer(e, None)
 
 
+def params_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
+    """{HF name: numpy array} of `params` (dense or MoE; `hf_tensors` materialised): the
+    inverse of `hf_io.params_from_hf` for dense models."""
+    return {name: get() for name, _, get in hf_tensors(params, config)}
+
+
 def save_hf_checkpoint(
     path: str,
     params: Mapping[str, Any],

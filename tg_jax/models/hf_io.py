@@ -153,29 +153,3 @@ def params_from_hf(
     if not cfg.tie_embeddings:
         params["lm_head"] = w("lm_head.weight").T.astype(dtype)
     return params
-
-
-def params_to_hf(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The inverse of `params_from_hf` (dense models): HF name -> numpy array."""
-    if cfg.is_moe:
-        raise NotImplementedError("Use tg_jax.models.checkpoint_io for MoE checkpoints.")
-    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    lay = params["layers"]
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"])}
-    for i in range(cfg.num_layers):
-        p = _layer(i)
-        a = lay["attn"]
-        out[p + "self_attn.q_proj.weight"] = np.asarray(a["q_proj"][i]).reshape(d, n * h).T
-        out[p + "self_attn.k_proj.weight"] = np.asarray(a["k_proj"][i]).reshape(d, k * h).T
-        out[p + "self_attn.v_proj.weight"] = np.asarray(a["v_proj"][i]).reshape(d, k * h).T
-        out[p + "self_attn.o_proj.weight"] = np.asarray(a["o_proj"][i]).reshape(n * h, d).T
-        out[p + "self_attn.q_norm.weight"] = np.asarray(a["q_norm"]["scale"][i])
-        out[p + "self_attn.k_norm.weight"] = np.asarray(a["k_norm"]["scale"][i])
-        out[p + "input_layernorm.weight"] = np.asarray(lay["attn_norm"]["scale"][i])
-        out[p + "post_attention_layernorm.weight"] = np.asarray(lay["mlp_norm"]["scale"][i])
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[p + f"mlp.{name}.weight"] = np.asarray(lay["mlp"][name][i]).T
-    out["model.norm.weight"] = np.asarray(params["final_norm"]["scale"])
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = np.asarray(params["lm_head"]).T
-    return {name: np.ascontiguousarray(v) for name, v in out.items()}
