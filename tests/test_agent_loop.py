@@ -312,3 +312,13 @@ def test_unusable_engine_output_ends_the_episode_and_drops_its_group(setup):
     assert rollout_metrics(kept)["rollout/end/engine_error"] == 0.0
     with pytest.raises(RuntimeError, match="every rollout group"):
         drop_engine_errors([t for t in got if t.group_id == 1])
+
+
+def test_the_vllm_engine_without_vllm_installed_is_one_clear_error(monkeypatch):
+    """rl_loop.rollout_engine "vllm" where vLLM is not installed: ImportError with the line
+    that installs it (sys.modules["vllm"] = None makes `import vllm` fail as if absent)."""
+    from tg_jax.engine import vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"pip install -c constraints.txt -e '\.\[vllm\]'"):
+        vllm_engine.import_vllm()

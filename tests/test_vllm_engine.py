@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="the .[vllm] extra (launch/local.sh installs 
 
 from tests.hf_checkpoints import make_model_dir  # noqa: E402
 from tg_jax.engine import Engine, Request  # noqa: E402
-from tg_jax.engine.vllm_engine import shared_engine  # noqa: E402
+from tg_jax.engine.vllm_engine import VllmEngine, shared_engine  # noqa: E402
 from tg_jax.models import ModelConfig, Transformer, checkpoint_io, forward  # noqa: E402
 
 DENSE = ModelConfig(
@@ -236,3 +236,10 @@ def test_agentic_bench_vllm_arm_generates_the_workload(setup):
     assert all(np.isfinite(v) for v in out.values())
     assert out["agentic/tokens"] == sum(map(sum, w.turn_tokens))
     assert out["agentic/vllm_tok_s"] > 0 and out["agentic/vllm_weight_sync_s"] > 0
+
+
+def test_a_checkpoint_vllm_cannot_serve_is_one_clear_error(tmp_path):
+    """A directory without a model: RuntimeError naming it, not vLLM's traceback alone."""
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"]}')
+    with pytest.raises(RuntimeError, match=f"vLLM could not start on {tmp_path}"):
+        VllmEngine(str(tmp_path), DENSE, max_slots=1, max_model_len=64)
