@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from tg_jax.models import ModelConfig
-from tg_jax.models.hf_io import params_from_hf
+from tg_jax.models.checkpoint_io import params_from_tensors
 
 
 def make_hf_qwen3(cfg: ModelConfig, seed: int = 0, std: float = 0.1):
@@ -41,7 +41,7 @@ def make_hf_qwen3(cfg: ModelConfig, seed: int = 0, std: float = 0.1):
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-    params = params_from_hf(state.__getitem__, cfg)
+    params = params_from_tensors(state, cfg)
     return model, params
 
 

@@ -73,14 +73,29 @@ def test_causal_query_blocks_equal_one_block_on_packed_rows():
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), g1, g0)
 
 
-def test_hf_round_trip_is_exact():
-    cfg = _cfg(tie_embeddings=False)
-    params = init_params(Transformer(cfg), jax.random.key(0))
-    state = params_to_hf(jax.tree.map(np.asarray, params), cfg)
-    from tg_jax.models.hf_io import params_from_hf
+@pytest.mark.parametrize("moe", [False, True])
+def test_hf_round_trip_is_exact(moe):
+    """params -> HF tensors -> params, dense and MoE (per-expert tensors, and the fused
+    gate_up / down tensors transformers 5 keeps in memory)."""
+    from tg_jax.models.checkpoint_io import params_from_tensors
 
-    back = params_from_hf(state.__getitem__, cfg)
-    jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, params))
+    extra = dict(mlp_dim=0, num_experts=4, experts_per_token=2, moe_mlp_dim=8) if moe else {}
+    cfg = _cfg(tie_embeddings=False, **extra)
+    params = jax.tree.map(np.asarray, init_params(Transformer(cfg), jax.random.key(0)))
+    state = params_to_hf(params, cfg)
+    jax.tree.map(np.testing.assert_array_equal, params_from_tensors(state, cfg), params)
+    if not moe:
+        return
+    fused = {k: v for k, v in state.items() if ".experts." not in k}
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}.mlp.experts."
+        experts = [{p: state[f"{pre}{j}.{p}_proj.weight"] for p in ("gate", "up", "down")}
+                   for j in range(cfg.num_experts)]  # fmt: skip
+        fused[pre + "gate_up_proj"] = np.stack(
+            [np.concatenate([x["gate"], x["up"]]) for x in experts]
+        )
+        fused[pre + "down_proj"] = np.stack([x["down"] for x in experts])
+    jax.tree.map(np.testing.assert_array_equal, params_from_tensors(fused, cfg), params)
 
 
 def test_kv_cache_decoding_matches_full_forward():

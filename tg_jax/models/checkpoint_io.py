@@ -176,6 +176,24 @@ class HFCheckpoint(contextlib.AbstractContextManager):
             return json.load(f)
 
 
+class _Tensors:
+    """HF-named tensors in memory ({name: array}, e.g. a transformers `state_dict`), read
+    through `HFCheckpoint`'s interface."""
+
+    def __init__(self, tensors: Mapping[str, Any]):
+        self.path, self._tensors = "<tensors in memory>", tensors
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(np.shape(self._tensors[name]))
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        x = np.asarray(self._tensors[name])
+        return x[index] if index is not None else x
+
+
 def _range(s: slice, n: int) -> slice:
     start, stop, step = s.indices(n)
     if step != 1:
@@ -284,36 +302,45 @@ def load_hf_checkpoint(
     with HFCheckpoint(path) as ckpt:
         if config is None:
             config = model_config_from_hf(ckpt.config(), **config_overrides)
-        fused = config.is_moe and "model.layers.0.mlp.experts.gate_up_proj" in ckpt.names()
-        entries = _entries(config, fused_experts=fused)
-        model = Transformer(config)
-        boxed = tracing.eval_shape(
-            lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32))["params"],
-            jax.random.key(0),
-        )
-        shapes = jax.tree.map(
-            lambda x: x.value if hasattr(x, "value") else x,
-            boxed,
-            is_leaf=lambda x: hasattr(x, "value"),
-        )
-        shardings = None
-        if mesh is not None:
-            if rules is None:
-                raise ValueError("Pass the logical axis rules together with the mesh")
-            shardings = sharding_lib.logical_to_shardings(boxed, mesh, rules)
-        _check_names(ckpt, entries, config, shapes)
-        params: dict[str, Any] = {}
-        for e in entries:
-            leaf = _get(shapes, e.path)
-            read = _reader(ckpt, e, tuple(leaf.shape), np.dtype(leaf.dtype))
-            if shardings is None:
-                value = read(tuple(slice(None) for _ in leaf.shape))
-            else:
-                value = jax.make_array_from_callback(
-                    leaf.shape, _get(shardings, e.path), _cached(read)
-                )
-            _set(params, e.path, value)
-    return params, config
+        return _load(ckpt, config, mesh, rules), config
+
+
+def params_from_tensors(tensors: Mapping[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """The params (host arrays in `config.param_dtype`) of HF-named tensors in memory, e.g. a
+    transformers model's `state_dict()` as numpy: the import of `load_hf_checkpoint` (dense or
+    MoE, per-expert or fused expert tensors), the inverse of `params_to_hf`."""
+    return _load(_Tensors(tensors), config, None, None)
+
+
+def _load(ckpt: Any, config: ModelConfig, mesh: Mesh | None, rules: Any) -> dict[str, Any]:
+    """The params read from `ckpt` (an `HFCheckpoint` or `_Tensors`); see load_hf_checkpoint."""
+    fused = config.is_moe and "model.layers.0.mlp.experts.gate_up_proj" in ckpt.names()
+    entries = _entries(config, fused_experts=fused)
+    model = Transformer(config)
+    boxed = tracing.eval_shape(
+        lambda key: model.init(key, jnp.zeros((1, 1), jnp.int32))["params"], jax.random.key(0)
+    )
+    shapes = jax.tree.map(
+        lambda x: x.value if hasattr(x, "value") else x,
+        boxed,
+        is_leaf=lambda x: hasattr(x, "value"),
+    )
+    shardings = None
+    if mesh is not None:
+        if rules is None:
+            raise ValueError("Pass the logical axis rules together with the mesh")
+        shardings = sharding_lib.logical_to_shardings(boxed, mesh, rules)
+    _check_names(ckpt, entries, config, shapes)
+    params: dict[str, Any] = {}
+    for e in entries:
+        leaf = _get(shapes, e.path)
+        read = _reader(ckpt, e, tuple(leaf.shape), np.dtype(leaf.dtype))
+        if shardings is None:
+            value = read(tuple(slice(None) for _ in leaf.shape))
+        else:
+            value = jax.make_array_from_callback(leaf.shape, _get(shardings, e.path), _cached(read))
+        _set(params, e.path, value)
+    return params
 
 
 def _cached(read: Callable[[tuple], np.ndarray]) -> Callable[[tuple], np.ndarray]:
@@ -393,7 +420,7 @@ def hf_tensors(
 
 def params_to_hf(params: Mapping[str, Any], config: ModelConfig) -> dict[str, np.ndarray]:
     """{HF name: numpy array} of `params` (dense or MoE; `hf_tensors` materialised): the
-    inverse of `hf_io.params_from_hf` for dense models."""
+    inverse of `params_from_tensors`."""
     return {name: get() for name, _, get in hf_tensors(params, config)}
 
 

@@ -1,17 +1,13 @@
-"""Conversion between Hugging Face Qwen3 state dicts and tg_jax params.
+"""Conversion between Hugging Face Qwen3 / Qwen3-MoE `config.json` dicts and `ModelConfig`.
 
-HF stores per-layer 2-D torch Linear weights ([out, in]); tg_jax stores per-head 3-D
-kernels ([in, heads, head_dim]) stacked over layers (the scanned "layers" axis). These
-functions convert name by name on host numpy arrays; `tg_jax.models.checkpoint_io` (HF
-safetensors import/export) builds on them.
+The weights' names and layouts are `tg_jax.models.checkpoint_io`'s (safetensors import and
+export, and `params_from_tensors` for tensors in memory).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from tg_jax.models.config import ModelConfig
 
@@ -105,51 +101,3 @@ def model_config_to_hf(cfg: ModelConfig, base: Mapping[str, Any] | None = None) 
             mlp_only_layers=[],
         )
     return out
-
-
-def _layer(i: int) -> str:
-    return f"model.layers.{i}."
-
-
-def params_from_hf(
-    get: Callable[[str], np.ndarray], cfg: ModelConfig, dtype=np.float32
-) -> dict[str, Any]:
-    """Builds the (dense) tg_jax param tree from `get(hf_name) -> array`.
-
-    `get` lets callers read tensors lazily (one safetensors slice at a time).
-    """
-    if cfg.is_moe:
-        raise NotImplementedError("Use tg_jax.models.checkpoint_io for MoE checkpoints.")
-    d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def stack(fn):
-        return np.stack([fn(i) for i in range(cfg.num_layers)]).astype(dtype)
-
-    def w(name):
-        return np.asarray(get(name))
-
-    layers = {
-        "attn": {
-            "q_proj": stack(lambda i: w(_layer(i) + "self_attn.q_proj.weight").T.reshape(d, n, h)),
-            "k_proj": stack(lambda i: w(_layer(i) + "self_attn.k_proj.weight").T.reshape(d, k, h)),
-            "v_proj": stack(lambda i: w(_layer(i) + "self_attn.v_proj.weight").T.reshape(d, k, h)),
-            "o_proj": stack(lambda i: w(_layer(i) + "self_attn.o_proj.weight").T.reshape(n, h, d)),
-            "q_norm": {"scale": stack(lambda i: w(_layer(i) + "self_attn.q_norm.weight"))},
-            "k_norm": {"scale": stack(lambda i: w(_layer(i) + "self_attn.k_norm.weight"))},
-        },
-        "attn_norm": {"scale": stack(lambda i: w(_layer(i) + "input_layernorm.weight"))},
-        "mlp_norm": {"scale": stack(lambda i: w(_layer(i) + "post_attention_layernorm.weight"))},
-        "mlp": {
-            "gate_proj": stack(lambda i: w(_layer(i) + "mlp.gate_proj.weight").T),
-            "up_proj": stack(lambda i: w(_layer(i) + "mlp.up_proj.weight").T),
-            "down_proj": stack(lambda i: w(_layer(i) + "mlp.down_proj.weight").T),
-        },
-    }
-    params = {
-        "embed": w("model.embed_tokens.weight").astype(dtype),
-        "layers": layers,
-        "final_norm": {"scale": w("model.norm.weight").astype(dtype)},
-    }
-    if not cfg.tie_embeddings:
-        params["lm_head"] = w("lm_head.weight").T.astype(dtype)
-    return params
