@@ -359,16 +359,19 @@ def test_host_files_and_environment_are_not_readable(tmp_path, monkeypatch):
 
 
 def test_other_sandboxes_copies_are_invisible(tmp_path):
+    """A spy sandbox sees none of a live sandbox's files or processes (the victim is checked
+    to outlive the spy; both get time to start on a loaded machine)."""
     token = "tg-other-task-7f3a"
     a_repo = tmp_path / "a"
     a_repo.mkdir()
     (a_repo / f"{token}.txt").write_text(token)
     results = {}
+    slow = dataclasses.replace(FAST, timeout_s=20.0)
 
     def victim():
         results["a"] = run_command(
-            [PY, "-c", f"import time; open('/tmp/{token}', 'w').write('x'); time.sleep(2)"],
-            repo=str(a_repo), limits=FAST,
+            [PY, "-c", f"import time; open('/tmp/{token}', 'w').write('x'); time.sleep(12)"],
+            repo=str(a_repo), limits=slow,
         )  # fmt: skip
 
     thread = threading.Thread(target=victim)
@@ -388,7 +391,8 @@ def test_other_sandboxes_copies_are_invisible(tmp_path):
                     hits.append(pid)
             print("HITS", hits)
         """
-    res = _attack(tmp_path, spy)
+    res = _attack(tmp_path, spy, limits=dataclasses.replace(FAST, timeout_s=10.0))
+    assert thread.is_alive(), "the victim ended before the spy looked"
     thread.join()
     assert res.status == "ok", res.stdout + res.stderr
     assert "HITS []" in res.stdout
