@@ -126,6 +126,14 @@ def test_e2e_not_measured_without_workdir(tmp_path):
     assert e2e.read_workdir(str(tmp_path)) == {}
 
 
+def test_engines_other_than_builtin_and_vllm_are_refused():
+    for engines in (("sglang",), ("vllm",), ()):
+        with pytest.raises(ValueError, match="--engines: builtin or builtin,vllm"):
+            suites.run_suite(suites.SUITES["micro"], engines=engines)
+    with pytest.raises(ValueError, match="got 'builtin,sglang'"):  # the command line's flag
+        bench_main.main(["--suite", "micro", "--sections", "agentic", "--engines=builtin,sglang"])
+
+
 def test_decode_flops_counts_prefill_and_average_context():
     from tg_jax import config_lib
     from tg_jax.bench import throughput

@@ -236,6 +236,9 @@ def test_agentic_bench_vllm_arm_generates_the_workload(setup):
     assert all(np.isfinite(v) for v in out.values())
     assert out["agentic/tokens"] == sum(map(sum, w.turn_tokens))
     assert out["agentic/vllm_tok_s"] > 0 and out["agentic/vllm_weight_sync_s"] > 0
+    assert out["agentic/builtin_over_vllm"] == pytest.approx(
+        out["agentic/tok_s"] / out["agentic/vllm_tok_s"]
+    )
 
 
 def test_a_checkpoint_vllm_cannot_serve_is_one_clear_error(tmp_path):

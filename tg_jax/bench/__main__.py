@@ -97,7 +97,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--sections",
         default="",
         help="comma-separated subset: sampler,train,rl,kl,overlap,sandbox,e2e (the default), "
-        "agentic, agentic_vllm (asked for by name)",
+        "agentic (asked for by name)",
+    )
+    parser.add_argument(
+        "--engines",
+        default="builtin",
+        help="agentic: the engines timed beside the lock-step sampler, builtin or builtin,vllm "
+        "(vLLM: the .[vllm] extra)",
     )
     parser.add_argument(
         "--no_hugepages", action="store_true", help="do not set glibc.malloc.hugetlb=1"
@@ -112,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result = suites.run_suite(
         suites.SUITES[args.suite], config_path=args.config, workdir=args.workdir,
         sections=sections, log=lambda s: print(s, flush=True),
+        engines=tuple(e for e in args.engines.split(",") if e),
     )  # fmt: skip
     result["machine"]["glibc_tunables"] = os.environ.get(_TUNABLES, "")
     print(table(result))

@@ -13,10 +13,10 @@ tokens counts at temperature 1 from the same model.
   engine     (b) one thread per episode submits its next turn (`continue_from` its last turn)
              as soon as its tool call returns; the main thread alone drives `Engine.step`
              (nothing traces in two threads).
-  vllm       (c, `--vllm`) arm (b)'s threads on vLLM in this process (`VllmEngine`, the
-             model exported to a temporary checkpoint): agentic/vllm_tok_s and
-             agentic/vllm_over_engine (against (b)'s timed run), its start-up and one weight
-             sync (seconds).
+  vllm       (c, `--engines=builtin,vllm`) arm (b)'s threads on vLLM in this process
+             (`VllmEngine`, the model exported to a temporary checkpoint): agentic/vllm_tok_s
+             and agentic/builtin_over_vllm ((b)'s timed run over it), its start-up and one
+             weight sync (seconds).
 
 Both arms run the workload once untimed with zero tool latency (compiles every shape they
 use), then once timed. KV memory is equal: the engine's page pool has the bytes of the
@@ -217,7 +217,7 @@ def vllm_figures(model: Transformer, params: Any, w: Workload, episodes: int,
         finally:
             engine.close()
     tok_s = out["tokens"] / out["wall_s"]
-    return {"agentic/vllm_tok_s": tok_s, "agentic/vllm_over_engine": tok_s / builtin["tok_s"],
+    return {"agentic/vllm_tok_s": tok_s, "agentic/builtin_over_vllm": builtin["tok_s"] / tok_s,
             "agentic/vllm_start_s": engine.start_s,
             "agentic/vllm_weight_sync_s": sync_s}  # fmt: skip
 

@@ -380,8 +380,12 @@ def run_suite(
     workdir: str | None = None,
     sections: tuple[str, ...] | None = None,
     log: Callable[[str], None] = print,
+    engines: tuple[str, ...] = ("builtin",),
 ) -> dict[str, Any]:
-    """Runs the suite's sections; returns {"suite", "machine", "sections", "figures"}."""
+    """Runs the suite's sections; returns {"suite", "machine", "sections", "figures"}.
+    engines: the agentic section's engines beside the lock-step sampler ("builtin", "vllm")."""
+    if set(engines) - {"builtin", "vllm"} or "builtin" not in engines:
+        raise ValueError(f"--engines: builtin or builtin,vllm, got {','.join(engines)!r}")
     config = run_config(suite, config_path)
     wanted = sections or ("peak", "sampler", "train", "rl", "kl", "overlap", "sandbox", "e2e")
     machine = {
@@ -408,13 +412,10 @@ def run_suite(
         ),
         "e2e": lambda: e2e.read_workdir(workdir) or {"status": "not measured"},
         # Asked for by name (--sections agentic): the lock-step sampler against the engine's
-        # agent loops on one multi-turn workload at equal KV bytes (tg_jax.bench.agentic).
+        # agent loops on one multi-turn workload at equal KV bytes (tg_jax.bench.agentic);
+        # --engines=builtin,vllm adds vLLM as a third arm.
         "agentic": lambda: agentic.agentic_section(
-            **({"episodes": 4, "max_turns": 2, "max_tokens": 64} if suite.tiny_models else {})
-        ),
-        # The same with vLLM as a third arm (--sections agentic_vllm; the .[vllm] extra).
-        "agentic_vllm": lambda: agentic.agentic_section(
-            vllm=True,
+            vllm="vllm" in engines,
             **({"episodes": 4, "max_turns": 2, "max_tokens": 64} if suite.tiny_models else {}),
         ),
     }
