@@ -109,6 +109,7 @@ def _prefix_batch(tokens, positions, s):
         segment_ids_BxT: jax.Array
         teacher_src_row_Bt: jax.Array
         teacher_prefix_len: int
+        routes_BxTxLxJ: None = None
 
     return _B(tokens, positions, jnp.ones_like(tokens), jnp.arange(tokens.shape[0]), s)
 

@@ -237,6 +237,9 @@ def _check_config(config, workdir: str) -> None:
 
             rl_rollouts.feedback_rates(config.rl_loop.feedback)
             rl_rollouts.verdict_noise(config.rl_loop.feedback)
+            from tg_jax.sampling.agent_loop import router_replay
+
+            router_replay(config)  # vLLM records no routing to replay
     except ValueError as e:
         _fail(f"invalid config: {e}")
     if all(name in config for name in ("rl", "tg", "optim")):

@@ -51,10 +51,11 @@ import jax
 import numpy as np
 
 from tg_jax.engine import paged
-from tg_jax.engine.paged import TRACES, copy_jit, decode_jit, prefill_jit, weights_jit
+from tg_jax.engine.paged import TRACES, copy_jit, decode_jit, prefill_jit, routes_jit, weights_jit
 from tg_jax.engine.pages import PageAllocator, PageTable, PrefixIndex
 from tg_jax.engine.requests import Completion, Request, Sequence, error_completion
 from tg_jax.models.qwen3 import Transformer
+from tg_jax.sampling.trajectory import aligned_routes
 
 
 class Engine:
@@ -80,6 +81,7 @@ class Engine:
         bucket_slots: bool = True,
         decode_steps: int = 1,
         stop_width: int = 4,
+        record_routes: bool = False,
     ):
         """Args:
         max_slots: sequences decoded per step.
@@ -102,6 +104,8 @@ class Engine:
           the rest of the call, and admissions wait for the call's end.
         stop_width: stop ids per request checked on the device (more are checked on the
           host; the row then draws past its stop, which is dropped).
+        record_routes: MoE: every completion carries the experts each layer routed each of its
+          tokens to (`Completion.routed_experts`, for router replay in the trainer).
         """
         if min(decode_steps, stop_width) < 1:
             raise ValueError(f"decode_steps, stop_width must be >= 1: {decode_steps}, {stop_width}")
@@ -115,7 +119,7 @@ class Engine:
         self.bucket_pages, self.bucket_slots = bucket_pages, bucket_slots
         self.decode_steps, self.stop_width = int(decode_steps), int(stop_width)
         self.num_traces = 0  # traces (compilations) this engine's calls caused
-        self.pool = paged.init_pool(model, self.num_pages, self.page_size)
+        self.pool = paged.init_pool(model, self.num_pages, self.page_size, record_routes)
         self.pages = PageTable(self.num_pages, self.page_size)
         self._slots: list[Sequence | None] = [None] * self.max_slots
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -162,6 +166,10 @@ class Engine:
             for seq in [*self._slots, *self._kept.values()]:
                 if seq is not None:
                     seq.shareable = False
+
+    def wait_weights(self) -> None:
+        """Blocks until the weights of the last `update_weights` are computed (its sync time)."""
+        jax.block_until_ready(self._weights)
 
     def pause(self) -> None:
         """`step` does nothing until `resume` (requests may still be submitted)."""
@@ -434,6 +442,8 @@ class Engine:
                     _, self.pool = self._call(
                         decode_jit, self._weights, self.pool, self.rng, batch, self.decode_steps
                     )
+                if self.pool.routes is not None:
+                    self._call(routes_jit, self.pool.routes, np.zeros((width,), np.int32))
             self.pool = self._call(copy_jit, self.pool, np.int32(0), np.int32(0))
             jax.block_until_ready(self.pool)
 
@@ -548,7 +558,16 @@ class Engine:
         while len(self._kept) > self.max_kept:
             _, old = self._kept.popitem(last=False)
             self.pages.free(old)
-        return seq.completion(reason)
+        return seq.completion(reason, self._routes(seq))
+
+    def _routes(self, seq: Sequence) -> np.ndarray | None:
+        """The routing record of the sequence's tokens [n, L, J] (None without one): its fed
+        tokens' (positions < cached) from its pages, -1 for the rest (its last token)."""
+        if self.pool.routes is None:
+            return None
+        table = self._table([seq])[0]
+        fed = np.asarray(self._call(routes_jit, self.pool.routes, table))[: seq.cached]
+        return aligned_routes(fed, len(seq.tokens))
 
 
 __all__ = ["Engine"]

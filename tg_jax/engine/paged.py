@@ -22,9 +22,14 @@ updated pool (jit them with the pool donated, so the writes are in place):
   decode_step    one token per row at position pos_b: writes it, attends over the row's
                  pages, returns fp32 logits [B, V]; `draw` samples from them.
 
+MoE routing record (router replay, R3; a pool made with routes=True): both entry points also
+write, at each fed token's slot, the experts every layer routed it to (prefill then runs the
+last layer too), so a shared or copied page carries its tokens' routing like their keys;
+`page_routes` reads a sequence's back.
+
 `weights_jit`, `prefill_jit`, `decode_jit` (`sample_steps`: decode and draw, one or several
-tokens a row per call) and `copy_jit`
-are the jitted forms the engine calls (`tracing.jit`, the model static, the pool donated);
+tokens a row per call), `copy_jit` and `routes_jit` are the jitted forms the engine calls
+(`tracing.jit`, the model static, the pool donated);
 `TRACES` counts their traces. The engine buckets B (decode rows) and M (page-table width) to
 powers of two (`buckets`), so each compiles once per bucket.
 
@@ -48,8 +53,8 @@ from tg_jax.models import decode
 from tg_jax.models.attention import attend
 from tg_jax.models.decode import (
     _attention_inputs,
-    _attention_output_and_ffn,
     _embed,
+    _ffn_recording,
     _logits,
     rope_tables,
 )
@@ -66,10 +71,13 @@ class PagedPool:
     Attributes:
       k: tuple of num_layers arrays [num_pages, page_size, K, H] (compute dtype).
       v: tuple of num_layers arrays [num_pages, page_size, K, H].
+      routes: MoE routing record, or None: [num_pages, page_size, L, J] int16, the experts
+        each layer routed the token of that slot to when it was fed (router replay, R3).
     """
 
     k: tuple[Array, ...]
     v: tuple[Array, ...]
+    routes: Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -80,23 +88,31 @@ class PagedPool:
         return self.k[0].shape[1]
 
     def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in (*self.k, *self.v))
+        arrays = (*self.k, *self.v, *(() if self.routes is None else (self.routes,)))
+        return sum(x.size * x.dtype.itemsize for x in arrays)
 
 
-def init_pool(model: Transformer, num_pages: int, page_size: int) -> PagedPool:
-    """A zeroed pool for `model` (zeros: a masked slot must not hold NaN or inf)."""
+def init_pool(model: Transformer, num_pages: int, page_size: int, routes: bool = False
+              ) -> PagedPool:  # fmt: skip
+    """A zeroed pool for `model` (zeros: a masked slot must not hold NaN or inf); routes: with
+    the MoE routing record (-1 = not fed yet)."""
     cfg = model.config
     shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     k = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
     v = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
-    return PagedPool(k, v)
+    if routes and not cfg.is_moe:
+        raise ValueError("a routing record (router replay) needs a mixture-of-experts model")
+    shape_r = (num_pages, page_size, cfg.num_layers, cfg.experts_per_token)
+    return PagedPool(k, v, jnp.full(shape_r, -1, jnp.int16) if routes else None)
 
 
-def pool_bytes(model: Transformer, num_pages: int, page_size: int) -> int:
-    """Bytes of `init_pool(model, num_pages, page_size)` (without building it)."""
+def pool_bytes(model: Transformer, num_pages: int, page_size: int, routes: bool = False) -> int:
+    """Bytes of `init_pool(model, num_pages, page_size, routes)` (without building it)."""
     cfg = model.config
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    return num_pages * page_size * per_slot * jnp.dtype(cfg.jnp_dtype).itemsize
+    kv = num_pages * page_size * per_slot * jnp.dtype(cfg.jnp_dtype).itemsize
+    record = num_pages * page_size * cfg.num_layers * cfg.experts_per_token * 2  # int16
+    return kv + (record if routes else 0)
 
 
 def _write_and_gather(pool_x: Array, new_BxTxKxH: Array, page_BxT, offset_BxT, table_BxM):
@@ -147,16 +163,25 @@ def prefill_chunk(
     page_BxC, offset_BxC = _slots(table_BxM, pos_BxC, valid_BxC, pool.page_size)
     cos, sin = rope_tables(pos_BxC, cfg.head_dim, cfg.rope_theta)
     x_BxCxD = _embed(model, weights, tokens_BxC)
-    ks, vs = list(pool.k), list(pool.v)
+    ks, vs, ids = list(pool.k), list(pool.v), []
+    record = pool.routes is not None
     last = len(weights.layers) - 1
     for i, w in enumerate(weights.layers):
         q_BxCxNxH, k_BxCxKxH, v_BxCxKxH = _attention_inputs(cfg, w, x_BxCxD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_BxCxKxH, page_BxC, offset_BxC, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_BxCxKxH, page_BxC, offset_BxC, table_BxM)
-        if i < last:  # the last layer's outputs are never read (no logits here)
+        if i < last or record:  # the last layer's outputs: only its routing is read
             out = _paged_attention(cfg, q_BxCxNxH, keys, vals, pos_BxC)
-            x_BxCxD = _attention_output_and_ffn(cfg, w, x_BxCxD, out)
-    return PagedPool(tuple(ks), tuple(vs))
+            x_BxCxD = _ffn_recording(cfg, w, x_BxCxD, out, ids if record else None)
+    return PagedPool(tuple(ks), tuple(vs), _write_routes(pool.routes, ids, page_BxC, offset_BxC))
+
+
+def _write_routes(routes: Array | None, ids: list, page_BxT: Array, offset_BxT: Array):
+    """The routing record with the layers' routing (ids: L arrays [B, T, J]) written at the
+    fed tokens' slots (None: no record)."""
+    if routes is None:
+        return None
+    return routes.at[page_BxT, offset_BxT].set(jnp.stack(ids, axis=2).astype(routes.dtype))
 
 
 def decode_step(
@@ -176,14 +201,15 @@ def decode_step(
     page_Bx1, offset_Bx1 = _slots(table_BxM, pos_Bx1, active_B[:, None], pool.page_size)
     cos, sin = rope_tables(pos_Bx1, cfg.head_dim, cfg.rope_theta)
     x_Bx1xD = _embed(model, weights, tokens_B[:, None])
-    ks, vs = list(pool.k), list(pool.v)
+    ks, vs, ids = list(pool.k), list(pool.v), []
     for i, w in enumerate(weights.layers):
         q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
         out = _paged_attention(cfg, q_Bx1xNxH, keys, vals, pos_Bx1)
-        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out)
-    return _logits(cfg, weights, x_Bx1xD[:, 0]), PagedPool(tuple(ks), tuple(vs))
+        x_Bx1xD = _ffn_recording(cfg, w, x_Bx1xD, out, ids if pool.routes is not None else None)
+    routes = _write_routes(pool.routes, ids, page_Bx1, offset_Bx1)
+    return _logits(cfg, weights, x_Bx1xD[:, 0]), PagedPool(tuple(ks), tuple(vs), routes)
 
 
 def request_uniforms(rng: Array, seed_B: Array, index_B: Array) -> Array:
@@ -211,7 +237,15 @@ def copy_page(pool: PagedPool, src: Array, dst: Array) -> PagedPool:
     def cp(x):
         return jax.lax.dynamic_update_index_in_dim(x, jax.lax.dynamic_index_in_dim(x, src), dst, 0)
 
-    return PagedPool(tuple(cp(x) for x in pool.k), tuple(cp(x) for x in pool.v))
+    routes = None if pool.routes is None else cp(pool.routes)
+    return PagedPool(tuple(cp(x) for x in pool.k), tuple(cp(x) for x in pool.v), routes)
+
+
+def page_routes(routes: Array, table_M: Array) -> Array:
+    """The routing record (`PagedPool.routes`) of one sequence's pages table_M:
+    [M * page_size, L, J]."""
+    rows = routes[table_M]
+    return rows.reshape(-1, *rows.shape[2:])
 
 
 def sample_step(
@@ -294,6 +328,8 @@ copy_jit = tracing.jit(
     _traced(lambda model, pool, src, dst: copy_page(pool, src, dst)),
     static_argnums=0, donate_argnums=(1,),
 )  # fmt: skip
+routes_jit = tracing.jit(_traced(lambda model, routes, table: page_routes(routes, table)),
+                         static_argnums=0)  # fmt: skip
 
 __all__ = [
     "TRACES",
@@ -307,9 +343,11 @@ __all__ = [
     "decode_step",
     "draw",
     "init_pool",
+    "page_routes",
     "pool_bytes",
     "prefill_chunk",
     "request_uniforms",
+    "routes_jit",
     "sample_step",
     "sample_steps",
 ]

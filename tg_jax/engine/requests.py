@@ -76,6 +76,9 @@ class Completion:
       prefill_tokens: context tokens the engine prefilled for the request (re-prefills after
         a preemption included; shared and continued pages excluded).
       preemptions: times the request was preempted.
+      routed_experts: with the engine's routing record (MoE router replay), [context +
+        generated tokens, L, J] int16: the experts each layer routed each token to when it was
+        fed (its context's too), -1 for a token not fed (the last one); else None.
     """
 
     request_id: Hashable
@@ -88,6 +91,7 @@ class Completion:
     message: str = ""
     prefill_tokens: int = 0
     preemptions: int = 0
+    routed_experts: np.ndarray | None = None
 
 
 def error_completion(request: Request, message: str) -> Completion:
@@ -125,7 +129,7 @@ class Sequence:
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
 
-    def completion(self, finish_reason: str) -> Completion:
+    def completion(self, finish_reason: str, routes: np.ndarray | None = None) -> Completion:
         gen = self.tokens[self.prompt_len :]
         return Completion(
             self.request.request_id, list(gen), np.asarray(self.logprobs, np.float32),
@@ -133,6 +137,7 @@ class Sequence:
             policy_version=self.versions[-1] if self.versions else None,
             first_policy_version=self.versions[0] if self.versions else None,
             prefill_tokens=self.prefill_tokens, preemptions=self.preemptions,
+            routed_experts=routes,
         )  # fmt: skip
 
 

@@ -79,6 +79,11 @@ class ModelConfig(Section):
     """Renormalise the top-k router probabilities (MoE only)."""
     router_aux_loss_coef: float = 0.0
     """Load-balancing loss weight (MoE only)."""
+    router_replay: bool = False
+    """Routing replay (R3, MoE only): the rollout sampler or engine records the experts each
+    token was routed to and the trainer's student and teacher forwards route by them (hint
+    tokens, which the rollout never saw, by the router); not with rl_loop.rollout_engine
+    "vllm"."""
 
     def __post_init__(self):
         def need(cond, msg):
@@ -116,6 +121,7 @@ class ModelConfig(Section):
             need(self.moe_mlp_dim > 0, "moe_mlp_dim must be > 0 for a MoE model")
         else:
             need(self.mlp_dim > 0, "mlp_dim must be > 0 for a dense model")
+            need(not self.router_replay, "router_replay needs a mixture-of-experts model")
 
     @property
     def jnp_dtype(self):

@@ -61,6 +61,9 @@ class DecodeCache:
       prompt_lengths_B: [B] int32 L_b.
       rope_cos, rope_sin: [P + R, H / 2] f32 RoPE tables by position (`rope_tables`).
       prompt_slots: P (static).
+      routes: MoE routing record, or None: [B, P + R, L, J] int16, per slot the experts each
+        layer routed its token to when it was fed (router replay), -1 where none was fed;
+        kept like the keys and values by every function here (`prefill(routes=True)`).
     """
 
     k: tuple[Array, ...]
@@ -69,6 +72,7 @@ class DecodeCache:
     rope_cos: Array
     rope_sin: Array
     prompt_slots: int = flax.struct.field(pytree_node=False)
+    routes: Array | None = None
 
 
 @flax.struct.dataclass
@@ -137,6 +141,7 @@ def prefill(
     max_new: int,
     slots: int | None = None,
     weights: DecodeWeights | None = None,
+    routes: bool = False,
 ) -> tuple[Array, DecodeCache]:
     """Runs the prompt block through the layers and builds the decode cache.
 
@@ -151,6 +156,8 @@ def prefill(
       max_new: R, generated tokens the cache serves (its RoPE tables cover P + R positions).
       slots: generated-token slots to allocate now (default R; `extend` adds more).
       weights: `decode_weights(model, params)` when the caller has them.
+      routes: MoE: the cache keeps the routing record (`DecodeCache.routes`; the last layer
+        then runs for every prompt token).
     Returns:
       (fp32 logits [B, V] at each row's last prompt token, DecodeCache with P + slots slots).
     """
@@ -168,20 +175,20 @@ def prefill(
 
     x_BxPxD = _embed(model, weights, prompt_BxP)
     last_Bx1x1 = (prompt_lengths_B - 1)[:, None, None]
-    ks, vs = [], []
+    ks, vs, ids = [], [], []
     for i, w in enumerate(weights.layers):
         q_BxPxNxH, k_BxPxKxH, v_BxPxKxH = _attention_inputs(cfg, w, x_BxPxD, *rope_P)
         k_BxKxHxP = jnp.transpose(k_BxPxKxH, (0, 2, 3, 1)).astype(dt)
         v_BxKxPxH = jnp.transpose(v_BxPxKxH, (0, 2, 1, 3)).astype(dt)
         ks.append(k_BxKxHxP)
         vs.append(v_BxKxPxH)
-        if i < len(weights.layers) - 1:
+        if i < len(weights.layers) - 1 or routes:
             # Causal attention of the prompt block over its own keys, in causal query blocks
             # (the masked upper triangle beyond a block is never computed).
             out_BxPxNxH = attend(q_BxPxNxH, k_BxKxHxP, v_BxKxPxH, causal_1xPxP, dtype=dt,
                                  slot_minor=True, query_block=_PREFILL_QUERY_BLOCK,
                                  causal_keys=0)  # fmt: skip
-            x_BxPxD = _attention_output_and_ffn(cfg, w, x_BxPxD, out_BxPxNxH)
+            x_BxPxD = _ffn_recording(cfg, w, x_BxPxD, out_BxPxNxH, ids if routes else None)
         else:
             # Past the last layer's keys and values only each row's last prompt token is
             # used (its logits): the rest of the layer runs for that token alone, as a decode
@@ -193,11 +200,22 @@ def prefill(
             x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
             x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
 
+    if routes:  # every layer ran for every token: the last prompt token's outputs
+        x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
     cache = DecodeCache(
         tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0],
-        prompt_slots=p,
+        prompt_slots=p, routes=jnp.stack(ids, axis=2).astype(jnp.int16) if routes else None,
     )  # fmt: skip
     return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(cache, slots)
+
+
+def _ffn_recording(cfg, w, x_BxTxD: Array, out_BxTxNxH: Array, ids: list | None) -> Array:
+    """`_attention_output_and_ffn`; with a list `ids`, the layer's routing [B, T, J] appended."""
+    if ids is None:
+        return _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH)
+    x_BxTxD, ids_BxTxJ = _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH, routes=True)
+    ids.append(ids_BxTxJ)
+    return x_BxTxD
 
 
 def extend(cache: DecodeCache, slots: int) -> DecodeCache:
@@ -213,7 +231,10 @@ def extend(cache: DecodeCache, slots: int) -> DecodeCache:
         raise ValueError(f"cannot shrink the cache to {slots} generated slots")
     k = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, grow))) for x in cache.k)
     v = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, grow), (0, 0))) for x in cache.v)
-    return cache.replace(k=k, v=v)
+    routes = cache.routes
+    if routes is not None:
+        routes = jnp.pad(routes, ((0, 0), (0, grow), (0, 0), (0, 0)), constant_values=-1)
+    return cache.replace(k=k, v=v, routes=routes)
 
 
 def keep_context(
@@ -243,9 +264,40 @@ def keep_context(
     src_BxS = jnp.clip(src_BxS, 0, total - 1)
     k = tuple(jnp.take_along_axis(x[rows_B], src_BxS[:, None, None, :], axis=3) for x in cache.k)
     v = tuple(jnp.take_along_axis(x[rows_B], src_BxS[:, None, :, None], axis=2) for x in cache.v)
+    routes = None
+    if cache.routes is not None:
+        routes = _context(cache.routes[rows_B], src_BxS, lengths_B + generated_B)
     return cache.replace(
-        k=k, v=v, prompt_lengths_B=lengths_B + generated_B, prompt_slots=prompt_slots
-    )
+        k=k, v=v, prompt_lengths_B=lengths_B + generated_B, prompt_slots=prompt_slots,
+        routes=routes,
+    )  # fmt: skip
+
+
+def _context(routes_BxSxLxJ: Array, src_BxS: Array, context_B: Array) -> Array:
+    """Routing record slots src_BxS of each row, -1 from position context_b on."""
+    routes = jnp.take_along_axis(routes_BxSxLxJ, src_BxS[:, :, None, None], axis=1)
+    in_context_BxS = jnp.arange(src_BxS.shape[1])[None, :] < context_B[:, None]
+    return jnp.where(in_context_BxS[:, :, None, None], routes, jnp.int16(-1))
+
+
+def context_routes(cache: DecodeCache, fed_B: Array) -> Array:
+    """Each row's routing record by position [B, P + R, L, J]: its prompt (slots < L_b), then
+    its first fed_b generated tokens (slots P..), -1 after (the layout `keep_context` makes)."""
+    total = cache.routes.shape[1]
+    slot_1xS = jnp.arange(total, dtype=jnp.int32)[None, :]
+    lengths_B = cache.prompt_lengths_B
+    src_BxS = jnp.where(slot_1xS < lengths_B[:, None], slot_1xS,
+                        cache.prompt_slots + slot_1xS - lengths_B[:, None])  # fmt: skip
+    return _context(cache.routes, jnp.clip(src_BxS, 0, total - 1), lengths_B + fed_B)
+
+
+def _place(new: Array, j_BxP: Array, is_new_BxP: Array, old: Array, axis: int) -> Array:
+    """`old` (rows first, slots on `axis`) with each slot where is_new_BxP holds taken from
+    `new`'s entry j_BxP along the same axis."""
+    shape = [1] * new.ndim
+    shape[0], shape[axis] = j_BxP.shape
+    placed = jnp.take_along_axis(new, j_BxP.reshape(shape), axis=axis)
+    return jnp.where(is_new_BxP.reshape(shape), placed, old)
 
 
 def prefill_append(
@@ -300,21 +352,18 @@ def prefill_append(
     last_Bx1x1 = (lengths_B - 1)[:, None, None]
 
     x_BxAxD = _embed(model, weights, tokens_BxA)
-    ks, vs = [], []
+    ks, vs, ids = [], [], []
+    record = cache.routes is not None
     for i, w in enumerate(weights.layers):
         q_BxAxNxH, k_BxAxKxH, v_BxAxKxH = _attention_inputs(cfg, w, x_BxAxD, cos, sin)
         k_BxKxHxA = jnp.transpose(k_BxAxKxH, (0, 2, 3, 1)).astype(dt)
         v_BxKxAxH = jnp.transpose(v_BxAxKxH, (0, 2, 1, 3)).astype(dt)
-        placed_k = jnp.take_along_axis(k_BxKxHxA, j_BxP[:, None, None, :], axis=3)
-        placed_v = jnp.take_along_axis(v_BxKxAxH, j_BxP[:, None, :, None], axis=2)
-        k_BxKxHxP = jnp.where(is_new_BxP[:, None, None, :], placed_k, cache.k[i])
-        v_BxKxPxH = jnp.where(is_new_BxP[:, None, :, None], placed_v, cache.v[i])
-        ks.append(k_BxKxHxP)
-        vs.append(v_BxKxPxH)
-        if i < len(weights.layers) - 1:
+        ks.append(k_BxKxHxP := _place(k_BxKxHxA, j_BxP, is_new_BxP, cache.k[i], axis=3))
+        vs.append(v_BxKxPxH := _place(v_BxKxAxH, j_BxP, is_new_BxP, cache.v[i], axis=2))
+        if i < len(weights.layers) - 1 or record:
             out_BxAxNxH = attend(q_BxAxNxH, k_BxKxHxP, v_BxKxPxH, visible_BxAxP, dtype=dt,
                                  slot_minor=True, query_block=_PREFILL_QUERY_BLOCK)  # fmt: skip
-            x_BxAxD = _attention_output_and_ffn(cfg, w, x_BxAxD, out_BxAxNxH)
+            x_BxAxD = _ffn_recording(cfg, w, x_BxAxD, out_BxAxNxH, ids if record else None)
         else:
             q_Bx1xNxH = jnp.take_along_axis(q_BxAxNxH, last_Bx1x1[..., None], axis=1)
             visible_Bx1xP = (slot_P[None, :] < end_B[:, None])[:, None, :]
@@ -323,9 +372,13 @@ def prefill_append(
             x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
             x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
 
+    if record:  # every layer ran for every token: the last new token's outputs
+        x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
     out = DecodeCache(
-        tuple(ks), tuple(vs), end_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0], prompt_slots=p
-    )
+        tuple(ks), tuple(vs), end_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0], prompt_slots=p,
+        routes=_place(jnp.stack(ids, axis=2).astype(jnp.int16), j_BxP, is_new_BxP, cache.routes,
+                      axis=1) if record else None,  # the new tokens' routing at their slots
+    )  # fmt: skip
     return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(out, slots)
 
 
@@ -357,15 +410,22 @@ def _attention_inputs(cfg, w: dict[str, Any], x_BxTxD: Array, cos: Array, sin: A
     return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
 
 
-def _attention_output_and_ffn(cfg, w: dict[str, Any], x_BxTxD: Array, attn_BxTxNxH: Array):
+def _attention_output_and_ffn(cfg, w: dict[str, Any], x_BxTxD: Array, attn_BxTxNxH: Array,
+                              replay_BxTxJ: Array | None = None, routes: bool = False):  # fmt: skip
     """The rest of one layer: output projection and residual, pre-norm feed-forward and
-    residual (SwiGLU with fused gate/up, or the MoE block)."""
+    residual (SwiGLU with fused gate/up, or the MoE block, routed by `replay_BxTxJ` where
+    given: `tg_jax.models.moe.replay`). routes (MoE): (x, the experts each token was routed to
+    [B, T, J] int32) instead of x."""
     dt = cfg.jnp_dtype
     b, t = attn_BxTxNxH.shape[:2]
     x_BxTxD = x_BxTxD + attn_BxTxNxH.reshape(b, t, -1) @ w["o"]
     hid_BxTxD = _norm(cfg, x_BxTxD, w["mlp_norm"])
     if cfg.is_moe:
-        ffn = make_ffn(cfg, "mlp").apply({"params": w["mlp"]}, hid_BxTxD)
+        ffn, state = make_ffn(cfg, "mlp").apply(
+            {"params": w["mlp"]}, hid_BxTxD, replay_BxTxJ, mutable=["intermediates"]
+        )
+        if routes:
+            return x_BxTxD + ffn, state["intermediates"]["router_ids"][0]
     else:
         gate_BxTxF, up_BxTxF = jnp.split(hid_BxTxD.astype(dt) @ w["gate_up"], 2, axis=-1)
         ffn = (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ w["down"]
@@ -408,16 +468,18 @@ def decode_one(
     sin = cache.rope_sin[positions_Bx1][:, :, None, :]
 
     x_Bx1xD = _embed(model, weights, tokens_B[:, None])
-    new_k, new_v = list(cache.k), list(cache.v)
+    new_k, new_v, ids = list(cache.k), list(cache.v), []
+    record = cache.routes is not None
     for i, w in enumerate(weights.layers):
         q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         new_k[i] = _write(new_k[i], jnp.transpose(k_Bx1xKxH, (0, 2, 3, 1)), col, slot_axis=3)
         new_v[i] = _write(new_v[i], jnp.transpose(v_Bx1xKxH, (0, 2, 1, 3)), col, slot_axis=2)
         out_Bx1xNxH = attend(q_Bx1xNxH, new_k[i], new_v[i], visible_Bx1xS, dtype=dt,
                              slot_minor=True)  # fmt: skip
-        x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
-
-    return _logits(cfg, weights, x_Bx1xD[:, 0]), cache.replace(k=tuple(new_k), v=tuple(new_v))
+        x_Bx1xD = _ffn_recording(cfg, w, x_Bx1xD, out_Bx1xNxH, ids if record else None)
+    routes = _write(cache.routes, jnp.stack(ids, axis=2), col, slot_axis=1) if record else None
+    new = cache.replace(k=tuple(new_k), v=tuple(new_v), routes=routes)
+    return _logits(cfg, weights, x_Bx1xD[:, 0]), new
 
 
 def forward_from_prefix(
@@ -429,6 +491,7 @@ def forward_from_prefix(
     prefix_k_LxBxSxKxH: Array,
     prefix_v_LxBxSxKxH: Array,
     prefix_lengths_B: Array,
+    replay_BxTxLxJ: Array | None = None,
 ) -> Array:
     """Final-norm hidden states [B, T, D] of a block that continues a prefix already computed.
 
@@ -446,6 +509,7 @@ def forward_from_prefix(
       tokens_BxT, positions_BxT, segment_ids_BxT: the block (positions continue the prefix).
       prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH: per-layer prefix keys and values, S slots.
       prefix_lengths_B: [B] int32 valid prefix slots of each row (0 <= L_b <= S).
+      replay_BxTxLxJ: MoE router replay of the block's tokens (as `models.forward`'s).
     Returns:
       [B, T, D] hidden states after the final norm (the input of `unembed`).
     """
@@ -463,7 +527,7 @@ def forward_from_prefix(
     )
 
     def layer(x_BxTxD, xs):
-        w, prefix_k_BxSxKxH, prefix_v_BxSxKxH = xs
+        w, prefix_k_BxSxKxH, prefix_v_BxSxKxH, replay_BxTxJ = xs
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _attention_inputs(
             cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
         )
@@ -471,10 +535,13 @@ def forward_from_prefix(
             cfg, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, prefix_k_BxSxKxH, prefix_v_BxSxKxH,
             visible_BxTxS,
         )  # fmt: skip
-        return _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH), None
+        return _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH, replay_BxTxJ), None
 
+    if replay_BxTxLxJ is not None and not cfg.is_moe:
+        raise ValueError("router replay (replay_BxTxLxJ) needs a mixture-of-experts model")
+    replay = None if replay_BxTxLxJ is None else jnp.moveaxis(replay_BxTxLxJ, 2, 0)
     x_BxTxD = model.apply({"params": params}, tokens_BxT, method=Transformer.embed_tokens)
-    xs = (stacked_layer_weights(model, params), prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH)
+    xs = (stacked_layer_weights(model, params), prefix_k_LxBxSxKxH, prefix_v_LxBxSxKxH, replay)
     if cfg.scan_unroll >= cfg.num_layers:  # all layers unrolled: a plain loop (faster on CPU)
         for i in range(cfg.num_layers):
             x_BxTxD, _ = layer(x_BxTxD, jax.tree.map(lambda a, i=i: a[i], xs))
@@ -503,6 +570,7 @@ __all__ = [
     "DecodeCache",
     "DecodeWeights",
     "apply_rope",
+    "context_routes",
     "decode_one",
     "decode_weights",
     "extend",

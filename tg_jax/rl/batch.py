@@ -47,17 +47,19 @@ import flax.struct
 import jax
 import numpy as np
 
+from tg_jax.rl.routing import batch_routes
 from tg_jax.rl.tg.compact import (
     bucket_length,
     compact_teacher,
     compaction_pays,
     full_teacher_slots,
+    hinted,
+    located,
     turn_end,
 )
 from tg_jax.sampling.trajectory import Role, Trajectory
 
-__all__ = ["Batch", "bucket_length", "build_batch", "num_rows", "split_batch",
-           "split_microbatches"]  # fmt: skip
+__all__ = ["Batch", "bucket_length", "build_batch", "num_rows", "split_batch", "split_microbatches"]
 
 TeacherMode = Literal["per_trajectory", "per_turn", "none"]
 
@@ -96,6 +98,8 @@ class Batch:
       teacher_src_row_Bt, teacher_start_Bt: compact teacher rows only (else None): int32 the
         student row (local to the micro-batch) whose prefix the row continues, and the
         student position p of its first hint (`tg_jax.rl.tg.compact`).
+      routes_BxTxLxJ, teacher_routes_BtxTtxLxJ: int16 MoE router replay, -1 = the router's
+        own choice (`tg_jax.rl.routing`); None without recorded routing.
       requirement_names: static tuple of requirement names (the ids' meaning).
       teacher_mode: static, the `TeacherMode` the teacher rows were built with.
       teacher_compact: static, the teacher rows are compact (`tg_jax.rl.tg.compact`).
@@ -126,6 +130,8 @@ class Batch:
     unmet_turn_mask_BxT: Any = None
     teacher_src_row_Bt: Any = None
     teacher_start_Bt: Any = None
+    routes_BxTxLxJ: Any = None
+    teacher_routes_BtxTtxLxJ: Any = None
     requirement_names: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
     teacher_mode: str = flax.struct.field(pytree_node=False, default="per_trajectory")
     teacher_compact: bool = flax.struct.field(pytree_node=False, default=False)
@@ -152,18 +158,24 @@ def _hint(traj: Trajectory, names: Sequence[str], turn: int) -> np.ndarray:
     return traj.hint_ids(turn, names)  # the hints picked for that turn (Trajectory)
 
 
-def _fill_row(dst: dict[str, np.ndarray], row: int, seq: np.ndarray, length: int) -> None:
-    n = len(seq)
+def _fill_row(dst: dict[str, np.ndarray], row: int, seq: np.ndarray, length: int,
+              src: np.ndarray | None = None, b: int = 0) -> None:  # fmt: skip
+    n = len(seq)  # a teacher row: its sources (`compact.hinted`) and student row b too
     dst["tokens"][row, :n] = seq
     dst["positions"][row] = np.arange(length, dtype=np.int32)
     dst["segments"][row, :n] = 1
+    if src is not None:
+        dst["src"][row, :n], dst["src_b"][row] = src, b
 
 
 def _empty_seqs(rows: int, length: int) -> dict[str, np.ndarray]:
+    """Token rows; host only, "src" / "src_b": a teacher token's student index (-1) and row."""
     return {
         "tokens": np.zeros((rows, length), np.int32),
         "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
         "segments": np.zeros((rows, length), np.int32),
+        "src": np.full((rows, length), -1, np.int32),
+        "src_b": np.zeros((rows,), np.int32),
     }
 
 
@@ -219,30 +231,23 @@ def _fill_per_trajectory_teacher(
     traj: Trajectory,
     hints: dict[int, np.ndarray],
     teacher_max_len: int,
-) -> np.ndarray:
-    """The hinted sequence of row b (hints before every targeted turn) and its index map."""
-    tokens = np.asarray(traj.tokens, np.int32)
-    num = len(tokens)
+) -> tuple[np.ndarray, np.ndarray]:
+    """The hinted sequence of row b (hints before every targeted turn), its sources
+    (`compact.hinted`) and its index map."""
+    num = len(traj.tokens)
     s = slice(0, num - 1)
-    shift = np.zeros((num,), np.int64)  # hint tokens inserted before each student token
-    pieces, prev = [], 0
-    for k in sorted(hints):
-        start = int(traj.turn_starts[k])
-        pieces += [tokens[prev:start], hints[k]]
-        shift[start:] += len(hints[k])
-        prev = start
+    for k in hints:
         per_token["distill"][b, s] |= _turn_mask(traj, k)
-    pieces.append(tokens[prev:])
-    seq = np.concatenate(pieces)
+    seq, src = hinted(traj, hints, hints, 0, num)
     if len(seq) > teacher_max_len:
         raise ValueError(
             f"task {traj.task_id}: teacher sequence with hints has {len(seq)} tokens > "
             f"teacher_max_len {teacher_max_len} (student {num})"
         )
     per_token["t_row"][b] = local_row
-    # Student token j sits at teacher index j + shift[j]; the position predicting it is one less.
-    per_token["t_pos"][b, s] = np.arange(1, num) + shift[1:] - 1
-    return seq
+    # Student token j sits at teacher index located[j]; the position predicting it is one less.
+    per_token["t_pos"][b, s] = located(src, num)[1:] - 1
+    return seq, src
 
 
 def _fill_per_turn_teacher(
@@ -253,13 +258,12 @@ def _fill_per_turn_teacher(
     k: int,
     hint: np.ndarray,
     teacher_max_len: int,
-) -> np.ndarray:
-    """Turn k's exact hinted context (prefix + hint + turn k) and its index map in row b."""
-    tokens = np.asarray(traj.tokens, np.int32)
-    num = len(tokens)
+) -> tuple[np.ndarray, np.ndarray]:
+    """Turn k's exact hinted context (prefix + hint + turn k), its sources (`compact.hinted`)
+    and its index map in row b."""
+    num = len(traj.tokens)
     s = slice(0, num - 1)
-    start, end = int(traj.turn_starts[k]), turn_end(traj, k)
-    seq = np.concatenate([tokens[:start], hint, tokens[start:end]])
+    seq, src = hinted(traj, {k: hint}, [k], 0, turn_end(traj, k))
     if len(seq) > teacher_max_len:
         raise ValueError(
             f"task {traj.task_id}: teacher sequence of turn {k} has {len(seq)} tokens > "
@@ -267,10 +271,9 @@ def _fill_per_turn_teacher(
         )
     sel = _turn_mask(traj, k)
     per_token["distill"][b, s] |= sel
-    # Student token j of turn k sits at teacher index j + len(hint).
     per_token["t_row"][b, s][sel] = local_row
-    per_token["t_pos"][b, s][sel] = (np.arange(1, num) + len(hint) - 1)[sel]
-    return seq
+    per_token["t_pos"][b, s][sel] = (located(src, num)[1:] - 1)[sel]
+    return seq, src
 
 
 def _check_trajectories(trajectories: Sequence[Trajectory], max_len: int) -> list[str]:
@@ -336,10 +339,10 @@ def _per_trajectory_teacher(
         _fill_per_trajectory_teacher(per_token, b, b // micro_batches, traj, h, teacher_max_len)
         for b, (traj, h) in enumerate(zip(trajectories, hints, strict=True))
     ]
-    t_len = bucket_length(max(len(q) for q in seqs), teacher_max_len, pad_multiple)
+    t_len = bucket_length(max(len(q) for q, _ in seqs), teacher_max_len, pad_multiple)
     teacher = _empty_seqs(rows, t_len)
-    for b, seq in enumerate(seqs):
-        _fill_row(teacher, b, seq, t_len)
+    for b, (seq, src) in enumerate(seqs):
+        _fill_row(teacher, b, seq, t_len, src, b)
     # Padding rows point at their own (empty) teacher row.
     for b in range(len(trajectories), rows):
         per_token["t_row"][b] = b // micro_batches
@@ -373,18 +376,18 @@ def _per_turn_teacher(
                     per_token, b, used[m], traj, k, turn_hints[k], teacher_max_len
                 )
             )
-            global_rows.append(used[m] * micro_batches + m)
+            global_rows.append((used[m] * micro_batches + m, b))
             used[m] += 1
     if dropped:
         logging.warning(
             "build_batch: %d targeted turns exceed max_teacher_rows=%d and are not distilled",
             dropped, max_teacher_rows,
         )  # fmt: skip
-    longest = max((len(q) for q in seqs), default=1)
+    longest = max((len(q) for q, _ in seqs), default=1)
     t_len = bucket_length(longest, teacher_max_len, pad_multiple)
     teacher = _empty_seqs(max_teacher_rows, t_len)
-    for row, seq in zip(global_rows, seqs, strict=True):
-        _fill_row(teacher, row, seq, t_len)
+    for (row, b), (seq, src) in zip(global_rows, seqs, strict=True):
+        _fill_row(teacher, row, seq, t_len, src, b)
     return teacher
 
 
@@ -526,6 +529,8 @@ def _full_teacher(per_token, trajectories, hints, mode, rows, max_teacher_rows, 
 def _assemble(student, per_token, teacher, trajectories, rows, reward_names, requirement_names,
               mode, compact, prefix_len) -> Batch:  # fmt: skip
     """The `Batch` of the filled arrays (compact: the teacher rows were compacted)."""
+    routes, teacher_routes = batch_routes(trajectories, rows, student["tokens"].shape[1],
+                                          None if mode == "none" else teacher)  # fmt: skip
     return Batch(
         tokens_BxT=student["tokens"],
         positions_BxT=student["positions"],
@@ -548,6 +553,8 @@ def _assemble(student, per_token, teacher, trajectories, rows, reward_names, req
         **_row_fields(trajectories, rows, reward_names),
         teacher_src_row_Bt=teacher.get("src_row"),
         teacher_start_Bt=teacher.get("start"),
+        routes_BxTxLxJ=routes,
+        teacher_routes_BtxTtxLxJ=teacher_routes,
         requirement_names=tuple(requirement_names),
         teacher_mode=mode,
         teacher_compact=compact,
@@ -575,17 +582,13 @@ def split_microbatches(batch: Batch, num: int) -> Batch:
             raise ValueError(f"leading size {x.shape[0]} is not a multiple of {num}")
         return x.reshape(x.shape[0] // num, num, *x.shape[1:]).swapaxes(0, 1)
 
-    return _tree_map(split, batch)
+    return jax.tree.map(split, batch)
 
 
 def split_batch(batch: Batch, num: int) -> list[Batch]:
     """Host-side list of the `num` micro-batches of `split_microbatches`."""
     stacked = split_microbatches(batch, num)
-    return [_tree_map(lambda x, i=i: x[i], stacked) for i in range(num)]
-
-
-def _tree_map(fn, batch: Batch) -> Batch:
-    return jax.tree.map(fn, batch)
+    return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num)]
 
 
 def num_rows(num_trajectories: int, batch_multiple: int, micro_batches: int) -> int:

@@ -154,11 +154,12 @@ def token_stats(
             "continue the student's (the policy's) prefix keys and values; build the batch "
             "with compact=tg.compact_rows (False for tg.teacher_params='reference')"
         )
-    teacher_unembed_fn = None
+    teacher_unembed_fn, teacher_batch = None, batch
     if teacher_params is None:
         teacher_params = params
-    else:
+    else:  # other weights than the rollouts' route by their own routers (no replay)
         teacher_unembed_fn = _unembed_fn(model, teacher_params, rl_cfg.temperature)
+        teacher_batch = batch.replace(teacher_routes_BtxTtxLxJ=None)
     cfg = model.config
     with_router = bool(cfg.is_moe and cfg.router_aux_loss_coef > 0)
     hidden_BxTxD, prefix, router = student_forward(
@@ -167,7 +168,7 @@ def token_stats(
     )  # fmt: skip
     if run_teacher:
         # The teacher forward sees stop-gradiented params (and prefix): no backward pass.
-        teacher_BtxTtxD = teacher_rows_hidden(model, teacher_params, batch, prefix)
+        teacher_BtxTtxD = teacher_rows_hidden(model, teacher_params, teacher_batch, prefix)
         if not divergence_at_slots(batch):  # else D at the teacher's slots only, below
             teacher_hidden_BxTxD = gather_teacher(teacher_BtxTtxD, batch)
     stats = chunked_token_stats(

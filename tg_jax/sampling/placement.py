@@ -189,6 +189,7 @@ def own_mesh_sampler(
     sampler_mesh_cfg: Any,
     sampler_devices: Sequence[jax.Device],
     trainer_devices: Sequence[jax.Device],
+    record_routes: bool = False,
 ) -> tuple[Sampler, WeightPublisher]:
     """(a sampler on its own devices' mesh, the publisher of the trainer's params onto it)."""
     mesh, rules = sharding.make_sampler_mesh(sampler_mesh_cfg, sampler_devices)
@@ -196,7 +197,9 @@ def own_mesh_sampler(
     publisher = WeightPublisher(shardings, trainer_devices)
     sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
     divisor = sharding.batch_divisor(mesh, rules)
-    return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw), publisher
+    sampler = Sampler(model, pad_id=pad_id, batch_divisor=divisor, record_routes=record_routes,
+                      **sampler_kw)  # fmt: skip
+    return sampler, publisher
 
 
 def rollout_sampler(
@@ -208,6 +211,7 @@ def rollout_sampler(
     *,
     sampler_mesh_cfg: Any = None,
     sampler_devices: Sequence[jax.Device] | None = None,
+    record_routes: bool = False,
 ) -> tuple[Sampler, Callable[[Any], Any] | None]:
     """(the RL loop's rollout sampler, trainer params -> its params, or None: the same).
 
@@ -217,15 +221,17 @@ def rollout_sampler(
       mesh, rules, divisor: the trainer's mesh, logical rules and batch divisor.
       sampler_mesh_cfg, sampler_devices: `config.sampler_mesh` and the sampler's devices
         (`sharding.split_devices`); None = no devices of its own.
+      record_routes: the sampler records MoE routing (`Sampler`, router replay).
     """
+    kw = {"record_routes": record_routes}
     if jax.process_count() == 1:
         if sampler_devices:
             trainer_devices = list(mesh.devices.flat)
             return own_mesh_sampler(
-                model, pad_id, sampler_mesh_cfg, sampler_devices, trainer_devices
+                model, pad_id, sampler_mesh_cfg, sampler_devices, trainer_devices, **kw
             )
         sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
-        return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw), None
+        return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw, **kw), None
     if sampler_mesh_cfg is None:
         raise ValueError("several processes need config.sampler_mesh (each process's mesh)")
     replicas = HostReplicas(
@@ -234,7 +240,8 @@ def rollout_sampler(
     )  # fmt: skip
     local = replicas.meshes[jax.process_index()]
     divisor = sharding.batch_divisor(local, replicas.rules)
-    sampler = Sampler(model, pad_id=pad_id, batch_divisor=divisor, mesh=local, rules=replicas.rules)
+    sampler = Sampler(model, pad_id=pad_id, batch_divisor=divisor, mesh=local, rules=replicas.rules,
+                      **kw)  # fmt: skip
     return sampler, replicas
 
 

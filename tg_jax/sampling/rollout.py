@@ -17,9 +17,8 @@ environment has `tool_schemas`; the environment reads the model's calls in its t
 Every turn of every live episode is sampled in one batched `Sampler.sample` call. The
 episodes' keys and values stay on the device between turns (`tg_jax.sampling.turn_cache`): a
 turn prefills only what was appended since the last one (observation, hint, header), and the
-G rollouts of a prompt prefill it once (info["prefill_tokens"] counts the prefilled tokens).
-The turn text (sampled tokens minus the stop token, thinking included) goes to `env.step`;
-tool calls of one turn run in a thread pool (sandbox subprocesses release the GIL).
+G rollouts of a prompt prefill it once (info["prefill_tokens"] counts them). The turn text
+(sampled tokens minus the stop token, thinking included) goes to `env.step` in a thread pool.
 
 Limits:
   * A turn that reaches its token budget without a stop token is still recorded and sent to the
@@ -27,11 +26,10 @@ Limits:
     well formed for the next turn, the stop token (`<|im_end|>`) is appended that the policy did
     NOT sample: role PROMPT, turn id -1, behaviour log-prob 0, so the trainer never trains on
     it (counted in info["truncated_turns"]).
-  * The context limit `max_total_tokens` (never exceeded): a turn's budget is
-    min(max_new_tokens, room left - 1), the one slot kept for closing a cut turn; when not even
-    `min_turn_tokens` fit before the next turn, the episode ends with termination "max_tokens"
-    (the observation is not appended) and its rewards are computed from the environment's
-    summary with task 0.
+  * The context limit `max_total_tokens` (never exceeded): a turn's budget is min(max_new_tokens,
+    room left - 1), the one slot kept for closing a cut turn; when not even `min_turn_tokens`
+    fit before the next turn, the episode ends with termination "max_tokens" (the observation
+    is not appended) and its rewards are computed from the environment's summary, task 0.
   * `max_turns` (0 = leave it to the environment) ends an episode with "max_turns"; an
     environment that ends on its own turn limit also reports "max_turns"; any other end of the
     environment is "done".
@@ -60,7 +58,7 @@ from tg_jax.envs.base import Environment, EpisodeSummary, StepResult, join_hints
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler
-from tg_jax.sampling.trajectory import Role, Trajectory, hint_key
+from tg_jax.sampling.trajectory import Role, Trajectory, aligned_routes, hint_key
 from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 from tg_jax.text.tokenizer import token_at_char
@@ -81,9 +79,8 @@ class RolloutConfig:
       observation_role: chat role of environment observations ("tool" or "user").
       env_workers: threads that run `env.step` calls of one turn in parallel.
       max_rows: most episodes one sampler call holds (0 = all of them); more are played in
-        chunks of this many, one after the other, each from its own random streams, so the
-        episodes are those of one call (`play_episodes`). It bounds the sampler's memory,
-        which grows with the rows of a call (their keys and values).
+        chunks of this many, one after the other, each from its own random streams (the
+        episodes of one call, `play_episodes`): it bounds the sampler's memory (keys, values).
     """
 
     max_new_tokens: int = 128
@@ -106,8 +103,7 @@ class RolloutConfig:
 class Episode:
     """Host-side state of one episode while it is being played (`to_trajectory` makes the record):
     `tokens`, `roles`, `turn_ids`, `logprobs` grow together (see `Trajectory` for their
-    meaning); `verdicts` and `step_infos` get one entry per assistant turn.
-    """
+    meaning); `verdicts` and `step_infos` get one entry per assistant turn."""
 
     task: Any
     task_id: str
@@ -129,6 +125,7 @@ class Episode:
     texts: list[str] = dataclasses.field(default_factory=list)  # per turn, as sent to the env
     error: str = ""  # the environment error that ended it (termination "env_error")
     weight_sync_s: float = 0.0  # the rollout engine's weight sync before its call (seconds)
+    routes: Any = None  # the engine's routing record of its tokens (Trajectory.routed_experts)
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
         self.tokens += [int(t) for t in ids]
@@ -206,11 +203,13 @@ def _start_episodes(
 
 
 def record_tokens(ep: Episode, renderer: ChatRenderer, tokens, logprobs, stopped: bool,
-                  prefill_tokens: float | None = None) -> str:  # fmt: skip
+                  prefill_tokens: float | None = None, routes=None) -> str:  # fmt: skip
     """Appends a sampled turn to `ep` (its stop token last if `stopped`; a turn cut at its
-    budget is closed by an `<|im_end|>` the policy did not sample); returns its text."""
+    budget is closed by an `<|im_end|>` the policy did not sample); returns its text. routes:
+    the routing record of the whole context and turn (replaces the episode's)."""
     if prefill_tokens is not None:
         ep.prefill_tokens += float(prefill_tokens)
+    ep.routes = ep.routes if routes is None else routes
     header = renderer.assistant_header()
     k_turn = len(ep.turn_starts) - 1
     new = [int(t) for t in tokens]
@@ -310,8 +309,9 @@ def play_episodes(
                 cache=cache, keys=[id(ep) for ep in live],
             )  # fmt: skip
             pre = [None] * len(live) if out.prefill_tokens is None else out.prefill_tokens
+            routes = [None] * len(live) if out.routes is None else out.routes
             texts = [record_tokens(ep, renderer, out.tokens[k], out.logprobs[k], out.stopped[k],
-                                   pre[k]) for k, ep in enumerate(live)]  # fmt: skip
+                                   pre[k], routes[k]) for k, ep in enumerate(live)]  # fmt: skip
             results = list(pool.map(_step, live, texts))
 
             live = [ep for ep, text, res in zip(live, texts, results, strict=True)
@@ -480,6 +480,7 @@ def to_trajectory(
         info=info,
         turn_hint_tokens=turn_hint_tokens,
         turn_breaks=[dict(b) for b in ep.breaks],
+        routed_experts=aligned_routes(ep.routes, len(ep.tokens)),
     )
 
 
@@ -514,10 +515,8 @@ def rollout_groups(
       (others: see `play_episodes`.)
     Returns:
       N * G trajectories, grouped task by task. Rollout g of group id k samples from its own
-      stream k * G + g (`play_episodes`' stream_ids): what a group samples does not depend on
-      the other groups of the call, so hosts that each roll out a share of a batch's groups
-      sample what one host sampling them all would.
-    """
+      stream k * G + g (`play_episodes`' stream_ids), independent of the call's other groups:
+      hosts that each roll out a share of a batch's groups sample what one host would."""
     g = rollouts_per_task
     flat = [t for t in tasks for _ in range(g)]
     gids = [first_group_id + n for n in range(len(tasks)) for _ in range(g)]

@@ -111,6 +111,7 @@ class SampleOutput:
     raw_logprobs_BxR: Array
     lengths_B: Array
     stopped_B: Array
+    routes_BxSxLxJ: Array | None = None  # with a routing record: `decode.context_routes`
 
 
 def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxW, max_new_B, pad_id):
@@ -150,8 +151,9 @@ def sample_tokens(
     *,
     pad_id: int,
     segment: int = 0,
+    routes: bool = False,
 ) -> SampleOutput:
-    """Prefill + decode loop (pure; jit it with `pad_id` and `segment` static).
+    """Prefill + decode loop (pure; jit it with `pad_id`, `segment` and `routes` static).
 
     Rows are independent, so a shard of rows (with its rows of every argument) samples exactly
     what the whole batch samples for them.
@@ -165,6 +167,7 @@ def sample_tokens(
       u_BxR: [B, R] uniform numbers in (0, 1), column i for the i-th token of every row
         (`step_uniforms(rng, B, R)`); R is the number of output columns.
       segment: decode-loop segment length (`segment_ends`; 0 = one loop over all R slots).
+      routes: MoE: with the routing record (`decode.prefill(routes=True)`).
     Returns:
       SampleOutput with [B, R] tokens / log-probs and [B] lengths / stopped flags.
     """
@@ -172,7 +175,7 @@ def sample_tokens(
     weights = decode.decode_weights(model, params)
     logits_BxV, cache = decode.prefill(
         model, params, prompt_BxP, prompt_lengths_B, r, slots=segment_ends(r, segment)[0],
-        weights=weights,
+        weights=weights, routes=routes,
     )  # fmt: skip
     settings = (max_new_B, stop_ids_BxW, temperature_B, top_k_B, top_p_B, u_BxR)
     return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id,
@@ -223,7 +226,9 @@ def decode_loop(
     segment: int = 0,
 ) -> tuple[SampleOutput, decode.DecodeCache]:
     """The decode loop after a prefill: draws token 0 from `logits_BxV` (the logits at each
-    row's last prompt token), then token i + 1 after feeding token i (`decode_one`).
+    row's last prompt token), then token i + 1 after feeding token i (`decode_one`). With the
+    cache's routing record, the output has each row's by position (prompt and generated
+    tokens but the last, which counts as not fed: `decode.context_routes`).
 
     Args:
       cache: the prefilled cache with `segment_ends(R, segment)[0]` generated slots.
@@ -269,7 +274,9 @@ def decode_loop(
         raw_logprobs_BxR=state.raw_logprobs_BxR,
         lengths_B=state.lengths_B,
         stopped_B=state.stopped_B,
-    )
+        routes_BxSxLxJ=None if cache.routes is None else decode.context_routes(
+            state.cache, jnp.maximum(state.lengths_B - 1, 0)),
+    )  # fmt: skip
     return out, state.cache
 
 
@@ -284,6 +291,8 @@ class SampleResult:
       stopped: [B] bool, the row ended on a stop id (else it hit its max new tokens).
       prefill_tokens: [B] f32 prompt tokens the call ran through the model for the row (a
         prefill shared by k rows counts 1 / k to each); None when not counted.
+      routes: with `record_routes`, per row [prompt + n_b, L, J] int16: the experts each
+        layer routed each token to when it was fed, -1 for the last token; else None.
     """
 
     tokens: list[np.ndarray]
@@ -291,6 +300,7 @@ class SampleResult:
     raw_logprobs: list[np.ndarray]
     stopped: np.ndarray
     prefill_tokens: np.ndarray | None = None
+    routes: list[np.ndarray] | None = None
 
 
 # The jitted entry points by kind: what precedes the shared sampling settings in their arguments.
@@ -316,6 +326,7 @@ class Sampler:
         mesh: Any = None,
         rules: Any = None,
         segment: int = 64,
+        record_routes: bool = False,
     ):
         """Args:
         pad_id: id written past each row's end (and in prompt padding).
@@ -326,6 +337,8 @@ class Sampler:
           mesh): with rows over every mesh axis and replicated params, one decode loop per
           device (`_row_axes`); else one loop under these activation shardings.
         segment: decode-loop segment length (`segment_ends`; 0 = one loop).
+        record_routes: MoE: results carry each row's routing record (`SampleResult.routes`,
+          for router replay in the trainer).
         """
         self.model = model
         self.pad_id = int(pad_id)
@@ -335,6 +348,9 @@ class Sampler:
         self.mesh, self.rules = mesh, rules
         segment_ends(1, segment)  # validates it
         self.segment = int(segment)
+        if record_routes and not model.config.is_moe:
+            raise ValueError("a routing record (router replay) needs a mixture-of-experts model")
+        self.record_routes = bool(record_routes)
         self.num_traces = 0
         self._jitted = tracing.jit(
             self._traced, static_argnames=("kind", "max_new_bucket", "per_shard", "per_row")
@@ -356,6 +372,8 @@ class Sampler:
             # top_p_B): the padded batch is max_new_B's.
             u_BxR = step_uniforms(rng, rows[-5].shape[0], max_new_bucket)
         fn = functools.partial(_KINDS[kind], self.model, pad_id=self.pad_id, segment=self.segment)
+        if kind == "prompt":
+            fn = functools.partial(fn, routes=self.record_routes)
         if per_shard:
             spec = jax.P(self._row_axes())
             specs = [_row_specs(x, spec) for x in rows]
@@ -437,13 +455,16 @@ class Sampler:
             )
         out = jax.device_get(out)
         ln = out.lengths_B
+        routes = out.routes_BxSxLxJ
         result = SampleResult(
             tokens=[out.tokens_BxR[i, : ln[i]] for i in range(n_rows)],
             logprobs=[out.logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
             raw_logprobs=[out.raw_logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
             stopped=np.asarray(out.stopped_B[:n_rows]),
             prefill_tokens=prefilled,
-        )
+            routes=None if routes is None else [
+                np.asarray(routes[i, : lengths[i] + ln[i]]) for i in range(n_rows)],
+        )  # fmt: skip
         if cache is not None:
             cache.record(prompts, keys, result.tokens)
         return result
@@ -507,7 +528,7 @@ def _row_specs(x: Any, spec: Any) -> Any:
     if isinstance(x, decode.DecodeCache):
         return x.replace(
             k=(spec,) * len(x.k), v=(spec,) * len(x.v), prompt_lengths_B=spec,
-            rope_cos=jax.P(), rope_sin=jax.P(),
+            rope_cos=jax.P(), rope_sin=jax.P(), routes=None if x.routes is None else spec,
         )  # fmt: skip
     return spec
 

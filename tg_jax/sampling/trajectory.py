@@ -54,6 +54,9 @@ class Trajectory:
       turn_breaks: per assistant turn, {failed requirement: index in `tokens` of the first
         token that breaks it} for the requirements that locate it (`Requirement.breaks_at`);
         None = not located in any turn.
+      routed_experts: MoE router replay (`model.router_replay`): [n, L, J] int16, the experts
+        each layer routed token i to in the rollout (sampler or engine), -1 where it has none
+        (a token the rollout never fed: the router decides there); None = not recorded.
     """
 
     tokens: np.ndarray
@@ -70,9 +73,12 @@ class Trajectory:
     info: dict = dataclasses.field(default_factory=dict)
     turn_hint_tokens: list[dict[str, list[int]]] | None = None
     turn_breaks: list[dict[str, int]] | None = None
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.tokens)
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"Trajectory.routed_experts: {len(self.routed_experts)} rows != {n}")
         for name in ("roles", "turn_ids", "behaviour_logprobs"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Trajectory.{name} has length {len(getattr(self, name))} != {n}")
@@ -111,4 +117,14 @@ class Trajectory:
         return all(judged) if judged else None
 
 
-__all__ = ["Role", "Trajectory", "hint_key"]
+def aligned_routes(routes: np.ndarray | None, n: int) -> np.ndarray | None:
+    """A rollout's routing record [m, L, J] made n rows long: cut, or padded with -1 (tokens
+    it never fed: the router's own choice); None stays None."""
+    if routes is None:
+        return None
+    out = np.full((n, *routes.shape[1:]), -1, np.int16)
+    out[: min(n, len(routes))] = routes[:n]
+    return out
+
+
+__all__ = ["Role", "Trajectory", "aligned_routes", "hint_key"]

@@ -39,9 +39,10 @@ if TYPE_CHECKING:
     from tg_jax.sampling.sampler import Sampler
 
 
-@functools.partial(tracing.jit, static_argnums=0, static_argnames=("max_new", "slots"))
-def _prefill(model, params, prompt_UxP, lengths_U, *, max_new: int, slots: int):
-    return decode.prefill(model, params, prompt_UxP, lengths_U, max_new, slots=slots)
+@functools.partial(tracing.jit, static_argnums=0, static_argnames=("max_new", "slots", "routes"))
+def _prefill(model, params, prompt_UxP, lengths_U, *, max_new: int, slots: int, routes: bool):
+    return decode.prefill(model, params, prompt_UxP, lengths_U, max_new, slots=slots,
+                          routes=routes)  # fmt: skip
 
 
 @tracing.jit
@@ -50,6 +51,7 @@ def _take_rows(logits_UxV, cache: decode.DecodeCache, rows_B):
     cache = cache.replace(
         k=tuple(x[rows_B] for x in cache.k), v=tuple(x[rows_B] for x in cache.v),
         prompt_lengths_B=cache.prompt_lengths_B[rows_B],
+        routes=None if cache.routes is None else cache.routes[rows_B],
     )  # fmt: skip
     return logits_UxV[rows_B], cache
 
@@ -120,7 +122,7 @@ class TurnCache:
         with context:
             block_UxP, lengths_U = sampler.place([block_UxP, lengths_U])
             logits, kv = _prefill(sampler.model, params, block_UxP, lengths_U, max_new=n,
-                                  slots=slots)  # fmt: skip
+                                  slots=slots, routes=sampler.record_routes)  # fmt: skip
             logits, kv = _take_rows(logits, kv, rows_B)
         out, kv = sampler.run("prefilled", params, (logits, kv, *settings), rng, n, row_ids_B)
         shared = np.bincount(rows, minlength=len(unique))[rows]

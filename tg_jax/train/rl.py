@@ -172,6 +172,7 @@ def _build(
     sampler, to_sampler = placement.rollout_sampler(
         model, renderer.tokenizer.pad_id, mesh, rules, divisor,
         sampler_mesh_cfg=config.get("sampler_mesh"), sampler_devices=sampler_devices,
+        record_routes=agent_loop.router_replay(config),
     )  # fmt: skip
     return _Parts(
         config=config, workdir=workdir, arm_name=arm_name, seed=seed, model_cfg=model_cfg,

@@ -240,6 +240,15 @@ def drop_engine_errors(trajectories: list[Trajectory]) -> list[Trajectory]:
     return kept
 
 
+def _routed_share(trajectories: Sequence[Any]) -> float:
+    """Share of the tokens with the rollout's routing recorded (`model.router_replay`: every
+    token the sampler or engine fed; 0 without replay)."""
+    total = sum(len(t.tokens) for t in trajectories)
+    routed = sum(int((t.routed_experts[:, 0, 0] >= 0).sum()) for t in trajectories
+                 if t.routed_experts is not None)  # fmt: skip
+    return routed / max(total, 1)
+
+
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Training-time rollout statistics (host numbers, no device sync): rates per episode,
     per-requirement compliance, actions, terminations (`rollout/end/env_error`: episodes an
@@ -294,6 +303,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             "rollout/prefill_tokens": float(
                 np.mean([t.info.get("prefill_tokens", 0.0) for t in trajectories] or [0])
             ),
+            "rollout/routed_share": _routed_share(trajectories),
         }
     )
     out.update({f"rollout/compliance/{k}": float(np.mean(v)) for k, v in per_req.items()})

@@ -117,31 +117,42 @@ def compaction_pays(compact_slots: int, full_slots: int, min_saving: float) -> b
     return compact_slots <= (1.0 - min_saving) * full_slots
 
 
-def _hinted_span(
-    traj: Trajectory, hints: dict[int, np.ndarray], turns: Sequence[int]
-) -> tuple[int, np.ndarray, np.ndarray]:
-    """(p, seq, pos_T1): the hinted sequence of `turns` cut to [p, end of the last turn), and for
-    each student prediction position t the compact index predicting tokens[t + 1] (-1 where
-    that token is outside the span)."""
+def hinted(traj: Trajectory, hints: dict[int, np.ndarray], turns: Sequence[int], begin: int,
+           end: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The student tokens [begin, end) with hints[k] inserted before turn_starts[k] of each of
+    `turns`: (the sequence, for each of its tokens the student index it copies, -1 on a hint)."""
     tokens = np.asarray(traj.tokens, np.int32)
-    num = len(tokens)
-    turns = sorted(turns)
-    p = int(traj.turn_starts[turns[0]])
-    end = turn_end(traj, turns[-1])
-    shift = np.zeros((num,), np.int64)  # hint tokens before each student token, in the span
-    pieces, prev = [], p
-    for k in turns:
+    pieces, srcs, prev = [], [], begin
+    for k in sorted(turns):
         start = int(traj.turn_starts[k])
-        pieces += [tokens[prev:start], hints[k]]
-        shift[start:] += len(hints[k])
+        pieces += [tokens[prev:start], np.asarray(hints[k], np.int32)]
+        srcs += [np.arange(prev, start), np.full((len(hints[k]),), -1)]
         prev = start
     pieces.append(tokens[prev:end])
-    seq = np.concatenate(pieces)
-    j = np.arange(1, num)  # student token j = t + 1
-    inside = (j >= p) & (j < end)
-    # Student token j sits at compact index j - p + shift[j]; one less predicts it.
-    pos_T1 = np.where(inside, j - p + shift[1:] - 1, -1)
-    return p, seq, pos_T1
+    srcs.append(np.arange(prev, end))
+    return np.concatenate(pieces), np.concatenate(srcs).astype(np.int32)
+
+
+def located(src: np.ndarray, num: int) -> np.ndarray:
+    """[num]: where each of a trajectory's num tokens sits in a hinted sequence (`hinted`'s src),
+    -1 where it does not."""
+    out = np.full((num,), -1, np.int64)
+    (idx,) = np.nonzero(src >= 0)
+    out[src[idx]] = idx
+    return out
+
+
+def _hinted_span(
+    traj: Trajectory, hints: dict[int, np.ndarray], turns: Sequence[int]
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(p, seq, src, pos_T1): the hinted sequence of `turns` cut to [p, end of the last turn)
+    with its sources (`hinted`), and for each student prediction position t the compact index
+    predicting tokens[t + 1] (-1 where that token is outside the span)."""
+    turns = sorted(turns)
+    p = int(traj.turn_starts[turns[0]])
+    seq, src = hinted(traj, hints, turns, p, turn_end(traj, turns[-1]))
+    at = located(src, len(traj.tokens))[1:]  # student token j = t + 1; one less predicts it
+    return p, seq, src, np.where(at >= 0, at - 1, -1)
 
 
 def turn_end(traj: Trajectory, turn: int) -> int:
@@ -179,7 +190,9 @@ def compact_teacher(
       rows: B; student_len: T.
     """
     cap = rows // micro_batches if mode == "per_trajectory" else max_teacher_rows // micro_batches
-    per_micro: list[list[tuple[int, int, np.ndarray]]] = [[] for _ in range(micro_batches)]
+    per_micro: list[list[tuple[int, int, np.ndarray, np.ndarray]]] = [
+        [] for _ in range(micro_batches)
+    ]
     dropped = 0
     for b, (traj, turn_hints) in enumerate(zip(trajectories, hints, strict=True)):
         if not turn_hints:
@@ -190,14 +203,14 @@ def compact_teacher(
             if len(per_micro[m]) == cap:
                 dropped += 1
                 continue
-            p, seq, pos_T1 = _hinted_span(traj, turn_hints, turns)
+            p, seq, src, pos_T1 = _hinted_span(traj, turn_hints, turns)
             if p + len(seq) > teacher_max_len:
                 raise ValueError(
                     f"task {traj.task_id}: teacher sequence with hints has {p + len(seq)} "
                     f"tokens > teacher_max_len {teacher_max_len}"
                 )
             local = len(per_micro[m])
-            per_micro[m].append((b, p, seq))
+            per_micro[m].append((b, p, seq, src))
             s = slice(0, len(traj.tokens) - 1)
             inside = pos_T1 >= 0
             per_token["t_row"][b, s][inside] = local
@@ -214,7 +227,7 @@ def compact_teacher(
 
 
 def _pack(
-    per_micro: list[list[tuple[int, int, np.ndarray]]],
+    per_micro: list[list[tuple[int, int, np.ndarray, np.ndarray]]],
     cap: int,
     micro_batches: int,
     batch_multiple: int,
@@ -222,13 +235,13 @@ def _pack(
     teacher_max_len: int,
     multiple: int,
 ) -> tuple[dict[str, np.ndarray], int]:
-    """The teacher arrays of the rows collected per micro-batch ((student row b, p, sequence)
-    each), and the prefix slots."""
+    """The teacher arrays of the rows collected per micro-batch ((student row b, p, sequence,
+    its sources) each), and the prefix slots."""
     rows_per_micro = row_bucket(max(len(r) for r in per_micro), cap, batch_multiple)
     entries = [e for r in per_micro for e in r]
-    longest = max((len(seq) for _, _, seq in entries), default=1)
+    longest = max((len(seq) for _, _, seq, _ in entries), default=1)
     t_len = bucket_length(longest, teacher_max_len, multiple)
-    prefix = bucket_length(max((p for _, p, _ in entries), default=0), student_len, multiple)
+    prefix = bucket_length(max((p for _, p, _, _ in entries), default=0), student_len, multiple)
     num = rows_per_micro * micro_batches
     out = {
         "tokens": np.zeros((num, t_len), np.int32),
@@ -236,11 +249,14 @@ def _pack(
         "segments": np.zeros((num, t_len), np.int32),
         "src_row": np.zeros((num,), np.int32),
         "start": np.zeros((num,), np.int32),
+        "src": np.full((num, t_len), -1, np.int32),  # host only: `hinted`'s sources
+        "src_b": np.zeros((num,), np.int32),  # host only: the global student row
     }
     for m, row_list in enumerate(per_micro):
-        for local, (b, p, seq) in enumerate(row_list):
+        for local, (b, p, seq, src) in enumerate(row_list):
             g = local * micro_batches + m
             out["tokens"][g, : len(seq)] = seq
+            out["src"][g, : len(seq)], out["src_b"][g] = src, b
             out["positions"][g] = p + np.arange(t_len, dtype=np.int32)
             out["segments"][g, : len(seq)] = 1
             out["src_row"][g] = b // micro_batches

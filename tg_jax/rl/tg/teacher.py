@@ -60,12 +60,14 @@ def student_forward(
 ) -> tuple[jax.Array, StudentPrefix | None, jax.Array | None]:
     """Student final hidden states [B, T, D]; with keep_prefix the `StudentPrefix`; with
     router_loss (MoE) the load-balancing loss of this forward (`moe.load_balancing_loss`:
-    router_aux_loss_coef x HF's Switch-style loss, from the routers' sown loads)."""
+    router_aux_loss_coef x HF's Switch-style loss, from the routers' sown loads). Routed by the
+    batch's recorded routing where it has one (`Batch.routes_BxTxLxJ`, router replay)."""
     tokens, positions, segments = batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT
+    replay = batch.routes_BxTxLxJ
     if not keep_prefix and not router_loss:
-        return hidden_states(model, params, tokens, positions, segments), None, None
+        return hidden_states(model, params, tokens, positions, segments, replay), None, None
     hidden_BxTxD, state = model.apply(
-        {"params": params}, tokens, positions, segments, True,
+        {"params": params}, tokens, positions, segments, True, replay,
         capture_intermediates=_capture if keep_prefix else False, mutable=["intermediates"],
     )  # fmt: skip
     prefix = aux = None
@@ -123,19 +125,21 @@ def teacher_rows_hidden(
       params: the policy's params (stop-gradiented here).
       batch: a batch (or micro-batch) with teacher rows.
       prefix: the student's `StudentPrefix` for compact rows (None for full rows).
+    Routed by the batch's teacher routing where it has one (`Batch.teacher_routes_BtxTtxLxJ`).
     """
     params = jax.lax.stop_gradient(params)
+    replay = batch.teacher_routes_BtxTtxLxJ
     if not batch.teacher_compact:
         return hidden_states(
             teacher_model(model), params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
-            batch.teacher_segment_ids_BtxTt,
+            batch.teacher_segment_ids_BtxTt, replay,
         )  # fmt: skip
     if prefix is None:
         raise ValueError("compact teacher rows need the student's StudentPrefix")
     keys, values = _prefix_keys_values(model, params, jax.lax.stop_gradient(prefix), batch)
     return forward_from_prefix(
         model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
-        batch.teacher_segment_ids_BtxTt, keys, values, batch.teacher_start_Bt,
+        batch.teacher_segment_ids_BtxTt, keys, values, batch.teacher_start_Bt, replay,
     )  # fmt: skip
 
 
