@@ -251,3 +251,25 @@ def test_compile_programs_per_host_samplers_on_cpu():
         aot._in_dtype(aot.abstract_params(model, meshes.sampler, meshes.sampler_rules), "bfloat16")
     )
     assert train.resident == sample.resident == bf16 > 0
+
+
+def test_router_replay_adds_its_routing_arrays_to_both_programs():
+    """model.router_replay: the train step takes the batch's student and teacher routing
+    records, the decode step's cache the sampler's; the compiled arguments grow by exactly
+    their int16 bytes per device (rows split `batch_divisor` ways, hand-computed here)."""
+    cfg = _tiny_config((1, 2, 2, 2))  # 2 layers, 2 experts per token
+    mesh, rules = sharding.make_mesh(cfg.mesh), sharding.logical_rules(cfg.mesh)
+    ways = sharding.batch_divisor(mesh, rules)
+    shapes = aot.TrainShapes(rows=8, seq_len=32, teacher_rows=8, teacher_len=40, prefix_len=32)
+    sizes = {}
+    for replay in (False, True):
+        c = config_files.apply_overrides(cfg, {"model.router_replay": replay})
+        train = aot.compile_tg_train_step(c, mesh, rules, shapes)
+        sample = aot.compile_sample_step(c, mesh, rules, rows=8, cache_len=32, max_new=8)
+        sizes[replay] = [aot.memory_report(p, "cpu", hbm=2.0**30).arguments
+                         for p in (train, sample)]  # fmt: skip
+    per_token = 2 * 2 * 2  # layers x experts per token x int16 bytes
+    want_train = (8 * 32 + 8 * 40) * per_token // ways
+    want_sample = 8 * 32 * per_token // ways
+    assert sizes[True][0] - sizes[False][0] == want_train
+    assert sizes[True][1] - sizes[False][1] == want_sample

@@ -177,10 +177,12 @@ class TrainShapes:
 
 def abstract_tg_batch(
     shapes: TrainShapes, mesh: Mesh, rules: sharding.Rules, reqs=("req",), *,
-    compact: bool = False, mode: str = "per_trajectory",
+    compact: bool = False, mode: str = "per_trajectory", routes: tuple[int, int] | None = None,
 ) -> Any:  # fmt: skip
     """An abstract `tg_jax.rl.batch.Batch` of `shapes`; compact: with the compact teacher
-    rows' source rows, starts and prefix slots (`tg_jax.rl.tg.compact`)."""
+    rows' source rows, starts and prefix slots (`tg_jax.rl.tg.compact`); routes: (layers,
+    experts per token) of the router-replay records (`model.router_replay`), int16 per student
+    and teacher token (`tg_jax.rl.routing.batch_routes`)."""
     from tg_jax.rl.batch import Batch  # noqa: PLC0415 (the real step only)
 
     def a(shape, dtype):
@@ -196,6 +198,10 @@ def abstract_tg_batch(
             teacher_start_Bt=a((shapes.teacher_rows,), jnp.int32),
             teacher_compact=True, teacher_prefix_len=shapes.prefix_len,
         )  # fmt: skip
+    if routes is not None:
+        extra["routes_BxTxLxJ"] = a((shapes.rows, shapes.seq_len, *routes), jnp.int16)
+        teacher = (shapes.teacher_rows, shapes.teacher_len, *routes)
+        extra["teacher_routes_BtxTtxLxJ"] = a(teacher, jnp.int16)
     return Batch(
         tokens_BxT=s(jnp.int32), positions_BxT=s(jnp.int32), segment_ids_BxT=s(jnp.int32),
         targets_BxT=s(jnp.int32), loss_mask_BxT=s(jnp.bool_), answer_mask_BxT=s(jnp.bool_),
@@ -223,7 +229,8 @@ def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
 
     typed = StepConfig.from_config(config)
 
-    model = Transformer(ModelConfig.from_config(config.model))
+    cfg = ModelConfig.from_config(config.model)
+    model = Transformer(cfg)
     step = ts.make_train_step(config, model, mesh, rules)
     optimizer = tst.make_optimizer(config.optim)
     state_sh = tst.train_state_shardings(model, optimizer, mesh, rules)
@@ -244,6 +251,7 @@ def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
     batch = abstract_tg_batch(
         shapes, mesh, rules, reqs, compact=typed.tg.compact_rows,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
+        routes=(cfg.num_layers, cfg.experts_per_token) if cfg.router_replay else None,
     )  # fmt: skip
     args = (state, batch)
     if typed.needs_reference:
@@ -337,7 +345,7 @@ def compile_sample_step(
     prompt = jax.ShapeDtypeStruct((rows, cache_len - max_new), jnp.int32)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
     _, shapes = tracing.eval_shape(
-        lambda p, t, n: decode.prefill(model, p, t, n, max_new),
+        lambda p, t, n: decode.prefill(model, p, t, n, max_new, routes=cfg.router_replay),
         abstract_params(model, mesh, rules), prompt, lengths,
     )  # fmt: skip
     spec = nn.logical_to_mesh_axes(("batch", "kv_heads"), rules)
@@ -348,6 +356,9 @@ def compile_sample_step(
         name: _abstract(getattr(shapes, name).shape, jnp.float32, mesh, PartitionSpec())
         for name in ("rope_cos", "rope_sin")
     })  # fmt: skip
+    if shapes.routes is not None:  # by row only (no KV-head axis)
+        cache = cache.replace(routes=_abstract(
+            shapes.routes.shape, shapes.routes.dtype, mesh, PartitionSpec(spec[0])))  # fmt: skip
     tokens = _abstract((rows,), jnp.int32, mesh, rows_spec)
     index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
