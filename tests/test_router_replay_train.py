@@ -133,6 +133,35 @@ def test_no_recorded_routing_no_routes_and_none_for_the_grpo_arm():
         dataclasses.replace(trajs[0], routed_experts=routes[0][:-1])
 
 
+def test_a_record_that_does_not_fit_the_model_is_an_error_or_an_unusable_episode():
+    """rl_rollouts.check_routes: a record of the wrong layers / experts per token raises
+    (engine and model disagree); an expert id >= num_experts, below -1, or twice for a token
+    ends the episode "engine_error", so its group is dropped, never trained on; -1 (the
+    router's own choice) and valid ids pass."""
+    from tg_jax.train.rl_rollouts import check_routes, drop_engine_errors
+
+    cfg = ModelConfig(**MOE)  # 2 layers, 2 of 4 experts per token
+    trajs = _trajectories(num=4)
+    rng = np.random.default_rng(0)
+    for i, t in enumerate(trajs):  # a group each; each token's 2 distinct experts per layer
+        t.group_id = i
+        ids = np.argsort(rng.random((len(t.tokens), 2, 4)), axis=-1)[..., :2]
+        t.routed_experts = ids.astype(np.int16)
+    trajs[0].routed_experts[:3] = -1  # tokens the rollout never fed
+    trajs[1].routed_experts[5, 1] = (1, 4)  # expert 4 of 4
+    trajs[2].routed_experts[7, 0] = (2, 2)  # the same expert twice
+    trajs[3].routed_experts[9, 0, 0] = -3
+    check_routes(trajs, cfg)
+    assert "termination" not in trajs[0].info
+    for t in trajs[1:]:
+        assert t.info["termination"] == "engine_error"
+        assert "routing record" in t.info["env_error"]
+    assert drop_engine_errors(trajs) == [trajs[0]]
+    wrong = dataclasses.replace(trajs[0], routed_experts=trajs[0].routed_experts[:, :1])
+    with pytest.raises(ValueError, match=r"\(layers, experts per token\).*\(2, 2\)"):
+        check_routes([wrong], cfg)
+
+
 # ---------------------------------------------------------------------------------------------
 # The loss's forwards route by it.
 # ---------------------------------------------------------------------------------------------

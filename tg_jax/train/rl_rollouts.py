@@ -135,6 +135,7 @@ class BatchRollout:
             rng=jax.random.fold_in(self.sampling_key, index), policy_version=version,
             first_group_id=index * len(tasks) + share.start, hint_picker=picker, play=play,
         )  # fmt: skip
+        check_routes(trajectories, self.sampler.model.config)
         trajectories = drop_engine_errors(trajectories)
         for t in trajectories:
             t.info["batch_index"] = index
@@ -238,6 +239,32 @@ def drop_engine_errors(trajectories: list[Trajectory]) -> list[Trajectory]:
         )
     kept[0].info["engine_error_groups"] = len(bad)
     return kept
+
+
+def check_routes(trajectories: Sequence[Trajectory], cfg: Any) -> None:
+    """Checks each routing record (`Trajectory.routed_experts`) against the model `cfg`: a
+    record whose shape is not [tokens, layers, experts per token] raises ValueError (an
+    engine or config that does not match the model); one with an expert id outside [0,
+    num_experts) or an expert twice for a token (unusable: replay would drop or double it)
+    ends its episode "engine_error", so `drop_engine_errors` drops its group."""
+    want = (int(cfg.num_layers), int(cfg.experts_per_token))
+    for t in trajectories:
+        r = t.routed_experts
+        if r is None:
+            continue
+        if tuple(r.shape[1:]) != want:
+            raise ValueError(
+                f"routing record of task {t.task_id!r} has {tuple(r.shape[1:])} (layers, "
+                f"experts per token) per token; the model routes {want}"
+            )
+        ids = np.sort(r[np.all(r >= 0, axis=-1)], axis=-1)  # [m, J]: tokens with a record
+        bad = (r < -1).any() or (ids >= cfg.num_experts).any() or (ids[:, 1:] == ids[:, :-1]).any()
+        if bad and t.info.get("termination") != "engine_error":
+            t.info["termination"] = "engine_error"
+            t.info["env_error"] = (
+                f"unusable routing record: an expert id outside [0, {cfg.num_experts}) or "
+                "twice for one token"
+            )
 
 
 def _routed_share(trajectories: Sequence[Any]) -> float:
