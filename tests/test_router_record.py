@@ -39,12 +39,13 @@ def _own_routing(model, params, tokens):
     return np.moveaxis(np.asarray(ids), 0, 2)[0]  # [L, 1, n, J] -> [n, L, J]
 
 
-def _check(model, params, completion, context):
+def _check(model, params, completion, context, start=0):
+    """The record of `context` + the completion's tokens, from position `start` on."""
     tokens = list(context) + completion.token_ids
     routes = completion.routed_experts
-    assert routes.shape == (len(tokens), CFG.num_layers, CFG.experts_per_token)
+    assert routes.shape == (len(tokens) - start, CFG.num_layers, CFG.experts_per_token)
     assert routes.dtype == np.int16
-    want = _own_routing(model, params, tokens)
+    want = _own_routing(model, params, tokens)[start:]
     np.testing.assert_array_equal(routes[:-1], want[:-1])  # every token the engine fed
     assert (routes[-1] == -1).all()  # the last one never was
 
@@ -104,7 +105,8 @@ def test_the_lockstep_sampler_records_the_forward_s_routing(setup, segment):
     """One call from the prompts, then three turns through a `TurnCache` (kept contexts,
     appended tokens, rows that shared a prompt): every row's record is the full forward's
     routing of its whole context and turn, the last token unrecorded; the tokens are those
-    the sampler draws without recording."""
+    the sampler draws without recording. With `routes_from` (later turns: from the first
+    token not fed yet, as the rollouts ask; one row from 0) only that window comes back."""
     model, params = setup
     recorder = Sampler(model, pad_id=0, length_multiple=16, segment=segment, record_routes=True)
     plain = Sampler(model, pad_id=0, length_multiple=16, segment=segment)
@@ -118,10 +120,12 @@ def test_the_lockstep_sampler_records_the_forward_s_routing(setup, segment):
     cache, ctx, rng = TurnCache(), [list(p) for p in prompts], np.random.default_rng(5)
     for turn in range(3):
         keys = list(range(len(ctx)))
+        starts = [0] + [len(c) - 4 for c in ctx[1:]] if turn else None
         out = recorder.sample(params, ctx, max_new_tokens=6, temperature=1.0,
-                              rng=jax.random.key(turn), cache=cache, keys=keys)  # fmt: skip
+                              rng=jax.random.key(turn), cache=cache, keys=keys,
+                              routes_from=starts)  # fmt: skip
         for i in range(len(ctx)):
-            _check(model, params, _as_completion(out, i), ctx[i])
+            _check(model, params, _as_completion(out, i), ctx[i], starts[i] if starts else 0)
             ctx[i] = ctx[i] + list(out.tokens[i]) + [int(x) for x in rng.integers(1, 64, 3)]
 
 

@@ -22,19 +22,16 @@ G rollouts of a prompt prefill it once (info["prefill_tokens"] counts them). The
 
 Limits:
   * A turn that reaches its token budget without a stop token is still recorded and sent to the
-    environment (which answers a malformed turn with an observation). To keep the chat format
-    well formed for the next turn, the stop token (`<|im_end|>`) is appended that the policy did
-    NOT sample: role PROMPT, turn id -1, behaviour log-prob 0, so the trainer never trains on
-    it (counted in info["truncated_turns"]).
+    environment (which answers a malformed turn with an observation); a stop token (`<|im_end|>`)
+    the policy did NOT sample closes it (role PROMPT, turn id -1, behaviour log-prob 0: never
+    trained on; counted in info["truncated_turns"]).
   * The context limit `max_total_tokens` (never exceeded): a turn's budget is min(max_new_tokens,
     room left - 1), the one slot kept for closing a cut turn; when not even `min_turn_tokens`
     fit before the next turn, the episode ends with termination "max_tokens" (the observation
     is not appended) and its rewards are computed from the environment's summary, task 0.
-  * `max_turns` (0 = leave it to the environment) ends an episode with "max_turns"; an
-    environment that ends on its own turn limit also reports "max_turns"; any other end of the
-    environment is "done".
-  * A prompt that leaves no room for a turn raises ValueError naming the task: silently
-    dropping it would unbalance its GRPO group.
+  * `max_turns` (0 = the environment's) ends an episode with "max_turns", as does an
+    environment's own turn limit; any other end of the environment is "done".
+  * A prompt that leaves no room for a turn raises ValueError naming the task (never dropped).
   * An environment (or tool) that raises in its step ends that episode only: termination
     "env_error", every reward 0, the error in info["env_error"] and a warning; the other
     episodes of the batch go on, and the group keeps its size.
@@ -203,13 +200,15 @@ def _start_episodes(
 
 
 def record_tokens(ep: Episode, renderer: ChatRenderer, tokens, logprobs, stopped: bool,
-                  prefill_tokens: float | None = None, routes=None) -> str:  # fmt: skip
+                  prefill_tokens: float | None = None, routes=None,
+                  routes_from: int = 0) -> str:  # fmt: skip
     """Appends a sampled turn to `ep` (its stop token last if `stopped`; a turn cut at its
     budget is closed by an `<|im_end|>` the policy did not sample); returns its text. routes:
-    the routing record of the whole context and turn (replaces the episode's)."""
+    the routing record of the context and turn from position `routes_from` on."""
     if prefill_tokens is not None:
         ep.prefill_tokens += float(prefill_tokens)
-    ep.routes = ep.routes if routes is None else routes
+    if routes is not None:
+        ep.routes = routes if not routes_from else np.concatenate([ep.routes[:routes_from], routes])
     header = renderer.assistant_header()
     k_turn = len(ep.turn_starts) - 1
     new = [int(t) for t in tokens]
@@ -297,6 +296,7 @@ def play_episodes(
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, config.env_workers)) as pool:
         while live:
             budgets = [min(config.max_new_tokens, room(ep)) for ep in live]
+            starts = [0 if ep.routes is None else len(ep.routes) - 1 for ep in live]  # not fed
             for ep in live:
                 ep.append(hint_ids, Role.HINT)
                 ep.turn_starts.append(len(ep.tokens))
@@ -306,12 +306,13 @@ def play_episodes(
                 stop_ids=renderer.end_of_turn_ids, temperature=config.temperature,
                 top_k=config.top_k, top_p=config.top_p, rng=jax.random.fold_in(rng, turn),
                 row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
-                cache=cache, keys=[id(ep) for ep in live],
+                cache=cache, keys=[id(ep) for ep in live], routes_from=starts,
             )  # fmt: skip
             pre = [None] * len(live) if out.prefill_tokens is None else out.prefill_tokens
             routes = [None] * len(live) if out.routes is None else out.routes
             texts = [record_tokens(ep, renderer, out.tokens[k], out.logprobs[k], out.stopped[k],
-                                   pre[k], routes[k]) for k, ep in enumerate(live)]  # fmt: skip
+                                   pre[k], routes[k], starts[k])
+                     for k, ep in enumerate(live)]  # fmt: skip
             results = list(pool.map(_step, live, texts))
 
             live = [ep for ep, text, res in zip(live, texts, results, strict=True)

@@ -291,8 +291,9 @@ class SampleResult:
       stopped: [B] bool, the row ended on a stop id (else it hit its max new tokens).
       prefill_tokens: [B] f32 prompt tokens the call ran through the model for the row (a
         prefill shared by k rows counts 1 / k to each); None when not counted.
-      routes: with `record_routes`, per row [prompt + n_b, L, J] int16: the experts each
-        layer routed each token to when it was fed, -1 for the last token; else None.
+      routes: with `record_routes`, per row [prompt + n_b - routes_from_b, L, J] int16: the
+        experts each layer routed each token to when it was fed, from position routes_from_b
+        (`Sampler.sample`), -1 for the last token; else None.
     """
 
     tokens: list[np.ndarray]
@@ -301,6 +302,16 @@ class SampleResult:
     stopped: np.ndarray
     prefill_tokens: np.ndarray | None = None
     routes: list[np.ndarray] | None = None
+
+
+@functools.partial(tracing.jit, static_argnums=2)
+def _routes_window(routes_BxSxLxJ: Array, start_B: Array, width: int) -> Array:
+    """Positions start_b .. start_b + width - 1 of each row's routing record (-1 past its end)."""
+    pos_BxW = start_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    inside = pos_BxW < routes_BxSxLxJ.shape[1]
+    src = jnp.where(inside, pos_BxW, 0)[:, :, None, None]
+    window = jnp.take_along_axis(routes_BxSxLxJ, src, axis=1)
+    return jnp.where(inside[:, :, None, None], window, jnp.int16(-1))
 
 
 # The jitted entry points by kind: what precedes the shared sampling settings in their arguments.
@@ -409,6 +420,7 @@ class Sampler:
         row_ids: Sequence[int] | None = None,
         cache: PromptCache | None = None,
         keys: Sequence[Hashable] | None = None,
+        routes_from: Sequence[int] | None = None,
     ) -> SampleResult:
         """Samples a continuation of every prompt.
 
@@ -427,6 +439,9 @@ class Sampler:
             key it holds prefills only what its prompt appends to that row's context
             (`tg_jax.sampling.turn_cache`). Same tokens as without it (to float rounding).
           keys: with `cache`, the rows' ids in it.
+          routes_from: with `record_routes`, per row the first position whose routing record
+            the result carries (the caller holds the rest from earlier calls): only that
+            window leaves the devices. None: from 0.
         Returns:
           SampleResult with B rows.
         """
@@ -453,6 +468,12 @@ class Sampler:
             out, prefilled = cache.run(
                 self, params, prompts, keys, settings, rng, n, row_ids_B=row_ids_B
             )
+        start = np.zeros((n_rows,), np.int32) if routes_from is None else np.asarray(routes_from)
+        if out.routes_BxSxLxJ is not None:  # [B, W, L, J] from each row's start
+            w = length_bucket(int((lengths - start).max()) + n, self.length_multiple)
+            window = _routes_window(out.routes_BxSxLxJ, pad_to(start, b, 0),
+                                    min(w, out.routes_BxSxLxJ.shape[1]))  # fmt: skip
+            out = out.replace(routes_BxSxLxJ=window)
         out = jax.device_get(out)
         ln = out.lengths_B
         routes = out.routes_BxSxLxJ
@@ -463,7 +484,7 @@ class Sampler:
             stopped=np.asarray(out.stopped_B[:n_rows]),
             prefill_tokens=prefilled,
             routes=None if routes is None else [
-                np.asarray(routes[i, : lengths[i] + ln[i]]) for i in range(n_rows)],
+                np.asarray(routes[i, : lengths[i] + ln[i] - start[i]]) for i in range(n_rows)],
         )  # fmt: skip
         if cache is not None:
             cache.record(prompts, keys, result.tokens)
