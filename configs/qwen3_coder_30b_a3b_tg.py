@@ -2,8 +2,8 @@
 
 200 RL steps of 32 groups x 32 rollouts, one epoch over the tasks, async sampling (docs/design.md
 section 1), RL from the Hugging Face checkpoint (no SFT), bf16 compute with fp32 master
-weights, full rematerialisation, expert parallelism. Builds on configs/hf_tg.py: every section
-not set here (env, tasks, tg options, ...) is that config's.
+weights, full rematerialisation, expert parallelism, MoE router replay. Builds on
+configs/hf_tg.py: every section not set here (env, tasks, tg options, ...) is that config's.
 
 Launch (creates the slice, installs on every worker, runs, resumes after preemption):
     bash launch/tpu.sh --name=tg-30b --zone=us-east5-a --project=PROJECT --topology=v5p:2x4x4 \
@@ -47,6 +47,11 @@ def get_config(arg=None):
     # Qwen3-Coder has no thinking (its template drops reasoning_content): nothing to distil
     # but answers (tg.include_thinking = True is refused at start-up for such a template).
     c.tg.include_thinking = False
+    # MoE router replay (R3): the trainer's student and teacher forwards route each token to
+    # the experts the rollout routed it to (Qwen3-30B-A3B GRPO runs collapsed without it in
+    # Megatron-LM issue 4168). Its records: 0.75 GiB per chip beside a host's decode step and
+    # 0.4 GiB in the train step's batch (docs/tpu.md).
+    c.model.router_replay = True
     if arg == "runlocal_split":  # the split layout, tiny: trainer 4 + sampler 4 CPU devices
         _split(c, num_devices=4, tensor=2)
     if arg in ("runlocal", "runlocal_split"):

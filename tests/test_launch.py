@@ -198,7 +198,8 @@ def test_local_pod_of_the_split_layout_through_a_sigterm_trains_what_one_process
     each), SIGTERM to worker 1 alone once checkpoint 1 is written: both workers stop at the
     step they agree on (exit 143), the same command resumes; 1 process x 8 (the last 4
     sample) runs uninterrupted. Both export the same weights after 6 deterministic RL steps,
-    moved from the checkpoint; the pod logged each weight sync's seconds, one record a step."""
+    moved from the checkpoint; the pod logged each weight sync's seconds, one record a step;
+    both trained with MoE router replay (the config's), each rollout's routing recorded."""
     import signal
     import subprocess
     import time
@@ -266,6 +267,8 @@ def test_local_pod_of_the_split_layout_through_a_sigterm_trains_what_one_process
     train = [r for r in read_metrics(str(run)) if r["stage"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 7))  # one writer, nothing repeated
     assert all(r["time/publish_s"] > 0 for r in train)
+    # The config replays the rollouts' routing (model.router_replay): recorded across processes.
+    assert all(r["rollout/routed_share"] > 0.5 for r in train)
 
 
 def test_cpu_processes_get_threads_for_blocking_collectives(monkeypatch):
