@@ -49,8 +49,9 @@ def get_config(arg=None):
     c.tg.include_thinking = False
     # MoE router replay (R3): the trainer's student and teacher forwards route each token to
     # the experts the rollout routed it to (Qwen3-30B-A3B GRPO runs collapsed without it in
-    # Megatron-LM issue 4168). Its records: 0.75 GiB per chip beside a host's decode step and
-    # 0.4 GiB in the train step's batch (docs/tpu.md).
+    # Megatron-LM issue 4168). Compiled for v5p-64 it costs the train step 6.6 GiB per chip
+    # (its records 0.4 GiB, the replaying forwards the rest) and a decode call its rows'
+    # record (docs/tpu.md).
     c.model.router_replay = True
     if arg == "runlocal_split":  # the split layout, tiny: trainer 4 + sampler 4 CPU devices
         _split(c, num_devices=4, tensor=2)
@@ -91,10 +92,12 @@ def get_config(arg=None):
     # Each host (4 chips) samples its share of the rows with its own bf16 copy of the weights
     # split 4 ways (one KV head per chip): 14.2 GiB per chip, not a 57 GiB replica (README).
     c.sampler_mesh.shape = (-1, 4)
-    # Full teacher rows: with async sampling the train step and a host's sampler (its weights,
-    # 128 rows' KV cache) are on the chips at once: 51.4 + 14.2 + 24.1 = 89.7 GiB of 95; compact
-    # rows (77.9 GiB for the step) would need 116 (README, tg_jax.tpu.aot).
+    # Full teacher rows, and a host's 128 rollouts decoded 64 at a time: with async sampling the
+    # train step and a host's sampler (its weights, one call's KV cache) are on the chips at
+    # once: 58.1 + 14.2 + 12.4 = 84.7 GiB of 95 with router replay (all 128 rows in one call:
+    # 97.1; compact rows, 77.9 GiB for the step without replay, more). docs/tpu.md.
     c.tg.compact = False
+    c.sampler_mesh.max_rows = 64
     c.rl.max_staleness = 1  # async: rollouts from the previous policy version are accepted
     c.rl.temperature = 1.0  # sampling temperature (trainer logits divided by it)
     c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)
