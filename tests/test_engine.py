@@ -390,10 +390,23 @@ def test_agentic_bench_section_runs_both_arms_on_one_workload():
         episodes=3, max_turns=2, median_tokens=4, max_tokens=8, median_tool_s=0.002,
         page_size=4, prefill_chunk=8, model_fields=fields, warmup=False,
         engine_options=dict(bucket_pages=False, bucket_slots=False),
+        step_episodes=5, step_rows=2, swe_runner="sandbox",
     )  # fmt: skip
     assert all(np.isfinite(v) for v in out.values())
     assert out["agentic/tokens"] == sum(map(sum, w.turn_tokens))
     assert out["agentic/kv_bytes"] == out["agentic/lockstep_kv_bytes"]
+    # No engine beats the slowest episode's own tool seconds: the bound is the lock-step wall
+    # (tokens / tok_s) over them.
+    lock_wall = out["agentic/tokens"] / out["agentic/lockstep_tok_s"]
+    slowest = max(sum(t) for t in w.tool_s)
+    assert out["agentic/speedup_tool_bound"] == pytest.approx(lock_wall / slowest, rel=1e-6)
+    # The RL step's shape: 5 episodes, 2 rows at a time for the lock-step sampler; equal bytes.
+    step = make_workload(5, 2, median_tokens=4, max_tokens=8, median_tool_s=0.002, vocab=96)
+    assert out["agentic/step_tokens"] == sum(map(sum, step.turn_tokens))
+    assert out["agentic/step_kv_bytes"] == out["agentic/step_lockstep_kv_bytes"]
+    assert out["agentic/step_kv_bytes"] < out["agentic/kv_bytes"]  # 2 rows' cache, not 3
+    # Real tools: every call ran a SWE task's tests in the sandbox.
+    assert out["agentic/swe_tool_s_median"] > 0 and out["agentic/swe_speedup"] > 0
     slot_bytes = 2 * 2 * 2 * 16 * 4  # k and v, 2 layers, 2 kv heads, head dim 16, fp32
     assert out["agentic/kv_bytes_per_live_token"] >= slot_bytes
     assert out["agentic/tok_s"] > 0 and out["agentic/lockstep_tok_s"] > 0

@@ -416,7 +416,11 @@ def run_suite(
         # --engines=builtin,vllm adds vLLM as a third arm.
         "agentic": lambda: agentic.agentic_section(
             vllm="vllm" in engines,
-            **({"episodes": 4, "max_turns": 2, "max_tokens": 64} if suite.tiny_models else {}),
+            **(
+                {"episodes": 4, "max_turns": 2, "max_tokens": 64}
+                if suite.tiny_models  # an RL step's shape: 64 episodes in 16 rows' KV bytes
+                else {"step_episodes": 64, "step_rows": 16, "swe_runner": "namespace"}
+            ),
         ),
     }
     seconds = {}
