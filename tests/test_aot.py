@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from tg_jax import config_files, sharding
 from tg_jax.models import ModelConfig, Transformer, hf_dir
 from tg_jax.sampling import placement
-from tg_jax.tpu import aot
+from tg_jax.tpu import aot, hbm
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -35,20 +35,20 @@ def _tiny_config(mesh_shape, moe=True):
 
 
 def test_hbm_per_device():
-    gib = aot.GIB
-    assert aot.hbm_bytes_per_device("v5p:2x4x4", 32) == 95 * gib  # megacore: a device = a chip
-    assert aot.hbm_bytes_per_device("v4:2x2x2", 16) == 16 * gib  # v4 devices are TensorCores
-    assert aot.hbm_bytes_per_device("v5e:4x4", 16) == 16 * gib
+    gib = hbm.GIB
+    assert hbm.hbm_bytes_per_device("v5p:2x4x4", 32) == 95 * gib  # megacore: a device = a chip
+    assert hbm.hbm_bytes_per_device("v4:2x2x2", 16) == 16 * gib  # v4 devices are TensorCores
+    assert hbm.hbm_bytes_per_device("v5e:4x4", 16) == 16 * gib
     with pytest.raises(ValueError, match="Unknown TPU kind"):
-        aot.hbm_bytes_per_device("v9:2x2", 4)
+        hbm.hbm_bytes_per_device("v9:2x2", 4)
 
 
 def test_memory_report_total_counts_donated_buffers_once():
-    r = aot.MemoryReport("step", arguments=10, outputs=8, aliased=6, temps=3, code=1, hbm=20.0)
+    r = hbm.MemoryReport("step", arguments=10, outputs=8, aliased=6, temps=3, code=1, hbm=20.0)
     assert r.total == 16
     assert dataclasses.replace(r, resident=2).total == 18
     assert "fits" in r.format() and "80%" in r.format()
-    assert "DOES NOT FIT" in aot.MemoryReport("s", 30, 0, 0, 0, 0, 20.0).format()
+    assert "DOES NOT FIT" in hbm.MemoryReport("s", 30, 0, 0, 0, 0, 20.0).format()
 
 
 def test_fit_drops_axes_that_do_not_divide():
@@ -70,7 +70,7 @@ def test_compiles_on_cpu_devices():
         mesh = sharding.make_mesh(cfg.mesh)
         compiled.append(fn(cfg, mesh, sharding.logical_rules(cfg.mesh)))
     for c in compiled:
-        report = aot.memory_report(c, "cpu", hbm=2.0**30)
+        report = hbm.memory_report(c, "cpu", hbm=2.0**30)
         assert report.arguments > 0 and report.total > 0
 
 
@@ -81,13 +81,13 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
     cfg = _tiny_config((1, 2, 1, 2))
     mesh = sharding.make_mesh(cfg.mesh, devices)
     rules = sharding.logical_rules(cfg.mesh)
-    hbm = aot.hbm_bytes_per_device("v5e:2x2", len(devices))
+    chip = hbm.hbm_bytes_per_device("v5e:2x2", len(devices))
     # The real TG train step with the MoE's shard_map (ragged_dot / one-hot experts) on TPU;
     # the sample step's lowering is covered on CPU above (it compiles for TPU the same way).
     shapes = aot.TrainShapes(rows=8, seq_len=64, teacher_rows=8, teacher_len=64, prefix_len=64)
     train = aot.compile_tg_train_step(cfg, mesh, rules, shapes)
-    report = aot.memory_report(train, "train", hbm)
-    assert 0 < report.total < hbm  # a tiny model: far below a v5e chip's 16 GiB
+    report = hbm.memory_report(train, "train", chip)
+    assert 0 < report.total < chip  # a tiny model: far below a v5e chip's 16 GiB
     assert report.arguments > 0
 
 
@@ -162,7 +162,7 @@ def test_compile_programs_split_on_cpu():
         assert set(mesh.devices.flat) == set(want)
         used = {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
         assert used == set(want)
-        assert aot.memory_report(compiled, "cpu", hbm=2.0**30).arguments > 0
+        assert hbm.memory_report(compiled, "cpu", hbm=2.0**30).arguments > 0
 
 
 def test_architecture_from_config_json_only(tmp_path):
@@ -247,7 +247,7 @@ def test_compile_programs_per_host_samplers_on_cpu():
     assert sample.name.startswith(f"sample step ({rows // 2} rows")  # a host's share
     assert set(train.mesh.devices.flat) == set(meshes.trainer.devices.flat)
     model = Transformer(ModelConfig.from_config(aot.resolve_architecture(split).model))
-    bf16 = aot.bytes_per_device(
+    bf16 = hbm.bytes_per_device(
         aot._in_dtype(aot.abstract_params(model, meshes.sampler, meshes.sampler_rules), "bfloat16")
     )
     assert train.resident == sample.resident == bf16 > 0
@@ -266,7 +266,7 @@ def test_router_replay_adds_its_routing_arrays_to_both_programs():
         c = config_files.apply_overrides(cfg, {"model.router_replay": replay})
         train = aot.compile_tg_train_step(c, mesh, rules, shapes)
         sample = aot.compile_sample_step(c, mesh, rules, rows=8, cache_len=32, max_new=8)
-        sizes[replay] = [aot.memory_report(p, "cpu", hbm=2.0**30).arguments
+        sizes[replay] = [hbm.memory_report(p, "cpu", hbm=2.0**30).arguments
                          for p in (train, sample)]  # fmt: skip
     per_token = 2 * 2 * 2  # layers x experts per token x int16 bytes
     want_train = (8 * 32 + 8 * 40) * per_token // ways

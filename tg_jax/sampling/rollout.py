@@ -314,7 +314,6 @@ def play_episodes(
                                    pre[k], routes[k], starts[k])
                      for k, ep in enumerate(live)]  # fmt: skip
             results = list(pool.map(_step, live, texts))
-
             live = [ep for ep, text, res in zip(live, texts, results, strict=True)
                     if _after_turn(ep, text, res, renderer, config, room)]  # fmt: skip
             turn += 1

@@ -304,14 +304,17 @@ class SampleResult:
     routes: list[np.ndarray] | None = None
 
 
-@functools.partial(tracing.jit, static_argnums=2)
-def _routes_window(routes_BxSxLxJ: Array, start_B: Array, width: int) -> Array:
-    """Positions start_b .. start_b + width - 1 of each row's routing record (-1 past its end)."""
-    pos_BxW = start_B[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    inside = pos_BxW < routes_BxSxLxJ.shape[1]
-    src = jnp.where(inside, pos_BxW, 0)[:, :, None, None]
-    window = jnp.take_along_axis(routes_BxSxLxJ, src, axis=1)
-    return jnp.where(inside[:, :, None, None], window, jnp.int16(-1))
+_routes_window = tracing.jit(decode.routes_window, static_argnums=2)
+
+
+def _from_start(out: SampleOutput, lengths, start, n: int, multiple: int) -> SampleOutput:
+    """`out` with its routing record (if any) cut to each row's positions from `start` on, [B,
+    W, L, J] (W bucketed: the rows' prompt beyond their start and the n new-token slots)."""
+    if out.routes_BxSxLxJ is None:
+        return out
+    routes = out.routes_BxSxLxJ
+    w = min(length_bucket(int((lengths - start).max()) + n, multiple), routes.shape[1])
+    return out.replace(routes_BxSxLxJ=_routes_window(routes, pad_to(start, routes.shape[0], 0), w))
 
 
 # The jitted entry points by kind: what precedes the shared sampling settings in their arguments.
@@ -469,11 +472,7 @@ class Sampler:
                 self, params, prompts, keys, settings, rng, n, row_ids_B=row_ids_B
             )
         start = np.zeros((n_rows,), np.int32) if routes_from is None else np.asarray(routes_from)
-        if out.routes_BxSxLxJ is not None:  # [B, W, L, J] from each row's start
-            w = length_bucket(int((lengths - start).max()) + n, self.length_multiple)
-            window = _routes_window(out.routes_BxSxLxJ, pad_to(start, b, 0),
-                                    min(w, out.routes_BxSxLxJ.shape[1]))  # fmt: skip
-            out = out.replace(routes_BxSxLxJ=window)
+        out = _from_start(out, lengths, start, n, self.length_multiple)
         out = jax.device_get(out)
         ln = out.lengths_B
         routes = out.routes_BxSxLxJ

@@ -135,7 +135,8 @@ class BatchRollout:
             rng=jax.random.fold_in(self.sampling_key, index), policy_version=version,
             first_group_id=index * len(tasks) + share.start, hint_picker=picker, play=play,
         )  # fmt: skip
-        check_routes(trajectories, self.sampler.model.config)
+        if any(t.routed_experts is not None for t in trajectories):  # router replay
+            check_routes(trajectories, self.sampler.model.config)
         trajectories = drop_engine_errors(trajectories)
         for t in trajectories:
             t.info["batch_index"] = index
