@@ -106,13 +106,12 @@ def init_pool(model: Transformer, num_pages: int, page_size: int, routes: bool =
     return PagedPool(k, v, jnp.full(shape_r, -1, jnp.int16) if routes else None)
 
 
-def pool_bytes(model: Transformer, num_pages: int, page_size: int, routes: bool = False) -> int:
-    """Bytes of `init_pool(model, num_pages, page_size, routes)` (without building it)."""
+def pool_bytes(model: Transformer, num_pages: int, page_size: int) -> int:
+    """Bytes of the keys and values of `init_pool(model, num_pages, page_size)` (without
+    building it)."""
     cfg = model.config
     per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    kv = num_pages * page_size * per_slot * jnp.dtype(cfg.jnp_dtype).itemsize
-    record = num_pages * page_size * cfg.num_layers * cfg.experts_per_token * 2  # int16
-    return kv + (record if routes else 0)
+    return num_pages * page_size * per_slot * jnp.dtype(cfg.jnp_dtype).itemsize
 
 
 def _write_and_gather(pool_x: Array, new_BxTxKxH: Array, page_BxT, offset_BxT, table_BxM):

@@ -430,12 +430,13 @@ def _attention_output_and_ffn(cfg, w: dict[str, Any], x_BxTxD: Array, attn_BxTxN
     b, t = attn_BxTxNxH.shape[:2]
     x_BxTxD = x_BxTxD + attn_BxTxNxH.reshape(b, t, -1) @ w["o"]
     hid_BxTxD = _norm(cfg, x_BxTxD, w["mlp_norm"])
-    if cfg.is_moe:
+    if cfg.is_moe and routes:  # the router's choices are sown only where they are asked for
         ffn, state = make_ffn(cfg, "mlp").apply(
             {"params": w["mlp"]}, hid_BxTxD, replay_BxTxJ, mutable=["intermediates"]
         )
-        if routes:
-            return x_BxTxD + ffn, state["intermediates"]["router_ids"][0]
+        return x_BxTxD + ffn, state["intermediates"]["router_ids"][0]
+    if cfg.is_moe:
+        ffn = make_ffn(cfg, "mlp").apply({"params": w["mlp"]}, hid_BxTxD, replay_BxTxJ)
     else:
         gate_BxTxF, up_BxTxF = jnp.split(hid_BxTxD.astype(dt) @ w["gate_up"], 2, axis=-1)
         ffn = (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ w["down"]

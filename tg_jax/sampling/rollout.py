@@ -122,7 +122,7 @@ class Episode:
     texts: list[str] = dataclasses.field(default_factory=list)  # per turn, as sent to the env
     error: str = ""  # the environment error that ended it (termination "env_error")
     weight_sync_s: float = 0.0  # the rollout engine's weight sync before its call (seconds)
-    routes: Any = None  # the engine's routing record of its tokens (Trajectory.routed_experts)
+    routes: Any = None  # the rollout's routing record of its tokens (Trajectory.routed_experts)
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:
         self.tokens += [int(t) for t in ids]

@@ -134,10 +134,11 @@ def abstract_tg_batch(
             teacher_start_Bt=a((shapes.teacher_rows,), jnp.int32),
             teacher_compact=True, teacher_prefix_len=shapes.prefix_len,
         )  # fmt: skip
-    if routes is not None:
+    if routes is not None:  # teacher rows' only with a teacher (`build_batch`, mode "none")
         extra["routes_BxTxLxJ"] = a((shapes.rows, shapes.seq_len, *routes), jnp.int16)
         teacher = (shapes.teacher_rows, shapes.teacher_len, *routes)
-        extra["teacher_routes_BtxTtxLxJ"] = a(teacher, jnp.int16)
+        if mode != "none":
+            extra["teacher_routes_BtxTtxLxJ"] = a(teacher, jnp.int16)
     return Batch(
         tokens_BxT=s(jnp.int32), positions_BxT=s(jnp.int32), segment_ids_BxT=s(jnp.int32),
         targets_BxT=s(jnp.int32), loss_mask_BxT=s(jnp.bool_), answer_mask_BxT=s(jnp.bool_),
