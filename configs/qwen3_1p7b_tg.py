@@ -76,6 +76,11 @@ def get_config(arg=None):
     # A step's 1024 rows x 8192 slots in one sampler call need 226 GiB per chip (tg_jax.tpu.aot);
     # 256 rows need 57.7 of v5p's 95: rollouts are sampled 256 episodes at a time.
     c.sampler_mesh.max_rows = 256
+    # The built-in engine (--config.rl_loop.rollout_engine=builtin) decodes the step's 1024
+    # episodes at once over a KV pool of 1.5M tokens (1465 a live episode on average; past it
+    # the newest is preempted and requeued): its decode call is 51.5 GiB per chip, 81.5 with the
+    # train step beside it (python -m tg_jax.tpu.aot --what=engine; docs/tpu.md).
+    c.rl_loop.engine_kv_tokens = 1_500_000
     c.rl_loop.checkpoint_every = 10  # lose at most 10 steps to a preemption
     c.rl_loop.eval_every = 50  # held-out evaluation interval
     return c

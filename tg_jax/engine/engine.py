@@ -53,6 +53,7 @@ import numpy as np
 from tg_jax.engine import paged
 from tg_jax.engine.paged import TRACES, copy_jit, decode_jit, prefill_jit, routes_jit, weights_jit
 from tg_jax.engine.pages import PageAllocator, PageTable, PrefixIndex
+from tg_jax.engine.placement import Placement, for_sampler
 from tg_jax.engine.requests import Completion, Request, Sequence, error_completion
 from tg_jax.models.qwen3 import Transformer
 from tg_jax.sampling.trajectory import aligned_routes
@@ -82,6 +83,7 @@ class Engine:
         decode_steps: int = 1,
         stop_width: int = 4,
         record_routes: bool = False,
+        mesh: Any = None,
     ):
         """Args:
         max_slots: sequences decoded per step.
@@ -106,6 +108,10 @@ class Engine:
           host; the row then draws past its stop, which is dropped).
         record_routes: MoE: every completion carries the experts each layer routed each of its
           tokens to (`Completion.routed_experts`, for router replay in the trainer).
+        mesh: the devices the engine runs on as one replica (`placement`: weights and the
+          pool's KV heads split over "tensor", rows over "data"; a sampler's ("data", "tensor")
+          mesh as it is, another (a trainer's) remade by `placement.engine_mesh`); None or one
+          device: the default device (or wherever the params are).
         """
         if min(decode_steps, stop_width) < 1:
             raise ValueError(f"decode_steps, stop_width must be >= 1: {decode_steps}, {stop_width}")
@@ -119,7 +125,11 @@ class Engine:
         self.bucket_pages, self.bucket_slots = bucket_pages, bucket_slots
         self.decode_steps, self.stop_width = int(decode_steps), int(stop_width)
         self.num_traces = 0  # traces (compilations) this engine's calls caused
-        self.pool = paged.init_pool(model, self.num_pages, self.page_size, record_routes)
+        mesh = for_sampler(mesh, model.config.num_kv_heads)
+        self.placement = None if mesh is None else Placement(model, mesh)
+        self.pool = paged.init_pool(
+            model, self.num_pages, self.page_size, record_routes, self.placement
+        )
         self.pages = PageTable(self.num_pages, self.page_size)
         self._slots: list[Sequence | None] = [None] * self.max_slots
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -136,6 +146,8 @@ class Engine:
     def _call(self, fn, *args):
         """A jitted function of this module, counting the traces the call caused."""
         before = TRACES[0]
+        if self.placement is not None:
+            args = self.placement.host(args)
         out = fn(self.model, *args)
         self.num_traces += TRACES[0] - before
         return out
@@ -158,6 +170,8 @@ class Engine:
     def update_weights(self, params: Any, version: int) -> None:
         """New weights from the next step on (call between steps: it takes the step lock)."""
         with self._step_lock:
+            if self.placement is not None:
+                params = self.placement.params(params)
             self._weights = self._call(weights_jit, params)
             self.version = int(version)
             # Pages written so far hold the old weights' keys and values: no new request may

@@ -92,18 +92,28 @@ class PagedPool:
         return sum(x.size * x.dtype.itemsize for x in arrays)
 
 
-def init_pool(model: Transformer, num_pages: int, page_size: int, routes: bool = False
-              ) -> PagedPool:  # fmt: skip
+def init_pool(model: Transformer, num_pages: int, page_size: int, routes: bool = False,
+              placement: Any = None) -> PagedPool:  # fmt: skip
     """A zeroed pool for `model` (zeros: a masked slot must not hold NaN or inf); routes: with
-    the MoE routing record (-1 = not fed yet)."""
+    the MoE routing record (-1 = not fed yet); placement: made in place on its mesh
+    (`tg_jax.engine.placement.Placement`: keys and values split on their KV heads), never
+    whole on one device."""
     cfg = model.config
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    k = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
-    v = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
     if routes and not cfg.is_moe:
         raise ValueError("a routing record (router replay) needs a mixture-of-experts model")
+    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     shape_r = (num_pages, page_size, cfg.num_layers, cfg.experts_per_token)
-    return PagedPool(k, v, jnp.full(shape_r, -1, jnp.int16) if routes else None)
+
+    def make():
+        k = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+        v = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+        return PagedPool(k, v, jnp.full(shape_r, -1, jnp.int16) if routes else None)
+
+    if placement is None:
+        return make()
+    kv = (placement.kv,) * cfg.num_layers
+    out = PagedPool(kv, kv, placement.replicated if routes else None)
+    return tracing.jit(make, out_shardings=out)()
 
 
 def pool_bytes(model: Transformer, num_pages: int, page_size: int) -> int:
@@ -299,6 +309,13 @@ def sample_steps(
     return tuple(x.T for x in outs), pool
 
 
+def engine_weights(model: Transformer, params: Any) -> decode.DecodeWeights:
+    """`decode.decode_weights` without the stacked layer params it was made from: the engine
+    keeps its weights between calls, and its calls read only the per-layer copies."""
+    w = decode.decode_weights(model, params)
+    return w.replace(params={k: v for k, v in w.params.items() if k != "layers"})
+
+
 def buckets(limit: int, on: bool = True) -> list[int]:
     """Sizes a bucketed dimension takes: powers of two below `limit`, then `limit` (off:
     `limit` only)."""
@@ -320,7 +337,7 @@ def _traced(fn):
     return functools.wraps(fn)(body)
 
 
-weights_jit = tracing.jit(_traced(decode.decode_weights), static_argnums=0)
+weights_jit = tracing.jit(_traced(engine_weights), static_argnums=0)
 prefill_jit = tracing.jit(_traced(prefill_chunk), static_argnums=0, donate_argnums=(2,))
 decode_jit = tracing.jit(_traced(sample_steps), static_argnums=(0, 5), donate_argnums=(2,))
 copy_jit = tracing.jit(
@@ -341,6 +358,7 @@ __all__ = [
     "copy_page",
     "decode_step",
     "draw",
+    "engine_weights",
     "init_pool",
     "page_routes",
     "pool_bytes",

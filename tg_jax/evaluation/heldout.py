@@ -100,6 +100,7 @@ def heldout_episodes(
     runner = agent_loop.runner_from_config(
         config, engine_api, getattr(sampler, "model", None), episodes=len(tasks),
         max_total_tokens=rollout_cfg.max_total_tokens, pad_id=renderer.tokenizer.pad_id,
+        mesh=getattr(sampler, "mesh", None),
     )  # fmt: skip
     records: list[EpisodeRecord] = []
     trajectories: list[Any] = []

@@ -65,9 +65,11 @@ _CALLS = itertools.count()  # request ids of different calls never collide
 class EngineRunner:
     """An `Engine` made at the first `load`, sized for `slots` episodes of `max_total_tokens`.
 
-    Every episode may hold max_total_tokens tokens in pages of `page_size`: the pool has
-    slots * ceil(max_total_tokens / page_size) pages (+ the scratch page), so no admitted
-    sequence is ever preempted for lack of pages. `engine_api` is the `tg_jax.engine` package
+    Every episode may hold max_total_tokens tokens in pages of `page_size`: by default the pool
+    has slots * ceil(max_total_tokens / page_size) pages (+ the scratch page), so no admitted
+    sequence is ever preempted for lack of pages; `kv_tokens` sizes it in tokens instead
+    (preemption and requeue when the live tokens outgrow it). `mesh`: the sampler's devices
+    (`Engine(mesh)`). `engine_api` is the `tg_jax.engine` package
     (its `Engine` and `Request`): it imports tg_jax.sampling (the draws), so this module takes
     it from its callers instead of importing it (no package import cycle, tests/test_layout).
     """
@@ -75,9 +77,14 @@ class EngineRunner:
     def __init__(self, engine_api: Any, model: Any, *, slots: int, max_total_tokens: int,
                  page_size: int = 16, pad_id: int = 0, prefill_chunk: int = 64,
                  prefill_rows: int = 4, decode_steps: int = 1,
-                 record_routes: bool = False):  # fmt: skip
+                 record_routes: bool = False, mesh: Any = None,
+                 kv_tokens: int = 0):  # fmt: skip
         self.api = engine_api
         self.record_routes = bool(record_routes)  # MoE router replay: Engine(record_routes)
+        self.mesh = mesh  # the sampler's devices: Engine(mesh)
+        if kv_tokens < 0:
+            raise ValueError(f"engine KV tokens must be >= 0, got {kv_tokens}")
+        self.num_pages = -(-int(kv_tokens) // int(page_size)) + 1 if kv_tokens else None
         if slots < 1 or page_size < 1:
             raise ValueError(f"engine slots and page size must be >= 1, got {slots}, {page_size}")
         self.model, self.slots, self.page_size = model, int(slots), int(page_size)
@@ -99,7 +106,7 @@ class EngineRunner:
                 max_pages_per_seq=self.max_pages, prefill_chunk=self.prefill_chunk,
                 prefill_rows=self.prefill_rows, pad_id=self.pad_id, decode_steps=self.decode_steps,
                 max_kept=max(1024, 2 * self.slots), version=0 if version is None else version,
-                record_routes=self.record_routes,
+                record_routes=self.record_routes, mesh=self.mesh, num_pages=self.num_pages,
             )  # fmt: skip
         elif params is not self._params:
             new = self.engine.version + 1 if version is None else version
@@ -139,12 +146,13 @@ def router_replay(config: Any) -> bool:
 
 
 def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: int,
-                       max_total_tokens: int, pad_id: int) -> Any:  # fmt: skip
+                       max_total_tokens: int, pad_id: int, mesh: Any = None) -> Any:  # fmt: skip
     """The engine of `rl_loop.rollout_engine`: an `EngineRunner` ("builtin"), a
     `tg_jax.engine.VllmRunner` ("vllm"), or None for the lock-step path.
 
     slots: `rl_loop.engine_slots`, 0 = `episodes` (every episode of a call decodes at once);
-    page size `rl_loop.engine_page_size`, tokens per decode call `rl_loop.engine_decode_steps`.
+    page size `rl_loop.engine_page_size`, tokens per decode call `rl_loop.engine_decode_steps`,
+    the pool's tokens `rl_loop.engine_kv_tokens`, on `mesh` (the sampler's).
     vLLM: the checkpoint `model.hf_checkpoint` (the run's base; the trainer's params are
     loaded into it at each call), slots `rl_loop.engine_slots`, 0 = the RL step's episodes
     (groups_per_step x rollouts_per_group; more wait in vLLM's queue), contexts up to
@@ -167,7 +175,8 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
     return EngineRunner(
         engine_api, model, slots=slots, max_total_tokens=max_total_tokens,
         page_size=int(lc.get("engine_page_size", 16)), pad_id=pad_id,
-        decode_steps=int(lc.get("engine_decode_steps", 1)), record_routes=replay,
+        decode_steps=int(lc.get("engine_decode_steps", 1)), record_routes=replay, mesh=mesh,
+        kv_tokens=int(lc.get("engine_kv_tokens", 0)),
     )  # fmt: skip
 
 

@@ -432,7 +432,7 @@ def compile_programs(
     chunk: int = 512, decode_rows: int = 0, cache_len: int = 0,
     hosts: Sequence[Sequence[Any]] | None = None, **given: int,
 ) -> Iterator[Program]:  # fmt: skip
-    """The `Program` of each of `what` ("train", "sample") for `config` on
+    """The `Program` of each of `what` ("train", "sample", "engine") for `config` on
     `devices`: the train step on the trainer's mesh, the sample step on the sampler's
     (`make_meshes`; with several hosts, one host's share of the rows with its bf16 copy of
     the weights); `given` = `train_shapes` overrides."""
@@ -460,10 +460,38 @@ def compile_programs(
                 weights_dtype=config.model.dtype if meshes.per_host else None,
             )  # fmt: skip
             label = f"sample step ({drows} rows, cache {cache})"
+        elif name == "engine":
+            yield _engine_program(config, meshes, shapes)
+            continue
         else:
-            raise ValueError(f"unknown program {name!r} (train, sample)")
+            raise ValueError(f"unknown program {name!r} (train, sample, engine)")
         yield Program(label, compiled, meshes.trainer if name == "train" else meshes.sampler,
                       _resident(config, meshes, name))  # fmt: skip
+
+
+def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program:
+    """The built-in engine's decode call (`tg_jax.tpu.engine_fit`) on a host's sampler
+    devices; beside it: the trainer's params and AdamW moments where the engine shares the
+    trainer's chips on one host, else what `_resident` puts beside a sampler and the published
+    copy its weights were made from."""
+    from tg_jax.tpu import engine_fit  # noqa: PLC0415
+
+    g = engine_fit.engine_shape(config, shapes.rows, meshes.hosts, shapes.seq_len)
+    mesh = engine_fit.engine_mesh(config, meshes.sampler)
+    params = abstract_params(Transformer(ModelConfig.from_config(config.model)), mesh,
+                             sharding.SAMPLER_RULES)  # fmt: skip
+    if meshes.per_host:  # a host's bf16 copy (colocated on one host: the trainer's params)
+        params = _in_dtype(params, config.model.dtype)
+    compiled = engine_fit.compile_engine_step(config, mesh, g, params)
+    if meshes.per_host or meshes.split:  # + the published copy the engine's weights come from
+        resident = _resident(config, meshes, "sample") + bytes_per_device(params)
+    else:  # colocated: the trainer's params (published as they are) and AdamW moments
+        model = Transformer(ModelConfig.from_config(config.model))
+        trainer_params = abstract_params(model, meshes.trainer, meshes.trainer_rules)
+        resident = 3 * bytes_per_device(trainer_params)
+    label = (f"engine decode call ({g.slots} slots, {g.num_pages - 1} pages of {g.page_size} "
+             f"tokens, tables {g.width} pages, {g.steps} token(s) a call)")  # fmt: skip
+    return Program(label, compiled, mesh, resident)
 
 
 def _sampler_call_rows(config: Any, rows: int, hosts: int) -> int:
@@ -507,7 +535,9 @@ class Program(NamedTuple):
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology, e.g. v5p:2x4x4, v5e:4x4.")
-_WHAT = flags.DEFINE_list("what", ["train", "sample"], "Programs to compile: train, sample.")
+_WHAT = flags.DEFINE_list(
+    "what", ["train", "sample"], "Programs to compile: train, sample, engine."
+)
 _STEP = flags.DEFINE_enum(
     "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."
 )

@@ -84,6 +84,11 @@ class LoopConfig(Section):
     engine_decode_steps: int = 1
     """"builtin": tokens a decode call draws per sequence at most (one host round trip per
     call; a sequence that stops early idles for the rest of the call; docs/benchmarks.md)."""
+    engine_kv_tokens: int = 0
+    """"builtin": the KV pool's size in tokens over all sequences (0 = every slot at its whole
+    context, so nothing is ever preempted; less: when the live tokens outgrow it, the newest
+    sequence is preempted and requeued). A pod config sets what its chips hold
+    (`python -m tg_jax.tpu.aot --what=engine`)."""
     data_seed: int = 0
     """Task order of the train split (the run seed is folded in)."""
     eval_every: int = 25
@@ -111,8 +116,8 @@ class LoopConfig(Section):
         _at_least(self.section, self, dict(
             steps=1, groups_per_step=1, rollouts_per_group=1, max_new_tokens=1, seq_len=0,
             length_multiple=0, env_workers=1, queue_size=0, engine_slots=0, engine_page_size=1,
-            engine_decode_steps=1, eval_every=0, eval_tasks=0, checkpoint_every=0,
-            keep_checkpoints=1, export_every=0, log_every=1,
+            engine_decode_steps=1, engine_kv_tokens=0, eval_every=0, eval_tasks=0,
+            checkpoint_every=0, keep_checkpoints=1, export_every=0, log_every=1,
         ))  # fmt: skip
         if self.epochs < 0:
             raise ValueError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {self.epochs}")

@@ -262,6 +262,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
             config, engine_api, parts.sampler.model,
             episodes=int(lc.groups_per_step * lc.rollouts_per_group),
             max_total_tokens=parts.student_max, pad_id=parts.renderer.tokenizer.pad_id,
+            mesh=getattr(parts.sampler, "mesh", None),
         ),
     )  # fmt: skip
     return rl_rollouts.rollout_source(

@@ -1,0 +1,108 @@
+"""The built-in engine's decode call compiled ahead of time (`python -m tg_jax.tpu.aot
+--what=engine`): the fit of `rl_loop.rollout_engine = "builtin"` on a pod's chips.
+
+It lowers the engine's decode call (`tg_jax.engine.paged.sample_steps` as `decode_jit` jits
+it, what `Engine` runs each step, its unread arguments kept: they stay in memory) on the mesh
+an `Engine` makes on the sampler's devices (`tg_jax.engine.placement`: weights and the
+pool's KV heads over "tensor"), for the geometry
+`EngineRunner` builds from the config: `rl_loop.engine_slots` decode rows (0 = a host's
+episodes of a step), a pool of `rl_loop.engine_kv_tokens` tokens (0 = every slot at its whole
+context) in pages of `rl_loop.engine_page_size`, page tables as wide as one whole context (the
+widest bucket, so the largest gather), `rl_loop.engine_decode_steps` tokens a call. The
+weights are in the dtype a run gives the engine (a host's bf16 copy on several hosts, the
+trainer's param_dtype colocated on one), prepared as `Engine.update_weights` prepares them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tg_jax import sharding, tracing
+from tg_jax.engine import paged
+from tg_jax.engine.placement import Placement, for_sampler
+from tg_jax.models import ModelConfig, Transformer
+
+
+class EngineShape(NamedTuple):
+    """The compiled geometry: decode rows, tokens a page, pages in the pool (+ the scratch
+    page), page-table width, tokens a call."""
+
+    slots: int
+    page_size: int
+    num_pages: int
+    width: int
+    steps: int
+
+
+def engine_shape(config: Any, rows: int, hosts: int, context: int) -> EngineShape:
+    """The geometry `agent_loop.runner_from_config` gives a host's engine: `rows` episodes a
+    step over `hosts` hosts, contexts of `context` tokens."""
+    lc = config.rl_loop
+    slots = int(lc.get("engine_slots", 0)) or -(-rows // hosts)
+    page = int(lc.get("engine_page_size", 16))
+    width = -(-context // page)
+    tokens = int(lc.get("engine_kv_tokens", 0))
+    num_pages = -(-tokens // page) + 1 if tokens else slots * width + 1
+    steps = int(lc.get("engine_decode_steps", 1))
+    return EngineShape(slots, page, num_pages, width, steps)
+
+
+def engine_mesh(config: Any, sampler_mesh: Any) -> Any:
+    """The mesh an `Engine` makes on `sampler_mesh`'s devices."""
+    return for_sampler(sampler_mesh, ModelConfig.from_config(config.model).num_kv_heads)
+
+
+def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: Any) -> Any:
+    """The compiled decode call for `geometry` on the engine's `mesh` (`engine_mesh`), its
+    params abstract arrays placed as `Placement.params` places them (module docstring)."""
+    cfg = ModelConfig.from_config(config.model)
+    model = Transformer(cfg)
+    place = Placement(model, mesh)
+
+    def prepare(p):
+        with nn.logical_axis_rules(sharding.SAMPLER_RULES):
+            return paged.engine_weights(model, p)
+
+    with jax.set_mesh(mesh):
+        prepared = tracing.jit(prepare).lower(params).compile()
+    weights = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tracing.eval_shape(prepare, params), prepared.output_shardings,
+    )  # fmt: skip
+    g = geometry
+    kv = jax.ShapeDtypeStruct(
+        (g.num_pages, g.page_size, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype,
+        sharding=place.kv,
+    )  # fmt: skip
+    routes = None
+    if cfg.router_replay:
+        shape = (g.num_pages, g.page_size, cfg.num_layers, cfg.experts_per_token)
+        routes = jax.ShapeDtypeStruct(shape, jnp.int16, sharding=place.replicated)
+    pool = paged.PagedPool((kv,) * cfg.num_layers, (kv,) * cfg.num_layers, routes)
+    b = g.slots
+    rows = NamedSharding(mesh, PartitionSpec("data" if b % place.data == 0 else None))
+
+    def a(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+
+    batch = {name: a((b,), jnp.int32) for name in ("tokens", "pos", "seed", "index", "top_k",
+                                                    "steps")}  # fmt: skip
+    batch.update(active=a((b,), jnp.bool_), temperature=a((b,), jnp.float32),
+                 top_p=a((b,), jnp.float32), stop=a((b, 4), jnp.int32),
+                 table=a((b, g.width), jnp.int32))  # fmt: skip
+    key = jax.random.key(0)
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=place.replicated)
+    # `paged.decode_jit`'s function and arguments, keeping the arguments it does not read: the
+    # engine holds all of its weights while the call runs.
+    jitted = tracing.jit(paged.sample_steps, static_argnums=(0, 5), donate_argnums=(2,),
+                         keep_unused=True)  # fmt: skip
+    with jax.set_mesh(mesh):
+        return jitted.lower(model, weights, pool, rng, batch, g.steps).compile()
+
+
+__all__ = ["EngineShape", "compile_engine_step", "engine_mesh", "engine_shape"]
