@@ -4,6 +4,7 @@
     TG_JAX_DISTRIBUTED=1 TG_JAX_COORDINATOR=localhost:PORT TG_JAX_NUM_PROCESSES=2 \\
       TG_JAX_PROCESS_ID=i python -m tests.multihost_driver WORKDIR --devices 4  # process i
     ... --split 4   # and the same run with the sampler on 4 devices of its own
+    ... --engine    # and the same run on the built-in engine
 
 WORKDIR/det: tests/rl_loop_driver.py's config (configs/tiny.py, TG arm) in the deterministic
 mode for --steps steps (held-out evaluation at steps 0, 2 and the last), exporting the params
@@ -12,6 +13,8 @@ from all processes) when it finishes.
 With --split N > 0, WORKDIR/split: det's run with the sampler on devices of its own
 (sampler_mesh.num_devices N: the last N / P devices of each process), its final params in
 split/final_params.npz likewise.
+With --engine, WORKDIR/engine: det's run with rl_loop.rollout_engine "builtin" (each process's
+engine on its sampler's mesh), its final params in engine/final_params.npz likewise.
 Then, with --async-steps N > 0, WORKDIR/async: a copy of det resumed from its last checkpoint
 for N more steps with the sampling thread, without evaluation (the same processes, so the
 start-up is paid once).
@@ -31,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--async-steps", type=int, default=0)
     parser.add_argument("--split", type=int, default=0)
+    parser.add_argument("--engine", action="store_true")
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -55,10 +59,11 @@ def main() -> None:
         os.makedirs(out_dir)
         np.savez(os.path.join(out_dir, "params.npz"), **driver.flat_params(params))
 
-    def run(name, async_sampling, steps, split=0):
+    def run(name, async_sampling, steps, split=0, engine="lockstep"):
         workdir = os.path.join(args.workdir, name)
         config = driver.make_config("tg", async_sampling, steps)
         config.sampler_mesh.num_devices = split
+        config.rl_loop.rollout_engine = engine
         config.rl_loop.export_every = steps
         if async_sampling:  # only shows that it runs: no evaluation (fewer compilations)
             config.rl_loop.eval_every = 0
@@ -78,6 +83,8 @@ def main() -> None:
     run("det", False, args.steps)
     if args.split > 0:  # the sampler on devices of its own (the last split / P of each process)
         run("split", False, args.steps, split=args.split)
+    if args.engine:
+        run("engine", False, args.steps, engine="builtin")
     if args.async_steps > 0:
         if jax.process_index() == 0:
             shutil.copytree(os.path.join(args.workdir, "det"), os.path.join(args.workdir, "async"))

@@ -33,7 +33,7 @@ from tg_jax.train import rl, rl_rollouts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, ASYNC_STEPS = 3, 2
 SPLIT = 4  # the split runs' sampler devices: the last 2 of each process, 4 of one
-TIMEOUT_S = 480  # all runs together; about 2-3 min on 2 busy cores
+TIMEOUT_S = 600  # all runs together; about 3-4 min on 2 busy cores
 TOL = 1e-5
 
 
@@ -49,7 +49,7 @@ def _start(workdir, devices: int, log: str, env=None, async_steps: int = 0) -> s
     env["TG_JAX_COMPILATION_CACHE"] = jax.config.jax_compilation_cache_dir or ""
     cmd = [sys.executable, "-m", "tests.multihost_driver", str(workdir), "--devices",
            str(devices), "--steps", str(STEPS), "--async-steps", str(async_steps),
-           "--split", str(SPLIT)]  # fmt: skip
+           "--split", str(SPLIT), "--engine"]  # fmt: skip
     with open(log, "w") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -162,6 +162,31 @@ def test_a_sampler_on_its_own_devices_of_each_process_equals_one_process(runs):
     assert all(r["time/publish_s"] > 0 for r in train)
     assert not any("time/publish_s" in r for r in read_metrics(ref / "split"))  # one process
     assert "split process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
+
+
+def test_the_builtin_engine_on_each_process_equals_one_process(runs):
+    """rl_loop.rollout_engine "builtin": each of 2 processes plays its share of the groups on
+    an engine over its own 4 devices (`Engine(mesh)`), the single process on one engine over 8;
+    the same final params and metrics; every step's rollouts came from the engine."""
+    ref, mh = runs["ref"] / "engine", runs["mh"] / "engine"
+    a, b = np.load(ref / "final_params.npz"), np.load(mh / "final_params.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=TOL, atol=TOL, err_msg=k)
+    ma, mb = _train_and_eval(ref), _train_and_eval(mh)
+    assert sorted(ma) == sorted(mb)
+    # Tokens prefilled depend on which prompts one engine saw (shared pages), not the rollouts;
+    # seconds (time/*, *_s) on the machine.
+    own = {"time", "rollout/prefill_tokens"}
+    for key, ra in ma.items():
+        for n in {n for n in ra if n not in own and not n.startswith("time/")}:
+            if n.endswith("_s"):
+                continue
+            if not isinstance(ra[n], str):
+                assert mb[key][n] == pytest.approx(ra[n], rel=TOL, abs=TOL), (key, n)
+    train = [ma[("train", s)] for s in range(1, STEPS + 1)]
+    assert all(r["grad_norm"] > 0 for r in train)
+    assert "engine process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
 
 
 def test_two_process_checkpoint_and_export(runs):

@@ -172,7 +172,7 @@ class Engine:
         with self._step_lock:
             if self.placement is not None:
                 params = self.placement.params(params)
-            self._weights = self._call(weights_jit, params)
+            self._weights = paged.with_params(self.model, self._call(weights_jit, params), params)
             self.version = int(version)
             # Pages written so far hold the old weights' keys and values: no new request may
             # share them (running and kept sequences keep their own).

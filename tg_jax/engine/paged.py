@@ -175,7 +175,8 @@ def prefill_chunk(
     ks, vs, ids = list(pool.k), list(pool.v), []
     record = pool.routes is not None
     last = len(weights.layers) - 1
-    for i, w in enumerate(weights.layers):
+    for i in range(len(weights.layers)):
+        w = _layer(cfg, weights, i)
         q_BxCxNxH, k_BxCxKxH, v_BxCxKxH = _attention_inputs(cfg, w, x_BxCxD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_BxCxKxH, page_BxC, offset_BxC, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_BxCxKxH, page_BxC, offset_BxC, table_BxM)
@@ -211,7 +212,8 @@ def decode_step(
     cos, sin = rope_tables(pos_Bx1, cfg.head_dim, cfg.rope_theta)
     x_Bx1xD = _embed(model, weights, tokens_B[:, None])
     ks, vs, ids = list(pool.k), list(pool.v), []
-    for i, w in enumerate(weights.layers):
+    for i in range(len(weights.layers)):
+        w = _layer(cfg, weights, i)
         q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
@@ -310,10 +312,38 @@ def sample_steps(
 
 
 def engine_weights(model: Transformer, params: Any) -> decode.DecodeWeights:
-    """`decode.decode_weights` without the stacked layer params it was made from: the engine
-    keeps its weights between calls, and its calls read only the per-layer copies."""
+    """The engine's own copies (jitted: `weights_jit`): `decode.decode_weights`' fused
+    per-layer weights and unembedding, without a mixture-of-experts layer's experts and
+    without `params` (`with_params` attaches those by reference, no copy)."""
     w = decode.decode_weights(model, params)
-    return w.replace(params={k: v for k, v in w.params.items() if k != "layers"})
+    layers = w.layers
+    if model.config.is_moe:
+        layers = tuple({k: v for k, v in layer.items() if k != "mlp"} for layer in layers)
+    return w.replace(layers=layers, params={})
+
+
+def kept_params(model: Transformer, params: Any) -> dict[str, Any]:
+    """The params the engine's calls read as they are: embedding, final norm, and a
+    mixture-of-experts model's stacked experts (each call slices its layer's experts, so the
+    engine never keeps a second copy of them)."""
+    kept = {k: v for k, v in params.items() if k != "layers"}
+    if model.config.is_moe:
+        kept["layers"] = {"mlp": params["layers"]["mlp"]}
+    return kept
+
+
+def with_params(model: Transformer, weights: decode.DecodeWeights, params: Any) -> Any:
+    """`weights` (`engine_weights`) holding `kept_params(params)` by reference (no copy)."""
+    return weights.replace(params=kept_params(model, params))
+
+
+def _layer(cfg, weights: decode.DecodeWeights, i: int) -> dict[str, Any]:
+    """Layer i's weights as the decode path takes them (a MoE layer's experts sliced from the
+    stacked params, inside the call)."""
+    w = weights.layers[i]
+    if cfg.is_moe and "mlp" not in w:
+        w = {**w, "mlp": jax.tree.map(lambda a: a[i], weights.params["layers"]["mlp"])}
+    return w
 
 
 def buckets(limit: int, on: bool = True) -> list[int]:
@@ -360,6 +390,7 @@ __all__ = [
     "draw",
     "engine_weights",
     "init_pool",
+    "kept_params",
     "page_routes",
     "pool_bytes",
     "prefill_chunk",
@@ -367,4 +398,5 @@ __all__ = [
     "routes_jit",
     "sample_step",
     "sample_steps",
+    "with_params",
 ]

@@ -474,6 +474,7 @@ def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program
     devices; beside it: the trainer's params and AdamW moments where the engine shares the
     trainer's chips on one host, else what `_resident` puts beside a sampler and the published
     copy its weights were made from."""
+    from tg_jax.engine import paged  # noqa: PLC0415
     from tg_jax.tpu import engine_fit  # noqa: PLC0415
 
     g = engine_fit.engine_shape(config, shapes.rows, meshes.hosts, shapes.seq_len)
@@ -483,8 +484,11 @@ def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program
     if meshes.per_host:  # a host's bf16 copy (colocated on one host: the trainer's params)
         params = _in_dtype(params, config.model.dtype)
     compiled = engine_fit.compile_engine_step(config, mesh, g, params)
-    if meshes.per_host or meshes.split:  # + the published copy the engine's weights come from
-        resident = _resident(config, meshes, "sample") + bytes_per_device(params)
+    if meshes.per_host or meshes.split:
+        # + the published copy the engine's weights come from, less what they hold of it.
+        model = Transformer(ModelConfig.from_config(config.model))
+        outside = bytes_per_device(params) - bytes_per_device(paged.kept_params(model, params))
+        resident = _resident(config, meshes, "sample") + outside
     else:  # colocated: the trainer's params (published as they are) and AdamW moments
         model = Transformer(ModelConfig.from_config(config.model))
         trainer_params = abstract_params(model, meshes.trainer, meshes.trainer_rules)

@@ -10,7 +10,8 @@ episodes of a step), a pool of `rl_loop.engine_kv_tokens` tokens (0 = every slot
 context) in pages of `rl_loop.engine_page_size`, page tables as wide as one whole context (the
 widest bucket, so the largest gather), `rl_loop.engine_decode_steps` tokens a call. The
 weights are in the dtype a run gives the engine (a host's bf16 copy on several hosts, the
-trainer's param_dtype colocated on one), prepared as `Engine.update_weights` prepares them.
+trainer's param_dtype colocated on one), prepared as `Engine.update_weights` prepares them
+(`kept_params`: the params its weights hold by reference).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: A
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         tracing.eval_shape(prepare, params), prepared.output_shardings,
     )  # fmt: skip
+    weights = paged.with_params(model, weights, params)  # by reference, as `Engine` holds them
     g = geometry
     kv = jax.ShapeDtypeStruct(
         (g.num_pages, g.page_size, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype,
