@@ -78,8 +78,9 @@ def get_config(arg=None):
     c.sampler_mesh.max_rows = 256
     # The built-in engine (--config.rl_loop.rollout_engine=builtin) decodes the step's 1024
     # episodes at once over a KV pool of 1.5M tokens (1465 a live episode on average; past it
-    # the newest is preempted and requeued): its decode call is 51.5 GiB per chip, 81.5 with the
-    # train step beside it (python -m tg_jax.tpu.aot --what=engine; docs/tpu.md).
+    # the newest is preempted and requeued): its decode call is 50.2 GiB per chip; beside the
+    # train step 34.9 + 41.2 (its weights and pool) + 4.1 = 80.2 GiB of 95
+    # (python -m tg_jax.tpu.aot --what=engine; docs/tpu.md).
     c.rl_loop.engine_kv_tokens = 1_500_000
     c.rl_loop.checkpoint_every = 10  # lose at most 10 steps to a preemption
     c.rl_loop.eval_every = 50  # held-out evaluation interval

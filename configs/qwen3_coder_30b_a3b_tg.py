@@ -98,6 +98,12 @@ def get_config(arg=None):
     # 97.1; compact rows, 77.9 GiB for the step without replay, more). docs/tpu.md.
     c.tg.compact = False
     c.sampler_mesh.max_rows = 64
+    # The built-in engine (--config.rl_loop.rollout_engine=builtin): a host's 128 episodes in
+    # its slots over a KV pool of 524,288 tokens (4096 a live episode on average; past it the
+    # newest is preempted and requeued). Compiled for v5p-64 its decode call is 40.7 GiB per
+    # chip; beside the train step 72.3 + 0.6 (its own weight copies) + 12.4 (pool) + 1.0 =
+    # 86.3 GiB of 95 (python -m tg_jax.tpu.aot --what=engine; docs/tpu.md).
+    c.rl_loop.engine_kv_tokens = 524_288
     c.rl.max_staleness = 1  # async: rollouts from the previous policy version are accepted
     c.rl.temperature = 1.0  # sampling temperature (trainer logits divided by it)
     c.tg.chunk_size = 512  # positions per chunk of the full-vocabulary KL (V = 151,936)

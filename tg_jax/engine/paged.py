@@ -176,7 +176,7 @@ def prefill_chunk(
     record = pool.routes is not None
     last = len(weights.layers) - 1
     for i in range(len(weights.layers)):
-        w = _layer(cfg, weights, i)
+        w, x_BxCxD = _layer(cfg, weights, i, x_BxCxD)
         q_BxCxNxH, k_BxCxKxH, v_BxCxKxH = _attention_inputs(cfg, w, x_BxCxD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_BxCxKxH, page_BxC, offset_BxC, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_BxCxKxH, page_BxC, offset_BxC, table_BxM)
@@ -213,7 +213,7 @@ def decode_step(
     x_Bx1xD = _embed(model, weights, tokens_B[:, None])
     ks, vs, ids = list(pool.k), list(pool.v), []
     for i in range(len(weights.layers)):
-        w = _layer(cfg, weights, i)
+        w, x_Bx1xD = _layer(cfg, weights, i, x_Bx1xD)
         q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
@@ -337,13 +337,19 @@ def with_params(model: Transformer, weights: decode.DecodeWeights, params: Any) 
     return weights.replace(params=kept_params(model, params))
 
 
-def _layer(cfg, weights: decode.DecodeWeights, i: int) -> dict[str, Any]:
-    """Layer i's weights as the decode path takes them (a MoE layer's experts sliced from the
-    stacked params, inside the call)."""
+def _layer(cfg, weights: decode.DecodeWeights, i: int, x: Array) -> tuple[dict[str, Any], Array]:
+    """(layer i's weights as the decode path takes them, x): a MoE layer's experts sliced from
+    the stacked params inside the call, once x (the layer's input) exists: the index passes a
+    barrier with x, so no slice is made before its layer and one layer's are live at a time."""
     w = weights.layers[i]
     if cfg.is_moe and "mlp" not in w:
-        w = {**w, "mlp": jax.tree.map(lambda a: a[i], weights.params["layers"]["mlp"])}
-    return w
+        index, x = jax.lax.optimization_barrier((jnp.int32(i), x))
+        mlp = jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False),
+            weights.params["layers"]["mlp"],
+        )  # fmt: skip
+        w = {**w, "mlp": mlp}
+    return w, x
 
 
 def buckets(limit: int, on: bool = True) -> list[int]:
