@@ -312,6 +312,26 @@ def _check_config_on_devices(config) -> None:
                 shipped_base.sft_init(config)
         except ConfigError as e:
             _fail(f"invalid config: {e}")
+    _check_fit(config)
+
+
+def _check_fit(config) -> None:
+    """On a TPU backend (and `rl_loop.check_fit`): the RL programs' memory against the chips'
+    (`tg_jax.tpu.fit`); the figures on stderr, then one error line if they do not fit."""
+    import jax
+
+    lc = config.get("rl_loop") if config.stage == "pipeline" else None
+    if lc is None or jax.default_backend() != "tpu" or not lc.get("check_fit", True):
+        return
+    from tg_jax.tpu import fit
+
+    try:
+        lines = fit.check(config)
+    except fit.FitError as e:
+        first, _, figures = str(e).partition("\n")
+        print(figures, file=sys.stderr)
+        _fail(first)
+    logging.warning("fit check:\n%s", "\n".join(lines))
 
 
 def _run_stage(config, workdir: str) -> None:

@@ -537,39 +537,54 @@ class Program(NamedTuple):
     resident: int  # bytes per device that stay on its devices outside it (`MemoryReport`)
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x2", "TPU topology, e.g. v5p:2x4x4, v5e:4x4.")
-_WHAT = flags.DEFINE_list(
-    "what", ["train", "sample"], "Programs to compile: train, sample, engine."
-)
-_STEP = flags.DEFINE_enum(
-    "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."
-)
-_ROWS = flags.DEFINE_integer("train_rows", 0, "Student rows per train step; 0 = from the config.")
-_SEQ = flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = from the config.")
-_TROWS = flags.DEFINE_integer("teacher_rows", 0, "Teacher rows; 0 = the most the config makes.")
-_TEACHER = flags.DEFINE_integer("teacher_len", 0, "Teacher tokens per row; 0 = model.max_seq_len.")
-_PREFIX = flags.DEFINE_integer("prefix_len", 0, "Compact rows' prefix slots; 0 = seq_len.")
-_DROWS = flags.DEFINE_integer(
-    "decode_rows", 0, "Rows per decode step; 0 = sampler_mesh.max_rows, else the train rows."
-)
-_CACHE = flags.DEFINE_integer("cache_len", 0, "KV-cache slots; 0 = the student seq_len.")
-_CHUNK = flags.DEFINE_integer("chunk", 512, "Positions per logits chunk of the LM baseline.")
+def _define_flags() -> dict[str, Any]:
+    """The command line's flags, defined only when this module runs as a program (tg_jax.main,
+    which imports it for its fit check, has a --config flag of its own)."""
+    return {
+        "config": config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py)."),
+        "topology": flags.DEFINE_string(
+            "topology", "v5p:2x2x2", "TPU topology, e.g. v5p:2x4x4, v5e:4x4."
+        ),
+        "what": flags.DEFINE_list(
+            "what", ["train", "sample"], "Programs to compile: train, sample, engine."
+        ),
+        "step": flags.DEFINE_enum(
+            "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."
+        ),
+        "rows": flags.DEFINE_integer("train_rows", 0, "Student rows per train step; 0 = config."),
+        "seq_len": flags.DEFINE_integer("seq_len", 0, "Student tokens per row; 0 = config."),
+        "teacher_rows": flags.DEFINE_integer("teacher_rows", 0, "Teacher rows; 0 = the most."),
+        "teacher_len": flags.DEFINE_integer(
+            "teacher_len", 0, "Teacher tokens per row; 0 = model.max_seq_len."
+        ),
+        "prefix_len": flags.DEFINE_integer("prefix_len", 0, "Compact rows' prefix; 0 = seq_len."),
+        "decode_rows": flags.DEFINE_integer(
+            "decode_rows",
+            0,
+            "Rows per decode step; 0 = sampler_mesh.max_rows, else the train rows.",
+        ),
+        "cache_len": flags.DEFINE_integer("cache_len", 0, "KV-cache slots; 0 = the seq_len."),
+        "chunk": flags.DEFINE_integer("chunk", 512, "Positions per logits chunk (LM baseline)."),
+    }
+
+
+_FLAGS: dict[str, Any] = {}
 
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    topology = _TOPOLOGY.value
+    f = {name: flag.value for name, flag in _FLAGS.items()}
+    topology = f["topology"]
     if not re.fullmatch(r"v\w+:\d+(x\d+)*", topology):
         raise app.UsageError(f"--topology must look like v5p:2x4x4, got {topology!r}")
     devices = topology_devices(topology)
     hbm = hbm_bytes_per_device(topology, len(devices))
     print(f"topology {topology}: {len(devices)} devices {devices[0].device_kind}", flush=True)
     programs = compile_programs(
-        _CONFIG.value, devices, _WHAT.value, step=_STEP.value, chunk=_CHUNK.value,
-        decode_rows=_DROWS.value, cache_len=_CACHE.value, rows=_ROWS.value,
-        seq_len=_SEQ.value, teacher_rows=_TROWS.value, teacher_len=_TEACHER.value,
-        prefix_len=_PREFIX.value,
+        f["config"], devices, f["what"], step=f["step"], chunk=f["chunk"],
+        decode_rows=f["decode_rows"], cache_len=f["cache_len"], rows=f["rows"],
+        seq_len=f["seq_len"], teacher_rows=f["teacher_rows"], teacher_len=f["teacher_len"],
+        prefix_len=f["prefix_len"],
     )  # fmt: skip
     for p in programs:
         print(f"{p.name} on mesh {dict(p.mesh.shape)}", flush=True)
@@ -577,5 +592,6 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    _FLAGS.update(_define_flags())
     flags.mark_flags_as_required(["config"])
     app.run(main)

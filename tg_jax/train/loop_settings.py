@@ -89,6 +89,9 @@ class LoopConfig(Section):
     context, so nothing is ever preempted; less: when the live tokens outgrow it, the newest
     sequence is preempted and requeued). A pod config sets what its chips hold
     (`python -m tg_jax.tpu.aot --what=engine`)."""
+    check_fit: bool = True
+    """On a TPU backend, compile the train step and the sampler's call at start-up and refuse a
+    config whose per-chip memory exceeds the chips' (`tg_jax.tpu.fit`; costs the compiles)."""
     data_seed: int = 0
     """Task order of the train split (the run seed is folded in)."""
     eval_every: int = 25
