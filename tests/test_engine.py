@@ -79,7 +79,9 @@ def test_greedy_and_sampled_draws_equal_the_sampler(setup):
 
 
 def test_moe_model_greedy_equals_the_sampler():
-    """A Qwen3-MoE model through the engine's paged layers (the decode path's MoE block)."""
+    """A Qwen3-MoE model through the engine's paged layers (the decode path's MoE block). The
+    engine's weights hold the stacked experts it was given (the same arrays: no second copy
+    of the largest weights) and a call slices its layer's."""
     cfg = ModelConfig(
         vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
         mlp_dim=0, max_seq_len=64, num_experts=4, experts_per_token=2, moe_mlp_dim=16,
@@ -91,7 +93,13 @@ def test_moe_model_greedy_equals_the_sampler():
     ref = Sampler(model, pad_id=0, length_multiple=16, segment=4).sample(
         params, prompts, max_new_tokens=10, temperature=0.0, rng=jax.random.key(0)
     )
-    out = Engine(model, params, **GEOMETRY).generate(_requests(prompts, n=10))
+    engine = Engine(model, params, **GEOMETRY)
+    held = jax.tree.leaves(engine._weights.params["layers"]["mlp"])
+    assert held and all(
+        a is b for a, b in zip(held, jax.tree.leaves(params["layers"]["mlp"]), strict=True)
+    )
+    assert all("mlp" not in layer for layer in engine._weights.layers)
+    out = engine.generate(_requests(prompts, n=10))
     assert [c.token_ids for c in out] == [list(map(int, t)) for t in ref.tokens]
 
 

@@ -141,31 +141,3 @@ def test_aot_engine_program_has_the_configs_geometry():
         {k: v for k, v in host_copy.items() if k != "layers"}  # held by the engine's weights
     )
     assert prog.resident == 3 * hbm.bytes_per_device(trainer) + outside > 0
-
-
-def test_a_moe_engine_holds_its_experts_by_reference():
-    """Mixture of experts: the engine's weights keep the stacked experts it was given (the same
-    arrays: no second copy of the largest weights) and slice a layer's inside each call;
-    greedy tokens equal the lock-step sampler's."""
-    from tg_jax.sampling.sampler import Sampler  # noqa: PLC0415
-
-    cfg = ModelConfig(
-        vocab_size=96, d_model=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        mlp_dim=0, num_experts=4, experts_per_token=2, moe_mlp_dim=32, max_seq_len=128,
-    )  # fmt: skip
-    model = Transformer(cfg)
-    params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x,
-                          init_params(model, jax.random.key(3)))  # fmt: skip
-    engine = Engine(model, params, **GEOMETRY)
-    held = jax.tree.leaves(engine._weights.params["layers"]["mlp"])
-    assert held and all(
-        a is b for a, b in zip(held, jax.tree.leaves(params["layers"]["mlp"]), strict=True)
-    )
-    assert all("mlp" not in layer for layer in engine._weights.layers)
-    requests = _requests(0.0)[:5]
-    out = engine.generate(requests)
-    ref = Sampler(model, pad_id=0, length_multiple=32, segment=8).sample(
-        params, [r.prompt_ids for r in requests], max_new_tokens=12, temperature=0.0,
-        rng=jax.random.key(0),
-    )  # fmt: skip
-    assert [c.token_ids for c in out] == [list(map(int, t)) for t in ref.tokens]
