@@ -80,6 +80,14 @@ def test_routes_of_a_continued_and_a_preempted_request(setup):
     ctx = _prompts((6,))[0] + first.token_ids
     follow = engine.generate([Request("b", [3, 4, 5], 6, temperature=0.0, continue_from="a")])[0]
     _check(model, params, follow, ctx + [3, 4, 5])
+    # A multi-turn episode's next turn asks only for its new window (Request.routes_from: its
+    # record's last position, the token not fed yet), read from the pages holding it.
+    ctx += [3, 4, 5] + follow.token_ids
+    for rid, parent, start in (("c", "b", len(ctx) - 1), ("d", "c", 7)):
+        turn = engine.generate([Request(rid, [9, 2], 4, temperature=0.0, continue_from=parent,
+                                        routes_from=start)])[0]  # fmt: skip
+        _check(model, params, turn, ctx + [9, 2], start=start)
+        ctx += [9, 2] + turn.token_ids
 
     small = Engine(model, params, **{**GEOMETRY, "num_pages": 10})
     prompts = _prompts((9, 10, 11, 12), seed=3)

@@ -575,13 +575,20 @@ class Engine:
         return seq.completion(reason, self._routes(seq))
 
     def _routes(self, seq: Sequence) -> np.ndarray | None:
-        """The routing record of the sequence's tokens [n, L, J] (None without one): its fed
-        tokens' (positions < cached) from its pages, -1 for the rest (its last token)."""
+        """The routing record of the sequence's tokens from `Request.routes_from` on [n, L, J]
+        (None without one): its fed tokens' (positions < cached) read from the pages holding
+        them (a bucket of them: no new compilation), -1 for the rest (its last token)."""
         if self.pool.routes is None:
             return None
-        table = self._table([seq])[0]
-        fed = np.asarray(self._call(routes_jit, self.pool.routes, table))[: seq.cached]
-        return aligned_routes(fed, len(seq.tokens))
+        start = min(max(int(seq.request.routes_from), 0), len(seq.tokens))
+        first = start // self.page_size  # the first page holding the window
+        pages = list(seq.pages[first:])
+        width = next(b for b in self.page_buckets() if b >= max(len(pages), 1))
+        table = np.asarray(pages + [0] * (width - len(pages)), np.int32)  # 0: scratch page
+        fed = np.asarray(self._call(routes_jit, self.pool.routes, table))
+        offset = first * self.page_size
+        fed = fed[: max(seq.cached - offset, 0)]
+        return aligned_routes(fed, len(seq.tokens) - offset)[start - offset :]
 
 
 __all__ = ["Engine"]

@@ -36,6 +36,8 @@ class Request:
         version (`Engine.update_weights`).
       continue_from: id of a finished request whose context this one extends (multi-turn).
       seed: the request's random stream (default: from the request id).
+      routes_from: with a routing record (router replay), the completion carries it from this
+        position of the context on (a multi-turn episode's new window; 0 = all of it).
     """
 
     request_id: Hashable
@@ -48,6 +50,7 @@ class Request:
     policy_version: int | None = None
     continue_from: Hashable | None = None
     seed: int | None = None
+    routes_from: int = 0
 
     def stream(self) -> int:
         """The int32 id of the request's random stream."""
@@ -77,8 +80,9 @@ class Completion:
         a preemption included; shared and continued pages excluded).
       preemptions: times the request was preempted.
       routed_experts: with the engine's routing record (MoE router replay), [context +
-        generated tokens, L, J] int16: the experts each layer routed each token to when it was
-        fed (its context's too), -1 for a token not fed (the last one); else None.
+        generated tokens - Request.routes_from, L, J] int16: the experts each layer routed
+        each token from that position on to when it was fed (its context's too), -1 for a
+        token not fed (the last one); else None.
     """
 
     request_id: Hashable

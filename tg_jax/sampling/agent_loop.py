@@ -226,6 +226,9 @@ class _Loop:
     last: dict[int, Hashable] = dataclasses.field(default_factory=dict)  # episode -> last turn
     known: dict[int, int] = dataclasses.field(default_factory=dict)  # its tokens in the engine
     pending: dict[Hashable, int] = dataclasses.field(default_factory=dict)  # request -> episode
+    # request -> where its routing record starts: the episode's last recorded position (its
+    # last token was not fed yet), so each turn reads only its new window back
+    windows: dict[Hashable, int] = dataclasses.field(default_factory=dict)
 
     def submit_turn(self, i: int, ep: Episode) -> None:
         """Appends [hint] + header to episode i and submits its next turn, continuing its last
@@ -237,11 +240,12 @@ class _Loop:
         turn = len(ep.turn_starts) - 1
         rid, parent = (self.call, i, turn), self.last.get(i)
         prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]
+        self.windows[rid] = max(len(ep.routes) - 1, 0) if ep.routes is not None else 0
         self.runner.engine.submit(self.runner.api.Request(
             rid, list(prompt), budget, temperature=self.config.temperature,
             top_k=self.config.top_k, top_p=self.config.top_p,
             stop_ids=tuple(self.renderer.end_of_turn_ids), continue_from=parent,
-            seed=_seed(self.salt, ep.stream_id, turn),
+            seed=_seed(self.salt, ep.stream_id, turn), routes_from=self.windows[rid],
         ))  # fmt: skip
         self.known[i] = len(ep.tokens)  # the context; + the generated tokens once done
         self.pending[rid] = i
@@ -249,7 +253,7 @@ class _Loop:
     def finish_turn(self, ep: Episode, done: Any) -> str | None:
         """Records a finished turn; returns its text for the environment, or None when the
         engine's output was unusable ("invalid": the episode ends "engine_error")."""
-        i = self.pending.pop(done.request_id)
+        i, start = self.pending.pop(done.request_id), self.windows.pop(done.request_id, 0)
         if done.finish_reason == "invalid":
             _engine_failed(ep, done.message, len(self.hint_ids))
             return None
@@ -261,7 +265,8 @@ class _Loop:
         self.known[i] += len(done.token_ids)
         stopped = done.finish_reason == "stop"
         return rollout.record_tokens(ep, self.renderer, done.token_ids, done.logprobs, stopped,
-                                     float(done.prefill_tokens), done.routed_experts)  # fmt: skip
+                                     float(done.prefill_tokens), done.routed_experts,
+                                     routes_from=start)  # fmt: skip
 
     def end(self, i: int) -> None:
         """Episode i is over: its last turn's pages are freed."""
