@@ -74,13 +74,15 @@ class Placement:
         """A call's host (numpy) arrays placed: split over "data" on their first axis where it
         divides, else replicated; device arrays and scalars kept."""
 
-        def put(x):
-            if not isinstance(x, np.ndarray) or x.ndim == 0:
-                return x
-            spec = PartitionSpec("data") if x.shape[0] % self.data == 0 else PartitionSpec()
-            return jax.device_put(x, NamedSharding(self.mesh, spec))
-
-        return jax.tree.map(put, tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray) and x.ndim]
+        shardings = [
+            NamedSharding(self.mesh, PartitionSpec("data" if x.shape[0] % self.data == 0 else None))
+            for x in (leaves[i] for i in host)
+        ]
+        for i, x in zip(host, jax.device_put([leaves[i] for i in host], shardings), strict=True):
+            leaves[i] = x  # one transfer call for all of them
+        return jax.tree.unflatten(treedef, leaves)
 
 
 __all__ = ["Placement", "engine_mesh", "for_sampler"]
