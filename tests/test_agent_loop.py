@@ -197,7 +197,18 @@ def test_runner_from_config_defaults_to_lockstep():
     runner = agent_loop.runner_from_config(
         cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
     )
-    assert runner.decode_steps == 8
+    assert runner.decode_steps == 8 and runner.num_pages is None  # every slot's whole context
+    cfg.rl_loop.engine_kv_tokens = 120  # 8 pages of 16 (+ the scratch page)
+    runner = agent_loop.runner_from_config(
+        cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
+    )
+    assert runner.num_pages == 9
+    cfg.rl_loop.engine_kv_tokens = 100  # less than one episode's 7 pages of 16
+    with pytest.raises(ValueError, match="must be 0 .* or hold one episode's whole context .112"):
+        agent_loop.runner_from_config(
+            cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
+        )
+    cfg.rl_loop.engine_kv_tokens = 0
     with pytest.raises(ValueError, match="needs the model's own sampler"):  # a wrapped sampler
         agent_loop.runner_from_config(
             cfg, engine_api, None, episodes=6, max_total_tokens=100, pad_id=0

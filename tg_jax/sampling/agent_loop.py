@@ -82,13 +82,17 @@ class EngineRunner:
         self.api = engine_api
         self.record_routes = bool(record_routes)  # MoE router replay: Engine(record_routes)
         self.mesh = mesh  # the sampler's devices: Engine(mesh)
-        if kv_tokens < 0:
-            raise ValueError(f"engine KV tokens must be >= 0, got {kv_tokens}")
-        self.num_pages = -(-int(kv_tokens) // int(page_size)) + 1 if kv_tokens else None
         if slots < 1 or page_size < 1:
             raise ValueError(f"engine slots and page size must be >= 1, got {slots}, {page_size}")
         self.model, self.slots, self.page_size = model, int(slots), int(page_size)
         self.max_pages = -(-int(max_total_tokens) // self.page_size)
+        if kv_tokens < 0 or 0 < kv_tokens < self.max_pages * self.page_size:
+            raise ValueError(
+                f"rl_loop.engine_kv_tokens {kv_tokens} must be 0 (every slot's whole context) or "
+                f"hold one episode's whole context ({self.max_pages * self.page_size} tokens in "
+                f"pages of {self.page_size})"
+            )
+        self.num_pages = -(-int(kv_tokens) // self.page_size) + 1 if kv_tokens else None
         self.pad_id, self.prefill_chunk = pad_id, prefill_chunk
         self.prefill_rows, self.decode_steps = min(prefill_rows, self.slots), int(decode_steps)
         self.engine: Any = None  # the tg_jax.engine.Engine
