@@ -197,7 +197,7 @@ def test_runner_from_config_defaults_to_lockstep():
     runner = agent_loop.runner_from_config(
         cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
     )
-    assert runner.decode_steps == 8 and runner.num_pages is None  # every slot's whole context
+    assert runner.decode_steps == 8 and runner.num_pages == 6 * 7 + 1  # every slot's context
     cfg.rl_loop.engine_kv_tokens = 120  # 8 pages of 16 (+ the scratch page)
     runner = agent_loop.runner_from_config(
         cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0

@@ -53,6 +53,7 @@ import jax
 import numpy as np
 
 from tg_jax.envs.base import Environment
+from tg_jax.errors import ConfigError
 from tg_jax.sampling import rollout
 from tg_jax.sampling.rollout import Episode, RolloutConfig
 from tg_jax.sampling.trajectory import Role
@@ -87,12 +88,14 @@ class EngineRunner:
         self.model, self.slots, self.page_size = model, int(slots), int(page_size)
         self.max_pages = -(-int(max_total_tokens) // self.page_size)
         if kv_tokens < 0 or 0 < kv_tokens < self.max_pages * self.page_size:
-            raise ValueError(
+            raise ConfigError(
                 f"rl_loop.engine_kv_tokens {kv_tokens} must be 0 (every slot's whole context) or "
                 f"hold one episode's whole context ({self.max_pages * self.page_size} tokens in "
                 f"pages of {self.page_size})"
             )
-        self.num_pages = -(-int(kv_tokens) // self.page_size) + 1 if kv_tokens else None
+        # Pool pages (+ the scratch page): kv_tokens' worth, or every slot's whole context.
+        pages = -(-int(kv_tokens) // self.page_size) if kv_tokens else self.slots * self.max_pages
+        self.num_pages = pages + 1
         self.pad_id, self.prefill_chunk = pad_id, prefill_chunk
         self.prefill_rows, self.decode_steps = min(prefill_rows, self.slots), int(decode_steps)
         self.engine: Any = None  # the tg_jax.engine.Engine

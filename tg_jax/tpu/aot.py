@@ -477,20 +477,18 @@ def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program
     from tg_jax.engine import paged  # noqa: PLC0415
     from tg_jax.tpu import engine_fit  # noqa: PLC0415
 
+    model = Transformer(ModelConfig.from_config(config.model))
     g = engine_fit.engine_shape(config, shapes.rows, meshes.hosts, shapes.seq_len)
     mesh = engine_fit.engine_mesh(config, meshes.sampler)
-    params = abstract_params(Transformer(ModelConfig.from_config(config.model)), mesh,
-                             sharding.SAMPLER_RULES)  # fmt: skip
+    params = abstract_params(model, mesh, sharding.SAMPLER_RULES)
     if meshes.per_host:  # a host's bf16 copy (colocated on one host: the trainer's params)
         params = _in_dtype(params, config.model.dtype)
     compiled = engine_fit.compile_engine_step(config, mesh, g, params)
     if meshes.per_host or meshes.split:
         # + the published copy the engine's weights come from, less what they hold of it.
-        model = Transformer(ModelConfig.from_config(config.model))
         outside = bytes_per_device(params) - bytes_per_device(paged.kept_params(model, params))
         resident = _resident(config, meshes, "sample") + outside
     else:  # colocated: the trainer's params (published as they are) and AdamW moments
-        model = Transformer(ModelConfig.from_config(config.model))
         trainer_params = abstract_params(model, meshes.trainer, meshes.trainer_rules)
         resident = 3 * bytes_per_device(trainer_params)
     label = (f"engine decode call ({g.slots} slots, {g.num_pages - 1} pages of {g.page_size} "

@@ -16,6 +16,7 @@ trainer's param_dtype colocated on one), prepared as `Engine.update_weights` pre
 
 from __future__ import annotations
 
+import copy
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -27,6 +28,7 @@ from tg_jax import sharding, tracing
 from tg_jax.engine import paged
 from tg_jax.engine.placement import Placement, for_sampler
 from tg_jax.models import ModelConfig, Transformer
+from tg_jax.sampling import agent_loop
 
 
 class EngineShape(NamedTuple):
@@ -41,16 +43,17 @@ class EngineShape(NamedTuple):
 
 
 def engine_shape(config: Any, rows: int, hosts: int, context: int) -> EngineShape:
-    """The geometry `agent_loop.runner_from_config` gives a host's engine: `rows` episodes a
-    step over `hosts` hosts, contexts of `context` tokens."""
-    lc = config.rl_loop
-    slots = int(lc.get("engine_slots", 0)) or -(-rows // hosts)
-    page = int(lc.get("engine_page_size", 16))
-    width = -(-context // page)
-    tokens = int(lc.get("engine_kv_tokens", 0))
-    num_pages = -(-tokens // page) + 1 if tokens else slots * width + 1
-    steps = int(lc.get("engine_decode_steps", 1))
-    return EngineShape(slots, page, num_pages, width, steps)
+    """The geometry `agent_loop.runner_from_config` gives a host's engine (the runner it
+    builds, read back): `rows` episodes a step over `hosts` hosts, contexts of `context`
+    tokens."""
+    model = Transformer(ModelConfig.from_config(config.model))
+    config = copy.deepcopy(config)
+    config.rl_loop.rollout_engine = "builtin"  # the geometry it would have
+    runner = agent_loop.runner_from_config(
+        config, None, model, episodes=-(-rows // hosts), max_total_tokens=context, pad_id=0
+    )
+    return EngineShape(runner.slots, runner.page_size, runner.num_pages, runner.max_pages,
+                       runner.decode_steps)  # fmt: skip
 
 
 def engine_mesh(config: Any, sampler_mesh: Any) -> Any:

@@ -42,8 +42,10 @@ def device_hbm(device: Any) -> float | None:
 
 def sampler_program(config: Any) -> str | None:
     """The `compile_programs` name of the config's sampler call (None: vLLM)."""
-    kind = str(config.rl_loop.get("rollout_engine", "lockstep")) if "rl_loop" in config else ""
-    return {"lockstep": "sample", "builtin": "engine", "": "sample"}.get(kind)
+    from tg_jax.sampling.agent_loop import engine_kind  # noqa: PLC0415
+
+    kind = engine_kind(config.rl_loop) if "rl_loop" in config else "lockstep"
+    return {"lockstep": "sample", "builtin": "engine"}.get(kind)
 
 
 def shared_bytes(config: Any, meshes: aot.Meshes, program: str) -> int:

@@ -241,6 +241,13 @@ def _tasks(
     return tasks, eval_tasks
 
 
+def _process_episodes(lc: Any) -> int:
+    """Episodes this process plays a step: its share of the groups (`multihost.process_slice`,
+    as `rl_rollouts` splits them) x the rollouts per group (its engine's default slots)."""
+    share = multihost.process_slice(int(lc.groups_per_step))
+    return (share.stop - share.start) * int(lc.rollouts_per_group)
+
+
 def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any:
     """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
     config, lc = parts.config, parts.config.rl_loop
@@ -260,7 +267,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
         rates=rl_rollouts.feedback_rates(lc.feedback),
         engine=agent_loop.runner_from_config(  # rl_loop.rollout_engine "builtin"
             config, engine_api, parts.sampler.model,
-            episodes=int(lc.groups_per_step * lc.rollouts_per_group),
+            episodes=_process_episodes(lc),
             max_total_tokens=parts.student_max, pad_id=parts.renderer.tokenizer.pad_id,
             mesh=getattr(parts.sampler, "mesh", None),
         ),
