@@ -373,7 +373,9 @@ def test_hf_tg_runlocal_with_router_replay(tmp_path, engine):
            "--config.mesh.shape=(1,4,2,1)", f"--config.rl_loop.rollout_engine={engine}",
            "--config.model.router_replay=True", "--config.rl_loop.steps=3",
            "--config.optim.total_steps=3", "--config.eval.num_tasks=4",
-           "--config.rl_loop.async_sampling=False"]  # fmt: skip
+           "--config.rl_loop.async_sampling=False",
+           # The engine's pool (builtin): two whole contexts, fewer than its slots' (256 each).
+           "--config.rl_loop.engine_kv_tokens=512"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
