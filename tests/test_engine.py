@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from tg_jax.engine import Engine, Request
+from tg_jax.engine import Engine, Request, paged
 from tg_jax.engine.pages import PageAllocator, PrefixIndex
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling.sampler import Sampler, sequence_logprobs
@@ -297,7 +297,7 @@ def test_no_recompilation_after_warmup(setup):
     width): after `warmup` (prefill per width, decode per rows and width, the page copy), new
     prompts, lengths, sampling settings, continuations, sharing and preemption trace nothing."""
     geometry = dict(max_slots=2, page_size=8, max_pages_per_seq=4, prefill_chunk=8,
-                    prefill_rows=2, num_pages=5)  # fmt: skip
+                    prefill_rows=2, num_pages=5, min_bucket=1)  # fmt: skip
     model, params = setup
     engine = Engine(model, params, **geometry)
     assert engine.page_buckets() == [1, 2, 4] and engine.slot_buckets() == [1, 2]
@@ -319,6 +319,18 @@ def test_no_recompilation_after_warmup(setup):
     other = Engine(model, params, **geometry)
     assert [c.token_ids for c in other.generate(reqs[:2])] == [c.token_ids for c in out[:2]]
     assert other.num_traces == 0
+
+
+def test_buckets_by_hand(setup):
+    """Powers of two from the minimum bucket, then the limit; the engine's default minimum
+    (16) leaves a small engine one bucket per dimension."""
+    assert paged.buckets(8) == [1, 2, 4, 8] and paged.buckets(8, on=False) == [8]
+    assert paged.buckets(64, True, 16) == [16, 32, 64]
+    assert paged.buckets(100, True, 16) == [16, 32, 64, 100]
+    assert paged.buckets(10, True, 16) == [10] and paged.buckets(1024, True, 16)[0] == 16
+    model, params = setup
+    engine = Engine(model, params, max_slots=32, page_size=8, max_pages_per_seq=12)
+    assert engine.slot_buckets() == [16, 32] and engine.page_buckets() == [12]
 
 
 def test_page_allocator_and_prefix_index_by_hand():

@@ -30,9 +30,9 @@ with finish_reason "error".
 
 Shapes (`warmup` compiles them all up front; nothing compiles in steady state, and
 `num_traces` counts traces): decode [rows] with rows the power-of-two bucket of the decoding
-sequences (`slot_buckets`, at most max_slots: a step computes only what is decoding), prefill
-[prefill_rows, prefill_chunk], page tables [., width] with width the power-of-two bucket of
-the longest row's pages (`page_buckets`, at most max_pages_per_seq). Limits: host scheduling
+sequences (`slot_buckets`, from MIN_BUCKET to max_slots), prefill [prefill_rows,
+prefill_chunk], page tables [., width] with width the power-of-two bucket of the longest row's
+pages (`page_buckets`, from MIN_BUCKET to max_pages_per_seq). Limits: host scheduling
 between calls (each step waits for its drawn tokens: with decode_steps 1, one host round trip
 per token); a step's attention reads `width` pages of every row, the longest row's bucket;
 `update_weights` applies from the next step on (sequences in flight keep their keys and
@@ -58,6 +58,10 @@ from tg_jax.engine.requests import Completion, Request, Sequence, error_completi
 from tg_jax.models.qwen3 import Transformer
 from tg_jax.sampling.trajectory import aligned_routes
 
+# Smallest rows / page-table-width bucket: each bucket pair compiles the whole model, and a
+# smaller call padded costs little more (16, the smallest batch vLLM's TPU runner pads to).
+MIN_BUCKET = 16
+
 
 class Engine:
     """Continuous-batching generation over a paged KV pool (module docstring)."""
@@ -80,6 +84,7 @@ class Engine:
         pad_id: int = 0,
         bucket_pages: bool = True,
         bucket_slots: bool = True,
+        min_bucket: int = MIN_BUCKET,
         decode_steps: int = 1,
         stop_width: int = 4,
         record_routes: bool = False,
@@ -100,7 +105,7 @@ class Engine:
           a power of two (`page_buckets`: one compilation each; `warmup` compiles them all);
           off: always max_pages_per_seq wide (one compilation, every step reads all pages).
         bucket_slots: a decode call has as many rows as sequences decode, rounded up to a
-          power of two (`slot_buckets`; off: always max_slots rows).
+          power of two (`slot_buckets`; off: max_slots rows). min_bucket: both's smallest.
         decode_steps: tokens a decode call draws per row at most (`paged.sample_steps`): one
           host round trip per K tokens instead of per token; a row that stops early idles for
           the rest of the call, and admissions wait for the call's end.
@@ -123,6 +128,7 @@ class Engine:
         self.rng = jax.random.key(0) if rng is None else rng
         self.prefix_sharing, self.max_kept, self.pad_id = prefix_sharing, max_kept, pad_id
         self.bucket_pages, self.bucket_slots = bucket_pages, bucket_slots
+        self.min_bucket = int(min_bucket)
         self.decode_steps, self.stop_width = int(decode_steps), int(stop_width)
         self.num_traces = 0  # traces (compilations) this engine's calls caused
         mesh = for_sampler(mesh, model.config.num_kv_heads)
@@ -424,7 +430,7 @@ class Engine:
 
     def page_buckets(self) -> list[int]:
         """Page-table widths a call may get (`paged.buckets` of max_pages_per_seq)."""
-        return paged.buckets(self.max_pages_per_seq, self.bucket_pages)
+        return paged.buckets(self.max_pages_per_seq, self.bucket_pages, self.min_bucket)
 
     def _table(self, seqs: list[Sequence | None]) -> np.ndarray:
         """A call's page tables (`PageTable.table`: the smallest bucket holding every row's
@@ -496,7 +502,7 @@ class Engine:
 
     def slot_buckets(self) -> list[int]:
         """Decode batch sizes (`paged.buckets` of max_slots)."""
-        return paged.buckets(self.max_slots, self.bucket_slots)
+        return paged.buckets(self.max_slots, self.bucket_slots, self.min_bucket)
 
     def _draws(self, seq: Sequence) -> int:
         """Tokens the sequence draws in this decode call at most (its budget's rest)."""

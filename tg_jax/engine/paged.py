@@ -352,12 +352,12 @@ def _layer(cfg, weights: decode.DecodeWeights, i: int, x: Array) -> tuple[dict[s
     return w, x
 
 
-def buckets(limit: int, on: bool = True) -> list[int]:
-    """Sizes a bucketed dimension takes: powers of two below `limit`, then `limit` (off:
-    `limit` only)."""
+def buckets(limit: int, on: bool = True, minimum: int = 1) -> list[int]:
+    """Sizes a bucketed dimension takes: powers of two from `minimum` (rounded up to one)
+    below `limit`, then `limit` (off: `limit` only)."""
     if not on:
         return [limit]
-    return [1 << i for i in range(limit.bit_length()) if 1 << i < limit] + [limit]
+    return [1 << i for i in range(limit.bit_length()) if minimum <= 1 << i < limit] + [limit]
 
 
 # The jitted calls, shared by engines of the same model and shapes (the model is static, the

@@ -193,9 +193,14 @@ def evaluate_prefill(
     after_thinking: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """{"plain": summary, "prefilled": summary} of the held-out episodes of `tasks`: the same
-    sampling seed for both, the prefilled ones with the first answer opened by `prefill`."""
+    sampling seed for both, the prefilled ones with the first answer opened by `prefill`. Both
+    are played lock-step (a forced opening wraps the lock-step sampler), whatever
+    `rl_loop.rollout_engine` says."""
     from tg_jax.evaluation import heldout  # noqa: PLC0415
 
+    if "rl_loop" in config:
+        config = config.copy_and_resolve_references()
+        config.rl_loop.rollout_engine = "lockstep"
     sampler = heldout.make_sampler(config, renderer)
     out = {}
     forced = PrefillSampler(sampler, renderer, prefill, after_thinking=after_thinking)
