@@ -76,6 +76,9 @@ def get_config(arg=None):
     # A step's 1024 rows x 8192 slots in one sampler call need 226 GiB per chip (tg_jax.tpu.aot);
     # 256 rows need 57.7 of v5p's 95: rollouts are sampled 256 episodes at a time.
     c.sampler_mesh.max_rows = 256
+    # Lock-step rollouts: the engine has not run on a TPU yet (its fit is compiled, below;
+    # on an H200 its paged decode step was slower than the lock-step sampler's, docs/benchmarks.md).
+    c.rl_loop.rollout_engine = "lockstep"
     # The built-in engine (--config.rl_loop.rollout_engine=builtin) decodes the step's 1024
     # episodes at once over a KV pool of 1.5M tokens (1465 a live episode on average; past it
     # the newest is preempted and requeued): its decode call is 50.2 GiB per chip; beside the

@@ -98,6 +98,9 @@ def get_config(arg=None):
     # 97.1; compact rows, 77.9 GiB for the step without replay, more). docs/tpu.md.
     c.tg.compact = False
     c.sampler_mesh.max_rows = 64
+    # Lock-step rollouts: the engine has not run on a TPU yet (its fit is compiled, below;
+    # on an H200 its paged decode step was slower than the lock-step sampler's, docs/benchmarks.md).
+    c.rl_loop.rollout_engine = "lockstep"
     # The built-in engine (--config.rl_loop.rollout_engine=builtin): a host's 128 episodes in
     # its slots over a KV pool of 524,288 tokens (4096 a live episode on average; past it the
     # newest is preempted and requeued). Compiled for v5p-64 its decode call is 40.7 GiB per

@@ -70,12 +70,14 @@ class LoopConfig(Section):
     long, e.g. a SWE task's pytest; docs/experiments.md)."""
     queue_size: int = 1
     """Rollout groups sampled ahead (more: less waiting, more stale drops)."""
-    rollout_engine: str = "lockstep"
-    """Who plays the episodes (RL rollouts and held-out evaluation): "lockstep" = every turn of
-    every live episode in one sampler call (`tg_jax.sampling.rollout`); "builtin" = one agent
-    loop per episode on the continuous-batching engine (`tg_jax.sampling.agent_loop`); "vllm" =
-    the same agent loops on vLLM in this process (`tg_jax.engine.vllm_engine`: the `.[vllm]`
-    extra; the trainer's params are loaded into it at each call, no disk)."""
+    rollout_engine: str = "builtin"
+    """Who plays the episodes (RL rollouts and held-out evaluation): "builtin" = one agent loop
+    per episode on the continuous-batching engine over a paged KV pool
+    (`tg_jax.sampling.agent_loop`, `tg_jax.engine`); "lockstep" = every turn of every live
+    episode in one sampler call (`tg_jax.sampling.rollout`; a run whose saved config predates
+    this field resumes with it); "vllm" = the same agent loops on vLLM in this process
+    (`tg_jax.engine.vllm_engine`: the `.[vllm]` extra; the trainer's params are loaded into it
+    at each call, no disk)."""
     engine_slots: int = 0
     """"builtin": episodes decoded at once (0 = every episode of a call); "vllm": vLLM's
     max_num_seqs (0 = groups_per_step x rollouts_per_group)."""
