@@ -176,16 +176,20 @@ def _runner(cfg, episodes, max_total):
     )
 
 
-def test_runner_from_config_defaults_to_lockstep():
+def test_runner_from_config_defaults_to_the_builtin_engine():
+    """The built-in engine by default; "lockstep" by name, and for a saved config that
+    predates the field (a resumed older run keeps its rollouts)."""
     c = config_lib.loop_config()
-    assert c.rollout_engine == "lockstep"
+    assert c.rollout_engine == "builtin"
     cfg = ml_collections.ConfigDict({"rl_loop": c})
-    assert (
-        agent_loop.runner_from_config(
-            cfg, engine_api, None, episodes=4, max_total_tokens=64, pad_id=0
-        )
-        is None
-    )
+    kw = dict(episodes=4, max_total_tokens=64, pad_id=0)
+    assert isinstance(agent_loop.runner_from_config(cfg, engine_api, object(), **kw),
+                      agent_loop.EngineRunner)  # fmt: skip
+    cfg.rl_loop.rollout_engine = "lockstep"
+    assert agent_loop.runner_from_config(cfg, engine_api, None, **kw) is None
+    old = ml_collections.ConfigDict({"rl_loop": {"groups_per_step": 2}})
+    assert agent_loop.engine_kind(old.rl_loop) == "lockstep"
+    assert agent_loop.runner_from_config(old, engine_api, None, **kw) is None
     cfg.rl_loop.rollout_engine = "builtin"
     model = object()  # the engine is built at the first load: any model object here
     runner = agent_loop.runner_from_config(

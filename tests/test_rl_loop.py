@@ -35,12 +35,17 @@ def _run(workdir, config=None, **kw):
     )  # fmt: skip
 
 
+# The rollout engine's prefill count depends on its prefix cache, process state that a resumed
+# process starts empty (the tokens sampled do not: each episode has its own random stream).
+_PROCESS_STATE = {"time", "rollout/prefill_tokens"}
+
+
 def _comparable(workdir):
-    """(stage, step) -> metrics without wall-clock timings."""
+    """(stage, step) -> metrics without wall-clock timings and the engine's cache state."""
     out = {}
     for r in last_per_step(read_metrics(workdir)):
         out[(r["stage"], r["step"])] = {
-            k: v for k, v in r.items() if k != "time" and not k.startswith("time/")
+            k: v for k, v in r.items() if k not in _PROCESS_STATE and not k.startswith("time/")
         }
     return out
 

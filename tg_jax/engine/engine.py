@@ -98,8 +98,7 @@ class Engine:
         prefill_chunk, prefill_rows: the prefill call's [rows, chunk] block.
         rng: PRNG key of the requests' random streams (default key(0)).
         version: the weights' version (`Completion.policy_version`).
-        prefix_sharing: match new contexts against live pages (off: only `continue_from`
-          keeps its parent's pages).
+        prefix_sharing: match new contexts against live pages (off: only `continue_from`).
         max_kept: finished requests remembered for `continue_from` (oldest forgotten first).
         bucket_pages: a call's page tables are as wide as the longest row needs, rounded up to
           a power of two (`page_buckets`: one compilation each; `warmup` compiles them all);
@@ -120,9 +119,8 @@ class Engine:
         """
         if min(decode_steps, stop_width) < 1:
             raise ValueError(f"decode_steps, stop_width must be >= 1: {decode_steps}, {stop_width}")
-        self.model = model
+        self.model, self.max_pages_per_seq = model, int(max_pages_per_seq)
         self.max_slots, self.page_size = int(max_slots), int(page_size)
-        self.max_pages_per_seq = int(max_pages_per_seq)
         self.num_pages = num_pages or self.max_slots * self.max_pages_per_seq + 1
         self.chunk, self.prefill_rows = int(prefill_chunk), int(prefill_rows)
         self.rng = jax.random.key(0) if rng is None else rng

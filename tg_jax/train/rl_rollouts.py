@@ -325,7 +325,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
                 sum(t.info.get("engine_error_groups", 0) for t in trajectories)
             ),
             # The rollout engine's weight sync before the step's calls ("builtin", "vllm").
-            "rollout/weight_sync_s": max(
+            "time/weight_sync_s": max(
                 [t.info.get("weight_sync_s", 0.0) for t in trajectories] or [0.0]
             ),  # fmt: skip
             "rollout/prefill_tokens": float(
