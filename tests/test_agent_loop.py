@@ -196,7 +196,11 @@ def test_runner_from_config_defaults_to_the_builtin_engine():
         cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
     )
     assert (runner.slots, runner.page_size, runner.max_pages) == (6, 16, 7)
-    assert runner.decode_steps == 1
+    assert runner.decode_steps == 1 and runner.min_bucket == 0  # 0: the engine's MIN_BUCKET
+    cfg.rl_loop.engine_min_bucket = 1
+    one = agent_loop.runner_from_config(cfg, engine_api, model, episodes=6,
+                                        max_total_tokens=100, pad_id=0)  # fmt: skip
+    assert one.min_bucket == 1
     cfg.rl_loop.engine_decode_steps = 8
     runner = agent_loop.runner_from_config(
         cfg, engine_api, model, episodes=6, max_total_tokens=100, pad_id=0
@@ -337,3 +341,15 @@ def test_the_vllm_engine_without_vllm_installed_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ImportError, match=r"pip install -c constraints.txt -e '\.\[vllm\]'"):
         vllm_engine.import_vllm()
+
+
+def test_the_runners_engine_takes_its_smallest_bucket(setup):
+    """rl_loop.engine_min_bucket reaches the engine: 0 keeps the engine's MIN_BUCKET (16: a
+    4-slot engine has one rows bucket), 1 every power of two."""
+    model, params, _, runner = setup
+    engine = runner.load(params)
+    assert engine.slot_buckets() == [4] and engine.page_buckets() == [MAX_TOTAL // 16]
+    fine = agent_loop.EngineRunner(engine_api, model, slots=4, max_total_tokens=MAX_TOTAL,
+                                   pad_id=RENDERER.tokenizer.pad_id, min_bucket=1)  # fmt: skip
+    engine = fine.load(params)
+    assert engine.slot_buckets() == [1, 2, 4] and engine.page_buckets() == [1, 2, 4, 8, 12]

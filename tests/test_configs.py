@@ -168,6 +168,7 @@ def test_loop_pipeline_and_mesh_sections_check_their_values():
     """A bad value of the rl_loop, pipeline and mesh sections is an error naming the field."""
     for section, cls, bad, match in (
         (config_lib.loop_config(engine_decode_steps=0), LoopConfig, None, "engine_decode_steps"),
+        (config_lib.loop_config(engine_min_bucket=-1), LoopConfig, None, "engine_min_bucket"),
         (config_lib.loop_config(rollout_engine="sglang"), LoopConfig, None, "rollout_engine"),
         (config_lib.loop_config(), LoopConfig, ("feedback.wrong", 1.5), "feedback.wrong"),
         (config_lib.loop_config(), LoopConfig, ("speed", 2), "unknown fields"),

@@ -79,7 +79,7 @@ class EngineRunner:
                  page_size: int = 16, pad_id: int = 0, prefill_chunk: int = 64,
                  prefill_rows: int = 4, decode_steps: int = 1,
                  record_routes: bool = False, mesh: Any = None,
-                 kv_tokens: int = 0):  # fmt: skip
+                 kv_tokens: int = 0, min_bucket: int = 0):  # fmt: skip
         self.api = engine_api
         self.record_routes = bool(record_routes)  # MoE router replay: Engine(record_routes)
         self.mesh = mesh  # the sampler's devices: Engine(mesh)
@@ -99,6 +99,7 @@ class EngineRunner:
         self.pad_id, self.prefill_chunk = pad_id, prefill_chunk
         self.prefill_rows, self.decode_steps = min(prefill_rows, self.slots), int(decode_steps)
         self.engine: Any = None  # the tg_jax.engine.Engine
+        self.min_bucket = int(min_bucket)  # 0: the engine's own MIN_BUCKET
         self._params: Any = None
         self.lock = threading.RLock()  # held by a call from load to its last turn
         self.last_sync_s = 0.0  # seconds the update to the weights now loaded took
@@ -114,6 +115,7 @@ class EngineRunner:
                 prefill_rows=self.prefill_rows, pad_id=self.pad_id, decode_steps=self.decode_steps,
                 max_kept=max(1024, 2 * self.slots), version=0 if version is None else version,
                 record_routes=self.record_routes, mesh=self.mesh, num_pages=self.num_pages,
+                **({"min_bucket": self.min_bucket} if self.min_bucket else {}),
             )  # fmt: skip
         elif params is not self._params:
             new = self.engine.version + 1 if version is None else version
@@ -159,7 +161,8 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
 
     slots: `rl_loop.engine_slots`, 0 = `episodes` (every episode of a call decodes at once);
     page size `rl_loop.engine_page_size`, tokens per decode call `rl_loop.engine_decode_steps`,
-    the pool's tokens `rl_loop.engine_kv_tokens`, on `mesh` (the sampler's).
+    the pool's tokens `rl_loop.engine_kv_tokens`, its smallest bucket
+    `rl_loop.engine_min_bucket`, on `mesh` (the sampler's).
     vLLM: the checkpoint `model.hf_checkpoint` (the run's base; the trainer's params are
     loaded into it at each call), slots `rl_loop.engine_slots`, 0 = the RL step's episodes
     (groups_per_step x rollouts_per_group; more wait in vLLM's queue), contexts up to
@@ -184,6 +187,7 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
         page_size=int(lc.get("engine_page_size", 16)), pad_id=pad_id,
         decode_steps=int(lc.get("engine_decode_steps", 1)), record_routes=replay, mesh=mesh,
         kv_tokens=int(lc.get("engine_kv_tokens", 0)),
+        min_bucket=int(lc.get("engine_min_bucket", 0)),
     )  # fmt: skip
 
 

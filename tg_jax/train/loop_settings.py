@@ -91,6 +91,11 @@ class LoopConfig(Section):
     context, so nothing is ever preempted; less: when the live tokens outgrow it, the newest
     sequence is preempted and requeued). A pod config sets what its chips hold
     (`python -m tg_jax.tpu.aot --what=engine`)."""
+    engine_min_bucket: int = 0
+    """"builtin": the smallest decode-rows and page-table-width bucket (0 = the engine's
+    `MIN_BUCKET`, 16; 1 = every power of two). Each bucket pair compiles the whole model and
+    a smaller call is padded: on a CPU a model of some size decodes faster from 1
+    (docs/benchmarks.md), at the price of more compilations (docs/results.md, 2026-12-05)."""
     check_fit: bool = True
     """On a TPU backend, compile the train step and the sampler's call at start-up and refuse a
     config whose per-chip memory exceeds the chips' (`tg_jax.tpu.fit`; costs the compiles)."""
@@ -121,8 +126,8 @@ class LoopConfig(Section):
         _at_least(self.section, self, dict(
             steps=1, groups_per_step=1, rollouts_per_group=1, max_new_tokens=1, seq_len=0,
             length_multiple=0, env_workers=1, queue_size=0, engine_slots=0, engine_page_size=1,
-            engine_decode_steps=1, engine_kv_tokens=0, eval_every=0, eval_tasks=0,
-            checkpoint_every=0, keep_checkpoints=1, export_every=0, log_every=1,
+            engine_decode_steps=1, engine_kv_tokens=0, engine_min_bucket=0, eval_every=0,
+            eval_tasks=0, checkpoint_every=0, keep_checkpoints=1, export_every=0, log_every=1,
         ))  # fmt: skip
         if self.epochs < 0:
             raise ValueError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {self.epochs}")
