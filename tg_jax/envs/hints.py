@@ -175,14 +175,19 @@ def judge_unit(seed: int, name: str, text: str) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
+def noisy_verdict(met: bool, noise: VerdictNoise, seed: int, name: str, text: str) -> bool:
+    """A wrong judge's verdict of a turn whose true verdict is `met`: flipped at `noise`'s
+    rates, by the draw `judge_unit(seed, name, text)`."""
+    u = judge_unit(seed, name, text)
+    return u >= noise.false_negative if met else u < noise.false_positive
+
+
 def noisy_requirement(req: Requirement, noise: VerdictNoise, seed: int) -> Requirement:
     """`req` judged by a wrong judge: its check's verdict flipped at `noise`'s rates."""
     check, name = req.check, req.name
 
     def judged(text: str) -> bool:
-        met = bool(check(text))
-        u = judge_unit(seed, name, text)
-        return u >= noise.false_negative if met else u < noise.false_positive
+        return noisy_verdict(bool(check(text)), noise, seed, name, text)
 
     return dataclasses.replace(req, check=judged)
 

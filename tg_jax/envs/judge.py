@@ -43,12 +43,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tg_jax.envs.base import Requirement, Unjudged
-from tg_jax.envs.hints import VerdictNoise, judge_unit
+from tg_jax.envs.hints import VerdictNoise, noisy_verdict
+from tg_jax.text.chat import THINK_END, THINK_START
 
 Verdicts = Sequence[bool | None]
 JudgeFn = Callable[[list[str]], Verdicts]
 # An answer's first word, after any thinking block and leading punctuation or markup.
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_THINK = re.compile(f"{re.escape(THINK_START)}.*?{re.escape(THINK_END)}", re.DOTALL)
 _FIRST_WORD = re.compile(r"^[\W_]*(yes|no)\b", re.IGNORECASE)
 _IDLE_S = 5.0  # a BatchingJudge's worker thread ends after this long without a turn
 
@@ -213,12 +214,8 @@ class ScriptedJudge:
         self.noise = VerdictNoise(float(false_positive), float(false_negative))
 
     def __call__(self, texts: Sequence[str]) -> list[bool]:
-        out = []
-        for text in texts:
-            u = judge_unit(self.seed, self.name, text)
-            met = bool(self.rule(text))
-            out.append(u >= self.noise.false_negative if met else u < self.noise.false_positive)
-        return out
+        return [noisy_verdict(bool(self.rule(t)), self.noise, self.seed, self.name, t)
+                for t in texts]  # fmt: skip
 
 
 __all__ = ["BatchingJudge", "JudgeFn", "ScriptedJudge", "judged_requirement", "parse_verdict"]

@@ -63,13 +63,13 @@ import numpy as np
 
 from tg_jax import config_files, paths, progress
 from tg_jax.envs import env_factory, judge
-from tg_jax.envs.base import Unjudged
 from tg_jax.envs.swe import agents
 from tg_jax.envs.swe.generator import APPROVAL_NOTE, generate_swe_tasks
 from tg_jax.envs.swe.requirements import KNOWN_NAMES, REQUIREMENT_NAMES, TIERS
 from tg_jax.envs.swe.task import SweTask
 from tg_jax.envs.swe.tools import format_call, parse_call
 from tg_jax.evaluation import stats
+from tg_jax.evaluation.judge_agreement import agreement
 from tg_jax.sampling import rollout
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.scripted import ScriptedSampler
@@ -180,21 +180,14 @@ def with_requirement(make_env: Callable[[], Any], req: Any) -> Callable[[], Any]
     return make
 
 
-def judge_agreement(req: Any, turns: Sequence[str]) -> dict[str, Any]:
-    """The judge of `req` against the rule `gives_reason` on the turns it applies to (its
-    cached verdicts: the ones the environments recorded)."""
-    pairs, unjudged = [], 0
-    for text in (t for t in turns if is_report(t)):
-        try:
-            pairs.append((gives_reason(text), bool(req.check(text))))
-        except Unjudged:
-            unjudged += 1
-    truth = np.asarray([p[0] for p in pairs], bool)
-    said = np.asarray([p[1] for p in pairs], bool)
-    rate = lambda m: float(m.mean()) if m.size else None  # noqa: E731
-    return {"judge/turns": len(pairs), "judge/unjudged": unjudged,
-            "judge/accuracy": rate(truth == said), "judge/false_positive": rate(said[~truth]),
-            "judge/false_negative": rate(~said[truth])}  # fmt: skip
+def judge_figures(req: Any, turns: Sequence[str]) -> dict[str, Any]:
+    """The judge of `req` against the rule `gives_reason` on the turns it applies to
+    (`judge_agreement.agreement` with the rule as the labels; its cached verdicts: the ones the
+    environments recorded)."""
+    got = agreement(req, [(t, gives_reason(t)) for t in turns])
+    return {"judge/turns": got["num_judged"], "judge/unjudged": got["unjudged"],
+            "judge/accuracy": got["accuracy"], "judge/false_positive": got["false_positive_rate"],
+            "judge/false_negative": got["false_negative_rate"]}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 on_episode=tick)  # fmt: skip
             figures[arm] = arm_figures(episodes, n_boot=args.n_boot, seed=args.seed)
             turns = [t for task in tasks for t in arm_turns(arm, arm_task(arm, task), args.seed)]
-            figures[arm].update(judge_agreement(judged, turns))
+            figures[arm].update(judge_figures(judged, turns))
     return {
         "command": "python -m tg_jax.evaluation.swe_protocol " + " ".join(args.argv),
         "split": "heldout",
