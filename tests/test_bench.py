@@ -134,6 +134,21 @@ def test_engines_other_than_builtin_and_vllm_are_refused():
         bench_main.main(["--suite", "micro", "--sections", "agentic", "--engines=builtin,sglang"])
 
 
+def test_the_engines_smallest_bucket_reaches_the_agentic_section(monkeypatch):
+    """--engine_min_bucket N: the agentic section's engine gets min_bucket N (0: its own)."""
+    from tg_jax.bench import agentic
+
+    seen = []
+    monkeypatch.setattr(agentic, "agentic_section",
+                        lambda **kw: seen.append(kw.get("engine_options")) or {})  # fmt: skip
+    for flag, want in (("--engine_min_bucket=1", {"min_bucket": 1}), (None, None)):
+        argv = ["--suite", "micro", "--sections", "agentic", "--no_hugepages"]
+        bench_main.main(argv + ([flag] if flag else []))
+        assert seen[-1] == want
+    with pytest.raises(ValueError, match="--engine_min_bucket must be >= 0"):
+        suites.run_suite(suites.SUITES["micro"], sections=("agentic",), engine_min_bucket=-1)
+
+
 def test_decode_flops_counts_prefill_and_average_context():
     from tg_jax import config_lib
     from tg_jax.bench import throughput

@@ -106,6 +106,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "(vLLM: the .[vllm] extra)",
     )
     parser.add_argument(
+        "--engine_min_bucket",
+        type=int,
+        default=0,
+        help="agentic: the engine's smallest rows / page-width bucket (0: its MIN_BUCKET)",
+    )
+    parser.add_argument(
         "--no_hugepages", action="store_true", help="do not set glibc.malloc.hugetlb=1"
     )
     args = parser.parse_args(argv)
@@ -119,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         suites.SUITES[args.suite], config_path=args.config, workdir=args.workdir,
         sections=sections, log=lambda s: print(s, flush=True),
         engines=tuple(e for e in args.engines.split(",") if e),
+        engine_min_bucket=args.engine_min_bucket,
     )  # fmt: skip
     result["machine"]["glibc_tunables"] = os.environ.get(_TUNABLES, "")
     print(table(result))

@@ -381,11 +381,15 @@ def run_suite(
     sections: tuple[str, ...] | None = None,
     log: Callable[[str], None] = print,
     engines: tuple[str, ...] = ("builtin",),
+    engine_min_bucket: int = 0,
 ) -> dict[str, Any]:
     """Runs the suite's sections; returns {"suite", "machine", "sections", "figures"}.
-    engines: the agentic section's engines beside the lock-step sampler ("builtin", "vllm")."""
+    engines: the agentic section's engines beside the lock-step sampler ("builtin", "vllm");
+    engine_min_bucket: its engine's smallest bucket (0: the engine's MIN_BUCKET)."""
     if set(engines) - {"builtin", "vllm"} or "builtin" not in engines:
         raise ValueError(f"--engines: builtin or builtin,vllm, got {','.join(engines)!r}")
+    if engine_min_bucket < 0:
+        raise ValueError(f"--engine_min_bucket must be >= 0, got {engine_min_bucket}")
     config = run_config(suite, config_path)
     wanted = sections or ("peak", "sampler", "train", "rl", "kl", "overlap", "sandbox", "e2e")
     machine = {
@@ -416,6 +420,7 @@ def run_suite(
         # --engines=builtin,vllm adds vLLM as a third arm.
         "agentic": lambda: agentic.agentic_section(
             vllm="vllm" in engines,
+            engine_options={"min_bucket": engine_min_bucket} if engine_min_bucket else None,
             **(
                 {"episodes": 4, "max_turns": 2, "max_tokens": 64}
                 if suite.tiny_models  # an RL step's shape: 64 episodes in 16 rows' KV bytes
