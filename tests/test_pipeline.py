@@ -66,12 +66,13 @@ def test_every_arm_applies_to_the_default_and_experiment_configs():
                     assert node == pytest.approx(base * value.factor), (name, arm, key)
                     continue
                 assert node == value, (name, arm, key)
-    # Every arm is run by one of the two protocols: the evaluation protocol or the peers'.
-    experiment = config_files.load_config_file(os.path.join(CONFIG_DIR, "experiment.py"))
-    peers = config_files.load_config_file(os.path.join(CONFIG_DIR, "peers.py"))
-    assert set(experiment.pipeline.arms) | set(peers.pipeline.arms) == set(pipeline.ARMS)
-    assert {"grpo", "tg"} <= set(experiment.pipeline.arms) & set(peers.pipeline.arms)
-    assert len(experiment.eval.train_seeds) >= 3 and len(peers.eval.train_seeds) >= 3
+    # Every arm is run by one of the protocols: the evaluation protocol, the peers', the
+    # thinking controls.
+    protocols = [config_files.load_config_file(os.path.join(CONFIG_DIR, f"{name}.py"))
+                 for name in ("experiment", "peers", "thinking")]  # fmt: skip
+    assert set().union(*(set(p.pipeline.arms) for p in protocols)) == set(pipeline.ARMS)
+    for p in protocols:
+        assert {"grpo", "tg"} <= set(p.pipeline.arms) and len(p.eval.train_seeds) >= 3
 
 
 def test_peers_config_is_its_base_config_plus_the_arms():

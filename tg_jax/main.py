@@ -240,6 +240,10 @@ def _check_config(config, workdir: str) -> None:
             from tg_jax.sampling.agent_loop import router_replay
 
             router_replay(config)  # vLLM records no routing to replay
+            from tg_jax.rl import hidden_thinking
+
+            for _, c in _run_configs(config):  # a pipeline's arms may turn it on
+                hidden_thinking.check_config(c)
     except ValueError as e:
         _fail(f"invalid config: {e}")
     if all(name in config for name in ("rl", "tg", "optim")):
@@ -377,7 +381,6 @@ def _check_model_dir(config) -> None:
     """The checkpoint directory opens (its chat template serves a rollout), and the config asks
     nothing of the model it lacks: distilling thinking needs a template with thinking."""
     from tg_jax.models import hf_dir
-    from tg_jax.train import pipeline
 
     try:
         md = hf_dir.open_model_dir(
@@ -387,16 +390,28 @@ def _check_model_dir(config) -> None:
         _fail(str(e))
     if md.renderer.has_thinking:
         return
-    configs = [("the config", config)]
-    if config.stage == "pipeline" and "pipeline" in config:
-        configs = [(f"arm {a!r}", pipeline.arm_config(config, a)) for a in config.pipeline.arms]
-    for what, c in configs:
+    no_thinking = (f"the chat template of {config.model.hf_checkpoint} renders no thinking (it "
+                   "drops reasoning_content)")  # fmt: skip
+    for what, c in _run_configs(config):
         if "tg" in c and c.tg.get("enabled") and c.tg.get("include_thinking"):
             _fail(
-                f"invalid config: tg.include_thinking is True in {what}, but the chat template of "
-                f"{config.model.hf_checkpoint} renders no thinking (it drops reasoning_content): "
+                f"invalid config: tg.include_thinking is True in {what}, but {no_thinking}: "
                 "there are no thinking tokens to distil; set tg.include_thinking=False"
             )
+        if "rl_loop" in c and c.rl_loop.get("hide_thinking"):
+            _fail(
+                f"invalid config: rl_loop.hide_thinking is True in {what}, but {no_thinking}: "
+                "there is no thinking to hide; set rl_loop.hide_thinking=False"
+            )
+
+
+def _run_configs(config) -> list[tuple[str, Any]]:
+    """(name, config) of what the run trains: the config, or each arm of a pipeline."""
+    from tg_jax.train import pipeline
+
+    if config.stage == "pipeline" and "pipeline" in config:
+        return [(f"arm {a!r}", pipeline.arm_config(config, a)) for a in config.pipeline.arms]
+    return [("the config", config)]
 
 
 def _quiet_threads_once_removed(workdir: str, identity: tuple[int, int] | None) -> None:

@@ -27,6 +27,7 @@ from tg_jax import engine as engine_api
 from tg_jax import multihost, paths
 from tg_jax.envs import env_factory
 from tg_jax.models import ModelConfig, Transformer
+from tg_jax.rl import hidden_thinking
 from tg_jax.sampling import agent_loop, rollout
 from tg_jax.sampling.episode import CONDITIONS, EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
@@ -94,6 +95,7 @@ def heldout_episodes(
         temperature=float(ev.temperature if temperature is None else temperature),
         env_workers=int(ev.env_workers),
         max_rows=int(config.sampler_mesh.max_rows),
+        hide_thinking=hidden_thinking.enabled(config),  # as the policy was trained
     )
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
     # rl_loop.rollout_engine "builtin": the episodes' agent loops on the engine.

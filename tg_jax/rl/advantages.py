@@ -108,6 +108,7 @@ def group_advantages(
     eps: float = 1e-6,
     ddof: int = 0,
     valid_B: jax.Array | None = None,
+    stats_B: jax.Array | None = None,
 ) -> tuple[jax.Array, AdvantageMetrics]:
     """Group-normalised advantages (GRPO or Dr. GRPO) over arbitrary integer group ids.
 
@@ -127,6 +128,9 @@ def group_advantages(
         as in torch.std-based implementations.
       valid_B: optional [B] bool; False marks padding rows, which get A = 0 and are left out
         of every statistic.
+      stats_B: optional [B] bool, the valid rows that make the group statistics and metrics
+        (default: every valid row); the others get the advantage of their reward in their
+        group (`tg_jax.rl.hidden_thinking`: an episode's turn rows after its first).
 
     Returns:
       advantages_B: float32 [B].
@@ -137,19 +141,20 @@ def group_advantages(
     rewards_B = jnp.asarray(rewards_B, jnp.float32)
     (batch,) = rewards_B.shape
     valid_B = jnp.ones((batch,), bool) if valid_B is None else jnp.asarray(valid_B, bool)
-    w_B = valid_B.astype(jnp.float32)
+    stats_B = valid_B if stats_B is None else jnp.asarray(stats_B, bool) & valid_B
+    w_B = stats_B.astype(jnp.float32)
 
     seg_B, seg_sum = _dense_groups(group_ids_B, valid_B)
     count_G = seg_sum(w_B)
     mean_G = seg_sum(w_B * rewards_B) / jnp.maximum(count_G, 1.0)
-    centred_B = (rewards_B - mean_G[seg_B]) * w_B
-    var_G = seg_sum(centred_B**2) / jnp.maximum(count_G - ddof, 1.0)
+    centred_B = (rewards_B - mean_G[seg_B]) * valid_B
+    var_G = seg_sum(w_B * centred_B**2) / jnp.maximum(count_G - ddof, 1.0)
     std_G = jnp.sqrt(var_G)
     # Equal rewards make the centred rewards exactly 0 only up to rounding of the mean; test
     # equality on max/min instead, and zero those groups' advantages exactly.
     big = jnp.finfo(jnp.float32).max
-    max_G = jax.ops.segment_max(jnp.where(valid_B, rewards_B, -big), seg_B, num_segments=batch)
-    min_G = jax.ops.segment_min(jnp.where(valid_B, rewards_B, big), seg_B, num_segments=batch)
+    max_G = jax.ops.segment_max(jnp.where(stats_B, rewards_B, -big), seg_B, num_segments=batch)
+    min_G = jax.ops.segment_min(jnp.where(stats_B, rewards_B, big), seg_B, num_segments=batch)
     present_G = count_G > 0
     zero_std_G = present_G & (max_G == min_G)
 
@@ -224,6 +229,7 @@ def compute_advantages(
     ddof: int = 0,
     valid_B: jax.Array | None = None,
     reward_norm: RewardNorm = "combined",
+    stats_B: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, AdvantageMetrics]:
     """`combine_rewards` then `group_advantages` (of the sum, or of each component).
 
@@ -231,7 +237,7 @@ def compute_advantages(
       rewards: name -> reward component [B].
       weights: name -> weight.
       group_ids_B: [B] int group ids.
-      mode, eps, ddof, valid_B: as in `group_advantages`.
+      mode, eps, ddof, valid_B, stats_B: as in `group_advantages`.
       reward_norm: "combined" = the advantage of the weighted sum; "per_reward" = the
         weighted sum of each component's own group advantage (see the module docstring).
         The two agree for a single component and for "dr_grpo".
@@ -245,7 +251,7 @@ def compute_advantages(
     if reward_norm not in REWARD_NORMS:
         raise ValueError(f"unknown reward_norm {reward_norm!r}; known: {REWARD_NORMS}")
     rewards_B = combine_rewards(rewards, weights)
-    kw = dict(mode=mode, eps=eps, ddof=ddof, valid_B=valid_B)
+    kw = dict(mode=mode, eps=eps, ddof=ddof, valid_B=valid_B, stats_B=stats_B)
     adv_B, metrics = group_advantages(rewards_B, group_ids_B, **kw)
     if reward_norm == "per_reward":
         adv_B = None

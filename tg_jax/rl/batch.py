@@ -95,6 +95,8 @@ class Batch:
       group_ids_B: int32 GRPO group of each row.
       policy_version_B: int32 policy version that sampled each row (-1 on padding rows).
       valid_B: bool, False for padding rows.
+      head_B: bool, the row counts its episode in the group statistics and reward metrics
+        (`tg_jax.rl.hidden_thinking`: one row per turn, the first counts); None = valid_B.
       teacher_src_row_Bt, teacher_start_Bt: compact teacher rows only (else None): int32 the
         student row (local to the micro-batch) whose prefix the row continues, and the
         student position p of its first hint (`tg_jax.rl.tg.compact`).
@@ -132,6 +134,7 @@ class Batch:
     teacher_start_Bt: Any = None
     routes_BxTxLxJ: Any = None
     teacher_routes_BtxTtxLxJ: Any = None
+    head_B: Any = None
     requirement_names: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
     teacher_mode: str = flax.struct.field(pytree_node=False, default="per_trajectory")
     teacher_compact: bool = flax.struct.field(pytree_node=False, default=False)
@@ -179,13 +182,8 @@ def _empty_seqs(rows: int, length: int) -> dict[str, np.ndarray]:
     }
 
 
-def _fill_student_targets(
-    per_token: dict[str, np.ndarray],
-    b: int,
-    traj: Trajectory,
-    gate: str,
-    req_index: dict[str, int],
-) -> dict[int, np.ndarray]:
+def _fill_student_targets(per_token: dict[str, np.ndarray], b: int, traj: Trajectory, gate: str,
+                          req_index: dict[str, int]) -> dict[int, np.ndarray]:  # fmt: skip
     """Fills row b of the target-aligned arrays; returns the hint of each targeted turn with a
     non-empty hint."""
     tokens = np.asarray(traj.tokens, np.int32)
@@ -415,9 +413,9 @@ def _compact_rows(
 
 
 def _row_fields(
-    trajectories: Sequence[Trajectory], rows: int, reward_names: Sequence[str]
+    trajectories: Sequence[Trajectory], rows: int, reward_names: Sequence[str], heads=None
 ) -> dict[str, Any]:
-    """The per-row [rows] fields: rewards, group ids, policy versions, validity."""
+    """The per-row [rows] fields: rewards, group ids, policy versions, validity, heads."""
     n = len(trajectories)
     rewards = {name: np.zeros((rows,), np.float32) for name in reward_names}
     for b, traj in enumerate(trajectories):
@@ -432,6 +430,7 @@ def _row_fields(
         "group_ids_B": group_ids,
         "policy_version_B": versions,
         "valid_B": np.arange(rows) < n,
+        "head_B": None if heads is None else np.pad(np.asarray(heads, bool), (0, rows - n)),
     }
 
 
@@ -440,7 +439,8 @@ def build_batch(
     mode: TeacherMode = "per_trajectory", gate: str = "failed_turns", max_teacher_rows: int = 0,
     requirement_names: Sequence[str] | None = None, pad_to_multiple: int = 64,
     teacher_pad_to_multiple: int | None = None, batch_multiple: int = 1, micro_batches: int = 1,
-    compact: bool = False, min_compact_saving: float = 0.0,
+    compact: bool = False, min_compact_saving: float = 0.0, heads: Sequence[bool] | None = None,
+    min_rows: int = 0,
 ) -> Batch:  # fmt: skip
     """Pads trajectories into a `Batch` (see the module docstring for conventions).
 
@@ -468,6 +468,8 @@ def build_batch(
       min_compact_saving: with compact, full rows instead when the compact rows' B_t x T_t
         slots are more than (1 - min_compact_saving) of the full rows'
         (`compact.compaction_pays`); 0 (the train loop's) keeps compact rows.
+      heads: per trajectory, `Batch.head_B` (`tg_jax.rl.hidden_thinking.segments`).
+      min_rows: B is at least this (rounded up as the trajectories' count is).
 
     Returns:
       A `Batch` of numpy arrays.
@@ -478,7 +480,7 @@ def build_batch(
     if mode not in ("per_trajectory", "per_turn", "none"):
         raise ValueError(f"unknown teacher mode {mode!r}")
     reward_names = _check_trajectories(trajectories, max_len)  # at least one
-    rows = num_rows(len(trajectories), batch_multiple, micro_batches)
+    rows = num_rows(max(len(trajectories), min_rows), batch_multiple, micro_batches)
     if requirement_names is None:
         requirement_names = sorted({r for t in trajectories for v in t.turn_verdicts for r in v})
     req_index = {name: i for i, name in enumerate(requirement_names)}
@@ -507,10 +509,8 @@ def build_batch(
         teacher = _full_teacher(
             per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro, shared
         )
-    return _assemble(
-        student, per_token, teacher, trajectories, rows, reward_names, requirement_names, mode,
-        compact, prefix_len,
-    )  # fmt: skip
+    return _assemble(student, per_token, teacher, trajectories, rows, reward_names,
+                     requirement_names, mode, compact, prefix_len, heads)  # fmt: skip
 
 
 def _full_teacher(per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro,
@@ -527,7 +527,7 @@ def _full_teacher(per_token, trajectories, hints, mode, rows, max_teacher_rows, 
 
 
 def _assemble(student, per_token, teacher, trajectories, rows, reward_names, requirement_names,
-              mode, compact, prefix_len) -> Batch:  # fmt: skip
+              mode, compact, prefix_len, heads) -> Batch:  # fmt: skip
     """The `Batch` of the filled arrays (compact: the teacher rows were compacted)."""
     routes, teacher_routes = batch_routes(trajectories, rows, student["tokens"].shape[1],
                                           None if mode == "none" else teacher)  # fmt: skip
@@ -550,7 +550,7 @@ def _assemble(student, per_token, teacher, trajectories, rows, reward_names, req
         teacher_tokens_BtxTt=teacher["tokens"],
         teacher_positions_BtxTt=teacher["positions"],
         teacher_segment_ids_BtxTt=teacher["segments"],
-        **_row_fields(trajectories, rows, reward_names),
+        **_row_fields(trajectories, rows, reward_names, heads),
         teacher_src_row_Bt=teacher.get("src_row"),
         teacher_start_Bt=teacher.get("start"),
         routes_BxTxLxJ=routes,

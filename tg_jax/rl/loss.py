@@ -56,6 +56,7 @@ class Normalizers(NamedTuple):
 
     num_tokens: jax.Array  # assistant tokens (loss mask)
     num_seqs: jax.Array  # rows with at least one assistant token
+    num_episodes: jax.Array  # of those, the head rows (Batch.head_B; = num_seqs without)
     num_distilled: jax.Array  # |M|
     req_tokens_R: jax.Array  # |M| per requirement
 
@@ -87,9 +88,12 @@ def normalizers(batch: Batch, tg_cfg: TGConfig) -> Normalizers:
     num_req = len(batch.requirement_names)
     onehot_BxTxR = jax.nn.one_hot(batch.requirement_ids_BxT, num_req, dtype=jnp.float32)
     req_tokens_R = (onehot_BxTxR * mask_BxT[..., None].astype(jnp.float32)).sum(axis=(0, 1))
+    seqs_B = loss_mask_BxT.sum(axis=-1) > 0
+    heads_B = seqs_B if batch.head_B is None else seqs_B & batch.head_B.astype(bool)
     return Normalizers(
         num_tokens=loss_mask_BxT.sum().astype(jnp.float32),
-        num_seqs=(loss_mask_BxT.sum(axis=-1) > 0).sum().astype(jnp.float32),
+        num_seqs=seqs_B.sum().astype(jnp.float32),
+        num_episodes=heads_B.sum().astype(jnp.float32),
         num_distilled=mask_BxT.sum().astype(jnp.float32),
         req_tokens_R=req_tokens_R,
     )
@@ -259,7 +263,7 @@ def tg_term(
         requirement_ids_BxT=batch.requirement_ids_BxT,
         num_requirements=num_req,
         normalize=tg_cfg.normalize,
-        norm_constant=jnp.maximum(norms.num_seqs, 1.0) * tg_cfg.norm_length,
+        norm_constant=jnp.maximum(norms.num_episodes, 1.0) * tg_cfg.norm_length,
     )
     share = _share(tm.num_distilled, norms.num_distilled)
     req_share_R = tm.per_requirement_tokens / jnp.maximum(norms.req_tokens_R, 1.0)
@@ -466,14 +470,16 @@ def batch_advantages(
     weights = dict(rl_cfg.reward_weights)
     kw = dict(mode=rl_cfg.advantage_mode, eps=rl_cfg.adv_eps, valid_B=batch.valid_B)
     adv_B, rewards_B, metrics = compute_advantages(
-        dict(batch.rewards), weights, batch.group_ids_B, reward_norm=rl_cfg.reward_norm, **kw
-    )
+        dict(batch.rewards), weights, batch.group_ids_B, reward_norm=rl_cfg.reward_norm,
+        stats_B=batch.head_B, **kw,
+    )  # fmt: skip
     if rl_cfg.requirement_credit == "episode":
         return adv_B, rewards_B, metrics
     req, episode = rl_cfg.credit_split(batch.requirement_names)
     adv_B, _, _ = compute_advantages(
-        dict(batch.rewards), episode, batch.group_ids_B, reward_norm=rl_cfg.reward_norm, **kw
-    )
+        dict(batch.rewards), episode, batch.group_ids_B, reward_norm=rl_cfg.reward_norm,
+        stats_B=batch.head_B, **kw,
+    )  # fmt: skip
     mask_BxT = batch.loss_mask_BxT
     unmet = batch.unmet_turn_mask_BxT  # failed or rejected (met on a refused turn earns nothing)
     unmet = batch.failed_turn_mask_BxT if unmet is None else unmet

@@ -164,12 +164,19 @@ def _proximal_logprob_fn(model: nn.Module, config: StepConfig) -> Callable:
 
 
 def _abs_mean(adv: jax.Array, batch: Batch) -> jax.Array:
-    """Mean |advantage| over valid rows ([B]) or over produced tokens ([B, T], turn credit)."""
+    """Mean |advantage| over episodes ([B], `_episode_rows`) or over produced tokens ([B, T],
+    turn credit)."""
     if adv.ndim == 1:
-        valid_B = batch.valid_B.astype(jnp.float32)
+        valid_B = _episode_rows(batch)
         return (jnp.abs(adv) * valid_B).sum() / jnp.maximum(valid_B.sum(), 1.0)
     mask_BxT = batch.loss_mask_BxT.astype(jnp.float32)
     return (jnp.abs(adv) * mask_BxT).sum() / jnp.maximum(mask_BxT.sum(), 1.0)
+
+
+def _episode_rows(batch: Batch) -> jax.Array:
+    """[B] float32, 1 on the rows that count an episode once (`Batch.head_B`, else valid)."""
+    rows_B = batch.valid_B if batch.head_B is None else batch.valid_B & batch.head_B
+    return rows_B.astype(jnp.float32)
 
 
 def update_phase(
@@ -273,7 +280,7 @@ def train_step(
         )
     new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
 
-    valid_B = batch.valid_B.astype(jnp.float32)
+    valid_B = _episode_rows(batch)
     num_valid = jnp.maximum(valid_B.sum(), 1.0)
     metrics = dict(update_metrics)
     metrics.update(

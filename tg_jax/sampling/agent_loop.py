@@ -56,7 +56,7 @@ from tg_jax.envs.base import Environment
 from tg_jax.errors import ConfigError
 from tg_jax.sampling import rollout
 from tg_jax.sampling.rollout import Episode, RolloutConfig
-from tg_jax.sampling.trajectory import Role
+from tg_jax.sampling.trajectory import Role, visible_tokens
 from tg_jax.text import ChatRenderer, hint_message
 
 ENGINES = ("lockstep", "builtin", "vllm")  # rl_loop.rollout_engine
@@ -250,7 +250,11 @@ class _Loop:
         ep.append(self.renderer.assistant_header(), Role.PROMPT)
         turn = len(ep.turn_starts) - 1
         rid, parent = (self.call, i, turn), self.last.get(i)
+        if self.config.hide_thinking and parent is not None:  # a fresh, visible context
+            self.runner.engine.release(self.last.pop(i))
+            parent = None
         prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]
+        prompt = visible_tokens(ep.tokens, ep.roles) if self.config.hide_thinking else prompt
         self.windows[rid] = max(len(ep.routes) - 1, 0) if ep.routes is not None else 0
         self.runner.engine.submit(self.runner.api.Request(
             rid, list(prompt), budget, temperature=self.config.temperature,

@@ -16,9 +16,10 @@ environment has `tool_schemas`; the environment reads the model's calls in its t
 
 Every turn of every live episode is sampled in one batched `Sampler.sample` call. The
 episodes' keys and values stay on the device between turns (`tg_jax.sampling.turn_cache`): a
-turn prefills only what was appended since the last one (observation, hint, header), and the
-G rollouts of a prompt prefill it once (info["prefill_tokens"] counts them). The turn text
-(sampled tokens minus the stop token, thinking included) goes to `env.step` in a thread pool.
+turn prefills only what was appended since the last one (observation, hint, header; with
+`hide_thinking` its whole visible context), and the G rollouts of a prompt prefill it once
+(info["prefill_tokens"]). The turn text (sampled tokens minus the stop token, thinking
+included) goes to `env.step` in a thread pool.
 
 Limits:
   * A turn that reaches its token budget without a stop token is still recorded and sent to the
@@ -55,7 +56,7 @@ from tg_jax.envs.base import Environment, EpisodeSummary, StepResult, join_hints
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler
-from tg_jax.sampling.trajectory import Role, Trajectory, aligned_routes, hint_key
+from tg_jax.sampling.trajectory import Role, Trajectory, aligned_routes, hint_key, visible_tokens
 from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 from tg_jax.text.tokenizer import token_at_char
@@ -78,6 +79,7 @@ class RolloutConfig:
       max_rows: most episodes one sampler call holds (0 = all of them); more are played in
         chunks of this many, one after the other, each from its own random streams (the
         episodes of one call, `play_episodes`): it bounds the sampler's memory (keys, values).
+      hide_thinking: turns see no earlier <think> block (`visible_tokens`; re-prefilled).
     """
 
     max_new_tokens: int = 128
@@ -90,6 +92,7 @@ class RolloutConfig:
     observation_role: str = "tool"
     env_workers: int = 2
     max_rows: int = 0
+    hide_thinking: bool = False
 
     def __post_init__(self):
         if self.max_rows < 0:  # a negative chunk size would play no episode at all
@@ -142,11 +145,8 @@ def _final_rewards(env: Environment) -> dict[str, float]:
     """Rewards of an episode the rollout cut short: task 0, requirement rewards so far."""
     mode = getattr(getattr(env, "config", None), "requirement_reward", "fraction")
     summary = env.summary()
-    out = {"task": 0.0}
-    out.update(
-        {r.name: summary.requirement_reward(r.name, mode, r.conditional) for r in env.requirements}
-    )
-    return out
+    return {"task": 0.0, **{r.name: summary.requirement_reward(r.name, mode, r.conditional)
+                            for r in env.requirements}}  # fmt: skip
 
 
 def _termination(env: Environment) -> str:
@@ -178,13 +178,9 @@ def _fail(ep: Episode, text: str, error: Exception) -> None:
     ep.termination = "env_error"
 
 
-def _start_episodes(
-    renderer: ChatRenderer,
-    env_factory: Callable[[], Environment],
-    tasks: Sequence[Any],
-    group_ids: Sequence[int] | None,
-    stream_ids: Sequence[int] | None,
-) -> list[Episode]:
+def _start_episodes(renderer: ChatRenderer, env_factory: Callable[[], Environment],
+                    tasks: Sequence[Any], group_ids: Sequence[int] | None,
+                    stream_ids: Sequence[int] | None) -> list[Episode]:  # fmt: skip
     """One fresh episode per task: a new environment, the rendered user prompt."""
     episodes = []
     for i, task in enumerate(tasks):
@@ -301,12 +297,14 @@ def play_episodes(
                 ep.append(hint_ids, Role.HINT)
                 ep.turn_starts.append(len(ep.tokens))
                 ep.append(header, Role.PROMPT)
+            hide = config.hide_thinking  # each turn's visible context, prefilled afresh
             out = sampler.sample(
-                params, [ep.tokens for ep in live], max_new_tokens=budgets,
+                params, [visible_tokens(ep.tokens, ep.roles) if hide else ep.tokens for ep in live],
+                max_new_tokens=budgets,
                 stop_ids=renderer.end_of_turn_ids, temperature=config.temperature,
                 top_k=config.top_k, top_p=config.top_p, rng=jax.random.fold_in(rng, turn),
                 row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
-                cache=cache, keys=[id(ep) for ep in live], routes_from=starts,
+                cache=None if hide else cache, keys=[id(ep) for ep in live], routes_from=starts,
             )  # fmt: skip
             pre = [None] * len(live) if out.prefill_tokens is None else out.prefill_tokens
             routes = [None] * len(live) if out.routes is None else out.routes

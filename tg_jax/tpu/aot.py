@@ -401,11 +401,14 @@ def train_shapes(config: Any, divisor: int, **given: int) -> TrainShapes:
 
 
 def _config_rows(config: Any) -> int:
-    """Rows of one train step: groups x rollouts per group, from whichever section has them."""
+    """Rows of one train step: groups x rollouts per group (x turns with hidden thinking)."""
     for name in config.keys():
         s = config[name]
         if hasattr(s, "get") and s.get("groups_per_step") and s.get("rollouts_per_group"):
-            return int(s.groups_per_step) * int(s.rollouts_per_group)
+            rows = int(s.groups_per_step) * int(s.rollouts_per_group)
+            from tg_jax.rl import hidden_thinking  # noqa: PLC0415 (as the train step's)
+
+            return rows * hidden_thinking.rows_per_episode(config)
     raise ValueError("No groups_per_step / rollouts_per_group in the config: pass --train_rows")
 
 

@@ -59,6 +59,12 @@ class LoopConfig(Section):
     """G rollouts of the same task per group."""
     max_new_tokens: int = 128
     """Decode budget per assistant turn."""
+    hide_thinking: bool = False
+    """Hidden planning text: each assistant turn sees the episode without the <think> blocks of
+    earlier turns, in the RL rollouts and every evaluation (each turn's context prefilled
+    afresh); the trainer takes one row per turn in its own context
+    (`tg_jax.rl.hidden_thinking`: a step's rows = episodes x env.max_turns). Needs a template
+    with thinking and a bounded episode; not with model.router_replay."""
     seq_len: int = 0
     """Padded student length T of a batch; 0 = model.max_seq_len."""
     length_multiple: int = 64

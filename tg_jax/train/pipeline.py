@@ -103,6 +103,17 @@ ARMS: dict[str, Arm] = {
         "TG that distils <think> and answer tokens of failed turns, per step at most as many as "
         "their answer tokens (tg's distilled-token budget; tg_jax.rl.tg.distill_budget)",
     ),
+    "tg_think_hidden": Arm(
+        {
+            "tg.enabled": True,
+            "tg.include_thinking": True,
+            "tg.distill_budget": "answer_tokens",
+            "rl_loop.hide_thinking": True,
+        },  # fmt: skip
+        "ablation",
+        "tg_think_budget with hidden planning text: no turn sees an earlier turn's <think> "
+        "block, in training and evaluation (tg_jax.rl.hidden_thinking)",
+    ),
     "tg_all_turns": Arm(
         {"tg.enabled": True, "tg.gate": "all_turns"},
         "ablation",

@@ -68,6 +68,7 @@ from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
+from tg_jax.rl import hidden_thinking
 from tg_jax.rl.batch import Batch, build_batch
 from tg_jax.rl.loss import distill_mask
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
@@ -262,6 +263,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
             max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,
             temperature=float(config.rl.temperature), env_workers=int(lc.env_workers),
             max_rows=int(config.sampler_mesh.max_rows),
+            hide_thinking=hidden_thinking.enabled(config),
         ),
         sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
         rates=rl_rollouts.feedback_rates(lc.feedback),
@@ -299,8 +301,13 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
     thinking arm's TG mask is cut to its answer tokens' count (tg_jax.rl.tg.distill_budget)."""
     config = parts.config
     tg_on = bool(config.tg.enabled)
+    heads, min_rows = None, 0
+    if hidden_thinking.enabled(config):  # one row per turn, in the context the turn saw
+        min_rows = len(trajectories) * hidden_thinking.rows_per_episode(config)
+        trajectories, heads = hidden_thinking.segments(trajectories)
     batch = build_batch(
         trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
+        heads=heads, min_rows=min_rows,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
         gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
         requirement_names=parts.requirement_names,
@@ -395,6 +402,7 @@ def run_rl(
     parts = _build(config, workdir, init_params, arm_name, seed, renderer)
     # Minibatches of static shape: fail before the first rollout, not at the first step.
     rows = int(lc.groups_per_step) * int(lc.rollouts_per_group)
+    rows *= hidden_thinking.rows_per_episode(config)  # one row per turn with hidden thinking
     rl_cfg = RLConfig.from_config(config.rl)
     rl_cfg.check_rows(rows, parts.divisor)
     if rl_cfg.requirement_credit == "turn":  # the requirement rewards to credit per turn
