@@ -5,8 +5,10 @@ planning text visible to later turns or hidden from them.
 Arms of tg_jax.train.pipeline.ARMS: GRPO and TG (answer tokens only), `tg_think_budget` (TG
 that also distils <think> tokens, per step at most TG's distilled-token count) and
 `tg_think_hidden` (the same with `rl_loop.hide_thinking`: no assistant turn sees an earlier
-turn's <think> block, in training and evaluation), 3 training seeds each, from the demo's
-shipped base, with the data, steps and rollouts of configs/default.py:
+turn's <think> block, in training and evaluation) and `tg_think_short` (the same with a
+reasoning-length budget, `rl_loop.think_budget` = 2: the base's blocks are 5-6 tokens, the tag,
+a family name and the closing tag), 3 training seeds each, from the demo's shipped base, with
+the data, steps and rollouts of configs/default.py:
     python -m tg_jax.main --config=configs/thinking.py --workdir=./workdir_thinking
 
 Hidden thinking trains one row per assistant turn (env.max_turns = 3 rows per episode), so its
@@ -17,7 +19,7 @@ import os
 
 from tg_jax import config_files
 
-ARMS = ("grpo", "tg", "tg_think_budget", "tg_think_hidden")
+ARMS = ("grpo", "tg", "tg_think_budget", "tg_think_hidden", "tg_think_short")
 
 
 def get_config(arg=None):

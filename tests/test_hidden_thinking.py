@@ -19,6 +19,7 @@ from tg_jax import config_files
 from tg_jax import engine as engine_api
 from tg_jax.envs import env_factory
 from tg_jax.envs.tasks import generate_tasks
+from tg_jax.metrics import read_metrics
 from tg_jax.models import ModelConfig, Transformer, forward, hf_dir
 from tg_jax.rl import hidden_thinking
 from tg_jax.rl.advantages import group_advantages
@@ -155,10 +156,10 @@ def _shipped():
     return model, params, md.renderer, Sampler(model, pad_id=pad), runner, envs
 
 
-def _play(path, temperature, hide=True, tasks=4, g=2, seed=3):
+def _play(path, temperature, hide=True, tasks=4, g=2, seed=3, think_budget=0):
     model, params, renderer, sampler, runner, envs = _shipped()
     cfg = RolloutConfig(max_new_tokens=96, max_total_tokens=512, temperature=temperature,
-                        hide_thinking=hide)  # fmt: skip
+                        hide_thinking=hide, think_budget=think_budget)  # fmt: skip
     play = {"play": agent_loop.play_episodes} if path == "engine" else {}
     return rollout_groups(
         runner if path == "engine" else sampler, params, renderer, envs,
@@ -244,7 +245,7 @@ def test_the_thinking_protocol_runs_the_hidden_arm_from_the_shipped_base(tmp_pat
     compares its distilled tokens with tg's."""
     work = tmp_path / "w"
     cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/thinking.py",
-           f"--workdir={work}", "--config.pipeline.arms=('tg','tg_think_hidden')",
+           f"--workdir={work}", "--config.pipeline.arms=('tg','tg_think_hidden','tg_think_short')",
            "--config.eval.train_seeds=(0,)", "--config.eval.baseline=tg",
            "--config.rl_loop.steps=2", "--config.optim.total_steps=2",
            "--config.rl_loop.eval_every=0", "--config.eval.num_tasks=4",
@@ -254,9 +255,12 @@ def test_the_thinking_protocol_runs_the_hidden_arm_from_the_shipped_base(tmp_pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     prereg = json.loads((work / "preregistration.json").read_text())
     assert prereg["arms"]["tg_think_hidden"]["rl_loop"]["hide_thinking"] is True
-    for arm in ("tg", "tg_think_hidden"):
+    for arm in ("tg", "tg_think_hidden", "tg_think_short"):
         summary = json.loads((work / "runs" / f"{arm}_seed0" / "rl_summary.json").read_text())
         assert summary["finished"] and summary["step"] == 2, summary
     report = (work / "report" / "report.md").read_text()
-    assert "| tg_think_hidden |" in report
-    assert "Thinking-token control: `tg_think_hidden`" in report
+    for arm in ("tg_think_hidden", "tg_think_short"):
+        assert f"| {arm} |" in report and f"Thinking-token control: `{arm}`" in report
+    metrics = read_metrics(work / "runs" / "tg_think_short_seed0")
+    closed = [m["rollout/think_closed"] for m in metrics if "rollout/think_closed" in m]
+    assert closed and min(closed) >= 1.0  # every episode's first block is closed at 2 tokens

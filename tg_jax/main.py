@@ -403,6 +403,11 @@ def _check_model_dir(config) -> None:
                 f"invalid config: rl_loop.hide_thinking is True in {what}, but {no_thinking}: "
                 "there is no thinking to hide; set rl_loop.hide_thinking=False"
             )
+        if "rl_loop" in c and c.rl_loop.get("think_budget"):
+            _fail(
+                f"invalid config: rl_loop.think_budget is set in {what}, but {no_thinking}: "
+                "there is no thinking to budget; set rl_loop.think_budget=0"
+            )
 
 
 def _run_configs(config) -> list[tuple[str, Any]]:

@@ -28,9 +28,9 @@ COST_KEYS = (
     "peak_memory_above_start_bytes",
 )
 # The thinking-token controls: each of THINKING_ARMS is compared with THINKING_BASE at their
-# distilled-token costs (tg_think_budget and tg_think_hidden: at most tg's budget per step).
+# distilled-token costs (tg_think_budget, _hidden, _short: at most tg's budget per step).
 THINKING_BASE = "tg"
-THINKING_ARMS = ("tg_think", "tg_think_budget", "tg_think_hidden")
+THINKING_ARMS = ("tg_think", "tg_think_budget", "tg_think_hidden", "tg_think_short")
 
 
 def _arm_rows(res: dict[str, Any], group: str) -> list[str]:

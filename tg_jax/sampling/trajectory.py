@@ -106,6 +106,16 @@ class Trajectory:
         parts = [np.asarray(table.get(n, ()), np.int32) for n in names]
         return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
+    def closed_by_rollout(self) -> int:
+        """Tokens inside assistant turns that the policy did not sample: the </think> the
+        rollout appends to a block still open at `rl_loop.think_budget` (role PROMPT)."""
+        ids = np.asarray(self.turn_ids)
+        n = 0
+        for k in range(self.num_turns):
+            (idx,) = np.nonzero(ids == k)
+            n += int((ids[idx[0] : idx[-1]] < 0).sum()) if idx.size else 0
+        return n
+
     def failed_requirements(self, turn: int) -> list[str]:
         """Names of the requirements assistant turn `turn` broke (sorted; None = not applicable)."""
         return sorted(name for name, ok in self.turn_verdicts[turn].items() if ok is False)

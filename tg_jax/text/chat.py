@@ -194,6 +194,11 @@ class ChatRenderer:
         else:
             self.tool_format = tool_formats.detect(self.tool_calls_text, [_PROBE_CALL])
 
+    @property
+    def think_end_id(self) -> int | None:
+        """The id of </think>, which closes a thinking block (None: the template has none)."""
+        return self._think_end
+
     # What the template makes of probe conversations.
 
     def _probe_thinking(self) -> None:

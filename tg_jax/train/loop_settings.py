@@ -65,6 +65,13 @@ class LoopConfig(Section):
     afresh); the trainer takes one row per turn in its own context
     (`tg_jax.rl.hidden_thinking`: a step's rows = episodes x env.max_turns). Needs a template
     with thinking and a bounded episode; not with model.router_replay."""
+    think_budget: int = 0
+    """Reasoning-length budget: the most tokens of an assistant turn's <think> block the policy
+    samples, its opening tag included (0 = no limit). A block still open after them is closed
+    by a </think> the policy did not sample (never trained on) and the turn goes on to its
+    answer, in the RL rollouts and every evaluation. Needs a rollout engine ("builtin" or
+    "vllm": the turn is sampled in two requests) and a template with thinking; not with
+    hide_thinking or model.router_replay."""
     seq_len: int = 0
     """Padded student length T of a batch; 0 = model.max_seq_len."""
     length_multiple: int = 64
@@ -134,10 +141,21 @@ class LoopConfig(Section):
             length_multiple=0, env_workers=1, queue_size=0, engine_slots=0, engine_page_size=1,
             engine_decode_steps=1, engine_kv_tokens=0, engine_min_bucket=0, eval_every=0,
             eval_tasks=0, checkpoint_every=0, keep_checkpoints=1, export_every=0, log_every=1,
+            think_budget=0,
         ))  # fmt: skip
         if self.epochs < 0:
             raise ValueError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {self.epochs}")
         check_engine(self.rollout_engine)
+        if self.think_budget and self.rollout_engine == "lockstep":
+            raise ValueError(
+                "rl_loop.think_budget needs rl_loop.rollout_engine 'builtin' or 'vllm' (a turn "
+                "sampled in two requests), not 'lockstep'"
+            )
+        if self.think_budget and self.hide_thinking:
+            raise ValueError(
+                "rl_loop.think_budget with rl_loop.hide_thinking: the </think> the rollout "
+                "appends would stay in the later turns' context; choose one"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,6 +114,17 @@ ARMS: dict[str, Arm] = {
         "tg_think_budget with hidden planning text: no turn sees an earlier turn's <think> "
         "block, in training and evaluation (tg_jax.rl.hidden_thinking)",
     ),
+    "tg_think_short": Arm(
+        {
+            "tg.enabled": True,
+            "tg.include_thinking": True,
+            "tg.distill_budget": "answer_tokens",
+            "rl_loop.think_budget": 2,
+        },  # fmt: skip
+        "ablation",
+        "tg_think_budget with a reasoning-length budget of 2 tokens per <think> block (its tag "
+        "and one token; the rollout closes it), in training and evaluation",
+    ),
     "tg_all_turns": Arm(
         {"tg.enabled": True, "tg.gate": "all_turns"},
         "ablation",

@@ -264,6 +264,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
             temperature=float(config.rl.temperature), env_workers=int(lc.env_workers),
             max_rows=int(config.sampler_mesh.max_rows),
             hide_thinking=hidden_thinking.enabled(config),
+            think_budget=int(lc.get("think_budget", 0)),
         ),
         sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
         rates=rl_rollouts.feedback_rates(lc.feedback),

@@ -332,6 +332,10 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
                 np.mean([t.info.get("prefill_tokens", 0.0) for t in trajectories] or [0])
             ),
             "rollout/routed_share": _routed_share(trajectories),
+            # <think> blocks closed at rl_loop.think_budget, per episode
+            "rollout/think_closed": float(
+                np.mean([t.closed_by_rollout() for t in trajectories] or [0])
+            ),
         }
     )
     out.update({f"rollout/compliance/{k}": float(np.mean(v)) for k, v in per_req.items()})
