@@ -183,6 +183,7 @@ def test_turn_credit_in_batch_advantages():
         },
         group_ids_B=np.array([0, 0, 1, 1], np.int32),
         valid_B=np.ones(4, bool),
+        head_B=None,
         requirement_names=("tool_json",),
         loss_mask_BxT=loss,
         failed_turn_mask_BxT=failed,

@@ -233,17 +233,7 @@ def _check_config(config, workdir: str) -> None:
             if name in config:
                 section.from_config(config[name])
         if "rl_loop" in config:
-            from tg_jax.train import rl_rollouts
-
-            rl_rollouts.feedback_rates(config.rl_loop.feedback)
-            rl_rollouts.verdict_noise(config.rl_loop.feedback)
-            from tg_jax.sampling.agent_loop import router_replay
-
-            router_replay(config)  # vLLM records no routing to replay
-            from tg_jax.rl import hidden_thinking
-
-            for _, c in _run_configs(config):  # a pipeline's arms may turn it on
-                hidden_thinking.check_config(c)
+            _check_loop(config)
     except ValueError as e:
         _fail(f"invalid config: {e}")
     if all(name in config for name in ("rl", "tg", "optim")):
@@ -281,6 +271,20 @@ def _check_config(config, workdir: str) -> None:
         faults.validate()
     except ValueError as e:
         _fail(str(e))
+
+
+def _check_loop(config) -> None:
+    """ValueError where the RL loop's settings cannot run: hint kinds, a wrong judge's rates,
+    router replay on an engine without it, thinking controls (each arm's)."""
+    from tg_jax.rl import hidden_thinking
+    from tg_jax.sampling.agent_loop import router_replay
+    from tg_jax.train import rl_rollouts
+
+    rl_rollouts.feedback_rates(config.rl_loop.feedback)
+    rl_rollouts.verdict_noise(config.rl_loop.feedback)
+    for _, c in _run_configs(config):  # a pipeline's arms may turn them on
+        router_replay(c)  # vLLM records no routing to replay; nor does a turn in two parts
+        hidden_thinking.check_config(c)
 
 
 def _check_config_on_devices(config) -> None:

@@ -236,19 +236,11 @@ def break_tokens(ep: Episode, tokenizer: Any, turn: int, offsets: dict[str, int]
     return out
 
 
-def play_episodes(
-    sampler: Sampler,
-    params: Any,
-    renderer: ChatRenderer,
-    env_factory: Callable[[], Environment],
-    tasks: Sequence[Any],
-    *,
-    config: RolloutConfig,
-    rng: jax.Array,
-    group_ids: Sequence[int] | None = None,
-    hint_before_every_turn: bool = False,
-    stream_ids: Sequence[int] | None = None,
-) -> list[Episode]:
+def play_episodes(sampler: Sampler, params: Any, renderer: ChatRenderer,
+                  env_factory: Callable[[], Environment], tasks: Sequence[Any], *,
+                  config: RolloutConfig, rng: jax.Array, group_ids: Sequence[int] | None = None,
+                  hint_before_every_turn: bool = False,
+                  stream_ids: Sequence[int] | None = None) -> list[Episode]:  # fmt: skip
     """Plays one episode per entry of `tasks`, all live episodes batched turn by turn.
 
     Args:
@@ -304,8 +296,8 @@ def play_episodes(
             hide = config.hide_thinking  # each turn's visible context, prefilled afresh
             out = sampler.sample(
                 params, [visible_tokens(ep.tokens, ep.roles) if hide else ep.tokens for ep in live],
-                max_new_tokens=budgets,
-                stop_ids=renderer.end_of_turn_ids, temperature=config.temperature,
+                max_new_tokens=budgets, stop_ids=renderer.end_of_turn_ids,
+                temperature=config.temperature,
                 top_k=config.top_k, top_p=config.top_p, rng=jax.random.fold_in(rng, turn),
                 row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
                 cache=None if hide else cache, keys=[id(ep) for ep in live], routes_from=starts,
