@@ -77,6 +77,7 @@ def _setup(seed=0):
         requirement_names=("fence",),
         behaviour_logprobs_BxT=behaviour.astype(np.float32),
         targets_BxT=targets,
+        head_B=None,
     )
     return zs, zt, batch
 
