@@ -74,6 +74,14 @@ def factory_that_raises(env_config: Any) -> Requirement:
     raise KeyError("report_style")
 
 
+def judged_by_a_missing_checkpoint(env_config: Any) -> Requirement:
+    """A judged requirement whose judge is a checkpoint directory that is not there."""
+    from tg_jax.engine.judge import ModelJudge
+
+    polite = ModelJudge("/nonexistent/judge_checkpoint", "Is the reply polite?")
+    return judge.judged_requirement("polite", polite, hint="Reminder: be polite.")
+
+
 class NotAnEnvironment:
     pass
 

@@ -40,6 +40,8 @@ EX = "tests.plugin_example"
         (f"{EX}:not_a_requirement", "is a int: expected a tg_jax.envs.Requirement or a factory"),
         (f"{EX}:factory_of_a_string", "the factory returned a str, expected a tg_jax.envs"),
         (f"{EX}:factory_that_raises", "the factory raised KeyError: 'report_style'"),
+        (f"{EX}:judged_by_a_missing_checkpoint", "the factory raised ValueError: ModelJudge: "
+         "/nonexistent/judge_checkpoint is not a checkpoint directory (no config.json)"),
         (":x", "expected 'package.module:attribute'"),
     ],
 )  # fmt: skip

@@ -11,9 +11,10 @@ The batch is decoded greedily on one `Engine` (continuous batching over a paged 
 at once), each answer at most `max_new_tokens` tokens, read by `parse_verdict` (its first word
 "yes" or "no"; anything else, or a turn too long for the context, is None: unjudged). The
 checkpoint is read at the first batch (in the `BatchingJudge`'s thread), not when the judge is
-made, so a plug-in module can make its judged requirement at import. The frozen reference as
-a judge is the run's base checkpoint directory; its weights are a second copy beside the
-policy's.
+made, so a plug-in module can make its judged requirement at import; a directory without a
+config.json is refused when the judge is made (a plug-in's is then an error at start-up). The
+frozen reference as a judge is the run's base checkpoint directory; its weights are a second
+copy beside the policy's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from tg_jax import paths
 from tg_jax.engine.engine import Engine
 from tg_jax.engine.requests import Request
 from tg_jax.envs.judge import parse_verdict
@@ -49,6 +51,10 @@ class ModelJudge:
             raise ValueError("ModelJudge prompt must contain '{turn}' (where the turn goes)")
         if min(max_new_tokens, slots, max_context, page_size) < 1:
             raise ValueError("ModelJudge sizes must be >= 1")
+        if not (paths.as_path(model_dir) / "config.json").exists():
+            raise ValueError(
+                f"ModelJudge: {model_dir} is not a checkpoint directory (no config.json)"
+            )
         self.model_dir, self.rubric, self.prompt = str(model_dir), str(rubric), prompt
         self.max_new_tokens, self.slots = int(max_new_tokens), int(slots)
         self.max_context, self.page_size = int(max_context), int(page_size)
