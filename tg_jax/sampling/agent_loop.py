@@ -274,9 +274,8 @@ class _Loop:
         ep.append(self.renderer.assistant_header(), Role.PROMPT)
         turn = len(ep.turn_starts) - 1
         rid, parent = (self.call, i, turn), self.last.get(i)
-        if self.config.hide_thinking and parent is not None:  # a fresh, visible context
-            self.runner.engine.release(self.last.pop(i))
-            parent = None
+        if self.config.hide_thinking:  # a fresh, visible context; the last turn's pages stay
+            parent = None  # until this one is done (finish_turn), for prefix sharing
         prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]
         prompt = visible_tokens(ep.tokens, ep.roles) if self.config.hide_thinking else prompt
         self.windows[rid] = max(len(ep.routes) - 1, 0) if ep.routes is not None else 0
