@@ -95,8 +95,7 @@ def heldout_episodes(
         temperature=float(ev.temperature if temperature is None else temperature),
         env_workers=int(ev.env_workers),
         max_rows=int(config.sampler_mesh.max_rows),
-        hide_thinking=hidden_thinking.enabled(config),  # as the policy was trained
-        think_budget=int(config.rl_loop.get("think_budget", 0)) if "rl_loop" in config else 0,
+        **hidden_thinking.rollout_settings(config),  # as the policy was trained
     )
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
     # rl_loop.rollout_engine "builtin": the episodes' agent loops on the engine.

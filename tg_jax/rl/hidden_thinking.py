@@ -33,12 +33,21 @@ import numpy as np
 
 from tg_jax.sampling.trajectory import Role, Trajectory, visible_context
 
-__all__ = ["check_config", "enabled", "rows_per_episode", "segment", "segments"]
+__all__ = [
+    "check_config", "enabled", "rollout_settings", "rows_per_episode", "segment", "segments",
+]  # fmt: skip
 
 
 def enabled(config) -> bool:
     """`rl_loop.hide_thinking` of a run config (False where the field predates it)."""
     return "rl_loop" in config and bool(config.rl_loop.get("hide_thinking", False))
+
+
+def rollout_settings(config) -> dict[str, object]:
+    """The thinking controls' `RolloutConfig` fields of a run config, for its RL rollouts and
+    every evaluation alike: `hide_thinking` and the reasoning-length budget `think_budget`."""
+    budget = int(config.rl_loop.get("think_budget", 0)) if "rl_loop" in config else 0
+    return {"hide_thinking": enabled(config), "think_budget": budget}
 
 
 def check_config(config) -> None:

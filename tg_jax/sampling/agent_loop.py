@@ -56,7 +56,7 @@ from tg_jax.envs.base import Environment
 from tg_jax.errors import ConfigError
 from tg_jax.sampling import rollout
 from tg_jax.sampling.rollout import Episode, RolloutConfig
-from tg_jax.sampling.trajectory import Role, visible_tokens
+from tg_jax.sampling.trajectory import Role
 from tg_jax.text import ChatRenderer, hint_message
 
 ENGINES = ("lockstep", "builtin", "vllm")  # rl_loop.rollout_engine
@@ -233,7 +233,6 @@ class _TurnSoFar:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     forced: list[int] = dataclasses.field(default_factory=list)  # offsets in the turn
     prefill: float = 0.0
-    parts: int = 0
 
 
 CONTINUED = object()  # finish_turn: the turn goes on in a second request
@@ -277,7 +276,7 @@ class _Loop:
         if self.config.hide_thinking:  # a fresh, visible context; the last turn's pages stay
             parent = None  # until this one is done (finish_turn), for prefix sharing
         prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]
-        prompt = visible_tokens(ep.tokens, ep.roles) if self.config.hide_thinking else prompt
+        prompt = rollout.visible(ep) if self.config.hide_thinking else prompt
         self.windows[rid] = max(len(ep.routes) - 1, 0) if ep.routes is not None else 0
         if self.config.think_budget:  # the first part: at most think_budget tokens
             self.partial[i] = _TurnSoFar(budget)
@@ -312,7 +311,7 @@ class _Loop:
         if part is not None:
             tokens, logprobs = part.tokens + tokens, part.logprobs + logprobs
             prefill += part.prefill
-            first = not stopped and not part.parts  # the first part ran out of its tokens
+            first = not stopped and not part.tokens  # the first part ran out of its tokens
             if first and self._go_on(i, ep, part, tokens, logprobs, prefill, done.request_id):
                 return CONTINUED
         at = len(ep.tokens)
@@ -333,7 +332,7 @@ class _Loop:
             return False  # the turn's budget is spent: it ends cut here
         part.forced += [len(tokens)] if forced else []
         part.tokens, part.logprobs = tokens + forced, logprobs + [0.0] * len(forced)
-        part.prefill, part.parts = prefill, 1
+        part.prefill = prefill
         turn = len(ep.turn_starts) - 1
         rid = (self.call, i, turn, 1)
         self.runner.engine.submit(self.runner.api.Request(

@@ -56,7 +56,7 @@ from tg_jax.envs.base import Environment, EpisodeSummary, StepResult, join_hints
 from tg_jax.envs.hints import pick_turn_hints
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 from tg_jax.sampling.sampler import Sampler
-from tg_jax.sampling.trajectory import Role, Trajectory, aligned_routes, hint_key, visible_tokens
+from tg_jax.sampling.trajectory import Role, Trajectory, aligned_routes, hint_key, visible_context
 from tg_jax.sampling.turn_cache import TurnCache
 from tg_jax.text import ChatRenderer, hint_message
 from tg_jax.text.tokenizer import token_at_char
@@ -79,7 +79,7 @@ class RolloutConfig:
       max_rows: most episodes one sampler call holds (0 = all of them); more are played in
         chunks of this many, one after the other, each from its own random streams (the
         episodes of one call, `play_episodes`): it bounds the sampler's memory (keys, values).
-      hide_thinking: turns see no earlier <think> block (`visible_tokens`; re-prefilled).
+      hide_thinking: turns see no earlier <think> block (`visible`; re-prefilled).
       think_budget: most sampled tokens of a <think> block (engines only: `agent_loop`).
     """
 
@@ -295,7 +295,7 @@ def play_episodes(sampler: Sampler, params: Any, renderer: ChatRenderer,
                 ep.append(header, Role.PROMPT)
             hide = config.hide_thinking  # each turn's visible context, prefilled afresh
             out = sampler.sample(
-                params, [visible_tokens(ep.tokens, ep.roles) if hide else ep.tokens for ep in live],
+                params, [visible(ep) if hide else ep.tokens for ep in live],
                 max_new_tokens=budgets, stop_ids=renderer.end_of_turn_ids,
                 temperature=config.temperature,
                 top_k=config.top_k, top_p=config.top_p, rng=jax.random.fold_in(rng, turn),
@@ -312,6 +312,13 @@ def play_episodes(sampler: Sampler, params: Any, renderer: ChatRenderer,
                     if _after_turn(ep, text, res, renderer, config, room)]  # fmt: skip
             turn += 1
     return episodes
+
+
+def visible(ep: Episode) -> list[int]:
+    """The context of the turn `ep` is about to sample under `RolloutConfig.hide_thinking`
+    (`trajectory.visible_context`, the rule the trainer's rows follow)."""
+    keep = visible_context(ep.roles, ep.turn_ids, len(ep.turn_starts) - 1)
+    return [t for t, k in zip(ep.tokens, keep, strict=True) if k]
 
 
 def _check_room(episodes: Sequence[Episode], room: Callable[[Episode], int],

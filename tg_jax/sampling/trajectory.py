@@ -135,12 +135,6 @@ def visible_context(roles: Sequence[int], turn_ids: Sequence[int], turn: int) ->
     return ~((roles == Role.THINK) & (turn_ids >= 0) & (turn_ids < turn))
 
 
-def visible_tokens(tokens: Sequence[int], roles: Sequence[int]) -> list[int]:
-    """The context of an episode's next turn under `rl_loop.hide_thinking`: its tokens without
-    the <think> blocks of its turns (`visible_context` of the turn about to be sampled)."""
-    return [int(t) for t, r in zip(tokens, roles, strict=True) if r != Role.THINK]
-
-
 def aligned_routes(routes: np.ndarray | None, n: int) -> np.ndarray | None:
     """A rollout's routing record [m, L, J] made n rows long: cut, or padded with -1 (tokens
     it never fed: the router's own choice); None stays None."""
@@ -151,4 +145,4 @@ def aligned_routes(routes: np.ndarray | None, n: int) -> np.ndarray | None:
     return out
 
 
-__all__ = ["Role", "Trajectory", "aligned_routes", "hint_key", "visible_context", "visible_tokens"]
+__all__ = ["Role", "Trajectory", "aligned_routes", "hint_key", "visible_context"]
