@@ -100,14 +100,28 @@ def test_qwen3_coder_config_from_a_qwen3_coder_checkpoint(tmp_path):
     _check_run(work, ckpt, "qwen3_coder")
 
 
-def test_thinking_asked_of_a_model_without_it_is_a_config_error(tmp_path):
+NO_REPLAY = "--config.model.router_replay=False"  # refused with either, checked first
+
+
+@pytest.mark.parametrize(
+    "flags, start",
+    [
+        (("--config.tg.include_thinking=True",), "tg.include_thinking is True in arm 'tg'"),
+        (("--config.rl_loop.hide_thinking=True", NO_REPLAY),
+         "rl_loop.hide_thinking is True in arm 'tg'"),
+        (("--config.rl_loop.think_budget=4", "--config.rl_loop.rollout_engine=builtin", NO_REPLAY),
+         "rl_loop.think_budget is set in arm 'tg'"),
+    ],
+)  # fmt: skip
+def test_thinking_asked_of_a_model_without_it_is_a_config_error(tmp_path, flags, start):
+    """Distilling, hiding or budgeting thinking, asked of a template that renders none: one
+    error line before any stage."""
     ckpt = tmp_path / "ckpt"
     make_model_dir(ckpt, MOE, template="qwen3_coder")
-    proc = _main("configs/qwen3_coder_30b_a3b_tg.py:runlocal", tmp_path / "w", ckpt,
-                 "--config.tg.include_thinking=True")  # fmt: skip
+    proc = _main("configs/qwen3_coder_30b_a3b_tg.py:runlocal", tmp_path / "w", ckpt, *flags)
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: invalid config: tg.include_thinking is True in arm 'tg'")
+    assert line.startswith(f"error: invalid config: {start}"), line
     assert "renders no thinking" in line
     assert not (tmp_path / "w" / "runs").exists()
 
