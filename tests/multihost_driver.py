@@ -15,6 +15,10 @@ With --split N > 0, WORKDIR/split: det's run with the sampler on devices of its 
 split/final_params.npz likewise.
 With --engine, WORKDIR/engine: det's run with rl_loop.rollout_engine "builtin" (each process's
 engine on its sampler's mesh), its final params in engine/final_params.npz likewise.
+With --whole H > 0 the driver runs one run alone, WORKDIR/whole: det's run under the whole-host
+split (sampler_mesh.processes H: the last H processes sample, the others train), stopped after
+its step STEPS - 1 checkpoint and resumed (the same processes) to the end; run by one process
+it is the reference instead, det's run with the sampler on --split devices of its own.
 Then, with --async-steps N > 0, WORKDIR/async: a copy of det resumed from its last checkpoint
 for N more steps with the sampling thread, without evaluation (the same processes, so the
 start-up is paid once).
@@ -35,6 +39,7 @@ def main() -> None:
     parser.add_argument("--async-steps", type=int, default=0)
     parser.add_argument("--split", type=int, default=0)
     parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--whole", type=int, default=0)
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -55,21 +60,27 @@ def main() -> None:
         jax.config.update("jax_compilation_cache_dir", os.environ["TG_JAX_COMPILATION_CACHE"])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-    def exporter(params, out_dir):
-        os.makedirs(out_dir)
-        np.savez(os.path.join(out_dir, "params.npz"), **driver.flat_params(params))
+    def exporter(params, out_dir):  # the whole-host split: every trainer process calls it
+        params = jax.tree.map(
+            lambda x: x if x.is_fully_addressable else
+            multihost_utils.process_allgather(x, tiled=True), params,
+        )  # fmt: skip
+        if jax.process_index() == 0:
+            os.makedirs(out_dir)
+            np.savez(os.path.join(out_dir, "params.npz"), **driver.flat_params(params))
 
-    def run(name, async_sampling, steps, split=0, engine="lockstep"):
+    def run(name, async_sampling, steps, split=0, engine="lockstep", whole=0, stop_after=None):
         workdir = os.path.join(args.workdir, name)
         config = driver.make_config("tg", async_sampling, steps)
         config.sampler_mesh.num_devices = split
+        config.sampler_mesh.processes = whole
         config.rl_loop.rollout_engine = engine
         config.rl_loop.export_every = steps
         if async_sampling:  # only shows that it runs: no evaluation (fewer compilations)
             config.rl_loop.eval_every = 0
         result = rl.run_rl(
             config, workdir, driver.initial_params(config), arm_name="tg", seed=0,
-            sources=driver.make_sources(), exporter=exporter,
+            sources=driver.make_sources(), exporter=exporter, stop_after=stop_after,
         )  # fmt: skip
         params = multihost_utils.process_allgather(result.state.params, tiled=True)
         if result.finished and jax.process_index() == 0:
@@ -80,6 +91,13 @@ def main() -> None:
             flush=True,
         )
 
+    if args.whole and jax.process_count() > 1:
+        run("whole", False, args.steps, whole=args.whole, stop_after=args.steps - 1)
+        run("whole", False, args.steps, whole=args.whole)
+        return
+    if args.whole:  # the reference of the whole-host split
+        run("whole", False, args.steps, split=args.split)
+        return
     run("det", False, args.steps)
     if args.split > 0:  # the sampler on devices of its own (the last split / P of each process)
         run("split", False, args.steps, split=args.split)

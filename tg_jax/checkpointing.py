@@ -52,7 +52,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -90,6 +90,7 @@ class TrainingCheckpointer:
         save_interval_steps: int = 1,
         async_save: bool = True,
         read_only: bool = False,
+        processes: Sequence[int] | None = None,
     ):
         """Opens (and unless read_only, creates) a checkpoint directory.
 
@@ -100,14 +101,25 @@ class TrainingCheckpointer:
             multi-host preemption sync point).
           async_save: write files in a background thread.
           read_only: never write; the directory must exist.
+          processes: the processes that save and restore (orbax's active processes: the
+            trainer processes of the whole-host split); None = every process.
         """
         # A URL (gs://...) reaches orbax unchanged; only local paths are made absolute.
         self.directory = os.fspath(paths.as_path(directory))
         if read_only and not paths.as_path(self.directory).is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} does not exist")
+        multiprocessing = {}
+        if processes is not None:  # orbax creates no root directory for active processes
+            if not read_only:
+                paths.as_path(self.directory).mkdir(parents=True, exist_ok=True)
+            multiprocessing["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=min(processes), active_processes=set(processes),
+                barrier_sync_key_prefix="active",
+            )  # fmt: skip
         options = ocp.CheckpointManagerOptions(
+            **multiprocessing,
             read_only=read_only,
-            create=not read_only,
+            create=not read_only and processes is None,
             # Leftovers of saves that died midway would otherwise block re-saving that step.
             cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=async_save,

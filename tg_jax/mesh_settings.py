@@ -73,6 +73,11 @@ class SamplerMeshConfig(Section):
     """Data-parallel replicas x tensor parallelism (heads, mlp)."""
     shape: tuple[int, ...] = (-1, 1)
     """Size per axis; one -1 takes the rest of the sampler's devices."""
+    processes: int = 0
+    """0 = as `num_devices` says. H > 0 (several processes): the whole-host split, the last H
+    processes sample on all their devices and train on none, the others train and sample
+    nothing; each publish copies the weights device to device across processes
+    (`tg_jax.sampling.placement.HostTransfer`). Excludes num_devices > 0."""
     max_rows: int = 0
     """Most episodes in one sampler call (0 = all of a step's, or of an evaluation's): more
     are played in chunks of this many, with the same rollouts (`tg_jax.sampling.rollout`)."""
@@ -83,6 +88,14 @@ class SamplerMeshConfig(Section):
             raise ValueError(f"sampler_mesh.max_rows must be >= 0 (0 = all), got {self.max_rows}")
         if self.num_devices < 0:
             raise ValueError(f"sampler_mesh.num_devices must be >= 0, got {self.num_devices}")
+        if self.processes < 0:
+            raise ValueError(f"sampler_mesh.processes must be >= 0, got {self.processes}")
+        if self.processes and self.num_devices:
+            raise ValueError(
+                f"sampler_mesh.processes={self.processes} (whole sampler processes) and "
+                f"num_devices={self.num_devices} (a share of every process) are two layouts: "
+                "set one of them"
+            )
 
 
 __all__ = ["DEFAULT_RULES", "MeshConfig", "SamplerMeshConfig", "check_sizes"]

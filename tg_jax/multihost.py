@@ -145,13 +145,18 @@ def host_to_global(tree: Any, sharding: NamedSharding) -> Any:
     unsharded); each process transfers only the rows of its own devices.
     """
     spec = tuple(sharding.spec)[:1]
+    leaf_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    return jax.tree.map(lambda x: from_host(leaf_sharding, x), tree)
 
-    def put(x: Any) -> jax.Array:
-        x = np.asarray(x)
-        leaf_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
-        return jax.make_array_from_process_local_data(leaf_sharding, x, x.shape)
 
-    return jax.tree.map(put, tree)
+def from_host(sharding: NamedSharding, x: Any) -> jax.Array:
+    """Host data `x` (the same whole array on every process) as a global array on `sharding`;
+    a process that holds none of its devices (a sampler process of the whole-host split)
+    makes the array without data, as jit and device_put accept it there."""
+    x = np.asarray(x)
+    if not sharding.addressable_devices:
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [], dtype=x.dtype)
+    return jax.make_array_from_process_local_data(sharding, x, x.shape)
 
 
 def same_on_all(values: Sequence[Any]) -> bool:

@@ -94,7 +94,9 @@ def split_devices(
     `jax.devices()`; `hosts` groups them otherwise, e.g. a topology's for an ahead-of-time
     compile; one process: the last N devices are the sampler's). The trainer's mesh
     spans every process's trainer devices; each process samples on its own sampler devices
-    (`tg_jax.sampling.placement`).
+    (`tg_jax.sampling.placement`). `sampler_mesh.processes` H > 0 (the whole-host split):
+    the last H processes' devices are the sampler's, the others' the trainer's
+    (`_whole_hosts`).
 
     Raises:
       ValueError: N < 0; N not a multiple of P; N / P leaves a process no trainer device; a
@@ -106,13 +108,15 @@ def split_devices(
     section = config.get("sampler_mesh")
     cfg = SamplerMeshConfig.from_config(section) if section is not None else SamplerMeshConfig()
     n = cfg.num_devices  # checked (>= 0, axes and shape of one length) by SamplerMeshConfig
-    if n == 0:
+    if n == 0 and cfg.processes == 0:
         return devices, None
     if hosts is None:
         by_process: dict[int, list[jax.Device]] = {}
         for d in devices:  # in the given order within a process
             by_process.setdefault(int(getattr(d, "process_index", 0)), []).append(d)
         hosts = [by_process[p] for p in sorted(by_process)]
+    if cfg.processes:
+        return _whole_hosts(config, cfg, hosts)
     if n % len(hosts):
         raise ValueError(
             f"sampler_mesh.num_devices={n} over {len(hosts)} processes: each process gives "
@@ -147,6 +151,59 @@ def split_devices(
             + " (the published weights are split that way on them first)"
         )
     return trainer, sampler
+
+
+MIN_TRAINER_PROCESSES = 2
+
+
+def _whole_hosts(
+    config: Any, cfg: SamplerMeshConfig, hosts: Sequence[Sequence[jax.Device]]
+) -> tuple[list[jax.Device], list[jax.Device]]:
+    """`split_devices` of the whole-host split: the last `cfg.processes` hosts sample.
+
+    Raises:
+      ValueError: fewer than MIN_TRAINER_PROCESSES trainer processes (orbax cannot checkpoint
+        arrays that one process of several holds whole) or no sampler process left; a mesh
+        shape that does not divide its devices; more sampler devices than trainer devices
+        (the weights are staged on as many trainer devices as the samplers have, then copied
+        across); a sampler tensor axis that does not divide the trainer's devices.
+    """
+    h, p = cfg.processes, len(hosts)
+    if p - h < MIN_TRAINER_PROCESSES:
+        raise ValueError(
+            f"sampler_mesh.processes={h} of {p} processes: the whole-host split needs at least "
+            f"{MIN_TRAINER_PROCESSES} trainer processes besides the sampler's (orbax checkpoints "
+            "no array that one process of several holds whole); use num_devices for a share of "
+            "every process instead"
+        )
+    trainer = [d for host in hosts[: p - h] for d in host]
+    sampler = [d for host in hosts[p - h :] for d in host]
+    try:
+        resolve_mesh_shape(config.mesh.shape, len(trainer))
+    except ValueError as e:
+        raise ValueError(f"mesh over the trainer processes' {len(trainer)} devices: {e}") from None
+    per = len(hosts[-1])
+    try:
+        shape = resolve_mesh_shape(cfg.shape, per)
+    except ValueError as e:
+        raise ValueError(f"sampler_mesh over a sampler process's {per} devices: {e}") from None
+    tensor = dict(zip(cfg.axes, shape, strict=True)).get("tensor", 1)
+    if len(sampler) > len(trainer) or len(trainer) % tensor:
+        raise ValueError(
+            f"sampler_mesh.processes={h}: the {len(sampler)} sampler devices must be at most "
+            f"the trainer's {len(trainer)}, and the tensor axis {tensor} must divide those "
+            "(the published weights are staged on as many trainer devices, split that way)"
+        )
+    return trainer, sampler
+
+
+def sampler_processes(config: Any, count: int | None = None) -> tuple[int, ...]:
+    """The processes that roll out: the last `sampler_mesh.processes` ones under the
+    whole-host split, else all (`count`: the process count, default jax's)."""
+    count = jax.process_count() if count is None else int(count)
+    section = config.get("sampler_mesh")
+    h = int(section.get("processes", 0) or 0) if section is not None else 0
+    return tuple(range(count - h if h else 0, count))
 
 
 def make_sampler_mesh(sampler_mesh_cfg: Any, devices: Sequence[jax.Device]) -> tuple[Mesh, Rules]:

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tg_jax import sharding, tracing
+from tg_jax import multihost, sharding, tracing
 from tg_jax.rl.step_config import OptimConfig
 
 
@@ -149,9 +149,9 @@ def create_train_state(
     return TrainState(
         params=params,
         opt_state=opt_state,
-        step=jax.make_array_from_process_local_data(replicated, np.zeros((), np.int32), ()),
+        step=multihost.from_host(replicated, np.zeros((), np.int32)),
         rng=jax.random.wrap_key_data(
-            jax.make_array_from_process_local_data(replicated, rng_data, rng_data.shape),
+            multihost.from_host(replicated, rng_data),
             impl=jax.random.key_impl(state_rng),
         ),
     )

@@ -175,6 +175,82 @@ class HostReplicas:
         return self.local(self.copy(params), jax.process_index())
 
 
+class HostTransfer(HostReplicas):
+    """The whole-host split's publisher: trainer params -> every sampler process's copy.
+
+    Sampler processes hold no trainer device, so the copy crosses processes, and JAX copies
+    between processes only between device lists of one size. One jitted copy (every process
+    calls it; the trainer processes compute it) stages the weights on the trainer's devices,
+    the sampler's PartitionSpecs on a (n_trainer / T, T) mesh of them (the weight matrices cast
+    to the compute dtype, as `HostReplicas` does): every T staging devices hold a whole copy.
+    The first (sampler devices / T) rows of them, viewed as a ("host", "data", "tensor") mesh
+    shaped like the stacked sampler meshes, are then copied there by one `jax.device_put`,
+    device to device across processes (every process sets its transfer socket:
+    `tg_jax.tpu.distributed.transfer_address`). A sampler process views its shards as arrays
+    on its own mesh (`local`); a trainer process gets None.
+
+    Attributes:
+      meshes: per sampler process (in process order), its sampler mesh.
+      processes: the sampler processes' indices, in that order.
+    """
+
+    def __init__(
+        self, model: nn.Module, sampler_mesh_cfg: Any, trainer_devices: Sequence[Any],
+        samplers: Sequence[Sequence[Any]],
+    ):  # fmt: skip
+        """Args:
+        model: the policy (its config gives the compute dtype).
+        sampler_mesh_cfg: `config.sampler_mesh` (each sampler process's mesh).
+        trainer_devices: the trainer's devices (every trainer process's).
+        samplers: per sampler process, its devices (`devices_by_process`).
+        """
+        built = [sharding.make_sampler_mesh(sampler_mesh_cfg, d) for d in samplers]
+        self.meshes = [mesh for mesh, _ in built]
+        self.rules = built[0][1]
+        self.processes = tuple(int(d[0].process_index) for d in samplers)
+        self.staging = [m.devices for m in self.meshes]  # `local`: shards already in place
+        local = sharding.param_partition_specs(model, self.meshes[0], self.rules)
+        self.specs = jax.tree.map(lambda s: s.spec, local)
+        tensor = int(self.meshes[0].shape["tensor"])
+        grid = np.asarray(list(trainer_devices), dtype=object).reshape(-1, tensor)
+        stage_mesh = Mesh(grid, sharding.SAMPLER_AXES)
+        stacked = np.stack([m.devices for m in self.meshes])
+        rows = stacked.size // tensor
+        if rows > grid.shape[0]:
+            raise ValueError(f"{stacked.size} sampler devices > {grid.size} trainer devices")
+        self._view_mesh = Mesh(grid[:rows].reshape(stacked.shape), ("host", *sharding.SAMPLER_AXES))
+        self._target = Mesh(stacked, ("host", *sharding.SAMPLER_AXES))
+        compute = model.config.jnp_dtype
+
+        def cast(x):
+            return jnp.copy(x.astype(published_dtype(x.shape, x.dtype, compute)))
+
+        out = jax.tree.map(lambda spec: NamedSharding(stage_mesh, spec), self.specs)
+        self._copy = tracing.jit(lambda t: jax.tree.map(cast, t), out_shardings=out)
+
+    def copy(self, params: Any) -> Any:
+        """Every sampler process's copy, on the stacked sampler meshes (a collective: every
+        process calls it with its params)."""
+        staged = self._copy(params)
+        view_devices = set(self._view_mesh.devices.flat)
+
+        def view(x: jax.Array, spec: Any) -> jax.Array:
+            mine = [s.data for s in x.addressable_shards if s.device in view_devices]
+            return jax.make_array_from_single_device_arrays(
+                x.shape, NamedSharding(self._view_mesh, spec), mine, dtype=x.dtype
+            )
+
+        viewed = jax.tree.map(view, staged, self.specs)
+        target = jax.tree.map(lambda spec: NamedSharding(self._target, spec), self.specs)
+        return jax.device_put(viewed, target)
+
+    def __call__(self, params: Any) -> Any:
+        """This process's copy of `params` (None on a trainer process)."""
+        moved = self.copy(params)
+        me = jax.process_index()
+        return self.local(moved, self.processes.index(me)) if me in self.processes else None
+
+
 def devices_by_process(devices: Sequence[Any] | None = None) -> list[list[Any]]:
     """`devices` (default all) grouped by process, in process order, each in id order."""
     groups: dict[int, list[Any]] = {}
@@ -234,6 +310,17 @@ def rollout_sampler(
         return Sampler(model, pad_id=pad_id, batch_divisor=divisor, **sampler_kw, **kw), None
     if sampler_mesh_cfg is None:
         raise ValueError("several processes need config.sampler_mesh (each process's mesh)")
+    trainers = {d.process_index for d in mesh.devices.flat}
+    if sampler_devices and not trainers & {d.process_index for d in sampler_devices}:
+        transfer = HostTransfer(  # the whole-host split
+            model, sampler_mesh_cfg, list(mesh.devices.flat), devices_by_process(sampler_devices)
+        )
+        me = jax.process_index()
+        # A trainer process holds a sampler it never calls (its mesh: the first sampler's).
+        local = transfer.meshes[transfer.processes.index(me) if me in transfer.processes else 0]
+        divisor = sharding.batch_divisor(local, transfer.rules)
+        return Sampler(model, pad_id=pad_id, batch_divisor=divisor, mesh=local,
+                       rules=transfer.rules, **kw), transfer  # fmt: skip
     replicas = HostReplicas(
         model, sampler_mesh_cfg, devices_by_process(list(mesh.devices.flat)),
         devices_by_process(sampler_devices) if sampler_devices else None,
@@ -245,5 +332,5 @@ def rollout_sampler(
     return sampler, replicas
 
 
-__all__ = ["HostReplicas", "WeightPublisher", "devices_by_process", "own_mesh_sampler",
-           "published_dtype", "rollout_sampler"]  # fmt: skip
+__all__ = ["HostReplicas", "HostTransfer", "WeightPublisher", "devices_by_process",
+           "own_mesh_sampler", "published_dtype", "rollout_sampler"]  # fmt: skip

@@ -70,6 +70,7 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
         # CPU processes have no collectives of their own; gloo runs them over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         collective_timeout(env)
+    transfer_address(env)
     jax.distributed.initialize(**initialize_kwargs(environ))
     _barriers_off_the_devices()
     _initialized = True
@@ -143,6 +144,31 @@ def collective_timeout(env) -> None:
         return  # the user's choice stands
     seconds = int(collective_timeout_s(env))
     os.environ["XLA_FLAGS"] = f"{flags} {_TIMEOUT_FLAG}={seconds}".strip()
+
+
+ENV_TRANSFER_ADDRESS = "TG_JAX_TRANSFER_ADDRESS"
+
+
+def transfer_address(env) -> None:
+    """The socket (host:port) other processes reach this one's devices on, for `jax.device_put`
+    between processes (the whole-host split's weight sync, `tg_jax.sampling.placement`): JAX
+    refuses such a copy unless every process set `jax_cross_host_transfer_socket_address`.
+
+    TG_JAX_TRANSFER_ADDRESS when set (on a pod: this host's address and a free port); else, on
+    CPU (a local pod), 127.0.0.1 and a port free now (port 0 is not resolved for the peers).
+    On TPU without the variable nothing is set (not verified on a TPU here).
+    """
+    import jax  # noqa: PLC0415
+
+    address = env.get(ENV_TRANSFER_ADDRESS, "").strip()
+    if not address and env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        import socket  # noqa: PLC0415
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+    if address:
+        jax.config.update("jax_cross_host_transfer_socket_address", address)
 
 
 def _barriers_off_the_devices() -> None:

@@ -78,8 +78,8 @@ from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import agent_loop, placement, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train import memory, rl_rollouts
-from tg_jax.train.rl_costs import Costs, Session, host_metrics, write_summary
+from tg_jax.train import memory, rl_hosts, rl_rollouts
+from tg_jax.train.rl_costs import Session, host_metrics, write_summary
 
 CHECKPOINT_DIR = "checkpoints"
 SUMMARY_FILE = RL_SUMMARY_FILE
@@ -125,6 +125,7 @@ class _Parts:
     key: jax.Array  # the run's key: fold_in 0 = state init, 1 = rollout sampling
     batch_sharding: Any  # of the train batch's leading axis on the trainer's mesh
     to_sampler: Callable[[Any], Any] | None  # params -> the sampler's (None: the same)
+    roles: rl_hosts.Roles  # which processes sample and train
     requirement_names: tuple[str, ...]  # the environment's (plug-ins by their own names)
 
 
@@ -181,34 +182,8 @@ def _build(
         ref_params=ref_params, step_fn=make_train_step(config, model, mesh, rules),
         sampler=sampler, renderer=renderer, key=key, to_sampler=to_sampler,
         batch_sharding=sharding.data_sharding(mesh, rules, ndim=1),
-        requirement_names=tuple(r.name for r in requirements),
+        requirement_names=tuple(r.name for r in requirements), roles=rl_hosts.roles(config),
     )  # fmt: skip
-
-
-def _check_resume(meta: Mapping[str, Any], arm_name: str, seed: int, directory: str) -> None:
-    if meta.get("arm", arm_name) != arm_name or int(meta.get("seed", seed)) != seed:
-        raise checkpointing.CheckpointError(
-            f"{directory} holds arm {meta.get('arm')!r} seed {meta.get('seed')}, not arm "
-            f"{arm_name!r} seed {seed}: use another workdir per arm and seed"
-        )
-
-
-def _resume(
-    ckpt: checkpointing.TrainingCheckpointer, state: TrainState, arm_name: str, seed: int
-) -> tuple[TrainState, Session, dict[str, Any] | None]:
-    """(state, session, task-iterator state or None): the latest checkpoint's, or a fresh
-    start's."""
-    restored = ckpt.restore_latest(state)
-    if restored is None:
-        return state, Session(0, Costs(), 0.0, 0), None
-    _check_resume(restored.metadata, arm_name, seed, ckpt.directory)
-    costs = Costs(**restored.metadata.get("costs", {}))
-    logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, restored.step)
-    session = Session(
-        restored.step, costs, costs.wall_time_s, costs.dropped_groups,
-        peak0=(costs.peak_memory_bytes, costs.peak_memory_above_start_bytes),
-    )  # fmt: skip
-    return restored.state, session, restored.metadata["data"]
 
 
 def _tasks(
@@ -229,7 +204,8 @@ def _tasks(
     if eval_tasks is None and int(lc.eval_every) > 0:
         dev_seed = int(lc.get("eval_task_seed", 9))  # not `seed`: the run's, used below
         eval_tasks = task_data.dev_tasks(config, int(lc.eval_tasks), seed=dev_seed)
-    multihost.process_slice(int(lc.groups_per_step))  # fails early unless it splits evenly
+    samplers = len(sharding.sampler_processes(config))  # fails early unless groups split evenly
+    multihost.process_slice(int(lc.groups_per_step), 0, samplers)
     # Every process iterates the same batches (one process's settings, so checkpoints of
     # either kind resume the other); each rolls out its own share of a batch's groups.
     tasks = TaskIterator(
@@ -242,16 +218,24 @@ def _tasks(
     return tasks, eval_tasks
 
 
-def _process_episodes(lc: Any) -> int:
-    """Episodes this process plays a step: its share of the groups (`multihost.process_slice`,
-    as `rl_rollouts` splits them) x the rollouts per group (its engine's default slots)."""
-    share = multihost.process_slice(int(lc.groups_per_step))
+def _process_episodes(lc: Any, samplers: Sequence[int]) -> int:
+    """Episodes this process plays a step: its share of the groups (`multihost.process_slice`
+    over the sampler processes, as `rl_rollouts` splits them) x the rollouts per group (its
+    engine's default slots)."""
+    share = multihost.process_slice(
+        int(lc.groups_per_step), samplers.index(jax.process_index()), len(samplers)
+    )
     return (share.stop - share.start) * int(lc.rollouts_per_group)
 
 
 def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any:
     """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
     config, lc = parts.config, parts.config.rl_loop
+    if not parts.roles.samples:  # a trainer process of the whole-host split
+        return rl_rollouts.rollout_source(
+            None, tasks, first_index=first_index, async_sampling=False, sampling=False,
+            to_sampler=parts.to_sampler,
+        )  # fmt: skip
     rollout_fn = rl_rollouts.BatchRollout(
         parts.sampler, parts.renderer,
         noisy_judge(  # the training judge (a wrong one with rl_loop.feedback's error rates)
@@ -269,10 +253,11 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
         rates=rl_rollouts.feedback_rates(lc.feedback),
         engine=agent_loop.runner_from_config(  # rl_loop.rollout_engine "builtin"
             config, engine_api, parts.sampler.model,
-            episodes=_process_episodes(lc),
+            episodes=_process_episodes(lc, parts.roles.samplers),
             max_total_tokens=parts.student_max, pad_id=parts.renderer.tokenizer.pad_id,
             mesh=getattr(parts.sampler, "mesh", None),
         ),
+        processes=parts.roles.samplers,
     )  # fmt: skip
     return rl_rollouts.rollout_source(
         rollout_fn, tasks, first_index=first_index, async_sampling=bool(lc.async_sampling),
@@ -281,16 +266,19 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
 
 
 def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str, float]:
-    """Held-out evaluation metrics (stage "eval") of `params` (every process plays them all)."""
+    """Held-out evaluation metrics (stage "eval") of `params` (every sampling process plays them
+    all; under the whole-host split the first one's figures reach the others)."""
     if parts.to_sampler is not None:
         params = parts.to_sampler(params)
-    # The rollout sampler (jit is thread-safe): its compiled buckets are reused.
-    recs = heldout.evaluate_heldout(
-        parts.config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
-        max_new_tokens=int(parts.config.rl_loop.max_new_tokens), sampler=parts.sampler,
-        renderer=parts.renderer,
-    )  # fmt: skip
-    return heldout.heldout_metrics(recs)
+    figures = None
+    if parts.roles.samples:  # the rollout sampler (jit is thread-safe): its buckets reused
+        recs = heldout.evaluate_heldout(
+            parts.config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
+            max_new_tokens=int(parts.config.rl_loop.max_new_tokens), sampler=parts.sampler,
+            renderer=parts.renderer,
+        )  # fmt: skip
+        figures = heldout.heldout_metrics(recs)
+    return rl_hosts.from_samplers(parts.roles, figures)
 
 
 def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch:
@@ -408,27 +396,30 @@ def run_rl(
     if rl_cfg.requirement_credit == "turn":  # the requirement rewards to credit per turn
         rl_cfg.credit_split(parts.requirement_names)
     paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
-    ckpt = checkpointing.TrainingCheckpointer(
-        os.path.join(workdir, CHECKPOINT_DIR),
-        max_to_keep=int(lc.keep_checkpoints),
-        save_interval_steps=int(lc.checkpoint_every),
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
+    ckpt = rl_hosts.checkpointer(
+        parts.roles, directory, int(lc.keep_checkpoints), int(lc.checkpoint_every)
     )
     try:
-        state, session, data_state = _resume(ckpt, parts.state, arm_name, seed)
+        state, session, data_state = rl_hosts.resume(parts.roles, ckpt, parts.state, arm_name, seed)
         start = session.start_step
         if start >= end:
-            return RLResult(state, start, start >= num_steps, session.costs.as_dict(), workdir)
-        if threading.current_thread() is threading.main_thread():
-            checkpointing.install_sigterm_handler()
-        tasks, eval_tasks = _tasks(config, workdir, seed, sources, eval_tasks, data_state)
-        return _train(parts, ckpt, tasks, eval_tasks, state, session, end, exporter)
+            result = RLResult(state, start, start >= num_steps, session.costs.as_dict(), workdir)
+        else:
+            if threading.current_thread() is threading.main_thread():
+                checkpointing.install_sigterm_handler()
+            tasks, eval_tasks = _tasks(config, workdir, seed, sources, eval_tasks, data_state)
+            result = _train(parts, ckpt, tasks, eval_tasks, state, session, end, exporter)
     finally:
         ckpt.close()
+    if parts.roles.whole:  # the state on every device, for what follows the RL stage
+        result.state = rl_hosts.full_state(config, directory, result.state)
+    return result
 
 
 def _train(
     parts: _Parts,
-    ckpt: checkpointing.TrainingCheckpointer,
+    ckpt: checkpointing.TrainingCheckpointer | rl_hosts.Follower,
     tasks: TaskIterator,
     eval_tasks: Sequence[Any] | None,
     state: TrainState,
@@ -514,7 +505,7 @@ class _NonFinite:
     whose loss or gradient was not finite (`update_skipped`); this counts such steps, warns,
     and ends the run at the first one (stop) or after `rl.nonfinite_limit` in a row (skip)."""
 
-    def __init__(self, rl: RLConfig, ckpt: checkpointing.TrainingCheckpointer):
+    def __init__(self, rl: RLConfig, ckpt: Any):
         self.rl, self.ckpt = rl, ckpt
         self.in_a_row = self.total = 0
 
@@ -541,11 +532,17 @@ class _NonFinite:
 
 
 def _export(parts: _Parts, exporter: Callable[[Any, str], None], params: Any, done: int) -> None:
-    """workdir/export/step_<done>, written by process 0 (after all gathered the params)."""
+    """workdir/export/step_<done>, written by process 0 (after all gathered the params). Under
+    the whole-host split the trainer processes call `exporter` with the trainer's params."""
+    path = os.path.join(parts.workdir, "export", f"step_{done}")
+    if parts.roles.whole:
+        if parts.roles.trains:
+            exporter(params, path)
+        return
     if parts.to_sampler is not None:
         params = parts.to_sampler(params)  # every process: a collective
     if multihost.is_primary():
-        exporter(params, os.path.join(parts.workdir, "export", f"step_{done}"))
+        exporter(params, path)
 
 
 def _train_step(
@@ -576,6 +573,7 @@ def _train_step(
     # Waiting here costs only the overlap of the next build_batch with this step (the next
     # rollouts need these params anyway) and gives a clean train time.
     jax.block_until_ready(metrics)
+    metrics = rl_hosts.follow(parts.roles, metrics)  # the whole-host split: process 0's
     t3 = time.perf_counter()
     stats = source.stats()
     _add_costs(parts, session, group, batch, stats["groups_dropped_stale"])

@@ -97,9 +97,12 @@ class BatchRollout:
         seed: int,
         rates: FeedbackRates,
         engine: agent_loop.EngineRunner | None = None,
+        processes: Sequence[int] | None = None,
     ):
         """engine: play the episodes on it (`agent_loop.play_episodes`, each batch's params
-        and version loaded first) instead of the sampler's lock-step turns."""
+        and version loaded first) instead of the sampler's lock-step turns. processes: the
+        processes that share the groups (`sharding.sampler_processes`; None = all)."""
+        self.processes = tuple(processes) if processes is not None else None
         self.sampler, self.renderer, self.env_factory = sampler, renderer, env_factory
         self.engine = engine
         self.rollouts_per_group = rollouts_per_group
@@ -124,7 +127,8 @@ class BatchRollout:
                 kinds.append(kind)
                 return text
 
-        share = multihost.process_slice(len(tasks))
+        procs = self.processes or tuple(range(jax.process_count()))
+        share = multihost.process_slice(len(tasks), procs.index(jax.process_index()), len(procs))
         sampler, play = self.sampler, None
         if self.engine is not None:
             self.engine.load(params, version)
@@ -145,6 +149,28 @@ class BatchRollout:
         return trajectories
 
 
+NOT_SAMPLING = "not sampling: a trainer process of the whole-host split"
+
+
+class NoRollouts:
+    """A trainer process's sampling loop under the whole-host split (`sampler_mesh.processes`):
+    it plays no group (its `get` is NOT_SAMPLING); `ProcessGather` merges the sampler
+    processes' groups and reports their first one's counters."""
+
+    def publish(self, params: Any, version: int) -> None:
+        del params, version  # None: the copy went to the sampler processes
+
+    def get(self, max_staleness: int, timeout: float | None = None) -> str:
+        del max_staleness, timeout
+        return NOT_SAMPLING
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 class ProcessGather:
     """A sampling loop of a multi-process run, as the trainer sees it (the same interface).
 
@@ -154,9 +180,12 @@ class ProcessGather:
     oldest policy version and batch index, the longest rollout time.
     """
 
-    def __init__(self, loop: InlineLoop | SamplingLoop, to_sampler: Callable[[Any], Any]):
+    def __init__(
+        self, loop: InlineLoop | SamplingLoop | NoRollouts, to_sampler: Callable[[Any], Any]
+    ):
         self._loop, self._to_sampler = loop, to_sampler
         self._publish_s = 0.0
+        self._sampler_stats: dict[str, float] = {}  # a NoRollouts process: the samplers'
 
     def publish(self, params: Any, version: int) -> None:
         """Hands the loop this host's copy of `params`, once it is on the sampler's devices
@@ -169,7 +198,11 @@ class ProcessGather:
 
     def get(self, max_staleness: int, timeout: float | None = None) -> RolloutGroup | None:
         """Every process's next group, merged; None once any process's tasks ran out."""
-        groups = multihost.allgather_objects(self._loop.get(max_staleness, timeout))
+        own = self._loop.get(max_staleness, timeout)
+        pairs = multihost.allgather_objects((own, self._loop.stats()))
+        pairs = [(g, st) for g, st in pairs if not (isinstance(g, str) and g == NOT_SAMPLING)]
+        self._sampler_stats = pairs[0][1] or {}
+        groups = [g for g, _ in pairs]
         if any(g is None for g in groups):
             return None
         return RolloutGroup(
@@ -182,7 +215,8 @@ class ProcessGather:
 
     def stats(self) -> dict[str, float]:
         """The loop's counters and `publish_s`, the last weight sync's seconds."""
-        return {**self._loop.stats(), "publish_s": self._publish_s}
+        own = self._sampler_stats if isinstance(self._loop, NoRollouts) else self._loop.stats()
+        return {**own, "publish_s": self._publish_s}
 
     def close(self) -> None:
         self._loop.close()
@@ -197,6 +231,7 @@ def rollout_source(
     queue_size: int = 2,
     devices: Sequence[jax.Device] | None = None,
     to_sampler: Callable[[Any], Any] | None = None,
+    sampling: bool = True,
 ) -> InlineLoop | SamplingLoop | ProcessGather:
     """The sampling loop over `task_batches`, whose first batch has index `first_index`.
 
@@ -210,9 +245,13 @@ def rollout_source(
       to_sampler: trainer params -> the sampler's. One process: the loop's `place` (a sampler
         on its own mesh); several (process-local params): the loop comes wrapped in a
         `ProcessGather`.
+      sampling: False on a trainer process of the whole-host split (`NoRollouts`; rollout_fn
+        and task_batches unused).
     """
     gather = to_sampler is not None and jax.process_count() > 1
     place = None if gather else to_sampler
+    if not sampling:
+        return ProcessGather(NoRollouts(), to_sampler)
     if async_sampling:
         loop = SamplingLoop(
             rollout_fn, task_batches, first_index=first_index, queue_size=queue_size,
