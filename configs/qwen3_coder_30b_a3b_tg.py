@@ -24,6 +24,9 @@ shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
 chips each of a v5p-128, 2 + 2 on every host (`config.sampler_mesh`; docs/tpu.md: both
 steps' fit); `:runlocal_split` is that layout on a tiny checkpoint (trainer 4 + sampler 4 CPU
 devices: one process, or 2 + 2 on each of a local pod's 2 processes).
+`:runlocal_whole` is the whole-host split on a tiny checkpoint: a local pod of 4 processes x 2
+CPU devices, the first 2 processes train (a trainer mesh of 4), the last 2 sample
+(`sampler_mesh.processes`; tests/test_launch.py).
 """
 
 import os
@@ -37,11 +40,14 @@ GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
 
 
 def get_config(arg=None):
-    if arg not in (None, "", "runlocal", "split", "runlocal_split"):
+    if arg not in (None, "", "runlocal", "split", "runlocal_split", "runlocal_whole"):
         raise ValueError(
-            f"{__file__} takes no argument, 'runlocal', 'split' or 'runlocal_split', not {arg!r}"
+            f"{__file__} takes no argument, 'runlocal', 'split', 'runlocal_split' or "
+            f"'runlocal_whole', not {arg!r}"
         )
-    base_arg = {"split": None, "runlocal_split": "runlocal"}.get(arg, arg)
+    base_arg = {"split": None, "runlocal_split": "runlocal", "runlocal_whole": "runlocal"}.get(
+        arg, arg
+    )
     c = config_files.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
     c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
     # Qwen3-Coder has no thinking (its template drops reasoning_content): nothing to distil
@@ -55,7 +61,11 @@ def get_config(arg=None):
     c.model.router_replay = True
     if arg == "runlocal_split":  # the split layout, tiny: trainer 4 + sampler 4 CPU devices
         _split(c, num_devices=4, tensor=2)
-    if arg in ("runlocal", "runlocal_split"):
+    if arg == "runlocal_whole":  # the whole-host split, tiny: 2 trainer + 2 sampler processes
+        c.sampler_mesh = config_lib.sampler_mesh_config(shape=(-1, 2))
+        c.sampler_mesh.processes = 2
+        c.tg.compact = False
+    if arg in ("runlocal", "runlocal_split", "runlocal_whole"):
         return c
     # Architecture of Qwen/Qwen3-Coder-30B-A3B-Instruct (its config.json): 30.5B parameters,
     # 3.3B active per token, checked against the checkpoint's config.json.

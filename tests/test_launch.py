@@ -190,19 +190,20 @@ def _worker_pid(workdir, process_id: int) -> int | None:
     return None
 
 
-def test_local_pod_of_the_split_layout_through_a_sigterm_trains_what_one_process_trains(
+def test_local_pods_of_both_split_layouts_through_a_sigterm_train_what_one_process_trains(
     tmp_path,
 ):
-    """`configs/qwen3_coder_30b_a3b_tg.py:runlocal_split` from a tiny Qwen3-MoE checkpoint:
-    2 processes x 4 devices (each samples on its last 2, one trainer mesh over the first 2 of
-    each), SIGTERM to worker 1 alone once checkpoint 1 is written: both workers stop at the
-    step they agree on (exit 143), the same command resumes; 1 process x 8 (the last 4
-    sample) runs uninterrupted. Both export the same weights after 6 deterministic RL steps,
-    moved from the checkpoint; the pod logged each weight sync's seconds, one record a step;
-    both trained with MoE router replay (the config's), each rollout's routing recorded."""
-    import signal
+    """`configs/qwen3_coder_30b_a3b_tg.py` from a tiny Qwen3-MoE checkpoint, three ways:
+    * `:runlocal_split`, 2 processes x 4 devices (each samples on its last 2, one trainer mesh
+      over the first 2 of each), SIGTERM to worker 1 alone once checkpoint 1 is written;
+    * `:runlocal_whole`, the whole-host split, 4 processes x 2 devices (processes 0 and 1
+      train, 2 and 3 sample), SIGTERM to worker 3 (a sampler process) likewise;
+    * `:runlocal_split` on 1 process x 8 (the last 4 sample), uninterrupted.
+    Each pod's workers stop at the step they agree on (exit 143), and the same command
+    resumes. All three export the same weights after 6 deterministic RL steps, moved from the
+    checkpoint; each pod logged each weight sync's seconds, one record a step, and trained
+    with MoE router replay (the config's), each rollout's routing recorded."""
     import subprocess
-    import time
 
     from safetensors.numpy import load_file
 
@@ -212,63 +213,82 @@ def test_local_pod_of_the_split_layout_through_a_sigterm_trains_what_one_process
 
     ckpt = tmp_path / "ckpt"
     make_model_dir(ckpt, MOE)
-    extra = ["--config.mesh.shape=(1,2,2,1)", "--config.rl_loop.steps=6",
-             "--config.optim.total_steps=6", "--config.eval.num_tasks=2",
-             "--config.rl_loop.checkpoint_every=1",
-             "--config.rl_loop.async_sampling=False"]  # fmt: skip
     root = os.path.join(os.path.dirname(__file__), "..")
 
-    def start(p):
-        env = {**os.environ, "HOME": str(tmp_path / f"home{p}")}
+    def start(name, p, layout):
+        extra = ["--config.mesh.shape=(1,2,2,1)", "--config.rl_loop.steps=6",
+                 "--config.optim.total_steps=6", "--config.eval.num_tasks=2",
+                 "--config.rl_loop.checkpoint_every=1",
+                 "--config.rl_loop.async_sampling=False"]  # fmt: skip
+        env = {**os.environ, "HOME": str(tmp_path / f"home_{name}")}
         env.pop("XLA_FLAGS", None)
         cmd = ["bash", "launch/tpu.sh", "--local", f"--processes={p}",
                f"--devices-per-process={8 // p}",
-               "--config=configs/qwen3_coder_30b_a3b_tg.py:runlocal_split",
-               f"--workdir={tmp_path / f'w{p}'}", f"--hf-checkpoint={ckpt}",
+               f"--config=configs/qwen3_coder_30b_a3b_tg.py:{layout}",
+               f"--workdir={tmp_path / name}", f"--hf-checkpoint={ckpt}",
                "--", *extra]  # fmt: skip
         return subprocess.Popen(
             cmd, cwd=root, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
 
-    def why(out: str) -> str:  # the errors anywhere in a worker's output, and its end
-        errors = [ln for ln in out.splitlines() if "rror" in ln or ln[:1] in ("E", "F")]
-        return "\n".join(errors[-30:]) + "\n...\n" + out[-2000:]
-
     # One run at a time: with the 1 x 8 run beside the pod, in the full suite beside a long
     # RL run on 2 cores, both pod workers once aborted in the coordination service
     # (CoordinationServiceAgent::SetError) before the first checkpoint; cause not found.
-    pod = start(2)
-    run = tmp_path / "w2" / "runs" / "tg_seed0"
+    pods = {"split": (2, "runlocal_split", 1), "whole": (4, "runlocal_whole", 3)}
+    for name, (p, layout, victim) in pods.items():
+        _pod_through_sigterm(tmp_path / name, lambda n=name, p=p, lay=layout: start(n, p, lay),
+                             p, victim)  # fmt: skip
+    one = start("one", 1, "runlocal_split")
+    out = one.communicate(timeout=1200)[0]
+    assert one.returncode == 0, _why(out)
+    one_w = load_file(str(tmp_path / "one/export/tg_seed0/model.safetensors"))
+    start_w = load_file(str(ckpt / "model.safetensors"))
+    assert max(float(np.abs(one_w[k] - start_w[k]).max()) for k in one_w) > 1e-5
+    for name in pods:
+        run = tmp_path / name / "runs" / "tg_seed0"
+        summary = read_rl_summary(str(run))
+        assert summary["finished"] and len(summary["sessions"]) == 2, name
+        assert 1 <= summary["sessions"][1]["start_step"] < 6, name
+        pod_w = load_file(str(tmp_path / name / "export/tg_seed0/model.safetensors"))
+        assert sorted(pod_w) == sorted(one_w) == sorted(start_w)
+        for k in one_w:
+            np.testing.assert_allclose(pod_w[k], one_w[k], rtol=1e-5, atol=1e-5, err_msg=k)
+        train = [r for r in read_metrics(str(run)) if r["stage"] == "train"]
+        assert [r["step"] for r in train] == list(range(1, 7)), name  # one writer
+        assert all(r["time/publish_s"] > 0 for r in train), name
+        # The config replays the rollouts' routing (router_replay): recorded across processes.
+        assert all(r["rollout/routed_share"] > 0.5 for r in train), name
+
+
+def _why(out: str) -> str:
+    """The errors anywhere in a worker's output, and its end."""
+    errors = [ln for ln in out.splitlines() if "rror" in ln or ln[:1] in ("E", "F")]
+    return "\n".join(errors[-30:]) + "\n...\n" + out[-2000:]
+
+
+def _pod_through_sigterm(workdir, start, processes: int, victim: int) -> None:
+    """A local pod's run (`start()`), SIGTERMed at worker `victim` once its checkpoint 1 is
+    written: every worker stops (exit 143) with no export yet; the same command then resumes
+    to the end (exit 0)."""
+    import signal
+    import time
+
+    pod = start()
+    run = workdir / "runs" / "tg_seed0"
     deadline = time.monotonic() + 900
     while not (run / "checkpoints" / "1").is_dir():
-        assert pod.poll() is None and time.monotonic() < deadline, why(pod.communicate()[0])
+        assert pod.poll() is None and time.monotonic() < deadline, _why(pod.communicate()[0])
         time.sleep(0.5)
-    pid = _worker_pid(tmp_path / "w2", 1)
+    pid = _worker_pid(workdir, victim)
     assert pid is not None
     os.kill(pid, signal.SIGTERM)
     out = pod.communicate(timeout=900)[0]
-    assert pod.returncode == 143, why(out)
-    assert "process 1/2: 4 local of 8 devices" in out
-    assert not (tmp_path / "w2" / "export" / "tg_seed0").exists()
-    for p in (2, 1):  # the pod resumes; then the uninterrupted single process
-        proc = start(p)
-        out = proc.communicate(timeout=1200)[0]
-        assert proc.returncode == 0, why(out)
-    summary = read_rl_summary(str(run))
-    assert summary["finished"] and len(summary["sessions"]) == 2
-    assert 1 <= summary["sessions"][1]["start_step"] < 6
-    exports = [tmp_path / f"w{p}/export/tg_seed0/model.safetensors" for p in (2, 1)]
-    pod_w, one_w = (load_file(str(e)) for e in exports)
-    start_w = load_file(str(ckpt / "model.safetensors"))
-    assert sorted(pod_w) == sorted(one_w) == sorted(start_w)
-    for k in one_w:
-        np.testing.assert_allclose(pod_w[k], one_w[k], rtol=1e-5, atol=1e-5, err_msg=k)
-    assert max(float(np.abs(one_w[k] - start_w[k]).max()) for k in one_w) > 1e-5
-    train = [r for r in read_metrics(str(run)) if r["stage"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, 7))  # one writer, nothing repeated
-    assert all(r["time/publish_s"] > 0 for r in train)
-    # The config replays the rollouts' routing (model.router_replay): recorded across processes.
-    assert all(r["rollout/routed_share"] > 0.5 for r in train)
+    assert pod.returncode == 143, _why(out)
+    assert f"process {processes - 1}/{processes}: {8 // processes} local of 8 devices" in out
+    assert not (workdir / "export" / "tg_seed0").exists()
+    proc = start()
+    out = proc.communicate(timeout=1200)[0]
+    assert proc.returncode == 0, _why(out)
 
 
 def test_cpu_processes_get_threads_for_blocking_collectives(monkeypatch):

@@ -130,6 +130,46 @@ def test_split_over_several_processes_gives_each_its_own_sampler_devices():
     assert sharding.split_devices(_config(num_devices=0), devices)[1] is None
 
 
+def test_whole_host_split_gives_the_last_processes_to_the_sampler():
+    """sampler_mesh.processes H: the last H processes' devices sample, the others' train; the
+    mesh after RL spreads fsdp over every device; each refusal names its reason."""
+    devices = [_Dev(i, i // 2) for i in range(8)]  # 4 processes x 2 devices
+    whole = {"sampler_mesh.num_devices": 0, "sampler_mesh.processes": 2,
+             "sampler_mesh.shape": (-1, 2), "mesh.shape": (1, 2, 2, 1)}  # fmt: skip
+    config = config_files.apply_overrides(_config(), whole)
+    trainer, sampler = sharding.split_devices(config, devices)
+    assert [d.id for d in trainer] == [0, 1, 2, 3] and [d.id for d in sampler] == [4, 5, 6, 7]
+    assert sharding.sampler_processes(config, count=4) == (2, 3)
+    assert sharding.sampler_processes(_config(), count=4) == (0, 1, 2, 3)
+    if jax.device_count() >= 8:  # fsdp takes the rest: 8 / (data 1 x tensor 2 x expert 1)
+        assert dict(sharding.every_device_mesh(config).shape) == {
+            "data": 1, "fsdp": 4, "tensor": 2, "expert": 1}  # fmt: skip
+    cases = [
+        ({"sampler_mesh.processes": 3}, "needs at least 2 trainer processes"),
+        (
+            {
+                "sampler_mesh.processes": 1,
+                "mesh.shape": (1, -1, 1, 1),
+                "sampler_mesh.shape": (-1, 4),
+            },
+            "sampler_mesh over a sampler process's 2 devices: .* does not divide",
+        ),  # fmt: skip
+        ({"mesh.shape": (1, 3, 1, 1)}, "mesh over the trainer processes' 4 devices"),
+        ({"sampler_mesh.num_devices": 2}, "two layouts: set one of them"),
+    ]
+    for overrides, match in cases:
+        with pytest.raises(ValueError, match=match):
+            sharding.split_devices(config_files.apply_overrides(config, overrides), devices)
+    uneven = [_Dev(i, min(i, 2)) for i in range(6)]  # 1 + 1 trainer devices, 4 sampler ones
+    narrow = {
+        "sampler_mesh.processes": 1,
+        "mesh.shape": (1, -1, 1, 1),
+        "sampler_mesh.shape": (-1, 1),
+    }
+    with pytest.raises(ValueError, match="4 sampler devices must be at most the trainer's 2"):
+        sharding.split_devices(config_files.apply_overrides(config, narrow), uneven)
+
+
 def test_sampler_axes_are_checked():
     _needs_8_devices()
     cfg = config_lib.sampler_mesh_config(num_devices=4)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -195,6 +196,30 @@ def _whole_hosts(
             "(the published weights are staged on as many trainer devices, split that way)"
         )
     return trainer, sampler
+
+
+def every_device_mesh(config: Any, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """`config.mesh` over every device (default `jax.devices()`): as given, but under the
+    whole-host split (whose `mesh.shape` is the trainer's) with its "fsdp" axis taking the
+    rest (any other -1 axis 1), the mesh the stages after RL hold the state on
+    (`tg_jax.train.rl_hosts.full_state`).
+
+    Raises:
+      ValueError: the mesh has no "fsdp" axis, or its other axes do not divide the devices.
+    """
+    section = config.get("sampler_mesh")
+    if section is None or not int(section.get("processes", 0) or 0):
+        return make_mesh(config.mesh, devices)
+    axes = tuple(config.mesh.axes)
+    if "fsdp" not in axes:
+        raise ValueError(f"mesh.axes {axes} have no 'fsdp' axis to spread over every device")
+    shape = tuple(
+        -1 if a == "fsdp" else max(int(n), 1) for a, n in zip(axes, config.mesh.shape, strict=True)
+    )
+    try:
+        return make_mesh(types.SimpleNamespace(axes=axes, shape=shape), devices)
+    except ValueError as e:
+        raise ValueError(f"the mesh over every device after RL (fsdp the rest): {e}") from None
 
 
 def sampler_processes(config: Any, count: int | None = None) -> tuple[int, ...]:

@@ -338,7 +338,9 @@ def _load(ckpt: Any, config: ModelConfig, mesh: Mesh | None, rules: Any) -> dict
         if shardings is None:
             value = read(tuple(slice(None) for _ in leaf.shape))
         else:
-            value = jax.make_array_from_callback(leaf.shape, _get(shardings, e.path), _cached(read))
+            value = jax.make_array_from_callback(  # dtype: for a process with no device of it
+                leaf.shape, _get(shardings, e.path), _cached(read), dtype=np.dtype(leaf.dtype)
+            )
         _set(params, e.path, value)
     return params
 

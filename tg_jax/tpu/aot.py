@@ -349,6 +349,7 @@ class Meshes:
     sampler_rules: Any
     hosts: int = 1  # hosts (processes) of the slice; > 1: per-host samplers
     own: bool = False  # the sampler has devices of its own (`sharding.split_devices`)
+    samplers: int = 1  # the hosts a step's rows are shared over (the whole-host split's last)
 
     @property
     def split(self) -> bool:
@@ -370,13 +371,14 @@ def make_meshes(
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
     own = sampler_devices is not None
-    first = [d for d in hosts[0] if d in (sampler_devices or ())] if own else hosts[0]
+    sampling = [h for h in hosts if not own or any(d in sampler_devices for d in h)]
+    first = [d for d in sampling[0] if d in sampler_devices] if own else hosts[0]
     if len(hosts) > 1 or own:
         sampler, sampler_rules = sharding.make_sampler_mesh(
             config.sampler_mesh, first if len(hosts) > 1 else sampler_devices
         )
-        return Meshes(mesh, rules, sampler, sampler_rules, len(hosts), own)
-    return Meshes(mesh, rules, mesh, rules)
+        return Meshes(mesh, rules, sampler, sampler_rules, len(hosts), own, len(sampling))
+    return Meshes(mesh, rules, mesh, rules, samplers=1)
 
 
 def train_shapes(config: Any, divisor: int, **given: int) -> TrainShapes:
@@ -455,7 +457,7 @@ def compile_programs(
             )
             label = f"train step (LM baseline, {shapes.rows} rows)"
         elif name == "sample":
-            drows = decode_rows or _sampler_call_rows(config, shapes.rows, meshes.hosts)
+            drows = decode_rows or _sampler_call_rows(config, shapes.rows, meshes.samplers)
             cache = cache_len or shapes.seq_len
             max_new = min(_config_max_new(config), cache // 2)
             compiled = compile_sample_step(
@@ -481,7 +483,7 @@ def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program
     from tg_jax.tpu import engine_fit  # noqa: PLC0415
 
     model = Transformer(ModelConfig.from_config(config.model))
-    g = engine_fit.engine_shape(config, shapes.rows, meshes.hosts, shapes.seq_len)
+    g = engine_fit.engine_shape(config, shapes.rows, meshes.samplers, shapes.seq_len)
     mesh = engine_fit.engine_mesh(config, meshes.sampler)
     params = abstract_params(model, mesh, sharding.SAMPLER_RULES)
     if meshes.per_host:  # a host's bf16 copy (colocated on one host: the trainer's params)

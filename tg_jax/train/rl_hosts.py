@@ -159,11 +159,11 @@ def resume(
 
 
 def full_state(config: Any, directory: str, state: TrainState) -> TrainState:
-    """The run's latest checkpoint restored onto `config.mesh` over every device (every
-    process calls it, after the trainer processes committed the checkpoint)."""
+    """The run's latest checkpoint restored onto `sharding.every_device_mesh` (every process
+    calls it, after the trainer processes committed the checkpoint)."""
     multihost.barrier("rl checkpoint committed")
     model = Transformer(ModelConfig.from_config(config.model))
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = sharding.every_device_mesh(config)
     shardings = train_state_shardings(
         model, make_optimizer(config.optim), mesh, sharding.logical_rules(config.mesh)
     )
