@@ -24,6 +24,7 @@ shrinks the loop (a tiny MoE checkpoint on a CPU; the tests use it).
 chips each of a v5p-128, 2 + 2 on every host (`config.sampler_mesh`; docs/tpu.md: both
 steps' fit); `:runlocal_split` is that layout on a tiny checkpoint (trainer 4 + sampler 4 CPU
 devices: one process, or 2 + 2 on each of a local pod's 2 processes).
+`:whole` is the whole-host split of a v5p-128: 8 hosts train, 8 sample (docs/tpu.md);
 `:runlocal_whole` is the whole-host split on a tiny checkpoint: a local pod of 4 processes x 2
 CPU devices, the first 2 processes train (a trainer mesh of 4), the last 2 sample
 (`sampler_mesh.processes`; tests/test_launch.py).
@@ -40,14 +41,12 @@ GROUPS, ROLLOUTS, SEQ_LEN = 32, 32, 8192
 
 
 def get_config(arg=None):
-    if arg not in (None, "", "runlocal", "split", "runlocal_split", "runlocal_whole"):
+    if arg not in (None, "", "runlocal", "split", "whole", "runlocal_split", "runlocal_whole"):
         raise ValueError(
-            f"{__file__} takes no argument, 'runlocal', 'split', 'runlocal_split' or "
+            f"{__file__} takes no argument, 'runlocal', 'split', 'whole', 'runlocal_split' or "
             f"'runlocal_whole', not {arg!r}"
         )
-    base_arg = {"split": None, "runlocal_split": "runlocal", "runlocal_whole": "runlocal"}.get(
-        arg, arg
-    )
+    base_arg = {"split": None, "whole": None}.get(arg, "runlocal" if arg else arg)
     c = config_files.load_config_file(os.path.join(os.path.dirname(__file__), "hf_tg.py"), base_arg)
     c.tg.gate = "failed_turns"  # distil failed turns only (feedback on all turns can hurt)
     # Qwen3-Coder has no thinking (its template drops reasoning_content): nothing to distil
@@ -134,7 +133,22 @@ def get_config(arg=None):
     c.rl_loop.eval_every = 50  # held-out evaluation interval
     if arg == "split":
         _split(c)
+    if arg == "whole":
+        _whole(c)
     return c
+
+
+def _whole(c):
+    """`:whole`: the whole-host split on a v5p-128 (4x4x4, 16 hosts of 4 chips): hosts 0-7
+    train (32 chips, the mesh above: fsdp 8 x expert 4), hosts 8-15 sample, each on its 4 chips
+    with its own bf16 copy split 4 ways (one KV head per chip), 128 of a step's 1024 rows, 64 a
+    call. After each step the weights are staged on the trainer's chips (a bf16 copy per 4
+    chips) and copied to the sampler hosts' chips across hosts (`sampler_mesh.processes`,
+    `placement.HostTransfer`; docs/tpu.md: both steps' fit)."""
+    c.sampler_mesh = config_lib.sampler_mesh_config(shape=(-1, 4))
+    c.sampler_mesh.processes = 8
+    c.sampler_mesh.max_rows = 64
+    c.tg.compact = False  # full teacher rows, as above
 
 
 def _split(c, num_devices=32, tensor=2):

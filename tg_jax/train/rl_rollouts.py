@@ -199,7 +199,8 @@ class ProcessGather:
     def get(self, max_staleness: int, timeout: float | None = None) -> RolloutGroup | None:
         """Every process's next group, merged; None once any process's tasks ran out."""
         own = self._loop.get(max_staleness, timeout)
-        pairs = multihost.allgather_objects((own, self._loop.stats()))
+        stats = {**self._loop.stats(), "publish_s": self._publish_s}
+        pairs = multihost.allgather_objects((own, stats))
         pairs = [(g, st) for g, st in pairs if not (isinstance(g, str) and g == NOT_SAMPLING)]
         self._sampler_stats = pairs[0][1] or {}
         groups = [g for g, _ in pairs]
@@ -214,9 +215,12 @@ class ProcessGather:
         )
 
     def stats(self) -> dict[str, float]:
-        """The loop's counters and `publish_s`, the last weight sync's seconds."""
-        own = self._sampler_stats if isinstance(self._loop, NoRollouts) else self._loop.stats()
-        return {**own, "publish_s": self._publish_s}
+        """The loop's counters and `publish_s`, the last weight sync's seconds. A trainer
+        process of the whole-host split reports the first sampler process's, as of the last
+        `get` (its sync ends on the sampler's chips: the previous step's)."""
+        if isinstance(self._loop, NoRollouts):
+            return dict(self._sampler_stats)
+        return {**self._loop.stats(), "publish_s": self._publish_s}
 
     def close(self) -> None:
         self._loop.close()
