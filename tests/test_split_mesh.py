@@ -304,6 +304,17 @@ def test_command_line_split_runs_end_to_end(tmp_path):
         "error: invalid config: sampler_mesh.num_devices=8 must be below the 8 devices: the "
         "trainer needs at least one"
     ]
+    alone = subprocess.run(  # the whole-host split asked of one process
+        cmd[:-3] + ["--config.sampler_mesh.num_devices=0", "--config.sampler_mesh.processes=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert alone.returncode == 2
+    assert alone.stderr.strip().splitlines() == [
+        "error: invalid config: sampler_mesh.processes=1 of 1 processes: the whole-host split "
+        "needs at least 2 trainer processes besides the sampler's (orbax checkpoints no array "
+        "that one process of several holds whole); use num_devices for a share of every "
+        "process instead"
+    ]
 
 
 def test_two_step_place_copies_in_the_loop_thread_between_batches(monkeypatch):
