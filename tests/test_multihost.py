@@ -189,6 +189,59 @@ def test_the_builtin_engine_on_each_process_equals_one_process(runs):
     assert "engine process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
 
 
+def test_the_whole_host_split_equals_one_process(tmp_path):
+    """sampler_mesh.processes 2 on 4 processes x 2 devices: processes 0 and 1 train (one
+    trainer mesh of 4), 2 and 3 sample on all their devices; the run stops after its step 2
+    checkpoint and resumes. One process x 8 with the sampler on its last 4 devices trains the
+    same: final params within TOL, every metric of every step and evaluation alike."""
+    port, procs, logs = _free_port(), {}, {}
+
+    def start(name, devices, *env_args):
+        env = dict(os.environ, **dict(env_args))
+        env.pop("XLA_FLAGS", None)
+        env["TG_JAX_COMPILATION_CACHE"] = jax.config.jax_compilation_cache_dir or ""
+        logs[name] = str(tmp_path / f"{name}.log")
+        workdir = tmp_path / ("ref" if name == "ref" else "pod")
+        cmd = [sys.executable, "-m", "tests.multihost_driver", str(workdir), "--devices",
+               str(devices), "--steps", str(STEPS), "--whole", "2", "--split", "4"]  # fmt: skip
+        with open(logs[name], "w") as out:
+            procs[name] = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    try:
+        start("ref", 8)
+        for i in range(4):
+            start(
+                f"p{i}", 2, ("TG_JAX_DISTRIBUTED", "1"), ("TG_JAX_NUM_PROCESSES", "4"),
+                ("TG_JAX_COORDINATOR", f"localhost:{port}"), ("TG_JAX_PROCESS_ID", str(i)),
+            )  # fmt: skip
+    except BaseException:
+        _kill(procs)
+        raise
+    _wait_all(procs, logs, TIMEOUT_S)
+    ref, pod = tmp_path / "ref" / "whole", tmp_path / "pod" / "whole"
+    a, b = np.load(ref / "final_params.npz"), np.load(pod / "final_params.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=TOL, atol=TOL, err_msg=k)
+    exported = np.load(pod / "export" / f"step_{STEPS}" / "params.npz")  # by the trainers
+    for k in a.files:
+        np.testing.assert_allclose(exported[k], a[k], rtol=TOL, atol=TOL, err_msg=k)
+    ma, mb = _train_and_eval(ref), _train_and_eval(pod)
+    assert sorted(ma) == sorted(mb) and ("eval", STEPS) in ma
+    for key, ra in ma.items():
+        for n in (n for n in ra if n != "time" and not n.startswith("time/")):
+            if not isinstance(ra[n], str):
+                assert mb[key][n] == pytest.approx(ra[n], rel=TOL, abs=TOL), (key, n)
+    assert all(mb[("train", s)]["time/publish_s"] > 0 for s in range(1, STEPS + 1))
+    sessions = read_rl_summary(str(pod))["sessions"]
+    assert [x["start_step"] for x in sessions] == [0, STEPS - 1]  # stopped, then resumed
+    for i in range(4):
+        assert f"whole process {i}/4 step {STEPS} finished True" in _tail(logs[f"p{i}"])
+
+
 def test_two_process_checkpoint_and_export(runs):
     """Both processes wrote their shards of each checkpoint (orbax); it restores on one
     process to the final params; process 0 exported them."""
@@ -301,7 +354,11 @@ def test_process_gather_merges_the_groups_in_process_order(monkeypatch):
         def get(self, max_staleness, timeout=None):
             return groups[0]
 
-    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, groups[1]])
+        def stats(self):
+            return {"groups_dropped_stale": 0.0}
+
+    p1 = (groups[1], {"groups_dropped_stale": 2.0, "publish_s": 0.5})
+    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, p1])
     fake = FakeLoop()
     gather = rl_rollouts.ProcessGather(fake, lambda p: ("local", p))
     gather.publish("params", 4)
@@ -310,8 +367,17 @@ def test_process_gather_merges_the_groups_in_process_order(monkeypatch):
     assert merged.trajectories == trajs[0] + trajs[1]
     assert (merged.policy_version, merged.batch_index) == (3, 6)
     assert (merged.seconds, merged.staleness) == (2.0, 1)
-    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, None])
+    assert gather.stats()["groups_dropped_stale"] == 0.0  # a sampling process: its own
+    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, (None, {})])
     assert gather.get(1) is None  # one process ran out of tasks: all stop
+    # A trainer process of the whole-host split plays nothing: the sampler process's group
+    # and counters (its sync seconds too) are what it reports.
+    trainer = rl_rollouts.ProcessGather(rl_rollouts.NoRollouts(), lambda p: None)
+    monkeypatch.setattr(rl_rollouts.multihost, "allgather_objects", lambda g: [g, p1])
+    trainer.publish("params", 4)
+    merged = trainer.get(1)
+    assert merged.trajectories == trajs[1] and merged.policy_version == 3
+    assert trainer.stats() == {"groups_dropped_stale": 2.0, "publish_s": 0.5}
 
 
 _PRIMARY_FIRST = """
