@@ -234,7 +234,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
     if not parts.roles.samples:  # a trainer process of the whole-host split
         return rl_rollouts.rollout_source(
             None, tasks, first_index=first_index, async_sampling=False, sampling=False,
-            to_sampler=parts.to_sampler,
+            to_sampler=parts.to_sampler, whole=True,
         )  # fmt: skip
     rollout_fn = rl_rollouts.BatchRollout(
         parts.sampler, parts.renderer,
@@ -261,7 +261,7 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
     )  # fmt: skip
     return rl_rollouts.rollout_source(
         rollout_fn, tasks, first_index=first_index, async_sampling=bool(lc.async_sampling),
-        queue_size=int(lc.queue_size), to_sampler=parts.to_sampler,
+        queue_size=int(lc.queue_size), to_sampler=parts.to_sampler, whole=parts.roles.whole,
     )  # fmt: skip
 
 

@@ -181,9 +181,13 @@ class ProcessGather:
     """
 
     def __init__(
-        self, loop: InlineLoop | SamplingLoop | NoRollouts, to_sampler: Callable[[Any], Any]
+        self,
+        loop: InlineLoop | SamplingLoop | NoRollouts,
+        to_sampler: Callable[[Any], Any],
+        whole: bool = False,
     ):
-        self._loop, self._to_sampler = loop, to_sampler
+        """whole: the whole-host split (a sampler process cannot wait for the params itself)."""
+        self._loop, self._to_sampler, self._whole = loop, to_sampler, whole
         self._publish_s = 0.0
         self._sampler_stats: dict[str, float] = {}  # a NoRollouts process: the samplers'
 
@@ -191,6 +195,8 @@ class ProcessGather:
         """Hands the loop this host's copy of `params`, once it is on the sampler's devices
         (the sync's wall time from computed params to placed copy: `stats()["publish_s"]`)."""
         jax.block_until_ready(params)  # the train step that made them, not the sync's time
+        if self._whole:  # the trainer processes' wait, which a sampler process cannot make
+            multihost.barrier("params computed")
         start = time.perf_counter()
         local = jax.block_until_ready(self._to_sampler(params))
         self._publish_s = time.perf_counter() - start
@@ -236,6 +242,7 @@ def rollout_source(
     devices: Sequence[jax.Device] | None = None,
     to_sampler: Callable[[Any], Any] | None = None,
     sampling: bool = True,
+    whole: bool = False,
 ) -> InlineLoop | SamplingLoop | ProcessGather:
     """The sampling loop over `task_batches`, whose first batch has index `first_index`.
 
@@ -251,11 +258,12 @@ def rollout_source(
         `ProcessGather`.
       sampling: False on a trainer process of the whole-host split (`NoRollouts`; rollout_fn
         and task_batches unused).
+      whole: the whole-host split (`ProcessGather`'s).
     """
     gather = to_sampler is not None and jax.process_count() > 1
     place = None if gather else to_sampler
     if not sampling:
-        return ProcessGather(NoRollouts(), to_sampler)
+        return ProcessGather(NoRollouts(), to_sampler, whole)
     if async_sampling:
         loop = SamplingLoop(
             rollout_fn, task_batches, first_index=first_index, queue_size=queue_size,
@@ -263,7 +271,7 @@ def rollout_source(
         )  # fmt: skip
     else:
         loop = InlineLoop(rollout_fn, task_batches, first_index=first_index, place=place)
-    return ProcessGather(loop, to_sampler) if gather else loop
+    return ProcessGather(loop, to_sampler, whole) if gather else loop
 
 
 def drop_engine_errors(trajectories: list[Trajectory]) -> list[Trajectory]:
