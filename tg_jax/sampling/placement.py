@@ -1,6 +1,6 @@
 """Where the rollout sampler runs, and how the trainer's weights get there.
 
-Three placements (`rollout_sampler` picks one):
+Four placements (`rollout_sampler` picks one):
 
   colocated     one process, `config.sampler_mesh.num_devices == 0`: the sampler runs on the
                 trainer's mesh with the trainer's params (no copy but the loop's own).
@@ -17,6 +17,10 @@ Three placements (`rollout_sampler` picks one):
                 and trains on the rest (one trainer mesh over every process's); its copy is
                 staged on its trainer devices and moved to its sampler devices within the
                 process, device to device.
+  whole hosts   several processes, `sampler_mesh.processes` H > 0: the last H processes
+                sample on all their devices and the others train; a `HostTransfer` stages
+                each published policy on the trainer's devices and copies it to the sampler
+                processes' devices across processes, device to device.
 
 The publisher, in two steps that both stay on devices:
 

@@ -32,7 +32,9 @@ sampler's mesh, device to device (tg_jax.sampling.placement).
 Several processes (`jax.distributed`, docs/design.md section 5): each rolls out its share of a
 step's groups on its own devices (tg_jax.train.rl_rollouts), all build the same batch from the
 gathered trajectories and place their own rows of it; process 0 writes metrics.jsonl,
-rl_summary.json and exports, every process saves its shards of the checkpoints.
+rl_summary.json and exports, every process saves its shards of the checkpoints. Under the
+whole-host split (`sampler_mesh.processes`) the last processes only sample and the others
+only train (tg_jax.train.rl_hosts).
 
 Costs per run (rl_summary.json and the metrics under `cost/`, `sys/`): wall time (summed over
 sessions; time after the last checkpoint of a killed session is lost), sampled tokens,
