@@ -328,7 +328,9 @@ def test_a_process_share_rolls_out_what_the_whole_batch_does(monkeypatch):
     tasks = ["a", "b", "c", "d"]
     fn(None, 5, tasks, 0)
     share = multihost.process_slice
-    monkeypatch.setattr(rl_rollouts.multihost, "process_slice", lambda n: share(n, 1, 2))
+    monkeypatch.setattr(
+        rl_rollouts.multihost, "process_slice", lambda n, index=None, count=None: share(n, 1, 2)
+    )
     fn(None, 5, tasks, 0)
     (t_all, g_all, p_all, k_all), (t_1, g_1, p_1, k_1) = calls
     assert t_all == tasks and g_all == [20, 21, 22, 23]
