@@ -400,12 +400,13 @@ print("agreed", multihost.agreed(jax.process_index() + 10))
 """
 
 
-def _two_processes(script: str, *args: str) -> list[subprocess.Popen]:
-    """`python -c script args` as processes 0 and 1 of one `jax.distributed` runtime."""
+def _two_processes(script: str, *args: str, count: int = 2) -> list[subprocess.Popen]:
+    """`python -c script args` as processes 0 and 1 (0 .. count - 1) of one `jax.distributed`
+    runtime."""
     port = _free_port()
     procs = []
-    for i in range(2):
-        env = {**os.environ, "TG_JAX_DISTRIBUTED": "1", "TG_JAX_NUM_PROCESSES": "2",
+    for i in range(count):
+        env = {**os.environ, "TG_JAX_DISTRIBUTED": "1", "TG_JAX_NUM_PROCESSES": str(count),
                "TG_JAX_COORDINATOR": f"localhost:{port}", "TG_JAX_PROCESS_ID": str(i),
                "JAX_PLATFORMS": "cpu"}  # fmt: skip
         env.pop("XLA_FLAGS", None)
@@ -425,6 +426,33 @@ def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
         assert p.returncode == 0, err[-2000:]
         assert "read 0" in out and "agreed 10" in out, out
     assert (tmp_path / "shared.txt").read_text() == "0\n"
+
+
+_ROLES = """
+from tg_jax.tpu import distributed
+distributed.initialize_from_env()
+import jax
+from tests import rl_loop_driver as driver
+from tg_jax.errors import RunError
+from tg_jax.train import rl_hosts
+config = driver.make_config("tg", False, 1)
+config.sampler_mesh.processes = 2 if jax.process_index() == 2 else 1  # process 2 differs
+try:
+    rl_hosts.roles(config)
+except RunError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+def test_processes_that_name_different_sampler_processes_are_refused():
+    """The whole-host split's roles are agreed by every process: 3 processes, one given
+    another `sampler_mesh.processes`, all stop with the same clear error (no hang)."""
+    procs = _two_processes(_ROLES, count=3)
+    for i, p in enumerate(procs):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        assert f"refused: process {i}: the processes name different sampler processes " in out
+        assert "[(2,), (2,), (1, 2)], by process" in out, out
 
 
 _BARRIER = """

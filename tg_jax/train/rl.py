@@ -155,6 +155,7 @@ def _build(
     model_cfg = ModelConfig.from_config(config.model)
     model = Transformer(model_cfg)
     trainer_devices, sampler_devices = sharding.split_devices(config)  # config.sampler_mesh
+    roles = rl_hosts.roles(config)  # before the trainer's first collective
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
     # The environment's requirements, read once (a plug-in's are built by its import path).
@@ -184,7 +185,7 @@ def _build(
         ref_params=ref_params, step_fn=make_train_step(config, model, mesh, rules),
         sampler=sampler, renderer=renderer, key=key, to_sampler=to_sampler,
         batch_sharding=sharding.data_sharding(mesh, rules, ndim=1),
-        requirement_names=tuple(r.name for r in requirements), roles=rl_hosts.roles(config),
+        requirement_names=tuple(r.name for r in requirements), roles=roles,
     )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from tg_jax import checkpointing, multihost, paths, sharding
+from tg_jax.errors import RunError
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.train_state import TrainState, make_optimizer, train_state_shardings
 from tg_jax.train.rl_costs import Costs, Session
@@ -57,9 +58,24 @@ class Roles:
 
 
 def roles(config: Any) -> Roles:
-    """This run's roles (`sampler_mesh.processes`)."""
+    """This run's roles (`sampler_mesh.processes`). Under the whole-host split every process
+    checks that all name the same sampler processes, in a collective over every process that
+    also comes before any collective of the trainer's alone (on CPU, gloo's first context
+    over every process failed to connect when a trainer-only one came first).
+
+    Raises:
+      RunError: the processes disagree (each was given another config).
+    """
     samplers = sharding.sampler_processes(config)
-    return Roles(samplers, len(samplers) < jax.process_count())
+    whole = len(samplers) < jax.process_count()
+    if whole:
+        named = multihost.allgather_objects(samplers)
+        if not multihost.same_on_all(named):
+            raise RunError(
+                f"process {jax.process_index()}: the processes name different sampler "
+                f"processes ({named}, by process): every process must run the same config"
+            )
+    return Roles(samplers, whole)
 
 
 def from_samplers(r: Roles, value: Any) -> Any:
