@@ -262,10 +262,9 @@ def test_a_command_line_report_to_gcs(gcs):
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(
     os.environ.get("TG_JAX_TEST_POD_RESUME") != "1",
-    reason="open defect (#37): a resumed 2 x 4 local pod deadlocked in the train step's gloo "
-    "collectives (one process's devices in AllReduce, others in AllGather) in 2 of 5 loaded "
-    "runs; 8 later loaded runs passed (2 on 2026-12-04, after barriers moved off the devices), "
-    "no reproducer has hung. TG_JAX_TEST_POD_RESUME=1 runs it",
+    reason="open defect (#37): this 2 x 4 local pod with a gs:// workdir on the local GCS "
+    "emulator deadlocks in a train step's gloo all-reduce (docs/tpu.md: it reproduces; the "
+    "same command with a local workdir passes). TG_JAX_TEST_POD_RESUME=1 runs it",
 )
 def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
     """`launch/tpu.sh --local` (2 processes x 4 CPU devices) with --workdir=gs://...: both
