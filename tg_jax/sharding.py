@@ -106,8 +106,7 @@ def split_devices(
         before the copy).
     """
     devices = list(devices) if devices is not None else jax.devices()
-    section = config.get("sampler_mesh")
-    cfg = SamplerMeshConfig.from_config(section) if section is not None else SamplerMeshConfig()
+    cfg = _sampler_mesh(config)
     n = cfg.num_devices  # checked (>= 0, axes and shape of one length) by SamplerMeshConfig
     if n == 0 and cfg.processes == 0:
         return devices, None
@@ -155,6 +154,12 @@ def split_devices(
 
 
 MIN_TRAINER_PROCESSES = 2
+
+
+def _sampler_mesh(config: Any) -> SamplerMeshConfig:
+    """`config.sampler_mesh` checked (its defaults without the section)."""
+    section = config.get("sampler_mesh")
+    return SamplerMeshConfig.from_config(section) if section is not None else SamplerMeshConfig()
 
 
 def _whole_hosts(
@@ -207,8 +212,7 @@ def every_device_mesh(config: Any, devices: Sequence[jax.Device] | None = None) 
     Raises:
       ValueError: the mesh has no "fsdp" axis, or its other axes do not divide the devices.
     """
-    section = config.get("sampler_mesh")
-    if section is None or not int(section.get("processes", 0) or 0):
+    if not _sampler_mesh(config).processes:
         return make_mesh(config.mesh, devices)
     axes = tuple(config.mesh.axes)
     if "fsdp" not in axes:
@@ -226,8 +230,7 @@ def sampler_processes(config: Any, count: int | None = None) -> tuple[int, ...]:
     """The processes that roll out: the last `sampler_mesh.processes` ones under the
     whole-host split, else all (`count`: the process count, default jax's)."""
     count = jax.process_count() if count is None else int(count)
-    section = config.get("sampler_mesh")
-    h = int(section.get("processes", 0) or 0) if section is not None else 0
+    h = _sampler_mesh(config).processes
     return tuple(range(count - h if h else 0, count))
 
 

@@ -99,6 +99,17 @@ def published_dtype(shape: Sequence[int], dtype: Any, compute: Any) -> Any:
     return compute if len(shape) >= 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
+def _published_copy(model: nn.Module, out_shardings: Any) -> Callable[[Any], Any]:
+    """A jitted copy of the params onto `out_shardings`, weight matrices cast to the model's
+    compute dtype on the way (`published_dtype`): `HostReplicas`' and `HostTransfer`'s."""
+    compute = model.config.jnp_dtype
+
+    def cast(x):
+        return jnp.copy(x.astype(published_dtype(x.shape, x.dtype, compute)))
+
+    return tracing.jit(lambda t: jax.tree.map(cast, t), out_shardings=out_shardings)
+
+
 class HostReplicas:
     """Trainer params (on the global mesh) -> this process's copy for its sampler.
 
@@ -146,12 +157,7 @@ class HostReplicas:
         local = sharding.param_partition_specs(model, self.meshes[0], self.rules)
         self.specs = jax.tree.map(lambda s: s.spec, local)
         out = jax.tree.map(lambda spec: NamedSharding(stacked, spec), self.specs)
-        compute = model.config.jnp_dtype
-
-        def cast(x):
-            return jnp.copy(x.astype(published_dtype(x.shape, x.dtype, compute)))
-
-        self._copy = tracing.jit(lambda t: jax.tree.map(cast, t), out_shardings=out)
+        self._copy = _published_copy(model, out)
 
     def local(self, tree: Any, host: int) -> Any:
         """Process `host`'s shards of `copy`'s output, as arrays on its sampler mesh (each
@@ -223,23 +229,18 @@ class HostTransfer(HostReplicas):
         if rows > grid.shape[0]:
             raise ValueError(f"{stacked.size} sampler devices > {grid.size} trainer devices")
         self._view_mesh = Mesh(grid[:rows].reshape(stacked.shape), ("host", *sharding.SAMPLER_AXES))
+        self._view_devices = set(self._view_mesh.devices.flat)
         self._target = Mesh(stacked, ("host", *sharding.SAMPLER_AXES))
-        compute = model.config.jnp_dtype
-
-        def cast(x):
-            return jnp.copy(x.astype(published_dtype(x.shape, x.dtype, compute)))
-
         out = jax.tree.map(lambda spec: NamedSharding(stage_mesh, spec), self.specs)
-        self._copy = tracing.jit(lambda t: jax.tree.map(cast, t), out_shardings=out)
+        self._copy = _published_copy(model, out)
 
     def copy(self, params: Any) -> Any:
         """Every sampler process's copy, on the stacked sampler meshes (a collective: every
         process calls it with its params)."""
         staged = self._copy(params)
-        view_devices = set(self._view_mesh.devices.flat)
 
         def view(x: jax.Array, spec: Any) -> jax.Array:
-            mine = [s.data for s in x.addressable_shards if s.device in view_devices]
+            mine = [s.data for s in x.addressable_shards if s.device in self._view_devices]
             return jax.make_array_from_single_device_arrays(
                 x.shape, NamedSharding(self._view_mesh, spec), mine, dtype=x.dtype
             )

@@ -234,11 +234,8 @@ def _process_episodes(lc: Any, samplers: Sequence[int]) -> int:
 def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any:
     """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
     config, lc = parts.config, parts.config.rl_loop
-    if not parts.roles.samples:  # a trainer process of the whole-host split
-        return rl_rollouts.rollout_source(
-            None, tasks, first_index=first_index, async_sampling=False, sampling=False,
-            to_sampler=parts.to_sampler, whole=True,
-        )  # fmt: skip
+    if not parts.roles.samples:  # a trainer process of the whole-host split: plays nothing
+        return rl_rollouts.ProcessGather(rl_rollouts.NoRollouts(), parts.to_sampler, whole=True)
     rollout_fn = rl_rollouts.BatchRollout(
         parts.sampler, parts.renderer,
         noisy_judge(  # the training judge (a wrong one with rl_loop.feedback's error rates)

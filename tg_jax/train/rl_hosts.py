@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from tg_jax import checkpointing, multihost, paths, sharding
+from tg_jax import checkpointing, multihost, sharding
 from tg_jax.errors import RunError
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl.train_state import TrainState, make_optimizer, train_state_shardings
@@ -186,9 +186,7 @@ def full_state(config: Any, directory: str, state: TrainState) -> TrainState:
     abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
     )
-    reader = checkpointing.TrainingCheckpointer(
-        paths.as_path(directory), read_only=True, async_save=False
-    )
+    reader = checkpointing.TrainingCheckpointer(directory, read_only=True, async_save=False)
     try:
         return reader.restore(abstract).state
     finally:

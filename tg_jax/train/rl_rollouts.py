@@ -208,7 +208,7 @@ class ProcessGather:
         stats = {**self._loop.stats(), "publish_s": self._publish_s}
         pairs = multihost.allgather_objects((own, stats))
         pairs = [(g, st) for g, st in pairs if not (isinstance(g, str) and g == NOT_SAMPLING)]
-        self._sampler_stats = pairs[0][1] or {}
+        self._sampler_stats = pairs[0][1]
         groups = [g for g, _ in pairs]
         if any(g is None for g in groups):
             return None
@@ -241,7 +241,6 @@ def rollout_source(
     queue_size: int = 2,
     devices: Sequence[jax.Device] | None = None,
     to_sampler: Callable[[Any], Any] | None = None,
-    sampling: bool = True,
     whole: bool = False,
 ) -> InlineLoop | SamplingLoop | ProcessGather:
     """The sampling loop over `task_batches`, whose first batch has index `first_index`.
@@ -256,14 +255,11 @@ def rollout_source(
       to_sampler: trainer params -> the sampler's. One process: the loop's `place` (a sampler
         on its own mesh); several (process-local params): the loop comes wrapped in a
         `ProcessGather`.
-      sampling: False on a trainer process of the whole-host split (`NoRollouts`; rollout_fn
-        and task_batches unused).
-      whole: the whole-host split (`ProcessGather`'s).
+      whole: the whole-host split (`ProcessGather`'s; a trainer process of it makes its
+        `ProcessGather` of `NoRollouts` itself).
     """
     gather = to_sampler is not None and jax.process_count() > 1
     place = None if gather else to_sampler
-    if not sampling:
-        return ProcessGather(NoRollouts(), to_sampler, whole)
     if async_sampling:
         loop = SamplingLoop(
             rollout_fn, task_batches, first_index=first_index, queue_size=queue_size,
