@@ -260,12 +260,6 @@ def test_a_command_line_report_to_gcs(gcs):
 # A gloo collective stuck for 10 minutes fails the workers (tg_jax.tpu.distributed.
 # collective_timeout) instead of hanging to the timeout below.
 @pytest.mark.timeout(1500)
-@pytest.mark.skipif(
-    os.environ.get("TG_JAX_TEST_POD_RESUME") != "1",
-    reason="open defect (#37): this 2 x 4 local pod with a gs:// workdir on the local GCS "
-    "emulator deadlocks in a train step's gloo all-reduce (docs/tpu.md: it reproduces; the "
-    "same command with a local workdir passes). TG_JAX_TEST_POD_RESUME=1 runs it",
-)
 def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
     """`launch/tpu.sh --local` (2 processes x 4 CPU devices) with --workdir=gs://...: both
     workers write their checkpoint shards to the bucket; SIGTERM after the first checkpoint
@@ -281,11 +275,7 @@ def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
     # sync point, which on an idle machine was step 3 (a 3-step run then just finished).
     extra = ("--config.rl_loop.steps=6", "--config.optim.total_steps=6",
              "--config.rl_loop.checkpoint_every=1", "--config.eval.num_tasks=4",
-             "--config.sampler_mesh.shape=(-1, 2)",
-             # Synchronous sampling: with the sampling thread this run hung once in its resumed
-             # session (after step 3's checkpoint) on a 2-core machine under 3x load; the
-             # thread's multi-process path is tested in tests/test_multihost.py.
-             "--config.rl_loop.async_sampling=False")  # fmt: skip
+             "--config.sampler_mesh.shape=(-1, 2)")  # the sampling thread: the config's
     cmd, kw = _pod_command(tmp_path, *extra, workdir=workdir)
     kw["env"].update(gcs.env)
     for name in ("TENSORSTORE_GCS_HTTP_URL", "TG_JAX_FAULTS"):

@@ -70,6 +70,7 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
         # CPU processes have no collectives of their own; gloo runs them over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         collective_timeout(env)
+        no_persistent_cache_on_cpu_pods()
     transfer_address(env)
     jax.distributed.initialize(**initialize_kwargs(environ))
     _barriers_off_the_devices()
@@ -125,18 +126,15 @@ def collective_timeout_s(env=None) -> float:
 def collective_timeout(env) -> None:
     """A stuck gloo collective fails (JaxRuntimeError "Gloo ... Timed out waiting") instead of
     hanging: processes that stopped calling the same collectives in the same order (one
-    raised before a barrier, or XLA:CPU ran two collectives of one device at once, see below)
+    raised before a barrier, or their executables differ, see below)
     then end with an error, and the launcher's other workers with them.
 
-    Why collectives can meet out of order on CPU: XLA:CPU orders a device's collectives only
-    by when they start (its thunk executor links them with scheduling edges, not completion
-    edges), so a top-level collective independent of a while loop (the scanned layers, the
-    chunked loss) may start while the loop's own collectives still run, at a point that
-    depends on thread timing on each device. XLA's gloo communicator gives every collective
-    the same tag, so two collectives of one device in flight at once can pair with different
-    collectives on its peers, and the devices wait for each other: the likely cause of the
-    loaded local-pod runs that hung with a process's devices in AllReduce and AllGather of one
-    train step (not reproduced since; nothing in XLA's flags makes the executor wait).
+    The hangs seen on local pods came from executables loaded from the persistent
+    compilation cache in one process only (`no_persistent_cache_on_cpu_pods`). A residual
+    risk stays: XLA:CPU's thunk executor hands a ready queue longer than 8 operations to
+    further threads, so independent collectives of one device can run at once, and XLA's
+    gloo communicator gives every collective the same tag (jaxlib 0.10.2).
+
     Set before the CPU client exists, like NPROC (XLA reads XLA_FLAGS when it is created).
     """
     flags = os.environ.get("XLA_FLAGS", "")
@@ -169,6 +167,26 @@ def transfer_address(env) -> None:
             address = f"127.0.0.1:{s.getsockname()[1]}"
     if address:
         jax.config.update("jax_cross_host_transfer_socket_address", address)
+
+
+def no_persistent_cache_on_cpu_pods() -> None:
+    """Processes of a CPU pod compile every program themselves: no persistent compilation
+    cache, whatever JAX_COMPILATION_CACHE_DIR or TG_JAX_COMPILATION_CACHE say.
+
+    JAX writes cache entries from process 0 only, so in a rerun process 0 loads the RL train
+    step from the cache while the others compile it. An XLA:CPU executable loaded so does not
+    start its gloo collectives in the order a fresh compile of the same HLO does (the dumped
+    HLO of both was identical): the processes' devices then wait in different collectives
+    (process 0's in the scanned layers' all-gathers, the other's in an all-reduce) until the
+    collective timeout. A local pod hung so in its first or second RL step in 3 of 3 runs where
+    process 0 had a cache entry for the step, and finished in 4 of 4 where it had none
+    (jaxlib 0.10.2), with a local workdir as with a gs:// one. A pod's compiles on CPU are
+    the tiny configs' (seconds), and the other processes compiled them anyway. TPU pods keep
+    their cache.
+    """
+    import jax  # noqa: PLC0415
+
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 def _barriers_off_the_devices() -> None:
