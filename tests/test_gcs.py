@@ -273,9 +273,13 @@ def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
     workdir = f"gs://{BUCKET}/pod"
     # 6 steps: SIGTERM goes once checkpoint 1 is in the bucket and the run stops at its next
     # sync point, which on an idle machine was step 3 (a 3-step run then just finished).
-    extra = ("--config.rl_loop.steps=6", "--config.optim.total_steps=6",
-             "--config.rl_loop.checkpoint_every=1", "--config.eval.num_tasks=4",
-             "--config.sampler_mesh.shape=(-1, 2)")  # the sampling thread: the config's
+    extra = (
+        "--config.rl_loop.steps=6",
+        "--config.optim.total_steps=6",
+        "--config.rl_loop.checkpoint_every=1",
+        "--config.eval.num_tasks=4",
+        "--config.sampler_mesh.shape=(-1, 2)",
+    )  # the sampling thread: the config's
     cmd, kw = _pod_command(tmp_path, *extra, workdir=workdir)
     kw["env"].update(gcs.env)
     for name in ("TENSORSTORE_GCS_HTTP_URL", "TG_JAX_FAULTS"):
