@@ -76,7 +76,7 @@ def gcs(tmp_path_factory):
         backend_lib.fsspec_backend._get_filesystem.cache_clear()  # etils: opened anew
         fs = gcsfs.core.GCSFileSystem(token="anon")
         fs.mkdir(BUCKET)
-        yield SimpleNamespace(host=host, env=env, fs=fs, log=log_path)
+        yield SimpleNamespace(host=host, env=env, fs=fs, log=log_path, bucket=BUCKET)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -259,56 +259,18 @@ def test_a_command_line_report_to_gcs(gcs):
 
 # A gloo collective stuck for 10 minutes fails the workers (tg_jax.tpu.distributed.
 # collective_timeout) instead of hanging to the timeout below.
-@pytest.mark.timeout(1500)
-def test_a_local_pod_with_a_gcs_workdir_through_a_preemption(gcs, tmp_path):
-    """`launch/tpu.sh --local` (2 processes x 4 CPU devices) with --workdir=gs://...: both
-    workers write their checkpoint shards to the bucket; SIGTERM after the first checkpoint
-    (exit 143), the same command resumes; 6 RL steps, one report and one export, in the
-    bucket."""
-    import signal
-    import time
+@pytest.mark.timeout(2400)
+def test_a_local_pod_of_the_split_layout_with_a_gcs_workdir_trains_what_one_process_trains(
+    gcs, tmp_path
+):
+    """The pod rehearsal as a user runs it: `launch/tpu.sh --local` with
+    `configs/qwen3_coder_30b_a3b_tg.py:runlocal_split` from a tiny Qwen3-MoE checkpoint, 2
+    processes x 4 CPU devices (each samples on its last 2, one trainer mesh over the first 2 of
+    each), --workdir=gs://... on the local GCS emulator. SIGTERM to worker 1 once checkpoint 1
+    is committed in the bucket: both stop (exit 143), the same command resumes; after 6 RL
+    steps its export equals an uninterrupted 1 x 8 run's within 1e-5, both processes'
+    checkpoint shards, the metrics (one writer), the report (once) and the export are in the
+    bucket (tests/test_launch.py `_pods_train_what_one_process_trains`)."""
+    from tests.test_launch import _pods_train_what_one_process_trains
 
-    from tests.test_launch import _pod_command
-
-    workdir = f"gs://{BUCKET}/pod"
-    # 6 steps: SIGTERM goes once checkpoint 1 is in the bucket and the run stops at its next
-    # sync point, which on an idle machine was step 3 (a 3-step run then just finished).
-    extra = (
-        "--config.rl_loop.steps=6",
-        "--config.optim.total_steps=6",
-        "--config.rl_loop.checkpoint_every=1",
-        "--config.eval.num_tasks=4",
-        "--config.sampler_mesh.shape=(-1, 2)",
-    )  # the sampling thread: the config's
-    cmd, kw = _pod_command(tmp_path, *extra, workdir=workdir)
-    kw["env"].update(gcs.env)
-    for name in ("TENSORSTORE_GCS_HTTP_URL", "TG_JAX_FAULTS"):
-        kw["env"].pop(name, None)
-    ckpt1 = f"{BUCKET}/pod/runs/tg_seed0/checkpoints/1/commit_success.txt"
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
-    deadline = time.monotonic() + 900
-    while True:
-        gcs.fs.invalidate_cache()
-        if gcs.fs.exists(ckpt1):
-            break
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
-        time.sleep(1)
-    first.send_signal(signal.SIGTERM)
-    out, _ = first.communicate(timeout=600)
-    assert first.returncode == 143, out[-3000:]
-    assert not any(n.startswith("report/") for n in _objects(gcs, "pod"))
-    proc = subprocess.run(cmd, capture_output=True, timeout=1200, **kw)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count(f"report: {workdir}/report/report.md") == 1
-    names = _objects(gcs, "pod")
-    assert {"report/report.md", "export/tg_seed0/model.safetensors",
-            "runs/tg_seed0/rl_summary.json"} <= names, sorted(names)  # fmt: skip
-    for p in (0, 1):  # both processes' shards of the last checkpoint
-        assert any(
-            n.startswith(f"runs/tg_seed0/checkpoints/6/state/ocdbt.process_{p}/") for n in names
-        ), (p, sorted(names))
-    summary = json.loads(gcs.fs.cat(f"{BUCKET}/pod/runs/tg_seed0/rl_summary.json"))
-    assert summary["step"] == 6 and summary["finished"]
-    assert len(summary["sessions"]) == 2 and summary["sessions"][1]["start_step"] >= 1
-    steps = [r["step"] for r in read_metrics(f"{workdir}/runs/tg_seed0") if "loss" in r]
-    assert steps == [1, 2, 3, 4, 5, 6], steps  # one writer, resumed, nothing lost or repeated
+    _pods_train_what_one_process_trains(tmp_path, {"split": (2, "runlocal_split", 1)}, gcs)
