@@ -273,4 +273,4 @@ def test_a_local_pod_of_the_split_layout_with_a_gcs_workdir_trains_what_one_proc
     bucket (tests/test_launch.py `_pods_train_what_one_process_trains`)."""
     from tests.test_launch import _pods_train_what_one_process_trains
 
-    _pods_train_what_one_process_trains(tmp_path, {"split": (2, "runlocal_split", 1)}, gcs)
+    _pods_train_what_one_process_trains(tmp_path, {"split": (2, "runlocal_split", 1, 2)}, gcs)
