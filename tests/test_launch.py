@@ -209,8 +209,8 @@ def test_local_pod_of_the_whole_host_split_through_a_sigterm_trains_what_one_pro
 def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
     """`configs/qwen3_coder_30b_a3b_tg.py` from a tiny Qwen3-MoE checkpoint on each local pod
     of `pods` ({name: (processes, config argument, the worker to SIGTERM, the processes that
-    save checkpoints: the first N)}), then
-    `:runlocal_split` on 1 process x 8 (the last 4 sample), uninterrupted. Each pod's workers
+    save checkpoints: the first N)}), then each on 1 process x 8, uninterrupted (the split
+    layouts' as `:runlocal_split`, whose last 4 devices sample). Each pod's workers
     stop at the step they agree on (exit 143), and the same command resumes. Every run exports
     the same weights after 6 deterministic RL steps, moved from the checkpoint; each pod
     logged each weight sync's seconds, one record a step, and trained with MoE router replay
@@ -234,10 +234,12 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
         return f"gs://{gcs.bucket}/{name}" if gcs and name in pods else str(tmp_path / name)
 
     def start(name, p, layout):
-        extra = ["--config.mesh.shape=(1,2,2,1)", "--config.rl_loop.steps=6",
+        extra = ["--config.rl_loop.steps=6",
                  "--config.optim.total_steps=6", "--config.eval.num_tasks=2",
                  "--config.rl_loop.checkpoint_every=1",
                  "--config.rl_loop.async_sampling=False"]  # fmt: skip
+        if layout != "runlocal":  # the split layouts' trainer mesh: 4 devices
+            extra.insert(0, "--config.mesh.shape=(1,2,2,1)")
         env = {**os.environ, **(gcs.env if gcs else {}), "HOME": str(tmp_path / f"home_{name}")}
         for var in ("XLA_FLAGS", "TENSORSTORE_GCS_HTTP_URL", "TG_JAX_FAULTS"):
             env.pop(var, None)
@@ -271,13 +273,17 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
             workdir(name), lambda n=name, p=p, lay=layout: start(n, p, lay), p, victim,
             lambda n=name: committed(n),
         )  # fmt: skip
-    one = start("one", 1, "runlocal_split")
-    out = one.communicate(timeout=1200)[0]
-    assert one.returncode == 0, _why(out)
-    one_w = export("one")
+    ones = {}  # the 1 x 8 runs: `:runlocal` for its pod, `:runlocal_split` for the split ones
+    for layout in sorted({"runlocal" if lay == "runlocal" else "runlocal_split"
+                          for _, lay, _, _ in pods.values()}):  # fmt: skip
+        one = start(f"one_{layout}", 1, layout)
+        out = one.communicate(timeout=1200)[0]
+        assert one.returncode == 0, _why(out)
+        ones[layout] = export(f"one_{layout}")
     start_w = load_file(str(ckpt / "model.safetensors"))
-    assert max(float(np.abs(one_w[k] - start_w[k]).max()) for k in one_w) > 1e-5
-    for name, (p, _, _, savers) in pods.items():
+    for name, (p, layout, _, savers) in pods.items():
+        one_w = ones["runlocal" if layout == "runlocal" else "runlocal_split"]
+        assert max(float(np.abs(one_w[k] - start_w[k]).max()) for k in one_w) > 1e-5
         run = f"{workdir(name)}/runs/tg_seed0"
         summary = read_rl_summary(run)
         assert summary["finished"] and len(summary["sessions"]) == 2, name
