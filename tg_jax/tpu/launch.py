@@ -27,7 +27,9 @@ machine: the same per-worker command and environment (`worker_args`, TG_JAX_DIST
 local processes joined by `jax.distributed` on localhost, each with D CPU devices
 (JAX_PLATFORMS=cpu, collectives over gloo) and its own copy of the checkpoint, staged as the
 pod's set-up stages it. A SIGTERM (or Ctrl-C) to the launcher reaches every worker; the exit
-status is the first failing worker's (0 when all finish). Rerunning the command resumes.
+status is the first failing worker's (0 when all finish), and the first worker to fail stops
+the others at once. Each line a worker prints carries its number ("[w1] ..."), on the stream
+it was printed to. Rerunning the command resumes.
 
 Only the Python standard library is used here, so the launcher runs from any machine with
 gcloud, without JAX installed.
@@ -46,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -196,10 +199,16 @@ def _stage_checkpoint(src: str, dst: str) -> None:
 
 
 def local_pod(
-    job: Job, processes: int, devices_per_process: int, *, stage_dir: str | None = None
+    job: Job,
+    processes: int,
+    devices_per_process: int,
+    *,
+    stage_dir: str | None = None,
+    module: str = "tg_jax.main",
 ) -> int:
     """Runs the job as `processes` local workers of `devices_per_process` CPU devices each
-    (see the module docstring); returns the exit status."""
+    (see the module docstring); returns the exit status. `module` is what each worker runs
+    (`python -m`), with `worker_args`."""
     if processes < 1 or devices_per_process < 1:
         raise ValueError("--processes and --devices-per-process must be >= 1")
     port = _free_port()
@@ -225,9 +234,17 @@ def local_pod(
                  f"--xla_force_host_platform_device_count={devices_per_process}"]
             ).strip(),
         }  # fmt: skip
-        cmd = [sys.executable, "-m", "tg_jax.main", *worker_args(job, ckpt)]
+        env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
+        cmd = [sys.executable, "-m", module, *worker_args(job, ckpt)]
         print(f"[local pod] worker {i}: {shlex.join(cmd)}", flush=True)
-        workers.append(subprocess.Popen(cmd, env=env))
+        workers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE))  # fmt: skip
+    copiers = [threading.Thread(target=_copy_lines, args=(pipe, stream, f"[w{i}] ".encode()),
+                                daemon=True)
+               for i, w in enumerate(workers)
+               for pipe, stream in ((w.stdout, sys.stdout), (w.stderr, sys.stderr))]  # fmt: skip
+    for t in copiers:
+        t.start()
 
     def forward(signum, frame):
         del frame
@@ -237,19 +254,43 @@ def local_pod(
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        codes = []
-        for w in workers:
-            codes.append(w.wait())
-            if codes[-1] != 0:  # one worker failed: the others cannot go on alone
-                forward(signal.SIGTERM, None)
-        codes += [w.wait() for w in workers[len(codes) :]]
+        failed_first = None  # one worker failed: the others cannot go on alone
+        while any(w.poll() is None for w in workers):
+            if failed_first is None:
+                failed_first = next((i for i, w in enumerate(workers) if w.poll()), None)
+                if failed_first is not None:
+                    forward(signal.SIGTERM, None)
+            time.sleep(0.2)
+        codes = [w.wait() for w in workers]
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        for t in copiers:
+            t.join(timeout=10)
     failed = [(i, c) for i, c in enumerate(codes) if c != 0]
     for i, c in failed:
         print(f"[local pod] worker {i} exited with {c}", flush=True)
+    if failed_first is not None:
+        return codes[failed_first]
     return failed[0][1] if failed else 0
+
+
+_OUTPUT_LOCK = threading.Lock()  # the workers' copier threads share the launcher's streams
+
+
+def _copy_lines(pipe, stream, prefix: bytes) -> None:
+    """Copies a worker's output to `stream` line by line (carriage returns kept, so progress
+    bars stay one line), each line behind `prefix`."""
+    out = getattr(stream, "buffer", None)
+    for line in iter(pipe.readline, b""):
+        with _OUTPUT_LOCK:
+            if out is None:  # a text stream without a buffer (a test's capture)
+                stream.write((prefix + line).decode(errors="replace"))
+            else:
+                stream.flush()
+                out.write(prefix + line)
+            stream.flush()
+    pipe.close()
 
 
 Runner = Callable[[list[str]], tuple[int, str]]
