@@ -282,31 +282,33 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
         local.write_bytes(paths.as_path(weights).read_bytes())
         return load_file(str(local))
 
-    # One run at a time: with the 1 x 8 run beside the pod, in the full suite beside a long
-    # RL run on 2 cores, both pod workers once aborted in the coordination service
-    # (CoordinationServiceAgent::SetError) before the first checkpoint; cause not found.
+    def reference(layout):  # the 1 x 8 run a pod of `layout` equals
+        return "runlocal" if layout == "runlocal" else "runlocal_split"
+
     def committed(name):  # checkpoint 1 complete (on GCS orbax's commit_success.txt marks it)
         if not gcs:
             return (tmp_path / name / "runs/tg_seed0/checkpoints/1").is_dir()
         gcs.fs.invalidate_cache()
         return gcs.fs.exists(f"{gcs.bucket}/{name}/runs/tg_seed0/checkpoints/1/commit_success.txt")
 
+    # One run at a time: with the 1 x 8 run beside the pod, in the full suite beside a long
+    # RL run on 2 cores, both pod workers once aborted in the coordination service
+    # (CoordinationServiceAgent::SetError) before the first checkpoint; cause not found.
     outs = {}
     for name, (p, layout, victim, _) in pods.items():
         outs[name] = _pod_through_sigterm(
             workdir(name), lambda n=name, p=p, lay=layout: start(n, p, lay), p, victim,
             lambda n=name: committed(n),
         )  # fmt: skip
-    ones = {}  # the 1 x 8 runs: `:runlocal` for its pod, `:runlocal_split` for the split ones
-    for layout in sorted({"runlocal" if lay == "runlocal" else "runlocal_split"
-                          for _, lay, _, _ in pods.values()}):  # fmt: skip
+    ones = {}  # the 1 x 8 runs
+    for layout in sorted({reference(lay) for _, lay, _, _ in pods.values()}):
         one = start(f"one_{layout}", 1, layout)
         out = one.communicate(timeout=1200)[0]
         assert one.returncode == 0, _why(out)
         ones[layout] = export(f"one_{layout}")
     start_w = load_file(str(ckpt / "model.safetensors"))
     for name, (p, layout, _, savers) in pods.items():
-        one_w = ones["runlocal" if layout == "runlocal" else "runlocal_split"]
+        one_w = ones[reference(layout)]
         assert max(float(np.abs(one_w[k] - start_w[k]).max()) for k in one_w) > 1e-5
         run = f"{workdir(name)}/runs/tg_seed0"
         summary = read_rl_summary(run)

@@ -267,12 +267,12 @@ def local_pod(
             signal.signal(s, handler)
         for t in copiers:
             t.join(timeout=10)
-    failed = [(i, c) for i, c in enumerate(codes) if c != 0]
-    for i, c in failed:
-        print(f"[local pod] worker {i} exited with {c}", flush=True)
-    if failed_first is not None:
-        return codes[failed_first]
-    return failed[0][1] if failed else 0
+    for i, c in enumerate(codes):
+        if c:
+            print(f"[local pod] worker {i} exited with {c}", flush=True)
+    if failed_first is None:  # none had failed at a poll: all ended between two
+        failed_first = next((i for i, c in enumerate(codes) if c), None)
+    return 0 if failed_first is None else codes[failed_first]
 
 
 _OUTPUT_LOCK = threading.Lock()  # the workers' copier threads share the launcher's streams
