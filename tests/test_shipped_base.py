@@ -192,6 +192,20 @@ def test_sft_init_continues_the_shipped_base(tmp_path):
     assert sft.initial_params(_default(), mesh, rules) is None  # sft.init "": a random init
 
 
+def test_sft_init_may_train_a_longer_context_than_its_base_and_rl_from_a_base_may_not():
+    """Rotary positions, nothing learnt per position: SFT continuing a base trains the longer
+    context it is given (configs/swe.py); RL from a shipped base runs at most the context the
+    base was trained at."""
+    longer = {"model.max_seq_len": 1024}  # the default base: max_position_embeddings 768
+    config = config_files.apply_overrides(_default(), {"sft.init": "default", **longer})
+    directory, prov = shipped_base.sft_init(config)
+    assert directory == shipped_base.resolve("default") and prov["name"] == "default"
+    with pytest.raises(ConfigError, match="model.max_seq_len 1024 > .*max_position_embeddings 768"):
+        shipped_base.check(config)  # sft.source "shipped", base "default"
+    with pytest.raises(ConfigError, match="does not fit the config: model.num_layers = 3"):
+        shipped_base.sft_init(config_files.apply_overrides(config, {"model.num_layers": 3}))
+
+
 def test_a_bad_sft_init_is_one_error_line(tmp_path):
     for extra, want in (
         (("--config.sft.init=nope",), "error: invalid config: sft.init='nope': no shipped base in"),

@@ -11,7 +11,14 @@ from tg_jax import config_files
 from tg_jax.envs import decode_task, make_env
 from tg_jax.envs.coding import CodingEnv
 from tg_jax.envs.swe import requirements as reqs
-from tg_jax.envs.swe.agents import Style, expert_turns, make_swe_transcripts, play, weak_turns
+from tg_jax.envs.swe.agents import (
+    Style,
+    expert_turns,
+    make_swe_sft_transcripts,
+    make_swe_transcripts,
+    play,
+    weak_turns,
+)
 from tg_jax.envs.swe.env import SweEnv, SweEnvConfig
 from tg_jax.envs.swe.generator import APPROVAL_NOTE, generate_swe_tasks
 from tg_jax.envs.swe.importer import TaskImportError, load_swe_tasks, normalize_record
@@ -521,3 +528,40 @@ def test_approved_share_marks_overwrite_tasks_and_changes_nothing_else():
     assert generate_swe_tasks("heldout", 30, seed=0, approved_share=1.0)[0].approved == (
         plain[0].needs_overwrite
     )
+
+
+def test_sft_transcripts_hint_the_targets_where_they_are_met_and_meet_the_rest_always():
+    tasks = generate_swe_tasks("train", 60, seed=3, approved_share=0.5)
+    cfg = SweEnvConfig(requirements=("tool_protocol", "files_named", "ask_first", "explain_change"))
+    targets = ("ask_first", "explain_change")
+    trs = make_swe_sft_transcripts(tasks, 5, targets=targets, p_hinted=0.5, env_config=cfg)
+    again = make_swe_sft_transcripts(tasks, 5, targets=targets, p_hinted=0.5, env_config=cfg)
+    written = lambda t: [m for m in t.messages if m["role"] != "tool"]  # noqa: E731 (no timings)
+    assert [written(t) for t in trs] == [written(t) for t in again]
+    hints = {reqs.hint(n) for n in targets}
+    hinted = [t for t in trs if t.hinted]
+    assert 15 <= len(hinted) <= 45 and all(t.correct for t in trs)
+    overwrites = 0
+    for t, task in zip(trs, tasks, strict=True):
+        s, msgs = t.summary, t.messages
+        met = {n: [v for v in s["verdicts"][n] if v is not None] for n in cfg.requirements}
+        assert all(met["tool_protocol"]) and met["files_named"] == [True]  # always met
+        assert met["explain_change"] and all(v == t.hinted for v in met["explain_change"])
+        assert all(v == t.hinted for v in met["ask_first"])
+        assert s["actions"]["ask_user"] == (t.hinted and task.needs_overwrite and not task.approved)
+        overwrites += bool(met["ask_first"])
+        for i, m in enumerate(msgs[1:], 1):  # each hint comes right before the turn it names
+            if m["content"] in hints:
+                assert m["role"] == "user" and t.hinted and msgs[i + 1]["role"] == "assistant"
+                turn = parse_call(msgs[i + 1]["content"])
+                want = "ask_user" if m["content"] == reqs.hint("ask_first") else None
+                assert turn.name == want or (
+                    want is None and turn.name in ("str_replace", "write_file")
+                )
+        n_hints = sum(m["content"] in hints for m in msgs)
+        assert n_hints == (s["actions"]["ask_user"] + len(met["explain_change"])) * t.hinted
+        assert "Reminder" not in "".join(m["content"] for m in msgs if m["role"] == "assistant")
+    assert overwrites >= 3  # the ask_first cases were exercised
+    with pytest.raises(ValueError, match="targets must be some of"):
+        make_swe_sft_transcripts(tasks, 0, targets=("markdown_report",), p_hinted=0.5,
+                                 env_config=cfg)  # fmt: skip

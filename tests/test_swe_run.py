@@ -7,6 +7,7 @@ evaluation, the report and the export.
 """
 
 import json
+import sys
 
 from tests.hf_checkpoints import make_model_dir
 from tests.test_hf_run import _command, _run
@@ -35,3 +36,34 @@ def test_hf_swe_runlocal_two_tg_steps(tmp_path):
     assert (work / "tfds" / "task_dataset").exists()
     assert "held-out" in out and (work / "report" / "report.md").exists()
     assert (work / "export" / "tg_seed0" / "model.safetensors").exists()
+
+
+def test_the_byte_model_s_main_job_on_the_swe_environment(tmp_path):
+    """`python -m tg_jax.main --config=configs/swe.py:runlocal`: the base model's SFT on the SWE
+    expert's transcripts (some hinted), both arms on repository episodes, and the report's
+    side-effect table per arm (the scenarios of the third tier: approved tasks, explaining)."""
+    work = tmp_path / "w"
+    cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/swe.py:runlocal",
+           f"--workdir={work}"]  # fmt: skip
+    out = _run(cmd).stdout
+    data = json.loads((work / "sft" / "sft_summary.json").read_text())["data"]
+    assert data["num_transcripts"] == 24 and 0 < data["frac_hinted"] < 1, data
+    base = json.loads((work / "sft_eval.json").read_text())
+    assert {"unprompted_compliance/explain_change", "hinted_compliance/ask_first"} <= set(base)
+    for arm in ("grpo", "tg"):
+        metrics = [
+            json.loads(line) for line in open(work / "runs" / f"{arm}_seed0" / "metrics.jsonl")
+        ]
+        train = [m for m in metrics if m.get("stage") == "train"]
+        assert [m["step"] for m in train] == [1, 2, 3, 4]
+        assert "rollout/actions/malformed" in train[0], sorted(train[0])
+    report = (work / "report" / "report.md").read_text()
+    table = report.split("## Side effects: actions per held-out episode")[1].split("\n## ")[0]
+    head = next(line for line in table.splitlines() if line.startswith("| arm |"))
+    assert {"asked_when_approved", "stopped_after_ask", "stopped_after_explain"} <= {
+        c.strip() for c in head.split("|")
+    }
+    assert [
+        r.split("|")[1].strip() for r in table.splitlines() if r.startswith(("| grpo", "| tg"))
+    ] == ["grpo", "tg"]
+    assert "held-out" in out

@@ -1,7 +1,9 @@
 """SFT data: expert transcripts -> token ids with role codes -> packed [B, T] batches.
 
-1. Transcripts (`tg_jax.envs.transcripts`) are played in the coding environment on tasks of
-   the TRAIN split only; held-out functions never appear in SFT data.
+1. Transcripts are played in the run's environment on tasks of the TRAIN split only; held-out
+   functions never appear in SFT data: the coding environment's synthetic expert
+   (`tg_jax.envs.transcripts`), or with `env.kind` "swe" the SWE expert
+   (`tg_jax.envs.swe.agents.make_swe_sft_transcripts`) on generated bug-fix repositories.
 2. Each transcript renders with `ChatRenderer.render_with_roles`, append-only, exactly as a
    rollout builds its tokens. A hint is the transcript's own "user" message right before the
    turn it targets; it is rendered as a `hint` message (Role.HINT) so that the hinted
@@ -25,8 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from tg_jax.envs import plugins
+from tg_jax.envs import env_kind, plugins
 from tg_jax.envs.coding import CodingEnvConfig, coding_env_config
+from tg_jax.envs.swe.agents import make_swe_sft_transcripts
+from tg_jax.envs.swe.env import swe_env_config
+from tg_jax.envs.swe.generator import generate_swe_tasks
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.envs.transcripts import Transcript, TranscriptConfig, make_transcripts
 from tg_jax.text import ChatRenderer, Message, Role
@@ -211,6 +216,8 @@ def make_sft_transcripts(config: Any) -> list[Transcript]:
       config: the full config (sections `tasks` (its families), `env`, `sft`).
     """
     sft = config.sft
+    if env_kind(config.env) == "swe":
+        return _swe_transcripts(config)
     tasks = generate_tasks(
         "train", int(sft.num_transcripts), seed=int(sft.data_seed), families=config.tasks.families
     )
@@ -221,6 +228,26 @@ def make_sft_transcripts(config: Any) -> list[Transcript]:
         config=transcript_config(sft.transcripts),
         env_config=transcript_env_config(config),
         families=tuple(config.tasks.families),
+    )
+
+
+def _swe_transcripts(config: Any) -> list[Transcript]:
+    """The SWE expert's transcripts: `sft.num_transcripts` generated train repositories (the
+    approved share of `tasks`), the targets `sft.hint_requirements` (empty = every built-in
+    requirement of `env`) hinted in a share `sft.transcripts.p_hinted` of them; the other
+    transcript knobs are the coding expert's and do not apply."""
+    sft = config.sft
+    env_config = swe_env_config(config.env)
+    targets = tuple(sft.get("hint_requirements", ()) or ())
+    targets = targets or plugins.builtin_names(env_config.requirements)
+    approved = float(config.tasks.get("approved_share", 0.0))
+    n, seed = int(sft.num_transcripts), int(sft.data_seed)
+    return make_swe_sft_transcripts(
+        generate_swe_tasks("train", n, seed=seed, approved_share=approved),
+        seed,
+        targets=targets,
+        p_hinted=float(sft.transcripts.p_hinted),
+        env_config=env_config,
     )
 
 

@@ -86,9 +86,12 @@ def check(config: Any) -> tuple[str, dict[str, Any]]:
     return directory, check_directory(config, directory, "sft.source='shipped'", how)
 
 
-def check_directory(config: Any, directory: str, what: str, how: str) -> dict[str, Any]:
+def check_directory(
+    config: Any, directory: str, what: str, how: str, *, any_context: bool = False
+) -> dict[str, Any]:
     """The provenance of the base in `directory`, after checking that it exists, that its
-    weights are the recorded ones (sha256) and that its architecture is `config.model`'s.
+    weights are the recorded ones (sha256) and that its architecture is `config.model`'s
+    (its context `model.max_seq_len` too, unless `any_context`).
 
     Raises:
       ConfigError: "`what`: <the problem>; `how`" (missing, changed or mismatched).
@@ -104,8 +107,11 @@ def check_directory(config: Any, directory: str, what: str, how: str) -> dict[st
         )
     from tg_jax.models import hf_dir  # noqa: PLC0415 (jax: only when a run uses it)
 
+    model = config.model.to_dict() if hasattr(config.model, "to_dict") else dict(config.model)
+    if any_context:
+        model["max_seq_len"] = None
     try:  # the architecture check of every checkpoint directory (tg_jax.models.hf_dir)
-        hf_dir.resolve_model_section(config.model, hf_dir.open_model_dir(directory))
+        hf_dir.resolve_model_section(model, hf_dir.open_model_dir(directory))
     except hf_dir.ModelDirError as e:
         raise ConfigError(f"{what}: the base does not fit the config: {e}; {how}") from None
     return prov
@@ -113,7 +119,9 @@ def check_directory(config: Any, directory: str, what: str, how: str) -> dict[st
 
 def sft_init(config: Any) -> tuple[str, dict[str, Any]] | None:
     """`sft.init` checked: None (SFT starts from a random init of `seed`), else (the
-    directory of the shipped base SFT continues from, its provenance).
+    directory of the shipped base SFT continues from, its provenance). The config's context
+    may be longer than the base's: SFT trains it at `sft.seq_len` (rotary positions, nothing
+    learnt per position).
 
     Raises:
       ConfigError: a missing, changed or mismatched base (`check_directory`), or a BPE
@@ -127,7 +135,7 @@ def sft_init(config: Any) -> tuple[str, dict[str, Any]] | None:
         raise ConfigError(f"{what} needs sft.tokenizer='byte' (a BPE is trained per workdir)")
     how = "set sft.init to a name under tg_jax/bases or a shipped base's directory, or ''"
     directory = resolve(name)
-    return directory, check_directory(config, directory, what, how)
+    return directory, check_directory(config, directory, what, how, any_context=True)
 
 
 def install(config: Any, workdir: str, out: str) -> dict[str, Any]:

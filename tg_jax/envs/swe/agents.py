@@ -21,9 +21,10 @@ import difflib
 import random
 from collections.abc import Sequence
 
+from tg_jax.envs.base import HINT_ROLE
 from tg_jax.envs.swe.env import SweEnv, SweEnvConfig
 from tg_jax.envs.swe.task import SweTask
-from tg_jax.envs.swe.tools import ToolCall, Workspace, format_call
+from tg_jax.envs.swe.tools import EDIT_TOOLS, ToolCall, Workspace, format_call, parse_call
 from tg_jax.envs.transcripts import Transcript
 
 
@@ -116,11 +117,19 @@ def weak_turns(task: SweTask, rng: random.Random, style: Style = Style()) -> lis
     return turns
 
 
-def play(env: SweEnv, task: SweTask, turns: Sequence[str]) -> Transcript:
-    """Plays `turns` in `env` (stopping when the episode ends) and records the transcript."""
+def play(
+    env: SweEnv,
+    task: SweTask,
+    turns: Sequence[str],
+    hints: Sequence[Sequence[str]] | None = None,
+) -> Transcript:
+    """Plays `turns` in `env` (stopping when the episode ends) and records the transcript;
+    `hints[i]` names the requirements whose hint message comes right before turn i."""
     messages = [{"role": "user", "content": env.reset(task)}]
     res = None
-    for text in turns:
+    for i, text in enumerate(turns):
+        if hints and hints[i]:
+            messages.append({"role": HINT_ROLE, "content": env.hint(hints[i])})
         messages.append({"role": "assistant", "content": text})
         res = env.step(text)
         if res.done:
@@ -129,7 +138,8 @@ def play(env: SweEnv, task: SweTask, turns: Sequence[str]) -> Transcript:
     if res is None or not res.done:
         raise ValueError(f"the scripted turns did not end the episode of {task.task_id}")
     correct = res.rewards["task"] == 1.0
-    return Transcript(task.task_id, messages, res.rewards, correct, False, env.summary().to_dict())
+    hinted = any(hints or ())
+    return Transcript(task.task_id, messages, res.rewards, correct, hinted, env.summary().to_dict())
 
 
 def make_swe_transcripts(
@@ -150,4 +160,55 @@ def make_swe_transcripts(
         weak = rng.random() < p_weak or not task.solution
         turns = weak_turns(task, rng, style) if weak else expert_turns(task, style)
         out.append(play(env, task, turns))
+    return out
+
+
+def _meets_at(name: str, text: str) -> bool:
+    """Whether the compliant turn `text` is where requirement `name` is met (so where its
+    hint goes): an explained edit, the question before an overwrite, the report, any call."""
+    call = parse_call(text)
+    if name == "explain_change":
+        return call.name in EDIT_TOOLS
+    if name == "ask_first":
+        return call.name == "ask_user"
+    if name in ("markdown_report", "files_named"):
+        return call.name == "submit"
+    return True  # tool_protocol: every turn
+
+
+def make_swe_sft_transcripts(
+    tasks: Sequence[SweTask],
+    seed: int = 0,
+    *,
+    targets: Sequence[str],
+    p_hinted: float,
+    env_config: SweEnvConfig = SweEnvConfig(),
+) -> list[Transcript]:
+    """The expert's SFT transcripts for a base model that RL can teach `targets`.
+
+    Each requirement `env_config` enables that is not a target is met in every transcript,
+    and one it does not enable is not (calls stay in the strict protocol). A transcript is
+    hinted with probability `p_hinted`: it meets every target, and each turn where a target is
+    met (`_meets_at`) comes right after that target's hint message, where a TG teacher sees
+    it; an unhinted transcript meets no target. So the base model follows the targets' hints
+    and does not meet them unprompted. Deterministic in the arguments.
+    """
+    enabled = set(env_config.requirements)
+    known = set(Style.__dataclass_fields__) - {"report_reason"}
+    if not targets or not set(targets) <= known & enabled:
+        raise ValueError(
+            f"SFT targets must be some of the environment's requirements "
+            f"{sorted(known & enabled)}, got {list(targets)}"
+        )
+    if not 0.0 <= p_hinted <= 1.0:
+        raise ValueError(f"p_hinted must be in [0, 1], got {p_hinted}")
+    rng = random.Random(f"tg_jax.envs.swe.agents.sft:{seed}")
+    env = SweEnv(env_config)
+    out = []
+    for task in tasks:
+        hinted = rng.random() < p_hinted
+        on = {n: hinted if n in targets else n in enabled or n == "tool_protocol" for n in known}
+        turns = expert_turns(task, Style(**on))
+        hints = [[n for n in targets if hinted and on[n] and _meets_at(n, text)] for text in turns]
+        out.append(play(env, task, turns, hints))
     return out
