@@ -67,7 +67,6 @@ def get_config(arg=None):
         {"task": 1.0, **dict.fromkeys(REQUIREMENTS, 0.25)}
     )
     c.rl_loop.max_new_tokens = 768
-    c.rl_loop.seq_len = 2560
     c.eval.max_new_tokens = 768
     if arg == "runlocal":
         tiny = config_files.load_config_file(os.path.join(here, "tiny.py"))

@@ -182,16 +182,20 @@ def make_swe_sft_transcripts(
     *,
     targets: Sequence[str],
     p_hinted: float,
+    p_other_hint: float = 0.5,
     env_config: SweEnvConfig = SweEnvConfig(),
 ) -> list[Transcript]:
     """The expert's SFT transcripts for a base model that RL can teach `targets`.
 
     Each requirement `env_config` enables that is not a target is met in every transcript,
     and one it does not enable is not (calls stay in the strict protocol). A transcript is
-    hinted with probability `p_hinted`: it meets every target, and each turn where a target is
-    met (`_meets_at`) comes right after that target's hint message, where a TG teacher sees
-    it; an unhinted transcript meets no target. So the base model follows the targets' hints
-    and does not meet them unprompted. Deterministic in the arguments.
+    hinted with probability `p_hinted`: it meets every target, and each of its turns comes
+    right after a hint message naming each target met in that turn (`_meets_at`: where a TG
+    teacher sees its hint) and each other requirement of the environment with probability
+    `p_other_hint` (hints that do not apply to the turn, as in the hinted evaluation, which
+    reminds of every requirement before every turn); an unhinted transcript meets no target
+    and shows no hint. So the base model follows the targets' hints, meets them only after
+    one, and is not thrown by a hint that does not apply. Deterministic in the arguments.
     """
     enabled = set(env_config.requirements)
     known = set(Style.__dataclass_fields__) - {"report_reason"}
@@ -209,6 +213,10 @@ def make_swe_sft_transcripts(
         hinted = rng.random() < p_hinted
         on = {n: hinted if n in targets else n in enabled or n == "tool_protocol" for n in known}
         turns = expert_turns(task, Style(**on))
-        hints = [[n for n in targets if hinted and on[n] and _meets_at(n, text)] for text in turns]
+        hints = [
+            [n for n in env_config.requirements
+             if hinted and ((n in targets and _meets_at(n, text)) or rng.random() < p_other_hint)]
+            for text in turns
+        ]  # fmt: skip
         out.append(play(env, task, turns, hints))
     return out
