@@ -134,6 +134,32 @@ def test_format_cost_gate():
     assert tiny.sft.require.max_format_cost == 1.0
 
 
+def test_the_gates_check_the_requirements_the_sft_transcripts_hint():
+    """configs/swe.py: RL judges four requirements; the base meets the tool protocol and names
+    the changed files unprompted by design, and the two its transcripts hint are gated."""
+    config = config_files.load_config_file(os.path.join(CONFIG_DIR, "swe.py"))
+    result = {"pass_rate": 0.1}
+    for name, unprompted in (("tool_protocol", 1.0), ("files_named", 0.9),
+                             ("ask_first", 0.0), ("explain_change", 0.01)):  # fmt: skip
+        result[f"unprompted_compliance/{name}"] = unprompted
+        result[f"hinted_compliance/{name}"] = 0.97
+    assert sft_gates.check_base_model(config, result) == []
+    assert list(sft_gates.gate_figures(config, result)) == [
+        "pass_rate",
+        "unprompted_compliance/ask_first", "hinted_compliance/ask_first",
+        "unprompted_compliance/explain_change", "hinted_compliance/explain_change",
+    ]  # fmt: skip
+    result["hinted_compliance/explain_change"] = 0.5
+    assert sft_gates.check_base_model(config, result) == [
+        "hinted_compliance/explain_change 0.500 < 0.95"
+    ]
+    config.unlock()
+    config.sft.hint_requirements = ()  # every requirement RL judges
+    assert "unprompted_compliance/tool_protocol 1.000 > 0.02" in (
+        sft_gates.check_base_model(config, result)
+    )
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [

@@ -43,13 +43,20 @@ def _format_cost_bound(req: Any) -> float | None:
 
 
 def _gated_kinds(config: Any) -> dict[str, tuple[str, ...]]:
-    """The gated kinds of each requirement of the environment (in order; the environment is
-    built once): the format cost too when its gate is on and the requirement has an opening."""
+    """The gated kinds of each gated requirement (in the environment's order; the environment
+    is built once): the format cost too when its gate is on and the requirement has an opening.
+
+    Gated: the requirements of env.requirements that the base model was made to be taught,
+    those its SFT transcripts hint (`sft.hint_requirements`; every one when that is empty). A
+    requirement RL judges that the transcripts always meet (configs/swe.py: the tool protocol)
+    is met unprompted by design, and nothing there is TG's to teach."""
     gate_on = _format_cost_bound(config.sft.require) is not None
+    hinted = set(config.sft.get("hint_requirements", ()) or ())
     return {
         r.name: (*REQUIREMENT_KINDS, FORMAT_COST) if gate_on and r.opening is not None
         else REQUIREMENT_KINDS
         for r in make_env(config.env).requirements
+        if not hinted or r.name in hinted
     }  # fmt: skip
 
 
@@ -124,7 +131,8 @@ def gate_error(config: Any, attempts: list[dict[str, Any]]) -> BaseModelGateErro
         gates.append(f"format cost <= {bound}")
     lines.append(
         f"gates: {', '.join(gates)} (per requirement of env.requirements "
-        f"{list(requirement_names(config.env))})"
+        f"{list(requirement_names(config.env))} the SFT transcripts hint: "
+        f"{list(_gated_kinds(config))})"
     )
     lines.append("knobs to turn: " + "; ".join(KNOBS))
     return BaseModelGateError("\n".join(lines))

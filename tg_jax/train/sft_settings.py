@@ -180,7 +180,8 @@ class SftConfig(Section):
     under tg_jax/bases, or its directory) that SFT continues (sft.tokenizer "byte")."""
     hint_requirements: tuple[str, ...] = ()
     """Requirements whose hints appear in the SFT transcripts (the hints the base model learns
-    to follow); empty = env.requirements. RL judges and teaches env.requirements only."""
+    to follow); empty = env.requirements. RL judges and teaches env.requirements only; the
+    gates (sft.require) check those of env.requirements hinted here."""
     transcripts: TranscriptConfig = TranscriptConfig()
     """The synthetic expert's knobs."""
     tokenizer: str = "byte"
