@@ -19,9 +19,10 @@ continued by SFT on the SWE expert's transcripts (tg_jax.envs.swe.agents
 .make_swe_sft_transcripts: half of them hinted, meeting both targets right after their hints;
 the others meeting neither). Its transcripts are 1.4k bytes at the median (2k at the 99th
 percentile), so rows are 2048 tokens, 4x the default's (about an hour of SFT on 2 CPU cores).
-Measured (docs/experiments.md, 2026-12-06): after 1500 of its 2000 steps the base model keeps
-the tool protocol but solves no repository and does not yet follow the targets' hints, so the
-gates (hinted compliance >= 0.95) stop a run before RL.
+Measured (docs/experiments.md, 2026-12-06): the base model after its 2000 steps keeps the tool
+protocol, solves no repository, and follows the explain_change hint (hinted 1.00, unprompted
+0.00) but not the ask_first one (0.00), so the gates (hinted compliance >= 0.95) stop a run
+before RL.
 
 `configs/swe.py:runlocal` takes configs/tiny.py's model (from a random init), loop and
 evaluation sections, 2-turn episodes and a few SFT steps: a CPU smoke run of the whole main job
