@@ -192,21 +192,30 @@ def transcript_config(cfg: Any) -> TranscriptConfig:
     return TranscriptConfig.from_config(cfg)
 
 
-def transcript_env_config(config: Any) -> CodingEnvConfig:
-    """The environment the expert transcripts are played in: `config.env` with the in-process
-    executor (our own code) and the requirements `config.sft.hint_requirements` (those whose
-    hints the base model learns to follow; empty = the built-in ones of
-    `config.env.requirements`: the synthetic expert cannot write turns that meet a plug-in's
-    rule, and a transcript showing its hint without following it would teach ignoring it)."""
-    cfg = coding_env_config(config.env, executor="trusted")
+def hint_requirements(config: Any, requirements: Sequence[str]) -> tuple[str, ...]:
+    """`config.sft.hint_requirements`: the requirements whose hints the SFT transcripts show
+    (those the base model learns to follow); empty = the built-in ones of `requirements` (the
+    environment's). A scripted expert cannot write turns that meet a plug-in's rule, and a
+    transcript showing its hint without following it would teach ignoring it.
+
+    Raises:
+      ValueError: a plug-in among them.
+    """
     hinted = tuple(config.sft.get("hint_requirements", ()) or ())
-    hinted = hinted or plugins.builtin_names(cfg.requirements)
+    hinted = hinted or plugins.builtin_names(requirements)
     if any(plugins.is_plugin(n) for n in hinted):
         raise ValueError(
             f"sft.hint_requirements {hinted}: the expert transcripts can follow only the "
             "built-in requirements, not plug-ins"
         )
-    return dataclasses.replace(cfg, requirements=hinted)
+    return hinted
+
+
+def transcript_env_config(config: Any) -> CodingEnvConfig:
+    """The environment the expert transcripts are played in: `config.env` with the in-process
+    executor (our own code) and the requirements the transcripts hint (`hint_requirements`)."""
+    cfg = coding_env_config(config.env, executor="trusted")
+    return dataclasses.replace(cfg, requirements=hint_requirements(config, cfg.requirements))
 
 
 def make_sft_transcripts(config: Any) -> list[Transcript]:
@@ -233,13 +242,12 @@ def make_sft_transcripts(config: Any) -> list[Transcript]:
 
 def _swe_transcripts(config: Any) -> list[Transcript]:
     """The SWE expert's transcripts: `sft.num_transcripts` generated train repositories (the
-    approved share of `tasks`), the targets `sft.hint_requirements` (empty = every built-in
-    requirement of `env`) hinted in a share `sft.transcripts.p_hinted` of them; the other
-    transcript knobs are the coding expert's and do not apply."""
+    approved share of `tasks`), the targets `hint_requirements` hinted in a share
+    `sft.transcripts.p_hinted` of them; the other transcript knobs are the coding expert's and
+    do not apply."""
     sft = config.sft
     env_config = swe_env_config(config.env)
-    targets = tuple(sft.get("hint_requirements", ()) or ())
-    targets = targets or plugins.builtin_names(env_config.requirements)
+    targets = hint_requirements(config, env_config.requirements)
     approved = float(config.tasks.get("approved_share", 0.0))
     n, seed = int(sft.num_transcripts), int(sft.data_seed)
     return make_swe_sft_transcripts(

@@ -107,9 +107,9 @@ def check_directory(
         )
     from tg_jax.models import hf_dir  # noqa: PLC0415 (jax: only when a run uses it)
 
-    model = config.model.to_dict() if hasattr(config.model, "to_dict") else dict(config.model)
-    if any_context:
-        model["max_seq_len"] = None
+    model = config.model
+    if any_context:  # resolve_model_section then takes the base's context
+        model = {**(model.to_dict() if hasattr(model, "to_dict") else model), "max_seq_len": None}
     try:  # the architecture check of every checkpoint directory (tg_jax.models.hf_dir)
         hf_dir.resolve_model_section(model, hf_dir.open_model_dir(directory))
     except hf_dir.ModelDirError as e:
