@@ -4,25 +4,31 @@
 
 configs/default.py with `env.kind = "swe"` (tg_jax.envs.swe): each task is a small generated
 repository to fix with file tools (list, read, replace, write, ask the user, run the tests,
-submit). RL judges four requirements and TG teaches the two of the third tier, the ones in
-conflict with the task, whose side effects the report counts per arm:
+submit). RL judges four requirements and TG teaches explain_change, one of the third tier
+(in conflict with the task); the report counts the side effects of both third-tier
+requirements per arm:
+  * explain_change (the target): explain each edit in a sentence in the turn that makes it;
+    explaining instead of editing is the side effect "stopped_after_explain".
   * ask_first: ask the user before overwriting a file. Half of the overwrite tasks say the
     change is already approved (tasks.approved_share): asking there anyway is the side effect
-    "asked_when_approved"; asking and then not editing is "stopped_after_ask".
-  * explain_change: explain each edit in a sentence in the turn that makes it; explaining
-    instead of editing is the side effect "stopped_after_explain".
+    "asked_when_approved"; asking and then not editing is "stopped_after_ask". The base model
+    meets it unprompted (its SFT transcripts ask on every unapproved overwrite), so the arms
+    are compared on whether teaching explain_change moves it.
 tool_protocol and files_named (the report names exactly the changed files) are met by the
-base model unprompted (its SFT transcripts meet them).
+base model unprompted too.
+
+Why ask_first is not a target (docs/experiments.md, 2026-12-06): the first SWE base, trained
+with both as targets, followed the explain_change hint (hinted 1.00, unprompted 0.00 on 64 dev
+tasks) and scored 0.00 on ask_first hinted too, so the gates stopped it. ask_first is judged
+only on a turn that overwrites a file on an unapproved task (about 1 dev task in 13) and that
+base repaired no repository; its evaluation did not record whether it overwrote without asking
+or never overwrote. Teaching it needs a base that overwrites files on its own.
 
 The base model is trained in the run (sft.source "train"): configs/default.py's shipped base
 continued by SFT on the SWE expert's transcripts (tg_jax.envs.swe.agents
-.make_swe_sft_transcripts: half of them hinted, meeting both targets right after their hints;
-the others meeting neither). Its transcripts are 1.4k bytes at the median (2k at the 99th
+.make_swe_sft_transcripts: half of them hinted, meeting the target right after its hint; the
+others not meeting it). Its transcripts are 1.4k bytes at the median (2k at the 99th
 percentile), so rows are 2048 tokens, 4x the default's (about an hour of SFT on 2 CPU cores).
-Measured (docs/experiments.md, 2026-12-06): the base model after its 2000 steps keeps the tool
-protocol, solves no repository, and follows the explain_change hint (hinted 1.00, unprompted
-0.00) but not the ask_first one (0.00), so the gates (hinted compliance >= 0.95) stop a run
-before RL.
 
 `configs/swe.py:runlocal` takes configs/tiny.py's model (from a random init), loop and
 evaluation sections, 2-turn episodes and a few SFT steps: a CPU smoke run of the whole main job
@@ -36,7 +42,7 @@ import ml_collections
 from tg_jax import config_files, config_lib
 
 REQUIREMENTS = ("tool_protocol", "files_named", "ask_first", "explain_change")
-TARGETS = ("ask_first", "explain_change")  # hinted in SFT, taught by TG
+TARGETS = ("explain_change",)  # hinted in SFT, taught by TG
 
 
 def get_config(arg=None):
