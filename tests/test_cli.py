@@ -111,17 +111,24 @@ def test_base_model_outside_the_gates_is_a_clear_error_and_exit_3(tmp_path):
 
 
 def test_main_job_keeps_its_compiles_in_the_compilation_cache(tmp_path):
-    """launch/local.sh's TG_JAX_COMPILATION_CACHE is where the main job's executables persist."""
-    cache = tmp_path / "cache"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TG_JAX_COMPILATION_CACHE=str(cache))
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py",
-           f"--workdir={tmp_path / 'w'}", "--config.stage=forward"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "forward ok" in proc.stdout
-    assert cache.is_dir() and any(cache.iterdir()), "no executable was written to the cache"
+    """launch/local.sh's TG_JAX_COMPILATION_CACHE is where the main job's executables persist
+    on one CPU device; on 8 (collectives in one process) the job compiles afresh and says so
+    (tg_jax.tpu.distributed.no_persistent_cache_on_cpu)."""
+    for devices in (1, 8):
+        cache = tmp_path / f"cache{devices}"
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TG_JAX_COMPILATION_CACHE=str(cache))
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py",
+               f"--workdir={tmp_path / f'w{devices}'}", "--config.stage=forward"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "forward ok" in proc.stdout
+        written = cache.is_dir() and any(cache.iterdir())
+        assert written == (devices == 1), (devices, proc.stdout[-2000:])
+        notice = f"{devices} CPU devices in one process: no persistent compilation cache"
+        assert (notice in proc.stdout) == (devices > 1), proc.stdout[-2000:]
 
 
 def test_a_repeated_override_is_the_last_one(tmp_path):

@@ -3,6 +3,7 @@
 import os
 import shlex
 
+import jax
 import numpy as np
 import pytest
 
@@ -382,5 +383,33 @@ def test_cpu_processes_get_threads_for_blocking_collectives(monkeypatch):
     monkeypatch.delenv("NPROC")
     assert not distributed.initialize_from_env({"JAX_PLATFORMS": "tpu", "JAX_NUM_CPU_DEVICES": "8"})
     assert "NPROC" not in os.environ
-    assert not distributed.initialize_from_env({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"})
+    try:
+        assert not distributed.initialize_from_env(
+            {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "8"}
+        )
+    finally:  # 8 CPU devices also turned the tests' compilation cache off (test below)
+        jax.config.update("jax_enable_compilation_cache", True)
     assert os.environ["NPROC"] == str(max(os.cpu_count() or 1, 128))
+
+
+def test_several_cpu_devices_in_one_process_compile_afresh(capsys):
+    """A CPU run with collectives (several CPU devices in one process, as a CPU pod's
+    processes) turns the persistent compilation cache off: executables loaded from it can
+    deadlock XLA:CPU's collectives (tg_jax.tpu.distributed.no_persistent_cache_on_cpu). One
+    CPU device, or a TPU run, keeps it."""
+    assert jax.config.jax_enable_compilation_cache  # the tests' own cache (conftest)
+    try:
+        one = "--xla_force_host_platform_device_count=1"
+        for env in ({"JAX_PLATFORMS": "cpu"}, {"JAX_PLATFORMS": "tpu", "JAX_NUM_CPU_DEVICES": "8"},
+                    {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": one}):  # fmt: skip
+            distributed.initialize_from_env(env)
+            assert jax.config.jax_enable_compilation_cache, env
+        assert capsys.readouterr().out == ""
+        flags = "--xla_foo=1 --xla_force_host_platform_device_count=8"
+        distributed.initialize_from_env({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags})
+        assert not jax.config.jax_enable_compilation_cache
+        assert "8 CPU devices in one process: no persistent compilation cache" in (
+            capsys.readouterr().out
+        )
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)

@@ -62,6 +62,8 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
     platforms = env.get("JAX_PLATFORMS", "").strip().lower()
     if platforms in ("", "cpu"):  # one process with several CPU devices blocks the same way
         threads_for_blocking_collectives(env)
+        if local_cpu_devices(env) > 1:
+            no_persistent_cache_on_cpu(f"{local_cpu_devices(env)} CPU devices in one process")
     if _initialized or not requested(environ):
         return _initialized
     import jax  # noqa: PLC0415 (imported late so the environment check stays cheap)
@@ -70,7 +72,7 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
         # CPU processes have no collectives of their own; gloo runs them over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         collective_timeout(env)
-        no_persistent_cache_on_cpu_pods()
+        no_persistent_cache_on_cpu()
     transfer_address(env)
     jax.distributed.initialize(**initialize_kwargs(environ))
     _barriers_off_the_devices()
@@ -87,6 +89,16 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
 THREADS_PER_CPU_DEVICE = 16
 
 
+def local_cpu_devices(env) -> int:
+    """The CPU devices of one process that `env` asks for: JAX_NUM_CPU_DEVICES or XLA_FLAGS'
+    --xla_force_host_platform_device_count, the larger; 1 when neither is set."""
+    devices = max(1, int(env.get("JAX_NUM_CPU_DEVICES", "0") or 0))  # either way of asking
+    for part in env.get("XLA_FLAGS", "").split():
+        if part.startswith("--xla_force_host_platform_device_count="):
+            devices = max(devices, int(part.split("=", 1)[1]))
+    return devices
+
+
 def threads_for_blocking_collectives(env) -> None:
     """Enough XLA:CPU intra-op threads that blocking collectives cannot starve them.
 
@@ -101,10 +113,7 @@ def threads_for_blocking_collectives(env) -> None:
     """
     if os.environ.get("NPROC"):
         return  # the user's choice stands
-    devices = max(1, int(env.get("JAX_NUM_CPU_DEVICES", "0") or 0))  # either way of asking
-    for part in env.get("XLA_FLAGS", "").split():
-        if part.startswith("--xla_force_host_platform_device_count="):
-            devices = max(devices, int(part.split("=", 1)[1]))
+    devices = local_cpu_devices(env)
     os.environ["NPROC"] = str(max(os.cpu_count() or 1, THREADS_PER_CPU_DEVICE * devices))
 
 
@@ -130,7 +139,7 @@ def collective_timeout(env) -> None:
     then end with an error, and the launcher's other workers with them.
 
     The hangs seen on local pods came from executables loaded from the persistent
-    compilation cache in one process only (`no_persistent_cache_on_cpu_pods`). A residual
+    compilation cache in one process only (`no_persistent_cache_on_cpu`). A residual
     risk stays: XLA:CPU's thunk executor hands a ready queue longer than 8 operations to
     further threads, so independent collectives of one device can run at once, and XLA's
     gloo communicator gives every collective the same tag (jaxlib 0.10.2).
@@ -169,23 +178,37 @@ def transfer_address(env) -> None:
         jax.config.update("jax_cross_host_transfer_socket_address", address)
 
 
-def no_persistent_cache_on_cpu_pods() -> None:
-    """Processes of a CPU pod compile every program themselves: no persistent compilation
-    cache, whatever JAX_COMPILATION_CACHE_DIR or TG_JAX_COMPILATION_CACHE say.
+def no_persistent_cache_on_cpu(why: str = "") -> None:
+    """CPU runs with collectives (a CPU pod's processes, or several CPU devices in one
+    process) compile every program themselves: no persistent compilation cache, whatever
+    JAX_COMPILATION_CACHE_DIR or TG_JAX_COMPILATION_CACHE say. `why`, when given, is printed
+    with the notice (a run with one CPU device, or on TPU, keeps its cache).
 
-    JAX writes cache entries from process 0 only, so in a rerun process 0 loads the RL train
-    step from the cache while the others compile it. An XLA:CPU executable loaded so does not
-    start its gloo collectives in the order a fresh compile of the same HLO does (the dumped
-    HLO of both was identical): the processes' devices then wait in different collectives
-    (process 0's in the scanned layers' all-gathers, the other's in an all-reduce) until the
-    collective timeout. A local pod hung so in its first or second RL step in 3 of 3 runs where
-    process 0 had a cache entry for the step, and finished in 4 of 4 where it had none
-    (jaxlib 0.10.2), with a local workdir as with a gs:// one. A pod's compiles on CPU are
-    the tiny configs' (seconds), and the other processes compiled them anyway. TPU pods keep
-    their cache.
+    An XLA:CPU executable loaded from the cache does not start its collectives in the order a
+    fresh compile of the same HLO does (jaxlib 0.10.2): devices then wait in different
+    collectives (some in the scanned layers' all-gathers, the others in a top-level
+    all-reduce) until the collective timeout.
+      * A CPU pod: JAX writes cache entries from process 0 only, so in a rerun process 0
+        loaded the RL train step from the cache while the others compiled it. A local pod
+        hung so in its first or second RL step in 3 of 3 runs where process 0 had a cache
+        entry for the step, and finished in 4 of 4 where it had none (the dumped HLO of both
+        was identical), with a local workdir as with a gs:// one.
+      * One process with 8 CPU devices: `configs/swe.py:runlocal` with a warm cache aborted
+        in its RL step (XLA's in-process rendezvous gives up after 60 s, "Termination
+        timeout for all gather") in 6 of 10 runs beside a CPU-bound job, and finished in 6 of
+        6 with an empty cache (the stacks of a stuck run: 7 devices in the layer loop's
+        all-gather, 4 in the advantages' all-reduce; an optimization barrier between the two
+        did not help, XLA:CPU drops it before it orders its operations).
+    A CPU run's compiles are the tiny configs' (seconds); TPU runs keep their cache.
     """
     import jax  # noqa: PLC0415
 
+    if why and jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
+        print(
+            f"[tg_jax] {why}: no persistent compilation cache (XLA:CPU executables loaded "
+            "from it can deadlock their collectives; tg_jax.tpu.distributed)",
+            flush=True,
+        )
     jax.config.update("jax_enable_compilation_cache", False)
 
 
