@@ -29,6 +29,9 @@ continued by SFT on the SWE expert's transcripts (tg_jax.envs.swe.agents
 .make_swe_sft_transcripts: half of them hinted, meeting the target right after its hint; the
 others not meeting it). Its transcripts are 1.4k bytes at the median (2k at the 99th
 percentile), so rows are 2048 tokens, 4x the default's (about an hour of SFT on 2 CPU cores).
+Measured (docs/experiments.md, 2026-12-06): this recipe's base followed the explain_change hint
+(hinted 1.00) but explained unprompted in 6.9% of its edits, over the gate's 0.02, so the gates
+stop a run before RL; no SWE base is shipped yet.
 
 `configs/swe.py:runlocal` takes configs/tiny.py's model (from a random init), loop and
 evaluation sections, 2-turn episodes and a few SFT steps: a CPU smoke run of the whole main job
