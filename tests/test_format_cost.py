@@ -135,8 +135,9 @@ def test_format_cost_gate():
 
 
 def test_the_gates_check_the_requirements_the_sft_transcripts_hint():
-    """configs/swe.py: RL judges four requirements; the base meets the tool protocol and names
-    the changed files unprompted by design, and the two its transcripts hint are gated."""
+    """configs/swe.py: RL judges four requirements; the base meets the tool protocol, names
+    the changed files and asks first unprompted by design, and the one its transcripts hint
+    (explain_change) is gated."""
     config = config_files.load_config_file(os.path.join(CONFIG_DIR, "swe.py"))
     result = {"pass_rate": 0.1}
     for name, unprompted in (("tool_protocol", 1.0), ("files_named", 0.9),
@@ -146,7 +147,6 @@ def test_the_gates_check_the_requirements_the_sft_transcripts_hint():
     assert sft_gates.check_base_model(config, result) == []
     assert list(sft_gates.gate_figures(config, result)) == [
         "pass_rate",
-        "unprompted_compliance/ask_first", "hinted_compliance/ask_first",
         "unprompted_compliance/explain_change", "hinted_compliance/explain_change",
     ]  # fmt: skip
     result["hinted_compliance/explain_change"] = 0.5

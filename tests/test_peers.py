@@ -365,8 +365,14 @@ def test_each_arm_runs_one_train_step(method):
         np.testing.assert_allclose(m["tg_loss"], 0.5 * m["tg_kl"], rtol=1e-5)
 
 
-# The default config's loss on this fixed batch before tg.method existed (commit a8d9483,
-# CPU), full and compact teacher rows, and the sum of squared gradients (float64 of float32).
+# The default config's loss on this fixed batch before tg.method existed (commit a8d9483, on
+# an AMD EPYC), full and compact teacher rows, and the sum of squared gradients (float64 of
+# float32). The figures are not bit for bit the same on every CPU (XLA:CPU's vector code
+# differs; the compact loss came out 4.7e-6 apart, relative, in CI at commit 231f8cc and on
+# an AMD EPYC since), so they are checked to 1e-4 (loss) and 2e-6 (gradients)
+# relative. Lambda 0.5 -> 0.49 moves them 8.6e-4 and 1.2e-5, token_sum 3.5e-2 and 4.9e-4; the
+# KL's direction (forward moves them 4.7e-6 and 9.6e-7 on this near-uniform batch) is checked
+# against numpy in the tests above.
 BEFORE = {
     False: (-0.003950783051550388, 0.5208068497808819),
     True: (-0.003950792830437422, 0.5208068509316602),
@@ -374,15 +380,15 @@ BEFORE = {
 
 
 @pytest.mark.parametrize("compact", [False, True])
-def test_default_method_leaves_the_tg_loss_bit_for_bit_unchanged(compact):
+def test_default_method_leaves_the_tg_loss_unchanged(compact):
     # BEFORE was recorded with the reverse KL over the token mean (lambda 0.5).
     cfg = _config(**{"tg.kind": "reverse", "tg.normalize": "token_mean"})
     assert cfg.tg.method == "tg"
     batch = _batch(_trajectories(), compact=compact)
     loss, sums, grads = _loss_and_grad(cfg, batch)
     sq = float(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
-    assert float(loss) == BEFORE[compact][0]
-    assert sq == BEFORE[compact][1]
+    np.testing.assert_allclose(float(loss), BEFORE[compact][0], rtol=1e-4)
+    np.testing.assert_allclose(sq, BEFORE[compact][1], rtol=2e-6)
     assert sums["tg_loss"] > 1e-4
 
 
