@@ -9,18 +9,33 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libraries read local files only, and fail at once instead of waiting on the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
-# Before the CPU client exists: intra-op threads enough for the 8 devices' blocking
-# collectives (what tg_jax.main sets for its own runs).
+# 8 simulated CPU devices in the test processes, set in JAX's config rather than the
+# environment (XLA_FLAGS or JAX_NUM_CPU_DEVICES, when set, stand): a command a test runs in a
+# subprocess gets one CPU device, as a user's CPU run does, and keeps its persistent
+# compilation cache (several CPU devices in one process compile afresh:
+# tg_jax.tpu.distributed.no_persistent_cache_on_cpu). A test of sharding or of a pod gives its
+# subprocesses their devices itself (XLA_FLAGS).
+TEST_DEVICES = 8
+_asked = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or (
+    os.environ.get("JAX_NUM_CPU_DEVICES")
+)
+_own_nproc = "NPROC" not in os.environ
+# Before the CPU client exists: intra-op threads enough for the devices' blocking collectives
+# (what tg_jax.main sets for its own runs).
 from tg_jax.tpu import distributed  # noqa: E402
 
-distributed.threads_for_blocking_collectives(os.environ)
+distributed.threads_for_blocking_collectives(
+    os.environ if _asked else {"JAX_NUM_CPU_DEVICES": str(TEST_DEVICES)}
+)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+if not _asked:
+    jax.config.update("jax_num_cpu_devices", TEST_DEVICES)
+jax.devices()  # the CPU client, made now with its threads
+if _own_nproc:  # the subprocesses size their own pools
+    os.environ.pop("NPROC", None)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 _cache = os.environ.get(
     "TG_JAX_COMPILATION_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")

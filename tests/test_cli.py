@@ -6,11 +6,13 @@ import sys
 
 import pytest
 
+from tests.devices import cpu_devices_env
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def _main(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def _main(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
+    env = {**cpu_devices_env(devices), "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
@@ -116,10 +118,11 @@ def test_main_job_keeps_its_compiles_in_the_compilation_cache(tmp_path):
     (tg_jax.tpu.distributed.no_persistent_cache_on_cpu)."""
     for devices in (1, 8):
         cache = tmp_path / f"cache{devices}"
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TG_JAX_COMPILATION_CACHE=str(cache))
+        env = dict(
+            cpu_devices_env(devices), JAX_PLATFORMS="cpu", TG_JAX_COMPILATION_CACHE=str(cache)
+        )
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
         cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py",
                f"--workdir={tmp_path / f'w{devices}'}", "--config.stage=forward"]  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -136,7 +139,7 @@ def test_a_repeated_override_is_the_last_one(tmp_path):
     last value, not the two tuples joined; the forward stage prints the mesh it built."""
     proc = _main(
         f"--workdir={tmp_path / 'w'}", "--config.stage=forward", "--config.mesh.shape=(1,4,2,1)",
-        "--config.mesh.shape=(1,-1,1,1)",
+        "--config.mesh.shape=(1,-1,1,1)", devices=8,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "on mesh {'data': 1, 'fsdp': 8, 'tensor': 1, 'expert': 1}" in proc.stdout

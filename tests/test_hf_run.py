@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.devices import cpu_devices_env
 from tests.hf_checkpoints import hf_logits, make_model_dir
 from tg_jax.models import ModelConfig, Transformer, checkpoint_io, hf_dir
 
@@ -42,7 +43,8 @@ def _command(config: str, workdir, ckpt, *extra: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": REPO}
+    # 8 CPU devices: :runlocal_split trains on 4 and samples on the other 4.
+    return {**cpu_devices_env(8), "PYTHONPATH": REPO}
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+from tests.devices import cpu_devices_env
 from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.rl import train_state as tst
@@ -301,10 +302,7 @@ def test_minibatch_rows_checked_at_config_time():
 
 
 def test_main_runs_ppo_epochs_end_to_end(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", ""
-    )  # a laptop: one CPU device
+    env = {**cpu_devices_env(1), "JAX_PLATFORMS": "cpu"}  # a laptop: one CPU device
     workdir = tmp_path / "w"
     result = subprocess.run(
         [sys.executable, "-m", "tg_jax.main", f"--config={TINY}", f"--workdir={workdir}",
