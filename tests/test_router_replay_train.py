@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from tests.devices import cpu_devices_env
 from tg_jax import config_lib
 from tg_jax import engine as engine_api
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
@@ -376,7 +377,7 @@ def test_hf_tg_runlocal_with_router_replay(tmp_path, engine):
            "--config.rl_loop.async_sampling=False",
            # The engine's pool (builtin): two whole contexts, fewer than its slots' (256 each).
            "--config.rl_loop.engine_kv_tokens=512"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**cpu_devices_env(8), "PYTHONPATH": ROOT}  # fsdp 4 x tensor 2
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(work / "runs" / "tg_seed0" / "metrics.jsonl")]

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the .[vllm] extra (launch/local.sh installs it)")
 
+from tests.devices import cpu_devices_env  # noqa: E402
 from tests.hf_checkpoints import make_model_dir  # noqa: E402
 from tg_jax.engine import Engine, Request  # noqa: E402
 from tg_jax.engine.vllm_engine import VllmEngine, shared_engine  # noqa: E402
@@ -195,7 +196,7 @@ def test_hf_tg_runlocal_on_vllm(tmp_path, arch):
            "--config.mesh.shape=(1,4,2,1)", "--config.rl_loop.rollout_engine=vllm",
            "--config.rl_loop.steps=3", "--config.optim.total_steps=3",
            "--config.eval.num_tasks=4", "--config.rl_loop.async_sampling=False"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": root}
+    env = {**cpu_devices_env(8), "PYTHONPATH": root}  # fsdp 4 x tensor 2
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = work / "runs" / "tg_seed0"
