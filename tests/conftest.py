@@ -14,19 +14,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # subprocess gets one CPU device, as a user's CPU run does, and keeps its persistent
 # compilation cache (several CPU devices in one process compile afresh:
 # tg_jax.tpu.distributed.no_persistent_cache_on_cpu). A test of sharding or of a pod gives its
-# subprocesses their devices itself (XLA_FLAGS).
+# subprocesses their devices itself (tg_jax.tpu.distributed.cpu_devices_env).
 TEST_DEVICES = 8
-_asked = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "") or (
-    os.environ.get("JAX_NUM_CPU_DEVICES")
-)
+from tg_jax.tpu import distributed  # noqa: E402
+
+_asked = distributed.local_cpu_devices(os.environ, default=0)
 _own_nproc = "NPROC" not in os.environ
 # Before the CPU client exists: intra-op threads enough for the devices' blocking collectives
 # (what tg_jax.main sets for its own runs).
-from tg_jax.tpu import distributed  # noqa: E402
-
-distributed.threads_for_blocking_collectives(
-    os.environ if _asked else {"JAX_NUM_CPU_DEVICES": str(TEST_DEVICES)}
-)
+distributed.threads_for_blocking_collectives({"JAX_NUM_CPU_DEVICES": str(_asked or TEST_DEVICES)})
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.devices import cpu_devices_env
+from tg_jax.tpu.distributed import cpu_devices_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 

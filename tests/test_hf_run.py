@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 
-from tests.devices import cpu_devices_env
 from tests.hf_checkpoints import hf_logits, make_model_dir
 from tg_jax.models import ModelConfig, Transformer, checkpoint_io, hf_dir
+from tg_jax.tpu.distributed import cpu_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DENSE = ModelConfig(

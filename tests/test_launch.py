@@ -364,6 +364,22 @@ def _pod_through_sigterm(workdir: str, start, processes: int, victim: int, commi
     return out
 
 
+def test_a_child_process_asks_for_its_cpu_devices():
+    """cpu_devices_env replaces the device count in XLA_FLAGS (other flags kept) and drops
+    JAX_NUM_CPU_DEVICES; local_cpu_devices reads either, the larger, else its default."""
+    env = {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8",
+           "JAX_NUM_CPU_DEVICES": "4", "OTHER": "x"}  # fmt: skip
+    assert distributed.local_cpu_devices(env) == 8
+    child = distributed.cpu_devices_env(2, env)
+    assert child == {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=2",
+                     "OTHER": "x"}  # fmt: skip
+    assert distributed.local_cpu_devices(child) == 2
+    assert env["JAX_NUM_CPU_DEVICES"] == "4"  # the caller's dict is not changed
+    assert distributed.local_cpu_devices({}) == 1
+    assert distributed.local_cpu_devices({}, default=0) == 0
+    assert distributed.local_cpu_devices({"JAX_NUM_CPU_DEVICES": "3"}, default=0) == 3
+
+
 def test_cpu_processes_get_threads_for_blocking_collectives(monkeypatch):
     """16 intra-op threads per local CPU device (XLA_FLAGS or JAX_NUM_CPU_DEVICES), set
     through NPROC before the CPU client exists, with one process or several; a user's NPROC

@@ -365,8 +365,8 @@ def test_each_arm_runs_one_train_step(method):
         np.testing.assert_allclose(m["tg_loss"], 0.5 * m["tg_kl"], rtol=1e-5)
 
 
-# The default config's loss on this fixed batch before tg.method existed (commit a8d9483, on
-# an AMD EPYC), full and compact teacher rows, and the sum of squared gradients (float64 of
+# The default config's loss on this fixed batch before tg.method existed (commit a8d9483,
+# CPU), full and compact teacher rows, and the sum of squared gradients (float64 of
 # float32). The figures are not bit for bit the same on every CPU (XLA:CPU's vector code
 # differs; the compact loss came out 4.7e-6 apart, relative, in CI at commit 231f8cc and on
 # an AMD EPYC since), so they are checked to 1e-4 (loss) and 2e-6 (gradients)

@@ -17,7 +17,6 @@ import numpy as np
 import optax
 import pytest
 
-from tests.devices import cpu_devices_env
 from tg_jax import config_files, config_lib, sharding
 from tg_jax.models import ModelConfig, Transformer, forward, init_params
 from tg_jax.rl import train_state as tst
@@ -26,6 +25,7 @@ from tg_jax.rl import updates
 from tg_jax.rl.batch import build_batch
 from tg_jax.rl.step_config import RLConfig, StepConfig
 from tg_jax.testing import synthetic_trajectories
+from tg_jax.tpu.distributed import cpu_devices_env
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 

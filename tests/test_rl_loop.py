@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from tests import rl_loop_driver as driver
-from tests.devices import cpu_devices_env
 from tg_jax import checkpointing, metrics
 from tg_jax.metrics import last_per_step, read_metrics
+from tg_jax.tpu.distributed import cpu_devices_env
 from tg_jax.train import rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +60,7 @@ def _committed_steps(ckpt_dir):
 def _kill_at(workdir, step, timeout_s=600):
     """Starts the driver and SIGKILLs it once checkpoint `step` is committed."""
     # The devices of this process: the resumed run here must end bit for bit as the full one.
-    env = dict(cpu_devices_env(jax.device_count()))
+    env = cpu_devices_env(jax.device_count())
     env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir or ""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.rl_loop_driver", str(workdir), "--slow", "1.0"],

@@ -18,7 +18,6 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tests.devices import cpu_devices_env
 from tg_jax import config_lib
 from tg_jax import engine as engine_api
 from tg_jax.envs.coding import CodingEnv, CodingEnvConfig
@@ -33,6 +32,7 @@ from tg_jax.sampling.rollout import RolloutConfig, rollout_groups
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.testing import synthetic_trajectories
 from tg_jax.text import ByteTokenizer, ChatRenderer
+from tg_jax.tpu.distributed import cpu_devices_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 MOE = dict(

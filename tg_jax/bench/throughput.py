@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -39,6 +37,7 @@ from tg_jax.bench.measure import CallWorker, Timing, serve_calls, time_calls
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling.loop import data_parallel_mesh
 from tg_jax.sampling.sampler import Sampler
+from tg_jax.tpu import distributed
 
 
 def decode_flops(cfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -104,12 +103,7 @@ def _job(cfg: ModelConfig, prompts: np.ndarray, new_tokens: int, devices: int) -
 
 def _worker_env(devices: int) -> dict[str, str]:
     """This process's environment with `devices` XLA CPU host devices."""
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-    return env
+    return dict(distributed.cpu_devices_env(devices), JAX_PLATFORMS="cpu")
 
 
 def sampler_timing_devices(

@@ -62,8 +62,9 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
     platforms = env.get("JAX_PLATFORMS", "").strip().lower()
     if platforms in ("", "cpu"):  # one process with several CPU devices blocks the same way
         threads_for_blocking_collectives(env)
-        if local_cpu_devices(env) > 1:
-            no_persistent_cache_on_cpu(f"{local_cpu_devices(env)} CPU devices in one process")
+        devices = local_cpu_devices(env)
+        if devices > 1:
+            no_persistent_cache_on_cpu(f"{devices} CPU devices in one process")
     if _initialized or not requested(environ):
         return _initialized
     import jax  # noqa: PLC0415 (imported late so the environment check stays cheap)
@@ -89,14 +90,28 @@ def initialize_from_env(environ: dict[str, str] | None = None) -> bool:
 THREADS_PER_CPU_DEVICE = 16
 
 
-def local_cpu_devices(env) -> int:
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
+
+
+def local_cpu_devices(env, default: int = 1) -> int:
     """The CPU devices of one process that `env` asks for: JAX_NUM_CPU_DEVICES or XLA_FLAGS'
-    --xla_force_host_platform_device_count, the larger; 1 when neither is set."""
-    devices = max(1, int(env.get("JAX_NUM_CPU_DEVICES", "0") or 0))  # either way of asking
+    --xla_force_host_platform_device_count, the larger; `default` when neither is set."""
+    asked = int(env.get("JAX_NUM_CPU_DEVICES", "0") or 0)  # either way of asking
     for part in env.get("XLA_FLAGS", "").split():
-        if part.startswith("--xla_force_host_platform_device_count="):
-            devices = max(devices, int(part.split("=", 1)[1]))
-    return devices
+        if part.startswith(_DEVICE_COUNT_FLAG):
+            asked = max(asked, int(part[len(_DEVICE_COUNT_FLAG) :]))
+    return asked if asked > 0 else default
+
+
+def cpu_devices_env(devices: int, env=None) -> dict[str, str]:
+    """A copy of `env` (os.environ by default) that asks for `devices` CPU devices in one
+    process: XLA_FLAGS' device count replaced, its other flags kept; JAX_NUM_CPU_DEVICES
+    dropped. For a child process (a benchmark worker, a test's command)."""
+    out = dict(os.environ if env is None else env)
+    flags = [f for f in out.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    out["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}{devices}"])
+    out.pop("JAX_NUM_CPU_DEVICES", None)
+    return out
 
 
 def threads_for_blocking_collectives(env) -> None:
