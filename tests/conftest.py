@@ -1,4 +1,5 @@
-"""Test-wide JAX settings: CPU, 8 simulated devices, strict rank promotion, persistent cache."""
+"""Test-wide JAX settings: CPU, 8 simulated devices, quick compiles, strict rank promotion,
+persistent cache."""
 
 import gc
 import os
@@ -24,19 +25,33 @@ _own_nproc = "NPROC" not in os.environ
 # (what tg_jax.main sets for its own runs).
 distributed.threads_for_blocking_collectives({"JAX_NUM_CPU_DEVICES": str(_asked or TEST_DEVICES)})
 
+from tests import compile_settings  # noqa: E402
+
+# XLA:CPU's quick compile settings for this process only (tests/compile_settings.py): in
+# XLA_FLAGS while the CPU client is made, then the environment as it was.
+_env_flags = os.environ.get("XLA_FLAGS")
+os.environ.update(compile_settings.with_quick_flags({"XLA_FLAGS": _env_flags or ""}))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 if not _asked:
     jax.config.update("jax_num_cpu_devices", TEST_DEVICES)
-jax.devices()  # the CPU client, made now with its threads
+jax.devices()  # the CPU client, made now with its threads and flags
+if _env_flags is None:
+    os.environ.pop("XLA_FLAGS")
+else:
+    os.environ["XLA_FLAGS"] = _env_flags
 if _own_nproc:  # the subprocesses size their own pools
     os.environ.pop("NPROC", None)
 jax.config.update("jax_numpy_rank_promotion", "raise")
-_cache = os.environ.get(
-    "TG_JAX_COMPILATION_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
+# The subprocesses' cache (TG_JAX_COMPILATION_CACHE, set for them here when it was not), and
+# this process's own directory under it.
+os.environ["TG_JAX_COMPILATION_CACHE"] = compile_settings.cache_root()
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.path.join(compile_settings.cache_root(), compile_settings.IN_PROCESS_CACHE),
 )
-jax.config.update("jax_compilation_cache_dir", os.path.abspath(_cache))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

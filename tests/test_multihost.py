@@ -46,7 +46,6 @@ def _free_port() -> int:
 def _start(workdir, devices: int, log: str, env=None, async_steps: int = 0) -> subprocess.Popen:
     env = dict(os.environ, **(env or {}))
     env.pop("XLA_FLAGS", None)  # the driver sets its own device count
-    env["TG_JAX_COMPILATION_CACHE"] = jax.config.jax_compilation_cache_dir or ""
     cmd = [sys.executable, "-m", "tests.multihost_driver", str(workdir), "--devices",
            str(devices), "--steps", str(STEPS), "--async-steps", str(async_steps),
            "--split", str(SPLIT), "--engine"]  # fmt: skip
@@ -199,7 +198,6 @@ def test_the_whole_host_split_equals_one_process(tmp_path):
     def start(name, devices, *env_args):
         env = dict(os.environ, **dict(env_args))
         env.pop("XLA_FLAGS", None)
-        env["TG_JAX_COMPILATION_CACHE"] = jax.config.jax_compilation_cache_dir or ""
         logs[name] = str(tmp_path / f"{name}.log")
         workdir = tmp_path / ("ref" if name == "ref" else "pod")
         cmd = [sys.executable, "-m", "tests.multihost_driver", str(workdir), "--devices",

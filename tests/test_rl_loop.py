@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests import compile_settings
 from tests import rl_loop_driver as driver
 from tg_jax import checkpointing, metrics
 from tg_jax.metrics import last_per_step, read_metrics
@@ -59,8 +60,9 @@ def _committed_steps(ckpt_dir):
 
 def _kill_at(workdir, step, timeout_s=600):
     """Starts the driver and SIGKILLs it once checkpoint `step` is committed."""
-    # The devices of this process: the resumed run here must end bit for bit as the full one.
-    env = cpu_devices_env(jax.device_count())
+    # The devices and compile settings of this process: the resumed run here must end bit for
+    # bit as the full one (tests/compile_settings.py).
+    env = compile_settings.with_quick_flags(cpu_devices_env(jax.device_count()))
     env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir or ""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.rl_loop_driver", str(workdir), "--slow", "1.0"],

@@ -287,7 +287,6 @@ def test_command_line_split_runs_end_to_end(tmp_path):
     """The user's command: the main job of configs/tiny.py with a sampler on 4 of 8 devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir or ""
     work = tmp_path / "w"
     cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py", f"--workdir={work}",
            "--config.stage=pipeline", "--config.sampler_mesh.num_devices=4",
