@@ -57,7 +57,9 @@ case "$cmd" in
     # One line per test, named with its worker (a worker that dies names the test it ran);
     # a test that runs past 15 min fails with its stack (pytest-timeout), so a hang can
     # neither stall the run nor hide where it happened; at most 2 crashed workers are replaced.
-    "$PY" -m pytest -v -n 2 --dist loadfile --timeout=900 --max-worker-restart=2 \
+    # Whole files go to the workers in the order tests/conftest.py gives (longest first).
+    "$PY" -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --timeout=900 \
+      --max-worker-restart=2 \
       --durations=30 -rfEs ${tier[@]+"${tier[@]}"} tests "$@"
     ;;
   pin)

@@ -151,3 +151,19 @@ def test_readme_is_for_users():
     assert len(text.splitlines()) <= 250, len(text.splitlines())
     hashes = re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
     assert not hashes, hashes
+
+
+def test_the_files_and_tests_conftest_names_exist():
+    """conftest's slow tier and its longest-first order name test files and tests by string: a
+    renamed file would silently leave the slow tier or go to the end of the run."""
+    from tests import conftest
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = set(conftest.SLOW_FILES) | set(conftest.LONGEST_FIRST)
+    assert sorted(f for f in files if not os.path.isfile(os.path.join(here, f))) == []
+    assert len(set(conftest.LONGEST_FIRST)) == len(conftest.LONGEST_FIRST)
+    for name in conftest.SLOW_TESTS:
+        file, test = name.split("::")
+        with open(os.path.join(here, file), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        assert test in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, name
