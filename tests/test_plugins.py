@@ -92,7 +92,10 @@ def test_plugins_and_builtins_judge_side_by_side_under_their_own_names():
     assert env.summary().unjudged == {}
 
 
-def test_a_checker_that_raises_or_hangs_leaves_the_turn_unjudged(caplog):
+def test_a_checker_that_raises_or_hangs_leaves_the_turn_unjudged(caplog, monkeypatch):
+    # Each requirement's warning is logged once per process: an earlier test of this worker
+    # (test_judge_agreement's raising checker) must not have used it up.
+    monkeypatch.setattr(plugins, "_warned", set())
     specs = ("fence", f"{EX}:raises", f"{EX}:slow")
     env = CodingEnv(CodingEnvConfig(requirements=specs, executor="trusted"))
     env.reset(generate_tasks("train", 1, seed=0)[0])
