@@ -80,12 +80,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of `bash launch/local.sh test-fast`")
 
 
-# The files that take longest, first (seconds summed over their tests, 2-vCPU AMD EPYC, empty
-# compilation cache). `bash launch/local.sh test` hands whole files to its 2 workers in the
-# collection's order (--dist loadfile --no-loadscope-reorder), and these come first: a long
-# file started last would end the run with the other worker idle. The two files of
-# multi-process runs (local pods, gloo) are kept apart by in-process files: started together
-# they took 753 s and 503 s, where test_gcs had taken 425 s beside other files.
+# The files that take longest (seconds summed over their tests, 2-vCPU AMD EPYC, empty
+# compilation cache), first. `bash launch/local.sh test` hands whole files to its 2 workers in
+# the collection's order (--dist loadfile --no-loadscope-reorder): a long file started last
+# would end the run with the other worker idle. The two files of multi-process runs (local
+# pods, gloo), started together, took 753 s and 503 s (test_gcs 425 s beside other files), so
+# in-process files stand between them in this order; that does not guarantee they run apart
+# (a file goes to whichever worker is free; docs/experiments.md, 2026-12-07).
 LONGEST_FIRST = (
     "test_gcs.py", "test_train_step.py", "test_hidden_thinking.py", "test_teacher.py",
     "test_multihost.py", "test_router_replay_train.py", "test_swe_run.py", "test_vllm_engine.py",
