@@ -2,7 +2,7 @@
 # The README's two commands, on one machine (CPU by default):
 #   bash launch/local.sh demo   # the main job on the embedded default -> report in ./workdir
 #   bash launch/local.sh test   # ruff + the whole test suite (what CI runs)
-#   bash launch/local.sh test-fast   # the edit loop: without the slow files (tests/conftest.py)
+#   bash launch/local.sh test-fast   # the edit loop: without slow, e2e, multiprocess tests
 #   bash launch/local.sh pin    # rewrite constraints.txt from the venv (after an upgrade)
 # Each creates or refreshes the virtual environment .venv itself.
 set -euo pipefail
@@ -50,15 +50,16 @@ case "$cmd" in
     "$VENV/bin/ruff" check tg_jax tests configs
     "$VENV/bin/ruff" format --check tg_jax tests configs
     echo "[local.sh] pytest"
-    # test-fast: the edit loop's tier, without the files tests/conftest.py marks slow (the
-    # command end to end, several processes, minutes of training).
+    # test-fast: the edit loop's tier, without the tests marked slow, e2e or multiprocess
+    # (tests/conftest.py:MARKERS).
     tier=()
-    if [ "$cmd" = test-fast ]; then tier=(-m "not slow"); fi
+    if [ "$cmd" = test-fast ]; then tier=(-m "not slow and not e2e and not multiprocess"); fi
     # One line per test, named with its worker (a worker that dies names the test it ran);
     # a test that runs past 15 min fails with its stack (pytest-timeout), so a hang can
     # neither stall the run nor hide where it happened; at most 2 crashed workers are replaced.
-    # Whole files go to the workers in the order tests/conftest.py gives (longest first).
-    "$PY" -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --timeout=900 \
+    # Whole files go to the workers in the order tests/conftest.py gives (longest first), the
+    # files of multi-process tests as one group, to one worker (conftest: xdist_group).
+    "$PY" -m pytest -v -n 2 --dist loadgroup --no-loadscope-reorder --timeout=900 \
       --max-worker-restart=2 \
       --durations=30 -rfEs ${tier[@]+"${tier[@]}"} tests "$@"
     ;;

@@ -1,17 +1,17 @@
-"""How the pytest processes compile, and the environment of a child that must compute as they do.
+"""How the tests compile: XLA:CPU's quick settings (no LLVM optimization), in the pytest
+processes and in every command they run in a subprocess (conftest.py keeps them in XLA_FLAGS).
 
-The pytest processes compile with XLA:CPU's quick settings (no LLVM optimization): their
-programs are tiny and run for moments, so compiling is most of their time. Measured on a
-2-vCPU AMD EPYC, empty compilation cache, `pytest -n 2`: tests/test_train_step.py 212 s ->
-97 s; test_teacher, test_sampler, test_rollout and test_ppo_updates together 560 s -> 312 s.
-The commands the tests run in subprocesses keep XLA's defaults, as a user's run has: they
-train for minutes, where the optimized code pays (test_pipeline and test_gcs with the quick
-settings: 352 s -> 375 s).
+The tests' programs are tiny and run for moments, so compiling is most of their time, and a
+command with several CPU devices compiles every program afresh (no persistent cache:
+tg_jax.tpu.distributed.no_persistent_cache_on_cpu). Measured on a 2-vCPU AMD EPYC, empty
+compilation cache: tests/test_train_step.py 212 s -> 97 s in-process; `python -m tg_jax.main
+--config=configs/thinking.py` on test_hidden_thinking's tiny settings (one device) 65 s ->
+47 s wall, 94 s -> 60 s CPU; configs/hf_tg.py:runlocal on 8 devices, 2 steps, 30 s -> 23 s CPU.
+A user's run keeps XLA's defaults: it trains for minutes or hours, where optimized code pays.
 
-JAX keys its persistent cache on the XLA_FLAGS of the environment when it compiles, and the
-pytest processes give the quick flags to XLA only while their CPU client is made: so they keep
-their executables in a directory of their own (IN_PROCESS_CACHE, under the cache the
-subprocesses use), where a subprocess with the defaults never finds them.
+JAX keys its persistent cache on XLA_FLAGS, so the subprocesses' entries never mix with a
+user's; the pytest processes (8 devices) keep theirs in a directory of their own
+(IN_PROCESS_CACHE, under the one the subprocesses use).
 """
 
 import os

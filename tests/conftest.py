@@ -1,5 +1,5 @@
-"""Test-wide JAX settings: CPU, 8 simulated devices, quick compiles, strict rank promotion,
-persistent cache."""
+"""Test-wide JAX settings: CPU, 8 simulated devices, quick compiles (here and in the commands
+the tests run), strict rank promotion, persistent cache; the markers and the files' order."""
 
 import gc
 import os
@@ -27,10 +27,9 @@ distributed.threads_for_blocking_collectives({"JAX_NUM_CPU_DEVICES": str(_asked 
 
 from tests import compile_settings  # noqa: E402
 
-# XLA:CPU's quick compile settings for this process only (tests/compile_settings.py): in
-# XLA_FLAGS while the CPU client is made, then the environment as it was.
-_env_flags = os.environ.get("XLA_FLAGS")
-os.environ.update(compile_settings.with_quick_flags({"XLA_FLAGS": _env_flags or ""}))
+# XLA:CPU's quick compile settings (tests/compile_settings.py) for this process and, through
+# XLA_FLAGS, for every command a test runs in a subprocess.
+os.environ.update(compile_settings.with_quick_flags(os.environ))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -38,10 +37,6 @@ import pytest  # noqa: E402
 if not _asked:
     jax.config.update("jax_num_cpu_devices", TEST_DEVICES)
 jax.devices()  # the CPU client, made now with its threads and flags
-if _env_flags is None:
-    os.environ.pop("XLA_FLAGS")
-else:
-    os.environ["XLA_FLAGS"] = _env_flags
 if _own_nproc:  # the subprocesses size their own pools
     os.environ.pop("NPROC", None)
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -55,52 +50,40 @@ jax.config.update(
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-# The slow tier: files whose tests run the command end to end, several processes or minutes
-# of training (measured with --durations on the CI machine class). `bash launch/local.sh
-# test-fast` leaves them out (-m "not slow"); `bash launch/local.sh test` (CI) runs all.
-SLOW_FILES = frozenset({
-    "test_chat_format_runs.py", "test_cli.py", "test_faults.py", "test_frozen_teacher_cli.py",
-    "test_gcs.py", "test_hf_run.py", "test_launch.py", "test_multihost.py", "test_soak.py",
-    "test_shipped_base.py", "test_split_mesh.py", "test_swe_run.py", "test_tuning.py",
-    "test_bench.py",
-})  # fmt: skip
-# Single tests of other files that run the command end to end (the fast tier took 9.8 min on
-# a 2-vCPU AMD EPYC with them; the target is under 8).
-SLOW_TESTS = frozenset(
-    {
-        "test_break_span.py::test_users_command_with_the_option",
-        "test_joint_hints.py::test_joint_config_runlocal_smoke",
-        "test_ppo_updates.py::test_main_runs_ppo_epochs_end_to_end",
-        "test_distill_budget.py::test_the_budget_arm_from_the_command_line",
-    }
-)
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: left out of `bash launch/local.sh test-fast`")
-
-
 # The files that take longest (seconds summed over their tests, 2-vCPU AMD EPYC, empty
-# compilation cache), first. `bash launch/local.sh test` hands whole files to its 2 workers in
-# the collection's order (--dist loadfile --no-loadscope-reorder): a long file started last
-# would end the run with the other worker idle. The two files of multi-process runs (local
-# pods, gloo), started together, took 753 s and 503 s (test_gcs 425 s beside other files), so
-# in-process files stand between them in this order; that does not guarantee they run apart
-# (a file goes to whichever worker is free; docs/experiments.md, 2026-12-07).
+# compilation cache), first: whole files go to the 2 workers in this order (--dist loadgroup
+# --no-loadscope-reorder), and a long file started last would end the run with the other
+# worker idle. Every file is a group of its own, but the files with multiprocess tests, which
+# slow whatever runs beside them, form one group (MULTIPROCESS_GROUP) that one worker runs.
 LONGEST_FIRST = (
-    "test_gcs.py", "test_train_step.py", "test_hidden_thinking.py", "test_teacher.py",
-    "test_multihost.py", "test_router_replay_train.py", "test_swe_run.py", "test_vllm_engine.py",
-    "test_hf_run.py", "test_bench.py", "test_pipeline.py", "test_ppo_updates.py",
-    "test_split_mesh.py", "test_faults.py", "test_sampler.py",
-)  # fmt: skip
+    "test_gcs.py",
+    "test_multihost.py",
+    "test_launch.py",
+    "test_train_step.py",
+    "test_hidden_thinking.py",
+    "test_teacher.py",
+    "test_router_replay_train.py",
+    "test_swe_run.py",
+    "test_vllm_engine.py",
+    "test_hf_run.py",
+    "test_bench.py",
+    "test_pipeline.py",
+    "test_ppo_updates.py",
+    "test_split_mesh.py",
+    "test_faults.py",
+    "test_sampler.py",
+)
+MULTIPROCESS_GROUP = "multiprocess"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in SLOW_FILES or f"{item.path.name}::{item.originalname}" in SLOW_TESTS:
-            item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+    pods = {item.path.name for item in items if item.get_closest_marker("multiprocess")}
+    for item in items:
+        group = MULTIPROCESS_GROUP if item.path.name in pods else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True, scope="module")

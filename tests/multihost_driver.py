@@ -42,7 +42,12 @@ def main() -> None:
     parser.add_argument("--whole", type=int, default=0)
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    # XLA:CPU's quick settings (tests/compile_settings.py): every process here compiles afresh
+    # (several CPU devices) tiny programs that run for moments; all runs compared share them.
+    from tests import compile_settings
+
+    devices = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ.update(compile_settings.with_quick_flags({"XLA_FLAGS": devices}))
 
     from tg_jax.tpu import distributed
 

@@ -81,6 +81,7 @@ def _assert_same(lock, eng):
             assert a.info[key] == b.info[key], key
 
 
+@pytest.mark.slow
 def test_greedy_episodes_equal_the_lockstep_path_token_for_token(setup):
     """Multi-turn greedy episodes (turns cut at their budget, closed by an unsampled
     <|im_end|>, observations appended): the engine's trajectories are the lock-step ones."""
@@ -116,6 +117,7 @@ def test_a_turn_that_hits_its_context_budget_is_closed_as_lockstep(setup):
     assert t.tokens[-1] == RENDERER.end_of_turn_ids[0] and t.info["truncated_turns"] == 1
 
 
+@pytest.mark.slow
 def test_an_environment_that_raises_ends_only_its_episode(setup):
     made = []
 
@@ -256,7 +258,7 @@ runpy.run_module("tg_jax.main", run_name="__main__")
 """
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_main_job_rl_stage_with_the_builtin_engine(tmp_path):
     """The tiny main job (SFT, then 2 RL steps of the tg arm, held-out evaluations) with
     rl_loop.rollout_engine=builtin: every rollout is played by the engine's agent loops, on

@@ -58,6 +58,7 @@ def test_fit_drops_axes_that_do_not_divide():
     assert aot._fit(P(("a", "b")), (6,), mesh) == P("a")  # keep what divides, in order
 
 
+@pytest.mark.slow
 def test_compiles_on_cpu_devices():
     """The same lowering code on the 8 simulated CPU devices (no libtpu needed)."""
     moe = _tiny_config((1, 2, 2, 2))
@@ -149,6 +150,7 @@ def test_train_shapes_are_the_largest_batch_of_the_config():
     assert aot.train_shapes(cfg, divisor=4, rows=8, teacher_len=40).teacher_len == 40
 
 
+@pytest.mark.slow
 def test_compile_programs_split_on_cpu():
     """The TG train step on the first 4 devices, the sample step on the last 4 (CPU)."""
     devices = jax.devices()
@@ -208,6 +210,7 @@ def test_qwen3_configs_match_their_published_config_json(config, arg, hf):
         assert len(trainer) == 32 and sampler == [4 * h + i for h in range(16) for i in (2, 3)]
 
 
+@pytest.mark.slow
 def test_compile_programs_per_host_samplers_on_cpu():
     """8 CPU devices taken as 2 hosts of 4 (a pod's placement without a split): the train
     step over all 8; the sample step on one host's ("data", "tensor") mesh, for that host's
@@ -253,6 +256,7 @@ def test_compile_programs_per_host_samplers_on_cpu():
     assert train.resident == sample.resident == bf16 > 0
 
 
+@pytest.mark.slow
 def test_router_replay_adds_its_routing_arrays_to_both_programs():
     """model.router_replay: the train step takes the batch's student and teacher routing
     records, the decode step's cache the sampler's; the compiled arguments grow by exactly

@@ -38,6 +38,7 @@ def _inputs(seed=0):
     return q, k, v, visible
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slot_minor", [False, True], ids=["BSKH", "slot_minor"])
 @pytest.mark.parametrize("block,causal", [(0, None), (3, None), (3, S0), (2, S0), (100, S0)])
 def test_attend_equals_numpy(slot_minor, block, causal):

@@ -73,6 +73,7 @@ def test_to_tokens():
     assert np.isnan(x[0, 0]) and x[0, 1] == 1.0
 
 
+@pytest.mark.slow
 def test_teacher_roles_and_logits(traj, policy):
     batch = build_batch([traj], max_len=512, teacher_max_len=512, pad_to_multiple=16)
     n, n_t = len(traj.tokens), int(batch.teacher_segment_ids_BtxTt[0].sum())

@@ -67,6 +67,7 @@ def _fake_workdir(path) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_micro_suite_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "bench.json"
     workdir = _fake_workdir(tmp_path / "wd")
@@ -90,6 +91,7 @@ def test_micro_suite_writes_every_figure(tmp_path, capsys):
     assert "| train/mid/mfu |" in capsys.readouterr().out  # the table was printed
 
 
+@pytest.mark.slow
 def test_sampler_timing_in_a_child_process_with_more_devices():
     """More devices than this process has: a child process with that many host devices."""
     import jax
@@ -105,6 +107,7 @@ def test_sampler_timing_in_a_child_process_with_more_devices():
     assert len(t.times) == 1 and t.median > 0 and t.cpu > 0
 
 
+@pytest.mark.slow
 def test_sampler_worker_failure_is_a_clear_error():
     """A child process that fails (here: empty prompts) raises with its stderr, never hangs."""
     import jax
@@ -171,6 +174,7 @@ def test_suites_flatten_keeps_numbers_only():
     }
 
 
+@pytest.mark.slow
 def test_unrolled_layer_loop_matches_scan():
     """`scan_unroll` (the CPU speed-up the benchmark measures) changes no number."""
     import jax
@@ -209,6 +213,7 @@ def _fake_worker(body: str) -> list[str]:
     return [sys.executable, "-c", prelude + body]
 
 
+@pytest.mark.slow
 def test_paired_timings_alternate_calls_and_keep_idle_workers_stopped(tmp_path):
     from tg_jax.bench import measure
 
@@ -246,6 +251,7 @@ def test_paired_timings_alternate_calls_and_keep_idle_workers_stopped(tmp_path):
             os.kill(w.pid, 0)
 
 
+@pytest.mark.slow
 def test_call_worker_failures_are_clear_errors():
     from tg_jax.bench import measure
 
@@ -286,6 +292,7 @@ def test_serve_calls_times_each_request_and_rejects_other_input():
         measure.serve_calls(lambda: None, stdin=io.StringIO("stop\n"), stdout=io.StringIO())
 
 
+@pytest.mark.slow
 def test_accelerator_bench_tiny_figures_follow_from_their_timings(tmp_path):
     """`python -m tg_jax.bench.accelerator --tiny` (any backend): every section's figures,
     and each MFU / rate is its FLOPs or tokens over its own timing and the run's peak."""

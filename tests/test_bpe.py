@@ -114,6 +114,7 @@ def test_bpe_dir_loads_in_transformers(bpe_dir, tok):
     assert ref.decode(ids, skip_special_tokens=True) == "```python\nx\n```"
 
 
+@pytest.mark.slow
 def test_sft_with_bpe_trains_on_bpe_ids_and_resumes(tmp_path):
     config = _tiny_config(**{"sft.steps": 4, "sft.select.enabled": False})
     work = str(tmp_path)
@@ -142,6 +143,7 @@ def test_sft_with_bpe_trains_on_bpe_ids_and_resumes(tmp_path):
         sft.tokenizer_kind(_tiny_config(**{"sft.tokenizer": "word"}))
 
 
+@pytest.mark.slow
 def test_pipeline_runs_with_the_bpe(tmp_path):
     config = _tiny_config(**FAST_PIPELINE)
     workdir = str(tmp_path)

@@ -219,6 +219,7 @@ def test_the_rl_loop_applies_the_option_and_the_config_checks_it():
         TGConfig(span="after_break")
 
 
+@pytest.mark.e2e
 def test_users_command_with_the_option(tmp_path):
     # The fence smoke run as a user types it, once per span: the first step samples the same
     # rollouts from the same base (same seeds), and "to_break" distils fewer of their tokens.

@@ -62,6 +62,7 @@ def _check_run(work, ckpt, template):
     assert hf_dir.open_model_dir(str(export)).renderer.template == chat_template(template)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("config", "template"),
     [("configs/hf_tg.py", "chatml_no_newline"), ("configs/hf_swe.py", "qwen3_coder")],
@@ -87,6 +88,7 @@ def test_hf_configs_from_checkpoints_in_other_chat_formats(tmp_path, config, tem
     assert "compliance/no_shouting" in metrics
 
 
+@pytest.mark.e2e
 def test_qwen3_coder_config_from_a_qwen3_coder_checkpoint(tmp_path):
     """The flagship config from its own family's format: XML tool calls, described by the
     template's tools block (tools_in_prompt), read back by the qwen3_coder parser."""
@@ -103,6 +105,7 @@ def test_qwen3_coder_config_from_a_qwen3_coder_checkpoint(tmp_path):
 NO_REPLAY = "--config.model.router_replay=False"  # refused with either, checked first
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "flags, start",
     [
@@ -126,6 +129,7 @@ def test_thinking_asked_of_a_model_without_it_is_a_config_error(tmp_path, flags,
     assert not (tmp_path / "w" / "runs").exists()
 
 
+@pytest.mark.e2e
 def test_a_template_that_cannot_serve_a_rollout_is_one_error_line(tmp_path):
     """A ChatML template that ignores tool calls: refused at start-up, before any stage."""
     ckpt = tmp_path / "ckpt"

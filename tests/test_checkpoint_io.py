@@ -81,6 +81,7 @@ def test_moe_import_matches_transformers(moe):
     _assert_matches_hf(_logits(cfg, params), hf_model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "which,mesh_shape", [("dense", (2, 2, 2, 1)), ("moe", (2, 1, 2, 2))], ids=["dense", "moe"]
 )

@@ -47,6 +47,7 @@ def _assert_state_equal(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
 
 
+@pytest.mark.slow
 def test_round_trip_state_and_metadata(tmp_path):
     state = _state(3)
     meta = {"data": {"next_index": 17}, "policy_version": 5, "extra": {"note": "x", "xs": [1, 2]}}

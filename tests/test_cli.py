@@ -19,6 +19,7 @@ def _main(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "override, line",
     [
@@ -86,6 +87,7 @@ def test_bad_override_is_one_line_and_exit_2(tmp_path, override, line):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_workdir_that_is_a_file(tmp_path):
     path = tmp_path / "a_file"
     path.write_text("")
@@ -94,6 +96,7 @@ def test_workdir_that_is_a_file(tmp_path):
     assert result.stderr.strip().splitlines() == [f"error: --workdir {path} is a file"]
 
 
+@pytest.mark.e2e
 def test_base_model_outside_the_gates_is_a_clear_error_and_exit_3(tmp_path):
     # The tiny config turns the gates off; on, its 6-step base model (pass rate 0) fails them.
     work = tmp_path / "w"
@@ -112,6 +115,7 @@ def test_base_model_outside_the_gates_is_a_clear_error_and_exit_3(tmp_path):
     assert not os.path.exists(work / "preregistration.json")
 
 
+@pytest.mark.e2e
 def test_main_job_keeps_its_compiles_in_the_compilation_cache(tmp_path):
     """launch/local.sh's TG_JAX_COMPILATION_CACHE is where the main job's executables persist
     on one CPU device; on 8 (collectives in one process) the job compiles afresh and says so
@@ -134,6 +138,7 @@ def test_main_job_keeps_its_compiles_in_the_compilation_cache(tmp_path):
         assert (notice in proc.stdout) == (devices > 1), proc.stdout[-2000:]
 
 
+@pytest.mark.e2e
 def test_a_repeated_override_is_the_last_one(tmp_path):
     """`--config.mesh.shape` twice (as a launcher appending to a user's command does): the
     last value, not the two tuples joined; the forward stage prints the mesh it built."""

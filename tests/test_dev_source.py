@@ -103,6 +103,7 @@ def test_the_command_accepts_a_file_only_plugin_with_a_dev_file(tmp_path):
     assert (work / "tfds").is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem", ["missing", "empty", "malformed"])
 def test_the_command_refuses_a_bad_dev_file_at_start_up(tmp_path, problem):
     """A dev file the run could not read fails before any stage runs (one error line, exit 2,

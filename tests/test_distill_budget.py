@@ -135,6 +135,7 @@ def test_report_compares_each_thinking_arm_with_tg_at_its_distilled_tokens():
     assert "tg_think`" not in "\n".join(markdown._thinking_control(res))
 
 
+@pytest.mark.e2e
 def test_the_budget_arm_from_the_command_line(tmp_path):
     # The user's command: the tiny pipeline with tg and the budget arm, tg the baseline.
     import json

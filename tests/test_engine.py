@@ -51,6 +51,7 @@ def _release_all(engine, ids):
         engine.release(i)
 
 
+@pytest.mark.slow
 def test_greedy_and_sampled_draws_equal_the_sampler(setup):
     """More requests than slots: greedy tokens equal `Sampler`'s; sampled tokens equal its
     draws with row_ids = the requests' seeds (per-request streams); slots are refilled."""
@@ -78,6 +79,7 @@ def test_greedy_and_sampled_draws_equal_the_sampler(setup):
         assert np.min(c.logprobs) < -0.5  # real draws, not a point mass
 
 
+@pytest.mark.slow
 def test_moe_model_greedy_equals_the_sampler():
     """A Qwen3-MoE model through the engine's paged layers (the decode path's MoE block). The
     engine's weights hold the stacked experts it was given (the same arrays: no second copy
@@ -292,6 +294,7 @@ def test_weights_update_pause_and_policy_version(setup):
     assert after.prefill_tokens == 6  # nothing shared with "a", cached under the old weights
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_warmup(setup):
     """Everything that varies between steps is an array or a bucket (decode rows, page-table
     width): after `warmup` (prefill per width, decode per rows and width, the page copy), new
@@ -312,7 +315,7 @@ def test_no_recompilation_after_warmup(setup):
     out = engine.generate(reqs)
     out += engine.generate([Request("c", [4, 4], 5, continue_from=0)])
     assert len(out) == 6 and all(c.finish_reason in ("stop", "length") for c in out), out
-    assert engine.stats["preemptions"] >= 1, engine.stats and engine.stats["cow_copies"] >= 1
+    assert engine.stats["preemptions"] >= 1 and engine.stats["cow_copies"] >= 1, engine.stats
     engine.generate([Request(i, p, 5, seed=i) for i, p in enumerate(prompts[:3])])
     assert engine.num_traces == warm
     # The compiled calls are shared: another engine of this model and geometry traces nothing.
@@ -396,6 +399,7 @@ def test_page_table_writes_copy_a_shared_partial_page_first_by_hand():
     assert table.index.tokens(2) == []  # a freed page leaves the index
 
 
+@pytest.mark.slow
 def test_agentic_bench_section_runs_both_arms_on_one_workload():
     """tg_jax.bench.agentic at toy sizes: both arms generate the workload's tokens, at equal
     KV bytes, and the figures are finite."""
@@ -433,6 +437,7 @@ def test_agentic_bench_section_runs_both_arms_on_one_workload():
     assert 0 < out["agentic/slot_occupancy"] <= 1
 
 
+@pytest.mark.slow
 def test_multi_step_decode_draws_what_single_steps_draw(setup):
     """decode_steps=5: up to 5 tokens a row per decode call, the same tokens and log-probs as
     one a call, through slot refills, stop ids (one checked on the device, one only on the

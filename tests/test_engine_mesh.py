@@ -46,6 +46,7 @@ GEOMETRY = dict(max_slots=4, page_size=4, max_pages_per_seq=12, prefill_chunk=8,
                 num_pages=13)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads, shape", [(2, (4, 2)), (4, (2, 4)), (1, (8, 1))])
 def test_engine_on_8_devices_equals_one_device(kv_heads, shape):
     """Greedy and sampled completions (tokens; log-probs within 1e-5) on 8 devices equal one
@@ -75,6 +76,7 @@ def test_engine_on_8_devices_equals_one_device(kv_heads, shape):
         assert engine.pool.k[0].sharding.is_equivalent_to(k.sharding, 4)  # the writes kept it
 
 
+@pytest.mark.slow
 def test_the_engine_takes_a_trainer_mesh_and_a_sampler_mesh():
     """A trainer's mesh (four axes) becomes an engine mesh over its devices; a sampler's
     ("data", "tensor") mesh is taken as it is; weights land with the sampler's rules."""
@@ -106,6 +108,7 @@ def _config(**loop):
     })  # fmt: skip
 
 
+@pytest.mark.slow
 def test_aot_engine_program_has_the_configs_geometry():
     """`--what=engine`: the engine's decode call as a run makes it, colocated (the trainer's
     8 devices) and per host (2 hosts of 4): rows, pool pages and table width from

@@ -586,6 +586,7 @@ def test_ignored_hints_keep_the_hint_message_but_not_the_format():
     assert 0.15 < rate < 0.35, rate
 
 
+@pytest.mark.slow
 def test_result_parsing_is_safe_from_many_threads():
     # The environment steps of a rollout run in a thread pool, beside the sampling loop's
     # thread; in CPython 3.11 concurrent AST construction can raise SystemError ("AST

@@ -6,6 +6,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from tests import rl_loop_driver as driver
 from tg_jax import checkpointing, config_files
@@ -19,6 +20,7 @@ def _logits(cfg: ModelConfig, params, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(Transformer(cfg).apply)({"params": params}, tokens))
 
 
+@pytest.mark.slow
 def test_export_every_writes_the_step_params_loadable(tmp_path):
     config = config_files.apply_overrides(
         driver.make_config(steps=3),

@@ -72,6 +72,7 @@ def _checkpoint_steps(workdir):
     return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
 
 
+@pytest.mark.e2e
 def test_an_environment_that_raises_fails_its_episode_and_the_run_goes_on(workdir):
     proc = _run(workdir, faults="env.step@2")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -81,6 +82,7 @@ def test_an_environment_that_raises_fails_its_episode_and_the_run_goes_on(workdi
     assert (workdir / "report" / "report.md").exists()
 
 
+@pytest.mark.e2e
 def test_a_sandbox_killed_mid_call_is_a_crashed_tool_call_and_the_run_goes_on(workdir):
     # Every sandboxed run after the first (the start-up probe) is killed.
     proc = _run(workdir, faults="sandbox.kill@2+")
@@ -111,6 +113,7 @@ def test_a_killed_sandbox_run_is_a_crashed_tool_call_in_the_step_info(monkeypatc
     assert env.step(run).info["tool_error"] is None  # the next run is not killed
 
 
+@pytest.mark.e2e
 def test_a_sandbox_that_cannot_start_is_one_error_line(workdir):
     """The probe itself killed: the namespace sandbox is unusable, said in one line (raised in
     the sampling thread, reported by the command)."""
@@ -121,6 +124,7 @@ def test_a_sandbox_that_cannot_start_is_one_error_line(workdir):
     assert "env.sandbox='audit'" in last
 
 
+@pytest.mark.e2e
 def test_nonfinite_steps_are_skipped_then_stop_the_run_with_finite_checkpoints(workdir):
     """Steps 2, 3 and 4 have NaN rewards, so NaN losses and gradients."""
     proc = _run(workdir, faults="step.nan@2+")
@@ -138,12 +142,14 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run_with_finite_checkpoints(w
     assert leaves and all(np.isfinite(np.asarray(x)).all() for x in leaves)
 
 
+@pytest.mark.e2e
 def test_nonfinite_stop_ends_the_run_at_the_first(workdir):
     proc = _run(workdir, "--config.rl.nonfinite=stop", faults="step.nan@2")
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "error: rl step 2: non-finite loss or gradient (rl.nonfinite=stop)" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_disk_full_while_checkpointing_keeps_the_previous_one_and_the_rerun_resumes(workdir):
     proc = _run(workdir, faults="checkpoint.save@3")
     assert proc.returncode == 4, proc.stderr[-3000:]
@@ -156,6 +162,7 @@ def test_disk_full_while_checkpointing_keeps_the_previous_one_and_the_rerun_resu
     assert _checkpoint_steps(workdir)[-1] == 4 and (workdir / "report" / "report.md").exists()
 
 
+@pytest.mark.e2e
 def test_a_corrupt_latest_checkpoint_resumes_from_the_one_before(workdir):
     proc = _run(workdir, faults="checkpoint.save@4")  # stops after step 3's checkpoint
     assert proc.returncode == 4 and _checkpoint_steps(workdir) == [2, 3], proc.stderr[-2000:]
@@ -172,6 +179,7 @@ def test_a_corrupt_latest_checkpoint_resumes_from_the_one_before(workdir):
     assert steps[-2:] == [3, 4] and (workdir / "report" / "report.md").exists()
 
 
+@pytest.mark.e2e
 def test_the_workdir_removed_during_the_run_is_one_clear_error(workdir):
     proc = subprocess.Popen(
         _cmd(workdir, "--config.stage=pipeline", *ARM, "--config.rl_loop.steps=50"),
@@ -236,6 +244,7 @@ def _one_line_error(*args):
     return errors[0]
 
 
+@pytest.mark.slow
 def test_one_epoch_that_is_not_one_epoch_is_refused_at_start_up(tmp_path):
     """The 1.7B config declares one epoch (200 steps x 32 groups = its 6400 train tasks): half
     the steps is refused before anything runs."""
@@ -251,6 +260,7 @@ def test_one_epoch_that_is_not_one_epoch_is_refused_at_start_up(tmp_path):
     assert not list((tmp_path / "w").iterdir())  # nothing written
 
 
+@pytest.mark.slow
 def test_epochs_over_a_task_file_are_checked_once_it_is_read(tmp_path):
     """A user's task file of 3 tasks, 2 steps x 2 groups declared as one epoch: refused by the
     data stage, the first stage of the run, with the counts."""

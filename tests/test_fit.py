@@ -33,6 +33,7 @@ def _reports(cfg, what, hosts=None):
     return [hbm.memory_report(p.compiled, p.name, BIG, p.resident) for p in programs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["lockstep", "builtin"])
 def test_async_sum_is_the_train_step_plus_the_sampler_call_s_own_bytes(engine):
     """Colocated on one host (lock-step: its weights are the trainer's params, counted once;
@@ -65,6 +66,7 @@ def test_async_sum_is_the_train_step_plus_the_sampler_call_s_own_bytes(engine):
         assert "does not fit" in str(e.value) and "DOES NOT FIT" in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_program_alone_over_the_memory_and_what_is_not_summed():
     """A program that alone exceeds the memory is named; without async sampling, or with the
     sampler on devices of its own, nothing is summed; vLLM's call is not compiled."""
@@ -84,6 +86,7 @@ def test_a_program_alone_over_the_memory_and_what_is_not_summed():
         fit.check(cfg)
 
 
+@pytest.mark.slow
 def test_main_refuses_a_config_that_does_not_fit_on_a_tpu_backend(monkeypatch, capsys):
     """tg_jax.main on a TPU backend: the figures on stderr and one error line, exit 2; off
     with rl_loop.check_fit=False, and never on other backends."""

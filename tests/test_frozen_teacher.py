@@ -113,6 +113,7 @@ def test_teacher_params_config():
         StepConfig.from_config(_config(**{"tg.teacher_params": "base"}))
 
 
+@pytest.mark.slow
 def test_reference_teacher_needs_reference_params_and_full_rows():
     cfg_model, model, params = _model_and_params()
     cfg = _config(cfg_model, **REFERENCE)
@@ -130,6 +131,7 @@ def test_reference_teacher_needs_reference_params_and_full_rows():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["forward", "reverse"])
 def test_reference_equal_to_policy_gives_the_policy_teacher(kind):
     cfg_model, model, params = _model_and_params()
@@ -151,6 +153,7 @@ def test_reference_equal_to_policy_gives_the_policy_teacher(kind):
     _tree_close(reference[2], compact[2], atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,tie,only",
     [("forward", True, None), ("reverse", True, None), ("forward", False, "lm_head")],
@@ -197,6 +200,7 @@ def test_reference_teacher_divergence_matches_numpy(kind, tie, only):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_train_step_teacher_stays_at_the_reference():
     cfg_model, model, params = _model_and_params()
     mesh = sharding.make_mesh(config_lib.mesh_config((1, 1, 1, 1)), jax.devices()[:1])
@@ -231,6 +235,7 @@ def test_train_step_teacher_stays_at_the_reference():
     assert abs(float(ref[2]["tg_kl"]) - float(pol[2]["tg_kl"])) > 1e-6
 
 
+@pytest.mark.slow
 def test_resumed_run_keeps_the_start_params_as_the_teacher(tmp_path):
     """The reference is made from run_rl's init_params, not from the restored checkpoint: a
     run stopped after step 1 and resumed equals the uninterrupted one, teacher included."""
@@ -266,6 +271,7 @@ def test_resumed_run_keeps_the_start_params_as_the_teacher(tmp_path):
         np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("teacher", ["policy", "reference"])
 def test_aot_train_step_lowers_with_either_teacher(teacher):
     """tg_jax.tpu.aot lowers the step as train/rl.py runs it: the reference teacher takes the

@@ -14,6 +14,7 @@ import sys
 import jax
 import numpy as np
 import optax
+import pytest
 
 from tests.test_pipeline import FAST_PIPELINE
 from tg_jax.models import checkpoint_io
@@ -35,6 +36,7 @@ def _norm(path: str) -> float:
     return float(optax.tree.norm(jax.tree.map(np.asarray, params)))
 
 
+@pytest.mark.e2e
 def test_tiny_pipeline_with_the_reference_teacher(tmp_path):
     work = tmp_path / "w"
     fast = {**FAST_PIPELINE, "rl_loop.steps": 3}
@@ -57,6 +59,7 @@ def test_tiny_pipeline_with_the_reference_teacher(tmp_path):
     assert all(m["update_skipped"] == 0.0 for m in train)
 
 
+@pytest.mark.e2e
 def test_fence_config_runlocal_smoke(tmp_path):
     work = tmp_path / "w"
     out = _main("configs/fence.py:runlocal", work).stdout

@@ -83,10 +83,13 @@ def _wait_for(path: str, proc: subprocess.Popen, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("arch", [DENSE, MOE], ids=["dense", "moe"])
-def test_hf_tg_runlocal_sigterm_resume_export(tmp_path, arch):
+@pytest.mark.e2e
+def test_hf_tg_runlocal_sigterm_resume_export(tmp_path):
+    """configs/hf_tg.py:runlocal from a dense checkpoint: SIGTERM after the first checkpoint,
+    the same command resumes, the export loads in transformers (a Qwen3-MoE checkpoint through
+    a SIGTERM and resume: tests/test_gcs.py's pods; its export in transformers: below)."""
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
-    make_model_dir(ckpt, arch)
+    make_model_dir(ckpt, DENSE)
     # 6 steps: the SIGTERM after the first checkpoint lands well before the last step (with 3,
     # a fast run could finish its steps first: then the pipeline stops before the evaluation
     # and the rerun only evaluates, a valid path but not the resume this test is about).
@@ -114,6 +117,7 @@ def test_hf_tg_runlocal_sigterm_resume_export(tmp_path, arch):
     _check_export(str(work / "export" / "tg_seed0"), str(ckpt), str(ckpt))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "config,arch",
     [("configs/qwen3_1p7b_tg.py:runlocal", DENSE),
@@ -137,9 +141,10 @@ def test_qwen3_configs_one_step_from_checkpoint(tmp_path, config, arch):
     _run(cmd)
     summary = json.loads((work / "runs" / "tg_seed0" / "rl_summary.json").read_text())
     assert summary["step"] == 1 and summary["finished"]
-    assert (work / "export" / "tg_seed0" / "model.safetensors").exists()
+    _check_export(str(work / "export" / "tg_seed0"), str(ckpt), str(ckpt))
 
 
+@pytest.mark.e2e
 def test_checkpoint_that_does_not_match_the_config_is_a_clear_error(tmp_path):
     ckpt = tmp_path / "ckpt"
     make_model_dir(ckpt, DENSE)

@@ -104,6 +104,7 @@ def _no_thinking(trajs):
             for t in trajs]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["grpo", "dr_grpo"])
 def test_turn_rows_without_thinking_give_the_loss_and_gradient_of_whole_episodes(mode):
     """With nothing to hide, a turn's row is a prefix of its episode's row: the policy loss
@@ -179,6 +180,7 @@ def _hidden_turns(trajs):
     return out
 
 
+@pytest.mark.slow
 def test_greedy_hidden_episodes_are_the_same_on_both_rollout_paths():
     lock, eng = _play("lockstep", 0.0), _play("engine", 0.0)
     for a, b in zip(lock, eng, strict=True):
@@ -188,6 +190,7 @@ def test_greedy_hidden_episodes_are_the_same_on_both_rollout_paths():
     assert _hidden_turns(eng), "the base played no multi-turn episode with thinking"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["engine", "lockstep"])
 def test_sampled_turns_carry_the_log_probs_of_their_visible_context(path):
     """Temperature 1: each later turn's behaviour log-probs are the model's on its segment
@@ -239,6 +242,7 @@ def test_a_config_that_cannot_hide_thinking_is_refused():
         ))  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_the_thinking_protocol_runs_the_hidden_arm_from_the_shipped_base(tmp_path):
     """The user's command on configs/thinking.py, tiny settings: the hidden arm trains from the
     shipped base (rows = episodes x 3 turns), is evaluated with hidden thinking, and the report
@@ -248,6 +252,7 @@ def test_the_thinking_protocol_runs_the_hidden_arm_from_the_shipped_base(tmp_pat
            f"--workdir={work}", "--config.pipeline.arms=('tg','tg_think_hidden','tg_think_short')",
            "--config.eval.train_seeds=(0,)", "--config.eval.baseline=tg",
            "--config.rl_loop.steps=2", "--config.optim.total_steps=2",
+           "--config.rl_loop.groups_per_step=2", "--config.rl_loop.rollouts_per_group=2",
            "--config.rl_loop.eval_every=0", "--config.eval.num_tasks=4",
            "--config.eval.samples_per_task=1", "--config.sft.eval.num_tasks=8"]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}

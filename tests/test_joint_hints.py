@@ -113,6 +113,7 @@ def test_joint_config_judges_and_rewards_both():
     assert set(config.sft.transcripts.forced_requirements) == {"fence", "tool_json"}
 
 
+@pytest.mark.e2e
 def test_joint_config_runlocal_smoke(tmp_path):
     from tests.test_frozen_teacher_cli import _main
 

@@ -148,6 +148,7 @@ def test_a_judged_requirement_judges_an_environments_turns():
     assert polite.timeout_s == judge.timeout_s + 1.0
 
 
+@pytest.mark.slow
 def test_a_checkpoint_judges_with_its_own_template_as_transformers_decodes(tmp_path):
     """ModelJudge on a small random Qwen3 checkpoint with Qwen3's public template: the prompt
     is the template's (transformers' apply_chat_template ids), each answer is transformers'

@@ -153,17 +153,22 @@ def test_readme_is_for_users():
     assert not hashes, hashes
 
 
-def test_the_files_and_tests_conftest_names_exist():
-    """conftest's slow tier and its longest-first order name test files and tests by string: a
-    renamed file would silently leave the slow tier or go to the end of the run."""
+def test_the_files_conftest_orders_exist_and_test_fast_leaves_out_every_marker():
+    """conftest's longest-first order names test files by string (a renamed file would go to
+    the end of the run), and `launch/local.sh test-fast` must leave out every marker pytest.ini
+    declares."""
+    import configparser
+
     from tests import conftest
 
     here = os.path.dirname(os.path.abspath(__file__))
-    files = set(conftest.SLOW_FILES) | set(conftest.LONGEST_FIRST)
+    files = set(conftest.LONGEST_FIRST)
     assert sorted(f for f in files if not os.path.isfile(os.path.join(here, f))) == []
-    assert len(set(conftest.LONGEST_FIRST)) == len(conftest.LONGEST_FIRST)
-    for name in conftest.SLOW_TESTS:
-        file, test = name.split("::")
-        with open(os.path.join(here, file), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        assert test in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, name
+    assert len(files) == len(conftest.LONGEST_FIRST)
+    ini = configparser.ConfigParser()
+    ini.read(os.path.join(here, "..", "pytest.ini"))
+    markers = [line.split(":")[0] for line in ini["pytest"]["markers"].split("\n") if line]
+    assert markers == ["slow", "e2e", "multiprocess"]
+    with open(os.path.join(here, "..", "launch", "local.sh"), encoding="utf-8") as f:
+        local = f.read()
+    assert '-m "' + " and ".join(f"not {m}" for m in markers) + '"' in local

@@ -27,6 +27,7 @@ def _cfg(**kw):
     return ModelConfig(**base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tie,kv_heads",
     [(True, 4), (False, 4), (True, 2), (False, 1)],
@@ -53,6 +54,7 @@ def test_causal_query_blocks_match_transformers():
     np.testing.assert_allclose(ours, hf_logits(hf_model, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_causal_query_blocks_equal_one_block_on_packed_rows():
     """Same logits and gradients with and without query blocks: packed segments, padding."""
     params = init_params(Transformer(_cfg()), jax.random.key(8))
@@ -98,6 +100,7 @@ def test_hf_round_trip_is_exact(moe):
     jax.tree.map(np.testing.assert_array_equal, params_from_tensors(fused, cfg), params)
 
 
+@pytest.mark.slow
 def test_kv_cache_decoding_matches_full_forward():
     """The decode path (prefill, then one token per step) gives the full forward's logits."""
     cfg = _cfg()
@@ -121,6 +124,7 @@ def test_kv_cache_decoding_matches_full_forward():
     np.testing.assert_allclose(np.stack(steps, axis=1), full[:, n_prompt - 1 :], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_kv_cache_per_row_lengths():
     """Rows with different prompt lengths (right padding) decode like their own full forward."""
     cfg = _cfg()
@@ -149,6 +153,7 @@ def test_kv_cache_per_row_lengths():
         np.testing.assert_allclose(np.stack(got[i]), ref[lens[i] - 1 : n], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_packed_segments_equal_separate_sequences():
     cfg = _cfg()
     model = Transformer(cfg)
@@ -167,6 +172,7 @@ def test_packed_segments_equal_separate_sequences():
     np.testing.assert_allclose(out[7:12], ref_b, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_same_values_and_grads(policy):
     cfg = _cfg()

@@ -37,6 +37,7 @@ def _numpy_moe(x_XxD, p, k, norm):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["dense", "ragged"])
 @pytest.mark.parametrize("norm", [True, False], ids=["norm_topk", "raw_topk"])
 def test_block_matches_numpy(dispatch, norm):
@@ -98,6 +99,7 @@ def _grads(cfg, params, tokens, mesh=None, rules=None):
         return fn(params)
 
 
+@pytest.mark.slow
 def test_sharded_values_and_grads_equal_single_device():
     """shard_map expert parallelism = one device, with every collective of the sharded path.
 
@@ -123,6 +125,7 @@ def test_sharded_values_and_grads_equal_single_device():
     assert float(jnp.abs(g["layers"]["mlp"]["router"]).max()) > 0  # router gets gradients
 
 
+@pytest.mark.slow
 def test_router_aux_loss_enters_the_rl_loss_with_its_coefficient():
     """model.router_aux_loss_coef > 0: the RL loss gains coef x the load-balancing loss of the
     student forward (weighted by the batch's token share), and the routers get its gradient."""

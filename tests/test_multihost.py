@@ -112,6 +112,7 @@ def _train_and_eval(workdir):
     return {(r["stage"], r["step"]): r for r in read_metrics(workdir)}
 
 
+@pytest.mark.multiprocess
 def test_two_processes_equal_one(runs):
     ref, mh = runs["ref"] / "det", runs["mh"] / "det"
     a, b = np.load(ref / "final_params.npz"), np.load(mh / "final_params.npz")
@@ -145,6 +146,7 @@ def test_two_processes_equal_one(runs):
     assert sa["costs"]["teacher_forward_flops"] > 0  # TG really ran a teacher
 
 
+@pytest.mark.multiprocess
 def test_a_sampler_on_its_own_devices_of_each_process_equals_one_process(runs):
     """sampler_mesh.num_devices 4: 2 processes each sample on their last 2 devices and train
     on their first 2 (one trainer mesh of 4); the single process samples on its last 4. Same
@@ -163,6 +165,7 @@ def test_a_sampler_on_its_own_devices_of_each_process_equals_one_process(runs):
     assert "split process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
 
 
+@pytest.mark.multiprocess
 def test_the_builtin_engine_on_each_process_equals_one_process(runs):
     """rl_loop.rollout_engine "builtin": each of 2 processes plays its share of the groups on
     an engine over its own 4 devices (`Engine(mesh)`), the single process on one engine over 8;
@@ -188,6 +191,7 @@ def test_the_builtin_engine_on_each_process_equals_one_process(runs):
     assert "engine process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
 
 
+@pytest.mark.multiprocess
 def test_the_whole_host_split_equals_one_process(tmp_path):
     """sampler_mesh.processes 2 on 4 processes x 2 devices: processes 0 and 1 train (one
     trainer mesh of 4), 2 and 3 sample on all their devices; the run stops after its step 2
@@ -240,6 +244,7 @@ def test_the_whole_host_split_equals_one_process(tmp_path):
         assert f"whole process {i}/4 step {STEPS} finished True" in _tail(logs[f"p{i}"])
 
 
+@pytest.mark.multiprocess
 def test_two_process_checkpoint_and_export(runs):
     """Both processes wrote their shards of each checkpoint (orbax); it restores on one
     process to the final params; process 0 exported them."""
@@ -260,6 +265,7 @@ def test_two_process_checkpoint_and_export(runs):
         np.testing.assert_array_equal(exported[k], final[k], err_msg=k)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_resume_and_sample_async(runs):
     """The two processes restore the deterministic run's last checkpoint (and its task
     position) and continue with the sampling thread."""
@@ -286,6 +292,7 @@ def test_process_slice_shares_without_overlap():
     assert multihost.allgather_objects({"a": 1}) == [{"a": 1}]
 
 
+@pytest.mark.slow
 def test_row_ids_make_a_row_sample_the_same_in_any_batch():
     """What lets each host sample its share: a row's draws depend on its id, not its batch."""
     config = driver.make_config()
@@ -415,6 +422,7 @@ def _two_processes(script: str, *args: str, count: int = 2) -> list[subprocess.P
     return procs
 
 
+@pytest.mark.multiprocess
 def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
     """Two processes: the shared file is written by process 0 alone and read by both; agreed()
     gives process 0's value everywhere."""
@@ -442,6 +450,7 @@ except RunError as e:
 """
 
 
+@pytest.mark.multiprocess
 def test_processes_that_name_different_sampler_processes_are_refused():
     """The whole-host split's roles are agreed by every process: 3 processes, one given
     another `sampler_mesh.processes`, all stop with the same clear error (no hang)."""
@@ -473,6 +482,7 @@ except multihost.BarrierError as e:
 """
 
 
+@pytest.mark.multiprocess
 def test_a_barrier_a_process_misses_fails_with_its_name_not_a_hang():
     procs = _two_processes(_BARRIER)
     out0, err0 = procs[0].communicate(timeout=120)

@@ -59,6 +59,7 @@ def _cell_seconds(nb) -> dict[int, float]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, monkeypatch, tmp_path):
     from nbclient import NotebookClient

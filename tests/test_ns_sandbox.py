@@ -358,6 +358,7 @@ def test_host_files_and_environment_are_not_readable(tmp_path, monkeypatch):
     assert max(pids) < 20, "only the sandbox's own processes are visible"
 
 
+@pytest.mark.slow
 def test_other_sandboxes_copies_are_invisible(tmp_path):
     """A spy sandbox sees none of a live sandbox's files or processes (the victim is checked
     to outlive the spy; both get time to start on a loaded machine)."""

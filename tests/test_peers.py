@@ -329,6 +329,7 @@ def test_sgcd_advantage_reweighting_clipping_and_no_kl():
 METHODS = ("tg", "sdpo", "opsd", "sdar", "sgcd")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_each_arm_runs_one_train_step(method):
     from tg_jax.train import pipeline
@@ -379,6 +380,7 @@ BEFORE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compact", [False, True])
 def test_default_method_leaves_the_tg_loss_unchanged(compact):
     # BEFORE was recorded with the reverse KL over the token mean (lambda 0.5).
@@ -392,6 +394,7 @@ def test_default_method_leaves_the_tg_loss_unchanged(compact):
     assert sums["tg_loss"] > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method,gate",
     [("sdpo", "all_turns"), ("sdar", "failed_turns"), ("sgcd", "failed_turns")],

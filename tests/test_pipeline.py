@@ -160,6 +160,7 @@ def test_a_torn_heldout_read_ledger_is_a_clear_error(tmp_path):
         heldout_reads.reads(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_pipeline_runs_every_stage_and_caches(tmp_path):
     reg = tmp_path / "preregistrations.jsonl"  # a registered hypothesis (evaluation.registry)
     config = config_files.apply_overrides(
@@ -252,6 +253,7 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
         assert "**1 more read(s)**: final evaluation of tg_seed0 on" in f.read()
 
 
+@pytest.mark.slow
 def test_changed_protocol_is_refused(tmp_path):
     config = _config()
     workdir = str(tmp_path)
@@ -277,6 +279,7 @@ def test_changed_protocol_is_refused(tmp_path):
         protocol.check_preregistration(config, workdir, arms)
 
 
+@pytest.mark.slow
 def test_base_model_gates_stop_before_rl(tmp_path):
     config = config_files.apply_overrides(
         _config(),
@@ -300,6 +303,7 @@ def test_base_model_gates_stop_before_rl(tmp_path):
         assert not os.path.exists(os.path.join(workdir, path)), path
 
 
+@pytest.mark.slow
 def test_retry_seed_that_passes_the_gates_is_used_and_reported(tmp_path, monkeypatch):
     config = config_files.apply_overrides(_config(), {"sft.retry_seeds": 2})
     workdir = str(tmp_path)
@@ -342,6 +346,7 @@ def _sigterm_then(fn):
     return wrapped
 
 
+@pytest.mark.slow
 def test_sigterm_during_sft_stops_the_job_and_a_rerun_resumes(
     tmp_path, monkeypatch, restore_sigterm
 ):
@@ -366,6 +371,7 @@ def test_sigterm_during_sft_stops_the_job_and_a_rerun_resumes(
     assert [(s["start_step"], s["end_step"]) for s in sessions] == [(0, 1), (1, 4)]
 
 
+@pytest.mark.slow
 def test_sigterm_during_an_rl_arm_stops_the_job_and_a_rerun_resumes(
     tmp_path, monkeypatch, restore_sigterm
 ):
@@ -402,6 +408,7 @@ def test_sigterm_during_an_rl_arm_stops_the_job_and_a_rerun_resumes(
     assert steps == [1, 2]  # resumed at step 1, finished at 2
 
 
+@pytest.mark.slow
 def test_base_model_evaluated_for_other_requirements_is_evaluated_again(tmp_path, capsys):
     # A finished SFT whose sft_eval.json has no figures for a requirement of the config (the
     # demo's base copied into a workdir of another requirement) is evaluated again, not

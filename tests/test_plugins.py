@@ -186,7 +186,7 @@ def test_a_plugin_environment_without_dev_tasks_and_a_periodic_evaluation_is_ref
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_tiny_main_job_with_a_plugin_requirement_and_environment(tmp_path):
     """The user's command on the tiny main job: a plug-in requirement beside the fence in the
     coding environment, its held-out tasks from the user's file with its own field names,

@@ -100,6 +100,7 @@ def _tree_close(a, b, atol):
 # (1) The clip acts after the first minibatch.
 
 
+@pytest.mark.slow
 def test_clip_fractions_nonzero_after_first_minibatch():
     cfg = _config(**{"rl.num_updates": 4, "rl.num_minibatches": 4, "rl.dual_clip": 3.0})
     typed = StepConfig.from_config(cfg)
@@ -159,6 +160,7 @@ def _np_decoupled(logp, behaviour, prox, adv_B, mask, *, clip_low, clip_high, du
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", [None, 1.5])
 def test_decoupled_ppo_matches_numpy_on_a_stale_batch(cap):
     rng = np.random.default_rng(0)
@@ -215,6 +217,7 @@ def _todays_step(state, batch, *, model, config, optimizer):
     return keep(new_params, state.params), keep(new_opt_state, state.opt_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tis_cap", [0.0, 2.0])
 def test_one_update_equals_todays_step(tis_cap):
     cfg = _config(**{"rl.num_updates": 1, "rl.num_minibatches": 1, "rl.tis_cap": tis_cap})
@@ -250,6 +253,7 @@ def test_one_update_equals_todays_step(tis_cap):
 # (4) Sharded equals single-device.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "compact, credit",
     [(True, "episode"), (False, "episode"), (True, "turn")],
@@ -301,6 +305,7 @@ def test_minibatch_rows_checked_at_config_time():
 # (5) A user's run.
 
 
+@pytest.mark.e2e
 def test_main_runs_ppo_epochs_end_to_end(tmp_path):
     env = {**cpu_devices_env(1), "JAX_PLATFORMS": "cpu"}  # a laptop: one CPU device
     workdir = tmp_path / "w"

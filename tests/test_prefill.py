@@ -155,6 +155,7 @@ def test_summary_numbers():
     assert 0.0 <= lo <= 0.5 <= hi <= 1.0
 
 
+@pytest.mark.slow
 def test_users_command_on_a_saved_model(tmp_path, capsys):
     from tg_jax.data import task_data
     from tg_jax.models import ModelConfig, Transformer, hf_dir, init_params

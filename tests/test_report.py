@@ -118,6 +118,7 @@ def test_write_report(tmp_path):
     assert f"**at least {ct['total_s'] / 60:.1f} min**" in md
 
 
+@pytest.mark.slow
 def test_verdict_follows_margin(tmp_path):
     runs = _runs()
     pb = {"n_boot": 200, "ni_interval": "paired_bootstrap"}
@@ -185,6 +186,7 @@ def test_baseline_under_the_floor_is_not_meaningful_and_the_setting_is_shown(tmp
     assert "the behaviour's own cost there is -0.080" in md
 
 
+@pytest.mark.slow
 def test_markdown_names_clusters_when_tasks_share_functions(tmp_path):
     import dataclasses
 

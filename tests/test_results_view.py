@@ -78,6 +78,7 @@ def test_plots(workdir):
     plt.close("all")
 
 
+@pytest.mark.slow
 def test_load_base_policy_without_checkpoint(tmp_path):
     from tg_jax import config_files
 

@@ -92,6 +92,7 @@ def full_run(tmp_path_factory):
     return workdir, result
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_matches_uninterrupted(full_run, tmp_path):
     full_dir, full = full_run
     assert full.finished and full.step == driver.STEPS
@@ -133,6 +134,7 @@ def _copy_ckpts(full_dir, dst):
     return dst
 
 
+@pytest.mark.slow
 def test_wrong_arm_shape_mismatch_and_corrupt_checkpoint(full_run, tmp_path):
     full_dir, _ = full_run
     work = _copy_ckpts(full_dir, tmp_path / "a")
@@ -165,6 +167,7 @@ def test_wrong_arm_shape_mismatch_and_corrupt_checkpoint(full_run, tmp_path):
         _run(work)
 
 
+@pytest.mark.slow
 def test_sigterm_then_failed_save_then_resume(full_run, tmp_path, monkeypatch):
     """SIGTERM: the step in flight completes, is checkpointed, run_rl returns. A later save that
     raises (disk full, ...) leaves that checkpoint intact; the rerun resumes from it and ends

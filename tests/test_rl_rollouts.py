@@ -126,6 +126,7 @@ def test_feedback_picks_depend_only_on_batch_index(monkeypatch):
     assert fake.calls[-1][1] == []
 
 
+@pytest.mark.slow
 def test_async_loop_smoke(tmp_path):
     config = driver.make_config("grpo", async_sampling=True, steps=3)
     result = rl.run_rl(
@@ -163,6 +164,7 @@ def test_async_loop_smoke(tmp_path):
     assert (tmp_path / "report" / "report.md").exists()
 
 
+@pytest.mark.slow
 def test_async_resume_continues_the_batch_indices(tmp_path):
     # The sampling thread samples ahead; after a resume it restarts at the first batch the
     # trainer had not consumed, and the batch indices stay absolute.

@@ -141,6 +141,7 @@ def test_limits_end_episodes_cleanly():
         )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_random_model_rollout_logprobs_match_recompute():
     cfg = ModelConfig.from_config(config_lib.tiny_model_config())
     model = Transformer(cfg)
@@ -218,6 +219,7 @@ def _expected_prefill(traj, group_size):
     return contexts[0] / group_size + sum(later), sum(contexts)
 
 
+@pytest.mark.slow
 def test_rollout_with_kept_cache_samples_what_reprefill_samples():
     """Multi-turn episodes of a random model (turns cut at their budgets, episodes ending at
     different turns on the context limit): the kept KV cache gives the re-prefill's tokens,
@@ -370,6 +372,7 @@ class RowCounter:
         return self.sampler.sample(params, prompts, **kw)
 
 
+@pytest.mark.slow
 def test_rows_above_max_rows_give_the_rollouts_of_one_call():
     """`max_rows` = 4 of 3 groups x 3 rollouts (9 episodes, ending at different turns): chunks
     of 4, 4 and 1 episodes, played one after the other; the trajectories are those of one call

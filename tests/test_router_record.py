@@ -55,6 +55,7 @@ def _prompts(lengths, seed=0):
     return [[int(t) for t in rng.integers(1, CFG.vocab_size, n)] for n in lengths]
 
 
+@pytest.mark.slow
 def test_routes_equal_the_trainer_forward_shared_prefixes_included(setup):
     """Greedy and sampled requests, more than slots, three sharing one prompt (the followers
     read the leader's pages): every completion's record is the full forward's routing."""
@@ -70,6 +71,7 @@ def test_routes_equal_the_trainer_forward_shared_prefixes_included(setup):
         _check(model, params, done[i], p)
 
 
+@pytest.mark.slow
 def test_routes_of_a_continued_and_a_preempted_request(setup):
     """A continuation's record covers its parent's context (kept pages) and its own turn; in a
     pool too small for every sequence, preempted requests re-prefill and still record the
@@ -108,6 +110,7 @@ def test_no_record_unless_asked_and_dense_models_refused(setup):
         paged.init_pool(dense, 4, 4, routes=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segment", [0, 8])
 def test_the_lockstep_sampler_records_the_forward_s_routing(setup, segment):
     """One call from the prompts, then three turns through a `TurnCache` (kept contexts,

@@ -41,6 +41,7 @@ def _shuffled(ids, seed):
     return (ids + off) % MODEL.num_experts
 
 
+@pytest.mark.slow
 def test_replaying_the_own_routing_changes_nothing(setup):
     model, params, tokens = setup
     logits, ids = _routing(model, params, tokens)
@@ -94,6 +95,7 @@ def test_replayed_block_matches_numpy(norm):
     np.testing.assert_allclose(own, _numpy_moe(x[0], p, cfg.experts_per_token, norm), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_replay_changes_the_loss_and_reaches_the_router(setup):
     """A token-level NLL with replayed (other) experts differs from the unreplayed one; its
     gradient reaches the router (through the replayed experts' probabilities)."""
@@ -113,6 +115,7 @@ def test_replay_changes_the_loss_and_reaches_the_router(setup):
     assert float(jnp.abs(grads["layers"]["mlp"]["router"]).max()) > 0
 
 
+@pytest.mark.slow
 def test_replay_on_a_dense_model_is_refused():
     cfg = ModelConfig(**{**CFG, "num_experts": 0, "experts_per_token": 0, "mlp_dim": 32})
     model = Transformer(cfg)

@@ -53,6 +53,7 @@ def _greedy_by_recompute(logits_fn, prompt, n, width=WIDTH):
     return seq[len(prompt) :]
 
 
+@pytest.mark.slow
 def test_greedy_matches_full_recompute_and_hf(setup):
     import torch
 
@@ -72,6 +73,7 @@ def test_greedy_matches_full_recompute_and_hf(setup):
     assert all(np.all(lp == 0.0) for lp in out.logprobs)  # greedy: point mass
 
 
+@pytest.mark.slow
 def test_long_prompts_prefill_in_query_blocks_like_the_model():
     """Prompt blocks longer than the prefill's query block (128): the next-token logits and
     the greedy continuation equal full recomputation by the model."""
@@ -101,6 +103,7 @@ def test_long_prompts_prefill_in_query_blocks_like_the_model():
         assert list(toks) == _greedy_by_recompute(fwd, prompt, 6, width=320)
 
 
+@pytest.mark.slow
 def test_moe_sampler_matches_full_recompute():
     """A Qwen3-MoE model through the sampler's own prefill and decode steps (MoE block)."""
     cfg = ModelConfig(
@@ -118,6 +121,7 @@ def test_moe_sampler_matches_full_recompute():
         assert list(toks) == _greedy_by_recompute(logits_fn, prompt, 10, width=32)
 
 
+@pytest.mark.slow
 def test_logprobs_match_trainer_recompute(setup):
     _, model, params, sampler = setup
     prompts = _prompts((7, 3, 12, 6), seed=1)
@@ -185,6 +189,7 @@ def test_filter_logits_by_hand():
                                np.asarray(logits) / 2, rtol=1e-6)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_stop_ids_and_max_new_per_row(setup):
     _, _, params, sampler = setup
     prompts = _prompts((5, 8, 3), seed=4)
@@ -205,6 +210,7 @@ def test_stop_ids_and_max_new_per_row(setup):
     assert out.stopped.tolist() == [True, False, False]
 
 
+@pytest.mark.slow
 def test_no_retrace_within_buckets():
     model = Transformer(CFG)
     params = jax.tree.map(jnp.asarray, make_hf_qwen3(CFG, seed=0)[1])
@@ -226,6 +232,7 @@ def test_buckets():
     assert batch_bucket(3, 8) == 8
 
 
+@pytest.mark.slow
 def test_sharded_sampler_matches_single_device(setup):
     from tg_jax import config_lib, sharding
 
@@ -247,6 +254,7 @@ def test_sharded_sampler_matches_single_device(setup):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_data_parallel_sampler_runs_a_loop_per_shard_and_matches_single_device(setup):
     """Rows split over all devices with replicated params: each device runs its own decode loop
     (shard_map) on its rows' slice of the same random numbers, so even sampled (temperature,
@@ -273,6 +281,7 @@ def test_data_parallel_sampler_runs_a_loop_per_shard_and_matches_single_device(s
     assert sum(len(t) for t in ref.tokens) > 40  # sampled, not stopped at once
 
 
+@pytest.mark.slow
 def test_segment_ends_by_hand():
     from tg_jax.models.decode import extend, prefill
     from tg_jax.sampling.rows import segment_ends
@@ -300,6 +309,7 @@ def test_segment_ends_by_hand():
         extend(grown, 8)
 
 
+@pytest.mark.slow
 def test_segmented_loop_samples_what_one_loop_samples(setup):
     """Segments change how many cache slots a step reads (masked ones weigh exactly 0), not
     what is sampled: tokens equal one loop over all slots, log-probs to float rounding."""
@@ -420,6 +430,7 @@ def _assert_same_turns(ref_calls, calls, atol=1e-5):
 TURN_STOPS = {0: [7, 8], 1: [8], 2: list(range(1, 12)), 3: [], 4: list(range(40, 60)), 5: [5]}
 
 
+@pytest.mark.slow
 def test_turn_cache_samples_what_reprefill_samples_and_prefills_only_appended_tokens(setup):
     """Kept keys/values across calls: the same tokens as re-prefilling every context (same
     random numbers), log-probs to float rounding; a call prefills only what was appended (the
@@ -443,6 +454,7 @@ def test_turn_cache_samples_what_reprefill_samples_and_prefills_only_appended_to
     assert [len(k) for k, _, _ in out] == [6, 5, 3]  # rows ended after different turns
 
 
+@pytest.mark.slow
 def test_turn_cache_sharded_matches_single_device(setup):
     """The cached multi-turn calls on 8 devices (params sharded, one loop under the activation
     rules) and split over 4 devices (one loop per shard) sample what one device samples."""
@@ -469,6 +481,7 @@ def test_turn_cache_sharded_matches_single_device(setup):
     _assert_same_turns(ref, _turns(split, replicated, **kw))
 
 
+@pytest.mark.slow
 def test_turn_cache_rejects_contexts_that_do_not_extend_the_cached_ones(setup):
     from tg_jax.sampling.turn_cache import TurnCache
 

@@ -190,6 +190,7 @@ def test_loop_runs_real_rollouts_against_the_env():
     assert [t.group_id for t in first.trajectories] == [0, 0, 1, 1]
 
 
+@pytest.mark.slow
 def test_data_parallel_sampler_on_a_device_subset():
     from tg_jax import config_lib
     from tg_jax.models import ModelConfig, Transformer, init_params

@@ -144,6 +144,7 @@ def _tiny_config():
     return config_files.load_config_file(os.path.join(CONFIG_DIR, "tiny.py"))
 
 
+@pytest.mark.slow
 def test_tiny_sft_reduces_loss_and_resume_matches_uninterrupted(tmp_path):
     config = _tiny_config()
     steps = int(config.sft.steps)

@@ -64,6 +64,7 @@ def _tiny_config():
     return mod.get_config()
 
 
+@pytest.mark.slow
 def test_tiny_sft_keeps_the_selected_step_and_loads_it(tmp_path, monkeypatch):
     config = _tiny_config()
     assert (config.sft.select.start, config.sft.select.every, config.sft.steps) == (3, 3, 6)
@@ -172,6 +173,7 @@ def _params(state):
     return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
+@pytest.mark.slow
 def test_tiny_sft_extends_a_low_run_and_resumes_inside_the_extension(tmp_path, monkeypatch, capsys):
     overrides = {"sft.extend.steps": 3, "sft.extend.min_pass_rate": 0.25}
     config = config_files.apply_overrides(_tiny_config(), overrides)
@@ -220,6 +222,7 @@ def test_tiny_sft_extends_a_low_run_and_resumes_inside_the_extension(tmp_path, m
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_tiny_sft_not_extended_is_the_run_without_the_option(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(

@@ -38,6 +38,7 @@ def test_resolve_mesh_shape():
         sharding.resolve_mesh_shape((3, -1), 8)
 
 
+@pytest.mark.slow
 def test_sharded_forward_equals_single_device_and_placement():
     assert len(jax.devices()) == 8
     model = _model()
@@ -67,6 +68,7 @@ def test_sharded_forward_equals_single_device_and_placement():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_replicated_large_params_fail_loudly():
     model = _model()
     mesh = sharding.make_mesh(config_lib.mesh_config((2, 2, 2, 1)))

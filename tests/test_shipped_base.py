@@ -82,6 +82,7 @@ def test_a_missing_base_is_one_error_line_before_any_stage(tmp_path):
     assert not (tmp_path / "w").exists() or not os.listdir(tmp_path / "w")
 
 
+@pytest.mark.e2e
 def test_the_default_runs_rl_from_its_shipped_base(tmp_path):
     """`python -m tg_jax.main --config=configs/default.py` on tiny RL settings: no SFT, the
     base copied to W/base_model, 2 TG steps, the held-out evaluation; the report names the
@@ -168,6 +169,7 @@ def _continued(tmp_path, **overrides):
     return [r["loss"] for r in read_metrics(tmp_path, stage="sft")]
 
 
+@pytest.mark.slow
 def test_sft_init_continues_the_shipped_base(tmp_path):
     """SFT from sft.init starts at the base's loss on fence transcripts (the default base was
     trained on the same expert: well under 1 nat per token), a random init at ~ln 272 = 5.6;
@@ -206,6 +208,7 @@ def test_sft_init_may_train_a_longer_context_than_its_base_and_rl_from_a_base_ma
         shipped_base.sft_init(config_files.apply_overrides(config, {"model.num_layers": 3}))
 
 
+@pytest.mark.e2e
 def test_a_bad_sft_init_is_one_error_line(tmp_path):
     for extra, want in (
         (("--config.sft.init=nope",), "error: invalid config: sft.init='nope': no shipped base in"),
@@ -221,6 +224,7 @@ def test_a_bad_sft_init_is_one_error_line(tmp_path):
     assert not (tmp_path / "w").exists() or not os.listdir(tmp_path / "w")
 
 
+@pytest.mark.slow
 def test_remeasure_records_dev_figures_and_keeps_the_earlier_ones(tmp_path):
     """`python -m tg_jax.ship_base --remeasure`: the base's figures measured again on its dev
     tasks (sft.eval) become the recorded ones; the weights and the earlier figures stay."""

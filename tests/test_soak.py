@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -18,6 +20,7 @@ def _soak(workdir, *args):
     )  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_soak_two_runs_one_preempted_and_resumed(tmp_path):
     proc = _soak(tmp_path, "--runs=2", "--kill_every=2", "--busy=1", "--seed=3")
     lines = proc.stdout.strip().splitlines()
@@ -25,7 +28,7 @@ def test_soak_two_runs_one_preempted_and_resumed(tmp_path):
     assert lines[-1] == "soak: 2/2 ok", lines
     assert lines[0].startswith("run 0: ok exit 0 in ")
     assert lines[1].startswith("run 1: ok exit 0 in ") and "SIGTERM at" in lines[1], lines[1]
-    assert lines[1].endswith(", resumed")
+    assert lines[1].endswith("-> exit 143, resumed"), lines[1]  # stopped as a preemption
     for i in range(2):
         assert (tmp_path / f"run_{i}" / "report" / "results.json").exists()
     assert (tmp_path / "run_1" / "soak_1.log").exists()  # the resuming rerun's log
@@ -33,6 +36,7 @@ def test_soak_two_runs_one_preempted_and_resumed(tmp_path):
     assert "itertools.count" not in ps  # the busy process is gone
 
 
+@pytest.mark.e2e
 def test_soak_counts_failed_runs_and_exits_1(tmp_path):
     proc = _soak(tmp_path, "--runs=2", "--kill_every=0", "--busy=0", "--config.rl.nonfinite=no")
     lines = proc.stdout.strip().splitlines()
@@ -42,8 +46,29 @@ def test_soak_counts_failed_runs_and_exits_1(tmp_path):
     assert lines[-1] == "soak: 0/2 ok"
 
 
+@pytest.mark.e2e
 def test_soak_rejects_arguments_it_does_not_know(tmp_path):
     proc = _soak(tmp_path, "--runs=0")
     assert proc.returncode == 2 and "--runs must be >= 1" in proc.stderr
     proc = _soak(tmp_path, "--bogus=1")
     assert proc.returncode == 2 and "unrecognized arguments: --bogus=1" in proc.stderr
+
+
+def test_a_sigtermed_run_counts_only_when_it_stopped_as_a_preemption():
+    """A rerun after a SIGTERM is called resumed only when the first command saved and exited
+    143; one killed outright (-15) or failing (1) fails the run even if the rerun finished."""
+    from tg_jax.soak import RunOutcome
+
+    def outcome(first):
+        return RunOutcome(1, [first, 0], 9.0, 4.0, report=True)
+
+    assert outcome(143).ok and outcome(143).line().endswith("-> exit 143, resumed")
+    assert outcome(0).ok and outcome(0).line().endswith("-> exit 0, rerun")  # done before it
+    for first in (-15, 1):
+        assert not outcome(first).ok
+        assert (
+            outcome(first).line()
+            == f"run 1: FAIL exit 0 in 9.0 s, SIGTERM at 4.0 s -> exit {first}, rerun"
+        )
+    assert RunOutcome(0, [0], 9.0, None, report=True).line() == "run 0: ok exit 0 in 9.0 s"
+    assert not RunOutcome(0, [0], 9.0, None, report=False).ok

@@ -24,6 +24,7 @@ from tg_jax.metrics import last_per_step, read_metrics
 from tg_jax.models import ModelConfig, Transformer, init_params
 from tg_jax.sampling import placement
 from tg_jax.sampling.sampler import Sampler
+from tg_jax.tpu.distributed import cpu_devices_env
 from tg_jax.train import rl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,6 +191,7 @@ def _model_and_trainer_params():
     return config, model, mesh, rules, params, sampler_devices
 
 
+@pytest.mark.slow
 def test_publisher_reshards_device_to_device_into_new_buffers():
     """Every sampler shard is copied from a trainer device (the staged arrays are never
     fetched to the host, as a plain device_put from the FSDP shards is), into buffers of
@@ -225,6 +227,7 @@ def test_publisher_reshards_device_to_device_into_new_buffers():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_sampler_samples_what_one_device_samples():
     _needs_8_devices()
     config, model, mesh, _, params, sampler_devices = _model_and_trainer_params()
@@ -247,6 +250,7 @@ def colocated_run(tmp_path_factory):
     return workdir, _run(workdir, _config(num_devices=0))
 
 
+@pytest.mark.slow
 def test_deterministic_split_run_equals_the_colocated_run(colocated_run, tmp_path):
     """Trainer 4 + sampler 4 devices, staleness 0: the params after 3 TG steps are the colocated
     run's (8 devices) within 1e-5, from the same rollouts."""
@@ -266,6 +270,7 @@ def test_deterministic_split_run_equals_the_colocated_run(colocated_run, tmp_pat
                for x in jax.tree.leaves(split.state.params))  # fmt: skip
 
 
+@pytest.mark.slow
 def test_async_split_run_completes_and_reports_its_policy_versions(tmp_path):
     _needs_8_devices()
     config = _config(async_sampling=True, steps=4)
@@ -283,10 +288,10 @@ def test_async_split_run_completes_and_reports_its_policy_versions(tmp_path):
     assert versions == sorted(versions)
 
 
+@pytest.mark.e2e
 def test_command_line_split_runs_end_to_end(tmp_path):
     """The user's command: the main job of configs/tiny.py with a sampler on 4 of 8 devices."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env = {**cpu_devices_env(8), "JAX_PLATFORMS": "cpu"}
     work = tmp_path / "w"
     cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py", f"--workdir={work}",
            "--config.stage=pipeline", "--config.sampler_mesh.num_devices=4",
@@ -364,6 +369,7 @@ def test_two_step_place_copies_in_the_loop_thread_between_batches(monkeypatch):
     assert {t for kind, t in threads if kind == "copy"} == {"tg_jax-sampling-loop"}
 
 
+@pytest.mark.slow
 def test_host_replicas_give_each_process_a_bf16_tensor_parallel_copy():
     """The placement of several processes, on 8 devices taken as 2 hosts of 4: each host's
     copy of the FSDP-sharded fp32 params is whole on its own devices, its weight matrices in

@@ -104,6 +104,7 @@ def test_tasks_round_trip_records(heldout):
 # --- scripted agents: the acceptance rates -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_expert_solves_heldout_and_meets_every_requirement(heldout, env):
     solved = big_replaces = 0
     for t in heldout:
@@ -124,6 +125,7 @@ def test_expert_solves_heldout_and_meets_every_requirement(heldout, env):
     assert big_replaces > 0  # the str_replace overwrites occur in the held-out set
 
 
+@pytest.mark.slow
 def test_weak_agent_rarely_solves(heldout, env):
     rng = random.Random(0)
     solved = sum(play(env, t, weak_turns(t, rng)).rewards["task"] == 1.0 for t in heldout)
@@ -418,6 +420,7 @@ def test_task_data_swe_kind_and_coding_unchanged(tmp_path):
     assert decode_task(task.to_record()) == task
 
 
+@pytest.mark.slow
 def test_namespace_runner_agrees_with_the_light_runner_on_held_out_tasks(heldout, tmp_path):
     """The real pytest in the kernel sandbox: the same outcomes as the light runner on the
     buggy repositories, the expert's episode earns the same rewards, and a test with a
@@ -530,6 +533,7 @@ def test_approved_share_marks_overwrite_tasks_and_changes_nothing_else():
     )
 
 
+@pytest.mark.slow
 def test_sft_transcripts_hint_the_targets_where_they_are_met_and_meet_the_rest_always():
     tasks = generate_swe_tasks("train", 60, seed=3, approved_share=0.5)
     cfg = SweEnvConfig(requirements=("tool_protocol", "files_named", "ask_first", "explain_change"))

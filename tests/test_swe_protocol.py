@@ -30,6 +30,7 @@ def _mean(fig, key):
     return fig[key]["mean"]
 
 
+@pytest.mark.slow
 def test_every_arm_ran_on_every_task(result):
     doc, _ = result
     assert doc["arms"] == list(swe_protocol.ARMS)
@@ -154,6 +155,7 @@ def test_asking_when_approved_and_explaining_then_stopping_are_counted(result):
     assert _mean(fig, "actions/stopped_after_explain") == 1.0
 
 
+@pytest.mark.slow
 def test_the_judged_tier_carries_its_judges_declared_errors(tmp_path):
     """A scripted judge that errs: the judged tier's compliance is the judge's verdicts (not
     the rule's), and the agreement figures are its errors on exactly the arm's report turns."""

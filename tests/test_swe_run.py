@@ -9,6 +9,8 @@ evaluation, the report and the export.
 import json
 import sys
 
+import pytest
+
 from tests.hf_checkpoints import make_model_dir
 from tests.test_hf_run import _command, _run
 from tg_jax.models import ModelConfig
@@ -20,6 +22,7 @@ SWE_DENSE = ModelConfig(
 )  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_hf_swe_runlocal_two_tg_steps(tmp_path):
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     make_model_dir(ckpt, SWE_DENSE)
@@ -38,6 +41,7 @@ def test_hf_swe_runlocal_two_tg_steps(tmp_path):
     assert (work / "export" / "tg_seed0" / "model.safetensors").exists()
 
 
+@pytest.mark.e2e
 def test_the_byte_model_s_main_job_on_the_swe_environment(tmp_path):
     """`python -m tg_jax.main --config=configs/swe.py:runlocal`: the base model's SFT on the SWE
     expert's transcripts (some hinted), both arms on repository episodes, and the report's

@@ -43,6 +43,7 @@ def _teacher_at_students(model, params, batch):
     return jax.jit(fn)(params, jax.tree.map(jnp.asarray, batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides,mode",
     [
@@ -75,6 +76,7 @@ def _split(batch):
     return split_batch(batch, 2)
 
 
+@pytest.mark.slow
 def test_forward_from_prefix_continues_a_sequence():
     """A block after a prefix of L_b tokens (per row) == the full forward's positions L_b on."""
     model, params = _model(**TINY)
@@ -161,6 +163,7 @@ def test_teacher_slots_invert_the_index_map(mode):
         assert (pos_BtxTt[~valid_BtxTt] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,estimator,top_k", [("reverse", "full", None), ("forward", "full", None),
                              ("jsd", "full", 5), ("jsd", "sampled", None)],
@@ -231,6 +234,7 @@ def _on_policy(batch, model, params):
         batch.loss_mask_BxT, logp, 0.0).astype(np.float32))  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "which,mode,overrides",
     [
@@ -330,6 +334,7 @@ def test_default_rule_keeps_compact_rows_that_save_the_prefix():
     assert not compaction_pays(91, 100, MIN_COMPACT_SAVING)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{}, {"attn_query_block": 48}, MOE])
 def test_full_row_teacher_in_query_blocks_equals_model_forward(overrides, monkeypatch):
     """Full teacher rows run in causal query blocks (`teacher_model`) == the model's own

@@ -200,6 +200,7 @@ def test_sampled_estimator_monte_carlo():
     np.testing.assert_allclose(grad, full_grad, atol=0.05)
 
 
+@pytest.mark.slow
 def test_top_k_tail():
     # p_s = (.5, .3, .1, .1), p_t uniform, k = 2 -> buckets (.5, .3, .2) vs (.25, .25, .5).
     zs = jnp.log(jnp.array([0.5, 0.3, 0.1, 0.1]))
@@ -259,6 +260,7 @@ def _unchunked_stats(hidden, targets, w, teacher_hidden, w_teacher, **div):
     return logprob, entropy, d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [4, 5, 12, 100])
 @pytest.mark.parametrize(
     "div",

@@ -20,6 +20,7 @@ def _think_lengths(t):
     return [int(((t.roles == Role.THINK) & (t.turn_ids == k)).sum()) for k in range(t.num_turns)]
 
 
+@pytest.mark.slow
 def test_a_budget_the_blocks_fit_changes_no_greedy_token():
     """The base's blocks are 5-6 tokens: with a budget of 8 every turn is still sampled in two
     requests (8 tokens, then the rest), and greedy episodes are token for token the same."""

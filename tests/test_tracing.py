@@ -86,6 +86,7 @@ def test_the_race_reproduces_when_classes_are_built_per_call(wide_window):
     assert any("dictionary changed size during iteration" in str(e) for e in errors), errors
 
 
+@pytest.mark.slow
 def test_two_threads_build_and_trace_the_model_at_once(wide_window):
     """Each thread builds its own Transformer and traces its forward (a new jit each, so both
     trace), then both sample with one shared Sampler (one jitted function, traced for two

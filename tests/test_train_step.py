@@ -88,6 +88,7 @@ def _tree_close(a, b, atol, rtol=0.0):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol)
 
 
+@pytest.mark.slow
 def test_teacher_branch_gets_no_gradient_and_tg_matches_direct_kl():
     cfg = _config()
     batch = _batch(_trajectories())
@@ -129,6 +130,7 @@ def test_teacher_branch_gets_no_gradient_and_tg_matches_direct_kl():
     np.testing.assert_allclose(loss, sums["pg_loss"] + sums["tg_loss"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_no_failed_turn_or_empty_hint_gives_exactly_zero_tg():
     cfg, cfg_off = _config(), _config(**{"tg.enabled": False})
     trajs = _trajectories()
@@ -144,6 +146,7 @@ def test_no_failed_turn_or_empty_hint_gives_exactly_zero_tg():
         _tree_close(grads, grads_off, atol=0.0)
 
 
+@pytest.mark.slow
 def test_per_turn_equals_per_trajectory_with_one_failed_turn():
     cfg = _config()
     trajs = _trajectories()
@@ -176,6 +179,7 @@ def _with_failures(trajs, which):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "which,mode,overrides",
     [
@@ -243,6 +247,7 @@ def _assert_same_run(run_a, run_b, atol=1e-5):
 STEP_OVERRIDES = {"tg.include_thinking": True, "rl.dual_clip": 3.0}
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device():
     cfg = _config(**STEP_OVERRIDES)
     batch = _batch(_trajectories())
@@ -263,6 +268,7 @@ def test_sharded_step_equals_single_device():
     assert single[1][0]["logprob_mismatch_max"] > 0.1  # the noise of `_batch`
 
 
+@pytest.mark.slow
 def test_sharded_compact_step_equals_single_device():
     cfg = _config(**STEP_OVERRIDES, **{"rl.micro_batches": 2})
     mesh8 = sharding.make_mesh(config_lib.mesh_config((2, 2, 2, 1)))
@@ -275,6 +281,7 @@ def test_sharded_compact_step_equals_single_device():
     assert single[1][0]["tg_loss"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "agg,mode,kl,compact",
     [
@@ -299,6 +306,7 @@ def test_micro_batches_equal_one_big_batch(agg, mode, kl, compact):
     assert big[1][0]["tg_loss"] > 0 and (kl == 0 or big[1][0]["ref_kl"] > 0)
 
 
+@pytest.mark.slow
 def test_token_sum_micro_batches_equal_one_big_batch():
     trajs = _trajectories()
     overrides = {"tg.normalize": "token_sum", "tg.norm_length": 8.0, **STEP_OVERRIDES}

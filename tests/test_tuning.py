@@ -86,6 +86,7 @@ def test_bad_tuning_sections_fail_before_any_work(tmp_path, overrides, why):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_every_arm_gets_the_same_trials_and_runs_at_its_best_rate(tmp_path, monkeypatch):
     calls = []
     real = rl.run_rl
@@ -144,6 +145,7 @@ def test_every_arm_gets_the_same_trials_and_runs_at_its_best_rate(tmp_path, monk
     assert os.path.getmtime(tmp_path / "tune" / "tg_lr1" / "validation.jsonl") == stamp
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_trial_stops_the_job_and_a_rerun_resumes(
     tmp_path, monkeypatch, restore_sigterm
 ):
@@ -194,6 +196,7 @@ def _flag(key, value):
     return f"--config.{key}={value}"
 
 
+@pytest.mark.e2e
 def test_users_command_with_learning_rate_trials(tmp_path):
     work = tmp_path / "w"
     # The tool-call threads too (tests/test_rollout.py checks they change no outcome).
@@ -209,6 +212,7 @@ def test_users_command_with_learning_rate_trials(tmp_path):
     assert "## Equal tuning budget" in (work / "report" / "report.md").read_text()
 
 
+@pytest.mark.e2e
 def test_a_bad_tuning_section_is_one_line_and_exit_2(tmp_path):
     result = _main(
         f"--workdir={tmp_path / 'w'}", "--config.stage=pipeline",

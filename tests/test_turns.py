@@ -54,6 +54,7 @@ def test_profile_by_hand():
     assert table.splitlines()[1].startswith("1st") and len(table.splitlines()) == 4
 
 
+@pytest.mark.slow
 def test_users_command_on_a_saved_model(tmp_path):
     from tg_jax.data import task_data
     from tg_jax.models import ModelConfig, Transformer, hf_dir, init_params

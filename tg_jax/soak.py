@@ -30,6 +30,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tg_jax.checkpointing import PREEMPTED_EXIT_CODE
+
 BUSY = "import itertools\nfor _ in itertools.count():\n    pass\n"
 
 
@@ -45,16 +47,23 @@ class RunOutcome:
     last_error: str = ""
 
     @property
+    def preempted(self) -> bool:
+        """The SIGTERMed command saved and stopped as a preemption does (exit 143)."""
+        return self.sigterm_at_s is not None and self.statuses[0] == PREEMPTED_EXIT_CODE
+
+    @property
     def ok(self) -> bool:
-        return self.statuses[-1] == 0 and self.report
+        # A SIGTERMed run must stop as a preemption (exit 143, its work saved) or have
+        # finished before the signal (exit 0); the rerun must then end with the report.
+        signalled = self.sigterm_at_s is None or self.statuses[0] in (0, PREEMPTED_EXIT_CODE)
+        return signalled and self.statuses[-1] == 0 and self.report
 
     def line(self) -> str:
         what = "ok" if self.ok else "FAIL"
-        kill = (
-            f", SIGTERM at {self.sigterm_at_s:.1f} s -> exit {self.statuses[0]}, resumed"
-            if self.sigterm_at_s is not None
-            else ""
-        )
+        kill = ""
+        if self.sigterm_at_s is not None:
+            rerun = "resumed" if self.preempted else "rerun"
+            kill = f", SIGTERM at {self.sigterm_at_s:.1f} s -> exit {self.statuses[0]}, {rerun}"
         tail = f": {self.last_error}" if not self.ok and self.last_error else ""
         return (
             f"run {self.index}: {what} exit {self.statuses[-1]} in {self.wall_s:.1f} s{kill}"
