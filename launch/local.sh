@@ -58,8 +58,8 @@ case "$cmd" in
     # a test that runs past 15 min fails with its stack (pytest-timeout), so a hang can
     # neither stall the run nor hide where it happened; at most 2 crashed workers are replaced.
     # Whole files go to the workers in the order tests/conftest.py gives (longest first), the
-    # files of multi-process tests as one group, to one worker (conftest: xdist_group).
-    "$PY" -m pytest -v -n 2 --dist loadgroup --no-loadscope-reorder --timeout=900 \
+    # files of multiprocess tests as one unit, to one worker (conftest.MULTIPROCESS_FILES).
+    "$PY" -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --timeout=900 \
       --max-worker-restart=2 \
       --durations=30 -rfEs ${tier[@]+"${tier[@]}"} tests "$@"
     ;;

@@ -51,10 +51,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 # The files that take longest (seconds summed over their tests, 2-vCPU AMD EPYC, empty
-# compilation cache), first: whole files go to the 2 workers in this order (--dist loadgroup
+# compilation cache), first: whole files go to the 2 workers in this order (--dist loadfile
 # --no-loadscope-reorder), and a long file started last would end the run with the other
-# worker idle. Every file is a group of its own, but the files with multiprocess tests, which
-# slow whatever runs beside them, form one group (MULTIPROCESS_GROUP) that one worker runs.
+# worker idle.
 LONGEST_FIRST = (
     "test_gcs.py",
     "test_multihost.py",
@@ -73,17 +72,30 @@ LONGEST_FIRST = (
     "test_faults.py",
     "test_sampler.py",
 )
-MULTIPROCESS_GROUP = "multiprocess"
+# The files with tests marked multiprocess (test_layout checks the list): local pods and gloo
+# slow whatever runs beside them (test_gcs took 753 s beside test_multihost, 488 s without),
+# so they are one unit of work, which one worker runs one file after another.
+MULTIPROCESS_FILES = ("test_gcs.py", "test_multihost.py", "test_launch.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
-    pods = {item.path.name for item in items if item.get_closest_marker("multiprocess")}
-    for item in items:
-        group = MULTIPROCESS_GROUP if item.path.name in pods else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, the files of MULTIPROCESS_FILES as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "multiprocess" if os.path.basename(path) in MULTIPROCESS_FILES else path
+
+    return Scheduling(config, log)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -154,9 +154,9 @@ def test_readme_is_for_users():
 
 
 def test_the_files_conftest_orders_exist_and_test_fast_leaves_out_every_marker():
-    """conftest's longest-first order names test files by string (a renamed file would go to
-    the end of the run), and `launch/local.sh test-fast` must leave out every marker pytest.ini
-    declares."""
+    """conftest's longest-first order and its multiprocess files name test files by string (a
+    renamed file would go to the end of the run, or run beside the pods), and `launch/local.sh
+    test-fast` must leave out every marker pytest.ini declares."""
     import configparser
 
     from tests import conftest
@@ -172,3 +172,15 @@ def test_the_files_conftest_orders_exist_and_test_fast_leaves_out_every_marker()
     with open(os.path.join(here, "..", "launch", "local.sh"), encoding="utf-8") as f:
         local = f.read()
     assert '-m "' + " and ".join(f"not {m}" for m in markers) + '"' in local
+    # The one unit of work of the multiprocess files: every file with such a test, no other.
+    marked = set()
+    for name in sorted(os.listdir(here)):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(here, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d) == "pytest.mark.multiprocess" for d in node.decorator_list
+                ):
+                    marked.add(name)
+    assert marked == set(conftest.MULTIPROCESS_FILES)
