@@ -264,15 +264,16 @@ def test_a_command_line_report_to_gcs(gcs):
 @pytest.mark.timeout(2400)
 def test_local_pods_with_a_gcs_workdir_train_what_one_process_trains(gcs, tmp_path):
     """The pod rehearsal as a user runs it: `launch/tpu.sh --local` with
-    `configs/qwen3_coder_30b_a3b_tg.py:runlocal` and `:runlocal_split` from a tiny Qwen3-MoE
-    checkpoint, 2 processes x 4 CPU devices (the split: each samples on its last 2, one trainer
-    mesh over the first 2 of each), --workdir=gs://... on the local GCS emulator. SIGTERM to
-    one worker once checkpoint 1 is committed in the bucket: both stop (exit 143), the same
-    command resumes; after 4 RL steps each pod's export equals an uninterrupted 1 x 8 run's of
-    its config within 1e-5, and both processes' checkpoint shards, the metrics (one writer),
-    the report (once) and the export are in the bucket (tests/test_launch.py
-    `_pods_train_what_one_process_trains`)."""
+    `configs/qwen3_coder_30b_a3b_tg.py:runlocal_split` from a tiny Qwen3-MoE checkpoint, 2
+    processes x 4 CPU devices (each samples on its last 2, one trainer mesh over the first 2 of
+    each), --workdir=gs://... on the local GCS emulator. SIGTERM to one worker once checkpoint
+    1 is committed in the bucket: both stop (exit 143), the same command resumes; after 4 RL
+    steps the pod's export equals an uninterrupted 1 x 8 run's within 1e-5, and both
+    processes' checkpoint shards, the metrics (one writer), the report (once) and the export
+    are in the bucket (tests/test_launch.py `_pods_train_what_one_process_trains`). The
+    colocated layout on 2 processes x 4 equals 1 x 8 in tests/test_multihost.py (the tiny
+    config) and runs the worker command in tests/test_launch.py."""
     from tests.test_launch import _pods_train_what_one_process_trains
 
-    pods = {"plain": (2, "runlocal", 0, 2), "split": (2, "runlocal_split", 1, 2)}
+    pods = {"split": (2, "runlocal_split", 1, 2)}
     _pods_train_what_one_process_trains(tmp_path, pods, gcs)

@@ -3,8 +3,8 @@
 The runs are subprocesses of tests/multihost_driver.py, all three started at once: a reference
 process with 8 devices, and two processes with 4 devices each that join through
 `jax.distributed.initialize` on a free localhost port (TG_JAX_DISTRIBUTED=1 and friends, as
-tg_jax.main does; gloo runs the CPU collectives). Each runs 3 deterministic TG steps of the
-tiny config, then the two-process pair resumes its run from the last checkpoint for 2 more steps
+tg_jax.main does; gloo runs the CPU collectives). Each runs 2 deterministic TG steps of the
+tiny config, then the two-process pair resumes its run from the last checkpoint for 1 more step
 with the sampling thread. Every process is killed if the test fails or a run exceeds its time
 limit.
 """
@@ -31,7 +31,7 @@ from tg_jax.sampling.sampler import Sampler
 from tg_jax.train import rl, rl_rollouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, ASYNC_STEPS = 3, 2
+STEPS, ASYNC_STEPS = 2, 1
 SPLIT = 4  # the split runs' sampler devices: the last 2 of each process, 4 of one
 TIMEOUT_S = 600  # all runs together; about 3-4 min on 2 busy cores
 TOL = 1e-5
@@ -162,7 +162,7 @@ def test_a_sampler_on_its_own_devices_of_each_process_equals_one_process(runs):
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert all(r["time/publish_s"] > 0 for r in train)
     assert not any("time/publish_s" in r for r in read_metrics(ref / "split"))  # one process
-    assert "split process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
+    assert f"split process 1/2 step {STEPS} finished True" in _tail(runs["logs"]["p1"])
 
 
 @pytest.mark.multiprocess
@@ -188,7 +188,7 @@ def test_the_builtin_engine_on_each_process_equals_one_process(runs):
                 assert mb[key][n] == pytest.approx(ra[n], rel=TOL, abs=TOL), (key, n)
     train = [ma[("train", s)] for s in range(1, STEPS + 1)]
     assert all(r["grad_norm"] > 0 for r in train)
-    assert "engine process 1/2 step 3 finished True" in _tail(runs["logs"]["p1"])
+    assert f"engine process 1/2 step {STEPS} finished True" in _tail(runs["logs"]["p1"])
 
 
 @pytest.mark.multiprocess
