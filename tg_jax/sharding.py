@@ -264,9 +264,73 @@ def activation_sharding(mesh: Mesh, rules: Rules):
 
 
 def logical_to_shardings(abstract_boxed: Any, mesh: Mesh, rules: Rules) -> Any:
-    """NamedShardings for a pytree of `nn.Partitioned` (or plain) abstract leaves."""
+    """NamedShardings for a pytree of `nn.Partitioned` (or plain) abstract leaves, each
+    dimension split only over the mesh axes that divide it (`fit_spec`)."""
     specs = nn.get_partition_spec(abstract_boxed)
-    return nn.logical_to_mesh_sharding(specs, mesh, rules)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    shapes = jax.tree.map(_shape, nn.unbox(abstract_boxed))
+    return jax.tree.map(
+        lambda s, shape: NamedSharding(
+            mesh, fit_spec(s.spec, shape, mesh), memory_kind=s.memory_kind
+        ),
+        shardings,
+        shapes,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(getattr(x, "shape", ()))
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """`spec` with each dimension split over the longest prefix of its mesh axes whose sizes'
+    product divides it: a dimension that does not divide its mesh axis (a vocabulary of
+    50,257 over "tensor" 2, 6 KV heads over "tensor" 4) is replicated over that axis instead
+    of failing in JAX (`IndivisibleError`). The same rule in every program (trainer, sampler
+    copy, engine) since they all take their shardings from `logical_to_shardings`;
+    docs/tpu.md. The whole of a leaf that ends up replicated is what `check_params_sharded`
+    and `tg_jax.preflight` look at."""
+    out = []
+    for i, entry in enumerate(spec):
+        kept: tuple[str, ...] = ()
+        for a in _axes(entry):
+            if shape[i] % (math.prod(mesh.shape[x] for x in kept) * mesh.shape[a]):
+                break
+            kept += (a,)
+        if kept == _axes(entry):
+            out.append(entry)  # as the rules give it
+        else:
+            out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
+def unfit_dims(
+    abstract_boxed: Any, mesh: Mesh, rules: Rules
+) -> list[tuple[str, int, int, tuple[str, ...], tuple[str, ...]]]:
+    """(leaf path, dimension, its size, the mesh axes the rules give it, the axes kept) of
+    every dimension `fit_spec` does not split as the rules ask, in tree order."""
+    specs = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
+    shapes = jax.tree.map(_shape, nn.unbox(abstract_boxed))
+    out = []
+    flat = jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
+    for (path, s), shape in zip(
+        flat, jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)), strict=True
+    ):
+        fitted = tuple(fit_spec(s.spec, shape, mesh)) + (None,) * len(shape)
+        for i, entry in enumerate(tuple(s.spec)):
+            if _axes(entry) != _axes(fitted[i]):
+                out.append(
+                    (jax.tree_util.keystr(path), i, int(shape[i]), _axes(entry), _axes(fitted[i]))
+                )
+    return out
 
 
 def create_sharded_params(
