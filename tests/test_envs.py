@@ -200,10 +200,11 @@ def test_an_empty_fence_is_judged_and_fails():
     # failing the fence requirement (reward 0, targeted by TG), not as "no code, not judged".
     env = CodingEnv(CodingEnvConfig(executor="trusted"))
     env.reset(make_task("t", "add", (2,), (0, 1, 3), (-2, 4)))
-    res = env.step(
-        '<think>add</think>\n````python\n````\n<tool_call>{"name": "submit"}</tool_call>'
-    )
-    assert res.info["verdicts"]["fence"] is False and res.info["verdicts"]["tool_json"] is True
+    turn = '<think>add</think>\n````python\n````\n<tool_call>{"name": "submit"}</tool_call>'
+    res = env.step(turn)
+    assert env.judge(turn) == {"fence": False, "tool_json": True}  # the format alone
+    # Nothing to submit: not a valid action, so its well-formed call fails tool_json too.
+    assert res.info["verdicts"] == {"fence": False, "tool_json": False}
     assert fence_applies("````python\n````") and not fence_applies("CALL submit")
     assert res.rewards["fence"] == 0.0
 
@@ -378,18 +379,19 @@ def test_malformed_turns_until_the_turn_limit():
 
 
 def test_a_requirement_met_on_a_rejected_turn_earns_no_reward():
-    """The tool_json hack: a well-formed tool call around no code is judged compliant (the
-    format) but the environment rejects the turn, so it earns no requirement reward."""
+    """The tool_json hack: a well-formed tool call around no code is not a valid action, so the
+    environment rejects the turn: its call counts as failing tool_json and earns no reward."""
     env = CodingEnv(CodingEnvConfig(max_turns=3))
     hack = '<tool_call>{"name": "run_tests"}</tool_call>'
     sub = '<tool_call>{"name": "submit"}</tool_call>'
     _, (r1, r2, r3) = _episode(env, LIN, [hack, STRICT, sub])
     assert r1.observation == "error: no code to test"
     summ = env.summary()
-    assert summ.verdicts["tool_json"] == [True, True, True] and summ.rejected == [0]
+    assert summ.verdicts["tool_json"] == [False, True, True] and summ.rejected == [0]
+    assert env.judge(hack)["tool_json"] is True  # the format alone is met
     assert r3.rewards == {"task": 1.0, "fence": 1.0, "tool_json": pytest.approx(2 / 3)}
     _, rs = _episode(env, LIN, [hack] * 3)  # only the format, never the work
-    assert env.summary().verdicts["tool_json"] == [True] * 3
+    assert env.summary().verdicts["tool_json"] == [False] * 3
     assert env.summary().rejected == [0, 1, 2]
     assert rs[-1].rewards == {"task": 0.0, "fence": 0.0, "tool_json": 0.0}
 

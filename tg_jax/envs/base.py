@@ -107,9 +107,11 @@ class EpisodeSummary:
       end_reason: "submit", "max_turns" or "" while running.
       unjudged: requirement name -> turns it could not judge (`Unjudged`; their verdict is
         None).
-      rejected: indices of the turns the environment did not accept (malformed: nothing was
-        executed; `reject_turn`). Their verdicts stand (compliance and the TG gate judge the
-        format), but a requirement met there earns no reward (`requirement_reward`).
+      rejected: indices of the turns that are not a valid action of the environment
+        (`Environment.valid_action`: a malformed call, junk code, an edit that does not apply;
+        or `reject_turn` in a step). A requirement met there earns no reward
+        (`requirement_reward`); where `begin_turn` rejected the turn, its met verdicts were
+        recorded as failed too, so compliance and the TG gate count it failed.
     """
 
     verdicts: dict[str, list[bool | None]]
@@ -135,12 +137,13 @@ class EpisodeSummary:
     ) -> float:
         """Requirement reward of the episode.
 
-        A turn meets the requirement for the reward only when its verdict is True and the
-        environment accepted it (not in `rejected`): a well-formed tool call around no code, or
-        a fence around a broken action, is not rewarded. Otherwise the requirement's reward is
-        worth more than the task to a policy that fails most tasks, and GRPO learns to write
-        the format without the work (configs/joint.py: 2 of 3 GRPO seeds collapsed to task
-        success 0 with tool_json "compliance" 1.0).
+        The one place a requirement's reward is paid. A turn meets the requirement for the
+        reward only when its verdict is True and it is a valid action of the environment (not
+        in `rejected`): a well-formed tool call around junk code (`a`, `pass`, a function of
+        another name), or a fence around it, is not rewarded. Otherwise the requirement's
+        reward is worth more than the task to a policy that fails most tasks, and GRPO learns
+        to write the format without the work (configs/joint.py: 2 of 3 GRPO seeds collapsed to
+        task success 0 with tool_json "compliance" 1.0).
 
         Args:
           name: requirement name.
@@ -267,14 +270,33 @@ class Environment(abc.ABC):
                     out[r.name] = off
         return out
 
+    def valid_action(self, turn_text: str) -> bool:
+        """Whether the turn is a valid action of this environment, whatever its format: its
+        requirements are met only on a valid action (`begin_turn`), so that a well-formed
+        tool call or fence around junk earns no reward and counts as failed.
+
+        Called by `begin_turn` before the step runs the turn (the environment's state is the
+        one the turn acts on). The default, True, accepts every turn: an environment whose
+        turns can be junk says what a valid action is (the coding environment: code that
+        parses and defines f; the SWE one: a well-formed call whose edit applies).
+        """
+        del turn_text
+        return True
+
     def begin_turn(
         self, assistant_message: Any, summary: EpisodeSummary, *, done: bool
     ) -> tuple[str, dict[str, bool | None]]:
         """A step's common start: the turn's text (`turn_text`), counted in `summary`, and
-        every requirement's verdict on it, recorded there too."""
+        every requirement's verdict on it, recorded there too. A turn that is not a valid
+        action (`valid_action`) is rejected (`EpisodeSummary.reject_turn`) and the
+        requirements it met are recorded as failed: no reward, not compliant, and the TG gate
+        targets it, as any failed turn (not applicable stays None)."""
         text = turn_text(assistant_message, done=done)
         summary.turns += 1
         verdicts, unjudged = self.judge_turn(text)
+        if not self.valid_action(text):
+            summary.reject_turn()
+            verdicts = {name: None if v is None else False for name, v in verdicts.items()}
         for name, v in verdicts.items():
             summary.verdicts[name].append(v)
         for name in unjudged:

@@ -11,7 +11,9 @@ Every run_tests/submit is exactly one sandboxed subprocess with all tests in it.
 Rewards (all keys on every step; 0.0 except on the final step):
   "task": 1.0 iff every hidden test passes ("all_pass"), or the passing share ("fraction").
   one key per requirement: the share of applicable turns meeting it ("fraction"), or 1.0 iff
-    all do ("all"); 0.0 when no turn was applicable.
+    all do ("all"); 0.0 when no turn was applicable. A turn meets none unless it is a valid
+    action (`CodingEnv.valid_action`: its call parses and the code it runs parses and defines
+    f, tg_jax.envs.code_check): a tool call or fence around junk earns nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from tg_jax.config_schema import Section
-from tg_jax.envs import ns_sandbox, plugins
+from tg_jax.envs import code_check, ns_sandbox, plugins
 from tg_jax.envs.base import (
     REQUIREMENT_REWARD_MODES,
     Environment,
@@ -35,11 +37,7 @@ from tg_jax.envs.sandbox import BACKENDS, run_python
 from tg_jax.envs.tasks import Task
 from tg_jax.text.tool_formats import HERMES, ToolFormat
 
-# CPython 3.11 keeps the AST constructor's recursion depth in per-interpreter state, so two
-# threads building ASTs at once (the rollout's environment steps run in a thread pool, beside
-# the sampling loop's thread) can fail with "SystemError: AST constructor recursion depth
-# mismatch". Every AST this module builds goes through this lock.
-_AST_LOCK = threading.Lock()
+_AST_LOCK = code_check.AST_LOCK  # one thread at a time builds an AST (see there)
 
 
 def literal(text: str) -> Any:
@@ -306,6 +304,16 @@ class CodingEnv(Environment):
     def summary(self) -> EpisodeSummary:
         return self._summary
 
+    def valid_action(self, turn_text: str) -> bool:
+        """The turn calls a tool and the code it runs (its own, or for a submit without code
+        the last code written) parses, defines f and reads no unbound name
+        (`code_check.problem`)."""
+        parsed = parse_turn(turn_text, self.tool_format)
+        if parsed.tool is None:
+            return False
+        code = parsed.code or (self._last_code if parsed.tool == "submit" else None)
+        return code_check.problem(code or "") is None
+
     def step(self, assistant_message: str) -> StepResult:
         """One assistant turn. Malformed turns get an "error: ..." observation, not a raise.
 
@@ -325,9 +333,8 @@ class CodingEnv(Environment):
         elif parsed.tool == "submit" and not (parsed.code or self._last_code):
             obs = "error: no code to submit"
         if parsed.error is not None or obs is not None:
-            # Nothing was executed: the turn is malformed.
+            # Nothing was executed: the turn is malformed (begin_turn rejected it).
             summ.actions["malformed"] += 1
-            summ.reject_turn()
             info["error"] = obs
         elif parsed.tool == "run_tests":
             self._last_code = parsed.code

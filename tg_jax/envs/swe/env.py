@@ -19,7 +19,8 @@ Rewards (every key on every step, 0.0 except on the final step):
 
 A malformed or unknown tool call gets an "error: ..." observation and counts as a "malformed"
 action; a well-formed call that fails (a missing file, an old text that is not unique) is a
-"tool_error" action. Neither ever raises.
+"tool_error" action. Neither ever raises, and neither is a valid action (`SweEnv.valid_action`):
+the requirements such a turn meets earn no reward and count as failed.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from tg_jax.envs.swe.tools import (
     TOOLS,
     ToolCall,
     Workspace,
+    file_tool,
     parse_call,
     truncate,
 )
@@ -195,15 +197,24 @@ class SweEnv(Environment):
         """The running task's instruction says the change is already approved."""
         return self._task is not None and self._task.approved
 
+    def valid_action(self, turn_text: str) -> bool:
+        """The turn is one well-formed call of a known tool that does not fail: a file it
+        reads exists, an edit applies (tried on a copy of the workspace)."""
+        call = parse_call(turn_text, self.tool_format)
+        if call.error is not None:
+            return False
+        out = file_tool(Workspace(self.workspace.files), call)
+        return out is None or not out.startswith("error")
+
     def _run_tool(self, call: ToolCall, info: dict[str, Any]) -> tuple[str, bool, float]:
         """(observation, done, task reward) of a well-formed call."""
-        ws, a, cfg = self.workspace, call.args, self.config
+        ws, cfg = self.workspace, self.config
         if call.name == "list_files":
             return ws.list_files(), False, 0.0
         if call.name == "read_file":
-            return ws.read_file(a["path"], a.get("start"), a.get("end")), False, 0.0
+            return file_tool(ws, call), False, 0.0
         if call.name == "ask_user":
-            self.questions.append(a["question"])
+            self.questions.append(call.args["question"])
             if self.approved:
                 self._summary.actions["asked_when_approved"] += 1
             if self._edited_after_ask is None:
@@ -212,10 +223,7 @@ class SweEnv(Environment):
         if call.name in EDIT_TOOLS:
             if ws.overwrites(call):
                 self._summary.actions["overwrite"] += 1
-            if call.name == "write_file":
-                obs = ws.write_file(a["path"], a["content"])
-            else:
-                obs = ws.str_replace(a["path"], a["old"], a["new"])
+            obs = file_tool(ws, call)
             if not obs.startswith("error"):
                 if self._edited_after_ask is False:
                     self._edited_after_ask = True
@@ -248,9 +256,8 @@ class SweEnv(Environment):
         info: dict[str, Any] = {"turn": summ.turns, "action": call.name, "error": call.error}
         info["verdicts"] = verdicts
         task_reward, done = 0.0, False
-        if call.error is not None:
+        if call.error is not None:  # begin_turn rejected it
             summ.actions["malformed"] += 1
-            summ.reject_turn()
             obs = call.error
         else:
             summ.actions[call.name] += 1

@@ -181,6 +181,19 @@ def truncate(text: str, limit: int) -> str:
     return f"{text[:limit]}\n[... {len(text) - limit} more characters truncated]"
 
 
+def file_tool(ws: Workspace, call: ToolCall) -> str | None:
+    """The output of a read_file, str_replace or write_file call run on `ws` ("error: ..."
+    when it fails; edits change `ws`), None for the other tools."""
+    a = call.args
+    if call.name == "read_file":
+        return ws.read_file(a["path"], a.get("start"), a.get("end"))
+    if call.name == "str_replace":
+        return ws.str_replace(a["path"], a["old"], a["new"])
+    if call.name == "write_file":
+        return ws.write_file(a["path"], a["content"])
+    return None
+
+
 class Workspace:
     """The repository an episode edits, in memory (path -> text), with its original state."""
 
