@@ -195,7 +195,23 @@ def main(argv):
     # Multi-host TPU pods (launch/tpu.sh sets TG_JAX_DISTRIBUTED=1): join the JAX cluster first.
     distributed.initialize_from_env()
     _check_config_on_devices(config)
+    _preflight(config)
     _run_stage(config, workdir)
+
+
+def _preflight(config) -> None:
+    """The run against its checkpoint's shapes, the engine's limits and the reward weights
+    (`tg_jax.preflight`): one `error:` line before any stage; the notes (dimensions
+    replicated) logged."""
+    from tg_jax import preflight
+    from tg_jax.errors import ConfigError
+
+    try:
+        notes = preflight.check(config)
+    except ConfigError as e:
+        _fail(f"invalid config: {e}")
+    for note in notes:
+        logging.warning("preflight: %s", note)
 
 
 def _check_config(config, workdir: str) -> None:

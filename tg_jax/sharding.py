@@ -288,19 +288,19 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Any) -> PartitionSpec:
     """`spec` with each dimension split over the longest prefix of its mesh axes whose sizes'
     product divides it: a dimension that does not divide its mesh axis (a vocabulary of
     50,257 over "tensor" 2, 6 KV heads over "tensor" 4) is replicated over that axis instead
     of failing in JAX (`IndivisibleError`). The same rule in every program (trainer, sampler
-    copy, engine) since they all take their shardings from `logical_to_shardings`;
-    docs/tpu.md. The whole of a leaf that ends up replicated is what `check_params_sharded`
-    and `tg_jax.preflight` look at."""
+    copy, engine), since they all take their shardings from `logical_to_shardings`;
+    docs/tpu.md. `mesh`: a Mesh or its axis sizes (name -> size)."""
+    sizes = mesh.shape if isinstance(mesh, Mesh) else mesh
     out = []
     for i, entry in enumerate(spec):
         kept: tuple[str, ...] = ()
         for a in _axes(entry):
-            if shape[i] % (math.prod(mesh.shape[x] for x in kept) * mesh.shape[a]):
+            if shape[i] % (math.prod(sizes.get(x, 1) for x in kept) * sizes.get(a, 1)):
                 break
             kept += (a,)
         if kept == _axes(entry):
@@ -311,25 +311,25 @@ def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> Partition
 
 
 def unfit_dims(
-    abstract_boxed: Any, mesh: Mesh, rules: Rules
+    abstract_boxed: Any, mesh: Any, rules: Rules
 ) -> list[tuple[str, int, int, tuple[str, ...], tuple[str, ...]]]:
     """(leaf path, dimension, its size, the mesh axes the rules give it, the axes kept) of
-    every dimension `fit_spec` does not split as the rules ask, in tree order."""
-    specs = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_boxed), mesh, rules)
-    shapes = jax.tree.map(_shape, nn.unbox(abstract_boxed))
+    every dimension `fit_spec` does not split as the rules ask, in tree order (`mesh`: a Mesh
+    or its axis sizes)."""
     out = []
     flat = jax.tree_util.tree_leaves_with_path(
-        specs, is_leaf=lambda x: isinstance(x, NamedSharding)
+        abstract_boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
-    for (path, s), shape in zip(
-        flat, jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)), strict=True
-    ):
-        fitted = tuple(fit_spec(s.spec, shape, mesh)) + (None,) * len(shape)
-        for i, entry in enumerate(tuple(s.spec)):
+    for path, leaf in flat:
+        if not isinstance(leaf, nn.Partitioned):
+            continue
+        shape = tuple(leaf.value.shape)
+        spec = PartitionSpec(*nn.logical_to_mesh_axes(leaf.names, rules))
+        fitted = fit_spec(spec, shape, mesh)
+        for i, entry in enumerate(spec):
             if _axes(entry) != _axes(fitted[i]):
-                out.append(
-                    (jax.tree_util.keystr(path), i, int(shape[i]), _axes(entry), _axes(fitted[i]))
-                )
+                key = jax.tree_util.keystr(path)
+                out.append((key, i, int(shape[i]), _axes(entry), _axes(fitted[i])))
     return out
 
 

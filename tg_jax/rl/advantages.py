@@ -31,7 +31,7 @@ nothing else. The advantage is one number per rollout; broadcasting it over the 
 tokens is the policy loss's job.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import jax
@@ -65,13 +65,15 @@ def combine_rewards(rewards: Mapping[str, jax.Array], weights: Mapping[str, floa
 
     Args:
       rewards: name -> reward component, each [B].
-      weights: name -> weight. Every weighted name must be present in `rewards`; components
-        without a weight are ignored (they can still be logged), so a run turns a reward off by
+      weights: name -> weight. Every name of a non-zero weight must be present in
+        `rewards` (a zero weight's may be absent: it weighs nothing); components without a
+        weight are ignored (they can still be logged), so a run turns a reward off by
         dropping its weight or setting it to 0.
 
     Returns:
       rewards_B: float32 [B], sum_k weights[k] * rewards[k].
     """
+    weights = present_weights(rewards, weights)
     missing = sorted(set(weights) - set(rewards))
     if missing:
         raise KeyError(f"weights name reward components that are missing: {missing}")
@@ -82,6 +84,55 @@ def combine_rewards(rewards: Mapping[str, jax.Array], weights: Mapping[str, floa
         term_B = jnp.asarray(rewards[name], jnp.float32) * weights[name]
         total_B = term_B if total_B is None else total_B + term_B
     return total_B
+
+
+def present_weights(rewards: Mapping[str, object], weights: Mapping[str, float]) -> dict:
+    """`weights` without the zero weights of components `rewards` lacks (a reward turned off
+    by its weight, e.g. a config's default requirement replaced on the command line)."""
+    return {k: w for k, w in weights.items() if k in rewards or float(w) != 0.0}
+
+
+def resolve_weights(
+    weights: Mapping[str, float],
+    components: Sequence[str],
+    requirements: Mapping[str, float],
+) -> dict[str, float]:
+    """The reward weights a run uses, reconciled with what its environment provides.
+
+    1. Every weight of `weights` (`rl.reward_weights`) is kept as given.
+    2. Where `weights` reward requirements (a key besides "task"), a requirement of
+       `requirements` (name -> its own `Requirement.weight`, in env.requirements order) with
+       no weight gets that one: naming a requirement in env.requirements (a plug-in, on the
+       command line, where no weight key can be added) rewards it as the config rewards
+       its others. Weights of the task alone (configs/tiny.py's GRPO) reward no requirement.
+    3. A zero weight on a component nobody provides is dropped (`present_weights`).
+
+    Args:
+      weights: rl.reward_weights, name -> weight.
+      components: the reward components the environment returns (`Environment.reward_keys`:
+        "task" and its requirements' names).
+      requirements: the run's requirements, name -> default weight.
+
+    Returns:
+      name -> weight, in `weights`' order then the requirements'.
+
+    Raises:
+      ValueError: a non-zero weight on a component neither a requirement nor the environment
+        provides, naming the weight and what is provided.
+    """
+    provided = tuple(components) + tuple(r for r in requirements if r not in components)
+    unknown = [k for k, w in weights.items() if k not in provided and float(w) != 0.0]
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown)
+        raise ValueError(
+            f"rl.reward_weights weighs {names}, which no requirement in env.requirements "
+            f"{tuple(requirements)} and no reward of the environment {tuple(components)} "
+            f"provides: add it to env.requirements, or set rl.reward_weights.{unknown[0]}=0"
+        )
+    out = {k: float(w) for k, w in weights.items() if k in provided}
+    if any(k != "task" for k in weights):
+        out.update({r: float(w) for r, w in requirements.items() if r not in out})
+    return out
 
 
 def _dense_groups(
@@ -250,6 +301,7 @@ def compute_advantages(
     """
     if reward_norm not in REWARD_NORMS:
         raise ValueError(f"unknown reward_norm {reward_norm!r}; known: {REWARD_NORMS}")
+    weights = present_weights(rewards, weights)
     rewards_B = combine_rewards(rewards, weights)
     kw = dict(mode=mode, eps=eps, ddof=ddof, valid_B=valid_B, stats_B=stats_B)
     adv_B, metrics = group_advantages(rewards_B, group_ids_B, **kw)

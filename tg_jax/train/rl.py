@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tg_jax import checkpointing, faults, multihost, paths, sharding
+from tg_jax import checkpointing, faults, multihost, paths, preflight, sharding
 from tg_jax import engine as engine_api
 from tg_jax.data.pipeline import TaskIterator
 from tg_jax.envs import Requirement, decode_task, env_factory, make_env
@@ -159,7 +159,10 @@ def _build(
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
     rules = sharding.logical_rules(config.mesh)
     # The environment's requirements, read once (a plug-in's are built by its import path).
-    requirements = make_env(config.env, renderer.tool_format).requirements
+    env = make_env(config.env, renderer.tool_format)
+    requirements = env.requirements
+    # A requirement named in env.requirements without a reward weight gets its own (issue 70).
+    config = preflight.with_reward_weights(config, env)
     student_max, teacher_max = _lengths(config, renderer, requirements)
     key = jax.random.key(seed)
     if sampler_devices is not None and init_params is not None:  # e.g. SFT's, on every device
