@@ -337,3 +337,68 @@ def generate_tasks(
         hidden = sorted(rng.sample(pool, n_hidden))
         tasks.append(make_task(f"{split}/{seed}/{i}", family, params, visible, hidden))
     return tasks
+
+
+def heldout_functions(families: Sequence[str]) -> list[str]:
+    """The `function_id`s of the held-out split's functions of `families`, sorted: the pool
+    that registered attempts draw their held-out tasks from (`draw_heldout`)."""
+    return sorted(
+        f"{name}:{','.join(map(str, p))}"
+        for name in check_families(families)
+        for p in _split_params(name)[0]
+    )
+
+
+def draw_heldout(
+    n: int,
+    seed: int,
+    n_functions: int,
+    *,
+    families: Sequence[str] = HARD_FAMILIES,
+    exclude: Sequence[str] = (),
+    anchors: Sequence[int] = (0, 1),
+    n_visible: int = 3,
+    n_hidden: int = 8,
+    x_range: tuple[int, int] = (-3, 5),
+    hidden_range: tuple[int, int] = (-9, 9),
+) -> list[Task]:
+    """A registered attempt's own held-out tasks: `n_functions` functions of the held-out
+    split not in `exclude` (function ids: those read by earlier attempts of the claim, or
+    trained on), balanced over families, and `n` tasks over them in turn (task i shows
+    function i mod n_functions with its own visible and hidden inputs). Deterministic in
+    (n, seed, n_functions, families, exclude, knobs); ids f"heldout/draw{seed}/{i}".
+
+    Raises:
+      ValueError: fewer than `n_functions` held-out functions are left outside `exclude`.
+    """
+    if n < 1 or n_functions < 1:
+        raise ValueError(f"draw_heldout: n and n_functions must be >= 1, got {n}, {n_functions}")
+    gone = set(exclude)
+    rng = random.Random(f"tg_jax.envs.tasks:draw:{seed}")
+    pools = {}
+    for name in check_families(families):
+        fresh = sorted(p for p in _split_params(name)[0] if f"{name}:{','.join(map(str, p))}"
+                       not in gone)  # fmt: skip
+        if fresh:
+            pools[name] = rng.sample(fresh, len(fresh))
+    left = sum(map(len, pools.values()))
+    if left < n_functions:
+        raise ValueError(
+            f"{left} held-out function(s) of {list(families)} are left outside the {len(gone)} "
+            f"excluded (read by earlier attempts or trained on); an attempt draws {n_functions}"
+        )
+    picked: list[tuple[str, tuple[int, ...]]] = []
+    while len(picked) < n_functions:  # rounds over the families with functions left
+        for name in rng.sample(sorted(pools), len(pools)):
+            if pools[name] and len(picked) < n_functions:
+                picked.append((name, pools[name].pop()))
+        pools = {k: v for k, v in pools.items() if v}
+    free = [x for x in range(x_range[0], x_range[1] + 1) if x not in anchors]
+    tasks = []
+    for i in range(n):
+        family, params = picked[i % n_functions]
+        visible = list(anchors) + rng.sample(free, n_visible - len(anchors))
+        pool = [x for x in range(hidden_range[0], hidden_range[1] + 1) if x not in visible]
+        hidden = sorted(rng.sample(pool, n_hidden))
+        tasks.append(make_task(f"heldout/draw{seed}/{i}", family, params, visible, hidden))
+    return tasks

@@ -1,4 +1,4 @@
-"""The held-out split is read once: by the final evaluation of each run, and a ledger proves it.
+"""The held-out tasks are read once per run, and a ledger proves it.
 
 Everything decided before the final evaluation reads other tasks: SFT selection and the
 base-model gates the dev split (`tg_jax.data.task_data.dev_tasks`), the periodic RL evaluation
@@ -6,28 +6,40 @@ the dev split too, learning-rate tuning the validation split (`tg_jax.train.tuni
 held-out tasks are opened by the final evaluation of each run (`FINAL`), once per run: its
 episodes are cached in the run's heldout.jsonl, so a rerun reads them back instead.
 
-`W/heldout_reads.json` records every completed read of the held-out split in workdir W:
+The read ledger is an append-only JSONL file, one line when a read starts and one when it
+ends:
 
-    {"reads": [{"purpose": "final evaluation", "run": "tg_seed0", "tasks": 128,
-                "date": "...", "asked": false}, ...]}
+    {"read": "<id>", "event": "start", "purpose": "final evaluation", "run": "tg_seed0",
+     "tasks": 128, "asked": false, "attempt": "<claim>#<k>" or "", "workdir": ..., "date"}
+    {"read": "<id>", "event": "end", "date": ...}
+
+A run of a registered attempt (workdir/attempt.json, `protocol.attempt_of`) writes it beside
+the registry (`ledger_path`: docs/heldout_reads.jsonl for the project's), shared by every
+workdir and sitting of the attempt; another run writes workdir/heldout_reads.jsonl. A read
+with a start and no end (a crash, a preemption, a killed evaluation) is still a read: it is
+listed as "not finished", and a second read of the same run is a second look.
 
 `check_read` refuses a read that would be a second look: the final evaluation of a run that
-was already evaluated (its heldout.jsonl deleted, e.g. to evaluate again after a change), or
-any other purpose (an analysis such as `tg_jax.evaluation.prefill`), unless the caller asks
-for it (`eval.reread_heldout`, or the tool's `--reread_heldout`); an asked read is recorded
-with `asked: true` and the report lists it.
+was already evaluated (its heldout.jsonl deleted, e.g. to evaluate again after a change, or
+in another workdir of the same attempt), or any other purpose (an analysis such as
+`tg_jax.evaluation.prefill`), unless the caller asks for it (`eval.reread_heldout`, or the
+tool's `--reread_heldout`); an asked read is recorded with `asked: true` and the report lists
+it.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import uuid
 from typing import Any
 
 from tg_jax import multihost, paths
 from tg_jax.errors import RunError
 
-READS_FILE = "heldout_reads.json"
+READS_FILE = "heldout_reads.jsonl"
+LEGACY_READS_FILE = "heldout_reads.json"  # completed reads, as workdirs before the JSONL kept
 FINAL = "final evaluation"
 
 
@@ -35,19 +47,67 @@ class HeldoutReadError(RunError):
     """A second read of the held-out split that nobody asked for."""
 
 
-def reads(workdir: str) -> list[dict[str, Any]]:
-    """The recorded reads of `workdir` ([] when none)."""
-    path = paths.as_path(workdir) / READS_FILE
-    if not path.exists():
+def _attempt(workdir: str) -> dict[str, Any] | None:
+    from tg_jax.evaluation import protocol  # noqa: PLC0415
+
+    return protocol.attempt_of(workdir)
+
+
+def ledger_path(workdir: str) -> str:
+    """The read ledger of `workdir`'s runs: beside the registry for a registered attempt's
+    runs (across workdirs), else in the workdir."""
+    attempt = _attempt(workdir)
+    if attempt and attempt.get("registry"):
+        return os.path.join(os.path.dirname(os.fspath(attempt["registry"])) or ".", READS_FILE)
+    return os.fspath(paths.as_path(workdir) / READS_FILE)
+
+
+def _scope(workdir: str) -> tuple[str, str]:
+    """(attempt id or "", workdir): which ledger lines are this workdir's runs' reads."""
+    attempt = _attempt(workdir)
+    return (str(attempt["id"]) if attempt else ""), os.fspath(workdir)
+
+
+def read_ledger(path: str) -> list[dict[str, Any]]:
+    """Every read of a ledger file, merged by id, in order of start: each with "finished"
+    (an end line came) and "ended" (its date, or None)."""
+    p = paths.as_path(path)
+    if not p.exists():
         return []
-    try:
-        data = json.loads(path.read_text())
-        out = data["reads"]
-        if not isinstance(out, list):
-            raise TypeError("reads is not a list")
-    except (ValueError, KeyError, TypeError) as e:
-        raise HeldoutReadError(f"{path}: not a held-out read ledger ({e})") from e
-    return out
+    out: dict[str, dict[str, Any]] = {}
+    for n, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            key, event = rec["read"], rec["event"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise HeldoutReadError(f"{path}:{n}: not a held-out read ledger line ({e})") from e
+        if event == "start":
+            out[key] = {**{k: v for k, v in rec.items() if k != "event"},
+                        "finished": False, "ended": None}  # fmt: skip
+        elif key in out:
+            out[key].update(finished=True, ended=rec.get("date"))
+    return list(out.values())
+
+
+def reads(workdir: str) -> list[dict[str, Any]]:
+    """The recorded reads of `workdir`'s runs ([] when none): its attempt's reads in every
+    workdir for a registered attempt, else the workdir's (and a legacy heldout_reads.json's,
+    all finished)."""
+    attempt, where = _scope(workdir)
+    entries = read_ledger(ledger_path(workdir))
+    if attempt:
+        return [r for r in entries if r.get("attempt") == attempt]
+    legacy = paths.as_path(workdir) / LEGACY_READS_FILE
+    old: list[dict[str, Any]] = []
+    if legacy.exists():
+        try:
+            old = [{**r, "finished": True, "ended": r.get("date")}
+                   for r in json.loads(legacy.read_text())["reads"]]  # fmt: skip
+        except (ValueError, KeyError, TypeError) as e:
+            raise HeldoutReadError(f"{legacy}: not a held-out read ledger ({e})") from e
+    return old + [r for r in entries if r.get("workdir", where) == where]
 
 
 def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False) -> bool:
@@ -57,7 +117,7 @@ def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False
     Raises:
       HeldoutReadError: a second look and not `again`.
     """
-    where = paths.as_path(workdir) / READS_FILE
+    where = ledger_path(workdir)
     if purpose != FINAL:
         if again:
             return True
@@ -70,11 +130,13 @@ def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False
     if done and again:
         return True
     if done:
+        how = "" if done[0].get("finished") else " (started, not finished)"
         raise HeldoutReadError(
-            f"run {run} was already evaluated on the held-out tasks ({done[0].get('date')}, "
-            f"{where}) and its heldout.jsonl is gone: a second evaluation is a second look; "
-            "restore the file, or set --config.eval.reread_heldout=True to evaluate again "
-            "(the read is recorded and the report lists it)"
+            f"run {run} was already evaluated on the held-out tasks ({done[0].get('date')}"
+            f"{how}, in {done[0].get('workdir', workdir)}; {where}) and its heldout.jsonl is "
+            "not here: a second evaluation is a second look; restore the file, or set "
+            "--config.eval.reread_heldout=True to evaluate again (the read is recorded and "
+            "the report lists it)"
         )
     return False
 
@@ -82,37 +144,73 @@ def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False
 def final_evaluation(cfg, workdir, run_name, run_dir, params, tasks, renderer) -> list[Any]:
     """Run `run_name`'s final evaluation on the held-out `tasks` (`heldout.evaluate_run` in
     `run_dir`), the one read of them per run: checked against (`check_read`, asking again
-    with `eval.reread_heldout`) and recorded in `workdir`'s ledger when it runs; a cached
+    with `eval.reread_heldout`), recorded when it starts and when it ends; a cached
     heldout.jsonl is read back, which is no read."""
     from tg_jax.evaluation import heldout  # noqa: PLC0415 (jax: only when a run evaluates)
 
     cached = multihost.agreed((paths.as_path(run_dir) / heldout.HELDOUT_FILE).exists())
     again = bool(cfg.eval.get("reread_heldout", False))
-    second = not cached and check_read(workdir, FINAL, run_name, again=again)
-    records = heldout.evaluate_run(cfg, run_dir, params, tasks, renderer=renderer)
+    read = None
     if not cached:
-        record_read(workdir, FINAL, run_name, tasks=len(tasks), asked=second)
+        second = check_read(workdir, FINAL, run_name, again=again)
+        read = start_read(workdir, FINAL, run_name, tasks=len(tasks), asked=second)
+    records = heldout.evaluate_run(cfg, run_dir, params, tasks, renderer=renderer)
+    if read is not None:
+        finish_read(workdir, read["read"])
     return records
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def start_read(
+    workdir: str, purpose: str, run: str = "", *, tasks: int, asked: bool = False
+) -> dict[str, Any]:
+    """Appends the start of a read to the ledger (the primary process writes) before any task
+    is read; returns the entry (its "read" id ends it: `finish_read`)."""
+    attempt, where = _scope(workdir)
+    entry = {
+        "read": uuid.uuid4().hex[:12], "event": "start", "purpose": purpose, "run": run,
+        "tasks": int(tasks), "asked": bool(asked), "attempt": attempt, "workdir": where,
+        "date": _now(),
+    }  # fmt: skip
+    if multihost.is_primary():
+        _append(ledger_path(workdir), entry)
+    return entry
+
+
+def finish_read(workdir: str, read_id: str) -> None:
+    """Appends that read `read_id` ended."""
+    if multihost.is_primary():
+        _append(ledger_path(workdir), {"read": read_id, "event": "end", "date": _now()})
 
 
 def record_read(
     workdir: str, purpose: str, run: str = "", *, tasks: int, asked: bool = False
 ) -> dict[str, Any]:
-    """Appends a completed read to `workdir/heldout_reads.json` (the primary process writes);
-    returns the entry."""
-    entry = {
-        "purpose": purpose, "run": run, "tasks": int(tasks), "asked": bool(asked),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }  # fmt: skip
-    if multihost.is_primary():
-        path = paths.as_path(workdir) / READS_FILE
-        paths.write_json_atomic(path, {"reads": [*reads(workdir), entry]})
+    """A read started and ended at once (an analysis tool's loading of the tasks)."""
+    entry = start_read(workdir, purpose, run, tasks=tasks, asked=asked)
+    finish_read(workdir, entry["read"])
     return entry
+
+
+def _append(path: str, rec: dict[str, Any]) -> None:
+    p = paths.as_path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(rec, sort_keys=True) + "\n"
+    if not paths.is_url(os.fspath(path)):
+        with open(p, "a", encoding="utf-8") as f:  # one write: concurrent workdirs interleave
+            f.write(line)  # whole lines
+        return
+    text = p.read_text() if p.exists() else ""
+    p.write_text(text + line)
 
 
 def summary(workdir: str) -> dict[str, Any]:
     """For the report: {"reads": [...], "runs_read_once": bool, "extra": [the reads beyond
-    each run's one final evaluation]}."""
+    each run's one final evaluation], "unfinished": [reads started and not ended],
+    "ledger": its path}."""
     entries = reads(workdir)
     seen: set[str] = set()
     extra = []
@@ -121,13 +219,22 @@ def summary(workdir: str) -> dict[str, Any]:
             seen.add(str(r.get("run")))
         else:
             extra.append(r)
-    return {"reads": entries, "runs_read_once": not extra, "extra": extra}
+    unfinished = [r for r in entries if not r.get("finished", True)]
+    return {"reads": entries, "runs_read_once": not extra, "extra": extra,
+            "unfinished": unfinished, "ledger": ledger_path(workdir)}  # fmt: skip
 
 
 def describe(s: dict[str, Any]) -> str:
     """One line for report.md, from a `summary`."""
     runs = sum(1 for r in s["reads"] if r.get("purpose") == FINAL and r not in s["extra"])
-    line = f"Held-out reads ({READS_FILE}): the final evaluation of {runs} run(s), once each"
+    where = os.path.basename(s.get("ledger") or READS_FILE)
+    line = f"Held-out reads ({where}): the final evaluation of {runs} run(s), once each"
+    unfinished = s.get("unfinished") or []
+    if unfinished:
+        line += "; **not finished**: " + "; ".join(
+            f"{r.get('purpose')}{' of ' + r['run'] if r.get('run') else ''} started "
+            f"{r.get('date')}" for r in unfinished
+        )  # fmt: skip
     if not s["extra"]:
         return line + "; nothing else read the held-out tasks."
     listed = "; ".join(
