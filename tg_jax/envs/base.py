@@ -150,7 +150,8 @@ class EpisodeSummary:
           mode: "fraction" = share of applicable turns that meet it; "all" = 1.0 iff every
             applicable turn meets it. With no applicable turn at all (e.g. the policy never
             wrote code) the reward is 0.0, so doing nothing never earns it, unless the
-            requirement is `conditional` (then 1.0: it was never called for).
+            requirement is `conditional` and the episode took a valid action (then 1.0: it
+            was never called for; an episode of junk turns alone does not earn it).
           conditional: `Requirement.conditional`.
 
         Returns:
@@ -161,7 +162,7 @@ class EpisodeSummary:
             v and k not in rejected for k, v in enumerate(self.verdicts[name]) if v is not None
         ]
         if not judged:
-            return 1.0 if conditional else 0.0
+            return 1.0 if conditional and self.turns > len(rejected) else 0.0
         if mode == "fraction":
             return sum(judged) / len(judged)
         if mode == "all":

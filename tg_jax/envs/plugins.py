@@ -29,6 +29,9 @@ check of the process unjudged, each one after its timeout.
 
 An environment plug-in's attribute is a subclass of `tg_jax.envs.Environment`, built as
 `cls(config.env, tool_format=fmt)` (fmt: the model's `tg_jax.text.tool_formats.ToolFormat`).
+It says what a valid action is by overriding `Environment.valid_action(turn_text)` (default
+True: every turn): a requirement met on a turn that is not one earns no reward and counts as
+failed (`Environment.begin_turn`), so that the format around junk is never paid.
 Its tasks come from a user's task file (`tasks.train_source` / `heldout_source`, fields mapped
 by `tasks.fields`: `tg_jax.data.task_files`) or from the class: `cls.generate_tasks(split,
 num, seed)` yields JSON-able task records (dicts with a "task_id"); each record is given to
