@@ -139,7 +139,7 @@ def test_preregistration_on_gcs(gcs):
     import ml_collections
 
     config = ml_collections.ConfigDict(
-        {"eval": {"margin": -0.05, "floor": 0.5, "ni_interval": "bootstrap", "baseline": "grpo",
+        {"eval": {"margin": -0.05, "floor": 0.5, "collapse_drop": 0.1, "baseline": "grpo",
                   "candidate": "tg", "level": 0.9}}
     )  # fmt: skip
     arms = {"grpo": ml_collections.ConfigDict({"a": 1}), "tg": ml_collections.ConfigDict({"a": 2})}

@@ -4,6 +4,7 @@ from statistics import NormalDist
 
 import numpy as np
 import pytest
+import scipy.stats
 
 from tg_jax.evaluation import power
 from tg_jax.evaluation.heldout import HELDOUT_FILE, save_records
@@ -36,13 +37,24 @@ def test_components_recover_a_simulated_table():
 
 
 def test_power_and_the_seeds_needed_by_hand():
+    # Seed variance only: the verdict's interval is the t-interval over seeds, df = S - 1,
+    # se = sqrt(0.004 / S); power(S) = F_t,S-1(0.05 / se - t_0.975,S-1).
     comp = power.Components(0.0, var_seed=0.004, var_item=0.0, var_resid=0.0, seeds=3, clusters=50)
-    z = NormalDist().inv_cdf(0.975)
+    by_hand = {}
+    for s in range(3, 20):
+        q = scipy.stats.t.ppf(0.975, s - 1)
+        by_hand[s] = scipy.stats.t.cdf(0.05 / np.sqrt(0.004 / s) - q, s - 1)
     for s in (3, 5, 9):
-        expected = NormalDist().cdf(0.05 / np.sqrt(0.004 / s) - z)
-        assert power.power(comp, s, margin=0.05, level=0.95, delta=0.0) == pytest.approx(expected)
-    # Power 0.8 needs (z_0.975 + z_0.8)^2 * 0.004 / 0.05^2 = 12.56 -> 13 seeds.
-    assert power.seeds_needed(comp, margin=0.05, level=0.95, delta=0.0, target=0.8) == 13
+        assert power.power(comp, s, margin=0.05, level=0.95, delta=0.0) == pytest.approx(by_hand[s])
+    # The z quantile of a normal test would say 13 seeds ((z_0.975 + z_0.8)^2 * 0.004 / 0.05^2
+    # = 12.56); Student's t asks for more at these small df.
+    need = min(s for s, p in by_hand.items() if p >= 0.8)
+    assert need == 15
+    assert power.seeds_needed(comp, margin=0.05, level=0.95, delta=0.0, target=0.8) == need
+    # At 3 seeds the t quantile (df 2: 4.30) leaves far less power than z (1.96) would say.
+    z = NormalDist().inv_cdf(0.975)
+    normal_3 = NormalDist().cdf(0.05 / np.sqrt(0.004 / 3) - z)
+    assert power.power(comp, 3, margin=0.05, level=0.95, delta=0.0) < normal_3 - 0.2
     # An item term that alone exceeds the margin's room: no number of seeds suffices.
     items = power.Components(0.0, 0.0, var_item=0.05, var_resid=0.0, seeds=3, clusters=20)
     assert power.seeds_needed(items, margin=0.05, level=0.95, delta=0.0, target=0.8) is None

@@ -42,11 +42,11 @@ def _curves(seed, compliance_end, steps=40):
     return recs
 
 
-def _runs():
+def _runs(seeds=(0, 1)):
     costs = {"wall_time_s": 10.0, "sampled_tokens": 1e6, "teacher_forward_flops": 0.0,
              "peak_memory_bytes": 2e9}  # fmt: skip
     runs = []
-    for seed in (0, 1):
+    for seed in seeds:
         runs.append(report.RunResult("grpo", seed, _episodes(10, False), _curves(seed, 0.0),
                                      dict(costs, wall_time_s=10.0 + seed)))  # fmt: skip
         runs.append(report.RunResult("tg", seed, _episodes(10 - seed, True), _curves(seed, 0.9),
@@ -59,9 +59,7 @@ def _runs():
 
 def test_write_report(tmp_path):
     runs = _runs()
-    settings = report.ReportSettings(
-        margin=-0.05, n_boot=500, last_k=8, ni_interval="paired_bootstrap"
-    )
+    settings = report.ReportSettings(margin=-0.05, n_boot=500, last_k=8)
     res = report.write_report(tmp_path, runs, settings)
     files = ("report.md", "results.json", "curve_compliance.png", "curve_task_success.png",
              "curve_compliance_stress.png", "curve_task_success_stress.png",
@@ -98,15 +96,16 @@ def test_write_report(tmp_path):
     assert tg["train_last_k"]["compliance"]["mean"] == pytest.approx(np.mean(last))
     assert tg["train_last_k"]["compliance"]["std"] == pytest.approx(np.std(last))
     assert loaded["arms"]["grpo"]["costs"]["wall_time_s"]["mean"] == pytest.approx(10.5)
-    # Verdict: TG - GRPO = -0.025 on task success; the paired interval decides.
+    # Verdict: TG - GRPO = -0.025 on task success over 2 seeds: exploratory, interval shown.
     ni = loaded["noninferiority"]
     assert ni == loaded["comparisons"]["tg"]["noninferiority"]
-    pb = loaded["comparisons"]["tg"]["paired_bootstrap"]["task_success"]
-    assert ni["mean"] == pytest.approx(-0.025) and ni["lower"] == pb["low"]
-    assert ni["verdict"] == ("pass" if pb["low"] >= -0.05 else "fail")
-    assert loaded["comparisons"]["tg_wrong"]["noninferiority"]["verdict"] == "fail"
+    d = loaded["comparisons"]["tg"]["difference"]["task_success"]
+    assert ni["mean"] == pytest.approx(-0.025) and ni["lower"] == d["low"]
+    assert ni["verdict"] == "exploratory"
+    assert loaded["comparisons"]["tg"]["per_seed"]["task_success"] == {"0": 0.0, "1": -0.05}
+    assert loaded["comparisons"]["tg_wrong"]["noninferiority"]["verdict"] == "exploratory"
     md = (tmp_path / "report.md").read_text()
-    assert f"success: {ni['verdict'].upper()}" in md
+    assert "success: EXPLORATORY" in md and "0: 0.000, 1: -0.050" in md
     assert "not a confidence interval" in md and "Stress tests" in md and "50% wrong hints" in md
     assert "Diagnostic: plain vs hinted" in md and "Side effects" in md
     for name in files[2:]:
@@ -120,23 +119,22 @@ def test_write_report(tmp_path):
 
 @pytest.mark.slow
 def test_verdict_follows_margin(tmp_path):
-    runs = _runs()
-    pb = {"n_boot": 200, "ni_interval": "paired_bootstrap"}
-    strict = report.write_report(tmp_path / "a", runs, {"margin": -0.0, **pb})
-    loose = report.write_report(tmp_path / "b", runs, {"margin": -0.5, **pb})
+    runs = _runs(seeds=(0, 1, 2))  # TG - GRPO per seed: 0, -0.05, -0.10
+    strict = report.write_report(tmp_path / "a", runs, {"margin": -0.0, "n_boot": 200})
+    loose = report.write_report(tmp_path / "b", runs, {"margin": -0.5, "n_boot": 200})
     assert strict["noninferiority"]["verdict"] == "fail"  # TG lost a task in one seed
     assert loose["noninferiority"]["verdict"] == "pass"
 
 
-def test_two_seeds_by_default_give_an_exploratory_verdict_with_the_two_level_interval(tmp_path):
+def test_two_seeds_give_an_exploratory_verdict_with_the_seed_interval(tmp_path):
     res = report.write_report(tmp_path, _runs(), {"margin": -0.5, "n_boot": 200})
     ni = res["noninferiority"]
-    two = res["comparisons"]["tg"]["two_level"]["task_success"]
-    assert ni["verdict"] == "exploratory" and ni["interval"] == "two_level"
-    assert ni["lower"] == two["low"] and ni["seeds"] == {"candidate": [0, 1], "baseline": [0, 1]}
+    d = res["comparisons"]["tg"]["difference"]["task_success"]
+    assert ni["verdict"] == "exploratory" and ni["interval"] == d["method"]
+    assert ni["lower"] == d["low"] and ni["seeds"] == {"candidate": [0, 1], "baseline": [0, 1]}
     md = (tmp_path / "report.md").read_text()
     assert "success: EXPLORATORY (2 training seed(s) per arm, under 3).**" in md
-    assert "d task success (two-level)" in md and "PASS" not in md
+    assert "d task success per seed" in md and "PASS" not in md
 
 
 def test_errors():
@@ -173,10 +171,8 @@ def test_baseline_under_the_floor_is_not_meaningful_and_the_setting_is_shown(tmp
     assert "20 tasks (one cluster each)" in md  # what the bootstrap resamples
     assert res["context"] == json.loads(json.dumps(context))
     # The same runs with a floor of 0: a pass/fail verdict again.
-    other = report.write_report(
-        tmp_path / "b", runs, {"n_boot": 100, "floor": 0.0, "ni_interval": "paired_bootstrap"}
-    )
-    assert other["noninferiority"]["verdict"] in ("pass", "fail")
+    other = report.write_report(tmp_path / "b", runs, {"n_boot": 100, "floor": 0.0})
+    assert other["noninferiority"]["verdict"] == "exploratory"  # one seed per arm
     assert "behaviour's own cost" not in (tmp_path / "b" / "report.md").read_text()
     # With the base model's hinted pass rate: the behaviour's own cost beside the verdict.
     context["base_model"]["hinted_pass_rate"] = 0.17
@@ -223,7 +219,7 @@ def test_a_collapsed_baseline_seed_is_named_in_the_report(tmp_path):
     res = report.write_report(tmp_path, runs, {"n_boot": 100, "floor": 0.1})
     assert res["noninferiority"]["verdict"] == "not meaningful"
     md = (tmp_path / "report.md").read_text()
-    assert "NOT MEANINGFUL.** The baseline collapsed in training seed(s) [1]" in md
+    assert "NOT MEANINGFUL.** The baseline seed(s) [1] collapsed: held-out task success" in md
 
 
 def test_the_budget_section_checks_the_sampled_tokens_each_arm_used():

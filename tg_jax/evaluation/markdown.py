@@ -69,10 +69,9 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
     if ni["verdict"] == "not meaningful" and ni.get("collapsed_baseline_seeds"):
         return [
             f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
-            f"success: NOT MEANINGFUL.** The baseline collapsed in training seed(s) "
-            f"{ni['collapsed_baseline_seeds']} (held-out task success under the floor "
-            f"{num(ni['floor'], 3)} in that run): a drop measured against a run that lost its "
-            "skill says nothing about skill kept, so neither pass nor fail is reported. "
+            f"success: NOT MEANINGFUL.** The {ni['why']} in that run: a drop measured against "
+            "a run that lost its skill says nothing about skill kept, so neither pass nor fail "
+            "is reported. "
             f"(Difference {num(ni['mean'], 3)}, lower bound {num(ni['lower'], 3)} vs margin "
             f"{num(ni['margin'], 3)}.)",
             "",
@@ -92,16 +91,15 @@ def _verdict_section(res: dict[str, Any]) -> list[str]:
             f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
             f"success: EXPLORATORY ({ni.get('why', '')}).** A verdict needs "
             f"{stats.MIN_SEEDS} training seeds per arm (`--config.eval.train_seeds`): the "
-            "two-level interval carries the seed-to-seed spread only from several seeds. "
-            f"Difference {num(ni['mean'], 3)}, lower bound of the two-sided {pct}% "
-            f"{ni['interval'].replace('_', ' ')} interval {num(ni['lower'], 3)} vs margin "
-            f"{num(ni['margin'], 3)}.",
+            "training seed is the unit of the interval, and its spread is estimated only from "
+            f"several seeds. Difference {num(ni['mean'], 3)}, lower bound of the two-sided "
+            f"{pct}% interval {num(ni['lower'], 3)} vs margin {num(ni['margin'], 3)}.",
             "",
         ] + _behaviour_cost(res)
     return [
         f"**Non-inferiority of `{st['candidate']}` vs `{st['baseline']}` on held-out task "
         f"success: {ni['verdict'].upper()}.** Difference {num(ni['mean'], 3)}, lower bound "
-        f"of the two-sided {pct}% {ni['interval'].replace('_', ' ')} interval "
+        f"of the two-sided {pct}% interval over training seeds ({ni['interval']}) "
         f"{num(ni['lower'], 3)} vs margin {num(ni['margin'], 3)} (fixed in the config "
         "before the run; pass iff lower bound >= margin; meaningful iff the baseline's task "
         f"success >= floor {num(st['floor'], 3)}).",
@@ -310,7 +308,7 @@ def _references_section(res: dict[str, Any]) -> list[str]:
         "",
         f"Each reference pre-registered beside the baseline (`eval.references`); the headline "
         f"verdict above is the one against `{st['baseline']}`. Held-out task success, "
-        f"{st['ni_interval'].replace('_', ' ')} interval ({pct}%, two-sided), margin "
+        f"interval over training seeds ({pct}%, two-sided), margin "
         f"{num(st['margin'], 3)}. `base` is the base model, evaluated once: its episodes stand "
         "for every training seed.",
         "",
@@ -331,26 +329,23 @@ def _differences_section(res: dict[str, Any]) -> list[str]:
     lines = [
         f"## Differences vs `{st['baseline']}`",
         "",
-        f"Paired cluster bootstrap over the same held-out tasks ({round(100 * st['level'])}%), "
-        "the t-interval over training seeds of per-seed differences (seeds paired by index), "
-        "and the two-level bootstrap (training seeds, then clusters of tasks: both sources).",
+        "Paired by training seed and held-out task; the interval's unit is the training seed "
+        "(`stats.noninferiority_interval`: the wider of the t-interval over seeds and the "
+        "seeds-plus-clusters interval). Its level is the verdict's: the registered share of "
+        "this attempt. Per-seed differences of task success follow.",
         "",
     ]
     rows = []
     for arm, c in res["comparisons"].items():
-        pb, stt = c["paired_bootstrap"], c["seed_t"]
+        d, per_seed = c["difference"], c["per_seed"].get("task_success", {})
         rows.append(
             [arm, res["arms"][arm]["group"]]
-            + [ci(pb.get(m), 3) for m in stats.RATE_METRICS]
-            + [
-                ci(stt.get("task_success"), 3),
-                ci((c.get("two_level") or {}).get("task_success"), 3),
-                c["noninferiority"]["verdict"],
-            ]  # fmt: skip
+            + [ci(d.get(m), 3) for m in stats.RATE_METRICS]
+            + [", ".join(f"{s}: {num(v, 3)}" for s, v in per_seed.items()) or "-"]
+            + [c["noninferiority"]["verdict"]]
         )
     header = ["arm", "group", "d compliance", "d task success", "d joint",
-              "d task success (seeds, t)", "d task success (two-level)",
-              f"non-inferior (margin {st['margin']})"]  # fmt: skip
+              "d task success per seed", f"non-inferior (margin {st['margin']})"]  # fmt: skip
     return lines + table(header, rows) + [""]
 
 
@@ -532,7 +527,7 @@ def _group_sections(res: dict[str, Any]) -> list[str]:
             rows.append(
                 [arm, a["description"] or "-", pm(a["train_last_k"]["compliance"])]
                 + [ci(b.get(m)) for m in ("compliance", "task_success")]
-                + [ci(c["paired_bootstrap"]["task_success"], 3) if c else "n/a"]
+                + [ci(c["difference"].get("task_success"), 3) if c else "n/a"]
                 + [c["noninferiority"]["verdict"] if c else "n/a"]
             )
         header = ["arm", "what changes", "train compliance (last K, not a CI)",

@@ -124,7 +124,8 @@ FOREST_FILE = "heldout_differences.png"
 
 def plot_differences(res: dict[str, Any], out_dir: str) -> str | None:
     """heldout_differences.png: every arm minus the baseline on held-out tasks, compliance and
-    task success, paired bootstrap CIs, the non-inferiority margin drawn on the task panel.
+    task success, the verdict's intervals over training seeds, the non-inferiority margin drawn
+    on the task panel.
     None when there is nothing to compare."""
     comps = res.get("comparisons") or {}
     arms = [a for a in res["arms"] if a in comps]
@@ -140,12 +141,14 @@ def plot_differences(res: dict[str, Any], out_dir: str) -> str | None:
     y = np.arange(len(arms))[::-1]
     for ax, metric in zip(axes[0], ("compliance", "task_success"), strict=True):
         for yi, arm in zip(y, arms, strict=True):
-            d = comps[arm]["paired_bootstrap"].get(metric)
+            d = comps[arm]["difference"].get(metric)
             if not d:
                 continue
             group = res["arms"][arm].get("group") or "main"
             color = {"main": "C0", "ablation": "C1", "stress": "C3"}.get(group, "C2")
-            err = [[d["mean"] - d["low"]], [d["high"] - d["mean"]]]
+            ends = (d.get("low"), d.get("high"))  # None / NaN: under two seeds, no interval
+            finite = all(e is not None and np.isfinite(e) for e in ends)
+            err = [[d["mean"] - ends[0]], [ends[1] - d["mean"]]] if finite else None
             ax.errorbar(d["mean"], yi, xerr=err, fmt="o", color=color, capsize=3)
         ax.axvline(0.0, color="k", lw=0.8)
         if metric == "task_success":
@@ -155,7 +158,7 @@ def plot_differences(res: dict[str, Any], out_dir: str) -> str | None:
         ax.set_title(f"held-out {metric.replace('_', ' ')}: arm - {st['baseline']}")
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(
-        f"paired bootstrap {int(round(100 * st['level']))}% CIs over held-out tasks "
+        f"{int(round(100 * st['level']))}% intervals over training seeds and held-out tasks "
         "(blue: main, orange: ablation, red: stress)"
     )
     fig.tight_layout()

@@ -5,32 +5,30 @@
 
 The pilot is a finished run of both arms (any number of seeds >= 2, e.g. the 3-seed demo);
 its held-out episodes (`runs/<arm>_seed<k>/heldout.jsonl`) give the paired differences
-d[s, c] = candidate - baseline of training seed s on cluster of tasks c (cluster means of
-task means: related tasks are one unit, as in the verdict). Their variance splits, by the
-method of moments of a two-way random-effects table without replication, into
+y[s, c] = candidate - baseline of training seed s on cluster of tasks c
+(`stats.cluster_table`: related tasks are one unit, as in the verdict). Their variance splits,
+by the method of moments of a two-way random-effects table without replication
+(`stats.mean_squares`), into
 
-    d[s, c] = mu + b_s + i_c + e_sc
-    MS_seed = C * sum_s (d_s. - d..)^2 / (S - 1)
-    MS_item = S * sum_c (d_.c - d..)^2 / (C - 1)
-    MS_res  = sum (d_sc - d_s. - d_.c + d..)^2 / ((S - 1)(C - 1))
-    var_b = (MS_seed - MS_res) / C,  var_i = (MS_item - MS_res) / S,  var_e = MS_res
+    y[s, c] = mu + b_s + i_c + e_sc
+    var_b = (MS_seed - MS_res) / C,  var_i = (MS_cluster - MS_res) / S,  var_e = MS_res
 
-(negative estimates set to 0). Every seed is evaluated on the same held-out tasks, so the item
-term does not shrink with more seeds: the variance of the mean difference with S seeds and C
-clusters is
+(negative estimates set to 0). With S seeds the verdict's mean squares are expected to be
+E[MS_seed] = C var_b + var_e and E[MS_cluster] = S var_i + var_e, and the verdict's own
+interval (`stats.MeanSquares.half_width`, the one every verdict uses) gives its half width h
+and degrees of freedom df at `level`. With q = t_{df}(1 - alpha), alpha = (1 - level) / 2, and
+se_h = h / q the standard error the interval will use, the one-sided test passes with
+probability about
 
-    se^2(S, C) = var_b / S + var_i / C + var_e / (S * C)
+    power(S) = F_{t, df}((delta + margin) / se_h - q)
 
-and the one-sided non-inferiority test at `level` (the lower bound of the two-sided interval,
-alpha = (1 - level) / 2) passes with probability
-
-    power(S) = Phi((delta + margin) / se(S, C) - z_{1 - alpha})
-
-for a true difference `delta` (default 0: the arms equal). The command prints the components,
-the power for 3..max_seeds seeds and the fewest seeds (at least `stats.MIN_SEEDS`) reaching
-the target; when the item term alone forbids it, it says how many clusters would be needed.
-A pre-registration states this number (`eval.train_seeds`). The estimate is as good as the
-pilot: with 2-3 pilot seeds var_b is rough, so read the table, not one number.
+for a true difference `delta` (default 0: the arms equal): Student's t, not the normal, so
+3 seeds (df = 2) are priced as the wide interval they give. The command prints the
+components, the power for 3..max_seeds seeds and the fewest seeds (at least
+`stats.MIN_SEEDS`) reaching the target; when the item term alone forbids it, it says how
+many clusters would be needed. A pre-registration states this number (`eval.train_seeds`).
+The estimate is as good as the pilot: with 2-3 pilot seeds var_b is rough, so read the
+table, not one number.
 """
 
 from __future__ import annotations
@@ -74,29 +72,39 @@ def components(d_SxC: np.ndarray) -> Components:
     d = np.asarray(d_SxC, np.float64)
     if d.ndim != 2 or d.shape[0] < 2 or d.shape[1] < 2:
         raise ValueError(f"need >= 2 seeds and >= 2 clusters, got a table of shape {d.shape}")
-    s, c = d.shape
-    grand, rows, cols = d.mean(), d.mean(axis=1), d.mean(axis=0)
-    ms_seed = c * np.sum((rows - grand) ** 2) / (s - 1)
-    ms_item = s * np.sum((cols - grand) ** 2) / (c - 1)
-    resid = d - rows[:, None] - cols[None, :] + grand
-    ms_res = np.sum(resid**2) / ((s - 1) * (c - 1))
+    ms = stats.mean_squares(d)
     return Components(
-        mean=float(grand),
-        var_seed=float(max(0.0, (ms_seed - ms_res) / c)),
-        var_item=float(max(0.0, (ms_item - ms_res) / s)),
-        var_resid=float(ms_res),
-        seeds=s,
+        mean=ms.mean,
+        var_seed=float(max(0.0, (ms.seed - ms.resid) / ms.clusters)),
+        var_item=float(max(0.0, (ms.cluster - ms.resid) / ms.seeds)),
+        var_resid=ms.resid,
+        seeds=ms.seeds,
+        clusters=ms.clusters,
+    )
+
+
+def expected_mean_squares(comp: Components, seeds: int) -> stats.MeanSquares:
+    """The verdict's mean squares expected with `seeds` seeds on the pilot's clusters."""
+    c = comp.clusters
+    return stats.MeanSquares(
+        mean=comp.mean,
+        seed=c * comp.var_seed + comp.var_resid,
+        cluster=seeds * comp.var_item + comp.var_resid,
+        resid=comp.var_resid,
+        seeds=seeds,
         clusters=c,
     )
 
 
 def power(comp: Components, seeds: int, *, margin: float, level: float, delta: float) -> float:
-    """P(the lower bound of the difference > -margin) with `seeds` seeds (module docstring)."""
-    z = NormalDist().inv_cdf(1.0 - (1.0 - level) / 2.0)
-    se = comp.se(seeds)
-    if se == 0.0:
+    """P(the verdict's lower bound > -margin) with `seeds` seeds (module docstring)."""
+    import scipy.stats  # here, not at the top: it takes seconds to import
+
+    half, df = expected_mean_squares(comp, seeds).half_width(level)
+    q = float(scipy.stats.t.ppf(0.5 + level / 2.0, df))
+    if half == 0.0:
         return 1.0 if delta + margin > 0 else 0.0
-    return NormalDist().cdf((delta + margin) / se - z)
+    return float(scipy.stats.t.cdf((delta + margin) / (half / q) - q, df))
 
 
 def seeds_needed(
@@ -141,10 +149,7 @@ def pilot_table(workdir: str, candidate: str, baseline: str, metric: str) -> np.
         if ids != ids_b:
             raise ValueError(f"seed {s}: the arms were evaluated on different held-out tasks")
         clusters = stats.task_clusters([runs[candidate][s]], ids)
-        diff = cand[metric] - base[metric]
-        order = list(dict.fromkeys(clusters))
-        rows.append([float(np.mean([diff[i] for i, c in enumerate(clusters) if c == k]))
-                     for k in order])  # fmt: skip
+        rows.append(stats.cluster_table((cand[metric] - base[metric])[None, :], clusters)[0])
     return np.asarray(rows)
 
 
@@ -159,7 +164,11 @@ def report(comp: Components, *, margin: float, level: float, delta: float, targe
     ]
     for s in range(stats.MIN_SEEDS, max_seeds + 1):
         p = power(comp, s, margin=margin, level=level, delta=delta)
-        lines.append(f"  {s:3d} seeds: se {comp.se(s):.4f}, power {p:.3f}")
+        half, df = expected_mean_squares(comp, s).half_width(level)
+        lines.append(
+            f"  {s:3d} seeds: se {comp.se(s):.4f}, interval +-{half:.4f} (df {df:.1f}), "
+            f"power {p:.3f}"
+        )
     need = seeds_needed(comp, margin=margin, level=level, delta=delta, target=target)
     if need is not None:
         lines.append(f"seeds needed for power {target}: {need}")

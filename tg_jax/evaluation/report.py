@@ -25,6 +25,7 @@ Metric names in metrics.jsonl (written by `tg_jax.train.rl`): stage "train" has
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -187,22 +188,24 @@ def compute_results(
                 if all(k in r.costs for r in rs)
             },
         }
-    out["comparisons"] = {
-        arm: stats.compare_arms(
-            episodes[arm],
-            episodes[settings.baseline],
-            margin=settings.margin,
-            ni_interval=settings.ni_interval,
-            floor=settings.floor,
-            **{**boot, "level": settings.verdict_level()},  # split over registered attempts
-        )
-        for arm in arms
-        if settings.baseline in arms and arm != settings.baseline and arms[arm][0].heldout
-        and arms[settings.baseline][0].heldout
-    }  # fmt: skip
-    out["references"] = _references(
-        settings, arms, episodes, reference_runs or {}, boot, out["comparisons"]
+    refs = reference_runs or {}
+    compare = functools.partial(
+        stats.compare_arms,
+        margin=settings.margin,
+        floor=settings.floor,
+        base_success=_base_success(refs.get(BASE_REFERENCE))
+        if settings.collapse_drop >= 0
+        else None,
+        collapse_drop=settings.collapse_drop,
+        level=settings.verdict_level(),
     )
+    base = settings.baseline
+    out["comparisons"] = {
+        arm: compare(episodes[arm], episodes[base])
+        for arm in arms
+        if base in arms and arm != base and arms[arm][0].heldout and arms[base][0].heldout
+    }
+    out["references"] = _references(settings, arms, episodes, refs, compare, out["comparisons"])
     # One arm alone (e.g. TG from a user's checkpoint): figures, no comparison.
     out["single_arm"] = settings.baseline not in arms
     out["noninferiority"] = out["comparisons"].get(settings.candidate, {}).get("noninferiority")
@@ -213,7 +216,15 @@ def compute_results(
 BASE_REFERENCE = "base"  # eval.references: the base model, evaluated once
 
 
-def _references(settings, arms, episodes, reference_runs, boot, comparisons) -> dict[str, Any]:
+def _base_success(records: Sequence[Any] | None) -> float | None:
+    """The base model's own held-out task success (None when it was not evaluated)."""
+    if not records:
+        return None
+    _, table = stats.task_means(records)
+    return float(table["task_success"].mean()) if "task_success" in table else None
+
+
+def _references(settings, arms, episodes, reference_runs, compare, comparisons) -> dict:
     """The candidate's non-inferiority against the baseline (its verdict in `comparisons`)
     and each of `eval.references` (an arm, or a reference run such as the base model, whose
     one set of episodes stands for every training seed of the candidate): {reference: verdict
@@ -228,16 +239,12 @@ def _references(settings, arms, episodes, reference_runs, boot, comparisons) -> 
             continue
         if ref in arms and arms[ref][0].heldout and ref != cand:
             ref_eps = episodes[ref]
-        elif ref in reference_runs:
+        elif ref in settings.references and ref in reference_runs:
             ref_eps = {s: reference_runs[ref] for s in episodes[cand]}
         else:
             out[ref] = {"verdict": "not run"}
             continue
-        c = stats.compare_arms(
-            episodes[cand], ref_eps, margin=settings.margin, ni_interval=settings.ni_interval,
-            floor=settings.floor, **{**boot, "level": settings.verdict_level()},
-        )  # fmt: skip
-        out[ref] = c["noninferiority"]
+        out[ref] = compare(episodes[cand], ref_eps)["noninferiority"]
     return out
 
 

@@ -32,14 +32,16 @@ class ReportSettings(Section):
     margin: float = -0.05
     """Allowed drop in held-out task success, candidate - baseline (<= 0; fixed before the
     run)."""
-    ni_interval: str = "two_level"
-    """The interval deciding non-inferiority: two_level (training seeds, then clusters of
-    tasks; "exploratory" under stats.MIN_SEEDS seeds) | paired_bootstrap (tasks, seeds
-    pooled) | seed_t (evaluation.stats)."""
     floor: float = 0.1
     """Baseline task success under which the verdict is "not meaningful"."""
+    collapse_drop: float = 0.1
+    """A baseline seed whose held-out task success falls more than this under the base
+    model's own (the base is evaluated whenever a baseline arm runs beside others) collapsed:
+    the verdict is "not meaningful", naming the seed. Negative: not checked (the base is then
+    evaluated only if `references` names it); the floor still applies."""
     level: float = 0.95
-    """Two-sided coverage of every interval."""
+    """Two-sided coverage of every interval (the verdict's: its registered share,
+    `verdict_level`)."""
     n_boot: int = 10_000
     """Bootstrap replicates."""
     bootstrap_seed: int = 0

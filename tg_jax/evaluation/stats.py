@@ -10,40 +10,47 @@ one it carries:
   from 16 functions do not count as 128 independent items. A replicate's mean is the mean
   over the tasks of the drawn clusters. With one task per cluster (records without cluster
   ids) this is the plain bootstrap over tasks, with the same draws.
-  Arm differences use the *paired* bootstrap: both arms are evaluated on the same tasks and
-  every bootstrap replicate draws the same clusters for both, so the per-task difference
-  is resampled and the between-task variance that both arms share cancels.
+  The plain-vs-hinted diagnostic uses the *paired* bootstrap: both conditions are evaluated
+  on the same tasks and every bootstrap replicate draws the same clusters for both, so the
+  per-task difference is resampled and the between-task variance both share cancels. It
+  decides no verdict: arm comparisons use `noninferiority_interval` (below).
 * Training seeds: one point estimate per seed; mean, sample std (ddof=1) and a Student-t
   interval with n_seeds - 1 degrees of freedom. Never mixed into the bootstrap.
 * Training-time "Table 1 style" numbers: mean +- std over the last K training steps of one
   run. That std measures step-to-step fluctuation of the training rollouts, it is NOT a
   confidence interval, and results carry the label `TRAIN_STD_LABEL` to say so.
 
-Non-inferiority (the interval is fixed here and in `eval_config`, before any run):
-  d = task_success(candidate) - task_success(baseline), per held-out task, each arm's value
-  pooled over its training seeds and samples;
-  interval = two-sided `level` (default 95%) percentile paired cluster bootstrap of mean(d);
-  verdict = "pass" iff the interval's LOWER bound >= margin (margin <= 0, e.g. -0.05), and
-  "not meaningful" whatever the interval when the baseline's task success is under `floor`.
-  A two-sided 95% interval's lower bound is a one-sided 97.5% bound, the usual convention of
-  non-inferiority trials. With `ni_interval="seed_t"` the verdict instead uses the t-interval
-  over training seeds of the per-seed differences (seeds paired by index); both intervals are
-  always reported, only the configured one decides.
+Non-inferiority: one interval decides every verdict (`noninferiority_interval`; the report,
+the registry's verdict and `power` use it). The unit is the training seed:
+  D[s, t] = candidate - baseline success on held-out task t for training seed s (the seeds
+  both arms ran, paired by seed; each run's per-task mean over its samples). Clusters of
+  tasks c (tasks sharing a hidden function) give the table y[s, c] = (C / T) * sum_{t in c}
+  D[s, t], whose mean is the mean of D. Its mean squares, as in a two-way random-effects
+  table without replication,
+      MS_seed = C * sum_s (y_s. - y..)^2 / (S - 1),
+      MS_cluster = S * sum_c (y_.c - y..)^2 / (C - 1),
+  give two intervals of the mean difference:
+  * Student-t over seeds: se^2 = MS_seed / (S C), S - 1 degrees of freedom (the per-seed
+    differences' own spread; task noise of each seed's evaluation enters through it);
+  * seeds plus clusters: se^2 = (MS_seed + MS_cluster) / (S C), Satterthwaite's degrees of
+    freedom. Every seed is evaluated on the same held-out tasks, so an arm-by-task effect
+    (the candidate better on some functions, worse on others) is shared by all seeds and
+    invisible to the first; the cluster term carries it (it counts the residual twice,
+    which errs wide).
+  The verdict's interval is the wider of the two at `level`; verdict = "pass" iff its lower
+  bound >= margin (margin <= 0, e.g. -0.05). A two-sided 95% interval's lower bound is a
+  one-sided 97.5% bound, the usual convention of non-inferiority trials. Under MIN_SEEDS
+  training seeds per arm the verdict is "exploratory": the interval is reported, no pass or
+  fail. tests/test_eval_stats.py simulates paired tables with a known truth (S = 3, 5, 10;
+  seed sd 0, 0.06, 0.10; clustered tasks, binomial outcomes, with and without an arm-by-task
+  effect) and checks the lower bound misses the truth no more often than (1 - level) / 2
+  within Monte-Carlo error; the t-interval over seeds alone missed 17% at S = 10 with an
+  arm-by-task effect, a z quantile 8-14% at S = 3.
 
-Two-level (`ni_interval="two_level"`, `two_level_bootstrap_ci`): both sources in one interval.
-  D[s, i] = candidate - baseline on task i for training seed s (the seeds both arms ran,
-  paired by seed; each run's per-task mean over its samples). A replicate draws S seeds with
-  replacement (counts a_s) and then C clusters with replacement (counts b_c, a task i in
-  cluster c(i)), the same draws for both arms, and takes
-      d_r = sum_s a_s sum_i b_c(i) D[s, i] / (S * sum_i b_c(i)),
-  the mean difference over the drawn seeds and the drawn tasks. Its percentile interval
-  carries the seed-to-seed spread (a seed whose baseline collapsed moves d_r only in the
-  replicates that draw it) and the item spread. With fewer than MIN_SEEDS seeds per arm the
-  verdict is "exploratory": the interval is reported, no pass or fail.
-
-A baseline run that collapsed (its own held-out task success under `floor`, whatever the
-others') makes the verdict "not meaningful", whichever interval decides: a drop measured
-against a run that lost its skill says nothing about skill kept.
+A baseline run that collapsed makes the verdict "not meaningful", whichever seed it is: its
+own held-out task success under `floor`, or more than `collapse_drop` under the base
+model's own (when the base was evaluated). A drop measured against a run that lost its skill
+says nothing about skill kept.
 """
 
 from __future__ import annotations
@@ -59,8 +66,8 @@ from tg_jax.sampling.episode import CONDITIONS, EpisodeRecord
 
 RATE_METRICS = ("compliance", "task_success", "joint")
 ACTION_METRICS = ("run_tests", "submit", "malformed")
-NI_INTERVALS = ("two_level", "paired_bootstrap", "seed_t")
-MIN_SEEDS = 3  # training seeds per arm under which a two-level verdict is "exploratory"
+MIN_SEEDS = 3  # training seeds per arm under which a verdict is "exploratory"
+INTERVAL_METHOD = "training seeds: the wider of the t-interval and seeds + clusters of tasks"
 TRAIN_STD_LABEL = "mean +- std over the last K training steps (step-to-step spread, not a CI)"
 
 
@@ -225,44 +232,6 @@ def paired_bootstrap_ci(
     )
 
 
-def two_level_bootstrap_ci(
-    cand_SxN: np.ndarray, base_SxN: np.ndarray, *, clusters_N: Sequence[str] | None = None,
-    n_boot: int = 10_000, seed: int = 0, level: float = 0.95,
-) -> Interval:  # fmt: skip
-    """Paired two-level percentile bootstrap of mean(candidate - baseline): training seeds,
-    then clusters of tasks within them (the module docstring has the formula).
-
-    Args:
-      cand_SxN, base_SxN: per seed (rows, paired) and task (columns, paired) values.
-      clusters_N: cluster id per task (None: every task its own cluster).
-    """
-    d_SxN = np.asarray(cand_SxN, np.float64) - np.asarray(base_SxN, np.float64)
-    if np.asarray(cand_SxN).shape != np.asarray(base_SxN).shape or d_SxN.ndim != 2:
-        raise ValueError(f"paired [seeds, tasks] tables needed: {np.shape(cand_SxN)} vs "
-                         f"{np.shape(base_SxN)}")  # fmt: skip
-    num_s, n = d_SxN.shape
-    if num_s == 0 or n == 0:
-        raise ValueError("cannot bootstrap zero seeds or zero tasks")
-    labels = list(range(n)) if clusters_N is None else list(clusters_N)
-    if len(labels) != n:
-        raise ValueError(f"{len(labels)} cluster ids for {n} items")
-    index = {c: k for k, c in enumerate(dict.fromkeys(labels))}  # in order of appearance
-    order, of_item_N = list(index), np.array([index[c] for c in labels])
-    onehot_NxC = np.zeros((n, len(order)))
-    onehot_NxC[np.arange(n), of_item_N] = 1.0
-    sums_SxC, sizes_C = d_SxN @ onehot_NxC, onehot_NxC.sum(axis=0)
-    rng = np.random.default_rng(seed)
-    a_RxS = rng.multinomial(num_s, np.full(num_s, 1.0 / num_s), size=n_boot).astype(np.float64)
-    b_RxC = rng.multinomial(len(order), np.full(len(order), 1.0 / len(order)), size=n_boot)
-    b_RxC = b_RxC.astype(np.float64)
-    num_R = np.einsum("rs,sc,rc->r", a_RxS, sums_SxC, b_RxC)
-    means_R = num_R / (num_s * (b_RxC @ sizes_C))
-    alpha = (1.0 - level) / 2.0
-    low, high = np.quantile(means_R, [alpha, 1.0 - alpha])
-    method = f"two-level paired bootstrap: {num_s} training seeds, then clusters of tasks"
-    return Interval(float(d_SxN.mean()), float(low), float(high), level, method, n, len(order))
-
-
 # -- training seeds -------------------------------------------------------------------------
 
 
@@ -297,36 +266,131 @@ def seed_interval(values_S: Sequence[float], *, level: float = 0.95) -> dict[str
     }
 
 
+# -- the non-inferiority interval: training seeds are the unit -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanSquares:
+    """The two-way (training seed x cluster of tasks) table of paired differences, by the
+    method of moments of a random-effects table without replication (module docstring)."""
+
+    mean: float  # d.., the mean difference
+    seed: float  # MS_seed, S - 1 degrees of freedom
+    cluster: float  # MS_cluster, C - 1
+    resid: float  # MS_res, (S - 1)(C - 1)
+    seeds: int  # S
+    clusters: int  # C
+
+    def half_width(self, level: float) -> tuple[float, float]:
+        """(half width, degrees of freedom) of the two-sided `level` interval of the mean:
+        the wider of the Student-t interval over seeds, se^2 = MS_seed / (S C) on S - 1
+        degrees of freedom, and the seed-plus-cluster interval, se^2 = (MS_seed +
+        MS_cluster) / (S C) on Satterthwaite's degrees of freedom (module docstring)."""
+        import scipy.stats  # here, not at the top: it takes seconds to import
+
+        s, c, q = self.seeds, self.clusters, 0.5 + level / 2.0
+        if s < 2:
+            return float("nan"), 0.0
+        se_seed = np.sqrt(max(self.seed, 0.0) / (s * c))
+        best = (float(scipy.stats.t.ppf(q, s - 1) * se_seed), float(s - 1))
+        if c < 2:
+            return best
+        var = (self.seed + self.cluster) / (s * c)
+        terms = self.seed**2 / (s - 1) + self.cluster**2 / (c - 1)
+        if terms <= 0.0:
+            return best
+        df = float((s * c * var) ** 2 / terms)  # Satterthwaite
+        both = float(scipy.stats.t.ppf(q, df) * np.sqrt(var))
+        return (both, df) if both > best[0] else best
+
+
+def cluster_table(d_SxT: np.ndarray, clusters_T: Sequence[str] | None = None) -> np.ndarray:
+    """[seeds, clusters] table whose row means are the per-seed mean differences over tasks:
+    cluster c's column holds (C / T) * the sum of its tasks' differences (a cluster weighs
+    by its tasks, as in the task mean)."""
+    d = np.asarray(d_SxT, np.float64)
+    if d.ndim != 2 or 0 in d.shape:
+        raise ValueError(f"need a non-empty [seeds, tasks] table, got shape {d.shape}")
+    n = d.shape[1]
+    labels = list(range(n)) if clusters_T is None else list(clusters_T)
+    if len(labels) != n:
+        raise ValueError(f"{len(labels)} cluster ids for {n} tasks")
+    index = {k: i for i, k in enumerate(dict.fromkeys(labels))}
+    onehot_TxC = np.zeros((n, len(index)))
+    onehot_TxC[np.arange(n), [index[k] for k in labels]] = 1.0
+    return (d @ onehot_TxC) * (len(index) / n)
+
+
+def mean_squares(y_SxC: np.ndarray) -> MeanSquares:
+    """Mean squares of a [seeds, clusters] table (`cluster_table`)."""
+    y = np.asarray(y_SxC, np.float64)
+    s, c = y.shape
+    grand, rows, cols = y.mean(), y.mean(axis=1), y.mean(axis=0)
+    ms_s = c * np.sum((rows - grand) ** 2) / (s - 1) if s > 1 else float("nan")
+    ms_c = s * np.sum((cols - grand) ** 2) / (c - 1) if c > 1 else 0.0
+    resid = y - rows[:, None] - cols[None, :] + grand
+    ms_r = np.sum(resid**2) / ((s - 1) * (c - 1)) if s > 1 and c > 1 else 0.0
+    return MeanSquares(float(grand), float(ms_s), float(ms_c), float(ms_r), s, c)
+
+
+def noninferiority_interval(
+    candidate_SxT: np.ndarray,
+    baseline_SxT: np.ndarray,
+    clusters_T: Sequence[str] | None = None,
+    *,
+    level: float = 0.95,
+) -> tuple[float, float, float]:
+    """The interval every verdict is decided by: (difference, low, high) of candidate -
+    baseline, two-sided at `level`, with the training seed as the unit.
+
+    Args:
+      candidate_SxT, baseline_SxT: per training seed (rows, paired by seed index) and held-out
+        task (columns, paired), that run's success mean on that task.
+      clusters_T: cluster id per task (tasks sharing a hidden function; None: every task its
+        own cluster).
+      level: two-sided coverage; the verdict reads the lower bound (one-sided (1-level)/2).
+
+    Returns:
+      (difference, low, high): the mean over seeds and tasks of the paired difference and the
+      wider of the Student-t interval over seeds (S - 1 degrees of freedom) and the
+      seed-plus-cluster interval (module docstring). Under two seeds low and high are NaN.
+    """
+    c = np.asarray(candidate_SxT, np.float64)
+    b = np.asarray(baseline_SxT, np.float64)
+    if c.shape != b.shape or c.ndim != 2:
+        raise ValueError(f"paired [seeds, tasks] tables needed: {c.shape} vs {b.shape}")
+    ms = mean_squares(cluster_table(c - b, clusters_T))
+    half, _ = ms.half_width(level)
+    return ms.mean, ms.mean - half, ms.mean + half
+
+
 # -- non-inferiority ------------------------------------------------------------------------
 
 
 def noninferiority(
-    diff: Interval | Mapping[str, Any],
+    diff: Mapping[str, Any],
     margin: float,
     *,
-    interval: str = "paired_bootstrap",
     baseline_success: float | None = None,
     floor: float = 0.0,
 ) -> dict[str, Any]:
     """Verdict on candidate - baseline task success against a margin fixed before the run.
 
     Args:
-      diff: the interval of the difference (an `Interval` or a `seed_interval` dict).
+      diff: the difference's interval, {"mean", "low", "level"} (`compare_arms`).
       margin: the allowed drop, <= 0 (e.g. -0.05 = at most 5 points worse).
-      interval: the name of the interval `diff` is (recorded in the result).
       baseline_success: the baseline arm's held-out task success (None: not checked).
       floor: below this baseline task success no drop can be measured (a baseline that solves
         nothing cannot get worse), and the verdict is "not meaningful".
 
     Returns:
-      {"verdict": "pass" | "fail" | "undetermined" | "not meaningful", "lower", "margin",
-      "interval", "level", "floor", "baseline_success"}: pass iff lower >= margin;
-      "undetermined" when the lower bound is NaN (one seed under interval="seed_t").
+      {"verdict": "pass" | "fail" | "undetermined" | "not meaningful", "lower", "mean",
+      "margin", "level", "floor", "baseline_success", "rule"}: pass iff lower >= margin;
+      "undetermined" when the lower bound is NaN (under two seeds).
     """
     if margin > 0:
         raise ValueError(f"a non-inferiority margin is an allowed drop, <= 0; got {margin}")
-    d = diff.to_dict() if isinstance(diff, Interval) else dict(diff)
-    lower = float(d["low"])
+    lower = float(diff["low"])
     if np.isnan(lower):
         verdict = "undetermined"
     else:
@@ -338,10 +402,10 @@ def noninferiority(
         "floor": float(floor),
         "baseline_success": baseline_success,
         "lower": lower,
-        "mean": float(d["mean"]),
+        "mean": float(diff["mean"]),
         "margin": float(margin),
-        "interval": interval,
-        "level": float(d["level"]),
+        "level": float(diff["level"]),
+        "interval": INTERVAL_METHOD,
         "rule": "pass iff lower bound of the two-sided interval of (candidate - baseline) "
         "task success >= margin",
     }
@@ -472,87 +536,80 @@ def compare_arms(
     baseline: Mapping[int, Sequence[EpisodeRecord]],
     *,
     margin: float,
-    ni_interval: str = ReportSettings.ni_interval,
     floor: float = 0.0,
-    n_boot: int = 10_000,
-    seed: int = 0,
+    base_success: float | None = None,
+    collapse_drop: float = ReportSettings.collapse_drop,
     level: float = 0.95,
     condition: str = "plain",
 ) -> dict[str, Any]:
     """Candidate - baseline on held-out tasks, with the non-inferiority verdict.
 
     Args:
-      candidate, baseline: training seed -> held-out episodes, same tasks in every run.
+      candidate, baseline: training seed -> held-out episodes, same tasks in every run; the
+        seeds both ran are paired by seed.
       margin: allowed drop in task success (<= 0), fixed in the config before the run.
-      ni_interval: which interval decides (see the module docstring): "two_level" (seeds,
-        then tasks; "exploratory" under MIN_SEEDS seeds), "paired_bootstrap" (tasks, seeds
-        pooled) or "seed_t" (t-interval over seeds of per-seed differences).
       floor: baseline task success under which the verdict is "not meaningful".
+      base_success: the base model's own held-out task success (None: not evaluated); a
+        baseline seed more than `collapse_drop` under it collapsed.
+      level: two-sided level of every interval (the registry's share for this attempt).
 
     Returns:
-      {"paired_bootstrap": {metric: Interval dict}, "seed_t": {metric: seed_interval dict},
-       "two_level": {metric: Interval dict}, "paired_seeds": [seeds present in both],
-       "noninferiority": verdict dict (with "seeds": training seeds per arm)}.
+      {"difference": {metric: {"mean", "low", "high", "level", "seeds", "clusters",
+       "method"}} (`noninferiority_interval`), "per_seed": {metric: {seed: difference}},
+       "paired_seeds": [seeds present in both], "noninferiority": verdict dict (with "seeds":
+       training seeds per arm, "collapsed_baseline_seeds" and, when not decided, "why")}.
     """
-    if ni_interval not in NI_INTERVALS:
-        raise ValueError(f"ni_interval must be one of {NI_INTERVALS}, got {ni_interval!r}")
-    ids_c, cand = pooled_task_means([candidate[s] for s in sorted(candidate)], condition)
-    ids_b, base = pooled_task_means([baseline[s] for s in sorted(baseline)], condition)
-    if ids_c != ids_b:
-        raise ValueError("arms must be evaluated on the same held-out tasks to be paired")
-    metrics = sorted(set(cand) & set(base))
-    clusters = task_clusters([*candidate.values(), *baseline.values()], ids_c)
-    boot = {
-        k: paired_bootstrap_ci(
-            cand[k], base[k], clusters_N=clusters, n_boot=n_boot, seed=seed, level=level
-        ).to_dict()
-        for k in metrics
-    }
     common = sorted(set(candidate) & set(baseline))
-    b_means = {s: _seed_means(baseline[s], condition) for s in baseline}
-    seed_t = {}
-    if common:
-        c_means = {s: _seed_means(candidate[s], condition) for s in common}
-        seed_t = {
-            k: seed_interval([c_means[s][k] - b_means[s][k] for s in common], level=level)
-            for k in metrics
+    tables = {
+        arm: [task_means(runs[s], condition) for s in common]
+        for arm, runs in (("c", candidate), ("b", baseline))
+    }
+    ids = tables["c"][0][0] if common else []
+    if any(t_ids != ids for t_ids, _ in tables["c"] + tables["b"]):
+        raise ValueError("arms must be evaluated on the same held-out tasks to be paired")
+    runs = [*(candidate[s] for s in common), *(baseline[s] for s in common)]
+    clusters = task_clusters(runs, ids)
+    all_tables = [t for _, t in tables["c"] + tables["b"]]
+    metrics = sorted(set.intersection(*(set(t) for t in all_tables))) if common else []
+    diff, per_seed = {}, {}
+    for k in metrics:
+        c_SxT = np.stack([t[k] for _, t in tables["c"]])
+        b_SxT = np.stack([t[k] for _, t in tables["b"]])
+        d, low, high = noninferiority_interval(c_SxT, b_SxT, clusters, level=level)
+        diff[k] = {
+            "mean": d,
+            "low": low,
+            "high": high,
+            "level": level,
+            "seeds": len(common),
+            "clusters": len(set(clusters)),
+            "method": INTERVAL_METHOD,
         }
-    two = _two_level(candidate, baseline, common, metrics, clusters, condition,
-                     n_boot=n_boot, seed=seed, level=level)  # fmt: skip
+        per_seed[k] = dict(zip(common, map(float, (c_SxT - b_SxT).mean(axis=1)), strict=True))
+    b_means = {s: _seed_means(baseline[s], condition).get("task_success", 0.0) for s in baseline}
     nan = {"mean": float("nan"), "low": float("nan"), "level": level}
-    diff = {"paired_bootstrap": boot, "seed_t": seed_t, "two_level": two}[ni_interval]
     ni = noninferiority(
-        diff.get("task_success", nan), margin, interval=ni_interval,
-        baseline_success=float(base["task_success"].mean()), floor=floor,
-    )  # fmt: skip
-    ni["seeds"] = {"candidate": sorted(candidate), "baseline": sorted(baseline)}
-    ni["collapsed_baseline_seeds"] = sorted(
-        s for s, m in b_means.items() if m.get("task_success", 0.0) < floor
+        diff.get("task_success", nan),
+        margin,
+        floor=floor,
+        baseline_success=float(np.mean(list(b_means.values()))) if b_means else None,
     )
+    ni["seeds"] = {"candidate": sorted(candidate), "baseline": sorted(baseline)}
+    ni["base_success"], ni["collapse_drop"] = base_success, float(collapse_drop)
+    low_bar = floor if base_success is None else max(floor, base_success - collapse_drop)
+    ni["collapsed_baseline_seeds"] = sorted(s for s, m in b_means.items() if m < low_bar)
     meaningful = ni["verdict"] != "not meaningful"
-    if ni["collapsed_baseline_seeds"] and meaningful:
+    if ni["collapsed_baseline_seeds"]:
         ni["verdict"] = "not meaningful"  # a collapsed run cannot show a kept skill
-        ni["why"] = (f"baseline seed(s) {ni['collapsed_baseline_seeds']} collapsed: held-out "
-                     f"task success under the floor {floor}")  # fmt: skip
-    elif ni_interval == "two_level" and len(common) < MIN_SEEDS and meaningful:
+        why = f"under the floor {floor}"
+        if base_success is not None and low_bar > floor:
+            why = f"more than {collapse_drop} under the base model's {base_success:.3f}"
+        ni["why"] = (
+            f"baseline seed(s) {ni['collapsed_baseline_seeds']} collapsed: held-out "
+            f"task success {why}"
+        )
+    elif len(common) < MIN_SEEDS and meaningful:
         ni["verdict"] = "exploratory"
         ni["why"] = f"{len(common)} training seed(s) per arm, under {MIN_SEEDS}"
-    return {"paired_bootstrap": boot, "seed_t": seed_t, "two_level": two,
-            "paired_seeds": common, "noninferiority": ni}  # fmt: skip
-
-
-def _two_level(candidate, baseline, common, metrics, clusters, condition, **kw) -> dict:
-    """{metric: two-level Interval dict} over the seeds both arms ran ({} if none)."""
-    if not common:
-        return {}
-    tables = {}
-    for arm, runs in (("c", candidate), ("b", baseline)):
-        tables[arm] = [task_means(runs[s], condition)[1] for s in common]
-    return {
-        k: two_level_bootstrap_ci(
-            np.stack([t[k] for t in tables["c"]]), np.stack([t[k] for t in tables["b"]]),
-            clusters_N=clusters, **kw,
-        ).to_dict()
-        for k in metrics
-        if all(k in t for t in tables["c"] + tables["b"])
-    }  # fmt: skip
+    return {"difference": diff, "per_seed": per_seed, "paired_seeds": common,
+            "noninferiority": ni}  # fmt: skip

@@ -47,7 +47,7 @@ from typing import Any
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
 from tg_jax.envs import env_kind
-from tg_jax.evaluation import heldout_reads, protocol, registry, stability
+from tg_jax.evaluation import heldout_reads, ledger, protocol, registry, stability
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
@@ -261,7 +261,7 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
     """Every RL run (arm x training seed) and its held-out evaluation, as report RunResults."""
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
-    eval_tasks = task_data.load_tasks(sources, "heldout", config.eval.num_tasks)
+    eval_tasks = protocol.heldout_tasks(config, workdir, sources)  # an attempt's own draw
     runs = []
     for arm, cfg in arms_cfgs.items():
         for seed in config.eval.train_seeds:
@@ -280,6 +280,8 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
             records = heldout_reads.final_evaluation(
                 cfg, workdir, run_name, run_dir, result.state.params, eval_tasks, md.renderer
             )
+            export = os.path.join(workdir, EXPORT_DIR, run_name)
+            ledger.record_run(cfg, workdir, arm, int(seed), records, export)  # registered only
             runs.append(
                 report.load_run_result(
                     run_dir,
@@ -292,17 +294,22 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
 
 
 def _reference_runs(config, workdir, sources, base_params, md) -> dict[str, list[Any]]:
-    """The held-out episodes of the references that are no arm (`eval.references`): "base",
-    the base model, evaluated once like a run (`heldout_reads.final_evaluation`)."""
+    """The held-out episodes of the references that are no arm: "base", the base model,
+    evaluated once like a run (`heldout_reads.final_evaluation`), when `eval.references` names
+    it or a baseline arm runs beside others (a baseline seed far under the base collapsed:
+    `eval.collapse_drop`, negative = not checked)."""
     from tg_jax.evaluation.report import BASE_REFERENCE  # noqa: PLC0415 (matplotlib)
 
-    if BASE_REFERENCE not in tuple(config.eval.get("references", ())):
+    arms, ev = tuple(config.pipeline.arms), config.eval
+    compared = len(arms) > 1 and ev.baseline in arms and ev.get("collapse_drop", 0.0) >= 0
+    if BASE_REFERENCE not in tuple(ev.get("references", ())) and not compared:
         return {}
-    eval_tasks = task_data.load_tasks(sources, "heldout", config.eval.num_tasks)
+    eval_tasks = protocol.heldout_tasks(config, workdir, sources)
     run_dir = os.path.join(workdir, RUNS_DIR, BASE_REFERENCE)
     records = heldout_reads.final_evaluation(
         config, workdir, BASE_REFERENCE, run_dir, base_params, eval_tasks, md.renderer
     )
+    ledger.record_run(config, workdir, BASE_REFERENCE, None, records, config.model.hf_checkpoint)
     return {BASE_REFERENCE: records}
 
 
@@ -337,6 +344,8 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     prereg = multihost.primary_first(  # before the first RL step (trials too)
         "preregistration", lambda: protocol.preregister(config, workdir, arms_cfgs)
     )
+    if prereg.get("registry_id"):  # the claim's earlier attempts set the verdict's level
+        config = config_files.apply_overrides(config, {"eval.earlier": tuple(prereg["earlier"])})
     base_params = _load_base_params(config, md)
     tuned = None
     if tuning.enabled(config):  # the same learning-rate trials for every arm
