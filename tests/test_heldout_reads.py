@@ -1,0 +1,85 @@
+"""Each registered attempt's own held-out draw (tasks.draw_heldout, protocol.draw_tasks) and
+the read ledger beside the registry (evaluation.heldout_reads): a read is written when it
+starts, and one that did not finish is listed."""
+
+import json
+
+import pytest
+
+from tg_jax.envs import tasks
+from tg_jax.evaluation import heldout_reads, protocol, registry
+
+EASY = tasks.EASY_FAMILIES
+
+
+def test_a_draw_is_fresh_disjoint_from_training_and_reproducible_from_its_seed():
+    pool = tasks.heldout_functions(EASY)
+    assert len(pool) == 104  # 4 families x 26 held-out constants
+    train = {t.function_id for t in tasks.generate_tasks("train", 2000, 0, families=EASY)}
+    first = tasks.draw_heldout(128, 7, 26, families=EASY)
+    units = {t.function_id for t in first}
+    assert len(units) == 26 and units <= set(pool) and not units & train
+    assert {t.split for t in first} == {"heldout"}
+    assert sorted(t.family for t in first[:26]).count("add") in (6, 7)  # balanced: 26 = 6+6+7+7
+    assert first == tasks.draw_heldout(128, 7, 26, families=EASY)  # the seed reproduces it
+    assert first != tasks.draw_heldout(128, 8, 26, families=EASY)
+    # The claim's later attempts exclude what earlier ones read: four quarters, then none.
+    seen = set(units)
+    for seed in (8, 9, 10):
+        more = {t.function_id for t in tasks.draw_heldout(128, seed, 26, families=EASY,
+                                                          exclude=sorted(seen))}  # fmt: skip
+        assert len(more) == 26 and not more & seen
+        seen |= more
+    assert seen == set(pool)
+    with pytest.raises(ValueError, match="0 held-out function"):
+        tasks.draw_heldout(128, 11, 26, families=EASY, exclude=sorted(seen))
+
+
+def _attempt(tmp_path, workdir, attempt_id="c#1"):
+    workdir.mkdir(parents=True, exist_ok=True)
+    reg = tmp_path / "docs" / "preregistrations.jsonl"
+    rec = {"id": attempt_id, "registry": str(reg), "config": "sha", "tasks": []}
+    (workdir / protocol.ATTEMPT_FILE).write_text(json.dumps(rec))
+    return reg
+
+
+def test_an_unfinished_read_is_listed_and_is_a_look_in_every_workdir_of_the_attempt(tmp_path):
+    w1, w2 = tmp_path / "w1", tmp_path / "w2"
+    reg = _attempt(tmp_path, w1)
+    _attempt(tmp_path, w2)
+    ledger = reg.parent / heldout_reads.READS_FILE
+    assert heldout_reads.ledger_path(str(w1)) == str(ledger)
+    done = heldout_reads.start_read(str(w1), heldout_reads.FINAL, "grpo_seed0", tasks=8)
+    heldout_reads.finish_read(str(w1), done["read"])
+    heldout_reads.start_read(str(w1), heldout_reads.FINAL, "tg_seed0", tasks=8)  # killed here
+    lines = [json.loads(x) for x in ledger.read_text().splitlines()]
+    assert [x["event"] for x in lines] == ["start", "end", "start"]
+    s = heldout_reads.summary(str(w2))  # another workdir (a later sitting) of the attempt
+    assert [(r["run"], r["finished"]) for r in s["reads"]] == [("grpo_seed0", True),
+                                                               ("tg_seed0", False)]  # fmt: skip
+    assert [r["run"] for r in s["unfinished"]] == ["tg_seed0"]
+    assert "**not finished**: final evaluation of tg_seed0 started" in heldout_reads.describe(s)
+    with pytest.raises(heldout_reads.HeldoutReadError, match=r"started, not finished"):
+        heldout_reads.check_read(str(w2), heldout_reads.FINAL, "tg_seed0")
+    assert heldout_reads.check_read(str(w2), heldout_reads.FINAL, "tg_seed1") is False
+    # Another attempt beside the same registry reads its own tasks: not a second look.
+    w3 = tmp_path / "w3"
+    _attempt(tmp_path, w3, "c#2")
+    assert heldout_reads.check_read(str(w3), heldout_reads.FINAL, "tg_seed0") is False
+    assert heldout_reads.reads(str(w3)) == []
+
+
+def test_an_unregistered_run_keeps_its_ledger_in_its_workdir(tmp_path):
+    heldout_reads.record_read(str(tmp_path), "tg_jax.evaluation.prefill", tasks=4, asked=True)
+    (r,) = heldout_reads.reads(str(tmp_path))
+    assert (r["purpose"], r["asked"], r["finished"]) == ("tg_jax.evaluation.prefill", True, True)
+    assert (tmp_path / heldout_reads.READS_FILE).exists()
+    (tmp_path / heldout_reads.READS_FILE).write_text('{"read": "x"')
+    with pytest.raises(heldout_reads.HeldoutReadError, match=r":1: not a held-out read ledger"):
+        heldout_reads.reads(str(tmp_path))
+
+
+def test_the_draw_seed_is_fixed_by_claim_and_attempt():
+    assert registry.draw_seed("abc", 1) == registry.draw_seed("abc", 1)
+    assert len({registry.draw_seed("abc", 1), registry.draw_seed("abc", 2),
+                registry.draw_seed("abd", 1)}) == 3  # fmt: skip
