@@ -83,3 +83,25 @@ def test_the_draw_seed_is_fixed_by_claim_and_attempt():
     assert registry.draw_seed("abc", 1) == registry.draw_seed("abc", 1)
     assert len({registry.draw_seed("abc", 1), registry.draw_seed("abc", 2),
                 registry.draw_seed("abd", 1)}) == 3  # fmt: skip
+
+
+def test_the_report_line_names_the_draw_and_the_alpha(tmp_path):
+    from tg_jax import config_files  # noqa: PLC0415
+
+    config = config_files.load_config_file("configs/tiny.py")
+    line = protocol.describe_draw(config, str(tmp_path))
+    assert (
+        "no registered draw" in line and "one-sided alpha of 0.025 (two-sided level 0.95)" in line
+    )
+    rec = {
+        "id": "c#2",
+        "heldout": {"seed": 5, "units": ["add:1", "sub:2"], "tasks": 4},
+        "spend": {"alpha": 0.05, "rule": "alpha/2^k", "share": 0.0125},
+        "level": 0.975,
+    }
+    (tmp_path / protocol.ATTEMPT_FILE).write_text(json.dumps(rec))
+    assert protocol.describe_draw(config, str(tmp_path)) == (
+        "Held-out tasks: attempt c#2's own draw (seed 5, 2 unit(s) read by no earlier attempt, "
+        "4 tasks); it spends a one-sided alpha of 0.0125 of the claim's 0.05 (alpha/2^k; "
+        "two-sided level 0.975)."
+    )

@@ -384,3 +384,25 @@ def machine_info() -> dict[str, Any]:
         "jaxlib": jaxlib.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+
+
+def describe_draw(config: Any, workdir: str) -> str:
+    """One line for the report: the held-out tasks its verdict read (the attempt's own draw,
+    or the held-out split) and the one-sided alpha the attempt spends (or, unregistered, what
+    a first attempt of its claim would spend)."""
+    attempt = attempt_of(workdir)
+    if attempt is None:
+        share = registry.RULES[registry.DEFAULT_RULE](1.0 - float(config.eval.level), 1)
+        return (
+            f"Held-out tasks: the first {int(config.eval.num_tasks)} of the held-out split "
+            f"(tasks.seed {int(config.tasks.seed)}), no registered draw; registered as a "
+            f"claim's first attempt it would spend a one-sided alpha of {share:g} "
+            f"(two-sided level {1.0 - 2.0 * share:g})."
+        )
+    d, spend = attempt["heldout"], attempt["spend"]
+    return (
+        f"Held-out tasks: attempt {attempt['id']}'s own draw (seed {d['seed']}, "
+        f"{len(d['units'])} unit(s) read by no earlier attempt, {d['tasks']} tasks); it spends "
+        f"a one-sided alpha of {spend['share']:g} of the claim's {spend['alpha']:g} "
+        f"({spend['rule']}; two-sided level {attempt['level']:.4g})."
+    )
