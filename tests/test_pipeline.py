@@ -156,7 +156,7 @@ def test_a_torn_heldout_read_ledger_is_a_clear_error(tmp_path):
     with pytest.raises(heldout_reads.HeldoutReadError, match="not a held-out read ledger"):
         heldout_reads.check_read(str(tmp_path), heldout_reads.FINAL, "tg_seed0")
     (tmp_path / heldout_reads.READS_FILE).write_text('{"reads": {}}')
-    with pytest.raises(heldout_reads.HeldoutReadError, match="reads is not a list"):
+    with pytest.raises(heldout_reads.HeldoutReadError, match=r":1: not a held-out read ledger"):
         heldout_reads.reads(str(tmp_path))
 
 
@@ -173,7 +173,10 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     assert res["references"]["grpo"] == res["noninferiority"]
     assert res["references"]["base"]["verdict"] in ("exploratory", "not meaningful")
     entry, outcome = (json.loads(x) for x in reg.read_text().splitlines())
-    assert entry["id"] == outcome["id"] == "tiny/tg-vs-grpo#1" and entry["outcome"] is None
+    assert entry["id"] == outcome["id"] == f"{entry['claim']}#1" and entry["outcome"] is None
+    assert entry["hypothesis"] == "tiny/tg-vs-grpo"  # a label: the claim's key is derived
+    for run in ("grpo_seed0", "tg_seed0", "base"):  # each finished run in the results ledger
+        assert (tmp_path / "ledger" / entry["claim"] / "1" / f"{run}.json").exists(), run
     assert outcome["outcome"]["verdict"] == res["noninferiority"]["verdict"]
     assert res["noninferiority"]["verdict"] in ("exploratory", "not meaningful")  # one seed
     assert res["context"]["registry"]["level"] == 0.95  # the first attempt: no split
@@ -198,7 +201,7 @@ def test_pipeline_runs_every_stage_and_caches(tmp_path):
     with open(os.path.join(workdir, "report", "report.md")) as f:
         md = f.read()
     assert f"**{ct['total_s'] / 60:.1f} min** (held-out evaluation: 2 of 2 runs" in md
-    assert f"Registered as `tiny/tg-vs-grpo#1` in `{reg}`; earlier attempts" in md
+    assert f"Registered as `{entry['id']}` in `{reg}`; earlier attempts" in md
     with open(os.path.join(workdir, sft_eval.EVAL_FILE)) as f:
         base = json.load(f)
     assert {"pass_rate", "unprompted_compliance/fence", "hinted_compliance/fence"} <= set(base)
