@@ -8,34 +8,10 @@ sft_eval.json (the base model), runs/<arm>_seed<s>/, report/report.md:
     python -m tg_jax.main --config=configs/default.py --workdir=./workdir --config.stage=sft
 
 The pipeline caches: a workdir that holds the finished SFT checkpoint skips SFT, an unfinished
-one resumes it. Measured results: docs/experiments.md.
+one resumes it.
 
-Why these choices:
-  * tasks.families = EASY_FAMILIES (constant copied from f(0)): a base model trained in minutes
-    of CPU solves some but not all of them, so both arms have a reward signal to learn from.
-  * The requirement is tool_json: the base model follows its hint and never meets it
-    unprompted. The fence requirement has its own config (configs/fence.py).
-  * TG is the library's recipe (tg_jax.rl.step_config.TGConfig's defaults, chosen from these
-    runs): the forward KL at lambda_tg 0.05, summed over the distilled tokens and divided by
-    trajectories x 50 tokens. The format is decided at one token per turn, where the base model
-    is sure of its own format and the hinted teacher of the other: there the reverse KL's and
-    the JSD's gradients vanish (both saturate on near-disjoint distributions), the forward KL's
-    is p_student - p_teacher. JSD(0.5) at lambda 1 learnt the protocol from some base models
-    (those SFT stopped at 2500 steps) and never from others: from a base trained to 3000 steps
-    (sft.extend) its divergence stayed flat at ~0.022 per token and compliance at 0.00 (40 steps
-    at lambda 1; lambda 2 and 4 stopped at steps 19 and 16, still at 0.00), where this recipe
-    reached 0.9 by step 15 (docs/experiments.md). The forward KL at lambda 1 (token mean) drove
-    degenerate outputs; at this strength it did not.
-  * 4 groups x 8 rollouts: learn as fast per step as 8 groups, at half the step time.
-  * The byte tokenizer (sft.tokenizer = "byte"), not the transcripts' BPE ("bpe": 512 ids,
-    transcripts 2.3x shorter, a fence one token): at 2500 steps with as many transcripts per
-    step (sft.seq_len 256) its steps were ~3x faster but its base model solved fewer held-out
-    tasks on both seeds tried (t=1 0.15 / 0.16 vs byte 0.26 / 0.22, seeds 0/0 and 1/2), below
-    the gates' 0.2 (docs/experiments.md has the runs).
-  * The SFT trajectory of this tiny model is chaotic (seed and CPU move the result), so the
-    base model is chosen on the dev split (sft.select), a run still low on dev at the end of
-    its cosine trains longer (sft.extend), and the base model is gated (sft.require) before
-    any RL and retrained once with the next seeds when outside the gates (sft.retry_seeds).
+Why these settings, and what they measured: docs/results.md ("Why the configs are set as they
+are").
 """
 
 import ml_collections

@@ -9,10 +9,10 @@ both). Compliance is reported per requirement and joint (both met):
 
 The base model is configs/fence.py's recipe with both requirements forced in SFT
 (sft.transcripts.forced_requirements: each unhinted forced transcript fences its code and
-calls its tools in JSON, the token where each format starts left out of the SFT loss; the
-reason is in configs/fence.py), shipped as tg_jax/bases/joint:
+calls its tools in JSON, the token where each format starts left out of the SFT loss; why:
+docs/results.md, "Why the configs are set as they are"), shipped as tg_jax/bases/joint:
     python -m tg_jax.ship_base --config=configs/joint.py --workdir=W --name=joint
-Measured results: docs/experiments.md.
+Results: docs/results.md.
 
 `configs/joint.py:runlocal`: configs/fence.py:runlocal's tiny sections, a CPU smoke run.
 """

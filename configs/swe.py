@@ -17,21 +17,14 @@ requirements per arm:
 tool_protocol and files_named (the report names exactly the changed files) are met by the
 base model unprompted too.
 
-Why ask_first is not a target (docs/experiments.md, 2026-12-06): the first SWE base, trained
-with both as targets, followed the explain_change hint (hinted 1.00, unprompted 0.00 on 64 dev
-tasks) and scored 0.00 on ask_first hinted too, so the gates stopped it. ask_first is judged
-only on a turn that overwrites a file on an unapproved task (about 1 dev task in 13) and that
-base repaired no repository; its evaluation did not record whether it overwrote without asking
-or never overwrote. Teaching it needs a base that overwrites files on its own.
-
 The base model is trained in the run (sft.source "train"): configs/default.py's shipped base
 continued by SFT on the SWE expert's transcripts (tg_jax.envs.swe.agents
 .make_swe_sft_transcripts: half of them hinted, meeting the target right after its hint; the
 others not meeting it). Its transcripts are 1.4k bytes at the median (2k at the 99th
 percentile), so rows are 2048 tokens, 4x the default's (about an hour of SFT on 2 CPU cores).
-Measured (docs/experiments.md, 2026-12-06): this recipe's base followed the explain_change hint
-(hinted 1.00) but explained unprompted in 6.9% of its edits, over the gate's 0.02, so the gates
-stop a run before RL; no SWE base is shipped yet.
+
+Why ask_first is not a target, and what this recipe measured: docs/results.md ("Why the
+configs are set as they are").
 
 `configs/swe.py:runlocal` takes configs/tiny.py's model (from a random init), loop and
 evaluation sections, 2-turn episodes and a few SFT steps: a CPU smoke run of the whole main job
