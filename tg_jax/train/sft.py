@@ -31,7 +31,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -496,7 +495,3 @@ def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -
         _checkpoint_of(config, workdir, step), abstract, step=step
     )
     return restored.state
-
-
-def param_count(params: Any) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
