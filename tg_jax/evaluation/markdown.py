@@ -153,9 +153,11 @@ def _context_section(res: dict[str, Any]) -> list[str]:
         lines.append(
             f"* Registered as `{reg['id']}` in `{reg['registry']}`; earlier attempts of "
             f"`{reg['hypothesis']}`: {earlier or 'none'}. The verdict's interval is two-sided "
-            f"{num(100 * reg['level'], 2)}% (the error rate split over "
-            f"{len(reg['earlier']) + 1} attempt(s))."
+            f"{num(100 * reg['level'], 2)}% (this attempt's share of the claim's error "
+            "budget)."
         )
+    if ctx.get("heldout_draw"):
+        lines.append(f"* {ctx['heldout_draw']}")
     base = ctx.get("base_model")
     shipped = ctx.get("shipped_base")
     if shipped:

@@ -54,11 +54,12 @@ class ReportSettings(Section):
     registry: str = ""
     """The JSONL registry of pre-registered tests (the project's: docs/preregistrations.jsonl)."""
     earlier: tuple[str, ...] = ()
-    """The ids of the registry's earlier attempts of `hypothesis`, every one of them: the
-    verdict's error rate is split over them and this attempt (Bonferroni)."""
+    """The ids of the registry's earlier attempts of this run's claim (found by the claim's
+    derived key; given here they are checked against it): attempt k = len(earlier) + 1 spends
+    alpha / 2^k of the claim's alpha = 1 - `level` (tg_jax.evaluation.registry)."""
 
     def verdict_level(self) -> float:
-        """The level of the verdict's interval: `level`, split over the registered attempts."""
+        """The level of the verdict's interval: this attempt's share of the claim's alpha."""
         return corrected_level(self.level, len(self.earlier)) if self.hypothesis else self.level
 
 

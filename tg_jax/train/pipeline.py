@@ -372,6 +372,7 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "tuning": tuned,
         "registry": _registry_context(config, prereg.get("registry_id")),
         "heldout_reads": heldout_reads.summary(workdir),
+        "heldout_draw": protocol.describe_draw(config, workdir),
         "env_kind": env_kind(config.env),  # what a bootstrap cluster is
     }  # fmt: skip
     if not multihost.is_primary():  # process 0 writes the report; the others are done
@@ -437,16 +438,19 @@ def headline(res: dict[str, Any]) -> str:
             f"({ct['eval_runs']} of {ct['runs']} evaluations timed)"
         )
     ni = res.get("noninferiority")
-    if ni and ni["verdict"] == "not meaningful":
-        lines.append(
-            f"non-inferiority of task success: NOT MEANINGFUL (baseline task success "
-            f"{ni['baseline_success']:.3f} < floor {ni['floor']:.3f}; difference "
-            f"{ni['mean']:+.3f}, lower bound {ni['lower']:+.3f})"
+    if ni:
+
+        def num(x: Any) -> str:  # None: NaN after the JSON round trip (under two seeds)
+            return "n/a" if x is None else f"{x:+.3f}"
+
+        why = ni.get("why") or (
+            f"baseline task success {ni['baseline_success']:.3f} < floor {ni['floor']:.3f}"
+            if ni["verdict"] == "not meaningful"
+            else ""
         )
-    elif ni:
-        why = f"{ni['why']}; " if ni.get("why") else ""
         lines.append(
-            f"non-inferiority of task success: {ni['verdict'].upper()} ({why}difference "
-            f"{ni['mean']:+.3f}, lower bound {ni['lower']:+.3f} vs margin {ni['margin']:+.3f})"
+            f"non-inferiority of task success: {ni['verdict'].upper()} "
+            f"({why + '; ' if why else ''}difference {num(ni['mean'])}, lower bound "
+            f"{num(ni['lower'])} vs margin {ni['margin']:+.3f})"
         )
     return "\n".join(lines)
