@@ -438,3 +438,41 @@ def test_base_model_evaluated_for_other_requirements_is_evaluated_again(tmp_path
     assert again["hinted_compliance/fence"] == measured["hinted_compliance/fence"]
     assert again["unprompted_compliance/fence"] == measured["unprompted_compliance/fence"]
     assert {p: os.path.getmtime(os.path.join(checkpoints, p)) for p in stamps} == stamps
+
+
+@pytest.mark.slow
+def test_a_registered_attempt_spans_sittings_through_the_ledger(tmp_path, capsys):
+    from tg_jax.evaluation import verdict
+
+    reg = tmp_path / "docs" / "preregistrations.jsonl"
+    reg.parent.mkdir()
+    config = config_files.apply_overrides(
+        _config(), {"eval.hypothesis": "tiny/sittings", "eval.registry": str(reg),
+                    "eval.floor": 0.0},  # the tiny model solves nothing: no floor
+    )  # fmt: skip
+    workdir = str(tmp_path / "w")
+    first = config_files.apply_overrides(config, {"pipeline.sitting": ("grpo_seed0", "base")})
+    assert pipeline.run_pipeline(first, workdir) == {}
+    out = capsys.readouterr().out
+    assert "sitting: ran grpo_seed0, base;" in out
+    attempt = out.split("--attempt=")[1].split()[0]
+    argv = [f"--attempt={attempt}", f"--registry={reg}"]
+    assert verdict.main(argv) == 1  # the candidate's run is not in yet
+    assert "tg_seed0" in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(workdir, "runs", "tg_seed0"))
+    assert not os.path.exists(os.path.join(workdir, "report"))
+    # The next sitting (another machine would clone the committed ledger): the same attempt.
+    second = config_files.apply_overrides(config, {"pipeline.sitting": ("tg_seed0",)})
+    assert pipeline.run_pipeline(second, workdir) == {}
+    assert f"--attempt={attempt} " in capsys.readouterr().out
+    ledger_dir = os.path.join(tmp_path, "docs", "ledger", *attempt.split("#"))
+    assert sorted(os.listdir(ledger_dir)) == [
+        "attempt.json", "base.json", "grpo_seed0.json", "tg_seed0.json"
+    ]  # fmt: skip
+    assert verdict.main([*argv, "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert v["verdict"] == "exploratory" and v["missing"] == []  # one seed per arm
+    with pytest.raises(ValueError, match=r"pipeline.sitting \['tg_seed7'\] are not runs"):
+        pipeline.run_pipeline(
+            config_files.apply_overrides(config, {"pipeline.sitting": ("tg_seed7",)}), workdir
+        )

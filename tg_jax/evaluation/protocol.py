@@ -50,7 +50,7 @@ METRIC = "heldout task_success (plain prompts)"
 ATTEMPTS_PER_POOL = 4
 # Fields of the arms' configs that are no part of the protocol: asking to read the held-out
 # tasks again (the read is recorded and the report lists it) changes no setting of a run.
-NOT_REGISTERED = (("eval", "reread_heldout"),)
+NOT_REGISTERED = (("eval", "reread_heldout"), ("pipeline", "sitting"))
 
 
 class PreregistrationMismatch(ConfigError):

@@ -187,10 +187,18 @@ class PipelineConfig(Section):
     """RL arms (`tg_jax.train.pipeline.ARMS`), the same budget each."""
     tune: TuneConfig = TuneConfig()
     """Learning-rate trials (none by default)."""
+    sitting: tuple[str, ...] = ()
+    """The runs of this sitting, e.g. ("tg_seed1",) or ("base",) (empty: every run and the
+    report). A registered attempt longer than one sitting runs its (arm, seed) pairs a few at a
+    time, each written to docs/ledger/<claim>/<attempt>/ (commit each file); no report is
+    written until a sitting runs them all: `python -m tg_jax.evaluation.verdict
+    --attempt=ID` decides from the ledger. Not part of the pre-registration."""
 
     def __post_init__(self):
         if not self.arms or len(set(self.arms)) != len(self.arms):
             raise ValueError(f"pipeline.arms must be distinct and not empty, got {self.arms}")
+        if len(set(self.sitting)) != len(self.sitting):
+            raise ValueError(f"pipeline.sitting names a run twice: {self.sitting}")
 
 
 __all__ = ["FeedbackConfig", "LoopConfig", "PipelineConfig", "TuneConfig"]

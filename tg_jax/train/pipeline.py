@@ -262,10 +262,13 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
     from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
 
     eval_tasks = protocol.heldout_tasks(config, workdir, sources)  # an attempt's own draw
+    sitting = tuple(config.pipeline.get("sitting", ()))
     runs = []
     for arm, cfg in arms_cfgs.items():
         for seed in config.eval.train_seeds:
             run_name = f"{arm}_seed{int(seed)}"
+            if sitting and run_name not in sitting:
+                continue  # another sitting's run (pipeline.sitting)
             run_dir = os.path.join(workdir, RUNS_DIR, run_name)
             result = rl.run_rl(
                 cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources,
@@ -293,6 +296,20 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
     return runs
 
 
+def _sitting_done(config: Any, prereg: dict, runs: list, reference_runs: dict) -> dict:
+    """The end of a sitting (`pipeline.sitting`): what it ran and where the verdict comes from;
+    no report (its runs are some of the job's)."""
+    done = [f"{r.arm}_seed{r.seed}" for r in runs] + list(reference_runs)
+    where = (
+        f"docs/ledger: `python -m tg_jax.evaluation.verdict --attempt={prereg['registry_id']}"
+        f" --registry={config.eval.registry}` once every run is in"
+        if prereg.get("registry_id")
+        else "no registered attempt: nothing keeps them"
+    )
+    print(f"sitting: ran {', '.join(done) or 'nothing'}; {where}")
+    return {}
+
+
 def _reference_runs(config, workdir, sources, base_params, md) -> dict[str, list[Any]]:
     """The held-out episodes of the references that are no arm: "base", the base model,
     evaluated once like a run (`heldout_reads.final_evaluation`), when `eval.references` names
@@ -304,6 +321,9 @@ def _reference_runs(config, workdir, sources, base_params, md) -> dict[str, list
     compared = len(arms) > 1 and ev.baseline in arms and ev.get("collapse_drop", 0.0) >= 0
     if BASE_REFERENCE not in tuple(ev.get("references", ())) and not compared:
         return {}
+    sitting = tuple(config.pipeline.get("sitting", ()))
+    if sitting and BASE_REFERENCE not in sitting:
+        return {}  # another sitting evaluates the base
     eval_tasks = protocol.heldout_tasks(config, workdir, sources)
     run_dir = os.path.join(workdir, RUNS_DIR, BASE_REFERENCE)
     records = heldout_reads.final_evaluation(
@@ -335,6 +355,9 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
             f"eval.references {bad} are neither among pipeline.arms {list(arms)} nor "
             f"{base_ref!r} (the base model): a reference is a run of this job"
         )
+    known = [f"{a}_seed{int(s)}" for a in arms for s in config.eval.train_seeds] + [base_ref]
+    if bad := [r for r in config.pipeline.get("sitting", ()) if r not in known]:
+        raise ValueError(f"pipeline.sitting {bad} are not runs of this job: {known}")
     sources = multihost.primary_first("data", lambda: run_data(config, workdir))
     md, base_result, attempts = base_model_dir(config, workdir)
     if attempts:  # the embedded model: its vocabulary is its tokenizer's (sft.tokenizer)
@@ -356,6 +379,8 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         config, workdir, tuning.tuned_configs(arms_cfgs, tuned), md, sources, base_params
     )
     reference_runs = _reference_runs(config, workdir, sources, base_params, md)
+    if config.pipeline.get("sitting"):
+        return _sitting_done(config, prereg, runs, reference_runs)
     remeasured = remeasure_shipped_base(config, workdir, md, base_params, base_result)
     context = {
         "machine": protocol.machine_info(),
