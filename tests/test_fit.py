@@ -6,7 +6,7 @@ import os
 import jax
 import pytest
 
-from tg_jax import config_files, main
+from tg_jax import cli, config_files, config_lib
 from tg_jax.engine import paged
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.tpu import aot, fit, hbm
@@ -93,12 +93,12 @@ def test_main_refuses_a_config_that_does_not_fit_on_a_tpu_backend(monkeypatch, c
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(fit, "device_hbm", lambda device: 4096.0)
     cfg = _config()
-    with pytest.raises(SystemExit) as e:
-        main._check_fit(cfg)
-    assert e.value.code == main.USAGE_ERROR
+    with pytest.raises(SystemExit) as e, cli.exit_on_error():
+        config_lib.check_fit(cfg)
+    assert e.value.code == cli.USAGE_ERROR
     err = capsys.readouterr().err
     assert "error: the config does not fit its devices' memory" in err
     assert "train step (TG" in err and "DOES NOT FIT" in err
-    main._check_fit(_config(**{"rl_loop.check_fit": False}))  # skipped: no exit
+    config_lib.check_fit(_config(**{"rl_loop.check_fit": False}))  # skipped: no exit
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    main._check_fit(cfg)
+    config_lib.check_fit(cfg)

@@ -14,6 +14,8 @@ configs/tiny.py shrink them for tests.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ml_collections
@@ -23,10 +25,11 @@ from tg_jax.data.task_settings import SweTasksConfig, TasksConfig
 from tg_jax.envs.coding import CodingEnvConfig
 from tg_jax.envs.swe.env import SweEnvConfig
 from tg_jax.envs.transcripts import TranscriptConfig
+from tg_jax.errors import ConfigError, UsageError
 from tg_jax.evaluation.report_settings import EvalConfig
 from tg_jax.mesh_settings import MeshConfig, SamplerMeshConfig
 from tg_jax.models.config import ModelConfig
-from tg_jax.rl.step_config import OptimConfig, RLConfig, TGConfig
+from tg_jax.rl.step_config import OptimConfig, RLConfig, StepConfig, TGConfig
 from tg_jax.train.loop_settings import LoopConfig, PipelineConfig
 from tg_jax.train.sft_settings import (
     ExtendConfig,
@@ -223,3 +226,189 @@ def tiny_eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     )  # fmt: skip
     c.update(overrides)
     return c
+
+
+# Start-up checks of a run config: what `python -m tg_jax.main` refuses before any compute.
+
+# The sections declared as dataclasses that a run config's start-up check reads back (unknown
+# fields, bad values): each section's own checks are its dataclass's `__post_init__`.
+CHECKED_SECTIONS = {
+    "rl_loop": LoopConfig,
+    "pipeline": PipelineConfig,
+    "mesh": MeshConfig,
+    "sampler_mesh": SamplerMeshConfig,
+    "eval": EvalConfig,
+    "sft": SftConfig,
+}
+
+
+@contextlib.contextmanager
+def _invalid() -> Iterator[None]:
+    """A ValueError of a check becomes a ConfigError (one `error: invalid config:` line)."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def check(config: ml_collections.ConfigDict, workdir: str, stages: Iterable[str]) -> None:
+    """What the config (and the registry it names) decides, before any device or data: a
+    UsageError or ConfigError on the first problem, naming the field to change.
+
+    Args:
+      config: the run config (`python -m tg_jax.main`'s `--config`).
+      workdir: the run's directory (a registered hypothesis's attempts are read beside it).
+      stages: the stages `config.stage` may name.
+    """
+    if config.stage not in stages:
+        raise UsageError(f"unknown stage {config.stage!r} (known: {', '.join(sorted(stages))})")
+    if config.stage == "sft" and "model" in config and config.model.get("hf_checkpoint"):
+        raise UsageError(
+            "the sft stage trains the embedded default from scratch; a model.hf_checkpoint "
+            "run starts RL from the checkpoint (--config.stage=pipeline)"
+        )
+    if "env" in config:
+        with _invalid():
+            _check_env(config)
+    with _invalid():  # each section's own checks, then what the sections decide together
+        for name, section in CHECKED_SECTIONS.items():
+            if name in config:
+                section.from_config(config[name])
+        if "rl_loop" in config:
+            _check_loop(config)
+        if all(name in config for name in ("rl", "tg", "optim")):
+            StepConfig.from_config(config)  # the train step's, now rather than after SFT
+        if "sft" in config and "require" in config.sft:
+            from tg_jax.train.sft_gates import check_require_config
+
+            check_require_config(config)  # gates no base model can meet
+        if config.stage == "pipeline" and "pipeline" in config:
+            from tg_jax.train import tuning
+
+            tuning.check_tune_config(config)  # learning-rate trials that cannot run
+        if config.stage == "pipeline" and "eval" in config:
+            from tg_jax.evaluation import registry
+
+            registry.check(config.eval, workdir)  # a registered hypothesis: its attempts
+    from tg_jax import faults
+
+    try:  # a malformed fault plan fails here, not in a worker thread at its first use
+        faults.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def _check_env(config: ml_collections.ConfigDict) -> None:
+    """The environment and its requirements (plug-ins loaded and checked), and the dev tasks
+    a periodic evaluation or `tasks.dev_source` needs."""
+    from tg_jax.data.task_data import check_dev_source, check_dev_tasks
+    from tg_jax.envs import env_kind, requirement_names
+
+    env_kind(config.env)
+    requirement_names(config.env)
+    if "rl_loop" in config and int(config.rl_loop.eval_every) > 0:
+        check_dev_tasks(
+            config,
+            "the periodic evaluation (rl_loop.eval_every)",
+            "; set rl_loop.eval_every=0 or give it one",
+        )
+    if "tasks" in config and config.tasks.get("dev_source"):
+        check_dev_source(config)
+
+
+def _check_loop(config: ml_collections.ConfigDict) -> None:
+    """ValueError where the RL loop's settings cannot run: hint kinds, a wrong judge's rates,
+    router replay on an engine without it, thinking controls (each arm's)."""
+    from tg_jax.rl import hidden_thinking
+    from tg_jax.sampling.agent_loop import router_replay
+    from tg_jax.train import rl_rollouts
+
+    rl_rollouts.feedback_rates(config.rl_loop.feedback)
+    rl_rollouts.verdict_noise(config.rl_loop.feedback)
+    for _, c in run_configs(config):  # a pipeline's arms may turn them on
+        router_replay(c)  # vLLM records no routing to replay; nor does a turn in two parts
+        hidden_thinking.check_config(c)
+
+
+def run_configs(config: ml_collections.ConfigDict) -> list[tuple[str, Any]]:
+    """(name, config) of what the run trains: the config, or each arm of a pipeline."""
+    from tg_jax.train.arms import arm_config
+
+    if config.stage == "pipeline" and "pipeline" in config:
+        return [(f"arm {a!r}", arm_config(config, a)) for a in config.pipeline.arms]
+    return [("the config", config)]
+
+
+def check_on_devices(config: ml_collections.ConfigDict) -> None:
+    """What needs the devices or the files the config names: the sampler's split, the epochs
+    of generated tasks, the checkpoint directory or the shipped base, the fit on TPU chips."""
+    if "sampler_mesh" in config:  # the devices now known: a split that cannot be built
+        from tg_jax import sharding
+        from tg_jax.sampling.rollout import RolloutConfig
+
+        with _invalid():
+            sharding.split_devices(config)
+            RolloutConfig(max_rows=int(config.sampler_mesh.get("max_rows", 0)))
+    if "rl_loop" in config and "tasks" in config and not config.tasks.get("train_source"):
+        from tg_jax.data.task_data import check_epochs
+
+        # generated tasks: their count is the config's (a task file's: once read)
+        check_epochs(config.rl_loop, int(config.tasks.num_train))
+    if "model" in config and config.model.get("hf_checkpoint") and config.stage != "data":
+        check_model_dir(config)
+    elif config.stage in ("pipeline", "sft") and "sft" in config:  # shipped bases: there, right
+        from tg_jax.train import shipped_base
+
+        if config.stage == "pipeline" and shipped_base.source(config) == "shipped":
+            shipped_base.check(config)
+        else:  # SFT trains the base: from sft.init's weights when set
+            shipped_base.sft_init(config)
+    check_fit(config)
+
+
+def check_fit(config: ml_collections.ConfigDict) -> None:
+    """On a TPU backend (and `rl_loop.check_fit`): the RL programs' memory against the chips'
+    (`tg_jax.tpu.fit`): a `fit.FitError` (its first line, then the figures) if they do not
+    fit; the figures logged if they do."""
+    import jax
+
+    lc = config.get("rl_loop") if config.stage == "pipeline" else None
+    if lc is None or jax.default_backend() != "tpu" or not lc.get("check_fit", True):
+        return
+    from absl import logging
+
+    from tg_jax.tpu import fit
+
+    logging.warning("fit check:\n%s", "\n".join(fit.check(config)))
+
+
+def check_model_dir(config: ml_collections.ConfigDict) -> None:
+    """The checkpoint directory opens (its chat template serves a rollout; a
+    `hf_dir.ModelDirError` if not), and the config asks nothing of the model it lacks:
+    distilling, hiding or budgeting thinking needs a template with thinking."""
+    from tg_jax.models import hf_dir
+
+    ckpt = config.model.hf_checkpoint
+    md = hf_dir.open_model_dir(ckpt, tool_format=config.model.get("tool_format", ""))
+    if md.renderer.has_thinking:
+        return
+    none = f"the chat template of {ckpt} renders no thinking (it drops reasoning_content)"
+    for what, c in run_configs(config):
+        tg, lc = c.get("tg", {}), c.get("rl_loop", {})
+        if tg.get("enabled") and tg.get("include_thinking"):
+            raise ConfigError(
+                f"tg.include_thinking is True in {what}, but {none}: there are no thinking "
+                "tokens to distil; set tg.include_thinking=False"
+            )
+        if lc.get("hide_thinking"):
+            raise ConfigError(
+                f"rl_loop.hide_thinking is True in {what}, but {none}: there is no thinking to "
+                "hide; set rl_loop.hide_thinking=False"
+            )
+        if lc.get("think_budget"):
+            raise ConfigError(
+                f"rl_loop.think_budget is set in {what}, but {none}: there is no thinking to "
+                "budget; set rl_loop.think_budget=0"
+            )

@@ -1,14 +1,25 @@
-"""Errors that end a run on a fault it cannot go past: `tg_jax.main` prints them as one
-`error:` line (exit status 4), with what happened and what was kept."""
+"""What ends a command with one `error:` line (`tg_jax.cli.exit_on_error`, the one place that
+prints them): a usage error (exit status 2), an invalid config (2), a run stopped by a fault
+it cannot go past (4, with what happened and what was kept)."""
 
 from __future__ import annotations
+
+
+class UsageError(ValueError):
+    """A command line that cannot run (a workdir that is a file, an unknown stage): printed as
+    `error: ` and the message, exit status 2, before any compute."""
+
+    prefix = ""
+
+
+class ConfigError(UsageError):
+    """A config that cannot run, found at start-up (`tg_jax.config_lib.check`) or once the data
+    is known (e.g. `rl_loop.epochs` against the train tasks): printed as one `error: invalid
+    config:` line (exit 2)."""
+
+    prefix = "invalid config: "
 
 
 class RunError(RuntimeError):
     """A run stopped by a fault (non-finite steps, a removed workdir, ...); the message says
     what happened and which checkpoint a rerun resumes from."""
-
-
-class ConfigError(ValueError):
-    """A config that cannot run, found once the data is known (e.g. `rl_loop.epochs` against
-    the train tasks): `tg_jax.main` prints it as one `error: invalid config:` line (exit 2)."""

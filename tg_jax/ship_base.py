@@ -22,6 +22,7 @@ from typing import Any
 
 from absl import app, flags
 
+from tg_jax import cli
 from tg_jax import main as main_lib  # --config and --workdir, parsed as the main job's
 from tg_jax.evaluation import protocol
 from tg_jax.models import ModelConfig, hf_dir
@@ -140,8 +141,8 @@ def main(argv: list[str]) -> None:
         write(main_lib._CONFIG.value, workdir, name, command)
     except BaseModelGateError as e:  # a measured outcome: no base is written
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(main_lib.GATE_ERROR)
+        sys.exit(cli.GATE_ERROR)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=main_lib.parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)
