@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tg_jax import config_files
+from tg_jax.evaluation.report_settings import eval_temperature
 from tg_jax.tpu.distributed import cpu_devices_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -15,8 +17,12 @@ def _main(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
     env = {**cpu_devices_env(devices), "JAX_PLATFORMS": "cpu"}
     return subprocess.run(
         [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.e2e
@@ -63,6 +69,10 @@ def _main(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
             "--config.rl_loop.engine_decode_steps=0",
             "error: invalid config: rl_loop.engine_decode_steps must be >= 1, got 0",
         ),
+        (
+            "--config.eval.temperature=-0.5",
+            "error: invalid config: eval.temperature must be >= 0 (-1 = rl.temperature), got -0.5",
+        ),
     ],
     ids=[
         "unknown_field",
@@ -77,7 +87,8 @@ def _main(*args: str, devices: int = 1) -> subprocess.CompletedProcess:
         "format_cost_gate",
         "rollout_engine",
         "decode_steps",
-    ],  # fmt: skip
+        "eval_temperature",
+    ],
 )
 def test_bad_override_is_one_line_and_exit_2(tmp_path, override, line):
     result = _main(f"--workdir={tmp_path / 'w'}", override)
@@ -127,8 +138,14 @@ def test_main_job_keeps_its_compiles_in_the_compilation_cache(tmp_path):
         )
         env.pop("JAX_COMPILATION_CACHE_DIR", None)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        cmd = [sys.executable, "-m", "tg_jax.main", "--config=configs/tiny.py",
-               f"--workdir={tmp_path / f'w{devices}'}", "--config.stage=forward"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "tg_jax.main",
+            "--config=configs/tiny.py",
+            f"--workdir={tmp_path / f'w{devices}'}",
+            "--config.stage=forward",
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "forward ok" in proc.stdout
@@ -143,8 +160,23 @@ def test_a_repeated_override_is_the_last_one(tmp_path):
     """`--config.mesh.shape` twice (as a launcher appending to a user's command does): the
     last value, not the two tuples joined; the forward stage prints the mesh it built."""
     proc = _main(
-        f"--workdir={tmp_path / 'w'}", "--config.stage=forward", "--config.mesh.shape=(1,4,2,1)",
-        "--config.mesh.shape=(1,-1,1,1)", devices=8,
-    )  # fmt: skip
+        f"--workdir={tmp_path / 'w'}",
+        "--config.stage=forward",
+        "--config.mesh.shape=(1,4,2,1)",
+        "--config.mesh.shape=(1,-1,1,1)",
+        devices=8,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "on mesh {'data': 1, 'fsdp': 8, 'tensor': 1, 'expert': 1}" in proc.stdout
+
+
+def test_the_evaluations_follow_rl_temperature_unless_set():
+    """One knob: eval.temperature is -1 by default, which reads rl.temperature; set, it wins
+    (0 = greedy)."""
+    cfg = config_files.load_config_file(os.path.join(ROOT, "configs/tiny.py"))
+    assert cfg.eval.temperature == -1 and eval_temperature(cfg) == cfg.rl.temperature == 1.0
+    follows = config_files.apply_overrides(cfg, {"rl.temperature": 0.7})
+    assert eval_temperature(follows) == 0.7
+    for t in (0.0, 0.5):
+        own = config_files.apply_overrides(follows, {"eval.temperature": t})
+        assert eval_temperature(own) == t

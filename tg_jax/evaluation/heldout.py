@@ -26,6 +26,7 @@ import numpy as np
 from tg_jax import engine as engine_api
 from tg_jax import multihost, paths
 from tg_jax.envs import env_factory
+from tg_jax.evaluation.report_settings import eval_temperature
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl import hidden_thinking
 from tg_jax.sampling import agent_loop, rollout
@@ -70,7 +71,8 @@ def heldout_episodes(
       tasks: held-out tasks (`tg_jax.data.task_data.load_tasks(sources, "heldout", n)`).
       conditions: subset of ("plain", "hinted"); default `config.eval.conditions`.
       samples_per_task: episodes per task and condition; default `config.eval.samples_per_task`.
-      temperature: sampling temperature (0 = greedy); default `config.eval.temperature`.
+      temperature: sampling temperature (0 = greedy); default `eval_temperature(config)`
+        (`eval.temperature`, or `rl.temperature` where that is -1).
       max_new_tokens: decode budget per turn; default `config.eval.max_new_tokens`.
       sampling_seed: sampling key seed; default `config.eval.sampling_seed`.
       sampler, renderer: reuse existing ones (default: new ones for `config.model` and the
@@ -92,7 +94,7 @@ def heldout_episodes(
     rollout_cfg = rollout.RolloutConfig(
         max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
         max_total_tokens=int(config.model.max_seq_len),
-        temperature=float(ev.temperature if temperature is None else temperature),
+        temperature=eval_temperature(config) if temperature is None else float(temperature),
         env_workers=int(ev.env_workers),
         max_rows=int(config.sampler_mesh.max_rows),
         **hidden_thinking.rollout_settings(config),  # as the policy was trained

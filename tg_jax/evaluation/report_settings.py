@@ -5,7 +5,7 @@ evaluation's."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tg_jax.config_schema import Section
 from tg_jax.evaluation.registry import corrected_level
@@ -75,8 +75,9 @@ class EvalConfig(ReportSettings):
     """Held-out tasks (never used in training); the bootstrap unit."""
     samples_per_task: int = 2
     """Episodes per task and condition (averaged per task first)."""
-    temperature: float = 1.0
-    """Sampling temperature (the RL sampling temperature)."""
+    temperature: float = -1.0
+    """Sampling temperature of the held-out and periodic evaluations (0 = greedy); -1 = follow
+    `rl.temperature`, the policy's own (`eval_temperature`)."""
     max_new_tokens: int = 128
     """Decode budget per assistant turn."""
     conditions: tuple[str, ...] = CONDITIONS
@@ -100,3 +101,14 @@ class EvalConfig(ReportSettings):
             raise ValueError(f"eval.conditions must be some of {CONDITIONS}, got {self.conditions}")
         if not self.train_seeds or len(set(self.train_seeds)) != len(self.train_seeds):
             raise ValueError(f"eval.train_seeds must be distinct, not empty: {self.train_seeds}")
+        if self.temperature < 0 and self.temperature != -1:
+            raise ValueError(
+                f"eval.temperature must be >= 0 (-1 = rl.temperature), got {self.temperature}"
+            )
+
+
+def eval_temperature(config: Any) -> float:
+    """The evaluations' sampling temperature: `eval.temperature`, or `rl.temperature` (1.0
+    without an rl section) where it is -1, the default."""
+    t = float(config.eval.temperature)
+    return float(config.rl.temperature if "rl" in config else 1.0) if t == -1 else t

@@ -2,9 +2,10 @@
 
 The episodes are played by `tg_jax.sampling.rollout.evaluate`, the same code that evaluates
 the RL runs, so the base model's figures and the RL arms' are comparable. Modes: temperature
-1 (the RL sampling temperature) and greedy, each under the two conditions of docs/design.md
-section 4: "plain" (prompts as in training: does it by default?) and "hinted" (a hint for
-every requirement right before every assistant turn: can it when reminded?).
+1 (`sft.eval.temperatures`, whatever `rl.temperature`) and greedy, each under the two
+conditions of docs/design.md section 4: "plain" (prompts as in training: does it by
+default?) and "hinted" (a hint for every requirement right before every assistant turn: can it
+when reminded?).
 
 With `forced=True` (the evaluation written to sft_eval.json, not the dev evaluations of SFT
 selection), each requirement decided at a turn's first answer token (`Requirement.opening`:

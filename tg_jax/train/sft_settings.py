@@ -125,7 +125,8 @@ class SftEvalConfig(Section):
     seed: int = 0
     """Sampling seed."""
     temperatures: tuple[float, ...] = (1.0, 0.0)
-    """1.0 = the RL sampling temperature, 0.0 = greedy."""
+    """The base model's modes: 1.0 = temperature 1 (the figures the gates and the report
+    read; fixed, whatever `rl.temperature`), 0.0 = greedy."""
     max_new_tokens: int = 128
     """Decode budget per assistant turn."""
 
