@@ -131,6 +131,15 @@ def test_no_module_over_600_lines():
     assert long == {}
 
 
+def test_main_is_thin():
+    """`python -m tg_jax.main` parses flags and calls the stage: the checks live with the
+    config sections (tg_jax.config_lib), the error lines in one place (tg_jax.cli)."""
+    with open(_modules()["tg_jax.main"], encoding="utf-8") as f:
+        text = f.read()
+    assert len(text.splitlines()) <= 100
+    assert "try:" not in text
+
+
 def test_no_function_over_80_lines():
     long = {}
     for name, path in _modules().items():
