@@ -1,7 +1,7 @@
-"""The TPU launcher: dry-run commands, accelerator types, the preemption/resume loop."""
+"""The local pod (the TPU launcher's rehearsal on CPU processes) and the distributed set-up;
+the launcher's rules (retries, dry run, dirty tree, install) are in tests/test_tpu_launcher.py."""
 
 import os
-import shlex
 
 import jax
 import numpy as np
@@ -9,100 +9,6 @@ import pytest
 
 from tests import compile_settings
 from tg_jax.tpu import distributed, launch
-
-ARGS = [
-    "--name=tg-30b", "--zone=us-east5-a", "--project=proj", "--topology=v5p:2x4x4",
-    "--config=configs/qwen3_coder_30b_a3b_tg.py", "--workdir=gs://bucket/runs/tg",
-]  # fmt: skip
-WHERE = "--zone=us-east5-a --project=proj"
-
-
-def test_accelerator_types():
-    assert launch.accelerator_type("v5p:2x4x4") == "v5p-64"  # 32 chips, 2 cores each
-    assert launch.accelerator_type("v5p:2x2x1") == "v5p-8"
-    assert launch.accelerator_type("v4:2x2x4") == "v4-32"
-    assert launch.accelerator_type("v5e:4x4") == "v5litepod-16"
-    assert launch.accelerator_type("v6e:2x2") == "v6e-4"
-    with pytest.raises(ValueError, match="v5p:2x4x4"):
-        launch.accelerator_type("tpu:8")
-
-
-def test_dry_run_prints_the_gcloud_commands(capsys):
-    rc = launch.main([*ARGS, "--spot", "--dry-run", "--", "--config.rl_loop.steps=200"])
-    assert rc == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith(("#", "["))]
-    cmds = [shlex.split(ln) for ln in lines]
-    assert lines[0] == f"gcloud compute tpus tpu-vm describe tg-30b {WHERE} '--format=value(state)'"
-    assert lines[1] == (
-        f"gcloud compute tpus tpu-vm create tg-30b {WHERE} --accelerator-type=v5p-64 "
-        "--version=v2-alpha-tpuv5 --spot"
-    )
-    assert cmds[3][:2] == ["git", "archive"]
-    assert cmds[4][:6] == ["gcloud", "compute", "tpus", "tpu-vm", "scp", "/tmp/tg_jax_code.tar.gz"]
-    assert "--worker=all" in cmds[4] and "--worker=all" in cmds[5]
-    assert "pip install -q -e '.[tpu]'" in cmds[5][-1]
-    run = cmds[6]
-    assert run[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "tg-30b"]
-    assert "--worker=all" in run
-    remote = run[-1].removeprefix("--command=")
-    assert "TG_JAX_DISTRIBUTED=1 .venv/bin/python -m tg_jax.main" in remote
-    assert "--config=configs/qwen3_coder_30b_a3b_tg.py --workdir=gs://bucket/runs/tg" in remote
-    assert remote.split(" 2>&1")[0].endswith("--config.rl_loop.steps=200")
-    assert lines[-1] == f"gcloud compute tpus tpu-vm delete tg-30b {WHERE} --quiet"
-
-
-def test_dry_run_queued_resource_and_checkpoint(capsys):
-    launch.main([*ARGS, "--queued", "--hf-checkpoint=gs://bucket/qwen", "--dry-run"])
-    out = capsys.readouterr().out
-    assert (
-        f"gcloud compute tpus queued-resources create tg-30b --node-id=tg-30b {WHERE} "
-        "--accelerator-type=v5p-64 --runtime-version=v2-alpha-tpuv5\n"
-    ) in out
-    assert "'--format=value(state.state)'" in out
-    assert "gcloud storage cp -r gs://bucket/qwen ~/hf_checkpoint" in out
-    # ... and the run reads it: the copied directory is the model.
-    assert '--config.model.hf_checkpoint="$HOME/hf_checkpoint"' in out
-    assert f"queued-resources delete tg-30b {WHERE} --force --quiet" in out
-
-
-def test_workdir_must_be_on_gcs():
-    with pytest.raises(SystemExit):
-        launch.parse_args([a if "workdir" not in a else "--workdir=/tmp/x" for a in ARGS])
-
-
-def test_preemption_recreates_reinstalls_and_resumes():
-    job, _ = launch.parse_args(ARGS)
-    states = iter(["READY", "PREEMPTED", "CREATING", "READY"])
-    runs = iter([255, 0])  # the run dies (preempted), the rerun finishes
-    log = []
-
-    def runner(cmd):
-        verb = "archive" if cmd[1] == "archive" else cmd[4]
-        if verb == "ssh" and "tg_jax.main" in cmd[-1]:
-            verb = "run"
-        log.append(verb)
-        if verb == "describe":
-            return 0, next(states) + "\n"
-        if verb == "run":
-            return next(runs), ""
-        return 0, ""
-
-    rc = launch.launch(job, runner, max_restarts=3, poll_s=0, sleep=lambda _: None)
-    assert rc == 0
-    assert log == [
-        "describe", "archive", "scp", "ssh", "run",  # existing slice: install, run (dies)
-        "describe", "delete", "create", "describe", "describe",  # preempted: recreate, wait
-        "archive", "scp", "ssh", "run",  # reinstall on the new slice, resume
-    ]  # fmt: skip
-
-
-def test_gives_up_after_max_restarts():
-    job, _ = launch.parse_args(ARGS)
-    rc = launch.launch(
-        job, lambda cmd: (0, "READY") if "describe" in cmd else (1 if "--command" in " ".join(cmd)
-        and "tg_jax.main" in cmd[-1] else 0, ""), max_restarts=2, poll_s=0, sleep=lambda _: None,
-    )  # fmt: skip
-    assert rc == 1
 
 
 def test_distributed_env():
