@@ -197,6 +197,16 @@ def test_dirty_tree_is_refused_unless_allow_dirty(capsys):
     out = capsys.readouterr().out
     assert "# a real launch stops here: error: the git tree" in out and f" {HEAD}\n" in out
 
+    # Outside a git repository: one error line too.
+    def no_repo():
+        raise RuntimeError("git rev-parse HEAD failed: fatal: not a git repository")
+
+    assert launch.main(ARGS, git=types.SimpleNamespace(git_status=no_repo)) == 2
+    assert capsys.readouterr().err == (
+        "error: cannot tell which code to ship: git rev-parse HEAD failed: fatal: not a git "
+        "repository\n"
+    )
+
 
 def test_working_tree_holds_uncommitted_and_untracked_files_and_leaves_the_repo(tmp_path):
     def git(*a):

@@ -638,7 +638,10 @@ def main(argv: Sequence[str] | None = None, git=None) -> int:
     job, args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.local:
         return local_pod(job, args.processes, args.devices_per_process)
-    shipped = shipped_code(job, args.allow_dirty, args.dry_run, git)
+    try:
+        shipped = shipped_code(job, args.allow_dirty, args.dry_run, git)
+    except RuntimeError as e:  # not a git repository, no commit yet
+        shipped = f"cannot tell which code to ship: {e}"
     if isinstance(shipped, str):
         print(f"error: {shipped}", file=sys.stderr, flush=True)
         return 2
