@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from tg_jax.evaluation import stats
+from tg_jax.evaluation import stability, stats
 from tg_jax.sampling.episode import EpisodeRecord, episode_compliance
 
 
@@ -218,7 +218,7 @@ def test_last_k_mean_std_uses_last_record_per_step():
     recs = [{"step": s, "stage": "train", "rollout/compliance": s / 10} for s in range(1, 11)]
     recs.append({"step": 10, "stage": "train", "rollout/compliance": 0.0})  # re-logged after resume
     recs.append({"step": 11, "stage": "eval", "rollout/compliance": 5.0})  # other stage
-    out = stats.last_k_mean_std(recs, "rollout/compliance", 3)
+    out = stability.last_k_mean_std(recs, "rollout/compliance", 3)
     vals = [0.8, 0.9, 0.0]
     assert out["mean"] == pytest.approx(np.mean(vals)) and out["std"] == pytest.approx(np.std(vals))
     assert (out["n"], out["first_step"], out["last_step"]) == (3, 8, 10)
@@ -228,11 +228,11 @@ def test_last_k_mean_std_uses_last_record_per_step():
 def test_last_k_pools_seeds():
     a = [{"step": s, "stage": "train", "c": float(s)} for s in range(1, 6)]
     b = [{"step": s, "stage": "train", "c": 10.0 * s} for s in range(1, 6)]
-    out = stats.last_k_mean_std([a, b], "c", 2)
+    out = stability.last_k_mean_std([a, b], "c", 2)
     vals = [4.0, 5.0, 40.0, 50.0]
     assert out["mean"] == pytest.approx(np.mean(vals)) and out["std"] == pytest.approx(np.std(vals))
     assert out["n"] == 4
-    assert math.isnan(stats.last_k_mean_std(a, "missing", 3)["mean"])
+    assert math.isnan(stability.last_k_mean_std(a, "missing", 3)["mean"])
 
 
 def test_cluster_id_defaults_to_the_task_and_old_records_load():

@@ -1,4 +1,4 @@
-"""No requirement reward for junk (issue 65 item 5): a requirement is met only on a turn that is
+"""No requirement reward for junk: a requirement is met only on a turn that is
 a valid action of its environment (`Environment.valid_action`).
 
 Junk episodes (no code, code that does not parse, a NameError, a function of another name,

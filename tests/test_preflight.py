@@ -2,8 +2,8 @@
 running a step: odd and prime vocabularies, head dims 16-128, GQA ratios, tied and untied
 embeddings, dense and MoE; vLLM's limits; reward weights against the requirement set.
 
-The failures of issue 70 at the level of their functions: the sampler's copy of a
-vocabulary of 373 over "tensor" 2 (IndivisibleError before), a head_dim of 16 for vLLM's CPU
+The failures users met, at the level of their functions: the sampler's copy of a vocabulary
+of 373 over "tensor" 2 (IndivisibleError before), a head_dim of 16 for vLLM's CPU
 attention, a weight for a requirement the user replaced (KeyError in the first step before).
 """
 
@@ -20,6 +20,7 @@ from tg_jax.mesh_settings import DEFAULT_RULES
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl import advantages
 from tg_jax.sampling import placement
+from tg_jax.train import reward_weights
 
 BASE = dict(d_model=64, num_layers=1, mlp_dim=96, max_seq_len=128)
 TRAINER = {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}  # 8 devices' trainer mesh
@@ -192,8 +193,8 @@ def test_reward_weights_of_configs_from_the_command_line(requirements, want):
     config = config_files.apply_overrides(config, {"env.requirements": requirements})
     if want is None:
         with pytest.raises(ValueError, match=r"'tool_json'.*\('no_shouting',\)"):
-            preflight.reward_weights(config)
+            reward_weights.reward_weights(config)
         return
-    assert preflight.reward_weights(config) == want
-    assert preflight.with_reward_weights(config, make_env(config.env)) is not config
+    assert reward_weights.reward_weights(config) == want
+    assert reward_weights.with_reward_weights(config, make_env(config.env)) is not config
     assert dict(config.rl.reward_weights) == {"task": 1.0, "tool_json": 0.5}  # not changed

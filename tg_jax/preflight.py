@@ -1,5 +1,5 @@
 """The start-up check of a run against what it will meet: checkpoint shapes, the engine's
-limits, the reward weights (issue 70).
+limits, the reward weights.
 
 `tg_jax.main` calls `check(config)` once, after the config is read and the devices are known,
 before any data, SFT or RL stage. Each problem is a `ConfigError` (one `error: invalid
@@ -25,7 +25,6 @@ sizes, so tests cover many checkpoints without building a mesh or running a step
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -57,11 +56,12 @@ def abstract_params(model_cfg: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
+    from tg_jax import tracing
     from tg_jax.models import Transformer
 
     model = Transformer(model_cfg)
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
+    return tracing.eval_shape(lambda k: model.init(k, tokens)["params"], jax.random.key(0))
 
 
 def sharding_problems(
@@ -188,38 +188,6 @@ def engine_problems(
     return []
 
 
-def reward_weights(config: Any, env: Any = None) -> dict[str, float]:
-    """The run's reward weights: `config.rl.reward_weights` reconciled with the environment
-    `env` (default: made from config.env) by `advantages.resolve_weights`.
-
-    Raises:
-      ValueError: a non-zero weight nothing provides (naming it and env.requirements).
-    """
-    from tg_jax.rl.advantages import resolve_weights
-
-    if env is None:
-        from tg_jax.envs import make_env
-
-        env = make_env(config.env)
-    requirements = {r.name: float(r.weight) for r in env.requirements}
-    weights = {str(k): float(v) for k, v in config.rl.reward_weights.items()}
-    return resolve_weights(weights, tuple(env.reward_keys), requirements)
-
-
-def with_reward_weights(config: Any, env: Any) -> Any:
-    """A copy of `config` whose rl.reward_weights are `reward_weights(config, env)` (the
-    config itself is not changed); `config` itself where they are the same."""
-    import ml_collections
-
-    weights = reward_weights(config, env)
-    if weights == {str(k): float(v) for k, v in config.rl.reward_weights.items()}:
-        return config
-    out = copy.deepcopy(config)
-    with out.unlocked():
-        out.rl.reward_weights = ml_collections.ConfigDict(weights)
-    return out
-
-
 def programs(config: Any, model_cfg: Any, devices: Sequence[Any] | None = None) -> list[Program]:
     """The params layouts a run of `config` uses on `devices` (default: jax's): the trainer's
     mesh, the sampler's copy (its own mesh, or each process's over its trainer devices), and
@@ -292,6 +260,8 @@ def check(config: Any, devices: Sequence[Any] | None = None) -> list[str]:
         if errors:
             raise ConfigError(errors[0])
         return notes
+    from tg_jax.train import reward_weights
+
     limits = None
     for c in _run_configs(config):
         lc = c.get("rl_loop")
@@ -301,7 +271,7 @@ def check(config: Any, devices: Sequence[Any] | None = None) -> list[str]:
             errors += engine_problems(model_cfg, lc, limits, _platform())
         if "rl" in c and "env" in c:
             try:
-                reward_weights(c)
+                reward_weights.reward_weights(c)
             except ValueError as e:
                 errors.append(str(e))
     if errors:
@@ -324,5 +294,4 @@ def _platform() -> str:
     return jax.default_backend()
 
 
-__all__ = ["Program", "check", "engine_problems", "programs", "reward_weights",
-           "sharding_problems", "with_reward_weights"]  # fmt: skip
+__all__ = ["Program", "check", "engine_problems", "programs", "sharding_problems"]

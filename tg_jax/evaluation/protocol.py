@@ -29,12 +29,12 @@ import hashlib
 import json
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tg_jax import multihost, paths
 from tg_jax.errors import ConfigError
-from tg_jax.evaluation import registry
+from tg_jax.evaluation import ledger, registry
 
 PREREGISTRATION_FILE = "preregistration.json"
 # The fields compared between the file and the config (besides the arms' configs).
@@ -195,8 +195,6 @@ def register_attempt(
     out["tasks"] = [_record(t) for t in drawn[seed]]
     if multihost.is_primary():
         paths.write_json_atomic(path, out, indent=1, sort_keys=True)
-        from tg_jax.evaluation import ledger  # noqa: PLC0415
-
         ledger.write_attempt(out)
     return out
 
@@ -406,3 +404,18 @@ def describe_draw(config: Any, workdir: str) -> str:
         f"a one-sided alpha of {spend['share']:g} of the claim's {spend['alpha']:g} "
         f"({spend['rule']}; two-sided level {attempt['level']:.4g})."
     )
+
+
+def record_run(cfg: Any, workdir: str, arm: str, seed: int | None, records: Sequence[Any],
+               policy_dir: str) -> str | None:  # fmt: skip
+    """The pipeline's hook after a run's final evaluation: its ledger file when the workdir's
+    runs belong to a registered attempt (`attempt_of`), else nothing (None)."""
+    attempt = attempt_of(workdir)
+    if attempt is None or not multihost.is_primary():
+        return None
+    return ledger.write_run(
+        attempt, arm, seed, ledger.outcomes(records),
+        policy_sha256=weights_sha256(policy_dir), commit=ledger.git_commit(),
+        config=json.loads(json.dumps(cfg.to_dict(), default=str)),
+        machine=machine_info(),
+    )  # fmt: skip

@@ -178,7 +178,7 @@ def compute_results(
             "seeds": [r.seed for r in rs],
             "heldout": stats.summarize_arm(episodes[arm], **boot) if rs[0].heldout else {},
             "train_last_k": {
-                m: stats.last_k_mean_std(train, f"rollout/{m}", settings.last_k)
+                m: stability.last_k_mean_std(train, f"rollout/{m}", settings.last_k)
                 for m in stats.RATE_METRICS
             },
             "stability": stability.arm_stability(train, level=settings.level),

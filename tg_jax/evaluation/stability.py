@@ -25,11 +25,62 @@ import numpy as np
 from tg_jax.evaluation import stats
 
 OSCILLATION_STEPS = 16
+TRAIN_STD_LABEL = "mean +- std over the last K training steps (step-to-step spread, not a CI)"
 # Training metrics averaged per seed over the last OSCILLATION_STEPS steps.
 TRAIN_WINDOW_METRICS = {
     "malformed_train": "rollout/actions/malformed",
     "hint_leakage_train": "rollout/hint_leakage",
 }
+
+
+# -- training-time numbers (Table 1 style): the last K steps of a run ----------------------
+
+
+def last_k_values(
+    records: Sequence[Mapping[str, Any]], key: str, k: int, *, stage: str = "train"
+) -> tuple[list[int], np.ndarray]:
+    """The last k logged steps of `key` and their values (after a resume the last record of
+    each step wins)."""
+    latest: dict[int, float] = {}
+    for r in records:
+        if r.get("stage", stage) == stage and key in r:
+            latest[int(r["step"])] = float(r[key])
+    steps = sorted(latest)[-k:] if k > 0 else []
+    return steps, np.array([latest[s] for s in steps], np.float64)
+
+
+def last_k_mean_std(
+    runs: Sequence[Sequence[Mapping[str, Any]]] | Sequence[Mapping[str, Any]],
+    key: str,
+    k: int,
+    *,
+    stage: str = "train",
+) -> dict[str, Any]:
+    """Mean +- std (ddof=0) of `key` over the last k logged steps (Table 1 style; NOT a CI).
+
+    Args:
+      runs: metrics.jsonl records of one run (`tg_jax.metrics.read_metrics`), or a list of
+        such lists (several training seeds: their last-k values are pooled).
+      key: metric name.
+      k: how many of the last steps of each run.
+      stage: which stage's records.
+
+    Returns:
+      {"mean", "std", "n", "first_step", "last_step", "label"}; NaN mean/std if no step has key.
+    """
+    if runs and isinstance(runs[0], Mapping):
+        runs = [runs]
+    parts = [last_k_values(r, key, k, stage=stage) for r in runs]
+    vals = np.concatenate([v for _, v in parts]) if parts else np.zeros(0)
+    steps = [s for st, _ in parts for s in st]
+    return {
+        "mean": float(vals.mean()) if vals.size else float("nan"),
+        "std": float(vals.std()) if vals.size else float("nan"),
+        "n": int(vals.size),
+        "first_step": min(steps) if steps else None,
+        "last_step": max(steps) if steps else None,
+        "label": TRAIN_STD_LABEL,
+    }
 
 
 def oscillation(
@@ -38,13 +89,13 @@ def oscillation(
     k: int = OSCILLATION_STEPS,
 ) -> float:
     """Std (ddof=0) of `key` over the last k logged train steps of one run; NaN under 2."""
-    _, vals = stats.last_k_values(records, key, k)
+    _, vals = last_k_values(records, key, k)
     return float(vals.std()) if vals.size >= 2 else float("nan")
 
 
 def window_mean(records: Sequence[Mapping[str, Any]], key: str, k: int = OSCILLATION_STEPS):
     """Mean of `key` over the last k logged train steps of one run; None if never logged."""
-    _, vals = stats.last_k_values(records, key, k)
+    _, vals = last_k_values(records, key, k)
     return float(vals.mean()) if vals.size else None
 
 

@@ -16,9 +16,8 @@ one it carries:
   decides no verdict: arm comparisons use `noninferiority_interval` (below).
 * Training seeds: one point estimate per seed; mean, sample std (ddof=1) and a Student-t
   interval with n_seeds - 1 degrees of freedom. Never mixed into the bootstrap.
-* Training-time "Table 1 style" numbers: mean +- std over the last K training steps of one
-  run. That std measures step-to-step fluctuation of the training rollouts, it is NOT a
-  confidence interval, and results carry the label `TRAIN_STD_LABEL` to say so.
+* Training-time "Table 1 style" numbers (mean +- std over the last K training steps, NOT a
+  confidence interval) live in `stability.last_k_mean_std`.
 
 Non-inferiority: one interval decides every verdict (`noninferiority_interval`; the report,
 the registry's verdict and `power` use it). The unit is the training seed:
@@ -68,7 +67,6 @@ RATE_METRICS = ("compliance", "task_success", "joint")
 ACTION_METRICS = ("run_tests", "submit", "malformed")
 MIN_SEEDS = 3  # training seeds per arm under which a verdict is "exploratory"
 INTERVAL_METHOD = "training seeds: the wider of the t-interval and seeds + clusters of tasks"
-TRAIN_STD_LABEL = "mean +- std over the last K training steps (step-to-step spread, not a CI)"
 
 
 # -- per-task table -------------------------------------------------------------------------
@@ -411,56 +409,6 @@ def noninferiority(
     }
 
 
-# -- training-time numbers ------------------------------------------------------------------
-
-
-def last_k_values(
-    records: Sequence[Mapping[str, Any]], key: str, k: int, *, stage: str = "train"
-) -> tuple[list[int], np.ndarray]:
-    """The last k logged steps of `key` and their values (after a resume the last record of
-    each step wins)."""
-    latest: dict[int, float] = {}
-    for r in records:
-        if r.get("stage", stage) == stage and key in r:
-            latest[int(r["step"])] = float(r[key])
-    steps = sorted(latest)[-k:] if k > 0 else []
-    return steps, np.array([latest[s] for s in steps], np.float64)
-
-
-def last_k_mean_std(
-    runs: Sequence[Sequence[Mapping[str, Any]]] | Sequence[Mapping[str, Any]],
-    key: str,
-    k: int,
-    *,
-    stage: str = "train",
-) -> dict[str, Any]:
-    """Mean +- std (ddof=0) of `key` over the last k logged steps (Table 1 style; NOT a CI).
-
-    Args:
-      runs: metrics.jsonl records of one run (`tg_jax.metrics.read_metrics`), or a list of
-        such lists (several training seeds: their last-k values are pooled).
-      key: metric name.
-      k: how many of the last steps of each run.
-      stage: which stage's records.
-
-    Returns:
-      {"mean", "std", "n", "first_step", "last_step", "label"}; NaN mean/std if no step has key.
-    """
-    if runs and isinstance(runs[0], Mapping):
-        runs = [runs]
-    parts = [last_k_values(r, key, k, stage=stage) for r in runs]
-    vals = np.concatenate([v for _, v in parts]) if parts else np.zeros(0)
-    steps = [s for st, _ in parts for s in st]
-    return {
-        "mean": float(vals.mean()) if vals.size else float("nan"),
-        "std": float(vals.std()) if vals.size else float("nan"),
-        "n": int(vals.size),
-        "first_step": min(steps) if steps else None,
-        "last_step": max(steps) if steps else None,
-        "label": TRAIN_STD_LABEL,
-    }
-
-
 # -- everything for the report --------------------------------------------------------------
 
 
@@ -595,6 +543,16 @@ def compare_arms(
         baseline_success=float(np.mean(list(b_means.values()))) if b_means else None,
     )
     ni["seeds"] = {"candidate": sorted(candidate), "baseline": sorted(baseline)}
+    _decide(ni, b_means, len(common), floor, base_success, collapse_drop)
+    return {"difference": diff, "per_seed": per_seed, "paired_seeds": common,
+            "noninferiority": ni}  # fmt: skip
+
+
+def _decide(ni: dict, b_means: Mapping[int, float], seeds: int, floor: float,
+            base_success: float | None, collapse_drop: float) -> None:  # fmt: skip
+    """Sets ni's "not meaningful" (a baseline seed under the floor, or more than
+    `collapse_drop` under the base model's own task success) or "exploratory" (under MIN_SEEDS
+    seeds), with "why" and "collapsed_baseline_seeds"."""
     ni["base_success"], ni["collapse_drop"] = base_success, float(collapse_drop)
     low_bar = floor if base_success is None else max(floor, base_success - collapse_drop)
     ni["collapsed_baseline_seeds"] = sorted(s for s, m in b_means.items() if m < low_bar)
@@ -608,8 +566,6 @@ def compare_arms(
             f"baseline seed(s) {ni['collapsed_baseline_seeds']} collapsed: held-out "
             f"task success {why}"
         )
-    elif len(common) < MIN_SEEDS and meaningful:
+    elif seeds < MIN_SEEDS and meaningful:
         ni["verdict"] = "exploratory"
-        ni["why"] = f"{len(common)} training seed(s) per arm, under {MIN_SEEDS}"
-    return {"difference": diff, "per_seed": per_seed, "paired_seeds": common,
-            "noninferiority": ni}  # fmt: skip
+        ni["why"] = f"{seeds} training seed(s) per arm, under {MIN_SEEDS}"

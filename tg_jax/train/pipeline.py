@@ -47,7 +47,7 @@ from typing import Any
 from tg_jax import checkpointing, config_files, multihost, paths, sharding
 from tg_jax.data import task_data
 from tg_jax.envs import env_kind
-from tg_jax.evaluation import heldout_reads, ledger, protocol, registry, stability
+from tg_jax.evaluation import heldout_reads, protocol, registry, stability
 from tg_jax.evaluation.report_settings import ReportSettings
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.train import rl, sft, sft_eval, sft_gates, shipped_base, tuning
@@ -284,7 +284,7 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
                 cfg, workdir, run_name, run_dir, result.state.params, eval_tasks, md.renderer
             )
             export = os.path.join(workdir, EXPORT_DIR, run_name)
-            ledger.record_run(cfg, workdir, arm, int(seed), records, export)  # registered only
+            protocol.record_run(cfg, workdir, arm, int(seed), records, export)  # registered only
             runs.append(
                 report.load_run_result(
                     run_dir,
@@ -329,16 +329,14 @@ def _reference_runs(config, workdir, sources, base_params, md) -> dict[str, list
     records = heldout_reads.final_evaluation(
         config, workdir, BASE_REFERENCE, run_dir, base_params, eval_tasks, md.renderer
     )
-    ledger.record_run(config, workdir, BASE_REFERENCE, None, records, config.model.hf_checkpoint)
+    protocol.record_run(config, workdir, BASE_REFERENCE, None, records, config.model.hf_checkpoint)
     return {BASE_REFERENCE: records}
 
 
-def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
-    """The whole main job (see the module docstring); returns the report's results dict."""
-    from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
-
-    # Fail before any work on a bad arm name or override, or on several arms without the
-    # baseline (the report compares every arm with it; one arm alone is compared with none).
+def _check_arms(config: Any, base_ref: str) -> None:
+    """Fails before any work on a bad arm name or override, on several arms without the
+    baseline (the report compares every arm with it; one arm alone is compared with none),
+    on a reference or a sitting's run that is no run of this job."""
     arms = tuple(config.pipeline.arms)
     for arm in arms:
         arm_config(config, arm)
@@ -349,7 +347,6 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
             f"{list(config.pipeline.arms)}: the report compares every arm with it; add it to the "
             "arms or set eval.baseline to one of them"
         )
-    base_ref = report.BASE_REFERENCE
     if bad := [r for r in config.eval.get("references", ()) if r not in (*arms, base_ref)]:
         raise ValueError(
             f"eval.references {bad} are neither among pipeline.arms {list(arms)} nor "
@@ -358,6 +355,13 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     known = [f"{a}_seed{int(s)}" for a in arms for s in config.eval.train_seeds] + [base_ref]
     if bad := [r for r in config.pipeline.get("sitting", ()) if r not in known]:
         raise ValueError(f"pipeline.sitting {bad} are not runs of this job: {known}")
+
+
+def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
+    """The whole main job (see the module docstring); returns the report's results dict."""
+    from tg_jax.evaluation import report  # noqa: PLC0415 (matplotlib only for the report)
+
+    _check_arms(config, report.BASE_REFERENCE)
     sources = multihost.primary_first("data", lambda: run_data(config, workdir))
     md, base_result, attempts = base_model_dir(config, workdir)
     if attempts:  # the embedded model: its vocabulary is its tokenizer's (sft.tokenizer)

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tg_jax import checkpointing, faults, multihost, paths, preflight, sharding
+from tg_jax import checkpointing, faults, multihost, paths, sharding
 from tg_jax import engine as engine_api
 from tg_jax.data.pipeline import TaskIterator
 from tg_jax.envs import Requirement, decode_task, env_factory, make_env
@@ -80,7 +80,7 @@ from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import agent_loop, placement, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train import memory, rl_hosts, rl_rollouts
+from tg_jax.train import memory, reward_weights, rl_hosts, rl_rollouts
 from tg_jax.train.rl_costs import Session, host_metrics, write_summary
 
 CHECKPOINT_DIR = "checkpoints"
@@ -161,8 +161,8 @@ def _build(
     # The environment's requirements, read once (a plug-in's are built by its import path).
     env = make_env(config.env, renderer.tool_format)
     requirements = env.requirements
-    # A requirement named in env.requirements without a reward weight gets its own (issue 70).
-    config = preflight.with_reward_weights(config, env)
+    # A requirement named in env.requirements without a reward weight gets its own.
+    config = reward_weights.with_reward_weights(config, env)
     student_max, teacher_max = _lengths(config, renderer, requirements)
     key = jax.random.key(seed)
     if sampler_devices is not None and init_params is not None:  # e.g. SFT's, on every device
