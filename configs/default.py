@@ -3,7 +3,7 @@
 Run the whole main job:
     python -m tg_jax.main --config=configs/default.py --workdir=./workdir
 
-One stage only (data | sft | pipeline | forward); outputs in ./workdir: tfds/, sft/,
+One stage only (data | sft | pipeline | forward | eval); outputs in ./workdir: tfds/, sft/,
 sft_eval.json (the base model), runs/<arm>_seed<s>/, report/report.md:
     python -m tg_jax.main --config=configs/default.py --workdir=./workdir --config.stage=sft
 
@@ -22,7 +22,7 @@ from tg_jax import config_lib
 def get_config(arg=None):
     del arg
     c = ml_collections.ConfigDict()
-    c.stage = "pipeline"  # which stage tg_jax.main runs: data | sft | pipeline | forward
+    c.stage = "pipeline"  # which stage tg_jax.main runs: data | sft | pipeline | forward | eval
     c.seed = 0  # global seed (model init, sampling)
     # Byte-level Qwen3-style model, 2 layers, d_model 128 (0.43M params); the context covers
     # the longest SFT transcript (512 tokens) and the hinted teacher sequences of RL (up to

@@ -34,7 +34,7 @@ def get_config(arg=None):
     if arg not in (None, "", "runlocal"):
         raise ValueError(f"configs/hf_tg.py takes no argument or 'runlocal', not {arg!r}")
     c = ml_collections.ConfigDict()
-    c.stage = "pipeline"  # which stage tg_jax.main runs: data | pipeline | forward
+    c.stage = "pipeline"  # which stage tg_jax.main runs: data | pipeline | forward | eval
     c.seed = 0  # global seed (sampling)
     # Architecture from the checkpoint; run settings here: fp32 master weights, bf16 compute,
     # full remat (long agentic sequences), 8k-token context (student rows + hints).

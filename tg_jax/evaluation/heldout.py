@@ -173,6 +173,7 @@ def evaluate_run(
     *,
     records_file: str = HELDOUT_FILE,
     summary_file: str = HELDOUT_SUMMARY_FILE,
+    traces: Any = None,
     **kwargs: Any,
 ) -> list[EpisodeRecord]:
     """`evaluate_heldout` cached in `workdir/heldout.jsonl` (the run's final evaluation).
@@ -181,17 +182,20 @@ def evaluate_run(
     delete it to evaluate again (e.g. after changing the eval config). The evaluation's wall
     time goes to `workdir/heldout_summary.json` (the report counts it in the protocol's cost).
     Other tasks than the held-out ones (a tuning trial's validation split) are cached under
-    other names (`records_file`, `summary_file`).
+    other names (`records_file`, `summary_file`). `traces(records, trajectories)`, when given,
+    is called by the primary process with the episodes played (not when read back).
     """
     path = paths.as_path(workdir) / records_file
     if multihost.agreed(path.exists()):  # every process evaluates, or none (collectives)
         return load_records(path)
     start = time.perf_counter()
-    records = evaluate_heldout(config, params, tasks, **kwargs)
+    records, trajectories = heldout_episodes(config, params, tasks, **kwargs)
     wall_s = time.perf_counter() - start
     if multihost.is_primary():  # every process played the same episodes; one writes them
         path.parent.mkdir(parents=True, exist_ok=True)
         summary = {"wall_s": wall_s, "episodes": len(records)}
         paths.write_json_atomic(path.parent / summary_file, summary)
+        if traces is not None:  # before the records: a cached run has its traces
+            traces(records, trajectories)
         save_records(path, records)
     return records

@@ -21,10 +21,11 @@ listed as "not finished", and a second read of the same run is a second look.
 
 `check_read` refuses a read that would be a second look: the final evaluation of a run that
 was already evaluated (its heldout.jsonl deleted, e.g. to evaluate again after a change, or
-in another workdir of the same attempt), or any other purpose (an analysis such as
-`tg_jax.evaluation.prefill`), unless the caller asks for it (`eval.reread_heldout`, or the
-tool's `--reread_heldout`); an asked read is recorded with `asked: true` and the report lists
-it.
+in another workdir of the same attempt), an evaluation-only read (`EVAL_ONLY`, the eval
+stage) once the ledger holds any read of the held-out tasks, or any other purpose (an
+analysis such as `tg_jax.evaluation.prefill`), unless the caller asks for it
+(`eval.reread_heldout`, or the tool's `--reread_heldout`); an asked read is recorded with
+`asked: true` and the report lists it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tg_jax.errors import RunError
 READS_FILE = "heldout_reads.jsonl"
 LEGACY_READS_FILE = "heldout_reads.json"  # completed reads, as workdirs before the JSONL kept
 FINAL = "final evaluation"
+EVAL_ONLY = "evaluation only"  # --config.stage=eval (tg_jax.evaluation.eval_only): a look too
 
 
 class HeldoutReadError(RunError):
@@ -118,6 +120,18 @@ def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False
       HeldoutReadError: a second look and not `again`.
     """
     where = ledger_path(workdir)
+    if purpose == EVAL_ONLY and (looked := reads(workdir)):
+        if again:
+            return True
+        raise HeldoutReadError(
+            f"the held-out tasks of {workdir} were already read ({len(looked)} read(s), the "
+            f"first: {looked[0].get('purpose')} of {looked[0].get('run') or '-'} on "
+            f"{looked[0].get('date')}; {where}): evaluating {run} on them is another look; set "
+            "--config.eval.reread_heldout=True to evaluate anyway (the read is recorded and "
+            "the report lists it)"
+        )
+    if purpose == EVAL_ONLY:
+        return False
     if purpose != FINAL:
         if again:
             return True
@@ -141,20 +155,23 @@ def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False
     return False
 
 
-def final_evaluation(cfg, workdir, run_name, run_dir, params, tasks, renderer) -> list[Any]:
+def final_evaluation(
+    cfg, workdir, run_name, run_dir, params, tasks, renderer, *, purpose=FINAL, traces=None
+) -> list[Any]:
     """Run `run_name`'s final evaluation on the held-out `tasks` (`heldout.evaluate_run` in
-    `run_dir`), the one read of them per run: checked against (`check_read`, asking again
-    with `eval.reread_heldout`), recorded when it starts and when it ends; a cached
-    heldout.jsonl is read back, which is no read."""
+    `run_dir`, `traces` passed on), the one read of them per run: checked against
+    (`check_read`, asking again with `eval.reread_heldout`), recorded when it starts and when
+    it ends; a cached heldout.jsonl is read back, which is no read. `purpose` EVAL_ONLY: the
+    eval stage's read of a checkpoint (`tg_jax.evaluation.eval_only`)."""
     from tg_jax.evaluation import heldout  # noqa: PLC0415 (jax: only when a run evaluates)
 
     cached = multihost.agreed((paths.as_path(run_dir) / heldout.HELDOUT_FILE).exists())
     again = bool(cfg.eval.get("reread_heldout", False))
     read = None
     if not cached:
-        second = check_read(workdir, FINAL, run_name, again=again)
-        read = start_read(workdir, FINAL, run_name, tasks=len(tasks), asked=second)
-    records = heldout.evaluate_run(cfg, run_dir, params, tasks, renderer=renderer)
+        second = check_read(workdir, purpose, run_name, again=again)
+        read = start_read(workdir, purpose, run_name, tasks=len(tasks), asked=second)
+    records = heldout.evaluate_run(cfg, run_dir, params, tasks, renderer=renderer, traces=traces)
     if read is not None:
         finish_read(workdir, read["read"])
     return records
