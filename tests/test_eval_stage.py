@@ -15,30 +15,31 @@ import pytest
 from tests.test_pipeline import FAST_PIPELINE, _config
 from tg_jax import config_files
 from tg_jax.errors import ConfigError
-from tg_jax.evaluation import eval_only, heldout_reads
+from tg_jax.evaluation import heldout_reads
 from tg_jax.sampling.episode import EpisodeRecord
 from tg_jax.sampling.trajectory import Trajectory
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.text.chat import Role
 from tg_jax.tpu.distributed import cpu_devices_env
+from tg_jax.train import eval_stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_names_of_checkpoint_directories():
-    assert eval_only.eval_name("W/export/tg_seed2/") == "tg_seed2"
-    assert eval_only.eval_name("W/runs/tg_seed0/export/step_4") == "tg_seed0_step_4"
-    assert eval_only.eval_name("/ckpts/Qwen3-1.7B") == "Qwen3-1.7B"
-    assert eval_only.arm_and_seed("tg_seed2") == ("tg", 2)
-    assert eval_only.arm_and_seed("grpo_task_only_seed1_step_4") == ("grpo_task_only", 1)
-    assert eval_only.arm_and_seed("mine_seed3") == (None, 3)  # not an arm: the config as is
-    assert eval_only.arm_and_seed("Qwen3-1.7B") == (None, 0)
+    assert eval_stage.eval_name("W/export/tg_seed2/") == "tg_seed2"
+    assert eval_stage.eval_name("W/runs/tg_seed0/export/step_4") == "tg_seed0_step_4"
+    assert eval_stage.eval_name("/ckpts/Qwen3-1.7B") == "Qwen3-1.7B"
+    assert eval_stage.arm_and_seed("tg_seed2") == ("tg", 2)
+    assert eval_stage.arm_and_seed("grpo_task_only_seed1_step_4") == ("grpo_task_only", 1)
+    assert eval_stage.arm_and_seed("mine_seed3") == (None, 3)  # not an arm: the config as is
+    assert eval_stage.arm_and_seed("Qwen3-1.7B") == (None, 0)
 
 
 def test_eval_stage_needs_a_checkpoint_directory(tmp_path):
     config = config_files.apply_overrides(_config(), {"stage": "eval"})
     with pytest.raises(ConfigError, match="set --config.model.hf_checkpoint"):
-        eval_only.run(config, str(tmp_path))
+        eval_stage.run(config, str(tmp_path))
     assert os.listdir(tmp_path) == []  # nothing read, nothing written
 
 
@@ -92,7 +93,7 @@ def test_episode_trace_reads_every_turn():
         task_id="t", condition="plain", sample=0, task_success=False,
         compliance={"fence": False}, actions={"run_tests": 1}, turns=2,
     )  # fmt: skip
-    trace = eval_only.episode_trace(record, traj, renderer)
+    trace = eval_stage.episode_trace(record, traj, renderer)
     assert trace["prompt"] == "<|im_start|>user\nf(1)=2<|im_end|>\n"
     assert trace["rewards"] == {"task": 0.0, "fence": 1.0} and trace["task_id"] == "t"
     t0, t1 = trace["turns"]
@@ -125,7 +126,7 @@ def test_eval_of_an_export_reproduces_the_arms_heldout_figures(tmp_path, monkeyp
 
     def final_with_traces(cfg, workdir, run_name, run_dir, params, tasks, renderer, **kw):
         def traces(recs, trajs):
-            eval_only.write_traces(expected, recs, trajs, renderer)
+            eval_stage.write_traces(expected, recs, trajs, renderer)
 
         return final(cfg, workdir, run_name, run_dir, params, tasks, renderer, traces=traces, **kw)
 
@@ -141,7 +142,7 @@ def test_eval_of_an_export_reproduces_the_arms_heldout_figures(tmp_path, monkeyp
         config, {"stage": "eval", "model.hf_checkpoint": f"{w}/export/tg_seed0"}
     )
     with pytest.raises(heldout_reads.HeldoutReadError, match="another look"):
-        eval_only.run(ask, w)
+        eval_stage.run(ask, w)
     assert len(heldout_reads.reads(w)) == 1
 
     env = {**cpu_devices_env(1), "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
@@ -181,6 +182,6 @@ def test_eval_of_an_export_reproduces_the_arms_heldout_figures(tmp_path, monkeyp
     ]
     assert "**1 more read(s)**: evaluation only of tg_seed0 on" in md
     # A rerun reads its episodes back: no read, the same figures.
-    again = eval_only.run(config_files.apply_overrides(ask, {"eval.reread_heldout": True}), w)
+    again = eval_stage.run(config_files.apply_overrides(ask, {"eval.reread_heldout": True}), w)
     assert len(heldout_reads.reads(w)) == 2
     assert again["arms"]["tg"]["heldout"] == results["arms"]["tg"]["heldout"]

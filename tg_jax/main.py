@@ -35,7 +35,7 @@ STAGES = {
     "sft": "tg_jax.train.pipeline:run_sft_stage",
     "pipeline": "tg_jax.train.pipeline:run_pipeline",
     "forward": "tg_jax.cli:run_forward",
-    "eval": "tg_jax.evaluation.eval_only:run",
+    "eval": "tg_jax.train.eval_stage:run",
 }
 
 

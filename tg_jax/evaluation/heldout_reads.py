@@ -42,7 +42,7 @@ from tg_jax.errors import RunError
 READS_FILE = "heldout_reads.jsonl"
 LEGACY_READS_FILE = "heldout_reads.json"  # completed reads, as workdirs before the JSONL kept
 FINAL = "final evaluation"
-EVAL_ONLY = "evaluation only"  # --config.stage=eval (tg_jax.evaluation.eval_only): a look too
+EVAL_ONLY = "evaluation only"  # --config.stage=eval (tg_jax.train.eval_stage): a look too
 
 
 class HeldoutReadError(RunError):
@@ -162,7 +162,7 @@ def final_evaluation(
     `run_dir`, `traces` passed on), the one read of them per run: checked against
     (`check_read`, asking again with `eval.reread_heldout`), recorded when it starts and when
     it ends; a cached heldout.jsonl is read back, which is no read. `purpose` EVAL_ONLY: the
-    eval stage's read of a checkpoint (`tg_jax.evaluation.eval_only`)."""
+    eval stage's read of a checkpoint (`tg_jax.train.eval_stage`)."""
     from tg_jax.evaluation import heldout  # noqa: PLC0415 (jax: only when a run evaluates)
 
     cached = multihost.agreed((paths.as_path(run_dir) / heldout.HELDOUT_FILE).exists())
