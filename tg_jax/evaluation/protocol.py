@@ -49,8 +49,10 @@ METRIC = "heldout task_success (plain prompts)"
 # each draws this share of it (a quarter: four attempts, by which alpha/2^k has spent 94%).
 ATTEMPTS_PER_POOL = 4
 # Fields of the arms' configs that are no part of the protocol: asking to read the held-out
-# tasks again (the read is recorded and the report lists it) changes no setting of a run.
-NOT_REGISTERED = (("eval", "reread_heldout"), ("pipeline", "sitting"))
+# tasks again (the read is recorded and the report lists it) changes no setting of a run, nor
+# does writing its rollouts to disk (rl_loop.dump_rollouts).
+NOT_REGISTERED = (("eval", "reread_heldout"), ("pipeline", "sitting"),
+                  ("rl_loop", "dump_rollouts"))  # fmt: skip
 
 
 class PreregistrationMismatch(ConfigError):

@@ -128,6 +128,9 @@ class LoopConfig(Section):
     export_every: int = 0
     """Also export the policy as a Hugging Face checkpoint directory every N steps, to
     <run>/export/step_<N> (0 = off; the main job always exports the final policy)."""
+    dump_rollouts: bool = False
+    """Write every step's batch (tokens, behaviour log-probs, verdicts, hints, the TG mask,
+    rewards, advantages) to <run>/rollouts/step_<N>.array_record (tg_jax.train.rollout_dump)."""
     log_every: int = 10
     """Progress-line interval when stdout is not a TTY."""
     use_tensorboard: bool = True

@@ -80,7 +80,7 @@ from tg_jax.rl.train_step import make_train_step
 from tg_jax.sampling import agent_loop, placement, rollout
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train import memory, reward_weights, rl_hosts, rl_rollouts
+from tg_jax.train import memory, reward_weights, rl_hosts, rl_rollouts, rollout_dump
 from tg_jax.train.rl_costs import Session, host_metrics, write_summary
 
 CHECKPOINT_DIR = "checkpoints"
@@ -563,6 +563,7 @@ def _train_step(
         raise RuntimeError("the train task iterator ended before the last step")
     t1 = time.perf_counter()
     batch = _build_batch(parts, group.trajectories, done)
+    rollout_dump.dump_step(parts.config, parts.workdir, done, group.trajectories, batch)
     if faults.hit("step.nan"):  # a numerically broken step (tg_jax.faults)
         batch = batch.replace(
             rewards={k: np.full_like(v, np.nan) for k, v in batch.rewards.items()}

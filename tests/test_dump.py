@@ -1,0 +1,80 @@
+"""`rl_loop.dump_rollouts`: each RL step's batch in <run>/rollouts/step_<N>.array_record."""
+
+import os
+
+import numpy as np
+import pytest
+
+from tests import rl_loop_driver as driver
+from tg_jax import config_files
+from tg_jax.rl.batch import build_batch
+from tg_jax.sampling.trajectory import Trajectory
+from tg_jax.text.chat import Role
+from tg_jax.train import rl, rollout_dump
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
+
+
+def _traj(task_reward: float, fence: bool, group: int) -> Trajectory:
+    # prompt 3 tokens, assistant turn 0 of 4 tokens (log-prob -0.25 each)
+    roles = [Role.PROMPT] * 3 + [Role.ANSWER] * 4
+    return Trajectory(
+        tokens=np.arange(10, 17), roles=np.asarray(roles, np.int8),
+        turn_ids=np.asarray([-1] * 3 + [0] * 4), turn_starts=np.asarray([2]),
+        behaviour_logprobs=np.asarray([0.0] * 3 + [-0.25] * 4, np.float32),
+        turn_verdicts=[{"fence": fence}], rewards={"task": task_reward, "fence": float(fence)},
+        hint_tokens={"fence": [7, 8]}, group_id=group, policy_version=3, task_id=f"t{group}",
+    )  # fmt: skip
+
+
+def test_dump_of_a_step_reads_back(tmp_path):
+    config = config_files.apply_overrides(
+        config_files.load_config_file(CONFIG), {"rl_loop.dump_rollouts": True}
+    )
+    trajs = [_traj(1.0, True, 5), _traj(0.0, False, 5)]
+    batch = build_batch(trajs, max_len=16, teacher_max_len=16, mode="per_turn",
+                        requirement_names=("fence",),
+                        pad_to_multiple=8, batch_multiple=4, max_teacher_rows=4)  # fmt: skip
+    assert batch.valid_B.tolist() == [True, True, False, False]  # two padding rows
+    rollout_dump.dump_step(config, str(tmp_path), 7, trajs, batch)
+    recs = rollout_dump.read_dump(rollout_dump.dump_path(str(tmp_path), 7))
+    assert [r["row"] for r in recs] == [0, 1]  # the padding rows are not written
+    a, b = recs
+    assert (a["step"], a["task_id"], a["group_id"], a["policy_version"]) == (7, "t5", 5, 3)
+    np.testing.assert_array_equal(a["tokens_T"], np.arange(10, 17))
+    # Targets: position t predicts token t + 1, so the turn's 4 tokens are at positions 2..5.
+    np.testing.assert_array_equal(a["loss_mask_T"], [0, 0, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(a["behaviour_logprobs_T"], [0, 0, -0.25, -0.25, -0.25, -0.25, 0])
+    np.testing.assert_array_equal(a["verdicts_KxR"], [[1]])
+    np.testing.assert_array_equal(b["verdicts_KxR"], [[0]])
+    # The failed turn of b is targeted: the TG mask covers it and its hint is "fence".
+    assert a["tg_mask_T"].sum() == 0 and b["tg_mask_T"].sum() == 4
+    np.testing.assert_array_equal(b["requirement_ids_T"], [-1, -1, 0, 0, 0, 0, -1])
+    np.testing.assert_array_equal(b["hints"]["fence"], [7, 8])
+    # tiny rewards the task alone: rewards 1 and 0 in one group, GRPO (mean 0.5, std 0.5).
+    assert (a["reward"], b["reward"]) == (1.0, 0.0)
+    assert b["rewards"] == {"task": 0.0, "fence": 0.0}
+    adv = 0.5 / (0.5 + float(config.rl.adv_eps))
+    np.testing.assert_allclose(a["advantages_T"], np.asarray([0, 0, 1, 1, 1, 1, 0]) * adv)
+    np.testing.assert_allclose(b["advantages_T"], np.asarray([0, 0, 1, 1, 1, 1, 0]) * -adv)
+    # Off (the default): nothing is written.
+    off = config_files.load_config_file(CONFIG)
+    rollout_dump.dump_step(off, str(tmp_path / "off"), 7, trajs, batch)
+    assert not os.path.exists(tmp_path / "off")
+
+
+@pytest.mark.slow
+def test_a_run_dumps_every_step(tmp_path):
+    config = config_files.apply_overrides(
+        driver.make_config(steps=2), {"rl_loop.dump_rollouts": True, "rl_loop.eval_every": 0}
+    )
+    rl.run_rl(config, str(tmp_path), driver.initial_params(config), arm_name="tg", seed=0,
+              sources=driver.make_sources())  # fmt: skip
+    rows = int(config.rl_loop.groups_per_step) * int(config.rl_loop.rollouts_per_group)
+    for step in (1, 2):
+        recs = rollout_dump.read_dump(rollout_dump.dump_path(str(tmp_path), step))
+        assert len(recs) == rows and {r["step"] for r in recs} == {step}
+        for r in recs:  # the sampled tokens carry their log-probs, and only they
+            sampled = r["behaviour_logprobs_T"] != 0
+            assert sampled.any() and not (sampled & (r["loss_mask_T"] == 0)).any()
+            assert r["policy_version"] == step - 1  # synchronous sampling: the last update
