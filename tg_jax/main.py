@@ -8,6 +8,8 @@ Runs the stage named by `config.stage` (`STAGES`):
   pipeline  data -> sft -> the RL arms x seeds -> held-out evaluation -> DIR/report/
             (the main job, tg_jax.train.pipeline; every stage cached or resumed)
   forward   smoke: build the sharded model and run one forward pass
+  eval      evaluation only: a checkpoint directory (model.hf_checkpoint) on the held-out
+            tasks, with full traces and the report's tables (tg_jax.train.eval_stage)
 
 This file parses flags, checks the config and calls the stage; the logic lives in libraries.
 A bad command line or config (an unknown field, a value of the wrong type or out of range, a
