@@ -205,8 +205,39 @@ def test_a_malformed_fault_plan_is_one_error_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: TG_JAX_FAULTS: bad entry 'env.step@0' (want POINT@N or POINT@N+, N >= 1, POINT "
-        "one of env.step, sandbox.kill, checkpoint.save, step.nan)"
+        "one of env.step, env.slow, sandbox.kill, checkpoint.save, step.nan)"
     )
+
+
+def test_slow_tools_sleep_heavy_tailed_times_seeded_per_process(monkeypatch):
+    """env.slow@2+: every environment step from the second sleeps before it runs, the next of
+    the process's draws: at least SLOW_SCALE_S, at most SLOW_MAX_S, a Pareto(1.5) tail (about
+    1 in 100 over 1.1 s), another sequence on another process."""
+    from tg_jax import faults
+    from tg_jax.sampling import rollout
+
+    draws = faults.slow_seconds("env.slow", 0, 4000)
+    assert min(draws) >= faults.SLOW_SCALE_S and max(draws) <= faults.SLOW_MAX_S
+    assert 0.005 < np.mean([d > 1.1 for d in draws]) < 0.02  # P(X > 22) = 22 ** -1.5 = 0.0097
+    assert np.median(draws) == pytest.approx(faults.SLOW_SCALE_S * 2 ** (1 / 1.5), rel=0.1)
+    assert faults.slow_seconds("env.slow", 1, 5) != draws[:5]  # seeded per process
+
+    slept = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setenv(faults.ENV_VAR, "env.slow@2+")
+    faults.reset()
+
+    class Env:
+        def step(self, text):
+            return f"ran {text}"
+
+    ep = type("Ep", (), {"env": Env()})()
+    assert [rollout._step(ep, str(i)) for i in range(4)] == [f"ran {i}" for i in range(4)]
+    assert slept == faults.slow_seconds("env.slow", 1, 3)  # calls 2, 3 and 4
+    faults.reset()
+    monkeypatch.delenv(faults.ENV_VAR)
+    assert faults.pause("env.slow") == 0.0 and len(slept) == 3  # unset: no sleep
 
 
 def test_a_malformed_task_record_names_the_file_and_line(tmp_path):

@@ -518,3 +518,103 @@ def test_cpu_processes_get_a_collective_timeout(monkeypatch):
     assert os.environ["XLA_FLAGS"] == f"{flag}=42"
     distributed.collective_timeout({distributed.ENV_COLLECTIVE_TIMEOUT: "7"})  # already set
     assert os.environ["XLA_FLAGS"] == f"{flag}=42"
+
+
+def test_uneven_process_shares_cover_every_item_once_in_order():
+    """The held-out tasks' split (`multihost.process_share`): contiguous, in process order,
+    the first n % P shares one longer, empty ones when n < P."""
+    share = multihost.process_share
+    assert [list(range(5))[share(5, i, 2)] for i in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(range(7))[share(7, i, 3)] for i in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [list(range(2))[share(2, i, 4)] for i in range(4)] == [[0], [1], [], []]
+    for n, count in ((0, 2), (9, 4), (16, 8)):
+        got = [i for p in range(count) for i in range(n)[share(n, p, count)]]
+        assert got == list(range(n))
+    with pytest.raises(ValueError, match="not one of 2"):
+        share(4, 2, 2)
+
+
+def test_merged_shares_are_in_one_process_s_order():
+    """`heldout.merge_shares`: condition by condition (as asked), sample by sample, task by
+    task, each record with its trajectory."""
+    from tg_jax.evaluation import heldout
+    from tg_jax.sampling.episode import EpisodeRecord
+
+    def rec(task, cond, s):
+        return EpisodeRecord(task_id=task, condition=cond, sample=s, task_success=False,
+                             compliance={}, actions={}, turns=1)  # fmt: skip
+
+    def share(tasks):  # a process's episodes as heldout_episodes orders them
+        recs = [rec(t, c, s) for c in ("hinted", "plain") for s in range(2) for t in tasks]
+        return recs, [f"{r.condition}{r.sample}{r.task_id}" for r in recs]
+
+    records, trajs = heldout.merge_shares([share("ab"), share("c")], ("hinted", "plain"))
+    want = [f"{c}{s}{t}" for c in ("hinted", "plain") for s in range(2) for t in "abc"]
+    assert trajs == want
+    assert [f"{r.condition}{r.sample}{r.task_id}" for r in records] == want
+    records, trajs = heldout.merge_shares([(share("ab")[0], []), ([], [])], ("hinted", "plain"))
+    assert len(records) == 8 and trajs == []  # trajectories not gathered
+
+
+@pytest.mark.slow
+def test_each_process_plays_its_share_of_the_heldout_tasks_as_one_process_would(monkeypatch):
+    """`heldout.split_episodes` as processes 0 and 1 of 2 (process index and count, the
+    per-process sampler and the gather faked in this process): each plays its contiguous share
+    of 5 tasks (3 and 2) after the params' copy, gathers once, and the merged episodes are one
+    process's, token for token, at temperature 1 (each episode's key is its task position's,
+    not its place in the share: the share played from stream 0 samples other tokens)."""
+    from configs import tiny
+    from tg_jax import config_files
+    from tg_jax.envs.tasks import generate_tasks
+    from tg_jax.evaluation import heldout
+    from tg_jax.models import init_params
+    from tg_jax.text import ByteTokenizer, ChatRenderer
+
+    renderer = ChatRenderer(ByteTokenizer())
+    config = config_files.apply_overrides(
+        tiny.get_config(), {"rl_loop.rollout_engine": "lockstep"}
+    )  # fmt: skip
+    params = init_params(Transformer(ModelConfig.from_config(config.model)), jax.random.key(0))
+    tasks = generate_tasks("heldout", 5, seed=0)
+    sampler = heldout.make_sampler(config, renderer)
+    kw = {"conditions": ("hinted", "plain"), "samples_per_task": 2, "temperature": 1.0,
+          "max_new_tokens": 8, "renderer": renderer}  # fmt: skip
+    whole = heldout.heldout_episodes(config, params, tasks, sampler=sampler, **kw)
+    assert len(whole[0]) == 2 * 2 * 5
+
+    calls, gathered = [], []
+
+    def copy(config_, params_, renderer_):
+        calls.append("copy")
+        return sampler, params_
+
+    def gather(obj):
+        calls.append("gather")
+        gathered.append(obj)
+        return [obj]
+
+    played = []
+    real = heldout.heldout_episodes
+
+    def spy(config_, params_, tasks_, **kw_):
+        played.append(([t.task_id for t in tasks_], kw_["first_stream"]))
+        return real(config_, params_, tasks_, **kw_)
+
+    monkeypatch.setattr(heldout, "process_sampler", copy)
+    monkeypatch.setattr(heldout, "heldout_episodes", spy)
+    monkeypatch.setattr(heldout.multihost, "allgather_objects", gather)
+    for p in (0, 1):
+        with monkeypatch.context() as m:
+            m.setattr(jax, "process_count", lambda: 2)
+            m.setattr(jax, "process_index", lambda p=p: p)
+            heldout.split_episodes(config, params, tasks, **kw)
+    assert calls == ["copy", "gather"] * 2  # per process: the copy, then one gather
+    ids = [t.task_id for t in tasks]
+    assert played == [(ids[:3], 0), (ids[3:], 3)]
+    records, trajs = heldout.merge_shares(gathered, kw["conditions"])
+    assert records == whole[0]
+    for a, b in zip(whole[1], trajs, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    from_zero = real(config, params, tasks[3:], sampler=sampler, **kw)[1]
+    assert any(not np.array_equal(a.tokens, b.tokens) for a, b in
+               zip(from_zero, gathered[1][1], strict=True))  # fmt: skip

@@ -11,7 +11,8 @@ therefore differ from a single process:
   fails): the sampler's copy of the params is made by one jitted copy over the global mesh
   (a collective) and re-wrapped as arrays on the process's own mesh
   (`tg_jax.sampling.placement.HostReplicas`);
-* Python objects (rollout trajectories) travel with `allgather_objects`, in process order;
+* Python objects (rollout trajectories, the final evaluation's episodes) travel with
+  `allgather_objects`, in process order;
 * a file every process needs is written once: `primary_first(name, fn)` runs `fn` (which
   writes the file or reuses it) on process 0, waits for it (`barrier`), then runs it on the
   others, which find the file and read it.
@@ -116,6 +117,17 @@ def process_slice(n: int, index: int | None = None, count: int | None = None) ->
         raise ValueError(f"{n} items cannot be split evenly over {count} processes")
     per = n // count
     return slice(index * per, (index + 1) * per)
+
+
+def process_share(n: int, index: int, count: int) -> slice:
+    """Process `index`'s contiguous share of `n` items over `count` processes where `n` need
+    not divide (the held-out tasks): the first n % count shares one item longer, a share
+    empty when n < count; in index order the shares are 0..n-1 once each."""
+    if not 0 <= index < count:
+        raise ValueError(f"process {index} is not one of {count}")
+    per, extra = divmod(int(n), int(count))
+    start = index * per + min(index, extra)
+    return slice(start, start + per + (index < extra))
 
 
 def allgather_objects(obj: Any) -> list[Any]:

@@ -9,12 +9,26 @@ evaluation helper (`tg_jax.sampling.rollout.evaluate`) and returns the per-episo
 
 Every arm and seed is evaluated on the same tasks with the same sampling key
 (`eval.sampling_seed`), so arm differences can be paired task by task.
+
+Several processes (`jax.distributed`; `split_episodes`, what a run's final evaluation plays):
+the tasks are split over the processes that roll out (`sharding.sampler_processes`) as the
+RL rollouts' groups are, contiguous shares in process order (`multihost.process_share`). Each
+process plays its share on its own devices, with its own copy of the params
+(`placement.rollout_sampler`, the rollouts' placement: one collective before any episode), and
+its episodes draw from the streams of their task positions (`rollout.evaluate`'s
+`first_stream`), so each samples what one process playing every task would. One
+`allgather_objects` after every process's last episode then merges the shares into that one
+process's order. Between the two collectives each process only runs programs on its own
+devices, so when its tools return (or what they print) cannot put the processes' collectives
+out of step: with one SPMD sampler over every host, the built-in engine's calls followed each
+host's tool timing, and lock-step followed its tool outputs, both a hang after training.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -24,12 +38,12 @@ import jax
 import numpy as np
 
 from tg_jax import engine as engine_api
-from tg_jax import multihost, paths
+from tg_jax import multihost, paths, sharding
 from tg_jax.envs import env_factory
 from tg_jax.evaluation.report_settings import eval_temperature
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.rl import hidden_thinking
-from tg_jax.sampling import agent_loop, rollout
+from tg_jax.sampling import agent_loop, placement, rollout
 from tg_jax.sampling.episode import CONDITIONS, EpisodeRecord
 from tg_jax.sampling.sampler import Sampler
 from tg_jax.text import ByteTokenizer, ChatRenderer
@@ -61,6 +75,7 @@ def heldout_episodes(
     sampling_seed: int | None = None,
     sampler: Sampler | None = None,
     renderer: ChatRenderer | None = None,
+    first_stream: int = 0,
 ) -> tuple[list[EpisodeRecord], list[Any]]:
     """Plays held-out episodes with `params`: one record and one Trajectory per episode.
 
@@ -77,6 +92,9 @@ def heldout_episodes(
       sampling_seed: sampling key seed; default `config.eval.sampling_seed`.
       sampler, renderer: reuse existing ones (default: new ones for `config.model` and the
         byte tokenizer).
+      first_stream: `tasks` are positions first_stream.. of the evaluation's tasks (a
+        process's share, `split_episodes`): task n's episodes draw from stream
+        first_stream + n of each condition's and sample's key.
 
     Returns:
       (records, trajectories): EpisodeRecords, condition by condition, sample by sample, task
@@ -116,6 +134,7 @@ def heldout_episodes(
             samples_per_task=int(ev.samples_per_task if samples_per_task is None
                                  else samples_per_task),
             play=None if runner is None else agent_loop.play_episodes,
+            first_stream=first_stream,
         )  # fmt: skip
         records.extend(recs)
         trajectories.extend(trajs)
@@ -124,6 +143,84 @@ def heldout_episodes(
         dataclasses.replace(r, cluster_id=clusters.get(r.task_id, r.task_id)) for r in records
     ]
     return records, trajectories
+
+
+def process_sampler(config: Any, params: Any, renderer: ChatRenderer) -> tuple[Sampler, Any]:
+    """(this process's sampler, its copy of `params`) as the RL rollouts place them
+    (`placement.rollout_sampler` over `sharding.split_devices`: its own devices, its own
+    copy; None for a trainer process of the whole-host split). `params` lie on the trainer's
+    mesh (`config.mesh` over the trainer's devices). The copy is a collective over every
+    process."""
+    model = Transformer(ModelConfig.from_config(config.model))
+    trainer_devices, sampler_devices = sharding.split_devices(config)
+    mesh = sharding.make_mesh(config.mesh, trainer_devices)
+    rules = sharding.logical_rules(config.mesh)
+    sampler, to_sampler = placement.rollout_sampler(
+        model, renderer.tokenizer.pad_id, mesh, rules, sharding.batch_divisor(mesh, rules),
+        sampler_mesh_cfg=config.get("sampler_mesh"), sampler_devices=sampler_devices,
+    )  # fmt: skip
+    return sampler, (params if to_sampler is None else to_sampler(params))
+
+
+def merge_shares(
+    shares: Sequence[tuple[list[EpisodeRecord], list[Any]]], conditions: Sequence[str]
+) -> tuple[list[EpisodeRecord], list[Any]]:
+    """The processes' (records, trajectories), in process order, as one process plays them:
+    condition by condition (`conditions`' order), sample by sample, task by task (a share's
+    records of one condition and sample are its tasks in order; the shares' tasks follow each
+    other). Trajectories may be [] (not gathered), else one per record."""
+    rank = {c: i for i, c in enumerate(conditions)}
+    pairs = []
+    for records, trajectories in shares:
+        if trajectories and len(trajectories) != len(records):
+            raise ValueError(f"{len(records)} records but {len(trajectories)} trajectories")
+        pairs += zip(records, trajectories or [None] * len(records), strict=True)
+    pairs.sort(key=lambda p: (rank[p[0].condition], p[0].sample))  # stable: task order kept
+    kept = [t for _, t in pairs if t is not None]
+    return [r for r, _ in pairs], kept
+
+
+def split_episodes(
+    config: Any,
+    params: Any,
+    tasks: Sequence[Any],
+    *,
+    renderer: ChatRenderer | None = None,
+    conditions: Sequence[str] | None = None,
+    trajectories: bool = True,
+    **kwargs: Any,
+) -> tuple[list[EpisodeRecord], list[Any]]:
+    """`heldout_episodes` of `params` (on the trainer's mesh) on every process at once: the
+    tasks split over the sampling processes, each played on its process's own devices, the
+    episodes gathered once (module docstring); the same records and trajectories, in the same
+    order, as one process. `trajectories` False: none gathered ([]). One process: plainly
+    `heldout_episodes`.
+
+    Collectives, in this order on every process whatever its tools do: the params' copy
+    (`process_sampler`), then one `allgather_objects` of the episodes."""
+    renderer = renderer or ChatRenderer(ByteTokenizer())
+    conditions = tuple(config.eval.conditions if conditions is None else conditions)
+    kwargs.update(renderer=renderer, conditions=conditions)
+    if jax.process_count() == 1:
+        records, trajs = heldout_episodes(config, params, tasks, **kwargs)
+        return records, (trajs if trajectories else [])
+    sampler, local = process_sampler(config, params, renderer)
+    samplers = sharding.sampler_processes(config)
+    me = jax.process_index()
+    own: tuple[list[EpisodeRecord], list[Any]] | None = None  # a process that samples nothing
+    if me in samplers:
+        share = multihost.process_share(len(tasks), samplers.index(me), len(samplers))
+        logging.info("held-out: process %d plays tasks %d..%d of %d", me, share.start,
+                     share.stop - 1, len(tasks))  # fmt: skip
+        own = [], []
+        if share.stop > share.start:
+            records, trajs = heldout_episodes(
+                config, local, list(tasks)[share], sampler=sampler, first_stream=share.start,
+                **kwargs,
+            )  # fmt: skip
+            own = records, (trajs if trajectories else [])
+    gathered = multihost.allgather_objects(own)  # the one collective after the episodes
+    return merge_shares([g for g in gathered if g is not None], conditions)
 
 
 def _cluster_of(task: Any) -> str:
@@ -176,7 +273,8 @@ def evaluate_run(
     traces: Any = None,
     **kwargs: Any,
 ) -> list[EpisodeRecord]:
-    """`evaluate_heldout` cached in `workdir/heldout.jsonl` (the run's final evaluation).
+    """`evaluate_heldout` cached in `workdir/heldout.jsonl` (the run's final evaluation),
+    split over the processes (`split_episodes`; `params` on the trainer's mesh).
 
     A file left by an earlier call is returned as is, so a rerun pipeline does not re-evaluate;
     delete it to evaluate again (e.g. after changing the eval config). The evaluation's wall
@@ -189,9 +287,11 @@ def evaluate_run(
     if multihost.agreed(path.exists()):  # every process evaluates, or none (collectives)
         return load_records(path)
     start = time.perf_counter()
-    records, trajectories = heldout_episodes(config, params, tasks, **kwargs)
+    records, trajectories = split_episodes(
+        config, params, tasks, trajectories=traces is not None, **kwargs
+    )
     wall_s = time.perf_counter() - start
-    if multihost.is_primary():  # every process played the same episodes; one writes them
+    if multihost.is_primary():  # every process holds every episode; one writes them
         path.parent.mkdir(parents=True, exist_ok=True)
         summary = {"wall_s": wall_s, "episodes": len(records)}
         paths.write_json_atomic(path.parent / summary_file, summary)

@@ -159,6 +159,7 @@ def _step(ep: Episode, text: str) -> StepResult | Exception:
     """`ep.env.step(text)`, or the exception it raised (the episode fails, the batch goes on)."""
     try:
         faults.check("env.step")
+        faults.pause("env.slow")  # a slow tool (the pod rehearsal's fault)
         return ep.env.step(text)
     except Exception as e:  # noqa: BLE001 (any environment or tool error ends its episode only)
         return e
@@ -551,6 +552,7 @@ def evaluate(
     condition: str = "plain",
     samples_per_task: int = 1,
     play: Callable[..., list[Episode]] | None = None,
+    first_stream: int = 0,
 ) -> tuple[list[EpisodeRecord], list[Trajectory]]:
     """Held-out evaluation: episodes -> per-episode compliance, task success and actions.
 
@@ -562,6 +564,8 @@ def evaluate(
       samples_per_task: episodes per task (sample index s uses fold_in(rng, s); episode i
         draws from random stream i, whatever the chunks of `config.max_rows`).
       play: as in `rollout_groups`.
+      first_stream: task n's episodes draw from stream first_stream + n (a process's share of
+        the tasks, `tg_jax.evaluation.heldout.split_episodes`: each samples what one would).
     Returns:
       (EpisodeRecords for tg_jax.evaluation.stats, the Trajectories, policy_version -1).
       Task success: the "task" reward is 1 (all hidden tests pass); compliance per
@@ -574,7 +578,7 @@ def evaluate(
         episodes = (play or play_episodes)(
             sampler, params, renderer, env_factory, tasks, config=config,
             rng=jax.random.fold_in(rng, s), hint_before_every_turn=condition == "hinted",
-            stream_ids=range(len(tasks)),
+            stream_ids=range(first_stream, first_stream + len(tasks)),
         )  # fmt: skip
         hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
         for ep in episodes:
