@@ -18,7 +18,7 @@ TG is the library's recipe (tg_jax.rl.step_config.TGConfig's defaults): the forw
 lambda_tg 0.05, summed over the distilled tokens and divided by trajectories x 50 tokens. The
 evidence for it comes from the embedded byte model (configs/default.py); it has not been
 measured on a pretrained checkpoint. The bounded alternative, the JSD at lambda 1 over the
-token mean: `--config.tg.kind=jsd --config.tg.normalize=token_mean --config.tg.schedule.value=1`.
+token mean: `--config.tg.kind=jsd --config.tg.normalize=token_mean --config.tg.lambda_tg=1`.
 
 `configs/hf_tg.py:runlocal` shrinks steps, groups, rollouts and lengths so a tiny checkpoint
 runs on a CPU in about two minutes (the tests use it); its task prompt alone describes the tools

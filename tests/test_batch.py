@@ -107,7 +107,10 @@ def test_per_trajectory_teacher_and_index_map():
     assert b.teacher_tokens_BtxTt.shape == (1, 24)
     np.testing.assert_array_equal(b.teacher_tokens_BtxTt[0, : len(expected)], expected)
     assert b.teacher_segment_ids_BtxTt[0].sum() == len(expected)
-    assert np.nonzero(b.distill_mask_BxT[0])[0].tolist() == [4, 5, 6, 7, 8, 14, 15]
+    # M: the answer tokens of the hinted turns (4, 5 are turn 0's thinking tokens).
+    assert np.nonzero(b.tg_mask_BxT[0])[0].tolist() == [6, 7, 8, 14, 15]
+    think = build_batch([traj], max_len=64, teacher_max_len=64, include_thinking=True)
+    assert np.nonzero(think.tg_mask_BxT[0])[0].tolist() == [4, 5, 6, 7, 8, 14, 15]
     # The map holds for every real prediction position, not only distilled ones.
     _check_index_map(b, np.arange(24)[None] < 16)
     # The teacher's prediction at pos comes right after the student's context shift.
@@ -129,10 +132,10 @@ def test_per_turn_rows_and_micro_batches():
         np.testing.assert_array_equal(b.teacher_tokens_BtxTt[global_row, : len(seq)], seq)
         assert b.teacher_segment_ids_BtxTt[global_row].sum() == len(seq)
     assert b.teacher_segment_ids_BtxTt[[5, 7]].sum() == 0  # unused rows are padding
-    assert np.nonzero(b.distill_mask_BxT[2])[0].tolist() == [4, 5, 6, 7, 8, 14, 15]
-    assert not b.distill_mask_BxT[3].any()
+    assert np.nonzero(b.tg_mask_BxT[2])[0].tolist() == [6, 7, 8, 14, 15]
+    assert not b.tg_mask_BxT[3].any()
     for mb in split_batch(b, 2):
-        _check_index_map(mb, mb.distill_mask_BxT)
+        _check_index_map(mb, mb.tg_mask_BxT)
     stacked = split_microbatches(b, 2)
     assert stacked.tokens_BxT.shape == (2, 2, 24)
     assert stacked.teacher_tokens_BtxTt.shape[:2] == (2, 4)
@@ -141,9 +144,16 @@ def test_per_turn_rows_and_micro_batches():
 
 def test_per_turn_overflow_is_dropped_and_per_trajectory_micro_rows():
     trajs = [_two_turns(task=f"t{i}") for i in range(2)]
-    b = build_batch(trajs, max_len=64, teacher_max_len=64, mode="per_turn", max_teacher_rows=3)
-    assert b.distill_mask_BxT[0].sum() == 7 and b.distill_mask_BxT[1].sum() == 5  # turn 1 dropped
-    _check_index_map(b, b.distill_mask_BxT)
+    b = build_batch(
+        trajs,
+        max_len=64,
+        teacher_max_len=64,
+        mode="per_turn",
+        max_teacher_rows=3,
+        include_thinking=True,
+    )
+    assert b.tg_mask_BxT[0].sum() == 7 and b.tg_mask_BxT[1].sum() == 5  # turn 1 dropped
+    _check_index_map(b, b.tg_mask_BxT)
     b = build_batch(trajs, max_len=64, teacher_max_len=64, micro_batches=2)
     for mb in split_batch(b, 2):
         _check_index_map(mb, mb.loss_mask_BxT)
@@ -156,7 +166,7 @@ def test_empty_or_missing_hint_and_no_failure_give_no_distillation():
         _two_turns(verdicts=[{"fence": True}, {"fence": True}]),
     ):
         b = build_batch([traj], max_len=64, teacher_max_len=64, pad_to_multiple=8)
-        assert not b.distill_mask_BxT.any()
+        assert not b.tg_mask_BxT.any()
         np.testing.assert_array_equal(b.teacher_tokens_BtxTt, b.tokens_BxT)
         np.testing.assert_array_equal(b.teacher_pos_BxT[0, :16], np.arange(16))
 
@@ -165,7 +175,7 @@ def test_all_turns_gate_hints_passing_turns():
     traj = _two_turns(verdicts=[{"fence": False}, {"fence": True}])
     b = build_batch([traj], max_len=64, teacher_max_len=64, gate="all_turns", pad_to_multiple=8)
     assert np.nonzero(b.failed_turn_mask_BxT[0])[0].tolist() == [4, 5, 6, 7, 8]
-    assert np.nonzero(b.distill_mask_BxT[0])[0].tolist() == [4, 5, 6, 7, 8, 14, 15]
+    assert np.nonzero(b.tg_mask_BxT[0])[0].tolist() == [6, 7, 8, 14, 15]
     assert (b.teacher_tokens_BtxTt[0] == 90).sum() == 2  # the fence hint before both turns
     _check_index_map(b, b.loss_mask_BxT)
 
@@ -219,10 +229,10 @@ def test_compact_per_trajectory_starts_at_first_hint():
     np.testing.assert_array_equal(b.teacher_positions_BtxTt[0], 3 + np.arange(24))
     assert b.teacher_start_Bt.tolist() == [3] and b.teacher_src_row_Bt.tolist() == [0]
     assert b.teacher_prefix_len == 8  # p = 3 rounded up to the bucket of 8
-    np.testing.assert_array_equal(b.distill_mask_BxT, full.distill_mask_BxT)
+    np.testing.assert_array_equal(b.tg_mask_BxT, full.tg_mask_BxT)
     _check_compact_map(b, 0, 3, 17)
     # The compact map is the full one shifted by the prefix.
-    dist = b.distill_mask_BxT
+    dist = b.tg_mask_BxT
     np.testing.assert_array_equal(b.teacher_pos_BxT[dist] + 3, full.teacher_pos_BxT[dist])
     assert (b.teacher_pos_BxT[0, :2] == 0).all()  # no teacher token: (0, 0), masked
 
@@ -238,8 +248,8 @@ def test_compact_cuts_after_last_targeted_turn_and_skips_untargeted_rows():
     np.testing.assert_array_equal(b.teacher_tokens_BtxTt[0, : len(seq)], seq)
     assert b.teacher_segment_ids_BtxTt[0].sum() == len(seq)
     assert b.teacher_src_row_Bt.tolist() == [1] and b.teacher_start_Bt.tolist() == [3]
-    assert np.nonzero(b.distill_mask_BxT[1])[0].tolist() == [4, 5, 6, 7, 8]
-    assert not b.distill_mask_BxT[[0, 2]].any()
+    assert np.nonzero(b.tg_mask_BxT[1])[0].tolist() == [6, 7, 8]
+    assert not b.tg_mask_BxT[[0, 2]].any()
     _check_compact_map(b, 1, 3, 10)
 
 
@@ -251,7 +261,7 @@ def test_compact_without_targeted_turns_is_a_minimal_teacher():
                         compact=True)  # fmt: skip
         assert b.tokens_BxT.shape[0] == 4
         assert b.teacher_tokens_BtxTt.shape == (2, 8) and b.teacher_prefix_len == 0
-        assert not b.teacher_segment_ids_BtxTt.any() and not b.distill_mask_BxT.any()
+        assert not b.teacher_segment_ids_BtxTt.any() and not b.tg_mask_BxT.any()
 
 
 def test_compact_micro_batches_and_per_turn():
@@ -264,8 +274,8 @@ def test_compact_micro_batches_and_per_turn():
     assert b.teacher_src_row_Bt.tolist() == [0, 0, 1, 0]  # local student rows
     assert b.teacher_segment_ids_BtxTt[3].sum() == 0  # micro-batch 1 has one row: padding
     for mb in split_batch(b, 2):
-        _check_index_map(mb, mb.distill_mask_BxT)
-    np.testing.assert_array_equal(b.distill_mask_BxT[:3], np.repeat(b.distill_mask_BxT[:1], 3, 0))
+        _check_index_map(mb, mb.tg_mask_BxT)
+    np.testing.assert_array_equal(b.tg_mask_BxT[:3], np.repeat(b.tg_mask_BxT[:1], 3, 0))
 
     t = build_batch(trajs, max_len=64, teacher_max_len=64, mode="per_turn", max_teacher_rows=8,
                     pad_to_multiple=8, micro_batches=2, compact=True)  # fmt: skip
@@ -277,10 +287,10 @@ def test_compact_micro_batches_and_per_turn():
         np.testing.assert_array_equal(t.teacher_tokens_BtxTt[g, : len(seq)], seq)
         assert t.teacher_start_Bt[g] == start and t.teacher_segment_ids_BtxTt[g].sum() == len(seq)
     for mb in split_batch(t, 2):
-        _check_index_map(mb, mb.distill_mask_BxT)
+        _check_index_map(mb, mb.tg_mask_BxT)
     full = build_batch(trajs, max_len=64, teacher_max_len=64, mode="per_turn",
                        max_teacher_rows=8, pad_to_multiple=8, micro_batches=2)  # fmt: skip
-    np.testing.assert_array_equal(t.distill_mask_BxT, full.distill_mask_BxT)
+    np.testing.assert_array_equal(t.tg_mask_BxT, full.tg_mask_BxT)
 
 
 def test_row_buckets():

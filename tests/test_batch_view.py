@@ -12,7 +12,7 @@ from tg_jax.models import forward
 from tg_jax.notebook import batch_view, html_render
 from tg_jax.notebook.base_policy import load_base_policy
 from tg_jax.rl.batch import build_batch
-from tg_jax.rl.tg.loss import token_divergence
+from tg_jax.rl.tg.divergence import token_divergence
 from tg_jax.sampling.scripted import scripted_rollout
 from tg_jax.text import ByteTokenizer, ChatRenderer, Role
 
@@ -94,7 +94,7 @@ def test_teacher_roles_and_logits(traj, policy):
                                   batch.teacher_segment_ids_BtxTt))  # fmt: skip
     np.testing.assert_allclose(student, direct_s, atol=1e-5)
     pos = batch_view.turn_positions(batch, 0, 0)
-    assert len(pos) and batch.distill_mask_BxT[0, pos].all()
+    assert len(pos) and batch.tg_mask_BxT[0, pos].all()
     np.testing.assert_allclose(teacher[0, pos], direct_t[0, batch.teacher_pos_BxT[0, pos]],
                                atol=1e-5)  # fmt: skip
 

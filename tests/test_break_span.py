@@ -145,9 +145,10 @@ def test_a_turn_without_a_call_breaks_at_its_closing_token():
     assert RENDERER.tokenizer.decode([int(traj.tokens[index])]) == "<|im_end|>"
 
 
-def _batch(trajs, gate="failed_turns", mode="per_trajectory"):
+def _batch(trajs, gate="failed_turns", mode="per_trajectory", include_thinking=False):
     return build_batch(trajs, max_len=512, teacher_max_len=768, mode=mode, gate=gate,
-                       max_teacher_rows=4, pad_to_multiple=0)  # fmt: skip
+                       include_thinking=include_thinking, max_teacher_rows=4,
+                       pad_to_multiple=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["per_trajectory", "per_turn"])
@@ -158,9 +159,9 @@ def test_cut_keeps_each_targeted_turn_up_to_its_break_token(mode):
              "```py\ndef f(x): return x\n```\nCALL submit"]  # fmt: skip
     traj = scripted_rollout(RENDERER, env, TASK, turns)
     assert [v["fence"] for v in traj.turn_verdicts] == [False, True, False]
-    batch = _batch([traj], mode=mode)
+    batch = _batch([traj], mode=mode, include_thinking=True)
     cut, removed = break_span.cut_after_breaks(batch, [traj], "failed_turns")
-    before, after = np.asarray(batch.distill_mask_BxT)[0], np.asarray(cut.distill_mask_BxT)[0]
+    before, after = np.asarray(batch.tg_mask_BxT)[0], np.asarray(cut.tg_mask_BxT)[0]
     header = len(RENDERER.assistant_header())
     want = np.zeros_like(before)
     decode = lambda i: RENDERER.tokenizer.decode([int(traj.tokens[i])])  # noqa: E731
@@ -212,7 +213,7 @@ def test_the_rl_loop_applies_the_option_and_the_config_checks_it():
             {"tg.span": span, "rl_loop.length_multiple": 0, "env.requirements": ("fence",)},
         )
         parts = driver.batch_parts(config, 512, 768)
-        counts[span] = int(np.asarray(rl._build_batch(parts, [traj], 0).distill_mask_BxT).sum())
+        counts[span] = int(np.asarray(rl._build_batch(parts, [traj], 0).tg_mask_BxT).sum())
     # The whole answer + <|im_end|> vs the first code token only (the break is at offset 0).
     assert counts["turn"] == len(text) + 1 and counts["to_break"] == 1
     with pytest.raises(ValueError, match="span"):

@@ -70,7 +70,7 @@ def test_step_config_typed_once():
     assert typed.rl.reward_weights == (("task", 1.0), ("tool_json", 0.5))
     assert typed.tg.kind == "forward" and typed.tg.normalize == "token_sum"
     assert typed.tg.norm_length == 50.0 and typed.optim.lr == 3e-4
-    assert isinstance(typed.tg.schedule.value, float) and typed.tg.schedule.value == 0.05
+    assert isinstance(typed.tg.lambda_tg, float) and typed.tg.lambda_tg == 0.05
     with pytest.raises(dataclasses.FrozenInstanceError):
         typed.rl.kl_coef = 1.0
 

@@ -7,9 +7,9 @@ from tests import rl_loop_driver as driver
 from tests.test_batch import HEADER, TH, A, E, P, _traj
 from tg_jax import config_files, config_lib
 from tg_jax.rl.batch import build_batch
+from tg_jax.rl.loss import normalizers
 from tg_jax.rl.step_config import TGConfig
 from tg_jax.rl.tg import distill_budget
-from tg_jax.rl.tg import loss as tg_loss
 from tg_jax.train import pipeline, rl
 
 HINTS = {"fence": [90, 91, 92]}
@@ -33,11 +33,13 @@ def _batch():
         _thinking_traj(4, 2, [{"fence": False}, {"fence": False}], "t1"),
         _thinking_traj(5, 4, [{"fence": True}, {"fence": True}], "t2"),  # nothing targeted
     ]
-    return build_batch(trajs, max_len=128, teacher_max_len=160, pad_to_multiple=0)
+    return build_batch(
+        trajs, max_len=128, teacher_max_len=160, pad_to_multiple=0, include_thinking=True
+    )
 
 
 def _masks(batch):
-    return distill_budget.budget_masks(batch, "failed_turns")
+    return distill_budget.budget_masks(batch)
 
 
 def test_budget_is_the_answer_tokens_count_drawn_from_answer_and_thinking():
@@ -45,27 +47,27 @@ def test_budget_is_the_answer_tokens_count_drawn_from_answer_and_thinking():
     full, answers = _masks(batch)
     # Targeted turns: t0 turn 0 (6 thinking + 3 answer tokens) and both turns of t1 (4 + 2).
     assert answers.sum() == 3 + 2 + 2 and full.sum() == 9 + 6 + 6
-    capped, dropped = distill_budget.apply_budget(batch, "failed_turns", seed=0, step=3)
+    capped, dropped = distill_budget.apply_budget(batch, seed=0, step=3)
     kept, _ = _masks(capped)
     assert kept.sum() == answers.sum() and dropped == full.sum() - answers.sum()
     assert not (kept & ~full).any()  # only tokens of M are kept
     kept_thinking = kept & np.asarray(batch.thinking_mask_BxT, bool)
     assert 0 < kept_thinking.sum() < kept.sum()  # both kinds drawn
-    # Only distill_mask_BxT changes; the teacher rows and every other mask stay.
+    # Only tg_mask_BxT changes; the teacher rows and every other mask stay.
     for name in ("targets_BxT", "teacher_tokens_BtxTt", "loss_mask_BxT", "failed_turn_mask_BxT"):
         np.testing.assert_array_equal(getattr(capped, name), getattr(batch, name))
     # The draw is a function of (seed, step): again the same, another step another subset.
-    again, _ = distill_budget.apply_budget(batch, "failed_turns", seed=0, step=3)
-    np.testing.assert_array_equal(again.distill_mask_BxT, capped.distill_mask_BxT)
+    again, _ = distill_budget.apply_budget(batch, seed=0, step=3)
+    np.testing.assert_array_equal(again.tg_mask_BxT, capped.tg_mask_BxT)
     draws = {
-        np.asarray(distill_budget.apply_budget(batch, "failed_turns", 0, s)[0].distill_mask_BxT)
-        .tobytes() for s in range(8)
+        np.asarray(distill_budget.apply_budget(batch, 0, s)[0].tg_mask_BxT).tobytes()
+        for s in range(8)
     }  # fmt: skip
     assert len(draws) > 1
     # Uniform over M: over many steps every token of M is kept about budget / |M| of the time.
     share = np.mean(
-        [np.asarray(distill_budget.apply_budget(batch, "failed_turns", 0, s)[0].distill_mask_BxT)
-         [full] for s in range(400)], axis=0,
+        [np.asarray(distill_budget.apply_budget(batch, 0, s)[0].tg_mask_BxT)[full]
+         for s in range(400)], axis=0,
     )  # fmt: skip
     np.testing.assert_allclose(share, answers.sum() / full.sum(), atol=0.1)
 
@@ -73,9 +75,9 @@ def test_budget_is_the_answer_tokens_count_drawn_from_answer_and_thinking():
 def test_no_thinking_tokens_nothing_to_cut():
     batch = build_batch(
         [_thinking_traj(0, 3, [{"fence": False}, {"fence": False}])],
-        max_len=64, teacher_max_len=96, pad_to_multiple=0,
+        max_len=64, teacher_max_len=96, pad_to_multiple=0, include_thinking=True,
     )  # fmt: skip
-    capped, dropped = distill_budget.apply_budget(batch, "failed_turns", 0, 0)
+    capped, dropped = distill_budget.apply_budget(batch, 0, 0)
     assert dropped == 0 and capped is batch
 
 
@@ -105,12 +107,8 @@ def test_the_rl_loop_applies_it_and_the_tg_term_sees_the_budget():
         parts = driver.batch_parts(config, 128, 160)
         batch = rl._build_batch(parts, trajs, 5)
         counts[name] = rl.distilled_tokens(config.tg, batch)  # what the TG term's M holds
-        mask = tg_loss.tg_mask(
-            np.asarray(batch.distill_mask_BxT), np.asarray(batch.thinking_mask_BxT),
-            np.asarray(batch.failed_turn_mask_BxT), np.asarray(batch.loss_mask_BxT),
-            include_thinking=bool(config.tg.include_thinking), gate="failed_turns",
-        )  # fmt: skip
-        assert int(np.sum(mask)) == counts[name]
+        norms = normalizers(batch, TGConfig.from_config(config.tg))  # what the loss divides by
+        assert int(norms.num_distilled) == counts[name]
     assert counts["tg"] == counts["budget"] == 7 < counts["think"] == 21
 
 

@@ -33,7 +33,7 @@ def _config(model=None, **overrides) -> ml_collections.ConfigDict:
     c.mesh = config_lib.mesh_config((1, 1, 1, 1))
     c.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
     c.tg = config_lib.tg_config(chunk_size=16)
-    c.tg.schedule.value = 0.5
+    c.tg.lambda_tg = 0.5
     c.optim = config_lib.optim_config(lr=1e-3, eps=1e-6)
     return config_files.apply_overrides(c, overrides)
 
@@ -179,7 +179,7 @@ def test_reference_teacher_divergence_matches_numpy(kind, tie, only):
     ls, lt = _log_softmax(zs), _log_softmax(zt)
     p, q = (ls, lt) if kind == "reverse" else (lt, ls)  # KL(p || q), student first = reverse
     d = (np.exp(p) * (p - q)).sum(-1)
-    mask = batch.distill_mask_BxT & batch.failed_turn_mask_BxT & batch.answer_mask_BxT
+    mask = batch.tg_mask_BxT & batch.failed_turn_mask_BxT & batch.answer_mask_BxT
     assert mask.sum() > 10
     expected = d[mask].mean()
     np.testing.assert_allclose(sums["tg_kl"], expected, rtol=1e-4, atol=1e-8)

@@ -89,9 +89,9 @@ def test_mask_hint_copies_on_a_built_batch(mode):
     trajs = [copy, passing]
     batch = build_batch(trajs, max_len=32, teacher_max_len=64, mode=mode, max_teacher_rows=4,
                         pad_to_multiple=0, batch_multiple=1)  # fmt: skip
-    before = np.asarray(batch.distill_mask_BxT).copy()
+    before = np.asarray(batch.tg_mask_BxT).copy()
     masked, removed = hint_copies.mask_hint_copies(batch, trajs, "failed_turns", n=3)
-    after = np.asarray(masked.distill_mask_BxT)
+    after = np.asarray(masked.tg_mask_BxT)
     # Row 0's turn-0 targets 91 92 93 94 (student positions 3-6 predict tokens 4-7).
     want = before.copy()
     want[0, 3:7] = False
@@ -100,7 +100,7 @@ def test_mask_hint_copies_on_a_built_batch(mode):
     # Every other field is untouched; with a window longer than the copy nothing changes.
     np.testing.assert_array_equal(masked.targets_BxT, batch.targets_BxT)
     same, none = hint_copies.mask_hint_copies(batch, trajs, "failed_turns", n=5)
-    assert none == 0 and (np.asarray(same.distill_mask_BxT) == before).all()
+    assert none == 0 and (np.asarray(same.tg_mask_BxT) == before).all()
     # all_turns: the passing row's turn 0 is targeted too, and its copy is removed as well.
     batch = build_batch(trajs, max_len=32, teacher_max_len=64, mode=mode, max_teacher_rows=4,
                         pad_to_multiple=0, gate="all_turns")  # fmt: skip
@@ -123,7 +123,7 @@ def test_the_rl_loop_applies_the_option():
         )
         parts = driver.batch_parts(config, 32, 64)
         batch = rl._build_batch(parts, trajs, 0)
-        counts[on] = int(np.asarray(batch.distill_mask_BxT).sum())
+        counts[on] = int(np.asarray(batch.tg_mask_BxT).sum())
     # The default n = 12 finds no 12-token copy here; the option changes nothing then.
     assert counts[True] == counts[False] > 0
     long_hint = list(range(100, 130))
@@ -133,5 +133,5 @@ def test_the_rl_loop_applies_the_option():
             driver.make_config("tg"), {"tg.mask_hint_copies": on, "rl_loop.length_multiple": 0}
         )
         parts = driver.batch_parts(config, 64, 128)
-        counts[on] = int(np.asarray(rl._build_batch(parts, trajs, 0).distill_mask_BxT).sum())
+        counts[on] = int(np.asarray(rl._build_batch(parts, trajs, 0).tg_mask_BxT).sum())
     assert counts[False] - counts[True] == 17  # the 17-token copy, all of it

@@ -86,7 +86,7 @@ def test_a_turn_failing_both_gets_their_one_message_before_it(order):
         RENDERER.render_message(hint_message(CORRECT_HINTS["fence"])),
     )
     assert set(traj.hint_tokens) == {"fence", "tool_json", hint_key(order)}
-    assert batch.distill_mask_BxT.any()  # the turn is distilled against that context
+    assert batch.tg_mask_BxT.any()  # the turn is distilled against that context
 
 
 def test_imperfect_feedback_joins_the_picks_of_a_turn_into_one_message():

@@ -193,3 +193,44 @@ def test_the_files_conftest_orders_exist_and_test_fast_leaves_out_every_marker()
                 ):
                     marked.add(name)
     assert marked == set(conftest.MULTIPROCESS_FILES)
+
+
+# The methods of the loss sit over one core: rl/tg (TG) and rl/peers (the peers' methods) import
+# from rl/ only what lies below them (`RL_CORE`; the peers also TG's teacher path, rl/tg), never
+# the door (rl/loss.py), the batch builder (rl/batch.py) or the train step above them.
+RL_CORE = ("tg_jax.rl.core", "tg_jax.rl.step_config", "tg_jax.rl.policy_loss")
+
+
+def rl_back_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, imported module) pairs where rl/tg or rl/peers imports an rl/ module above it."""
+    out = []
+    for name, targets in graph.items():
+        if name.startswith("tg_jax.rl.tg"):
+            below = (*RL_CORE, "tg_jax.rl.tg")
+        elif name.startswith("tg_jax.rl.peers"):
+            below = (*RL_CORE, "tg_jax.rl.tg", "tg_jax.rl.peers")
+        else:
+            continue
+        for t in sorted(targets):
+            lower = any(t == b or t.startswith(b + ".") for b in below)
+            if t.startswith("tg_jax.rl.") and not lower:
+                out.append((name, t))
+    return sorted(out)
+
+
+def test_the_back_arrow_finder_finds_them():
+    g = {
+        "tg_jax.rl.tg.mask": {"tg_jax.rl.step_config", "tg_jax.sampling.trajectory"},
+        "tg_jax.rl.tg.budget": {"tg_jax.rl.loss", "tg_jax.rl.tg.mask"},
+        "tg_jax.rl.peers.sdar": {"tg_jax.rl.tg.divergence", "tg_jax.rl.core"},
+        "tg_jax.rl.peers": {"tg_jax.rl.batch"},
+        "tg_jax.rl.loss": {"tg_jax.rl.peers", "tg_jax.rl.tg.loss"},
+    }
+    assert rl_back_arrows(g) == [
+        ("tg_jax.rl.peers", "tg_jax.rl.batch"),
+        ("tg_jax.rl.tg.budget", "tg_jax.rl.loss"),
+    ]
+
+
+def test_no_back_arrow_in_rl():
+    assert rl_back_arrows(import_graph()) == []

@@ -23,18 +23,18 @@ from tests.test_train_step import (
     _trajectories,
 )
 from tg_jax.rl import peers
+from tg_jax.rl.core import normalizers, shares
 from tg_jax.rl.loss import (
-    distill_mask,
-    normalizers,
+    distill_weight,
     peer_advantages,
     policy_and_distill,
     policy_term,
-    shares,
-    teacher_mask,
-    tg_term,
+    teacher_term_options,
 )
-from tg_jax.rl.step_config import LambdaSchedule, RLConfig, TGConfig
-from tg_jax.rl.tg.loss import chunked_token_stats
+from tg_jax.rl.step_config import RLConfig, TGConfig
+from tg_jax.rl.tg.divergence import chunked_token_stats
+from tg_jax.rl.tg.loss import tg_term
+from tg_jax.rl.tg.mask import tg_mask
 
 B, T, V = 2, 5, 7
 RL = RLConfig()  # token_mean, clip 0.2 / 0.28
@@ -64,16 +64,16 @@ def _setup(seed=0):
     loss_mask[0, 0] = loss_mask[1, 4] = False  # a prompt token, a padding token
     failed = np.zeros((B, T), bool)
     failed[0, 1:4] = failed[1, 2:4] = True  # the failed turns
-    distill = loss_mask.copy()
-    distill[1, 3] = False  # no teacher counterpart (e.g. truncated)
+    hinted = loss_mask.copy()
+    hinted[1, 3] = False  # no teacher counterpart (e.g. truncated)
     noise = rng.normal(0, 0.05, (B, T))
     behaviour = np.where(loss_mask, _take(_np_log_softmax(zs), targets) + noise, 0.0)
     batch = types.SimpleNamespace(  # the Batch fields the loss terms read
         loss_mask_BxT=loss_mask,
         thinking_mask_BxT=np.zeros((B, T), bool),
         failed_turn_mask_BxT=failed,
-        distill_mask_BxT=distill,
-        requirement_ids_BxT=np.where(distill, 0, -1).astype(np.int32),
+        hinted_BxT=hinted,  # the targets with a hinted teacher counterpart: M of each gate
+        requirement_ids_BxT=np.where(hinted, 0, -1).astype(np.int32),
         requirement_names=("fence",),
         behaviour_logprobs_BxT=behaviour.astype(np.float32),
         targets_BxT=targets,
@@ -85,19 +85,33 @@ def _setup(seed=0):
 def _tg_cfg(method, gate="all_turns", **kw):
     """The references below are written for the reverse KL (`_np_reverse_kl`), token mean."""
     kw = dict(kind="reverse", normalize="token_mean") | kw
-    return TGConfig(method=method, gate=gate, schedule=LambdaSchedule(value=LAMBDA), **kw)
+    return TGConfig(method=method, gate=gate, lambda_tg=LAMBDA, **kw)
+
+
+def _gated(batch, cfg):
+    """The batch with M of cfg's gate (`tg_mask`, as `build_batch` builds it)."""
+    mask = tg_mask(
+        batch.hinted_BxT,
+        batch.thinking_mask_BxT,
+        batch.failed_turn_mask_BxT,
+        batch.loss_mask_BxT,
+        include_thinking=False,
+        gate=cfg.gate,
+    )
+    return types.SimpleNamespace(**{**vars(batch), "tg_mask_BxT": mask})
 
 
 def _jax_loss(zs, zt, batch, cfg):
     """`loss_fn`'s composition on logits (identity unembedding, chunks of 2 over T = 5)."""
+    batch = _gated(batch, cfg)
     norms = normalizers(batch, cfg)
     stats = chunked_token_stats(
         zs, jnp.asarray(batch.targets_BxT), lambda h: h, teacher_hidden_BxTxD=zt, chunk_size=2,
-        **peers.divergence_options(cfg),
+        **teacher_term_options(cfg),
     )  # fmt: skip
     adv, _ = peer_advantages(jnp.asarray(ADV_B, jnp.float32), stats, batch, cfg, norms)
     policy, _ = policy_term(stats.logprob_BxT, batch, adv, RL, shares(batch, norms, RL))
-    tg = tg_term(stats.divergence_BxT, batch, cfg, norms, 0)
+    tg = tg_term(stats.divergence_BxT, batch, distill_weight(0, cfg), cfg, norms)
     return policy_and_distill(policy, tg, cfg)
 
 
@@ -154,8 +168,8 @@ def test_sdpo_blend_loss_and_gradient_vs_numpy(estimator):
     zs, zt, batch = _setup()
     w, k = 0.3, 3
     cfg = _tg_cfg("sdpo", peer_weight=w, peer_estimator=estimator, peer_top_k=k)
-    mask = batch.loss_mask_BxT & batch.distill_mask_BxT  # every turn: no failed-turn gate
-    assert np.asarray(distill_mask(batch, cfg)).tolist() == mask.tolist()
+    mask = batch.loss_mask_BxT & batch.hinted_BxT  # every turn: no failed-turn gate
+    assert np.asarray(_gated(batch, cfg).tg_mask_BxT).tolist() == mask.tolist()
     lt = _np_log_softmax(zt)
 
     def divergence(ls):
@@ -213,7 +227,7 @@ def test_opsd_is_tg_with_the_all_turns_gate_vs_numpy():
     loss, grad = _value_and_grad(zs, zt, batch, _tg_cfg("opsd"))
     loss_tg, grad_tg = _value_and_grad(zs, zt, batch, _tg_cfg("tg"))
     assert loss == loss_tg and np.array_equal(grad, grad_tg)  # the same path, bit for bit
-    mask = batch.loss_mask_BxT & batch.distill_mask_BxT
+    mask = batch.loss_mask_BxT & batch.hinted_BxT
     lt = _np_log_softmax(zt)
 
     def np_loss(z):
@@ -248,7 +262,7 @@ def test_sdar_loss_and_gradient_vs_numpy_gate_is_stop_gradient(gate):
     zs, zt, batch = _setup(4)
     beta, tau = 1.5, -0.5
     cfg = _tg_cfg("sdar", gate=gate, sdar_beta=beta, sdar_tau=tau)
-    mask = batch.loss_mask_BxT & batch.distill_mask_BxT
+    mask = batch.loss_mask_BxT & batch.hinted_BxT
     if gate == "failed_turns":
         mask &= batch.failed_turn_mask_BxT
     lt = _np_log_softmax(zt)
@@ -282,10 +296,10 @@ def test_sgcd_advantage_reweighting_clipping_and_no_kl():
     zs, zt, batch = _setup(5)
     alpha, c = 1.5, 0.3
     cfg = _tg_cfg("sgcd", sgcd_alpha=alpha, sgcd_clip=c)
-    mask = batch.loss_mask_BxT & batch.distill_mask_BxT  # where the teacher ran
-    assert np.asarray(teacher_mask(batch, cfg)).tolist() == mask.tolist()
-    assert not np.asarray(distill_mask(batch, cfg)).any()  # nothing distilled
-    assert float(normalizers(batch, cfg).num_distilled) == 0.0
+    batch = _gated(batch, cfg)
+    mask = batch.loss_mask_BxT & batch.hinted_BxT  # where the teacher ran
+    assert np.asarray(batch.tg_mask_BxT).tolist() == mask.tolist()
+    assert float(normalizers(batch, cfg).num_distilled) == 0.0  # nothing distilled
     lt = _np_log_softmax(zt)
 
     def np_weight(ls):
@@ -300,7 +314,7 @@ def test_sgcd_advantage_reweighting_clipping_and_no_kl():
     # The weights and the reweighted advantages from the jax functions.
     stats = chunked_token_stats(
         jnp.asarray(zs), jnp.asarray(batch.targets_BxT), lambda h: h,
-        teacher_hidden_BxTxD=jnp.asarray(zt), chunk_size=2, **peers.divergence_options(cfg),
+        teacher_hidden_BxTxD=jnp.asarray(zt), chunk_size=2, **teacher_term_options(cfg),
     )  # fmt: skip
     adv, metrics = peer_advantages(jnp.asarray(ADV_B), stats, batch, cfg, normalizers(batch, cfg))
     np.testing.assert_allclose(adv, ADV_B[:, None] * weight, rtol=1e-5, atol=1e-6)
@@ -317,7 +331,7 @@ def test_sgcd_advantage_reweighting_clipping_and_no_kl():
     np.testing.assert_allclose(loss, np_loss(zs), rtol=1e-5, atol=1e-6)
     # No KL term: the TG term is exactly 0; the gradient is the surrogate's with fixed weights.
     norms = normalizers(batch, cfg)
-    tg = tg_term(jnp.ones((B, T)), batch, cfg, norms, 0)
+    tg = tg_term(jnp.ones((B, T)), batch, distill_weight(0, cfg), cfg, norms)
     assert float(tg.loss) == 0.0 and float(tg.kl) == 0.0
     np.testing.assert_allclose(grad, _fd_grad(lambda z: np_loss(z, weight), zs), 1e-3, 2e-5)
     assert np.abs(grad - _fd_grad(np_loss, zs)).max() > 1e-4  # weights are stop-gradient
@@ -348,7 +362,8 @@ def test_each_arm_runs_one_train_step(method):
     assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     assert m["update_skipped"] == 0.0
     typed = TGConfig.from_config(cfg.tg)
-    n_teacher = int(np.asarray(teacher_mask(batch, typed)).sum())
+    assert typed.distils == (method != "sgcd")
+    n_teacher = int(np.asarray(batch.tg_mask_BxT).sum())
     assert n_teacher > 20
     # Distilled-token cost (tg_jax.train.rl): every teacher token but for sgcd, which has none.
     assert distilled_tokens(cfg.tg, batch) == (0 if method == "sgcd" else n_teacher)

@@ -92,11 +92,11 @@ def test_peers_config_is_its_base_config_plus_the_arms():
 def test_lambda_ablations_scale_the_configs_own_lambda():
     for name in ("default.py", "fence.py", "joint.py"):
         config = config_files.load_config_file(os.path.join(CONFIG_DIR, name))
-        lam = config.tg.schedule.value
-        high = pipeline.arm_config(config, "tg_lambda_high").tg.schedule.value
-        low = pipeline.arm_config(config, "tg_lambda_low").tg.schedule.value
+        lam = config.tg.lambda_tg
+        high = pipeline.arm_config(config, "tg_lambda_high").tg.lambda_tg
+        low = pipeline.arm_config(config, "tg_lambda_low").tg.lambda_tg
         assert (high, low) == (pytest.approx(4 * lam), pytest.approx(lam / 4)), name
-        assert config.tg.schedule.value == lam  # the shared config untouched
+        assert config.tg.lambda_tg == lam  # the shared config untouched
 
 
 def test_task_only_arms_and_aliases():

@@ -99,7 +99,7 @@ def test_teacher_tokens_replay_the_student_token_they_copy(mode, compact):
             and (tr[..., 1:, :] == tr[..., :1, :]).all()
         )
         src = tr[:, :, 0, 0]
-        b_idx, t_idx = np.nonzero(mb.distill_mask_BxT)
+        b_idx, t_idx = np.nonzero(mb.tg_mask_BxT)
         rows, pos = mb.teacher_row_BxT[b_idx, t_idx], mb.teacher_pos_BxT[b_idx, t_idx]
         np.testing.assert_array_equal(src[rows, pos + 1], t_idx + 1)
         for row in np.unique(rows):
@@ -112,7 +112,7 @@ def test_teacher_tokens_replay_the_student_token_they_copy(mode, compact):
             assert (np.diff(src[row][copied]) > 0).all()
             turns = np.unique(
                 mb.turn_ids_BxT[student][
-                    mb.distill_mask_BxT[student] & (mb.teacher_row_BxT[student] == row)
+                    mb.tg_mask_BxT[student] & (mb.teacher_row_BxT[student] == row)
                 ]
             )
             assert (real & (src[row] < 0)).sum() == HINT * len(turns)
@@ -199,7 +199,7 @@ def _step_config(**tg):
     cfg.model = config_lib.model_config(**MOE)
     cfg.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
     cfg.tg = config_lib.tg_config(chunk_size=16, max_teacher_rows=24, **tg)
-    cfg.tg.schedule.value = 1.0
+    cfg.tg.lambda_tg = 1.0
     cfg.optim = config_lib.optim_config()
     return StepConfig.from_config(cfg)
 
@@ -252,8 +252,8 @@ def test_the_teacher_forward_routes_by_the_mapped_routing(moe, mode):
     model, params = moe
     trajs = _with_routes(_trajectories(), model, params, shuffle=True)
     full, compact = _batch(trajs, mode, False), _batch(trajs, mode, True)
-    m = full.distill_mask_BxT
-    assert m.sum() > 20 and (compact.distill_mask_BxT == m).all()
+    m = full.tg_mask_BxT
+    assert m.sum() > 20 and (compact.tg_mask_BxT == m).all()
     plain = _teacher_hidden(
         model, params, dataclasses.replace(full, routes_BxTxLxJ=None, teacher_routes_BtxTtxLxJ=None)
     )

@@ -17,7 +17,7 @@ from tg_jax.rl import train_step
 from tg_jax.rl.batch import build_batch
 from tg_jax.rl.step_config import StepConfig
 from tg_jax.rl.tg import teacher
-from tg_jax.rl.tg.loss import chunked_token_stats
+from tg_jax.rl.tg.divergence import chunked_token_stats
 from tg_jax.testing import synthetic_trajectories
 
 TINY = dict(
@@ -61,12 +61,12 @@ def test_compact_teacher_hidden_equals_full_rows(overrides, mode):
     full, compact = build_batch(trajs, **kw), build_batch(trajs, **kw, compact=True)
     # Several query blocks (per_turn rows hold one turn each: shorter).
     assert compact.teacher_tokens_BtxTt.shape[1] > (64 if mode == "per_trajectory" else 32)
-    mask = compact.distill_mask_BxT
-    assert mask.sum() > 50 and (mask == full.distill_mask_BxT).all()
+    mask = compact.tg_mask_BxT
+    assert mask.sum() > 50 and (mask == full.tg_mask_BxT).all()
     for b_full, b_compact in zip(_split(full), _split(compact), strict=True):
         want = _teacher_at_students(model, params, b_full)
         got = _teacher_at_students(model, params, b_compact)
-        m = b_compact.distill_mask_BxT
+        m = b_compact.tg_mask_BxT
         np.testing.assert_allclose(np.asarray(got)[m], np.asarray(want)[m], atol=2e-5, rtol=1e-4)
 
 
@@ -143,14 +143,14 @@ def _slot_batches(which, mode, gate="failed_turns", micro_batches=1):
 
 @pytest.mark.parametrize("mode", ["per_trajectory", "per_turn"])
 def test_teacher_slots_invert_the_index_map(mode):
-    """Batch contract: where a teacher token exists (distill_mask) the map points at the
+    """Batch contract: where M is set (`tg_mask_BxT`) the map points at the
     teacher's copy of the target in a row that continues that student row, one to one;
     `teacher_slots` inverts it exactly there and marks every other slot empty."""
     _, batch = _slot_batches("some", mode, micro_batches=2)
-    assert batch.distill_mask_BxT.sum() > 20
+    assert batch.tg_mask_BxT.sum() > 20
     slots = jax.jit(teacher.teacher_slots)
     for mb in _split(batch):
-        mask = mb.distill_mask_BxT
+        mask = mb.tg_mask_BxT
         b_idx, t_idx = np.nonzero(mask)
         rows, pos = mb.teacher_row_BxT[b_idx, t_idx], mb.teacher_pos_BxT[b_idx, t_idx]
         np.testing.assert_array_equal(mb.teacher_tokens_BtxTt[rows, pos + 1], mb.targets_BxT[mask])
@@ -183,7 +183,7 @@ def test_slot_divergence_equals_divergence_at_student_positions(kind, estimator,
     weight_BxT = jax.random.uniform(k4, (rows, length))
     targets = batch.targets_BxT % 24
     batch = batch.replace(targets_BxT=targets)
-    mask = batch.distill_mask_BxT & (jnp.arange(length) % 4 != 0)[None]  # a strict subset
+    mask = batch.tg_mask_BxT & (jnp.arange(length) % 4 != 0)[None]  # a strict subset
     opts = dict(chunk_size=16, kind=kind, beta=0.3, estimator=estimator, top_k=top_k)
 
     def unembed(x):
@@ -260,13 +260,13 @@ def test_compact_step_loss_and_grads_equal_full_rows(which, mode, overrides, mon
     cfg.model = config_lib.model_config(**TINY)
     cfg.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
     cfg.tg = config_lib.tg_config(chunk_size=16, max_teacher_rows=24, teacher_mode=mode)
-    cfg.tg.schedule.value = 1.0  # the TG term at GRPO's scale, so the tolerances below bite
+    cfg.tg.lambda_tg = 1.0  # the TG term at GRPO's scale, so the tolerances below bite
     cfg.optim = config_lib.optim_config()
     cfg = config_files.apply_overrides(cfg, overrides)
     full, compact = _slot_batches(which, mode, gate=cfg.tg.gate)
     assert teacher.divergence_at_slots(compact) and not teacher.divergence_at_slots(full)
     full, compact = _on_policy(full, model, params), _on_policy(compact, model, params)
-    np.testing.assert_array_equal(compact.distill_mask_BxT, full.distill_mask_BxT)
+    np.testing.assert_array_equal(compact.tg_mask_BxT, full.tg_mask_BxT)
     loss_a, sums_a, grads_a = _loss_and_grads(cfg, full, model, params)
     loss_b, sums_b, grads_b = _loss_and_grads(cfg, compact, model, params)
     targeted = which != "none" or cfg.tg.gate == "all_turns"

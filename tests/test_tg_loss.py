@@ -8,8 +8,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from tg_jax.rl.step_config import LambdaSchedule
-from tg_jax.rl.tg import loss as tg
+from tg_jax.rl.step_config import TGConfig
+from tg_jax.rl.tg import divergence as tg
+from tg_jax.rl.tg import loss as tg_loss
+from tg_jax.rl.tg.mask import tg_mask
 
 KINDS = ("reverse", "forward", "jsd")
 
@@ -334,7 +336,10 @@ def test_tg_mask():
     think = np.array([[0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0]], bool)
     failed = np.array([[0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1]], bool)  # junk outside turns is ignored
     distill = np.array([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], bool)
-    mask = functools.partial(tg.tg_mask, distill, think, failed, loss)
+
+    def mask(hinted=distill, include_thinking=False, gate="failed_turns"):
+        return tg_mask(hinted, think, failed, loss, include_thinking=include_thinking, gate=gate)
+
     np.testing.assert_array_equal(mask(), [[0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(mask(include_thinking=True), [[0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(mask(gate="all_turns"), [[0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0]])
@@ -343,9 +348,7 @@ def test_tg_mask():
     )
     no_teacher = distill.copy()
     no_teacher[0, 5] = False  # e.g. truncated from the teacher sequence
-    np.testing.assert_array_equal(
-        tg.tg_mask(no_teacher, think, failed, loss), [[0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]]
-    )
+    np.testing.assert_array_equal(mask(no_teacher), [[0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]])
 
 
 # --- step 5: loss and schedule ---------------------------------------------------------------
@@ -356,7 +359,7 @@ def test_tg_loss_values_and_metrics():
     m = jnp.array([[1, 1, 0, 0], [0, 1, 1, 0]], bool)
     assistant = jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)
     req = jnp.array([[0, 1, 1, -1], [-1, 1, 0, 2]])
-    loss, met = tg.tg_loss(
+    loss, met = tg_loss.tg_loss(
         d, m, 0.5, assistant_mask_BxT=assistant, requirement_ids_BxT=req, num_requirements=3,
         normalize="token_mean",
     )  # fmt: skip
@@ -366,7 +369,7 @@ def test_tg_loss_values_and_metrics():
     assert int(met.num_distilled) == 4
     np.testing.assert_allclose(met.per_requirement_divergence, [(1 + 6) / 2, (2 + 5) / 2, 0.0])
     np.testing.assert_allclose(met.per_requirement_tokens, [2, 2, 0])
-    g = jax.grad(lambda x: tg.tg_loss(x, m, 0.5, normalize="token_mean")[0])(d)
+    g = jax.grad(lambda x: tg_loss.tg_loss(x, m, 0.5, normalize="token_mean")[0])(d)
     np.testing.assert_allclose(g, 0.5 * np.asarray(m) / 4)
 
 
@@ -374,44 +377,50 @@ def test_tg_loss_token_sum():
     d = jnp.array([[1.0, 2.0, 3.0, jnp.nan], [4.0, 5.0, 6.0, 7.0]])
     m = jnp.array([[1, 1, 0, 0], [0, 1, 1, 0]], bool)
     # Sum over M = 1 + 2 + 5 + 6 = 14, divided by N = 2 trajectories x norm_length 8 = 16.
-    loss, met = tg.tg_loss(d, m, 0.5, normalize="token_sum", norm_constant=16.0)
+    loss, met = tg_loss.tg_loss(d, m, 0.5, normalize="token_sum", norm_constant=16.0)
     np.testing.assert_allclose(loss, 0.5 * 14 / 16, rtol=1e-6)
     np.testing.assert_allclose(met.divergence_mean, 14 / 4, rtol=1e-6)  # still the mean
-    g = jax.grad(lambda x: tg.tg_loss(x, m, 0.5, normalize="token_sum", norm_constant=16.0)[0])(d)
+    g = jax.grad(
+        lambda x: tg_loss.tg_loss(x, m, 0.5, normalize="token_sum", norm_constant=16.0)[0]
+    )(d)
     np.testing.assert_allclose(g, 0.5 * np.asarray(m) / 16)
     # Half the failed tokens: token_mean keeps the loss (each token weighs more), token_sum
     # halves it (each token keeps its weight).
     half = m.at[1].set(False)
-    mean_half, _ = tg.tg_loss(d, half, 0.5, normalize="token_mean")
-    sum_half, _ = tg.tg_loss(d, half, 0.5, normalize="token_sum", norm_constant=16.0)
+    mean_half, _ = tg_loss.tg_loss(d, half, 0.5, normalize="token_mean")
+    sum_half, _ = tg_loss.tg_loss(d, half, 0.5, normalize="token_sum", norm_constant=16.0)
     np.testing.assert_allclose(mean_half, 0.5 * 3 / 2, rtol=1e-6)
     np.testing.assert_allclose(sum_half, 0.5 * 3 / 16, rtol=1e-6)
-    empty, _ = tg.tg_loss(d, jnp.zeros_like(m), 0.5, normalize="token_sum", norm_constant=16.0)
+    empty, _ = tg_loss.tg_loss(d, jnp.zeros_like(m), 0.5, normalize="token_sum", norm_constant=16.0)
     assert float(empty) == 0.0
     with pytest.raises(ValueError, match="normalize"):
-        tg.tg_loss(d, m, 0.5, normalize="seq_mean")
+        tg_loss.tg_loss(d, m, 0.5, normalize="seq_mean")
 
 
 def test_tg_loss_empty_mask_is_exactly_zero():
     d = jnp.array([[1.0, jnp.inf], [2.0, 3.0]])
     empty = jnp.zeros((2, 2), bool)
-    loss, met = jax.jit(lambda x: tg.tg_loss(x, empty, 3.0, normalize="token_mean"))(d)
+    loss, met = jax.jit(lambda x: tg_loss.tg_loss(x, empty, 3.0, normalize="token_mean"))(d)
     assert float(loss) == 0.0 and float(met.divergence_mean) == 0.0
-    g = jax.grad(lambda x: tg.tg_loss(x, empty, 3.0, normalize="token_mean")[0])(d)
+    g = jax.grad(lambda x: tg_loss.tg_loss(x, empty, 3.0, normalize="token_mean")[0])(d)
     assert np.all(np.asarray(g) == 0.0)
 
 
-def test_lambda_schedule():
-    cfg = ml_collections.ConfigDict(dict(kind="constant", value=0.1))
-    got = tg.lambda_schedule(0, LambdaSchedule.from_config(cfg))
-    np.testing.assert_allclose(got, 0.1, rtol=1e-6)
-    cfg = dict(kind="linear_warmup", value=0.2, warmup_steps=10)
-    got = [float(tg.lambda_schedule(s, LambdaSchedule.from_config(cfg))) for s in (0, 5, 10, 50)]
+def test_lambda_tg_and_its_schedule():
+    def at(steps, lam, **schedule):
+        cfg = TGConfig.from_config(
+            ml_collections.ConfigDict(dict(lambda_tg=lam, schedule=schedule))
+        )
+        fn = jax.jit(lambda s: tg_loss.lambda_tg(s, cfg))
+        return [float(fn(s)) for s in steps]
+
+    np.testing.assert_allclose(at([0, 7], 0.1, kind="constant"), [0.1, 0.1], rtol=1e-6)
+    got = at([0, 5, 10, 50], 0.2, kind="linear_warmup", warmup_steps=10)
     np.testing.assert_allclose(got, [0.0, 0.1, 0.2, 0.2], rtol=1e-6)
-    cfg = ml_collections.ConfigDict(
-        dict(kind="cosine", value=1.0, warmup_steps=4, decay_steps=10, final_value=0.1)
-    )
-    sched = jax.jit(lambda s: tg.lambda_schedule(s, LambdaSchedule.from_config(cfg)))
-    got = [float(sched(s)) for s in (0, 2, 4, 9, 14, 100)]
+    got = at([0, 2, 4, 9, 14, 100], 1.0, kind="cosine", warmup_steps=4, decay_steps=10,
+             final_value=0.1)  # fmt: skip
     want = [0.0, 0.5, 1.0, 0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 0.5)), 0.1, 0.1]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert TGConfig().lambda_tg == 0.05  # the shipped recipe
+    with pytest.raises(ValueError, match="tg.lambda_tg must be >= 0"):
+        TGConfig(lambda_tg=-0.1)

@@ -30,7 +30,7 @@ def _config(**overrides) -> ml_collections.ConfigDict:
     c.mesh = config_lib.mesh_config((1, 1, 1, 1))
     c.rl = config_lib.rl_config(reward_weights={"task": 1.0, "fence": 0.5})
     c.tg = config_lib.tg_config(chunk_size=16, max_teacher_rows=16)
-    c.tg.schedule.value = 0.5
+    c.tg.lambda_tg = 0.5
     c.optim = config_lib.optim_config(lr=1e-3, eps=1e-6)
     return config_files.apply_overrides(c, overrides)
 
@@ -118,7 +118,7 @@ def test_teacher_branch_gets_no_gradient_and_tg_matches_direct_kl():
     zt = np.asarray(zt, np.float64)[batch.teacher_row_BxT, batch.teacher_pos_BxT]
     ls, lt = _log_softmax(zs), _log_softmax(zt)
     kl = (np.exp(lt) * (lt - ls)).sum(-1)  # the shipped recipe: KL(teacher || student)
-    mask = batch.distill_mask_BxT & batch.failed_turn_mask_BxT & batch.answer_mask_BxT
+    mask = batch.tg_mask_BxT & batch.failed_turn_mask_BxT & batch.answer_mask_BxT
     assert mask.sum() > 10
     expected = kl[mask].mean()
     np.testing.assert_allclose(sums["tg_kl"], expected, rtol=1e-4, atol=1e-8)
@@ -138,7 +138,7 @@ def test_no_failed_turn_or_empty_hint_gives_exactly_zero_tg():
     empty = [dataclasses.replace(t, hint_tokens={"fence": []}) for t in trajs]
     for variant in (no_fail, empty):
         batch = _batch(variant)
-        assert not batch.distill_mask_BxT.any()
+        assert not batch.tg_mask_BxT.any()
         loss, sums, grads = _loss_and_grad(cfg, batch)
         loss_off, _, grads_off = _loss_and_grad(cfg_off, batch)
         assert float(sums["tg_loss"]) == 0.0 and float(sums["tg_kl"]) == 0.0
@@ -155,7 +155,7 @@ def test_per_turn_equals_per_trajectory_with_one_failed_turn():
         verdicts = [{"fence": i % 2 == 1}, {"fence": i % 2 == 0}]
         one.append(dataclasses.replace(t, turn_verdicts=verdicts))
     b_traj, b_turn = _batch(one, "per_trajectory"), _batch(one, "per_turn")
-    np.testing.assert_array_equal(b_traj.distill_mask_BxT, b_turn.distill_mask_BxT)
+    np.testing.assert_array_equal(b_traj.tg_mask_BxT, b_turn.tg_mask_BxT)
     loss_a, sums_a, grads_a = _loss_and_grad(cfg, b_traj)
     loss_b, sums_b, grads_b = _loss_and_grad(_config(**{"tg.teacher_mode": "per_turn"}), b_turn)
     assert sums_a["tg_loss"] > 1e-6
@@ -202,7 +202,7 @@ def test_compact_teacher_equals_full_rows(which, mode, overrides):
     full = _batch(trajs, mode, gate=gate)
     compact = _batch(trajs, mode, gate=gate, compact=True)
     assert compact.teacher_compact and not full.teacher_compact
-    np.testing.assert_array_equal(compact.distill_mask_BxT, full.distill_mask_BxT)
+    np.testing.assert_array_equal(compact.tg_mask_BxT, full.tg_mask_BxT)
     n_rows = int(compact.teacher_segment_ids_BtxTt.any(-1).sum())
     assert (n_rows == 0) == (which == "none" and gate == "failed_turns")
     loss_a, sums_a, grads_a = _loss_and_grad(cfg, full)

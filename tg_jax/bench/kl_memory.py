@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from tg_jax import tracing
 from tg_jax.rl.step_config import DIVERGENCES, TGConfig
-from tg_jax.rl.tg import loss as tg_loss
+from tg_jax.rl.tg import divergence as tg_loss
 
 
 class MemoryReport(NamedTuple):

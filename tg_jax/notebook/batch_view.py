@@ -6,7 +6,7 @@ module computes in one go for a handful of short sequences, so that notebooks ca
   * `next_token_logits`: the student logits on the plain sequence and the teacher logits on
     the hinted sequence, gathered to the student positions through the batch's index map.
     Both are aligned with `targets_BxT` (index t predicts token t + 1), like every batch mask.
-  * `divergences`: per-token D_t of each KL direction (tg_jax.rl.tg.loss.token_divergence).
+  * `divergences`: per-token D_t of each KL direction (tg_jax.rl.tg.divergence.token_divergence).
   * `teacher_roles`: `Role` codes of a teacher row (inserted hint tokens are HINT).
   * `to_tokens`: moves a target-aligned array onto the tokens it describes, for display.
   * `top_tokens` / `plot_top_tokens`: the plain vs hinted next-token distribution at one
@@ -26,7 +26,7 @@ import numpy as np
 from tg_jax import tracing
 from tg_jax.models import Transformer, forward
 from tg_jax.rl.batch import Batch
-from tg_jax.rl.tg.loss import token_divergence
+from tg_jax.rl.tg.divergence import token_divergence
 from tg_jax.sampling.trajectory import Role, Trajectory
 from tg_jax.text import Tokenizer
 
@@ -62,7 +62,7 @@ def next_token_logits(model: Transformer, params: Any, batch: Batch) -> tuple[np
 
     Returns:
       (student_logits_BxTxV, teacher_logits_BxTxV) fp32 numpy arrays; position t of both
-      predicts targets[b, t]; the teacher row is meaningful where `distill_mask_BxT` is set.
+      predicts targets[b, t]; the teacher row is meaningful where `tg_mask_BxT` is set.
     """
     if batch.teacher_mode == "none":
         raise ValueError("the batch has no teacher rows (built with mode='none')")

@@ -13,7 +13,7 @@ Teacher index map. For each student position t, (teacher_row_BxT[t], teacher_pos
 the teacher position whose logits predict the teacher's copy of tokens[t + 1]: if token
 j = t + 1 sits at teacher index tj, then teacher_pos = tj - 1. Hence the teacher distribution
 compared with the student's prediction at t is the teacher's prediction of the same token, and
-    teacher_tokens[row, teacher_pos + 1] == targets[b, t]   wherever distill_mask_BxT is set.
+    teacher_tokens[row, teacher_pos + 1] == targets[b, t]   wherever tg_mask_BxT is set.
 Positions outside the distilled turns point at some valid index (only masked ones matter).
 `teacher_row_BxT` is an index into the teacher rows of the row's *micro-batch* (see
 `split_microbatches`): with M micro-batches, student row b belongs to micro-batch b % M at
@@ -32,8 +32,10 @@ compute: rows for targeted trajectories (turns) only, each from its first hint t
 its last targeted turn; the layout and its index map are in `tg_jax.rl.tg.compact`.
 A turn is *targeted* when it failed a requirement (gate="failed_turns"; its hint = the hint
 messages of its failed requirements, in sorted order) or, with gate="all_turns", whenever it
-has verdicts (hint = those of all its requirements). A targeted turn whose hint has no tokens
-(missing or empty `hint_tokens`) is not distilled, so an empty hint makes the TG term exactly 0.
+has verdicts (hint = those of all its requirements; `tg_jax.rl.tg.mask`). A targeted turn whose
+hint has no tokens (missing or empty `hint_tokens`) is not distilled, so an empty hint makes the
+TG term exactly 0. The batch carries M, the tokens the TG term distils (`tg_mask_BxT`, built
+here once by `tg_jax.rl.tg.mask.tg_mask`).
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import flax.struct
 import jax
 import numpy as np
 
+from tg_jax.rl.core import Batch
 from tg_jax.rl.routing import batch_routes
 from tg_jax.rl.tg.compact import (
     bucket_length,
@@ -57,104 +59,12 @@ from tg_jax.rl.tg.compact import (
     located,
     turn_end,
 )
+from tg_jax.rl.tg.mask import failed_requirements, targeted_requirements, tg_mask
 from tg_jax.sampling.trajectory import Role, Trajectory
 
 __all__ = ["Batch", "bucket_length", "build_batch", "num_rows", "split_batch", "split_microbatches"]
 
 TeacherMode = Literal["per_trajectory", "per_turn", "none"]
-
-
-@flax.struct.dataclass
-class Batch:
-    """A training batch; B rows, T positions, B_t teacher rows of T_t positions.
-
-    Attributes:
-      tokens_BxT: int32 student tokens (0 = padding).
-      positions_BxT: int32 RoPE positions (0..T-1).
-      segment_ids_BxT: int32, 1 on real tokens, 0 on padding (attention ignores 0).
-      targets_BxT: int32 tokens[t + 1] (0 at the last position and on padding).
-      loss_mask_BxT: bool, the target was produced by the policy (THINK or ANSWER role).
-      answer_mask_BxT: bool, the target is an ANSWER token.
-      thinking_mask_BxT: bool, the target is a THINK token (<think>...</think>, tags included).
-      failed_turn_mask_BxT: bool, the target belongs to an assistant turn that broke at least
-        one requirement.
-      unmet_turn_mask_BxT: bool, failed, or the environment refused the turn (a requirement
-        met there earns no reward: `rl.requirement_credit` "turn" credits it as unmet).
-      distill_mask_BxT: bool, the target has a hinted teacher counterpart (targeted turn,
-        non-empty hint, teacher row present).
-      requirement_ids_BxT: int32 index into `requirement_names` of the first targeted
-        requirement of the target's turn (sorted names), -1 for none.
-      turn_ids_BxT: int32 assistant-turn index of the target, -1 for non-assistant tokens.
-      behaviour_logprobs_BxT: float32 sampler log-prob of the target (0 where not sampled).
-      teacher_row_BxT: int32 teacher row (local to the micro-batch) for each position.
-      teacher_pos_BxT: int32 teacher position whose logits predict the teacher's copy of
-        the target.
-      teacher_tokens_BtxTt, teacher_positions_BtxTt, teacher_segment_ids_BtxTt: the teacher
-        sequences, same conventions as the student's.
-      rewards: reward component name -> float32 [B] (0 on padding rows).
-      group_ids_B: int32 GRPO group of each row.
-      policy_version_B: int32 policy version that sampled each row (-1 on padding rows).
-      valid_B: bool, False for padding rows.
-      head_B: bool, the row counts its episode in the group statistics and reward metrics
-        (`tg_jax.rl.hidden_thinking`: one row per turn, the first counts); None = valid_B.
-      teacher_src_row_Bt, teacher_start_Bt: compact teacher rows only (else None): int32 the
-        student row (local to the micro-batch) whose prefix the row continues, and the
-        student position p of its first hint (`tg_jax.rl.tg.compact`).
-      routes_BxTxLxJ, teacher_routes_BtxTtxLxJ: int16 MoE router replay, -1 = the router's
-        own choice (`tg_jax.rl.routing`); None without recorded routing.
-      requirement_names: static tuple of requirement names (the ids' meaning).
-      teacher_mode: static, the `TeacherMode` the teacher rows were built with.
-      teacher_compact: static, the teacher rows are compact (`tg_jax.rl.tg.compact`).
-      teacher_prefix_len: static, compact rows: the student key/value slots the teacher sees.
-    """
-
-    tokens_BxT: Any
-    positions_BxT: Any
-    segment_ids_BxT: Any
-    targets_BxT: Any
-    loss_mask_BxT: Any
-    answer_mask_BxT: Any
-    thinking_mask_BxT: Any
-    failed_turn_mask_BxT: Any
-    distill_mask_BxT: Any
-    requirement_ids_BxT: Any
-    turn_ids_BxT: Any
-    behaviour_logprobs_BxT: Any
-    teacher_row_BxT: Any
-    teacher_pos_BxT: Any
-    teacher_tokens_BtxTt: Any
-    teacher_positions_BtxTt: Any
-    teacher_segment_ids_BtxTt: Any
-    rewards: dict[str, Any]
-    group_ids_B: Any
-    policy_version_B: Any
-    valid_B: Any
-    unmet_turn_mask_BxT: Any = None
-    teacher_src_row_Bt: Any = None
-    teacher_start_Bt: Any = None
-    routes_BxTxLxJ: Any = None
-    teacher_routes_BtxTtxLxJ: Any = None
-    head_B: Any = None
-    requirement_names: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
-    teacher_mode: str = flax.struct.field(pytree_node=False, default="per_trajectory")
-    teacher_compact: bool = flax.struct.field(pytree_node=False, default=False)
-    teacher_prefix_len: int = flax.struct.field(pytree_node=False, default=0)
-
-
-def _failed(traj: Trajectory, turn: int) -> list[str]:
-    """Sorted names of the requirements the turn broke; a None verdict (not applicable) is not
-    a failure."""
-    return sorted(n for n, ok in traj.turn_verdicts[turn].items() if ok is not None and not ok)
-
-
-def targeted_requirements(traj: Trajectory, turn: int, gate: str) -> list[str]:
-    """Sorted names of the requirements whose hint precedes turn `turn` in the teacher rows
-    (gate "failed_turns": the failed ones; "all_turns": every judged one)."""
-    if gate == "failed_turns":
-        return _failed(traj, turn)
-    if gate == "all_turns":  # every requirement judged on the turn (None = not applicable)
-        return sorted(n for n, ok in traj.turn_verdicts[turn].items() if ok is not None)
-    raise ValueError(f"unknown gate {gate!r}")
 
 
 def _hint(traj: Trajectory, names: Sequence[str], turn: int) -> np.ndarray:
@@ -200,7 +110,7 @@ def _fill_student_targets(per_token: dict[str, np.ndarray], b: int, traj: Trajec
     hints = {}
     rejected = set(traj.info.get("rejected_turns", ()))  # the environment refused the turn
     for k in range(traj.num_turns):
-        in_turn, failed = (turn_ids == k) & produced, bool(_failed(traj, k))
+        in_turn, failed = (turn_ids == k) & produced, bool(failed_requirements(traj, k))
         per_token["failed"][b, s] |= in_turn & failed
         per_token["unmet"][b, s] |= in_turn & (failed or k in rejected)  # requirement_credit
         targeted = targeted_requirements(traj, k, gate)
@@ -235,7 +145,7 @@ def _fill_per_trajectory_teacher(
     num = len(traj.tokens)
     s = slice(0, num - 1)
     for k in hints:
-        per_token["distill"][b, s] |= _turn_mask(traj, k)
+        per_token["hinted"][b, s] |= _turn_mask(traj, k)
     seq, src = hinted(traj, hints, hints, 0, num)
     if len(seq) > teacher_max_len:
         raise ValueError(
@@ -268,7 +178,7 @@ def _fill_per_turn_teacher(
             f"teacher_max_len {teacher_max_len}"
         )
     sel = _turn_mask(traj, k)
-    per_token["distill"][b, s] |= sel
+    per_token["hinted"][b, s] |= sel
     per_token["t_row"][b, s][sel] = local_row
     per_token["t_pos"][b, s][sel] = (located(src, num)[1:] - 1)[sel]
     return seq, src
@@ -313,7 +223,7 @@ def _empty_per_token(rows: int, length: int) -> dict[str, np.ndarray]:
         "thinking": np.zeros((rows, length), bool),
         "failed": np.zeros((rows, length), bool),
         "unmet": np.zeros((rows, length), bool),
-        "distill": np.zeros((rows, length), bool),
+        "hinted": np.zeros((rows, length), bool),
         "req": np.full((rows, length), -1, np.int32),
         "turn": np.full((rows, length), -1, np.int32),
         "behaviour": np.zeros((rows, length), np.float32),
@@ -399,7 +309,7 @@ def _compact_rows(
 ) -> tuple[dict[str, np.ndarray] | None, int]:
     """`compact_teacher`'s (teacher arrays, prefix slots) when compaction saves at least
     `min_saving` of the full rows' token slots; (None, 0), per_token as it was, otherwise."""
-    saved = {k: per_token[k].copy() for k in ("distill", "t_row", "t_pos")}
+    saved = {k: per_token[k].copy() for k in ("hinted", "t_row", "t_pos")}
     teacher, prefix_len = compact_teacher(per_token, trajectories, hints, _turn_mask, **kwargs)
     full_slots = full_teacher_slots(
         trajectories, hints, mode=kwargs["mode"], rows=kwargs["rows"],
@@ -436,7 +346,8 @@ def _row_fields(
 
 def build_batch(
     trajectories: Sequence[Trajectory], *, max_len: int, teacher_max_len: int,
-    mode: TeacherMode = "per_trajectory", gate: str = "failed_turns", max_teacher_rows: int = 0,
+    mode: TeacherMode = "per_trajectory", gate: str = "failed_turns",
+    include_thinking: bool = False, max_teacher_rows: int = 0,
     requirement_names: Sequence[str] | None = None, pad_to_multiple: int = 64,
     teacher_pad_to_multiple: int | None = None, batch_multiple: int = 1, micro_batches: int = 1,
     compact: bool = False, min_compact_saving: float = 0.0, heads: Sequence[bool] | None = None,
@@ -451,6 +362,7 @@ def build_batch(
       mode: "per_trajectory", "per_turn" or "none".
       gate: "failed_turns" (hint and distil failed turns) or "all_turns" (every turn with
         verdicts).
+      include_thinking: M holds the targeted turns' thinking tokens too (tg.include_thinking).
       max_teacher_rows: B_t in per_turn mode (all micro-batches together); a multiple of
         micro_batches * batch_multiple.
       requirement_names: the run's requirement names (ids index this list); default: the
@@ -509,8 +421,16 @@ def build_batch(
         teacher = _full_teacher(
             per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro, shared
         )
+    per_token["tg"] = _tg_mask(per_token, gate, include_thinking)
     return _assemble(student, per_token, teacher, trajectories, rows, reward_names,
                      requirement_names, mode, compact, prefix_len, heads)  # fmt: skip
+
+
+def _tg_mask(per_token: dict[str, np.ndarray], gate: str, include_thinking: bool) -> np.ndarray:
+    """M of the filled target-aligned arrays (`tg_jax.rl.tg.mask.tg_mask`)."""
+    hinted, thinking = per_token["hinted"], per_token["thinking"]
+    failed, produced = per_token["failed"], per_token["loss"]
+    return tg_mask(hinted, thinking, failed, produced, include_thinking=include_thinking, gate=gate)
 
 
 def _full_teacher(per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro,
@@ -541,7 +461,7 @@ def _assemble(student, per_token, teacher, trajectories, rows, reward_names, req
         thinking_mask_BxT=per_token["thinking"],
         failed_turn_mask_BxT=per_token["failed"],
         unmet_turn_mask_BxT=per_token["unmet"],
-        distill_mask_BxT=per_token["distill"],
+        tg_mask_BxT=per_token["tg"],
         requirement_ids_BxT=per_token["req"],
         turn_ids_BxT=per_token["turn"],
         behaviour_logprobs_BxT=per_token["behaviour"],

@@ -1,24 +1,26 @@
-"""The loss of one (micro-)batch: GRPO policy loss + targeted-guidance distillation.
+"""The loss of one (micro-)batch: the door of every method (GRPO, TG and the peers' methods).
 
-`loss_fn(params, batch)`, on one micro-batch (the train step sums the micro-batches' shares,
+`loss_fn(params, batch)` reads top to bottom (the train step sums the micro-batches' shares,
 `tg_jax.rl.train_step`):
- a. student forward to final hidden states [B, T, D];
- b. when TG is on, teacher forward on the hinted teacher tokens with the SAME params under
-    stop_gradient (compact teacher rows start at the first hint and reuse the student's keys
-    and values for the prefix, `tg_jax.rl.tg.teacher`), gathered to student positions through
-    the batch's index map (the GRPO arm skips it entirely); with tg.teacher_params
-    "reference", the frozen reference params instead, on full teacher rows;
- c. `chunked_token_stats`: student log-prob of each target, entropy and the divergence to the
-    teacher, chunk by chunk along T (never the whole [B, T, V] of either model);
- d. the README equation, one named term each:
-    L = L_GRPO(A) + lambda_tg * sum_{t in M} D_t / |M| (+ kl_coef * KL to the reference):
-    `policy_term` (`ppo_loss` on the assistant tokens), `tg_term` (`tg_loss` on `tg_mask(...)`
-    with lambda_tg from `lambda_schedule(step)`), `reference_term`.
- e. tg.method other than "tg" (the peers' methods, `tg_jax.rl.peers`) changes only the
-    teacher term D_t of step c (`peers.divergence_options`), its weight
-    (`peers.distill_weight`) and how the terms combine: sdpo blends (1 - w) L_GRPO + w L_distill
-    (`policy_and_distill`), sgcd reweights the advantages and has no distillation term
-    (`peer_advantages`); opsd is tg with the all-turns gate.
+
+    L = L_GRPO(A) + w * sum_{t in M} D_t / N  (+ kl_coef * KL to the reference)
+
+ a. the advantages A and the whole-batch counts (`batch_advantages`, `core.normalizers`);
+ b. `token_stats`: the student forward to final hidden states [B, T, D]; when TG is on, the
+    teacher forward on the hinted teacher rows with the SAME params under stop_gradient
+    (compact rows reuse the student's prefix keys and values, `tg_jax.rl.tg.teacher`; with
+    tg.teacher_params "reference", the frozen reference params on full rows), then the
+    chunked pass: the student's log-prob of each target, its entropy and the divergence D_t
+    to the teacher (`tg_jax.rl.tg.divergence`; never the whole [B, T, V] of either model);
+ c. `policy_term`: L_GRPO, the clipped surrogate on the assistant tokens (`ppo_loss`);
+ d. `tg_term` (`tg_jax.rl.tg.loss`): w * sum_{t in M} D_t / N over M, the batch's
+    `tg_mask_BxT` (built once on the host, `tg_jax.rl.tg.mask`), w = `distill_weight(step)`:
+    lambda_tg (tg.lambda_tg on tg.schedule) for TG;
+ e. `reference_term`, and the sum (`policy_and_distill`).
+The methods are siblings over this core: tg.method picks D_t (`teacher_term_options`), w
+(`distill_weight`) and how the terms combine: sdpo blends (1 - w) L_GRPO + w L_distill, sgcd
+reweights the advantages (`peer_advantages`) and distils nothing (`TGConfig.distils`); opsd is
+tg with the all-turns gate (`tg_jax.rl.peers`).
 Every mean is divided by whole-batch counts (`Normalizers`), so micro-batch shares add up to
 the big batch's loss for every aggregation mode.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -36,10 +38,11 @@ import jax.numpy as jnp
 from tg_jax.models import hidden_states, unembed
 from tg_jax.rl import peers
 from tg_jax.rl.advantages import AdvantageMetrics, compute_advantages, turn_advantages
-from tg_jax.rl.batch import Batch
+from tg_jax.rl.core import Batch, Normalizers, Shares, normalizers, shares
 from tg_jax.rl.policy_loss import PolicyLossMetrics, ppo_loss, reference_kl
 from tg_jax.rl.step_config import RLConfig, TGConfig
-from tg_jax.rl.tg.loss import TokenStats, chunked_token_stats, tg_loss, tg_mask
+from tg_jax.rl.tg.divergence import TokenStats, chunked_token_stats, divergence_options
+from tg_jax.rl.tg.loss import TGTerm, lambda_tg, tg_term
 from tg_jax.rl.tg.teacher import (
     divergence_at_slots,
     gather_teacher,
@@ -51,76 +54,6 @@ from tg_jax.rl.tg.teacher import (
 Metrics = dict[str, jax.Array]
 
 
-class Normalizers(NamedTuple):
-    """Whole-batch counts that micro-batch losses are divided by (scalars, R = requirements)."""
-
-    num_tokens: jax.Array  # assistant tokens (loss mask)
-    num_seqs: jax.Array  # rows with at least one assistant token
-    num_episodes: jax.Array  # of those, the head rows (Batch.head_B; = num_seqs without)
-    num_distilled: jax.Array  # |M|
-    req_tokens_R: jax.Array  # |M| per requirement
-
-
-def teacher_mask(batch: Batch, tg_cfg: TGConfig) -> jax.Array:
-    """[B, T]: `tg_mask` of the batch under the config's gate and thinking options, the tokens
-    whose teacher term D_t the loss reads (for every tg.method)."""
-    return tg_mask(
-        batch.distill_mask_BxT,
-        batch.thinking_mask_BxT,
-        batch.failed_turn_mask_BxT,
-        batch.loss_mask_BxT,
-        include_thinking=tg_cfg.include_thinking,
-        gate=tg_cfg.gate,
-    )
-
-
-def distill_mask(batch: Batch, tg_cfg: TGConfig) -> jax.Array:
-    """M [B, T]: the tokens under the distillation term, `teacher_mask`; empty for tg.method
-    "sgcd", which distils nothing (its teacher signal reweights the advantages instead)."""
-    mask_BxT = teacher_mask(batch, tg_cfg)
-    return jnp.zeros_like(mask_BxT) if tg_cfg.method == "sgcd" else mask_BxT
-
-
-def normalizers(batch: Batch, tg_cfg: TGConfig) -> Normalizers:
-    """Counts over the whole batch (before a micro-batch split)."""
-    loss_mask_BxT = batch.loss_mask_BxT.astype(bool)
-    mask_BxT = distill_mask(batch, tg_cfg)
-    num_req = len(batch.requirement_names)
-    onehot_BxTxR = jax.nn.one_hot(batch.requirement_ids_BxT, num_req, dtype=jnp.float32)
-    req_tokens_R = (onehot_BxTxR * mask_BxT[..., None].astype(jnp.float32)).sum(axis=(0, 1))
-    seqs_B = loss_mask_BxT.sum(axis=-1) > 0
-    heads_B = seqs_B if batch.head_B is None else seqs_B & batch.head_B.astype(bool)
-    return Normalizers(
-        num_tokens=loss_mask_BxT.sum().astype(jnp.float32),
-        num_seqs=seqs_B.sum().astype(jnp.float32),
-        num_episodes=heads_B.sum().astype(jnp.float32),
-        num_distilled=mask_BxT.sum().astype(jnp.float32),
-        req_tokens_R=req_tokens_R,
-    )
-
-
-def _share(local: jax.Array, total: jax.Array) -> jax.Array:
-    """local / total, 0 when total is 0: the weight of a micro-batch's mean in the batch mean."""
-    return local.astype(jnp.float32) / jnp.maximum(total, 1.0)
-
-
-class Shares(NamedTuple):
-    """A micro-batch's weight in the whole-batch means (scalars)."""
-
-    agg: jax.Array  # of the policy loss's aggregation (tokens or sequences, by agg_mode)
-    tokens: jax.Array  # of token means over assistant tokens
-
-
-def shares(batch: Batch, norms: Normalizers, rl_cfg: RLConfig) -> Shares:
-    """This (micro-)batch's `Shares` of the whole batch counted in `norms`."""
-    loss_mask_BxT = batch.loss_mask_BxT.astype(bool)
-    n_tok = loss_mask_BxT.sum()
-    n_seq = (loss_mask_BxT.sum(axis=-1) > 0).sum()
-    tokens = _share(n_tok, norms.num_tokens)
-    agg = tokens if rl_cfg.agg_mode == "token_mean" else _share(n_seq, norms.num_seqs)
-    return Shares(agg=agg, tokens=tokens)
-
-
 def _unembed_fn(model: nn.Module, params: Any, temperature: float) -> Callable:
     """h [B, C, D] -> logits [B, C, V] / temperature (the sampler's distribution)."""
 
@@ -129,6 +62,24 @@ def _unembed_fn(model: nn.Module, params: Any, temperature: float) -> Callable:
         return logits_BxCxV if temperature == 1.0 else logits_BxCxV / temperature
 
     return fn
+
+
+def teacher_term_options(tg_cfg: TGConfig) -> dict[str, Any]:
+    """kind, beta, estimator (a name or a per-token callable) and top_k of the teacher term D_t
+    that `chunked_token_stats` computes: TG's (tg and opsd) or a peer's (`tg_jax.rl.peers`)."""
+    if tg_cfg.method in peers.METHODS:
+        return peers.divergence_options(tg_cfg)
+    return divergence_options(tg_cfg)
+
+
+def distill_weight(step: int | jax.Array, tg_cfg: TGConfig) -> jax.Array:
+    """The weight of the distillation term at `step`: lambda_tg (tg.lambda_tg on tg.schedule)
+    for tg, opsd and sdar; sdpo's w (tg.peer_weight); 0 for sgcd (no distillation term)."""
+    if tg_cfg.method == "sdpo":
+        return jnp.asarray(tg_cfg.peer_weight, jnp.float32)
+    if not tg_cfg.distils:
+        return jnp.zeros((), jnp.float32)
+    return lambda_tg(step, tg_cfg)
 
 
 def token_stats(
@@ -182,13 +133,13 @@ def token_stats(
         teacher_hidden_BxTxD=teacher_hidden_BxTxD if tg_cfg.enabled else None,
         teacher_unembed_fn=teacher_unembed_fn,
         chunk_size=tg_cfg.chunk_size,
-        **peers.divergence_options(tg_cfg),
+        **teacher_term_options(tg_cfg),
     )
     if run_teacher and divergence_at_slots(batch):
         stats = stats._replace(divergence_BxT=slot_divergence(
             hidden_BxTxD, teacher_BtxTtxD, batch, _unembed_fn(model, params, rl_cfg.temperature),
-            teacher_mask(batch, tg_cfg), chunk_size=tg_cfg.chunk_size,
-            **peers.divergence_options(tg_cfg),
+            batch.tg_mask_BxT, chunk_size=tg_cfg.chunk_size,
+            **teacher_term_options(tg_cfg),
         ))  # fmt: skip
     return stats, router if router is not None else jnp.zeros((), jnp.float32)
 
@@ -228,50 +179,6 @@ def policy_term(
         norm_length=rl_cfg.norm_length,
     )
     return pg_loss * share.agg, pm
-
-
-class TGTerm(NamedTuple):
-    """The TG term's share and its metric shares (scalars; R = requirements)."""
-
-    loss: jax.Array  # lambda_tg * sum_{t in M} D_t / |M|
-    kl: jax.Array  # sum_{t in M} D_t / |M|
-    kl_R: jax.Array  # the same per requirement (over that requirement's |M|)
-
-
-def tg_term(
-    divergence_BxT: jax.Array | None,
-    batch: Batch,
-    tg_cfg: TGConfig,
-    norms: Normalizers,
-    step: int | jax.Array,
-) -> TGTerm:
-    """lambda_tg * sum_{t in M} D_t / N (this batch's share of it); zeros for the GRPO arm
-    and for tg.method "sgcd" (no distillation term). lambda_tg: `peers.distill_weight` (the
-    schedule; sdpo's w).
-
-    N = |M| (tg.normalize token_mean) or the whole batch's trajectories x tg.norm_length
-    (token_sum: a micro-batch's sum over that N is already its share)."""
-    num_req = len(batch.requirement_names)
-    if not tg_cfg.enabled or tg_cfg.method == "sgcd":
-        zero = jnp.zeros((), jnp.float32)
-        return TGTerm(loss=zero, kl=zero, kl_R=jnp.zeros((num_req,), jnp.float32))
-    local, tm = tg_loss(
-        divergence_BxT,
-        distill_mask(batch, tg_cfg),
-        peers.distill_weight(step, tg_cfg),
-        assistant_mask_BxT=batch.loss_mask_BxT.astype(bool),
-        requirement_ids_BxT=batch.requirement_ids_BxT,
-        num_requirements=num_req,
-        normalize=tg_cfg.normalize,
-        norm_constant=jnp.maximum(norms.num_episodes, 1.0) * tg_cfg.norm_length,
-    )
-    share = _share(tm.num_distilled, norms.num_distilled)
-    req_share_R = tm.per_requirement_tokens / jnp.maximum(norms.req_tokens_R, 1.0)
-    return TGTerm(
-        loss=local * (1.0 if tg_cfg.normalize == "token_sum" else share),
-        kl=tm.divergence_mean * share,
-        kl_R=tm.per_requirement_divergence * req_share_R,
-    )
 
 
 def reference_term(
@@ -368,7 +275,7 @@ def loss_fn(
     teacher_hidden_BxTxD: jax.Array | None = None,
     logp_proximal_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[Metrics, Metrics]]:
-    """L = L_GRPO(A) + lambda_tg * sum_{t in M} D_t / |M| (+ kl_coef * KL to the reference).
+    """L = L_GRPO(A) + w * sum_{t in M} D_t / N (+ kl_coef * KL to the reference).
 
     The loss and the summed metrics are this batch's *share* of the whole-batch values: each
     mean is divided by the whole-batch count in `norms`, so summing over micro-batches gives
@@ -380,7 +287,7 @@ def loss_fn(
       model: the Transformer.
       rl_cfg: the typed `rl` section.
       tg_cfg: the typed `tg` section.
-      step: train step, for lambda_schedule.
+      step: train step, for the weight of the distillation term (`distill_weight`).
       ref_params: frozen reference params; used when rl_cfg.kl_coef > 0, and as the teacher
         with tg.teacher_params "reference".
       advantages_B: [B] precomputed advantages (whole-batch groups); default: from the batch.
@@ -413,7 +320,7 @@ def loss_fn(
     policy, pm = policy_term(
         stats.logprob_BxT, batch, advantages_B, rl_cfg, share, logp_proximal_BxT
     )
-    tg = tg_term(stats.divergence_BxT, batch, tg_cfg, norms, step)
+    tg = tg_term(stats.divergence_BxT, batch, distill_weight(step, tg_cfg), tg_cfg, norms)
     reference, ref_kl = reference_term(
         stats.logprob_BxT, batch, model=model, ref_params=ref_params, rl_cfg=rl_cfg,
         tg_cfg=tg_cfg, share=share,
@@ -435,7 +342,7 @@ def peer_advantages(
     any other method: the advantages as they are and no metrics."""
     if not (tg_cfg.enabled and tg_cfg.method == "sgcd"):
         return advantages, {}
-    score_BxT = peers.sgcd.score(stats.divergence_BxT, teacher_mask(batch, tg_cfg))
+    score_BxT = peers.sgcd.score(stats.divergence_BxT, batch.tg_mask_BxT)
     weight_BxT = peers.sgcd.advantage_weight(
         score_BxT, advantages, tg_cfg.sgcd_alpha, tg_cfg.sgcd_clip
     )
@@ -449,7 +356,7 @@ def peer_advantages(
 
 
 def policy_and_distill(policy: jax.Array, tg: TGTerm, tg_cfg: TGConfig) -> jax.Array:
-    """L_GRPO + the distillation term (`TGTerm.loss`, weighted by `peers.distill_weight`);
+    """L_GRPO + the distillation term (`TGTerm.loss`, weighted by `distill_weight`);
     tg.method "sdpo": (1 - w) L_GRPO + w L_distill (`peers.sdpo.blend`)."""
     if tg_cfg.enabled and tg_cfg.method == "sdpo":
         return peers.sdpo.blend(policy, tg.loss, tg_cfg.peer_weight)

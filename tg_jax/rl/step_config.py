@@ -161,25 +161,22 @@ class RLConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class LambdaSchedule(Section):
-    """lambda_tg per train step (`tg_loss.lambda_schedule`)."""
+    """The shape of tg.lambda_tg over the train steps (`tg_jax.rl.tg.loss.lambda_tg`)."""
 
     section: ClassVar[str] = "tg.schedule"
 
     kind: str = "constant"
     """constant | linear_warmup | cosine."""
-    value: float = 0.05
-    """Peak lambda_tg."""
     warmup_steps: int = 0
-    """Linear ramp 0 -> value over these steps (linear_warmup and cosine)."""
+    """Linear ramp 0 -> tg.lambda_tg over these steps (linear_warmup and cosine)."""
     decay_steps: int = 1000
-    """Cosine: steps after the warmup to decay from value to final_value."""
+    """Cosine: steps after the warmup to decay from tg.lambda_tg to final_value."""
     final_value: float = 0.0
-    """Cosine: value after the decay."""
+    """Cosine: lambda_tg after the decay."""
 
     def __post_init__(self):
         s = "tg.schedule"
         _check_choice(s, "kind", self.kind, LAMBDA_KINDS)
-        _check(self.value >= 0, s, "value", ">= 0", self.value)
         _check(self.warmup_steps >= 0, s, "warmup_steps", ">= 0", self.warmup_steps)
         if self.kind == "cosine":
             _check(self.decay_steps > 0, s, "decay_steps", "> 0 for cosine", self.decay_steps)
@@ -187,8 +184,8 @@ class LambdaSchedule(Section):
 
 @dataclasses.dataclass(frozen=True)
 class TGConfig(Section):
-    """Targeted guidance: divergence, estimator, gating, chunking, lambda schedule; tg.method
-    picks TG or a peer's method on the same teacher path (`tg_jax.rl.peers`)."""
+    """Targeted guidance: divergence, estimator, gating, chunking, lambda_tg and its schedule;
+    tg.method picks TG or a peer's method on the same teacher path (`tg_jax.rl.peers`)."""
 
     section: ClassVar[str] = "tg"
 
@@ -206,9 +203,10 @@ class TGConfig(Section):
     top_k: int | None = off()
     """Full estimator over the student's top-k tokens + a tail bucket; None = full vocab."""
     gate: str = "failed_turns"
-    """failed_turns | all_turns: which turns get hints and distillation."""
+    """failed_turns | all_turns: which turns get hints and distillation (read by batch
+    building: the TG mask M, tg_jax.rl.tg.mask)."""
     include_thinking: bool = False
-    """Also distil the <think> tokens of the selected turns."""
+    """Also distil the <think> tokens of the selected turns (read by batch building)."""
     teacher_mode: str = "per_trajectory"
     """per_trajectory (hints before every failed turn) | per_turn (read by batch building)."""
     max_teacher_rows: int = 64
@@ -237,8 +235,11 @@ class TGConfig(Section):
     depend on how many others are distilled) | token_mean: sum_M D / |M|."""
     norm_length: float = 50.0
     """token_sum: tokens per trajectory the sum is normalised by (> 0)."""
+    lambda_tg: float = 0.05
+    """lambda_tg, the weight of the TG term: L = L_GRPO + lambda_tg * L_TG (its peak with a
+    tg.schedule other than constant)."""
     schedule: LambdaSchedule = LambdaSchedule()
-    """The lambda_tg schedule."""
+    """The shape of lambda_tg over the steps."""
     method: str = "tg"
     """tg | sdpo | opsd | sdar | sgcd: the loss on the shared teacher path (tg_jax.rl.peers);
     sdpo and opsd distil every turn (need gate all_turns). Ignored when enabled is False."""
@@ -276,6 +277,7 @@ class TGConfig(Section):
                 "cap changes nothing)"
             )
         _check(self.norm_length > 0, s, "norm_length", "> 0", self.norm_length)
+        _check(self.lambda_tg >= 0, s, "lambda_tg", ">= 0", self.lambda_tg)
         if self.kind == "jsd":
             _check(0 < self.beta < 1, s, "beta", "in (0, 1) for jsd", self.beta)
         _check(self.top_k is None or self.top_k > 0, s, "top_k", ">= 0", self.top_k)
@@ -298,6 +300,12 @@ class TGConfig(Section):
                 f"tg.method={self.method!r} distils every turn: it needs tg.gate='all_turns' "
                 f"(got {self.gate!r}; batch building reads the gate)"
             )
+
+    @property
+    def distils(self) -> bool:
+        """tg.method puts a distillation term over M in the loss: every method but sgcd (its
+        teacher signal reweights the advantages instead)."""
+        return self.method != "sgcd"
 
     @property
     def reference_teacher(self) -> bool:

@@ -28,7 +28,7 @@ Metrics (float32 scalars; token means over assistant tokens of the whole batch; 
 updates, the update metrics are means over the update phase and maxima its max):
   loss, pg_loss, ref_kl, tg_loss (= lambda_tg * tg_kl), tg_kl (mean D over distilled tokens),
   tg_kl/<requirement>, tg_tokens/<requirement>, tg_distilled_frac (|M| / assistant tokens),
-  tg_num_distilled, num_tokens, lambda_tg (the distillation weight: `peers.distill_weight`),
+  tg_num_distilled, num_tokens, lambda_tg (the distillation weight: `loss.distill_weight`),
   sgcd_weight_mean / sgcd_score_mean (tg.method "sgcd" only), tg_teacher_param_norm,
   tg_teacher_drift (`teacher_metrics`), clip_frac_low, clip_frac_high, dual_clip_frac,
   ratio_mean, ratio_max, ratio_abs_dev (mean |ratio - 1|), approx_kl (KL(proximal || current)
@@ -54,24 +54,19 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tg_jax import sharding, tracing
-from tg_jax.rl import peers, updates
-from tg_jax.rl.batch import Batch
+from tg_jax.rl import updates
+from tg_jax.rl.core import Batch, Normalizers, Shares, normalizers, shares
 from tg_jax.rl.loss import (
-    Normalizers,
-    Shares,
-    TGTerm,
     batch_advantages,
-    distill_mask,
+    distill_weight,
     loss_fn,
     loss_metrics,
-    normalizers,
     policy_term,
     reference_term,
-    shares,
-    tg_term,
     token_stats,
 )
 from tg_jax.rl.step_config import StepConfig, TGConfig
+from tg_jax.rl.tg.loss import TGTerm, tg_term
 from tg_jax.rl.tg.teacher import gather_teacher
 from tg_jax.rl.train_state import (
     TrainState,
@@ -81,9 +76,10 @@ from tg_jax.rl.train_state import (
     train_state_shardings,
 )
 
-# The loss lives in tg_jax.rl.loss; its names stay importable from here.
+# The loss lives in tg_jax.rl.loss (its core in tg_jax.rl.core, the TG term in tg_jax.rl.tg.loss);
+# these names stay importable from here.
 __all__ = [
-    "Normalizers", "Shares", "TGTerm", "batch_advantages", "distill_mask", "gather_teacher",
+    "Normalizers", "Shares", "TGTerm", "batch_advantages", "gather_teacher",
     "loss_fn", "loss_metrics", "make_train_step", "normalizers", "optimizer_update",
     "policy_term", "reference_term", "shares", "single_update", "teacher_metrics", "tg_term",
     "token_stats", "train_step", "update_phase",
@@ -285,7 +281,7 @@ def train_step(
     metrics = dict(update_metrics)
     metrics.update(
         lr=make_lr_schedule(config.optim)(schedule_count(state.opt_state)),
-        lambda_tg=(peers.distill_weight(state.step, tg_cfg) if tg_cfg.enabled else jnp.zeros(())),
+        lambda_tg=(distill_weight(state.step, tg_cfg) if tg_cfg.enabled else jnp.zeros(())),
         reward=adv_metrics.reward_mean,
         reward_std=adv_metrics.reward_std,
         frac_zero_std_groups=adv_metrics.frac_zero_std_groups,

@@ -143,7 +143,7 @@ def abstract_tg_batch(
         tokens_BxT=s(jnp.int32), positions_BxT=s(jnp.int32), segment_ids_BxT=s(jnp.int32),
         targets_BxT=s(jnp.int32), loss_mask_BxT=s(jnp.bool_), answer_mask_BxT=s(jnp.bool_),
         thinking_mask_BxT=s(jnp.bool_), failed_turn_mask_BxT=s(jnp.bool_),
-        unmet_turn_mask_BxT=s(jnp.bool_), distill_mask_BxT=s(jnp.bool_),
+        unmet_turn_mask_BxT=s(jnp.bool_), tg_mask_BxT=s(jnp.bool_),
         requirement_ids_BxT=s(jnp.int32), turn_ids_BxT=s(jnp.int32),
         behaviour_logprobs_BxT=s(jnp.float32), teacher_row_BxT=s(jnp.int32),
         teacher_pos_BxT=s(jnp.int32), teacher_tokens_BtxTt=t(jnp.int32),

@@ -89,10 +89,10 @@ ARMS: dict[str, Arm] = {
         "TG with the requirement rewards removed (task reward only; pairs with grpo_task_only)",
     ),
     "tg_lambda_high": Arm(
-        {"tg.enabled": True, "tg.schedule.value": Scale(4.0)}, "ablation", "TG with lambda_tg x4"
+        {"tg.enabled": True, "tg.lambda_tg": Scale(4.0)}, "ablation", "TG with lambda_tg x4"
     ),
     "tg_lambda_low": Arm(
-        {"tg.enabled": True, "tg.schedule.value": Scale(0.25)}, "ablation", "TG with lambda_tg / 4"
+        {"tg.enabled": True, "tg.lambda_tg": Scale(0.25)}, "ablation", "TG with lambda_tg / 4"
     ),
     # Peers' methods on the same teacher path (tg.method, tg_jax.rl.peers): same steps,
     # rollouts and sampled tokens as tg; only the loss differs.

@@ -72,7 +72,6 @@ from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl import hidden_thinking
 from tg_jax.rl.batch import Batch, build_batch
-from tg_jax.rl.loss import distill_mask
 from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
 from tg_jax.rl.tg import break_span, distill_budget, hint_copies
 from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
@@ -300,7 +299,8 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
         trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
         heads=heads, min_rows=min_rows,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
-        gate=str(config.tg.gate), max_teacher_rows=int(config.tg.max_teacher_rows),
+        gate=str(config.tg.gate), include_thinking=bool(config.tg.include_thinking),
+        max_teacher_rows=int(config.tg.max_teacher_rows),
         requirement_names=parts.requirement_names,
         pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
         micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
@@ -311,13 +311,14 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
     if tg_on and bool(config.tg.mask_hint_copies):
         batch, _ = hint_copies.mask_hint_copies(batch, trajectories, str(config.tg.gate))
     if tg_on and str(config.tg.distill_budget) == "answer_tokens":
-        batch, _ = distill_budget.apply_budget(batch, str(config.tg.gate), int(config.seed), step)
+        batch, _ = distill_budget.apply_budget(batch, int(config.seed), step)
     return batch
 
 
 def distilled_tokens(tg: Any, batch: Batch) -> int:
-    """Student tokens under the TG KL mask of `batch` (`loss.distill_mask`, host arrays)."""
-    return int(np.sum(distill_mask(batch, TGConfig.from_config(tg))))
+    """Student tokens under the TG KL: M (`Batch.tg_mask_BxT`, host arrays) where tg.method
+    distils (`TGConfig.distils`)."""
+    return int(np.sum(batch.tg_mask_BxT)) if TGConfig.from_config(tg).distils else 0
 
 
 def _add_costs(parts: _Parts, session: Session, group: Any, batch: Batch, dropped: float) -> None:

@@ -10,7 +10,7 @@ the RL loss with a coefficient lambda:
 
 That is targeted guidance with the failed-turn gate removed: TG with tg.gate = "all_turns"
 (the same loss, lambda schedule, divergence and estimators). So OPSD has no code of its own:
-tg.method = "opsd" runs the TG path unchanged (`tg_jax.rl.peers.divergence_options` and
+tg.method = "opsd" runs the TG path unchanged (`tg_jax.rl.loss.teacher_term_options` and
 `distill_weight` return TG's) and only checks that the gate is "all_turns"
 (`TGConfig._check_method`); the pipeline arm `opsd` sets both. It is the arm `tg_all_turns`
 under the peer's name, kept so that the peers group lists every method.

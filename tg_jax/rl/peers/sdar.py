@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.rl.step_config import TGConfig
-from tg_jax.rl.tg.loss import _divergence_from_log_probs
+from tg_jax.rl.tg.divergence import divergence_from_log_probs
 
 
 def log_prob_gap(log_s_xV: jax.Array, log_t_xV: jax.Array, token_x: jax.Array) -> jax.Array:
@@ -49,7 +49,7 @@ def gated_divergence(
     tau: float,
 ) -> jax.Array:
     """g_t * D_t ([...]): D_t of the `base` options (kind, beta, estimator, top_k)."""
-    d_x = _divergence_from_log_probs(log_s_xV, log_t_xV, sampled_token=token_x, **base)
+    d_x = divergence_from_log_probs(log_s_xV, log_t_xV, sampled_token=token_x, **base)
     return token_gate(log_prob_gap(log_s_xV, log_t_xV, token_x), beta, tau) * d_x
 
 

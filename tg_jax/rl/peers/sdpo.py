@@ -19,7 +19,7 @@ produced token, and KL_kind the divergence of tg.kind (reverse KL(p_s || p_t) by
            q(v) = p(v) / sum_{u in K_t} p(u), and D_t = KL_kind(q_s || q_t) over K_t.
   sampled  D_t = log p_s(y_t) - log p_t(y_t), the one-sample estimate of the reverse KL at the
            produced token, teacher stop-gradiented. Its gradient is taken in score-function
-           form, sg(D_t) * grad log p_s(y_t) (TG's sampled estimator, `tg_loss`): plain
+           form, sg(D_t) * grad log p_s(y_t) (TG's sampled estimator, `tg.divergence`): plain
            autograd of the difference gives grad log p_s(y_t), whose expectation under the
            sampler is zero, so it would not follow the KL at all.
 """
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.rl.step_config import TGConfig
-from tg_jax.rl.tg.loss import _LOG_FLOOR, DivergenceKind, _full_divergence
+from tg_jax.rl.tg.divergence import LOG_FLOOR, DivergenceKind, full_divergence
 
 
 def teacher_top_k_divergence(
@@ -52,7 +52,7 @@ def teacher_top_k_divergence(
       log_t_xV: [..., V] teacher log-probs (stop-gradiented here too).
       token_x: unused (the produced tokens; the callable-estimator signature).
       k: tokens kept (at most V).
-      kind, beta: the divergence (`tg_loss.token_divergence`).
+      kind, beta: the divergence (`tg_jax.rl.tg.divergence.token_divergence`).
     """
     del token_x
     log_t_xV = jax.lax.stop_gradient(log_t_xV)
@@ -61,8 +61,8 @@ def teacher_top_k_divergence(
     top_t_xK = jnp.take_along_axis(log_t_xV, idx_xK, axis=-1)
     top_s_xK = top_s_xK - jax.nn.logsumexp(top_s_xK, axis=-1, keepdims=True)
     top_t_xK = top_t_xK - jax.nn.logsumexp(top_t_xK, axis=-1, keepdims=True)
-    return _full_divergence(
-        jnp.maximum(top_s_xK, _LOG_FLOOR), jnp.maximum(top_t_xK, _LOG_FLOOR), kind, beta
+    return full_divergence(
+        jnp.maximum(top_s_xK, LOG_FLOOR), jnp.maximum(top_t_xK, LOG_FLOOR), kind, beta
     )
 
 

@@ -18,7 +18,7 @@ comes from sg'd log-probs) and lies in [1 - c, 1 + c], so the sign of every adva
 and its size changes by at most a factor 1 +- c.
 The gap is the value of TG's sampled reverse-KL estimate with the sign flipped
 (`DIVERGENCE_OPTIONS`: D_t = log p_s(y_t) - log p_t(y_t)), so the chunked pass computes it
-without a second vocabulary pass. The loss's distillation mask is empty (`loss.distill_mask`):
+without a second vocabulary pass. The method distils nothing (`TGConfig.distils`):
 the run's distilled-token cost is 0, while its teacher FLOPs are counted as for TG.
 """
 

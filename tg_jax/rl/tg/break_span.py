@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tg_jax.rl.batch import targeted_requirements
+from tg_jax.rl.tg.mask import targeted_requirements
 from tg_jax.sampling.trajectory import Trajectory
 
 
@@ -42,13 +42,13 @@ def turn_cuts(traj: Trajectory, gate: str) -> dict[int, int]:
 
 def cut_after_breaks(batch: Any, trajectories: Sequence[Trajectory], gate: str) -> tuple[Any, int]:
     """`batch` (a tg_jax.rl.batch.Batch of host arrays, row b = trajectories[b]) with the
-    targets after each targeted turn's break left out of `distill_mask_BxT`, and how many."""
-    distill = np.asarray(batch.distill_mask_BxT, bool)
+    targets after each targeted turn's break left out of M (`tg_mask_BxT`), and how many."""
+    mask = np.asarray(batch.tg_mask_BxT, bool)
     turn_ids = np.asarray(batch.turn_ids_BxT)
-    target_index = np.arange(distill.shape[1]) + 1  # position t predicts tokens[t + 1]
-    cut = np.zeros_like(distill)
+    target_index = np.arange(mask.shape[1]) + 1  # position t predicts tokens[t + 1]
+    cut = np.zeros_like(mask)
     for b, traj in enumerate(trajectories):
         for k, last in turn_cuts(traj, gate).items():
             cut[b] |= (turn_ids[b] == k) & (target_index > last)
-    cut &= distill
-    return batch.replace(distill_mask_BxT=distill & ~cut), int(cut.sum())
+    cut &= mask
+    return batch.replace(tg_mask_BxT=mask & ~cut), int(cut.sum())

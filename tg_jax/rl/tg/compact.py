@@ -26,7 +26,7 @@ Padding rows have no real tokens (segment 0), p = 0 and source row 0.
 Index map: (teacher_row_BxT[b, t], teacher_pos_BxT[b, t]) is the compact position whose logits
 predict the teacher's copy of targets[b, t], valid at every t where that copy lies in the
 compact row (t in [p - 1, end - 1) of a row with a teacher row), and (0, 0) elsewhere, where
-distill_mask_BxT is 0.
+the target has no hinted teacher counterpart (outside `Batch.tg_mask_BxT`).
 """
 
 from __future__ import annotations
@@ -176,11 +176,11 @@ def compact_teacher(
     teacher_max_len: int,
     pad_multiple: int,
 ) -> tuple[dict[str, np.ndarray], int]:
-    """Fills the index map and distill mask of compact teacher rows; returns (teacher arrays
-    {"tokens", "positions", "segments", "src_row", "start"}, prefix slots).
+    """Fills the index map and the hinted-target mask of compact teacher rows; returns
+    (teacher arrays {"tokens", "positions", "segments", "src_row", "start"}, prefix slots).
 
     Args:
-      per_token: the target-aligned arrays of `build_batch` (filled in place: "distill",
+      per_token: the target-aligned arrays of `build_batch` (filled in place: "hinted",
         "t_row", "t_pos").
       trajectories, hints: the rows and, per row, targeted turn -> its non-empty hint.
       turn_mask_fn: (traj, k) -> [n - 1] bool, the produced tokens of turn k.
@@ -216,7 +216,7 @@ def compact_teacher(
             per_token["t_row"][b, s][inside] = local
             per_token["t_pos"][b, s][inside] = pos_T1[inside]
             for k in turns:
-                per_token["distill"][b, s] |= turn_mask_fn(traj, k)
+                per_token["hinted"][b, s] |= turn_mask_fn(traj, k)
     if dropped:
         logging.warning(
             "build_batch: %d targeted turns exceed the teacher rows (%d per micro-batch) and "

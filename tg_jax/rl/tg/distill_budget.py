@@ -18,30 +18,26 @@ from typing import Any
 
 import numpy as np
 
-from tg_jax.rl.loss import distill_mask
-from tg_jax.rl.step_config import TGConfig
+
+def budget_masks(batch: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(M, M without its thinking tokens) of a host batch built with include_thinking."""
+    with_thinking = np.asarray(batch.tg_mask_BxT, bool)
+    return with_thinking, with_thinking & ~np.asarray(batch.thinking_mask_BxT, bool)
 
 
-def budget_masks(batch: Any, gate: str) -> tuple[np.ndarray, np.ndarray]:
-    """(M with thinking tokens, M without them) of a host batch (`loss.distill_mask`)."""
-    masks = (distill_mask(batch, TGConfig(include_thinking=t, gate=gate)) for t in (True, False))
-    with_thinking, answers = (np.asarray(m, bool) for m in masks)
-    return with_thinking, answers
+def apply_budget(batch: Any, seed: int, step: int) -> tuple[Any, int]:
+    """`batch` (a tg_jax.rl.batch.Batch of host arrays built with include_thinking) with its
+    TG mask M cut to the number of answer tokens under it, and how many tokens were left out.
 
-
-def apply_budget(batch: Any, gate: str, seed: int, step: int) -> tuple[Any, int]:
-    """`batch` (a tg_jax.rl.batch.Batch of host arrays) with its thinking-inclusive TG mask cut
-    to the number of answer tokens under it, and how many tokens were left out.
-
-    Tokens are left out of `distill_mask_BxT` (so of M); the teacher rows are unchanged.
+    Tokens are left out of M (`tg_mask_BxT`); the teacher rows are unchanged.
     """
-    full, answers = budget_masks(batch, gate)
+    full, answers = budget_masks(batch)
     budget, have = int(answers.sum()), int(full.sum())
     if have <= budget:
         return batch, 0
     rng = np.random.default_rng([int(seed), int(step), 0x7467])
     where = np.flatnonzero(full.reshape(-1))
     drop = rng.choice(where, size=have - budget, replace=False)
-    keep = np.asarray(batch.distill_mask_BxT, bool).copy().reshape(-1)
+    keep = full.copy().reshape(-1)
     keep[drop] = False
-    return batch.replace(distill_mask_BxT=keep.reshape(full.shape)), have - budget
+    return batch.replace(tg_mask_BxT=keep.reshape(full.shape)), have - budget

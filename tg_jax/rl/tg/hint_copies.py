@@ -56,7 +56,7 @@ def copy_mask(
 def hint_copy_mask_BxT(
     targets_BxT: np.ndarray,
     turn_ids_BxT: np.ndarray,
-    distill_mask_BxT: np.ndarray,
+    window_mask_BxT: np.ndarray,
     hints: Sequence[Mapping[int, np.ndarray]],
     n: int = NGRAM_TOKENS,
 ) -> np.ndarray:
@@ -65,18 +65,18 @@ def hint_copy_mask_BxT(
     Args:
       targets_BxT: the batch's targets (`Batch.targets_BxT`).
       turn_ids_BxT: assistant-turn index of each target, -1 elsewhere.
-      distill_mask_BxT: the distillation mask before removing copies.
+      window_mask_BxT: the targets the windows run over (a turn's, in order).
       hints: per student row b, {targeted turn k: that turn's hint tokens}.
       n: window length in tokens.
 
     Returns:
-      True where distill_mask_BxT is True and the target is in a copied span of its turn
-      (windows are taken over the turn's distilled targets, in order).
+      True where window_mask_BxT is True and the target is in a copied span of its turn
+      (windows are taken over the turn's targets under window_mask_BxT, in order).
     """
     out = np.zeros(np.shape(targets_BxT), bool)
     for b, row_hints in enumerate(hints):
         for k, hint in row_hints.items():
-            (idx,) = np.nonzero((turn_ids_BxT[b] == k) & distill_mask_BxT[b])
+            (idx,) = np.nonzero((turn_ids_BxT[b] == k) & window_mask_BxT[b])
             if idx.size:
                 out[b, idx] = copy_mask(targets_BxT[b, idx], hint, n)
     return out
@@ -104,10 +104,15 @@ def mask_hint_copies(
     batch: Any, trajectories: Sequence[Trajectory], gate: str, n: int = NGRAM_TOKENS
 ) -> tuple[Any, int]:
     """`batch` (a tg_jax.rl.batch.Batch of host arrays, row b = trajectories[b]) with the
-    hint-copying targets removed from `distill_mask_BxT`, and how many were removed."""
-    distill = np.asarray(batch.distill_mask_BxT, bool)
+    hint-copying targets removed from M (`tg_mask_BxT`), and how many were removed.
+
+    The windows run over each targeted turn's produced tokens (`loss_mask_BxT`), thinking
+    tokens included whether or not M holds them."""
+    mask = np.asarray(batch.tg_mask_BxT, bool)
     hints = [targeted_hints(t, gate) for t in trajectories]
+    produced = np.asarray(batch.loss_mask_BxT, bool)
     copies = hint_copy_mask_BxT(
-        np.asarray(batch.targets_BxT), np.asarray(batch.turn_ids_BxT), distill, hints, n
+        np.asarray(batch.targets_BxT), np.asarray(batch.turn_ids_BxT), produced, hints, n
     )
-    return batch.replace(distill_mask_BxT=distill & ~copies), int(copies.sum())
+    copies &= mask
+    return batch.replace(tg_mask_BxT=mask & ~copies), int(copies.sum())

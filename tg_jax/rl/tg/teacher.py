@@ -36,8 +36,8 @@ from tg_jax.models import hidden_states
 from tg_jax.models.decode import forward_from_prefix
 from tg_jax.models.layers import RMSNorm, rope
 from tg_jax.models.moe import load_balancing_loss
-from tg_jax.rl.batch import Batch
-from tg_jax.rl.tg.loss import chunked_divergence
+from tg_jax.rl.core import Batch
+from tg_jax.rl.tg.divergence import chunked_divergence
 
 
 class StudentPrefix(NamedTuple):
@@ -184,7 +184,7 @@ def teacher_slots(batch: Batch, mask_BxT: jax.Array) -> tuple[jax.Array, jax.Arr
 
     Args:
       batch: a batch (or micro-batch) with compact teacher rows.
-      mask_BxT: [B, T] the student positions to invert; within `distill_mask_BxT`.
+      mask_BxT: [B, T] the student positions to invert (M, `Batch.tg_mask_BxT`).
 
     Returns:
       pos_BtxTt: int32 student position of each slot, 0 where none.
@@ -222,7 +222,7 @@ def slot_divergence(
       teacher_hidden_BtxTtxD: [B_t, T_t, D] `teacher_rows_hidden` (stop-gradiented).
       batch: a batch (or micro-batch) with compact teacher rows.
       unembed_fn: hidden -> logits, as for `chunked_token_stats`.
-      mask_BxT: [B, T] the distilled positions M (within `distill_mask_BxT`).
+      mask_BxT: [B, T] the distilled positions M (`Batch.tg_mask_BxT`).
       **options: chunk_size, kind, beta, estimator, top_k of `chunked_divergence`.
 
     Returns:
