@@ -141,8 +141,21 @@ def test_local_pod_of_the_whole_host_split_through_a_sigterm_trains_what_one_pro
     _pods_train_what_one_process_trains(tmp_path, {"whole": (4, "runlocal_whole", 3, 2)})
 
 
+@pytest.mark.multiprocess
+def test_local_pod_with_slow_tools_trains_and_evaluates_what_one_process_does(tmp_path):
+    """`configs/qwen3_coder_30b_a3b_tg.py:runlocal`, colocated (each process samples on its 4
+    devices, one trainer mesh of 8), 2 processes x 4 devices with every tool call slowed
+    (`SLOW_TOOLS`), SIGTERM to worker 1 once checkpoint 1 is written: it resumes, trains and
+    evaluates on the held-out tasks what 1 x 8 does (`_pods_train_what_one_process_trains`;
+    the split layout: tests/test_gcs.py)."""
+    _pods_train_what_one_process_trains(tmp_path, {"colocated": (2, "runlocal", 1, 2)})
+
+
 # The pods' RL steps: checkpoint 1, the SIGTERM while a later step runs, then a resumed session.
 POD_STEPS = 4
+# The pods' fault (tg_jax.faults): every tool call sleeps a heavy-tailed time seeded per
+# process, so the hosts' tools return at other times (the final evaluation must not care).
+SLOW_TOOLS = "env.slow@1+"
 
 
 def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
@@ -150,8 +163,11 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
     of `pods` ({name: (processes, config argument, the worker to SIGTERM, the processes that
     save checkpoints: the first N)}), then each on 1 process x 8, uninterrupted (the split
     layouts' as `:runlocal_split`, whose last 4 devices sample). Each pod's workers
-    stop at the step they agree on (exit 143), and the same command resumes. Every run exports
-    the same weights after POD_STEPS deterministic RL steps, moved from the checkpoint; each pod
+    stop at the step they agree on (exit 143), and the same command resumes. Every pod's tool
+    calls sleep (`SLOW_TOOLS`), every worker's. Every run exports the same weights after
+    POD_STEPS deterministic RL steps, moved from the checkpoint, and its final evaluation has
+    the same held-out episodes, outcome for outcome (heldout.jsonl, each process having played
+    its share of the tasks); each pod
     logged each weight sync's seconds, one record a step, and trained with MoE router replay
     (the config's), each rollout's routing recorded. With `gcs` (tests/test_gcs.py's emulator)
     the pods' workdirs are gs://BUCKET/<name>: every process's checkpoint shards, the metrics,
@@ -163,6 +179,7 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
     from tests.hf_checkpoints import make_model_dir
     from tests.test_hf_run import MOE
     from tg_jax import paths
+    from tg_jax.evaluation.heldout import load_records
     from tg_jax.metrics import read_metrics, read_rl_summary
 
     ckpt = tmp_path / "ckpt"
@@ -182,6 +199,8 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
         env = {**os.environ, **(gcs.env if gcs else {}), "HOME": str(tmp_path / f"home_{name}")}
         for var in ("TENSORSTORE_GCS_HTTP_URL", "TG_JAX_FAULTS"):
             env.pop(var, None)
+        if name in pods:
+            env["TG_JAX_FAULTS"] = SLOW_TOOLS
         env.update(compile_settings.with_quick_flags({}))  # device counts: the launcher's
         cmd = ["bash", "launch/tpu.sh", "--local", f"--processes={p}",
                f"--devices-per-process={8 // p}",
@@ -216,12 +235,13 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
             workdir(name), lambda n=name, p=p, lay=layout: start(n, p, lay), p, victim,
             lambda n=name: committed(n),
         )  # fmt: skip
-    ones = {}  # the 1 x 8 runs
+    ones, heldouts = {}, {}  # the 1 x 8 runs
     for layout in sorted({reference(lay) for _, lay, _, _ in pods.values()}):
         one = start(f"one_{layout}", 1, layout)
         out = one.communicate(timeout=1200)[0]
         assert one.returncode == 0, _why(out)
         ones[layout] = export(f"one_{layout}")
+        heldouts[layout] = load_records(f"{workdir(f'one_{layout}')}/runs/tg_seed0/heldout.jsonl")
     start_w = load_file(str(ckpt / "model.safetensors"))
     for name, (p, layout, _, savers) in pods.items():
         one_w = ones[reference(layout)]
@@ -240,6 +260,11 @@ def _pods_train_what_one_process_trains(tmp_path, pods, gcs=None) -> None:
         # The config replays the rollouts' routing (router_replay): recorded across processes.
         assert all(r["rollout/routed_share"] > 0.5 for r in train), name
         assert outs[name].count(f"report: {workdir(name)}/report/report.md") == 1, name
+        for i in range(savers, p) if savers < p else range(p):  # every sampling worker's tools
+            assert f"TG_JAX_FAULTS: env.slow on process {i}" in outs[name], name
+        one_h, pod_h = heldouts[reference(layout)], load_records(f"{run}/heldout.jsonl")
+        assert len(one_h) == 2 * 2 and {r.condition for r in one_h} == {"plain", "hinted"}
+        assert pod_h == one_h, name  # every episode's outcome, in the same order
         shards = paths.as_path(f"{run}/checkpoints/{POD_STEPS}/state")
         for process in range(p):  # each saving process's shards of the last checkpoint
             assert (shards / f"ocdbt.process_{process}").is_dir() == (process < savers)

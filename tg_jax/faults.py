@@ -22,6 +22,7 @@ at once) under one lock.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -103,7 +104,9 @@ def pause(point: str) -> float:
         return 0.0
     with _lock:
         if point not in _slow:
-            _slow[point] = random.Random(f"{point}-{_process_index()}")
+            process = _process_index()
+            _slow[point] = random.Random(f"{point}-{process}")
+            logging.warning("%s: %s on process %d (tool calls sleep)", ENV_VAR, point, process)
         seconds = min(SLOW_SCALE_S * _slow[point].paretovariate(SLOW_ALPHA), SLOW_MAX_S)
     time.sleep(seconds)
     return seconds
