@@ -586,7 +586,7 @@ def test_each_process_plays_its_share_of_the_heldout_tasks_as_one_process_would(
 
     def copy(config_, params_, renderer_):
         calls.append("copy")
-        return sampler, params_
+        return sampler, params_, (0, 1)
 
     def gather(obj):
         calls.append("gather")

@@ -145,21 +145,31 @@ def heldout_episodes(
     return records, trajectories
 
 
-def process_sampler(config: Any, params: Any, renderer: ChatRenderer) -> tuple[Sampler, Any]:
-    """(this process's sampler, its copy of `params`) as the RL rollouts place them
-    (`placement.rollout_sampler` over `sharding.split_devices`: its own devices, its own
-    copy; None for a trainer process of the whole-host split). `params` lie on the trainer's
-    mesh (`config.mesh` over the trainer's devices). The copy is a collective over every
-    process."""
+def process_sampler(
+    config: Any, params: Any, renderer: ChatRenderer
+) -> tuple[Sampler, Any, tuple[int, ...]]:
+    """(this process's sampler, its copy of `params` or None, the processes that sample).
+
+    `params` on the trainer's mesh (`config.mesh` over `sharding.split_devices`' trainer
+    devices): placed as the RL rollouts are (`placement.rollout_sampler`: each sampling
+    process's own devices and copy; the whole-host split's trainer processes get None). On
+    other devices (the whole-host split's state after RL, on every device:
+    `rl_hosts.full_state`): every process samples on its own devices of them, colocated. The
+    copy is a collective over every process."""
     model = Transformer(ModelConfig.from_config(config.model))
     trainer_devices, sampler_devices = sharding.split_devices(config)
+    samplers = sharding.sampler_processes(config)
+    held = {d for x in jax.tree.leaves(params) for d in x.sharding.device_set}
     mesh = sharding.make_mesh(config.mesh, trainer_devices)
+    if held != set(trainer_devices):
+        mesh = sharding.every_device_mesh(config, [d for d in jax.devices() if d in held])
+        sampler_devices, samplers = None, tuple(range(jax.process_count()))
     rules = sharding.logical_rules(config.mesh)
     sampler, to_sampler = placement.rollout_sampler(
         model, renderer.tokenizer.pad_id, mesh, rules, sharding.batch_divisor(mesh, rules),
         sampler_mesh_cfg=config.get("sampler_mesh"), sampler_devices=sampler_devices,
     )  # fmt: skip
-    return sampler, (params if to_sampler is None else to_sampler(params))
+    return sampler, (params if to_sampler is None else to_sampler(params)), samplers
 
 
 def merge_shares(
@@ -204,8 +214,7 @@ def split_episodes(
     if jax.process_count() == 1:
         records, trajs = heldout_episodes(config, params, tasks, **kwargs)
         return records, (trajs if trajectories else [])
-    sampler, local = process_sampler(config, params, renderer)
-    samplers = sharding.sampler_processes(config)
+    sampler, local, samplers = process_sampler(config, params, renderer)
     me = jax.process_index()
     own: tuple[list[EpisodeRecord], list[Any]] | None = None  # a process that samples nothing
     if me in samplers:
