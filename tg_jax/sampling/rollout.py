@@ -564,8 +564,7 @@ def evaluate(
       samples_per_task: episodes per task (sample index s uses fold_in(rng, s); episode i
         draws from random stream i, whatever the chunks of `config.max_rows`).
       play: as in `rollout_groups`.
-      first_stream: task n's episodes draw from stream first_stream + n (a process's share of
-        the tasks, `tg_jax.evaluation.heldout.split_episodes`: each samples what one would).
+      first_stream: task n's episodes use stream first_stream + n (`heldout.split_episodes`).
     Returns:
       (EpisodeRecords for tg_jax.evaluation.stats, the Trajectories, policy_version -1).
       Task success: the "task" reward is 1 (all hidden tests pass); compliance per
