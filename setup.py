@@ -22,22 +22,26 @@ INSTALL_REQUIRES = [
     "tqdm",
 ]
 
+# The test tools without the reference stack: the Python 3.12 / jax 0.11.2 lane (bash
+# launch/local.sh test-py312) installs them with the pods' pins and no torch or vLLM.
+TEST_TOOLS = [
+    "pytest",
+    "pytest-xdist",
+    "pytest-timeout",
+    "chex",
+    "ruff",
+    "nbclient",
+    "nbformat",
+    "ipykernel",
+    "gcsfs",  # gs:// through etils epath (tests/test_gcs.py) ...
+    "gcp-storage-emulator",  # ... against a local GCS JSON API server.
+]
+
 EXTRAS = {
-    # Reference stack used only by tests and benchmarks (CPU torch from local disk).
-    "test": [
-        "pytest",
-        "pytest-xdist",
-        "pytest-timeout",
-        "chex",
-        "ruff",
-        "torch==2.13.0",
-        "transformers",
-        "nbclient",
-        "nbformat",
-        "ipykernel",
-        "gcsfs",  # gs:// through etils epath (tests/test_gcs.py) ...
-        "gcp-storage-emulator",  # ... against a local GCS JSON API server.
-    ],
+    # The tools plus the reference stack used only by tests and benchmarks (CPU torch from
+    # local disk).
+    "test": TEST_TOOLS + ["torch==2.13.0", "transformers"],
+    "test-tools": TEST_TOOLS,
     # gcsfs: the workdir on a pod is gs://, which etils epath reads and writes through gcsfs.
     "tpu": ["jax[tpu]", "gcsfs"],
     # Ahead-of-time fit checks on a CPU machine (python -m tg_jax.tpu.aot): the libtpu jax pins.

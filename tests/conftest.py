@@ -2,6 +2,7 @@
 the tests run), strict rank promotion, persistent cache; the markers and the files' order."""
 
 import gc
+import importlib.util
 import os
 import signal
 
@@ -96,6 +97,79 @@ def pytest_xdist_make_scheduler(config, log):
             return "multiprocess" if os.path.basename(path) in MULTIPROCESS_FILES else path
 
     return Scheduling(config, log)
+
+
+# The lane (launch/local.sh): "py312" runs test-fast's tier on the pods' versions without the
+# reference stack, where a test whose import of one fails is skipped and counted; in any other
+# lane the stack must be installed (one error before any test), so none skips for its absence.
+LANE = os.environ.get("TG_JAX_LANE", "main")
+REFERENCE_STACK = ("torch", "transformers", "vllm")
+# Where that import may fail and skip: the tests' code and the package's two modules of optional
+# dependencies. Anywhere else in tg_jax it fails the test (a pod without vLLM has no torch).
+OPTIONAL_IMPORTERS = ("tests/", "tg_jax/bench/hf_reference.py", "tg_jax/engine/vllm_engine.py")
+NOT_IN_LANE = "not in the py312 lane: "  # the reason of those skips, which the summary counts
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_lane_skips: list[str] = []
+
+
+def pytest_configure(config):
+    missing = [name for name in REFERENCE_STACK if importlib.util.find_spec(name) is None]
+    if missing and LANE != "py312":
+        raise pytest.UsageError(
+            f"error: {', '.join(missing)} not installed, and TG_JAX_LANE={LANE!r}: their tests "
+            "would fail; install them (bash launch/local.sh test), or run the lane without "
+            "them (bash launch/local.sh test-py312)"
+        )
+
+
+def _importer(exc: BaseException) -> str:
+    """The repository-relative path of the code whose import raised exc."""
+    path, tb = "", exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith("<") and f"{os.sep}importlib{os.sep}" not in name:
+            path = name
+        tb = tb.tb_next
+    return os.path.relpath(path, REPO).replace(os.sep, "/") if path else ""
+
+
+def _missing_reference(exc: BaseException | None) -> str | None:
+    """The uninstalled module of REFERENCE_STACK whose import in OPTIONAL_IMPORTERS raised exc
+    or one of its causes, else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        top = (getattr(exc, "name", None) or "").split(".")[0]
+        if isinstance(exc, ModuleNotFoundError) and top in REFERENCE_STACK:
+            absent = importlib.util.find_spec(top) is None
+            return top if absent and _importer(exc).startswith(OPTIONAL_IMPORTERS) else None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    missing = LANE == "py312" and call.excinfo and _missing_reference(call.excinfo.value)
+    if missing:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), (item.location[1] or 0) + 1, NOT_IN_LANE + missing)
+    return report
+
+
+def pytest_runtest_logreport(report):
+    longrepr = report.longrepr
+    if report.skipped and isinstance(longrepr, (tuple, list)) and NOT_IN_LANE in longrepr[2]:
+        _lane_skips.append(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LANE == "py312":
+        terminalreporter.write_line(
+            f"py312 lane: {len(_lane_skips)} tests skipped for lacking "
+            f"{', '.join(REFERENCE_STACK)} (reason '{NOT_IN_LANE}MODULE')",
+            bold=True,
+        )
 
 
 @pytest.fixture(autouse=True, scope="module")

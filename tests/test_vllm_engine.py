@@ -9,13 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="the .[vllm] extra (launch/local.sh installs it)")
-
-from tests.hf_checkpoints import make_model_dir  # noqa: E402
-from tg_jax.engine import Engine, Request  # noqa: E402
-from tg_jax.engine.vllm_engine import VllmEngine, shared_engine  # noqa: E402
-from tg_jax.models import ModelConfig, Transformer, checkpoint_io, forward  # noqa: E402
-from tg_jax.tpu.distributed import cpu_devices_env  # noqa: E402
+from tests.hf_checkpoints import make_model_dir
+from tg_jax.engine import Engine, Request
+from tg_jax.engine.vllm_engine import VllmEngine, shared_engine
+from tg_jax.models import ModelConfig, Transformer, checkpoint_io, forward
+from tg_jax.tpu.distributed import cpu_devices_env
 
 DENSE = ModelConfig(
     vocab_size=400, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
