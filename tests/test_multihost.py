@@ -618,3 +618,24 @@ def test_each_process_plays_its_share_of_the_heldout_tasks_as_one_process_would(
     from_zero = real(config, params, tasks[3:], sampler=sampler, **kw)[1]
     assert any(not np.array_equal(a.tokens, b.tokens) for a, b in
                zip(from_zero, gathered[1][1], strict=True))  # fmt: skip
+
+
+def test_only_process_0_reads_the_heldout_ledger_for_the_final_evaluation(tmp_path, monkeypatch):
+    """`heldout_reads.agreed_check`: process 1 of a pod takes process 0's verdict instead of
+    reading the ledger, where process 0 may already have written this read's start line (read
+    there, it is a "second look": process 1 exited with that error while process 0 waited in
+    the evaluation's gather); a refusal by process 0 is raised on every process."""
+    from tg_jax.evaluation import heldout_reads as hr
+
+    w = str(tmp_path)
+    hr.start_read(w, hr.FINAL, "tg_seed0", tasks=2)  # process 0's start line of this read
+    with pytest.raises(hr.HeldoutReadError, match="already evaluated"):
+        hr.check_read(w, hr.FINAL, "tg_seed0")  # what process 1 read
+    monkeypatch.setattr(hr.multihost, "is_primary", lambda: False)
+    sent = []
+    monkeypatch.setattr(hr.multihost, "agreed", lambda v: sent.append(v) or (False, ""))
+    assert hr.agreed_check(w, hr.FINAL, "tg_seed0") is False  # process 0 found no earlier read
+    assert sent == [(False, "")]  # process 1 checked nothing itself
+    monkeypatch.setattr(hr.multihost, "agreed", lambda v: (False, "run tg_seed0 was already"))
+    with pytest.raises(hr.HeldoutReadError, match="already"):
+        hr.agreed_check(w, hr.FINAL, "tg_seed0")

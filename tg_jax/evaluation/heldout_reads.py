@@ -155,12 +155,32 @@ def check_read(workdir: str, purpose: str, run: str = "", *, again: bool = False
     return False
 
 
+def agreed_check(workdir: str, purpose: str, run: str = "", *, again: bool = False) -> bool:
+    """`check_read` by process 0, its verdict on every process (a collective): a process
+    that read the ledger itself could find process 0's start line of this very read and
+    refuse it as a second look (a 2 x 4 local pod's process 1 did, and process 0 waited in the
+    evaluation's gather).
+
+    Raises:
+      HeldoutReadError: process 0's check refused the read (on every process)."""
+    verdict: tuple[bool, str] = (False, "")
+    if multihost.is_primary():
+        try:
+            verdict = (check_read(workdir, purpose, run, again=again), "")
+        except HeldoutReadError as e:
+            verdict = (False, str(e))
+    second, refused = multihost.agreed(verdict)
+    if refused:
+        raise HeldoutReadError(refused)
+    return second
+
+
 def final_evaluation(
     cfg, workdir, run_name, run_dir, params, tasks, renderer, *, purpose=FINAL, traces=None
 ) -> list[Any]:
     """Run `run_name`'s final evaluation on the held-out `tasks` (`heldout.evaluate_run` in
     `run_dir`, `traces` passed on), the one read of them per run: checked against
-    (`check_read`, asking again with `eval.reread_heldout`), recorded when it starts and when
+    (`agreed_check`, asking again with `eval.reread_heldout`), recorded when it starts and when
     it ends; a cached heldout.jsonl is read back, which is no read. `purpose` EVAL_ONLY: the
     eval stage's read of a checkpoint (`tg_jax.train.eval_stage`)."""
     from tg_jax.evaluation import heldout  # noqa: PLC0415 (jax: only when a run evaluates)
@@ -169,7 +189,7 @@ def final_evaluation(
     again = bool(cfg.eval.get("reread_heldout", False))
     read = None
     if not cached:
-        second = check_read(workdir, purpose, run_name, again=again)
+        second = agreed_check(workdir, purpose, run_name, again=again)
         read = start_read(workdir, purpose, run_name, tasks=len(tasks), asked=second)
     records = heldout.evaluate_run(cfg, run_dir, params, tasks, renderer=renderer, traces=traces)
     if read is not None:
