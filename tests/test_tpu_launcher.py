@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from tg_jax.tpu import launch, pod_setup
+from tg_jax.tpu import launch, local_pod, pod_setup
 
 ARGS = [
     "--name=tg-30b", "--zone=us-east5-a", "--project=proj", "--topology=v5p:2x4x4",
@@ -245,8 +245,8 @@ def test_each_pod_worker_gets_its_own_transfer_address():
 
 
 def test_local_pod_workers_environments():
-    envs = [launch.local_worker_env({"HOME": "/h", "XLA_FLAGS": "--a=1"}, i, 2, 4, 1234, 5000 + i)
-            for i in range(2)]  # fmt: skip
+    base = {"HOME": "/h", "XLA_FLAGS": "--a=1"}
+    envs = [local_pod.local_worker_env(base, i, 2, 4, 1234, 5000 + i) for i in range(2)]
     assert envs[1] == {
         "HOME": "/h", "TG_JAX_DISTRIBUTED": "1", "TG_JAX_COORDINATOR": "localhost:1234",
         "TG_JAX_NUM_PROCESSES": "2", "TG_JAX_PROCESS_ID": "1",
@@ -254,7 +254,7 @@ def test_local_pod_workers_environments():
         "XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=4", "PYTHONUNBUFFERED": "1",
     }  # fmt: skip
     assert envs[0]["TG_JAX_TRANSFER_ADDRESS"] == "127.0.0.1:5000"
-    assert len(set(launch._free_ports(4))) == 4
+    assert len(set(local_pod._free_ports(4))) == 4
 
 
 def _dry_run(capsys, *extra):
