@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's two commands, on one machine (CPU by default):
 #   bash launch/local.sh demo   # the main job on the embedded default -> report in ./workdir
-#   bash launch/local.sh test   # ruff + the whole test suite (what CI runs)
+#   bash launch/local.sh test   # ruff + the whole test suite (what CI runs first)
 #   bash launch/local.sh test-fast   # the edit loop: without slow, e2e, multiprocess tests
 #   bash launch/local.sh test-py312  # test-fast's tier on the pods' versions (CI's 2nd lane)
 #   bash launch/local.sh pin    # rewrite constraints.txt from the venv (after an upgrade)
