@@ -4,6 +4,7 @@ any other lane the reference stack must be there; a missing Python 3.12 is one e
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -111,7 +112,7 @@ def test_no_python_3_12_is_one_error_line_and_exit_2(tmp_path, where):
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir()
         for tool in ("dirname", "ls", "sort"):
-            os.symlink(subprocess.check_output(["which", tool], text=True).strip(), bin_dir / tool)
+            os.symlink(shutil.which(tool), bin_dir / tool)
         env["PATH"] = str(bin_dir)
         env.pop("TG_JAX_PY312", None)
     else:
