@@ -47,14 +47,18 @@ find_py312() {
     echo "error: TG_JAX_PY312=$TG_JAX_PY312 is not a Python 3.12 interpreter: set it to one, or unset it to look in pyenv and PATH" >&2
     exit 2
   fi
-  if command -v pyenv >/dev/null; then
-    for py in $(ls -d "$(pyenv root)"/versions/3.12.* 2>/dev/null | sort -rV); do
-      if is_py312 "$py/bin/python3.12"; then echo "$py/bin/python3.12"; return; fi
-    done
-  fi
+  # pyenv's versions, found with or without pyenv itself on PATH (CI's shell may have only
+  # its shims, or nothing of it).
+  local roots=("${PYENV_ROOT:-$HOME/.pyenv}")
+  if command -v pyenv >/dev/null; then roots=("$(pyenv root)" "${roots[@]}"); fi
+  local found=() root
+  for root in "${roots[@]}"; do found+=("$root"/versions/3.12.*); done
+  for py in $(ls -d "${found[@]}" 2>/dev/null | sort -rV); do
+    if is_py312 "$py/bin/python3.12"; then echo "$py/bin/python3.12"; return; fi
+  done
   py="$(command -v python3.12 || true)"
   if is_py312 "$py"; then echo "$py"; return; fi
-  echo "error: no Python 3.12 for test-py312 (none in \$(pyenv root)/versions/3.12.* or as python3.12 on PATH): install one (pyenv install 3.12) or set TG_JAX_PY312=/path/to/python3.12" >&2
+  echo "error: no Python 3.12 for test-py312 (none in pyenv's versions/3.12.* under \$PYENV_ROOT, ~/.pyenv or \$(pyenv root), nor python3.12 on PATH): install one (pyenv install 3.12) or set TG_JAX_PY312=/path/to/python3.12" >&2
   exit 2
 }
 

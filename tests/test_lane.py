@@ -113,8 +113,9 @@ def test_no_python_3_12_is_one_error_line_and_exit_2(tmp_path, where):
         bin_dir.mkdir()
         for tool in ("dirname", "ls", "sort"):
             os.symlink(shutil.which(tool), bin_dir / tool)
-        env["PATH"] = str(bin_dir)
+        env["PATH"], env["HOME"] = str(bin_dir), str(tmp_path)  # no ~/.pyenv either
         env.pop("TG_JAX_PY312", None)
+        env.pop("PYENV_ROOT", None)
     else:
         env["TG_JAX_PY312"] = sys.executable if where == "not_3_12" else str(tmp_path / "none")
     if where == "not_3_12" and sys.version_info[:2] == (3, 12):
@@ -130,6 +131,6 @@ def test_no_python_3_12_is_one_error_line_and_exit_2(tmp_path, where):
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    expected = "none in $(pyenv root)" if where == "nowhere" else "is not a Python 3.12"
+    expected = "none in pyenv's versions" if where == "nowhere" else "is not a Python 3.12"
     assert expected in lines[0]
     assert not (tmp_path / "venv").exists()
