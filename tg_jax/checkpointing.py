@@ -113,9 +113,10 @@ class TrainingCheckpointer:
             if not read_only:
                 paths.as_path(self.directory).mkdir(parents=True, exist_ok=True)
             multiprocessing["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
-                primary_host=min(processes), active_processes=set(processes),
+                primary_host=min(processes),
+                active_processes=set(processes),
                 barrier_sync_key_prefix="active",
-            )  # fmt: skip
+            )
         options = ocp.CheckpointManagerOptions(
             **multiprocessing,
             read_only=read_only,

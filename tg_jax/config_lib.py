@@ -54,9 +54,17 @@ def sampler_mesh_config(num_devices: int = 0, shape=(-1, 1)) -> ml_collections.C
 # The embedded CPU model (a byte tokenizer: 256 bytes + special tokens, padded to a multiple
 # of 8); the fields and their meaning: tg_jax.models.ModelConfig.
 CPU_MODEL = ModelConfig(
-    vocab_size=272, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-    mlp_dim=384, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=512,
-)  # fmt: skip
+    vocab_size=272,
+    d_model=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mlp_dim=384,
+    rope_theta=10_000.0,
+    tie_embeddings=True,
+    max_seq_len=512,
+)
 
 
 def model_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -103,9 +111,15 @@ def hf_model_config(**overrides: Any) -> ml_collections.ConfigDict:
 def tiny_model_config() -> ml_collections.ConfigDict:
     """A model that compiles and runs in well under a second on CPU, for tests."""
     return model_config(
-        vocab_size=272, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        mlp_dim=64, max_seq_len=128,
-    )  # fmt: skip
+        vocab_size=272,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_seq_len=128,
+    )
 
 
 def rl_config(**overrides: Any) -> ml_collections.ConfigDict:
@@ -198,10 +212,18 @@ def loop_config(**overrides: Any) -> ml_collections.ConfigDict:
 def tiny_loop_config(**overrides: Any) -> ml_collections.ConfigDict:
     """A loop that runs a few steps in seconds on CPU (tests)."""
     c = loop_config(
-        steps=4, groups_per_step=2, rollouts_per_group=2, max_new_tokens=24, length_multiple=0,
-        eval_every=2, eval_tasks=4, checkpoint_every=1, keep_checkpoints=2, log_every=1,
+        steps=4,
+        groups_per_step=2,
+        rollouts_per_group=2,
+        max_new_tokens=24,
+        length_multiple=0,
+        eval_every=2,
+        eval_tasks=4,
+        checkpoint_every=1,
+        keep_checkpoints=2,
+        log_every=1,
         use_tensorboard=False,
-    )  # fmt: skip
+    )
     c.update(overrides)
     return c
 
@@ -221,9 +243,13 @@ def pipeline_config(**overrides: Any) -> ml_collections.ConfigDict:
 def tiny_eval_config(**overrides: Any) -> ml_collections.ConfigDict:
     """A held-out evaluation that runs in seconds on CPU (tests)."""
     c = eval_config(
-        num_tasks=4, samples_per_task=1, max_new_tokens=24, train_seeds=(0,), n_boot=200,
+        num_tasks=4,
+        samples_per_task=1,
+        max_new_tokens=24,
+        train_seeds=(0,),
+        n_boot=200,
         last_k=2,
-    )  # fmt: skip
+    )
     c.update(overrides)
     return c
 

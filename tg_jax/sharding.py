@@ -124,9 +124,11 @@ def split_devices(
         )
     per = n // len(hosts)
     if any(per >= len(h) for h in hosts):
-        where = f"the {len(devices)} devices" if len(hosts) == 1 else (
-            f"each process's {min(len(h) for h in hosts)} devices ({per} per process)"
-        )  # fmt: skip
+        where = (
+            f"the {len(devices)} devices"
+            if len(hosts) == 1
+            else (f"each process's {min(len(h) for h in hosts)} devices ({per} per process)")
+        )
         raise ValueError(
             f"sampler_mesh.num_devices={n} must be below {where}: the trainer needs at least one"
         )

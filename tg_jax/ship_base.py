@@ -46,9 +46,12 @@ flags.mark_flag_as_required("name")
 def _commit() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
             cwd=os.path.dirname(shipped_base.BASES_DIR),
-        )  # fmt: skip
+        )
         return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -66,12 +69,16 @@ def write(config: Any, workdir: str, name: str, command: str) -> str:
         model_config = pipeline.base_config(cfg, sft_dir).model
         hf_dir.export_model_dir(tmp, params, ModelConfig.from_config(model_config))
         prov = {
-            "name": name, "command": command, "commit": _commit(),
-            "machine": protocol.machine_info(), "sft_eval": result,
-            "attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "verdict")}
-                         for a in attempts],
+            "name": name,
+            "command": command,
+            "commit": _commit(),
+            "machine": protocol.machine_info(),
+            "sft_eval": result,
+            "attempts": [
+                {k: a[k] for k in ("attempt", "seed", "data_seed", "verdict")} for a in attempts
+            ],
             "sha256": shipped_base.sha256(os.path.join(tmp, shipped_base.WEIGHTS_FILE)),
-        }  # fmt: skip
+        }
         init = shipped_base.sft_init(cfg)
         if init is not None:  # the base SFT continued from (sft.init)
             prov["init"] = {"base": str(cfg.sft.init), "sha256": init[1]["sha256"]}
@@ -96,18 +103,26 @@ def ship_from_workdir(workdir: str, name: str, command: str) -> str:
         context = json.load(f).get("context") or {}
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
             cwd=os.path.dirname(os.path.abspath(workdir)),
-        ).stdout.strip()  # fmt: skip
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     prov = {
-        "name": name, "command": command, "commit": commit,
-        "machine": context.get("machine") or {}, "sft_eval": result,
-        "attempts": [{k: a.get(k) for k in ("attempt", "seed", "data_seed", "verdict")}
-                     for a in context.get("sft_attempts") or []],
+        "name": name,
+        "command": command,
+        "commit": commit,
+        "machine": context.get("machine") or {},
+        "sft_eval": result,
+        "attempts": [
+            {k: a.get(k) for k in ("attempt", "seed", "data_seed", "verdict")}
+            for a in context.get("sft_attempts") or []
+        ],
         "sha256": shipped_base.sha256(os.path.join(base, shipped_base.WEIGHTS_FILE)),
-    }  # fmt: skip
+    }
     out = shipped_base.resolve(name)
     if os.path.exists(out):
         shutil.rmtree(out)
@@ -127,8 +142,10 @@ def main(argv: list[str]) -> None:
     if _FROM_WORKDIR.value:
         needed = ("base_model/model.safetensors", "sft_eval.json", "report/results.json")
         if missing := [n for n in needed if not os.path.exists(os.path.join(workdir, n))]:
-            print(f"error: {workdir} is not a finished main job (no {', '.join(missing)})",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"error: {workdir} is not a finished main job (no {', '.join(missing)})",
+                file=sys.stderr,
+            )
             sys.exit(2)
         ship_from_workdir(workdir, name, _MADE_BY.value or f"the main job in {workdir}")
         return

@@ -72,8 +72,15 @@ class RunOutcome:
 
 
 def _main_cmd(config: str, workdir: str, overrides: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "tg_jax.main", f"--config={config}", f"--workdir={workdir}",
-            "--config.stage=pipeline", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "tg_jax.main",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        "--config.stage=pipeline",
+        *overrides,
+    ]
 
 
 def _run_once(cmd: list[str], log: str, sigterm_after: float | None) -> tuple[int, str]:
@@ -119,8 +126,12 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", required=True, help="config file (configs/*.py)")
     parser.add_argument("--workdir", required=True, help="root of the runs' workdirs")
     parser.add_argument("--runs", type=int, default=8, help="runs (default 8)")
-    parser.add_argument("--kill_every", type=int, default=2,
-                        help="SIGTERM every k-th run (runs k-1, 2k-1, ...); 0 = never")  # fmt: skip
+    parser.add_argument(
+        "--kill_every",
+        type=int,
+        default=2,
+        help="SIGTERM every k-th run (runs k-1, 2k-1, ...); 0 = never",
+    )
     parser.add_argument("--busy", type=int, default=1, help="competing busy processes")
     parser.add_argument("--seed", type=int, default=0, help="seed of the SIGTERM moments")
     args, rest = parser.parse_known_args(argv)

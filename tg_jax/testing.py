@@ -69,7 +69,7 @@ def synthetic_trajectories(
                 rewards=rewards,
                 hint_tokens={
                     r: rng.integers(0, vocab_size, hint_len).tolist() for r in requirements
-                },  # fmt: skip
+                },
                 group_id=i // group_size,
                 policy_version=0,
                 task_id=f"synthetic-{i // group_size}",

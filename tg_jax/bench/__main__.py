@@ -39,8 +39,20 @@ GOALS = {
     "sandbox/namespace/light/w2/runs_per_s": ">= 10",
 }
 _TUNABLES, _HUGETLB = "GLIBC_TUNABLES", "glibc.malloc.hugetlb=1"
-_SKIP = ("/load", "/hf_load", "/batch", "/seq_len", "/prompt_len", "/new_tokens", "/length",
-         "/d_model", "/vocab", "/chunk", "/n", "/rounds")  # fmt: skip
+_SKIP = (
+    "/load",
+    "/hf_load",
+    "/batch",
+    "/seq_len",
+    "/prompt_len",
+    "/new_tokens",
+    "/length",
+    "/d_model",
+    "/vocab",
+    "/chunk",
+    "/n",
+    "/rounds",
+)
 
 
 def _fmt(value: float) -> str:
@@ -122,11 +134,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "tg_jax.bench", *sys.argv[1:]], env)
     sections = tuple(s for s in args.sections.split(",") if s) or None
     result = suites.run_suite(
-        suites.SUITES[args.suite], config_path=args.config, workdir=args.workdir,
-        sections=sections, log=lambda s: print(s, flush=True),
+        suites.SUITES[args.suite],
+        config_path=args.config,
+        workdir=args.workdir,
+        sections=sections,
+        log=lambda s: print(s, flush=True),
         engines=tuple(e for e in args.engines.split(",") if e),
         engine_min_bucket=args.engine_min_bucket,
-    )  # fmt: skip
+    )
     result["machine"]["glibc_tunables"] = os.environ.get(_TUNABLES, "")
     print(table(result))
     if args.out:

@@ -51,14 +51,32 @@ NOMINAL = {
     "TPU v5 lite": (197.0, 819.0),
 }
 QWEN3_0_6B = dict(
-    vocab_size=151_936, d_model=1024, num_layers=28, num_heads=16, num_kv_heads=8,
-    head_dim=128, mlp_dim=3072, tie_embeddings=True, rope_theta=1e6, max_seq_len=4096,
-    param_dtype="float32", dtype="bfloat16",
-)  # fmt: skip
+    vocab_size=151_936,
+    d_model=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    mlp_dim=3072,
+    tie_embeddings=True,
+    rope_theta=1e6,
+    max_seq_len=4096,
+    param_dtype="float32",
+    dtype="bfloat16",
+)
 TINY = dict(
-    vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-    mlp_dim=128, tie_embeddings=True, max_seq_len=512, param_dtype="float32", dtype="float32",
-)  # fmt: skip
+    vocab_size=512,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=128,
+    tie_embeddings=True,
+    max_seq_len=512,
+    param_dtype="float32",
+    dtype="float32",
+)
 
 
 def measure_peak(n: int, repeats: int = 10) -> float:
@@ -81,8 +99,13 @@ def train_figures(model: ml_collections.ConfigDict, batch: int, seq_len: int, pe
         devices=jax.devices()[:1],
     )
     flops = throughput.train_flops(ModelConfig.from_config(model), batch, seq_len)
-    return {"batch": batch, "seq_len": seq_len, "step_s": t.median,
-            "tok_s": batch * seq_len / t.median, "mfu": flops / t.median / peak}  # fmt: skip
+    return {
+        "batch": batch,
+        "seq_len": seq_len,
+        "step_s": t.median,
+        "tok_s": batch * seq_len / t.median,
+        "mfu": flops / t.median / peak,
+    }
 
 
 def rl_figures(model: ml_collections.ConfigDict, batch: int, seq_len: int, steps: int, peak):
@@ -104,9 +127,14 @@ def rl_figures(model: ml_collections.ConfigDict, batch: int, seq_len: int, steps
 
 
 def engine_figures(
-    model_section, rows: int, prompt_len: int, new_tokens: int, hbm_gbps: float,
-    decode_steps: Sequence[int] = (1, 8), log=print,
-) -> dict[str, Any]:  # fmt: skip
+    model_section,
+    rows: int,
+    prompt_len: int,
+    new_tokens: int,
+    hbm_gbps: float,
+    decode_steps: Sequence[int] = (1, 8),
+    log=print,
+) -> dict[str, Any]:
     from tg_jax.engine import Engine, Request  # noqa: PLC0415
     from tg_jax.sampling.sampler import Sampler  # noqa: PLC0415
 
@@ -127,10 +155,15 @@ def engine_figures(
     weight_bytes = cfg.num_params() * jnp.dtype(cfg.jnp_dtype).itemsize
     for k in decode_steps:
         engine = Engine(
-            model, params, max_slots=rows, page_size=16, prefill_chunk=256,
-            max_pages_per_seq=-(-(prompt_len + new_tokens) // 16), prefill_rows=min(rows, 8),
+            model,
+            params,
+            max_slots=rows,
+            page_size=16,
+            prefill_chunk=256,
+            max_pages_per_seq=-(-(prompt_len + new_tokens) // 16),
+            prefill_rows=min(rows, 8),
             decode_steps=k,
-        )  # fmt: skip
+        )
         calls = [0]
 
         def run_engine(engine=engine, calls=calls) -> None:
@@ -155,8 +188,13 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     kind = dev.device_kind
     nominal_tflops, nominal_gbps = NOMINAL.get(kind, (0.0, 0.0))
     model = config_lib.model_config(**(TINY if args.tiny else QWEN3_0_6B))
-    result: dict[str, Any] = {"device": kind, "platform": dev.platform, "jax": jax.__version__,
-                              "model": model.to_dict(), "sections": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "device": kind,
+        "platform": dev.platform,
+        "jax": jax.__version__,
+        "model": model.to_dict(),
+        "sections": {},
+    }
     sections = result["sections"]
     start = time.perf_counter()
     peak = measure_peak(args.peak_n)

@@ -60,9 +60,16 @@ from tg_jax.sampling.sampler import Sampler
 from tg_jax.sampling.turn_cache import TurnCache
 
 SMALL_MODEL = dict(
-    vocab_size=2048, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
-    mlp_dim=768, max_seq_len=2048, rope_theta=10_000.0,
-)  # fmt: skip
+    vocab_size=2048,
+    d_model=256,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    mlp_dim=768,
+    max_seq_len=2048,
+    rope_theta=10_000.0,
+)
 
 
 @dataclasses.dataclass
@@ -95,16 +102,24 @@ class Workload:
 
 
 def make_workload(
-    episodes: int = 16, max_turns: int = 4, *, median_tokens: int = 16, max_tokens: int = 256,
-    median_tool_s: float = 0.1, prompt_tokens: int = 32, obs_tokens: int = 12, vocab: int = 256,
+    episodes: int = 16,
+    max_turns: int = 4,
+    *,
+    median_tokens: int = 16,
+    max_tokens: int = 256,
+    median_tool_s: float = 0.1,
+    prompt_tokens: int = 32,
+    obs_tokens: int = 12,
+    vocab: int = 256,
     seed: int = 0,
-) -> Workload:  # fmt: skip
+) -> Workload:
     """A seeded synthetic workload (module docstring)."""
     rng = np.random.default_rng(seed)
     turns = rng.integers(2, max_turns + 1, episodes)
     # lognormal sigma 1.2: coefficient of variation sqrt(exp(1.44) - 1) = 1.8 before clipping
-    lengths = [np.clip(np.rint(median_tokens * rng.lognormal(0, 1.2, t)), 2, max_tokens)
-               for t in turns]  # fmt: skip
+    lengths = [
+        np.clip(np.rint(median_tokens * rng.lognormal(0, 1.2, t)), 2, max_tokens) for t in turns
+    ]
     # Tool seconds: lognormal around the median; exactly 10% of the calls (at least one)
     # 12-20x the median (>= 10x the median of all calls).
     calls = int(turns.sum())
@@ -118,7 +133,7 @@ def make_workload(
         tool_s=[t.tolist() for t in tools],
         observations=[
             [rng.integers(1, vocab, obs_tokens).tolist() for _ in range(t)] for t in turns
-        ],  # fmt: skip
+        ],
     )
 
 
@@ -148,14 +163,16 @@ def swe_tool(
     return tool, seconds
 
 
-def run_lockstep(sampler: Sampler, params: Any, w: Workload, *, sleep: bool,
-                 rows: int = 0) -> dict[str, float]:  # fmt: skip
+def run_lockstep(
+    sampler: Sampler, params: Any, w: Workload, *, sleep: bool, rows: int = 0
+) -> dict[str, float]:
     """Arm (a): one sample call per turn index with every live episode, then its tools; with
     `rows` > 0 the episodes are played `rows` at a time, one chunk after the other (what
     `sampler_mesh.max_rows` does to a step's rollouts when the KV cache holds only so many)."""
     n = len(w.prompts)
-    chunks = [list(range(i, min(i + rows, n))) for i in range(0, n, rows)] if rows else [
-        list(range(n))]  # fmt: skip
+    chunks = (
+        [list(range(i, min(i + rows, n))) for i in range(0, n, rows)] if rows else [list(range(n))]
+    )
     contexts = [list(p) for p in w.prompts]
     tokens, kv_slots, live_tokens = 0, [], []
     start = time.perf_counter()
@@ -166,9 +183,15 @@ def run_lockstep(sampler: Sampler, params: Any, w: Workload, *, sleep: bool,
                 live = [e for e in chunk if k < len(w.turn_tokens[e])]
                 max_new = [w.turn_tokens[e][k] for e in live]
                 out = sampler.sample(
-                    params, [contexts[e] for e in live], max_new_tokens=max_new,
-                    temperature=1.0, rng=jax.random.key(k), row_ids=live, cache=cache, keys=live,
-                )  # fmt: skip
+                    params,
+                    [contexts[e] for e in live],
+                    max_new_tokens=max_new,
+                    temperature=1.0,
+                    rng=jax.random.key(k),
+                    row_ids=live,
+                    cache=cache,
+                    keys=live,
+                )
                 b = batch_bucket(len(live))
                 p = length_bucket(max(len(contexts[e]) for e in live), sampler.length_multiple)
                 kv_slots.append(b * (p + length_bucket(max(max_new), sampler.length_multiple)))
@@ -180,8 +203,12 @@ def run_lockstep(sampler: Sampler, params: Any, w: Workload, *, sleep: bool,
                     tokens += len(toks)
                 list(pool.map(lambda e, k=k: w.call_tool(e, k, sleep), live))
     wall = time.perf_counter() - start
-    return {"tokens": tokens, "wall_s": wall, "kv_slots": max(kv_slots),
-            "slots_per_live_token": float(np.mean(np.divide(kv_slots, live_tokens)))}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "kv_slots": max(kv_slots),
+        "slots_per_live_token": float(np.mean(np.divide(kv_slots, live_tokens))),
+    }
 
 
 def _episode(engine: Engine, w: Workload, e: int, sleep: bool, out: list[int]) -> None:
@@ -190,8 +217,9 @@ def _episode(engine: Engine, w: Workload, e: int, sleep: bool, out: list[int]) -
     for k, n in enumerate(w.turn_tokens[e]):
         rid = (e, k)
         prompt = w.prompts[e] if previous is None else w.observations[e][k - 1]
-        engine.submit(Request(rid, prompt, n, temperature=1.0, continue_from=previous,
-                              seed=e * 64 + k))  # fmt: skip
+        engine.submit(
+            Request(rid, prompt, n, temperature=1.0, continue_from=previous, seed=e * 64 + k)
+        )
         done = engine.result(rid)
         if done.finish_reason == "error":
             raise RuntimeError(f"episode {e} turn {k}: {done.message}")
@@ -205,8 +233,10 @@ def _play_threads(engine: Any, w: Workload, sleep: bool, on_step=None) -> tuple[
     """Per-episode threads submit their turns; this thread alone steps the engine (calling
     `on_step(seconds)` after each step). Returns (generated tokens, wall seconds)."""
     counts = [0] * len(w.prompts)
-    threads = [threading.Thread(target=_episode, args=(engine, w, e, sleep, counts), daemon=True)
-               for e in range(len(w.prompts))]  # fmt: skip
+    threads = [
+        threading.Thread(target=_episode, args=(engine, w, e, sleep, counts), daemon=True)
+        for e in range(len(w.prompts))
+    ]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -237,8 +267,13 @@ def run_engine(engine: Engine, w: Workload, *, sleep: bool) -> dict[str, float]:
 
     tokens, wall = _play_threads(engine, w, sleep, on_step)
     slots_per_token = engine.page_size * float(np.sum(used)) / max(float(np.sum(live)), 1.0)
-    return {"tokens": tokens, "wall_s": wall, "slots_per_live_token": slots_per_token,
-            "step_s": stepping[0], "steps": len(used)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "wall_s": wall,
+        "slots_per_live_token": slots_per_token,
+        "step_s": stepping[0],
+        "steps": len(used),
+    }
 
 
 def run_vllm(engine: Any, w: Workload, *, sleep: bool) -> dict[str, float]:
@@ -247,8 +282,9 @@ def run_vllm(engine: Any, w: Workload, *, sleep: bool) -> dict[str, float]:
     return {"tokens": tokens, "wall_s": wall}
 
 
-def vllm_figures(model: Transformer, params: Any, w: Workload, episodes: int,
-                 builtin: dict[str, float]) -> dict[str, float]:  # fmt: skip
+def vllm_figures(
+    model: Transformer, params: Any, w: Workload, episodes: int, builtin: dict[str, float]
+) -> dict[str, float]:
     """The workload on vLLM in this process (the model exported to a temporary checkpoint),
     after one untimed run; tok/s against the built-in engine's timed run (`builtin`)."""
     import tempfile  # noqa: PLC0415
@@ -258,8 +294,9 @@ def vllm_figures(model: Transformer, params: Any, w: Workload, episodes: int,
 
     with tempfile.TemporaryDirectory(prefix="tg_bench_vllm_") as ckpt:
         save_hf_checkpoint(ckpt, params, model.config)
-        engine = VllmEngine(ckpt, model.config, max_slots=episodes,
-                            max_model_len=w.max_context() + 8)  # fmt: skip
+        engine = VllmEngine(
+            ckpt, model.config, max_slots=episodes, max_model_len=w.max_context() + 8
+        )
         try:
             run_vllm(engine, w, sleep=False)
             t0 = time.perf_counter()
@@ -269,16 +306,26 @@ def vllm_figures(model: Transformer, params: Any, w: Workload, episodes: int,
         finally:
             engine.close()
     tok_s = out["tokens"] / out["wall_s"]
-    return {"agentic/vllm_tok_s": tok_s, "agentic/builtin_over_vllm": builtin["tok_s"] / tok_s,
-            "agentic/vllm_start_s": engine.start_s,
-            "agentic/vllm_weight_sync_s": sync_s}  # fmt: skip
+    return {
+        "agentic/vllm_tok_s": tok_s,
+        "agentic/builtin_over_vllm": builtin["tok_s"] / tok_s,
+        "agentic/vllm_start_s": engine.start_s,
+        "agentic/vllm_weight_sync_s": sync_s,
+    }
 
 
 def compare(
-    model: Transformer, params: Any, w: Workload, *, rows: int = 0, page_size: int = 16,
-    prefill_chunk: int = 64, seed: int = 0, warmup: bool = True,
+    model: Transformer,
+    params: Any,
+    w: Workload,
+    *,
+    rows: int = 0,
+    page_size: int = 16,
+    prefill_chunk: int = 64,
+    seed: int = 0,
+    warmup: bool = True,
     engine_options: dict[str, Any] | None = None,
-) -> tuple[dict[str, float], dict[str, float], Engine, dict[str, float]]:  # fmt: skip
+) -> tuple[dict[str, float], dict[str, float], Engine, dict[str, float]]:
     """Arms (a) and (b) on `w`, each once untimed (compiles) and once timed, at equal KV bytes
     (the engine's page pool has the bytes of the largest decode cache arm (a) allocated; with
     `rows`, arm (a) plays the episodes that many at a time, while the engine takes every
@@ -292,10 +339,18 @@ def compare(
     max_pages = -(-w.max_context() // page_size)
     num_pages = max(lock["kv_slots"] // page_size, max_pages + 1)
     engine = Engine(
-        model, params, max_slots=episodes, page_size=page_size, max_pages_per_seq=max_pages,
-        num_pages=num_pages, prefill_chunk=prefill_chunk, prefill_rows=2,
-        rng=jax.random.key(seed), max_kept=4 * episodes, **(engine_options or {}),
-    )  # fmt: skip
+        model,
+        params,
+        max_slots=episodes,
+        page_size=page_size,
+        max_pages_per_seq=max_pages,
+        num_pages=num_pages,
+        prefill_chunk=prefill_chunk,
+        prefill_rows=2,
+        rng=jax.random.key(seed),
+        max_kept=4 * episodes,
+        **(engine_options or {}),
+    )
     run_engine(engine, w, sleep=False)  # compiles what it meets
     if warmup:
         engine.warmup()
@@ -329,12 +384,23 @@ def _figures(lock, eng, engine: Engine, before, model: Transformer) -> dict[str,
 
 
 def agentic_section(
-    *, episodes: int = 16, max_turns: int = 4, median_tokens: int = 16, max_tokens: int = 256,
-    median_tool_s: float = 0.1, page_size: int = 16, prefill_chunk: int = 64,
-    model_fields: dict[str, Any] | None = None, seed: int = 0, warmup: bool = True,
-    engine_options: dict[str, Any] | None = None, vllm: bool = False,
-    step_episodes: int = 0, step_rows: int = 0, swe_runner: str = "",
-) -> dict[str, float]:  # fmt: skip
+    *,
+    episodes: int = 16,
+    max_turns: int = 4,
+    median_tokens: int = 16,
+    max_tokens: int = 256,
+    median_tool_s: float = 0.1,
+    page_size: int = 16,
+    prefill_chunk: int = 64,
+    model_fields: dict[str, Any] | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+    engine_options: dict[str, Any] | None = None,
+    vllm: bool = False,
+    step_episodes: int = 0,
+    step_rows: int = 0,
+    swe_runner: str = "",
+) -> dict[str, float]:
     """Runs both arms on one workload (module docstring) and returns the figures; with
     `vllm`, also arm (c) (`vllm_figures`: the `.[vllm]` extra).
 
@@ -349,11 +415,21 @@ def agentic_section(
     cfg = ModelConfig(**{**SMALL_MODEL, **(model_fields or {})})
     model = Transformer(cfg)
     params = init_params(model, jax.random.key(seed))
-    shape = dict(median_tokens=median_tokens, max_tokens=max_tokens, seed=seed,
-                 median_tool_s=median_tool_s, vocab=min(cfg.vocab_size, 256))  # fmt: skip
+    shape = dict(
+        median_tokens=median_tokens,
+        max_tokens=max_tokens,
+        seed=seed,
+        median_tool_s=median_tool_s,
+        vocab=min(cfg.vocab_size, 256),
+    )
     w = make_workload(episodes, max_turns, **shape)
-    kw = dict(page_size=page_size, prefill_chunk=prefill_chunk, seed=seed, warmup=warmup,
-              engine_options=engine_options)  # fmt: skip
+    kw = dict(
+        page_size=page_size,
+        prefill_chunk=prefill_chunk,
+        seed=seed,
+        warmup=warmup,
+        engine_options=engine_options,
+    )
     lock, eng, engine, before = compare(model, params, w, **kw)
     lengths = np.concatenate([np.asarray(n, float) for n in w.turn_tokens])
     tools = np.concatenate([np.asarray(t) for t in w.tool_s])
@@ -370,8 +446,7 @@ def agentic_section(
         out |= {k.replace("agentic/", "agentic/step_"): v for k, v in figures.items()}
     if swe_runner:
         tool, seconds = swe_tool(episodes, swe_runner, seed)
-        figures = _figures(*compare(model, params, dataclasses.replace(w, tool=tool), **kw),
-                           model)  # fmt: skip
+        figures = _figures(*compare(model, params, dataclasses.replace(w, tool=tool), **kw), model)
         names = ("tok_s", "lockstep_tok_s", "speedup", "slot_occupancy", "engine_busy_share")
         out |= {f"agentic/swe_{n}": figures[f"agentic/{n}"] for n in names}
         out["agentic/swe_tool_s_median"] = float(np.median(seconds))
@@ -381,6 +456,13 @@ def agentic_section(
 
 
 __all__ = [
-    "Workload", "agentic_section", "compare", "make_workload", "run_engine", "run_lockstep",
-    "run_vllm", "swe_tool", "vllm_figures",
-]  # fmt: skip
+    "Workload",
+    "agentic_section",
+    "compare",
+    "make_workload",
+    "run_engine",
+    "run_lockstep",
+    "run_vllm",
+    "swe_tool",
+    "vllm_figures",
+]

@@ -38,8 +38,13 @@ _POLICY_ENV = "OMP_WAIT_POLICY"
 
 
 def _timing_dict(t: Timing) -> dict[str, Any]:
-    return {"median": t.median, "best": t.best, "times": list(t.times), "cpu": t.cpu,
-            "load": t.load}  # fmt: skip
+    return {
+        "median": t.median,
+        "best": t.best,
+        "times": list(t.times),
+        "cpu": t.cpu,
+        "load": t.load,
+    }
 
 
 def _generate_runner(job: dict[str, Any]) -> Callable[[], None]:
@@ -64,9 +69,16 @@ def _generate_runner(job: dict[str, Any]) -> Callable[[], None]:
     def run() -> None:
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+            )
         assert out.shape == (ids.shape[0], ids.shape[1] + n)
 
     return run
@@ -181,9 +193,13 @@ def run_reference(
             env.setdefault("JAX_PLATFORMS", "cpu")
             proc = subprocess.run(
                 [sys.executable, "-m", "tg_jax.bench.hf_reference"],
-                input=json.dumps(spec), capture_output=True, text=True, env=env,
-                timeout=timeout_s, check=False,
-            )  # fmt: skip
+                input=json.dumps(spec),
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=timeout_s,
+                check=False,
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"reference worker failed ({policy=}):\n{proc.stderr[-4000:]}")
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))

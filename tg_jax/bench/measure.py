@@ -111,9 +111,11 @@ def cpu_count() -> int:
 
 
 def serve_calls(
-    fn: Callable[[], Any], warmup: int = 1, stdin: TextIO | None = None,
+    fn: Callable[[], Any],
+    warmup: int = 1,
+    stdin: TextIO | None = None,
     stdout: TextIO | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """The worker side of `CallWorker`: warms `fn` up, says it is ready, then times one call of
     `fn` per "run" line on stdin (one JSON line {"wall", "cpu"} each) until stdin closes."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
@@ -141,17 +143,26 @@ class CallWorker:
     """
 
     def __init__(
-        self, command: Sequence[str], job: dict[str, Any], *,
-        env: Mapping[str, str] | None = None, timeout_s: float = 1800.0, name: str = "",
-    ):  # fmt: skip
+        self,
+        command: Sequence[str],
+        job: dict[str, Any],
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 1800.0,
+        name: str = "",
+    ):
         self.name = name or " ".join(command)
         self.timeout_s = timeout_s
         self._stderr = tempfile.TemporaryFile()
         self._buffer = b""
         self._proc = subprocess.Popen(
-            list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr, env=None if env is None else dict(env), start_new_session=True,
-        )  # fmt: skip
+            list(command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=None if env is None else dict(env),
+            start_new_session=True,
+        )
         try:
             self._send(json.dumps(job))
             self._read_json("ready")

@@ -106,9 +106,14 @@ def overlap_bench(
       counts.
     """
     kwargs = dict(
-        steps=steps, warmup=warmup, groups=groups, rollouts=rollouts,
-        max_new_tokens=max_new_tokens, seed=seed, devices=devices,
-    )  # fmt: skip
+        steps=steps,
+        warmup=warmup,
+        groups=groups,
+        rollouts=rollouts,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        devices=devices,
+    )
     if jax.device_count() < devices:
         return _in_child(config, kwargs, devices)
     del kwargs["devices"]
@@ -283,26 +288,43 @@ def _parts(
     state = create_train_state(model, make_optimizer(cfg.optim), mesh, rules, jax.random.key(seed))
     step_fn = make_train_step(cfg, model, mesh, rules)
     sampler, place = placement.rollout_sampler(
-        model, renderer.tokenizer.pad_id, mesh, rules, divisor,
-        sampler_mesh_cfg=cfg.sampler_mesh, sampler_devices=sampler_devices,
-    )  # fmt: skip
+        model,
+        renderer.tokenizer.pad_id,
+        mesh,
+        rules,
+        divisor,
+        sampler_mesh_cfg=cfg.sampler_mesh,
+        sampler_devices=sampler_devices,
+    )
     env_cfg = coding_env_config(cfg.env)
     rollout_fn = rl_rollouts.BatchRollout(
-        sampler, renderer, lambda: CodingEnv(env_cfg), rollouts_per_group=rollouts,
+        sampler,
+        renderer,
+        lambda: CodingEnv(env_cfg),
+        rollouts_per_group=rollouts,
         config=rollout.RolloutConfig(
-            max_new_tokens=max_new, max_total_tokens=student_max,
+            max_new_tokens=max_new,
+            max_total_tokens=student_max,
             temperature=float(cfg.rl.temperature),
         ),
-        sampling_key=jax.random.key(seed + 1), seed=seed, rates=FeedbackRates(),
-    )  # fmt: skip
+        sampling_key=jax.random.key(seed + 1),
+        seed=seed,
+        rates=FeedbackRates(),
+    )
 
     def train(state, group):
         batch = build_batch(
-            group.trajectories, max_len=student_max, teacher_max_len=teacher_max,
-            mode=str(cfg.tg.teacher_mode), gate=str(cfg.tg.gate),
-            max_teacher_rows=int(cfg.tg.max_teacher_rows), requirement_names=requirements,
-            pad_to_multiple=0, batch_multiple=divisor, micro_batches=int(cfg.rl.micro_batches),
-        )  # fmt: skip
+            group.trajectories,
+            max_len=student_max,
+            teacher_max_len=teacher_max,
+            mode=str(cfg.tg.teacher_mode),
+            gate=str(cfg.tg.gate),
+            max_teacher_rows=int(cfg.tg.max_teacher_rows),
+            requirement_names=requirements,
+            pad_to_multiple=0,
+            batch_multiple=divisor,
+            micro_batches=int(cfg.rl.micro_batches),
+        )
         state, metrics = step_fn(state, batch)
         jax.block_until_ready((state.params, metrics))
         return state
@@ -314,9 +336,14 @@ def _in_child(config: Any, kwargs: dict[str, Any], devices: int) -> dict[str, An
     """`overlap_bench` in a child process with `devices` XLA CPU host devices."""
     job = json.dumps({"config": config.to_dict(), "kwargs": kwargs})
     proc = subprocess.run(
-        [sys.executable, "-m", "tg_jax.bench.overlap"], input=job, capture_output=True,
-        text=True, env=worker_env(devices), timeout=3 * 3600, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "tg_jax.bench.overlap"],
+        input=job,
+        capture_output=True,
+        text=True,
+        env=worker_env(devices),
+        timeout=3 * 3600,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"overlap worker ({devices} devices) failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -109,11 +109,16 @@ def bench_batches(
     rng = np.random.default_rng(seed)
     base = synthetic_trajectories(rng, batch_size, seq_len)
     kwargs = dict(
-        max_len=seq_len, teacher_max_len=seq_len + 64, mode=config.tg.teacher_mode,
-        max_teacher_rows=config.tg.max_teacher_rows, requirement_names=("fence",),
-        pad_to_multiple=64, teacher_pad_to_multiple=16, batch_multiple=divisor,
+        max_len=seq_len,
+        teacher_max_len=seq_len + 64,
+        mode=config.tg.teacher_mode,
+        max_teacher_rows=config.tg.max_teacher_rows,
+        requirement_names=("fence",),
+        pad_to_multiple=64,
+        teacher_pad_to_multiple=16,
+        batch_multiple=divisor,
         micro_batches=config.rl.micro_batches,
-    )  # fmt: skip
+    )
     model_cfg = ModelConfig.from_config(config.model)
     batches, saved = {}, {}
     for arm, share in FAIL_SHARES.items():
@@ -217,8 +222,10 @@ def _print(results, batches, batch_size, seq_len, steps) -> None:
             key = f"ratio_{clock}" if arm == "tg" else f"{arm}_ratio_{clock}"
             parts.append(f"{arm} {results[f'{arm}_{clock}_s']:.3f} s ({results[key]:.3f})")
         print(f"  {name}: " + ", ".join(parts))
-    print("  teacher FLOPs saved: " + ", ".join(
-        f"{a} {results[f'{a}_teacher_flops_saved']:.2f}" for a in FAIL_SHARES))  # fmt: skip
+    print(
+        "  teacher FLOPs saved: "
+        + ", ".join(f"{a} {results[f'{a}_teacher_flops_saved']:.2f}" for a in FAIL_SHARES)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -38,10 +38,18 @@ def mid_model(**overrides: Any) -> ml_collections.ConfigDict:
     Its layer loop is fully unrolled (`scan_unroll`), the fastest setting on CPU.
     """
     fields = dict(
-        vocab_size=32_000, d_model=1024, num_layers=8, num_heads=16, num_kv_heads=8,
-        head_dim=64, mlp_dim=3072, max_seq_len=512, tie_embeddings=False, rope_theta=1e6,
+        vocab_size=32_000,
+        d_model=1024,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        mlp_dim=3072,
+        max_seq_len=512,
+        tie_embeddings=False,
+        rope_theta=1e6,
         scan_unroll=8,
-    )  # fmt: skip
+    )
     return config_lib.model_config(**{**fields, **overrides})
 
 
@@ -184,9 +192,16 @@ def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
         if ndev > 1 and b % ndev == 0:
             t = throughput.sampler_timing_devices(cfg, prompts[b], n, suite.sampler_repeats, ndev)
             ours[b] = min(ours[b], (ndev, t), key=lambda dt: dt[1].median)
-        jobs.append({"kind": "generate", "model": dataclasses.asdict(cfg), "seed": 0,
-                     "prompts": prompts[b].tolist(), "new_tokens": n,
-                     "repeats": suite.sampler_repeats})  # fmt: skip
+        jobs.append(
+            {
+                "kind": "generate",
+                "model": dataclasses.asdict(cfg),
+                "seed": 0,
+                "prompts": prompts[b].tolist(),
+                "new_tokens": n,
+                "repeats": suite.sampler_repeats,
+            }
+        )
     refs = hf_reference.run_reference(jobs, **_hf_kwargs(suite))
     for b, ref, job in zip(suite.sampler_batches, refs, jobs, strict=True):
         devices, t = ours[b]
@@ -209,8 +224,14 @@ def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
             t, ref_t = paired["tg_jax"], paired["hf"]
             ref_s, ref_cpu, ref_load = ref_t.median, ref_t.cpu, ref_t.load
             ratios = measure.round_ratios(ref_t, t)
-            fig.update({"speedup": statistics.median(ratios), "speedup_min": min(ratios),
-                        "speedup_max": max(ratios), "rounds": len(ratios)})  # fmt: skip
+            fig.update(
+                {
+                    "speedup": statistics.median(ratios),
+                    "speedup_min": min(ratios),
+                    "speedup_max": max(ratios),
+                    "rounds": len(ratios),
+                }
+            )
         else:
             fig["speedup"] = fig["speedup_unpaired"]
         flops = throughput.decode_flops(cfg, b, p, n)
@@ -258,11 +279,21 @@ def train_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
                 config_files.apply_overrides(step_cfg, flip), suite.train_repeats
             )
             scanned_s, unrolled_s = (t.median, ours[name].median)[:: 1 if unrolled else -1]
-            other_loop[name] = {"scanned_step_s": scanned_s, "unrolled_step_s": unrolled_s,
-                                "unroll_speedup": scanned_s / unrolled_s}  # fmt: skip
-        jobs.append({"kind": "train", "model": dataclasses.asdict(cfg), "seed": 0,
-                     "batch": batch, "seq_len": seq_len,
-                     "repeats": suite.train_repeats})  # fmt: skip
+            other_loop[name] = {
+                "scanned_step_s": scanned_s,
+                "unrolled_step_s": unrolled_s,
+                "unroll_speedup": scanned_s / unrolled_s,
+            }
+        jobs.append(
+            {
+                "kind": "train",
+                "model": dataclasses.asdict(cfg),
+                "seed": 0,
+                "batch": batch,
+                "seq_len": seq_len,
+                "repeats": suite.train_repeats,
+            }
+        )
     refs = hf_reference.run_reference(jobs, **_hf_kwargs(suite))
     out: dict[str, Any] = {}
     for (name, (model, batch, seq_len)), ref in zip(shapes.items(), refs, strict=True):
@@ -298,8 +329,10 @@ def rl_section(suite: Suite, config: Any) -> dict[str, Any]:
 
     r = bench_step.bench(
         bench_step.bench_config(model=config.model),
-        batch_size=suite.rl_batch, seq_len=suite.rl_seq_len, steps=suite.rl_steps,
-    )  # fmt: skip
+        batch_size=suite.rl_batch,
+        seq_len=suite.rl_seq_len,
+        steps=suite.rl_steps,
+    )
     tokens = suite.rl_batch * suite.rl_seq_len
     grpo, tg = r["grpo_wall_s"], r["tg_wall_s"]
     return {
@@ -321,9 +354,11 @@ def kl_section(suite: Suite) -> dict[str, Any]:
     from tg_jax.bench.kl_memory import kl_memory_report  # noqa: PLC0415
 
     r = kl_memory_report(
-        length=suite.kl_length, d_model=suite.kl_d_model, vocab=suite.kl_vocab,
+        length=suite.kl_length,
+        d_model=suite.kl_d_model,
+        vocab=suite.kl_vocab,
         chunk_size=suite.kl_chunk,
-    )  # fmt: skip
+    )
     return {
         "length": suite.kl_length,
         "d_model": suite.kl_d_model,
@@ -339,10 +374,13 @@ def overlap_section(suite: Suite, config: Any) -> dict[str, Any]:
     """Async RL step vs sampling and training one after the other, with the sampler on its
     own devices and colocated (`bench.overlap`)."""
     return overlap.overlap_bench(
-        config, steps=suite.overlap_steps, warmup=suite.overlap_warmup,
-        groups=suite.overlap_groups or None, rollouts=suite.overlap_rollouts or None,
+        config,
+        steps=suite.overlap_steps,
+        warmup=suite.overlap_warmup,
+        groups=suite.overlap_groups or None,
+        rollouts=suite.overlap_rollouts or None,
         max_new_tokens=suite.overlap_new_tokens or None,
-    )  # fmt: skip
+    )
 
 
 def measure_peak(suite: Suite) -> tuple[Peak, dict[str, Any]]:

@@ -97,8 +97,12 @@ def sampler_timing(
 
 
 def _job(cfg: ModelConfig, prompts: np.ndarray, new_tokens: int, devices: int) -> dict[str, Any]:
-    return {"model": dataclasses.asdict(cfg), "prompts": np.asarray(prompts).tolist(),
-            "new_tokens": new_tokens, "devices": devices}  # fmt: skip
+    return {
+        "model": dataclasses.asdict(cfg),
+        "prompts": np.asarray(prompts).tolist(),
+        "new_tokens": new_tokens,
+        "devices": devices,
+    }
 
 
 def _worker_env(devices: int) -> dict[str, str]:
@@ -115,9 +119,14 @@ def sampler_timing_devices(
         return sampler_timing(cfg, prompts, new_tokens, repeats, devices=devices)
     job = _job(cfg, prompts, new_tokens, devices) | {"repeats": repeats}
     proc = subprocess.run(
-        [sys.executable, "-m", "tg_jax.bench.throughput"], input=json.dumps(job),
-        capture_output=True, text=True, env=_worker_env(devices), timeout=3600, check=False,
-    )  # fmt: skip
+        [sys.executable, "-m", "tg_jax.bench.throughput"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        env=_worker_env(devices),
+        timeout=3600,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"sampler worker ({devices} devices) failed:\n{proc.stderr[-4000:]}")
     fields = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -131,9 +140,11 @@ def sampler_worker(
     devices (for `measure.paired_timings` against the reference)."""
     job = _job(cfg, prompts, new_tokens, devices) | {"serve": True}
     return CallWorker(
-        [sys.executable, "-m", "tg_jax.bench.throughput"], job, env=_worker_env(devices),
+        [sys.executable, "-m", "tg_jax.bench.throughput"],
+        job,
+        env=_worker_env(devices),
         name=f"tg_jax sampler ({devices} devices)",
-    )  # fmt: skip
+    )
 
 
 def lm_step_config(
@@ -191,9 +202,11 @@ def main() -> None:
     out) and of `sampler_worker` (jobs with "serve": `measure.serve_calls`)."""
     job = json.loads(sys.stdin.readline())
     run = sampler_runner(
-        ModelConfig(**job["model"]), np.asarray(job["prompts"]), int(job["new_tokens"]),
+        ModelConfig(**job["model"]),
+        np.asarray(job["prompts"]),
+        int(job["new_tokens"]),
         devices=int(job["devices"]),
-    )  # fmt: skip
+    )
     if job.get("serve"):
         serve_calls(run)
         return

@@ -258,10 +258,21 @@ class Engine:
         slots holding a sequence per step), decode_occupancy (mean fraction of slots decoding
         per decode step), peak_pages_used, pages_used, pages_total."""
         c = self._counts
-        out = {k: float(c[k]) for k in (
-            "preemptions", "evictions", "prefill_tokens", "decode_steps", "decode_tokens",
-            "prefill_calls", "cow_copies", "shared_tokens", "steps", "errors",
-        )}  # fmt: skip
+        out = {
+            k: float(c[k])
+            for k in (
+                "preemptions",
+                "evictions",
+                "prefill_tokens",
+                "decode_steps",
+                "decode_tokens",
+                "prefill_calls",
+                "cow_copies",
+                "shared_tokens",
+                "steps",
+                "errors",
+            )
+        }
         out["slot_occupancy"] = self._occupancy_sum / max(c["steps"], 1)
         out["decode_occupancy"] = c["decode_tokens"] / max(c["decode_steps"] * self.max_slots, 1)
         out["peak_pages_used"] = float(self.allocator.peak_used)
@@ -309,8 +320,10 @@ class Engine:
             return "empty prompt"
         total = len(context) + r.max_new_tokens
         if total > self.max_context:
-            return (f"context {len(context)} + max_new_tokens {r.max_new_tokens} = {total} "
-                    f"exceeds the per-sequence limit {self.max_context}")  # fmt: skip
+            return (
+                f"context {len(context)} + max_new_tokens {r.max_new_tokens} = {total} "
+                f"exceeds the per-sequence limit {self.max_context}"
+            )
         if -(-total // self.page_size) > self.allocator.capacity:
             return (
                 f"needs {-(-total // self.page_size)} pages, the pool has {self.allocator.capacity}"

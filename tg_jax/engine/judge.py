@@ -44,9 +44,17 @@ class ModelJudge:
       answers: the judge's raw answer of every turn judged so far, by turn text (for audits).
     """
 
-    def __init__(self, model_dir: str, rubric: str, *, prompt: str = PROMPT,
-                 max_new_tokens: int = 8, slots: int = 32, max_context: int = 2048,
-                 page_size: int = 16):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        rubric: str,
+        *,
+        prompt: str = PROMPT,
+        max_new_tokens: int = 8,
+        slots: int = 32,
+        max_context: int = 2048,
+        page_size: int = 16,
+    ):
         if "{turn}" not in prompt:
             raise ValueError("ModelJudge prompt must contain '{turn}' (where the turn goes)")
         if min(max_new_tokens, slots, max_context, page_size) < 1:
@@ -70,14 +78,23 @@ class ModelJudge:
         params = md.load_params(cfg)
         pages = -(-min(self.max_context, cfg.max_seq_len) // self.page_size)
         self._md = md
-        return Engine(Transformer(cfg), params, max_slots=self.slots, page_size=self.page_size,
-                      max_pages_per_seq=pages, pad_id=md.tokenizer.pad_id,
-                      prefill_chunk=64, prefill_rows=min(4, self.slots))  # fmt: skip
+        return Engine(
+            Transformer(cfg),
+            params,
+            max_slots=self.slots,
+            page_size=self.page_size,
+            max_pages_per_seq=pages,
+            pad_id=md.tokenizer.pad_id,
+            prefill_chunk=64,
+            prefill_rows=min(4, self.slots),
+        )
 
     def prompt_ids(self, turn: str) -> list[int]:
         """The token ids the judge reads for `turn` (its template's rendering)."""
-        messages = [{"role": "system", "content": self.rubric},
-                    {"role": "user", "content": self.prompt.format(turn=turn)}]  # fmt: skip
+        messages = [
+            {"role": "system", "content": self.rubric},
+            {"role": "user", "content": self.prompt.format(turn=turn)},
+        ]
         return self._md.renderer.render_prompt(messages, enable_thinking=False)
 
     def __call__(self, texts: Sequence[str]) -> list[bool | None]:
@@ -93,7 +110,7 @@ class ModelJudge:
                     self.max_new_tokens,
                     temperature=0.0,
                     stop_ids=stops,
-                )  # fmt: skip
+                )
                 for t in texts
             ]
             done = engine.generate(requests)

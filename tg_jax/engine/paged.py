@@ -92,8 +92,9 @@ class PagedPool:
         return sum(x.size * x.dtype.itemsize for x in arrays)
 
 
-def init_pool(model: Transformer, num_pages: int, page_size: int, routes: bool = False,
-              placement: Any = None) -> PagedPool:  # fmt: skip
+def init_pool(
+    model: Transformer, num_pages: int, page_size: int, routes: bool = False, placement: Any = None
+) -> PagedPool:
     """A zeroed pool for `model` (zeros: a masked slot must not hold NaN or inf); routes: with
     the MoE routing record (-1 = not fed yet); placement: made in place on its mesh
     (`tg_jax.engine.placement.Placement`: keys and values split on their KV heads), never
@@ -301,8 +302,13 @@ def sample_steps(
         (tok_B, lp_B, raw_B), pool = sample_step(model, weights, pool, rng, inner)
         stopped_B = jnp.any(tok_B[:, None] == batch["stop"], axis=-1)
         more_B = active_B.astype(jnp.int32)
-        carry = (pool, jnp.where(active_B, tok_B, tokens_B), pos_B + more_B, index_B + more_B,
-                 alive_B & ~(active_B & stopped_B))  # fmt: skip
+        carry = (
+            pool,
+            jnp.where(active_B, tok_B, tokens_B),
+            pos_B + more_B,
+            index_B + more_B,
+            alive_B & ~(active_B & stopped_B),
+        )
         return carry, (tok_B, lp_B, raw_B, active_B)
 
     init = (pool, batch["tokens"], batch["pos"], batch["index"], batch["active"])
@@ -347,7 +353,7 @@ def _layer(cfg, weights: decode.DecodeWeights, i: int, x: Array) -> tuple[dict[s
         mlp = jax.tree.map(
             lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False),
             weights.params["layers"]["mlp"],
-        )  # fmt: skip
+        )
         w = {**w, "mlp": mlp}
     return w, x
 
@@ -378,10 +384,12 @@ prefill_jit = tracing.jit(_traced(prefill_chunk), static_argnums=0, donate_argnu
 decode_jit = tracing.jit(_traced(sample_steps), static_argnums=(0, 5), donate_argnums=(2,))
 copy_jit = tracing.jit(
     _traced(lambda model, pool, src, dst: copy_page(pool, src, dst)),
-    static_argnums=0, donate_argnums=(1,),
-)  # fmt: skip
-routes_jit = tracing.jit(_traced(lambda model, routes, table: page_routes(routes, table)),
-                         static_argnums=0)  # fmt: skip
+    static_argnums=0,
+    donate_argnums=(1,),
+)
+routes_jit = tracing.jit(
+    _traced(lambda model, routes, table: page_routes(routes, table)), static_argnums=0
+)
 
 __all__ = [
     "TRACES",

@@ -190,9 +190,12 @@ class PageTable:
         return seq.keys[j]
 
     def prepare_write(
-        self, seq: Any, n: int, alloc: Callable[[Any], int | None],
+        self,
+        seq: Any,
+        n: int,
+        alloc: Callable[[Any], int | None],
         copy: Callable[[int, int], None],
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Pages for writing positions cached..cached+n-1: copies a shared partial page first,
         allocates new ones. False when `seq` itself had to be preempted for them."""
         ps, start = self.page_size, seq.cached

@@ -136,13 +136,17 @@ class Sequence:
     def completion(self, finish_reason: str, routes: np.ndarray | None = None) -> Completion:
         gen = self.tokens[self.prompt_len :]
         return Completion(
-            self.request.request_id, list(gen), np.asarray(self.logprobs, np.float32),
-            np.asarray(self.raw_logprobs, np.float32), finish_reason,
+            self.request.request_id,
+            list(gen),
+            np.asarray(self.logprobs, np.float32),
+            np.asarray(self.raw_logprobs, np.float32),
+            finish_reason,
             policy_version=self.versions[-1] if self.versions else None,
             first_policy_version=self.versions[0] if self.versions else None,
-            prefill_tokens=self.prefill_tokens, preemptions=self.preemptions,
+            prefill_tokens=self.prefill_tokens,
+            preemptions=self.preemptions,
             routed_experts=routes,
-        )  # fmt: skip
+        )
 
 
 __all__ = ["Completion", "Request", "Sequence", "error_completion"]

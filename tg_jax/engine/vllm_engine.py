@@ -125,9 +125,18 @@ def kv_cache_bytes(cfg: ModelConfig, slots: int, max_model_len: int) -> int:
 class VllmEngine:
     """`tg_jax.engine.Engine`'s request API on an in-process vLLM engine (module docstring)."""
 
-    def __init__(self, model_dir: str, model_cfg: ModelConfig, *, max_slots: int,
-                 max_model_len: int, seed: int = 0, version: int = 0, max_kept: int = 4096,
-                 enforce_eager: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        model_cfg: ModelConfig,
+        *,
+        max_slots: int,
+        max_model_len: int,
+        seed: int = 0,
+        version: int = 0,
+        max_kept: int = 4096,
+        enforce_eager: bool | None = None,
+    ):
         vllm = import_vllm()
         self._sampling_params = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
@@ -140,13 +149,17 @@ class VllmEngine:
         t0 = time.perf_counter()
         try:
             self.llm = vllm.LLM(
-                model=str(model_dir), skip_tokenizer_init=True, dtype=model_cfg.dtype,
-                max_model_len=self.max_model_len, max_num_seqs=self.max_slots,
-                enable_prefix_caching=True, logprobs_mode="processed_logprobs", seed=int(seed),
+                model=str(model_dir),
+                skip_tokenizer_init=True,
+                dtype=model_cfg.dtype,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.max_slots,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",
+                seed=int(seed),
                 enforce_eager=bool(enforce_eager),
-                kv_cache_memory_bytes=kv_cache_bytes(model_cfg, self.max_slots,
-                                                     self.max_model_len),
-            )  # fmt: skip
+                kv_cache_memory_bytes=kv_cache_bytes(model_cfg, self.max_slots, self.max_model_len),
+            )
         except Exception as e:  # noqa: BLE001 (vLLM raises many kinds): say which engine
             raise RuntimeError(f"vLLM could not start on {model_dir}: {e}") from e
         self.start_s = time.perf_counter() - t0
@@ -178,27 +191,36 @@ class VllmEngine:
             # The params to host, one layer at a time: JAX work (slices of sharded arrays) that
             # may run in the sampling thread, so under the tracing lock (tg_jax.tracing).
             with tracing.TRACE_LOCK:
-                tensors = [(n, torch.from_numpy(np.asarray(get(), np.float32)))
-                           for n, _, get in hf_tensors(params, self.model_cfg)]  # fmt: skip
+                tensors = [
+                    (n, torch.from_numpy(np.asarray(get(), np.float32)))
+                    for n, _, get in hf_tensors(params, self.model_cfg)
+                ]
             # vLLM's in-place reload (what its RL weight updates use): checkpoint-format
             # tensors through the model's load_weights, then its kernel repacking again.
-            self.llm.collective_rpc("reload_weights", kwargs=dict(
-                weights_iterator=iter(tensors), is_checkpoint_format=True))  # fmt: skip
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs=dict(weights_iterator=iter(tensors), is_checkpoint_format=True),
+            )
             if self._cpu:
                 self.llm.apply_model(_repack_cpu_experts)
             self.llm.reset_prefix_cache()
             self.version, self.params = int(version), params
             self._counts["weight_syncs"] += 1
             self._last_sync_s = time.perf_counter() - t0
-            logging.info("vLLM weight sync: version %d, %d tensors in %.2f s", self.version,
-                         len(tensors), self._last_sync_s)  # fmt: skip
+            logging.info(
+                "vLLM weight sync: version %d, %d tensors in %.2f s",
+                self.version,
+                len(tensors),
+                self._last_sync_s,
+            )
 
     def logprobs_of(self, tokens: list[int]) -> np.ndarray:
         """[len(tokens) - 1] log-probs of tokens[1:] given their prefix (temperature 1)."""
         with self.lock:
             rid = self._new_id()
-            sp = self._sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0,
-                                       detokenize=False)  # fmt: skip
+            sp = self._sampling_params(
+                max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
+            )
             self._engine.add_request(rid, self._tokens_prompt(prompt_token_ids=list(tokens)), sp)
             out = None
             while self._engine.has_unfinished_requests():
@@ -219,8 +241,10 @@ class VllmEngine:
                     return self._refuse(request, f"unknown continue_from {request.continue_from!r}")
                 context = self._kept[request.continue_from] + context
             if request.policy_version is not None and request.policy_version > self.version:
-                return self._refuse(request, f"policy_version {request.policy_version} > "
-                                             f"the engine's {self.version}")  # fmt: skip
+                return self._refuse(
+                    request,
+                    f"policy_version {request.policy_version} > the engine's {self.version}",
+                )
             if len(context) + request.max_new_tokens > self.max_model_len:
                 return self._refuse(
                     request,
@@ -229,12 +253,17 @@ class VllmEngine:
                 )
             greedy = request.temperature <= 0.0
             sp = self._sampling_params(
-                n=1, max_tokens=int(request.max_new_tokens), logprobs=0, detokenize=False,
+                n=1,
+                max_tokens=int(request.max_new_tokens),
+                logprobs=0,
+                detokenize=False,
                 temperature=0.0 if greedy else float(request.temperature),
                 top_k=int(request.top_k) if request.top_k > 0 else 0,
-                top_p=float(request.top_p), seed=None if greedy else request.stream(),
-                stop_token_ids=list(request.stop_ids), ignore_eos=True,
-            )  # fmt: skip
+                top_p=float(request.top_p),
+                seed=None if greedy else request.stream(),
+                stop_token_ids=list(request.stop_ids),
+                ignore_eos=True,
+            )
             rid = self._new_id()
             self._engine.add_request(rid, self._tokens_prompt(prompt_token_ids=context), sp)
             self._running[rid] = (request, context, self.version)
@@ -271,8 +300,9 @@ class VllmEngine:
         request, context, version = self._running.pop(out.request_id)
         o = out.outputs[0]
         tokens = [int(t) for t in o.token_ids]
-        lps = np.asarray([d[t].logprob for d, t in zip(o.logprobs, tokens, strict=True)],
-                         np.float32)  # fmt: skip
+        lps = np.asarray(
+            [d[t].logprob for d, t in zip(o.logprobs, tokens, strict=True)], np.float32
+        )
         prefilled = len(context) - int(out.num_cached_tokens or 0)  # not in the prefix cache
         self._counts["prefill_tokens"] += prefilled
         self._counts["decode_tokens"] += len(tokens)
@@ -282,8 +312,10 @@ class VllmEngine:
         if bad or o.finish_reason not in ("stop", "length"):
             self._counts["invalid_outputs" if bad else "errors"] += 1
             why = "a non-finite log-prob or an out-of-vocabulary token" if bad else o.finish_reason
-            return dataclasses.replace(error_completion(request, f"vLLM returned {why}"),
-                                       finish_reason="invalid" if bad else "error")  # fmt: skip
+            return dataclasses.replace(
+                error_completion(request, f"vLLM returned {why}"),
+                finish_reason="invalid" if bad else "error",
+            )
         untransformed = request.temperature == 1.0 and request.top_k <= 0 and request.top_p >= 1
         if request.temperature <= 0.0:
             lps = np.zeros_like(lps)
@@ -292,9 +324,15 @@ class VllmEngine:
         while len(self._kept) > self.max_kept:
             self._kept.popitem(last=False)
         return Completion(
-            request.request_id, tokens, lps, raw, o.finish_reason, policy_version=self.version,
-            first_policy_version=version, prefill_tokens=prefilled,
-        )  # fmt: skip
+            request.request_id,
+            tokens,
+            lps,
+            raw,
+            o.finish_reason,
+            policy_version=self.version,
+            first_policy_version=version,
+            prefill_tokens=prefilled,
+        )
 
     def result(self, request_id: Hashable, timeout: float | None = None) -> Completion:
         """Waits for (and removes) a request's completion (another thread steps);
@@ -341,8 +379,17 @@ class VllmEngine:
         """Counters: steps, prefill_tokens (not found in the prefix cache), decode_tokens,
         errors, invalid_outputs, weight_syncs, weight_sync_s (the last), start_s."""
         c = self._counts
-        out = {k: float(c[k]) for k in ("steps", "prefill_tokens", "decode_tokens", "errors",
-                                        "invalid_outputs", "weight_syncs")}  # fmt: skip
+        out = {
+            k: float(c[k])
+            for k in (
+                "steps",
+                "prefill_tokens",
+                "decode_tokens",
+                "errors",
+                "invalid_outputs",
+                "weight_syncs",
+            )
+        }
         out["weight_sync_s"] = float(self._last_sync_s)
         out["start_s"] = float(self.start_s)
         return out
@@ -366,8 +413,9 @@ _SHARED: dict[tuple, VllmEngine] = {}
 _SHARED_LOCK = threading.RLock()
 
 
-def shared_engine(model_dir: str, model_cfg: ModelConfig, *, max_slots: int,
-                  max_model_len: int, seed: int = 0) -> VllmEngine:  # fmt: skip
+def shared_engine(
+    model_dir: str, model_cfg: ModelConfig, *, max_slots: int, max_model_len: int, seed: int = 0
+) -> VllmEngine:
     """This process's engine for the checkpoint and shape (started at the first call; an
     engine of another checkpoint or shape is closed first: vLLM holds one per process)."""
     from tg_jax.models.hf_dir import stage_locally  # noqa: PLC0415 (a gs:// checkpoint)
@@ -378,8 +426,9 @@ def shared_engine(model_dir: str, model_cfg: ModelConfig, *, max_slots: int,
         if key not in _SHARED:
             for old in [v for k, v in _SHARED.items() if k != key]:
                 old.close()
-            _SHARED[key] = VllmEngine(model_dir, model_cfg, max_slots=max_slots,
-                                      max_model_len=max_model_len, seed=seed)  # fmt: skip
+            _SHARED[key] = VllmEngine(
+                model_dir, model_cfg, max_slots=max_slots, max_model_len=max_model_len, seed=seed
+            )
         return _SHARED[key]
 
 
@@ -389,24 +438,40 @@ class VllmRunner:
     holds it from load to its last turn: the rollouts and a held-out evaluation in another
     thread take turns)."""
 
-    def __init__(self, engine_api: Any, model_dir: str, model_cfg: ModelConfig, *, slots: int,
-                 max_model_len: int, seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        engine_api: Any,
+        model_dir: str,
+        model_cfg: ModelConfig,
+        *,
+        slots: int,
+        max_model_len: int,
+        seed: int = 0,
+    ):
         self.api = engine_api
-        self.engine = shared_engine(model_dir, model_cfg, max_slots=slots,
-                                    max_model_len=max_model_len, seed=seed)  # fmt: skip
+        self.engine = shared_engine(
+            model_dir, model_cfg, max_slots=slots, max_model_len=max_model_len, seed=seed
+        )
         self.lock = self.engine.lock
         self.last_sync_s = 0.0  # seconds the sync of the weights now loaded took
 
     def load(self, params: Any, version: int | None = None) -> VllmEngine:
         with self.lock:
             if params is not self.engine.params:
-                self.engine.update_weights(params, self.engine.version + 1 if version is None
-                                           else version)  # fmt: skip
+                self.engine.update_weights(
+                    params, self.engine.version + 1 if version is None else version
+                )
                 self.last_sync_s = self.engine.stats["weight_sync_s"]
         return self.engine
 
 
 __all__ = [
-    "INSTALL_HINT", "VllmEngine", "VllmRunner", "check_model", "import_vllm", "kv_cache_bytes",
-    "platform_limits", "shared_engine",
-]  # fmt: skip
+    "INSTALL_HINT",
+    "VllmEngine",
+    "VllmRunner",
+    "check_model",
+    "import_vllm",
+    "kv_cache_bytes",
+    "platform_limits",
+    "shared_engine",
+]

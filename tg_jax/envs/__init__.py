@@ -22,9 +22,16 @@ from tg_jax.envs.plugins import PLUGIN_TASK_KIND, PluginError, environment_class
 ENV_KINDS = ("coding", "swe")
 
 __all__ = [
-    "ENV_KINDS", "Environment", "PluginError", "Requirement", "decode_task", "env_factory",
-    "env_kind", "make_env", "requirement_names",
-]  # fmt: skip
+    "ENV_KINDS",
+    "Environment",
+    "PluginError",
+    "Requirement",
+    "decode_task",
+    "env_factory",
+    "env_kind",
+    "make_env",
+    "requirement_names",
+]
 
 
 def env_kind(env_config: Any) -> str:

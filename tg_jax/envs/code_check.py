@@ -72,10 +72,12 @@ def _binds(stmt: ast.stmt, name: str) -> bool:
     if isinstance(stmt, ast.Import | ast.ImportFrom):
         return any((a.asname or a.name.split(".")[0]) == name for a in stmt.names)
     targets = (
-        stmt.targets if isinstance(stmt, ast.Assign)
-        else [stmt.target] if isinstance(stmt, ast.AnnAssign) and stmt.value is not None
+        stmt.targets
+        if isinstance(stmt, ast.Assign)
+        else [stmt.target]
+        if isinstance(stmt, ast.AnnAssign) and stmt.value is not None
         else []
-    )  # fmt: skip
+    )
     callable_value = isinstance(getattr(stmt, "value", None), ast.Lambda | ast.Name | ast.Attribute)
     return callable_value and any(isinstance(t, ast.Name) and t.id == name for t in targets)
 

@@ -129,9 +129,13 @@ def run_candidate(
     tg_jax.envs.sandbox backend, "audit" or "namespace")."""
     script = f"{_HARNESS_LIB}\nSRC = {code!r}\nXS = {list(xs)!r}\n{_HARNESS_RUN}"
     res = run_python(
-        script, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, max_output_bytes=4096,
+        script,
+        timeout_s=timeout_s,
+        cpu_s=cpu_s,
+        memory_mb=memory_mb,
+        max_output_bytes=4096,
         backend=sandbox,
-    )  # fmt: skip
+    )
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(_MARK)]
     if res.status == "ok" and lines:
         try:
@@ -269,10 +273,13 @@ class CodingEnv(Environment):
         self.tool_format = tool_format
         self.tool_schemas = TOOL_SCHEMAS if config.tools_in_prompt else None
         self.requirements = plugins.requirements(
-            config.requirements, config.requirement_weight, config,
-            lambda names: [make_requirement(n, config.requirement_weight, tool_format)
-                           for n in names],
-        )  # fmt: skip
+            config.requirements,
+            config.requirement_weight,
+            config,
+            lambda names: [
+                make_requirement(n, config.requirement_weight, tool_format) for n in names
+            ],
+        )
         self._execute: Callable[[str, Sequence[int]], ExecOutcome]
         if config.executor == "trusted":
             self._execute = run_trusted
@@ -284,9 +291,13 @@ class CodingEnv(Environment):
                     hint = "; env.sandbox='audit' runs the tool calls under the audit hook alone"
                     raise ns_sandbox.SandboxUnavailable(f"{e}{hint}") from e
             self._execute = lambda code, xs: run_candidate(
-                code, xs, timeout_s=config.timeout_s, cpu_s=config.cpu_s,
-                memory_mb=config.memory_mb, sandbox=config.sandbox,
-            )  # fmt: skip
+                code,
+                xs,
+                timeout_s=config.timeout_s,
+                cpu_s=config.cpu_s,
+                memory_mb=config.memory_mb,
+                sandbox=config.sandbox,
+            )
         self._task: Task | None = None
         self._done = True
 

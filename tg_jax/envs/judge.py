@@ -74,8 +74,15 @@ class BatchingJudge:
       calls: judge calls made; judged: texts sent to the judge; hits: verdicts from the cache.
     """
 
-    def __init__(self, judge: JudgeFn, *, name: str = "judge", batch_size: int = 64,
-                 wait_s: float = 0.02, timeout_s: float = 120.0):  # fmt: skip
+    def __init__(
+        self,
+        judge: JudgeFn,
+        *,
+        name: str = "judge",
+        batch_size: int = 64,
+        wait_s: float = 0.02,
+        timeout_s: float = 120.0,
+    ):
         if batch_size < 1 or wait_s < 0 or timeout_s <= 0:
             raise ValueError(
                 f"judge {name!r}: batch_size >= 1, wait_s >= 0, timeout_s > 0 needed, got "
@@ -135,8 +142,9 @@ class BatchingJudge:
 
     def _start(self) -> None:
         if self._worker is None:  # under _lock
-            self._worker = threading.Thread(target=self._run, name=f"judge-{self.name}",
-                                            daemon=True)  # fmt: skip
+            self._worker = threading.Thread(
+                target=self._run, name=f"judge-{self.name}", daemon=True
+            )
             self._worker.start()
 
     def _run(self) -> None:
@@ -191,12 +199,22 @@ def judged_requirement(
     """A `Requirement` judged by `judge` (texts -> verdicts; wrapped in a `BatchingJudge`
     unless it is one). Named in `env.requirements` through a plug-in (module docstring); its
     check's timeout is the judge's plus a second, so the batch's own timeout decides."""
-    batching = judge if isinstance(judge, BatchingJudge) else BatchingJudge(
-        judge, name=name, batch_size=batch_size, wait_s=wait_s, timeout_s=timeout_s
-    )  # fmt: skip
+    batching = (
+        judge
+        if isinstance(judge, BatchingJudge)
+        else BatchingJudge(
+            judge, name=name, batch_size=batch_size, wait_s=wait_s, timeout_s=timeout_s
+        )
+    )
     kw: dict[str, Any] = {} if applies is None else {"applies": applies}
-    return Requirement(name, batching.verdict, hint, conditional=conditional,
-                       timeout_s=batching.timeout_s + 1.0, **kw)  # fmt: skip
+    return Requirement(
+        name,
+        batching.verdict,
+        hint,
+        conditional=conditional,
+        timeout_s=batching.timeout_s + 1.0,
+        **kw,
+    )
 
 
 class ScriptedJudge:
@@ -208,14 +226,22 @@ class ScriptedJudge:
       rule: turn text -> the true verdict; noise: the declared false-positive / -negative rates.
     """
 
-    def __init__(self, rule: Callable[[str], bool], *, name: str, false_positive: float = 0.0,
-                 false_negative: float = 0.0, seed: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        rule: Callable[[str], bool],
+        *,
+        name: str,
+        false_positive: float = 0.0,
+        false_negative: float = 0.0,
+        seed: int = 0,
+    ):
         self.rule, self.name, self.seed = rule, name, int(seed)
         self.noise = VerdictNoise(float(false_positive), float(false_negative))
 
     def __call__(self, texts: Sequence[str]) -> list[bool]:
-        return [noisy_verdict(bool(self.rule(t)), self.noise, self.seed, self.name, t)
-                for t in texts]  # fmt: skip
+        return [
+            noisy_verdict(bool(self.rule(t)), self.noise, self.seed, self.name, t) for t in texts
+        ]
 
 
 __all__ = ["BatchingJudge", "JudgeFn", "ScriptedJudge", "judged_requirement", "parse_verdict"]

@@ -479,10 +479,15 @@ def run_python(
     sandbox of 16 MiB disk and 16 processes (the prelude sets RLIMIT_NPROC to 0 anyway).
     """
     limits = Limits(
-        timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb, nproc=16, disk_mb=16,
-        max_file_mb=max_file_mb, max_open_files=max_open_files,
+        timeout_s=timeout_s,
+        cpu_s=cpu_s,
+        memory_mb=memory_mb,
+        nproc=16,
+        disk_mb=16,
+        max_file_mb=max_file_mb,
+        max_open_files=max_open_files,
         max_output_bytes=max_output_bytes,
-    )  # fmt: skip
+    )
     prelude = sandbox_prelude.prelude(WORKDIR, cpu_s, memory_mb, max_file_mb, max_open_files, audit)
     argv = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", prelude]
     res = run_command(argv, files={"main.py": code}, limits=limits)
@@ -528,9 +533,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cmd:
         parser.error("no command given (usage: --repo DIR -- CMD ARGS...)")
     limits = Limits(
-        timeout_s=args.timeout, cpu_s=int(args.timeout) + 1, memory_mb=args.memory_mb,
+        timeout_s=args.timeout,
+        cpu_s=int(args.timeout) + 1,
+        memory_mb=args.memory_mb,
         disk_mb=args.disk_mb,
-    )  # fmt: skip
+    )
     try:
         res = run_command(cmd, repo=args.repo, limits=limits)
     except SandboxUnavailable as e:

@@ -256,15 +256,22 @@ def make_requirement(name: str, weight: float = 1.0, fmt: ToolFormat = HERMES) -
     calls in tool-call format `fmt`."""
     if name == "fence":
         return Requirement(
-            "fence", functools.partial(check_fence, fmt=fmt), FENCE_HINT, weight,
-            applies=fence_applies, breaks_at=functools.partial(fence_breaks_at, fmt=fmt),
+            "fence",
+            functools.partial(check_fence, fmt=fmt),
+            FENCE_HINT,
+            weight,
+            applies=fence_applies,
+            breaks_at=functools.partial(fence_breaks_at, fmt=fmt),
             opening=FENCE_OPENING,
-        )  # fmt: skip
+        )
     if name == "tool_json":
         return Requirement(
-            "tool_json", functools.partial(check_tool_json, fmt=fmt), tool_json_hint(fmt),
-            weight, breaks_at=functools.partial(tool_json_breaks_at, fmt=fmt),
-        )  # fmt: skip
+            "tool_json",
+            functools.partial(check_tool_json, fmt=fmt),
+            tool_json_hint(fmt),
+            weight,
+            breaks_at=functools.partial(tool_json_breaks_at, fmt=fmt),
+        )
     raise ValueError(f"unknown requirement {name!r}; known: {REQUIREMENT_NAMES}")
 
 

@@ -151,10 +151,15 @@ def run_python(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "namespace":
         return ns_sandbox.run_python(
-            code, timeout_s=timeout_s, cpu_s=cpu_s, memory_mb=memory_mb,
-            max_output_bytes=max_output_bytes, max_file_mb=max_file_mb,
-            max_open_files=max_open_files, audit=audit,
-        )  # fmt: skip
+            code,
+            timeout_s=timeout_s,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            max_output_bytes=max_output_bytes,
+            max_file_mb=max_file_mb,
+            max_open_files=max_open_files,
+            audit=audit,
+        )
     lau = _launcher(isolate_network, drop_privileges)
     return _run(
         code, lau, timeout_s, cpu_s, memory_mb, max_output_bytes, max_file_mb, max_open_files, audit

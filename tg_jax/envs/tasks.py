@@ -377,8 +377,9 @@ def draw_heldout(
     rng = random.Random(f"tg_jax.envs.tasks:draw:{seed}")
     pools = {}
     for name in check_families(families):
-        fresh = sorted(p for p in _split_params(name)[0] if f"{name}:{','.join(map(str, p))}"
-                       not in gone)  # fmt: skip
+        fresh = sorted(
+            p for p in _split_params(name)[0] if f"{name}:{','.join(map(str, p))}" not in gone
+        )
         if fresh:
             pools[name] = rng.sample(fresh, len(fresh))
     left = sum(map(len, pools.values()))

@@ -238,15 +238,20 @@ def _draw(
         message = {"role": "assistant", "content": write(followed)}
         if forced:
             probe = write([])
-            names = [r.name for r in env.requirements
-                     if r.name in config.forced_requirements and r.applies(probe)]  # fmt: skip
+            names = [
+                r.name
+                for r in env.requirements
+                if r.name in config.forced_requirements and r.applies(probe)
+            ]
             if names:
                 message["content"] = write(names)
                 # Where the turn without each forced requirement would differ from this one.
-                message["no_loss_chars"] = sorted({
-                    len(os.path.commonprefix([message["content"], write(set(names) - {m})]))
-                    for m in names
-                })  # fmt: skip
+                message["no_loss_chars"] = sorted(
+                    {
+                        len(os.path.commonprefix([message["content"], write(set(names) - {m})]))
+                        for m in names
+                    }
+                )
         text = message["content"]
         messages.append(message)
         res = env.step(text)

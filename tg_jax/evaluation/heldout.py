@@ -120,22 +120,32 @@ def heldout_episodes(
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
     # rl_loop.rollout_engine "builtin": the episodes' agent loops on the engine.
     runner = agent_loop.runner_from_config(
-        config, engine_api, getattr(sampler, "model", None), episodes=len(tasks),
-        max_total_tokens=rollout_cfg.max_total_tokens, pad_id=renderer.tokenizer.pad_id,
+        config,
+        engine_api,
+        getattr(sampler, "model", None),
+        episodes=len(tasks),
+        max_total_tokens=rollout_cfg.max_total_tokens,
+        pad_id=renderer.tokenizer.pad_id,
         mesh=getattr(sampler, "mesh", None),
-    )  # fmt: skip
+    )
     records: list[EpisodeRecord] = []
     trajectories: list[Any] = []
     for i, condition in enumerate(conditions):
         recs, trajs = rollout.evaluate(
-            runner or sampler, params, renderer, make_env, tasks,
-            config=rollout_cfg, rng=jax.random.fold_in(jax.random.key(seed), i),
+            runner or sampler,
+            params,
+            renderer,
+            make_env,
+            tasks,
+            config=rollout_cfg,
+            rng=jax.random.fold_in(jax.random.key(seed), i),
             condition=condition,
-            samples_per_task=int(ev.samples_per_task if samples_per_task is None
-                                 else samples_per_task),
+            samples_per_task=int(
+                ev.samples_per_task if samples_per_task is None else samples_per_task
+            ),
             play=None if runner is None else agent_loop.play_episodes,
             first_stream=first_stream,
-        )  # fmt: skip
+        )
         records.extend(recs)
         trajectories.extend(trajs)
     clusters = {rollout.task_id_of(t): _cluster_of(t) for t in tasks}
@@ -166,9 +176,14 @@ def process_sampler(
         sampler_devices, samplers = None, tuple(range(jax.process_count()))
     rules = sharding.logical_rules(config.mesh)
     sampler, to_sampler = placement.rollout_sampler(
-        model, renderer.tokenizer.pad_id, mesh, rules, sharding.batch_divisor(mesh, rules),
-        sampler_mesh_cfg=config.get("sampler_mesh"), sampler_devices=sampler_devices,
-    )  # fmt: skip
+        model,
+        renderer.tokenizer.pad_id,
+        mesh,
+        rules,
+        sharding.batch_divisor(mesh, rules),
+        sampler_mesh_cfg=config.get("sampler_mesh"),
+        sampler_devices=sampler_devices,
+    )
     return sampler, (params if to_sampler is None else to_sampler(params)), samplers
 
 
@@ -219,14 +234,23 @@ def split_episodes(
     own: tuple[list[EpisodeRecord], list[Any]] | None = None  # a process that samples nothing
     if me in samplers:
         share = multihost.process_share(len(tasks), samplers.index(me), len(samplers))
-        logging.info("held-out: process %d plays tasks %d..%d of %d", me, share.start,
-                     share.stop - 1, len(tasks))  # fmt: skip
+        logging.info(
+            "held-out: process %d plays tasks %d..%d of %d",
+            me,
+            share.start,
+            share.stop - 1,
+            len(tasks),
+        )
         own = [], []
         if share.stop > share.start:
             records, trajs = heldout_episodes(
-                config, local, list(tasks)[share], sampler=sampler, first_stream=share.start,
+                config,
+                local,
+                list(tasks)[share],
+                sampler=sampler,
+                first_stream=share.start,
                 **kwargs,
-            )  # fmt: skip
+            )
             own = records, (trajs if trajectories else [])
     gathered = multihost.allgather_objects(own)  # the one collective after the episodes
     return merge_shares([g for g in gathered if g is not None], conditions)

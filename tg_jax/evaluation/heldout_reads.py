@@ -86,8 +86,11 @@ def read_ledger(path: str) -> list[dict[str, Any]]:
         except (ValueError, KeyError, TypeError) as e:
             raise HeldoutReadError(f"{path}:{n}: not a held-out read ledger line ({e})") from e
         if event == "start":
-            out[key] = {**{k: v for k, v in rec.items() if k != "event"},
-                        "finished": False, "ended": None}  # fmt: skip
+            out[key] = {
+                **{k: v for k, v in rec.items() if k != "event"},
+                "finished": False,
+                "ended": None,
+            }
         elif key in out:
             out[key].update(finished=True, ended=rec.get("date"))
     return list(out.values())
@@ -105,8 +108,10 @@ def reads(workdir: str) -> list[dict[str, Any]]:
     old: list[dict[str, Any]] = []
     if legacy.exists():
         try:
-            old = [{**r, "finished": True, "ended": r.get("date")}
-                   for r in json.loads(legacy.read_text())["reads"]]  # fmt: skip
+            old = [
+                {**r, "finished": True, "ended": r.get("date")}
+                for r in json.loads(legacy.read_text())["reads"]
+            ]
         except (ValueError, KeyError, TypeError) as e:
             raise HeldoutReadError(f"{legacy}: not a held-out read ledger ({e})") from e
     return old + [r for r in entries if r.get("workdir", where) == where]
@@ -208,10 +213,16 @@ def start_read(
     is read; returns the entry (its "read" id ends it: `finish_read`)."""
     attempt, where = _scope(workdir)
     entry = {
-        "read": uuid.uuid4().hex[:12], "event": "start", "purpose": purpose, "run": run,
-        "tasks": int(tasks), "asked": bool(asked), "attempt": attempt, "workdir": where,
+        "read": uuid.uuid4().hex[:12],
+        "event": "start",
+        "purpose": purpose,
+        "run": run,
+        "tasks": int(tasks),
+        "asked": bool(asked),
+        "attempt": attempt,
+        "workdir": where,
         "date": _now(),
-    }  # fmt: skip
+    }
     if multihost.is_primary():
         _append(ledger_path(workdir), entry)
     return entry
@@ -257,8 +268,13 @@ def summary(workdir: str) -> dict[str, Any]:
         else:
             extra.append(r)
     unfinished = [r for r in entries if not r.get("finished", True)]
-    return {"reads": entries, "runs_read_once": not extra, "extra": extra,
-            "unfinished": unfinished, "ledger": ledger_path(workdir)}  # fmt: skip
+    return {
+        "reads": entries,
+        "runs_read_once": not extra,
+        "extra": extra,
+        "unfinished": unfinished,
+        "ledger": ledger_path(workdir),
+    }
 
 
 def describe(s: dict[str, Any]) -> str:
@@ -269,9 +285,9 @@ def describe(s: dict[str, Any]) -> str:
     unfinished = s.get("unfinished") or []
     if unfinished:
         line += "; **not finished**: " + "; ".join(
-            f"{r.get('purpose')}{' of ' + r['run'] if r.get('run') else ''} started "
-            f"{r.get('date')}" for r in unfinished
-        )  # fmt: skip
+            f"{r.get('purpose')}{' of ' + r['run'] if r.get('run') else ''} started {r.get('date')}"
+            for r in unfinished
+        )
     if not s["extra"]:
         return line + "; nothing else read the held-out tasks."
     listed = "; ".join(
@@ -287,12 +303,19 @@ ANALYSIS_DEV_SEED = 10  # the dev tasks of the analysis tools (not the gates' or
 
 def add_split_flags(parser: Any) -> None:
     """`--split` and `--reread_heldout` of an analysis tool (`analysis_tasks`)."""
-    parser.add_argument("--split", choices=("dev", "heldout"), default="dev",
-                        help="dev tasks (default), or the held-out tasks of --workdir: a "
-                        "second read, refused unless --reread_heldout")  # fmt: skip
-    parser.add_argument("--reread_heldout", action="store_true",
-                        help="read the held-out tasks after the final evaluation did "
-                        "(recorded in the workdir's heldout_reads.json)")  # fmt: skip
+    parser.add_argument(
+        "--split",
+        choices=("dev", "heldout"),
+        default="dev",
+        help="dev tasks (default), or the held-out tasks of --workdir: a "
+        "second read, refused unless --reread_heldout",
+    )
+    parser.add_argument(
+        "--reread_heldout",
+        action="store_true",
+        help="read the held-out tasks after the final evaluation did "
+        "(recorded in the workdir's heldout_reads.json)",
+    )
 
 
 def analysis_tasks(config: Any, workdir: str, args: Any, n: int, tool: str) -> list[Any]:

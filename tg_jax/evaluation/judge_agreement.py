@@ -36,8 +36,10 @@ def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 
 def agreement(requirement: Requirement, labelled: Sequence[tuple[str, bool]]) -> dict[str, Any]:
     """The judge's agreement with `labelled` (turn text, met) pairs (module docstring)."""
-    table = {"judged_met": {"labelled_met": 0, "labelled_failed": 0},
-             "judged_failed": {"labelled_met": 0, "labelled_failed": 0}}  # fmt: skip
+    table = {
+        "judged_met": {"labelled_met": 0, "labelled_failed": 0},
+        "judged_failed": {"labelled_met": 0, "labelled_failed": 0},
+    }
     unjudged = not_applicable = 0
     for text, label in labelled:
         try:
@@ -97,21 +99,23 @@ def _rate(value: float | None, ci: Sequence[float]) -> str:
 def format_agreement(result: dict[str, Any]) -> str:
     """The agreement as a few lines of text (the confusion table in Markdown)."""
     met, failed = result["confusion"]["judged_met"], result["confusion"]["judged_failed"]
-    return "\n".join([
-        f"requirement {result['requirement']}: {result['num_judged']} of "
-        f"{result['num_labelled']} labelled turns judged ({result['unjudged']} unjudged, "
-        f"{result['not_applicable']} not applicable)",
-        f"accuracy {_rate(result['accuracy'], result['accuracy_ci'])}; false positives "
-        f"{_rate(result['false_positive_rate'], result['false_positive_ci'])} of labelled "
-        "failed; false negatives "
-        f"{_rate(result['false_negative_rate'], result['false_negative_ci'])} of labelled met "
-        "(95% Wilson intervals)",
-        "",
-        "| judged \\ labelled | met | failed |",
-        "|---|---|---|",
-        f"| met | {met['labelled_met']} | {met['labelled_failed']} |",
-        f"| failed | {failed['labelled_met']} | {failed['labelled_failed']} |",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"requirement {result['requirement']}: {result['num_judged']} of "
+            f"{result['num_labelled']} labelled turns judged ({result['unjudged']} unjudged, "
+            f"{result['not_applicable']} not applicable)",
+            f"accuracy {_rate(result['accuracy'], result['accuracy_ci'])}; false positives "
+            f"{_rate(result['false_positive_rate'], result['false_positive_ci'])} of labelled "
+            "failed; false negatives "
+            f"{_rate(result['false_negative_rate'], result['false_negative_ci'])} of labelled met "
+            "(95% Wilson intervals)",
+            "",
+            "| judged \\ labelled | met | failed |",
+            "|---|---|---|",
+            f"| met | {met['labelled_met']} | {met['labelled_failed']} |",
+            f"| failed | {failed['labelled_met']} | {failed['labelled_failed']} |",
+        ]
+    )
 
 
 def _environment(kind: str, requirement: str) -> Any:
@@ -131,8 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requirement", required=True, help="a built-in name or module:attr")
     parser.add_argument("--labels", required=True, help="JSONL of {text, label}")
-    parser.add_argument("--env_kind", default="coding", choices=("coding", "swe"),
-                        help="the environment it belongs to")  # fmt: skip
+    parser.add_argument(
+        "--env_kind",
+        default="coding",
+        choices=("coding", "swe"),
+        help="the environment it belongs to",
+    )
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     args = parser.parse_args(argv)
     try:

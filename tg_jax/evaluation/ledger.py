@@ -33,9 +33,25 @@ LEDGER_DIR = "ledger"
 ATTEMPT_FILE = "attempt.json"
 BASE_FILE = "base.json"
 # The attempt fields attempt.json keeps (the task records stay in the workdir's attempt.json).
-ATTEMPT_FIELDS = ("id", "claim", "attempt", "parts", "hypothesis", "config", "candidate",
-                  "baseline", "seeds", "margin", "level", "spend", "heldout", "earlier",
-                  "floor", "collapse_drop", "registry")  # fmt: skip
+ATTEMPT_FIELDS = (
+    "id",
+    "claim",
+    "attempt",
+    "parts",
+    "hypothesis",
+    "config",
+    "candidate",
+    "baseline",
+    "seeds",
+    "margin",
+    "level",
+    "spend",
+    "heldout",
+    "earlier",
+    "floor",
+    "collapse_drop",
+    "registry",
+)
 
 
 class LedgerError(ConfigError):
@@ -84,8 +100,9 @@ def outcomes(records: Sequence[Any], condition: str = "plain") -> dict[str, dict
         r = r if isinstance(r, dict) else vars(r)
         if r.get("condition") != condition:
             continue
-        cell = out.setdefault(str(r["task_id"]), {"cluster": "", "episodes": 0, "wins": 0,
-                                                   "compliant": {}})  # fmt: skip
+        cell = out.setdefault(
+            str(r["task_id"]), {"cluster": "", "episodes": 0, "wins": 0, "compliant": {}}
+        )
         cell["cluster"] = str(r.get("cluster_id") or r["task_id"])
         cell["episodes"] += 1
         cell["wins"] += int(bool(r["task_success"]))
@@ -103,11 +120,18 @@ def episodes(run: dict[str, Any]) -> list[Any]:
     out = []
     for task_id, cell in run["outcomes"].items():
         for i in range(int(cell["episodes"])):
-            out.append(EpisodeRecord(
-                task_id=task_id, condition="plain", sample=i,
-                task_success=i < int(cell["wins"]), compliance={}, actions={}, turns=0,
-                cluster_id=str(cell["cluster"]),
-            ))  # fmt: skip
+            out.append(
+                EpisodeRecord(
+                    task_id=task_id,
+                    condition="plain",
+                    sample=i,
+                    task_success=i < int(cell["wins"]),
+                    compliance={},
+                    actions={},
+                    turns=0,
+                    cluster_id=str(cell["cluster"]),
+                )
+            )
     return out
 
 
@@ -131,11 +155,16 @@ def write_run(
     directory = attempt_dir(attempt["registry"], attempt["claim"], attempt["attempt"])
     path = run_file(directory, arm, seed)
     rec = {
-        "attempt": attempt["id"], "arm": arm, "seed": seed, "outcomes": per_task,
-        "policy_sha256": policy_sha256, "commit": commit, "config": config,
+        "attempt": attempt["id"],
+        "arm": arm,
+        "seed": seed,
+        "outcomes": per_task,
+        "policy_sha256": policy_sha256,
+        "commit": commit,
+        "config": config,
         "machine": machine,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }  # fmt: skip
+    }
     if os.path.exists(path):
         if _read(path).get("outcomes") != per_task:
             raise LedgerError(f"{path} holds other outcomes for {arm} seed {seed}: not rewritten")
@@ -150,10 +179,15 @@ def git_commit() -> str:
     tracked files differ."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=repo, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -182,8 +216,12 @@ def read_attempt(directory: str) -> tuple[dict[str, Any], dict[tuple[str, int | 
 
 def missing(attempt: dict[str, Any], runs: dict) -> list[tuple[str, int]]:
     """The (arm, seed) pairs of the candidate and baseline that the ledger lacks."""
-    return [(arm, int(s)) for arm in (attempt["candidate"], attempt["baseline"])
-            for s in attempt["seeds"] if (arm, int(s)) not in runs]  # fmt: skip
+    return [
+        (arm, int(s))
+        for arm in (attempt["candidate"], attempt["baseline"])
+        for s in attempt["seeds"]
+        if (arm, int(s)) not in runs
+    ]
 
 
 def _read(path: str) -> dict[str, Any]:

@@ -47,9 +47,11 @@ def _heldout_rows(res: dict[str, Any], arms: Sequence[str], pct: int) -> list[li
         rows.append(
             [arm, str(len(res["arms"][arm]["seeds"])), str(h["num_tasks"])]
             + [ci(b.get(m)) for m in stats.RATE_METRICS]
-            + [f"{pm(s.get(m))} (t {pct}%: [{num(s[m]['low'])}, {num(s[m]['high'])}])"
-               for m in ("compliance", "task_success")]
-        )  # fmt: skip
+            + [
+                f"{pm(s.get(m))} (t {pct}%: [{num(s[m]['low'])}, {num(s[m]['high'])}])"
+                for m in ("compliance", "task_success")
+            ]
+        )
     return rows
 
 
@@ -172,21 +174,29 @@ def _context_section(res: dict[str, Any]) -> list[str]:
         figures = ", ".join(f"{k} {num(v)}" for k, v in base.items())
         where = "recorded when it was made" if shipped else "SFT, sft_eval.json"
         tasks = ctx.get("base_tasks") or {}  # older sft_eval.json files: held-out tasks
-        where += (f", dev tasks of seed {tasks.get('seed')}" if tasks.get("split") == "dev"
-                  else ", held-out tasks")  # fmt: skip
+        where += (
+            f", dev tasks of seed {tasks.get('seed')}"
+            if tasks.get("split") == "dev"
+            else ", held-out tasks"
+        )
         lines.append(f"* Base model ({where}): {figures}.")
     remeasured = ctx.get("base_remeasured")
     if remeasured:
         beyond = [k for k, c in remeasured.items() if c["beyond"]]
         figures = ", ".join(
             f"{k} {num(c['measured'])} (recorded {num(c['recorded'])}, 95% interval of the "
-            f"difference +-{num(c['interval'])})" for k, c in remeasured.items()
+            f"difference +-{num(c['interval'])})"
+            for k, c in remeasured.items()
             if "greedy" not in k
-        )  # fmt: skip
-        verdict = ("differences beyond the sampling interval: " + ", ".join(beyond)) if beyond \
-            else "every difference within the sampling interval"  # fmt: skip
-        lines.append(f"* Base model (re-measured on this machine, sft_eval.json): {figures}; "
-                     f"{verdict}.")  # fmt: skip
+        )
+        verdict = (
+            ("differences beyond the sampling interval: " + ", ".join(beyond))
+            if beyond
+            else "every difference within the sampling interval"
+        )
+        lines.append(
+            f"* Base model (re-measured on this machine, sft_eval.json): {figures}; {verdict}."
+        )
     if ctx.get("heldout_reads"):
         lines.append(f"* {heldout_reads.describe(ctx['heldout_reads'])}")
     for a in ctx.get("sft_attempts") or []:
@@ -215,8 +225,10 @@ def _train_section(res: dict[str, Any]) -> list[str]:
 
 MIN_CLUSTERS = 20  # under this many resampled units a percentile bootstrap is unreliable
 # What a cluster is, by environment kind (the tasks' `function_id` / a record's cluster_id).
-CLUSTER_UNITS = {"coding": "tasks sharing a hidden function",
-                 "swe": "tasks sharing a code template"}  # fmt: skip
+CLUSTER_UNITS = {
+    "coding": "tasks sharing a hidden function",
+    "swe": "tasks sharing a code template",
+}
 
 
 def bootstrap_unit(res: dict[str, Any]) -> str:
@@ -231,8 +243,14 @@ def bootstrap_unit(res: dict[str, Any]) -> str:
         return "n/a"
     tasks, clusters = max(sizes, key=lambda s: s[0])
     units = tasks if clusters is None else clusters
-    warn = (f" (**warning: {units} resampled units, under {MIN_CLUSTERS}: the intervals are "
-            "unreliable**)") if units < MIN_CLUSTERS else ""  # fmt: skip
+    warn = (
+        (
+            f" (**warning: {units} resampled units, under {MIN_CLUSTERS}: the intervals are "
+            "unreliable**)"
+        )
+        if units < MIN_CLUSTERS
+        else ""
+    )
     if clusters is None or clusters == tasks:
         return f"{tasks} tasks (one cluster each){warn}"
     kind = (res.get("context") or {}).get("env_kind", "coding")
@@ -253,8 +271,16 @@ def _heldout_section(res: dict[str, Any]) -> list[str]:
         f"Student-t {pct}% interval.",
         "",
     ]
-    header = ["arm", "seeds", "tasks", "compliance", "task success", "joint (both)",
-              "compliance over seeds", "task success over seeds"]  # fmt: skip
+    header = [
+        "arm",
+        "seeds",
+        "tasks",
+        "compliance",
+        "task success",
+        "joint (both)",
+        "compliance over seeds",
+        "task success over seeds",
+    ]
     return lines + table(header, _heldout_rows(res, _arm_rows(res, "main"), pct)) + [""]
 
 
@@ -286,15 +312,21 @@ def _requirements_section(res: dict[str, Any]) -> list[str]:
         "",
         f"Held-out, plain prompts: the share of episodes that met each requirement ({pct}% "
         "cluster bootstrap CIs)."
-        + (" Unjudged: turns per episode whose plug-in checker raised or timed out (neither "
-           "met nor failed)." if unjudged else ""),
+        + (
+            " Unjudged: turns per episode whose plug-in checker raised or timed out (neither "
+            "met nor failed)."
+            if unjudged
+            else ""
+        ),
         "",
-    ]  # fmt: skip
+    ]
     rows = [
-        [arm] + [ci(b.get(f"compliance/{n}")) for n in names]
+        [arm]
+        + [ci(b.get(f"compliance/{n}")) for n in names]
         + [ci(b.get(f"unjudged/{n}")) for n in unjudged]
-        for arm, b in boots.items() if b
-    ]  # fmt: skip
+        for arm, b in boots.items()
+        if b
+    ]
     header = ["arm", *names, *(f"unjudged {n}" for n in unjudged)]
     return lines + table(header, rows) + [""]
 
@@ -346,8 +378,15 @@ def _differences_section(res: dict[str, Any]) -> list[str]:
             + [", ".join(f"{s}: {num(v, 3)}" for s, v in per_seed.items()) or "-"]
             + [c["noninferiority"]["verdict"]]
         )
-    header = ["arm", "group", "d compliance", "d task success", "d joint",
-              "d task success per seed", f"non-inferior (margin {st['margin']})"]  # fmt: skip
+    header = [
+        "arm",
+        "group",
+        "d compliance",
+        "d task success",
+        "d joint",
+        "d task success per seed",
+        f"non-inferior (margin {st['margin']})",
+    ]
     return lines + table(header, rows) + [""]
 
 
@@ -372,8 +411,14 @@ def _diagnostic_section(res: dict[str, Any]) -> list[str]:
         "compliance means 'can do when reminded', not 'does by default'.",
         "",
     ]
-    header = ["arm", "compliance plain", "compliance hinted", "hinted - plain",
-              "task success plain", "task success hinted"]  # fmt: skip
+    header = [
+        "arm",
+        "compliance plain",
+        "compliance hinted",
+        "hinted - plain",
+        "task success plain",
+        "task success hinted",
+    ]
     return lines + table(header, rows) + [""]
 
 
@@ -411,9 +456,16 @@ def _costs_section(res: dict[str, Any]) -> list[str]:
                 cells.append(big(c[k]["mean"]))
         rows.append([arm] + cells)
     lines = ["## Costs per arm (mean over seeds)", ""]
-    header = ["arm", "RL wall time (s)", "held-out eval (s)", "sampled tokens",
-              "teacher forward FLOPs", "distilled tokens", "peak memory (B, this run)",
-              "above the run's start (B)"]  # fmt: skip
+    header = [
+        "arm",
+        "RL wall time (s)",
+        "held-out eval (s)",
+        "sampled tokens",
+        "teacher forward FLOPs",
+        "distilled tokens",
+        "peak memory (B, this run)",
+        "above the run's start (B)",
+    ]
     lines += table(header, rows) + [""]
     lines += [
         "Distilled tokens: student tokens under the TG KL mask, summed over the run. Peak "
@@ -454,12 +506,15 @@ def _thinking_control(res: dict[str, Any]) -> list[str]:
         lines += [
             f"Thinking-token control: `{arm}` distilled {big(think['mean'])} tokens, "
             f"`{THINKING_BASE}` {big(base['mean'])} (ratio {num(ratio)}): "
-            + ("an equal distilled-token budget (within 10%), so their difference is the "
-               "thinking tokens' effect." if equal else
-               "NOT an equal distilled-token budget (more than 10% apart): part of their "
-               "difference may be the amount of distillation, not the thinking tokens."),
+            + (
+                "an equal distilled-token budget (within 10%), so their difference is the "
+                "thinking tokens' effect."
+                if equal
+                else "NOT an equal distilled-token budget (more than 10% apart): part of their "
+                "difference may be the amount of distillation, not the thinking tokens."
+            ),
             "",
-        ]  # fmt: skip
+        ]
     return lines
 
 
@@ -468,10 +523,14 @@ def _stability_section(res: dict[str, Any]) -> list[str]:
     for arm, a in res["arms"].items():
         st = a.get("stability") or {}
         b = a["heldout"].get("plain", {}).get("bootstrap", {})
-        rows.append([
-            arm, pm(st.get("oscillation"), 3), pm(st.get("malformed_train")),
-            ci(b.get("actions/malformed")),
-        ])  # fmt: skip
+        rows.append(
+            [
+                arm,
+                pm(st.get("oscillation"), 3),
+                pm(st.get("malformed_train")),
+                ci(b.get("actions/malformed")),
+            ]
+        )
     if not rows:
         return []
     steps = next(iter(res["arms"].values())).get("stability", {}).get("steps", "n/a")
@@ -484,8 +543,7 @@ def _stability_section(res: dict[str, Any]) -> list[str]:
         f"and held-out ({round(100 * res['settings']['level'])}% cluster bootstrap CI).",
         "",
     ]
-    header = ["arm", "oscillation", "malformed / episode (train)",
-              "malformed / episode (held-out)"]  # fmt: skip
+    header = ["arm", "oscillation", "malformed / episode (train)", "malformed / episode (held-out)"]
     return lines + table(header, rows) + [""]
 
 
@@ -508,8 +566,12 @@ def _leakage_section(res: dict[str, Any]) -> list[str]:
         "context; on hinted prompts the hint is in its context.",
         "",
     ]
-    header = ["arm", "train (last steps, mean +- std over seeds)", "held-out plain",
-              "held-out hinted"]  # fmt: skip
+    header = [
+        "arm",
+        "train (last steps, mean +- std over seeds)",
+        "held-out plain",
+        "held-out hinted",
+    ]
     return lines + table(header, rows) + [""]
 
 
@@ -532,9 +594,15 @@ def _group_sections(res: dict[str, Any]) -> list[str]:
                 + [ci(c["difference"].get("task_success"), 3) if c else "n/a"]
                 + [c["noninferiority"]["verdict"] if c else "n/a"]
             )
-        header = ["arm", "what changes", "train compliance (last K, not a CI)",
-                  "held-out compliance", "held-out task success",
-                  f"d task success vs {st['baseline']}", "non-inferior"]  # fmt: skip
+        header = [
+            "arm",
+            "what changes",
+            "train compliance (last K, not a CI)",
+            "held-out compliance",
+            "held-out task success",
+            f"d task success vs {st['baseline']}",
+            "non-inferior",
+        ]
         lines += table(header, rows) + [""]
     return lines
 
@@ -561,11 +629,23 @@ def _plots_section(res: dict[str, Any]) -> list[str]:
 
 def render_markdown(res: dict[str, Any]) -> str:
     """report.md from `compute_results` output, section by section."""
-    sections = (_verdict_section, _references_section, _context_section, _train_section,
-                _heldout_section, _requirements_section,
-                _differences_section, _diagnostic_section, _side_effects_section,
-                _costs_section, _stability_section, _leakage_section, budget_section,
-                _group_sections, _plots_section)  # fmt: skip
+    sections = (
+        _verdict_section,
+        _references_section,
+        _context_section,
+        _train_section,
+        _heldout_section,
+        _requirements_section,
+        _differences_section,
+        _diagnostic_section,
+        _side_effects_section,
+        _costs_section,
+        _stability_section,
+        _leakage_section,
+        budget_section,
+        _group_sections,
+        _plots_section,
+    )
     lines = ["# GRPO vs targeted guidance: report", ""]
     for section in sections:
         lines += section(res)

@@ -18,8 +18,11 @@ def budget_section(res: dict[str, Any]) -> list[str]:
     check = res.get("budget_check") or budget_check(res)
     tuning = (res.get("context") or {}).get("tuning")
     arms = ", ".join(f"`{a}`" for a in res["arms"])
-    lr = (f"learning rate {b['lr']:g} for every arm, not tuned (one trial each)" if not tuning
-          else "each arm's learning rate chosen by the procedure below")  # fmt: skip
+    lr = (
+        f"learning rate {b['lr']:g} for every arm, not tuned (one trial each)"
+        if not tuning
+        else "each arm's learning rate chosen by the procedure below"
+    )
     lines = [
         "## Equal tuning budget",
         "",
@@ -29,10 +32,11 @@ def budget_section(res: dict[str, Any]) -> list[str]:
         f"turn and {b['max_turns'] or 'environment-set'} turn(s) per episode (sampled-token cap "
         f"{cap}), {lr} (schedule {b['lr_schedule']}), training seeds "
         f"{b['train_seeds']}, {b['heldout_tasks']} held-out tasks. "
-        + ("The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). "
-           if check["declared_equal"]
-           else "**The arms' declared budgets differ: the comparison is not at an equal "
-           "budget.** ")
+        + (
+            "The arms differ only in their overrides (tg_jax.train.pipeline.ARMS). "
+            if check["declared_equal"]
+            else "**The arms' declared budgets differ: the comparison is not at an equal budget.** "
+        )
         + _measured_text(check)
         + "Every setting, and the tuning procedure if any, was fixed in the config and the "
         "pre-registration before the first RL step. What was decided before the final "
@@ -40,7 +44,7 @@ def budget_section(res: dict[str, Any]) -> list[str]:
         "periodic evaluation during RL the dev split, learning-rate trials a validation split "
         "of the train tasks; the held-out reads are listed under Setting.",
         "",
-    ]  # fmt: skip
+    ]
     return lines + (_tuning_lines(tuning) if tuning else [])
 
 
@@ -64,9 +68,15 @@ def budget_check(res: dict[str, Any]) -> dict[str, Any]:
     # What each arm's training cost beside the budget: reported, not equalised (TG's teacher
     # forward is its method's cost; the arms are compared at equal sampling and tuning).
     compute = {k: _per_arm(res, k) for k in COMPUTE_KEYS}
-    return {"declared_equal": declared, "sampled_tokens": used, "sampled_tokens_ratio": ratio,
-            "tolerance": BUDGET_TOLERANCE, "tuning_trials": trials, "compute": compute,
-            "equal": declared and within and trials_equal}  # fmt: skip
+    return {
+        "declared_equal": declared,
+        "sampled_tokens": used,
+        "sampled_tokens_ratio": ratio,
+        "tolerance": BUDGET_TOLERANCE,
+        "tuning_trials": trials,
+        "compute": compute,
+        "equal": declared and within and trials_equal,
+    }
 
 
 # The compute each arm used (RunResult.costs keys, mean over seeds), beside the budget.
@@ -86,9 +96,11 @@ def _measured_text(check: dict[str, Any]) -> str:
         return ""
     each = ", ".join(f"`{a}` {big(v)}" for a, v in check["sampled_tokens"].items())
     tol = check["tolerance"]
-    verdict = (f"within the {tol:.0%} tolerance" if ratio <= 1 + tol
-               else f"**beyond the {tol:.0%} tolerance: the arms used unequal "
-               "sampling budgets**")  # fmt: skip
+    verdict = (
+        f"within the {tol:.0%} tolerance"
+        if ratio <= 1 + tol
+        else f"**beyond the {tol:.0%} tolerance: the arms used unequal sampling budgets**"
+    )
     out = f"Measured sampled tokens per seed: {each} (max / min {ratio:.2f}, {verdict}). "
     if len(set(check.get("tuning_trials", {}).values())) > 1:
         out += f"**Unequal learning-rate trials per arm: {check['tuning_trials']}.** "
@@ -109,8 +121,10 @@ def _compute_text(compute: dict[str, dict[str, float]]) -> str:
             parts.append(f"{name} " + ", ".join(f"`{a}` {fmt(v)}" for a, v in per.items()))
     if not parts:
         return ""
-    return ("Compute per seed beside the budget (reported, not equalised: the teacher's "
-            "forward is TG's cost): " + "; ".join(parts) + ". ")  # fmt: skip
+    return (
+        "Compute per seed beside the budget (reported, not equalised: the teacher's "
+        "forward is TG's cost): " + "; ".join(parts) + ". "
+    )
 
 
 def _tuning_lines(t: dict[str, Any]) -> list[str]:
@@ -118,8 +132,10 @@ def _tuning_lines(t: dict[str, Any]) -> list[str]:
     lrs = t["lrs"]
     rows = []
     for arm, a in t["arms"].items():
-        cells = [f"{x['score']:.3f} (task {x['task_success']:.2f}, compliance "
-                 f"{x['compliance']:.2f})" for x in a["trials"]]  # fmt: skip
+        cells = [
+            f"{x['score']:.3f} (task {x['task_success']:.2f}, compliance {x['compliance']:.2f})"
+            for x in a["trials"]
+        ]
         rows.append([f"`{arm}`", *cells, f"{a['chosen_lr']:g}"])
     return [
         f"Learning-rate trials (tg_jax.train.tuning): every arm trained once per rate "

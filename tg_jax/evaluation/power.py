@@ -108,9 +108,14 @@ def power(comp: Components, seeds: int, *, margin: float, level: float, delta: f
 
 
 def seeds_needed(
-    comp: Components, *, margin: float, level: float, delta: float, target: float,
+    comp: Components,
+    *,
+    margin: float,
+    level: float,
+    delta: float,
+    target: float,
     max_seeds: int = 64,
-) -> int | None:  # fmt: skip
+) -> int | None:
     """The fewest seeds (>= stats.MIN_SEEDS) whose power reaches `target`, None up to
     `max_seeds`."""
     for s in range(stats.MIN_SEEDS, max_seeds + 1):
@@ -119,8 +124,9 @@ def seeds_needed(
     return None
 
 
-def clusters_needed(comp: Components, *, margin: float, level: float, delta: float,
-                    target: float) -> int | None:  # fmt: skip
+def clusters_needed(
+    comp: Components, *, margin: float, level: float, delta: float, target: float
+) -> int | None:
     """Clusters needed when seeds alone cannot reach the target: with infinitely many seeds
     se^2 -> var_i / C, so C >= var_i * ((z_a + z_p) / (delta + margin))^2."""
     if delta + margin <= 0:
@@ -153,8 +159,15 @@ def pilot_table(workdir: str, candidate: str, baseline: str, metric: str) -> np.
     return np.asarray(rows)
 
 
-def report(comp: Components, *, margin: float, level: float, delta: float, target: float,
-           max_seeds: int = 12) -> str:  # fmt: skip
+def report(
+    comp: Components,
+    *,
+    margin: float,
+    level: float,
+    delta: float,
+    target: float,
+    max_seeds: int = 12,
+) -> str:
     """The components, a power table and the answer, as text."""
     lines = [
         f"pilot: {comp.seeds} seeds x {comp.clusters} clusters, mean difference {comp.mean:+.4f}",
@@ -198,8 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, KeyError, OSError) as e:
         print(f"error: {e}")
         return 2
-    print(report(comp, margin=args.margin, level=args.level, delta=args.delta,
-                 target=args.power))  # fmt: skip
+    print(report(comp, margin=args.margin, level=args.level, delta=args.delta, target=args.power))
     return 0
 
 

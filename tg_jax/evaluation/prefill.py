@@ -67,8 +67,10 @@ class PrefillSampler:
         self.prefill = renderer.tokenizer.encode(prefill)
         self.after_thinking = bool(after_thinking)
         self.forced_after = renderer.tokenizer.encode(separator + prefill)
-        self._think = (renderer.tokenizer.special_id(THINK_START),
-                       renderer.tokenizer.special_id(THINK_END))  # fmt: skip
+        self._think = (
+            renderer.tokenizer.special_id(THINK_START),
+            renderer.tokenizer.special_id(THINK_END),
+        )
         self._header = renderer.tokenizer.decode(renderer.assistant_header())
         self._decode = renderer.tokenizer.decode
 
@@ -93,24 +95,33 @@ class PrefillSampler:
         )
 
         def lead(rows, values):
-            return [np.concatenate([np.asarray(values if f else [], r.dtype), r])
-                    for r, f in zip(rows, first, strict=True)]  # fmt: skip
+            return [
+                np.concatenate([np.asarray(values if f else [], r.dtype), r])
+                for r, f in zip(rows, first, strict=True)
+            ]
 
         zeros = [0.0] * n
         return SampleResult(
-            lead(out.tokens, self.prefill), lead(out.logprobs, zeros),
-            lead(out.raw_logprobs, zeros), out.stopped, out.prefill_tokens,
-        )  # fmt: skip
+            lead(out.tokens, self.prefill),
+            lead(out.logprobs, zeros),
+            lead(out.raw_logprobs, zeros),
+            out.stopped,
+            out.prefill_tokens,
+        )
 
     def _sub(self, params, prompts, rows, budgets, kw, *, stop_ids, rng):
         """The inner sampler on `rows` only (their prompts, budgets, stop lists, row ids)."""
         row_ids = kw.get("row_ids")
         extra = {k: v for k, v in kw.items() if k not in ("stop_ids", "rng", "row_ids")}
         return self.sampler.sample(
-            params, [prompts[i] for i in rows], max_new_tokens=[int(budgets[i]) for i in rows],
-            stop_ids=[list(stop_ids[i]) for i in rows], rng=rng,
-            row_ids=None if row_ids is None else [row_ids[i] for i in rows], **extra,
-        )  # fmt: skip
+            params,
+            [prompts[i] for i in rows],
+            max_new_tokens=[int(budgets[i]) for i in rows],
+            stop_ids=[list(stop_ids[i]) for i in rows],
+            rng=rng,
+            row_ids=None if row_ids is None else [row_ids[i] for i in rows],
+            **extra,
+        )
 
     def _sample_after_thinking(self, params, prompts, first, budgets, kw):
         kw = {k: v for k, v in kw.items() if k not in ("cache", "keys")}
@@ -119,8 +130,7 @@ class PrefillSampler:
         prompts = [list(p) for p in prompts]
         # Phase 1: every row as usual, the first turns stopping at their </think> as well.
         stop1 = [s + (self._think[1],) if f else s for s, f in zip(per_row, first, strict=True)]
-        out = self._sub(params, prompts, range(len(prompts)), budgets, kw, stop_ids=stop1,
-                        rng=rng)  # fmt: skip
+        out = self._sub(params, prompts, range(len(prompts)), budgets, kw, stop_ids=stop1, rng=rng)
         tokens = [np.asarray(t) for t in out.tokens]
         lps, raw = [np.asarray(x) for x in out.logprobs], [np.asarray(x) for x in out.raw_logprobs]
         stopped = np.asarray(out.stopped).copy()
@@ -147,8 +157,9 @@ class PrefillSampler:
             head = {i: len(tokens[i]) if keep_head else 0 for i in rows}
             conts = {i: prompts[i] + tokens[i][: head[i]].tolist() + lead for i in rows}
             rest = {i: int(budgets[i]) - head[i] - len(lead) for i in rows}
-            o = self._sub(params, conts, rows, rest, kw, stop_ids=per_row,
-                          rng=jax.random.fold_in(rng, phase))  # fmt: skip
+            o = self._sub(
+                params, conts, rows, rest, kw, stop_ids=per_row, rng=jax.random.fold_in(rng, phase)
+            )
             zeros = np.zeros(len(lead), np.float32)
             for k, i in enumerate(rows):
                 n, forced = head[i], np.asarray(lead, o.tokens[k].dtype)
@@ -167,8 +178,9 @@ def summarize(records: Sequence[EpisodeRecord], seed: int = 0) -> dict[str, Any]
     if not records:
         raise ValueError("no records")
     success = np.array([float(r.task_success) for r in records])
-    ci = stats.bootstrap_ci(success, clusters_N=[r.cluster_id or r.task_id for r in records],
-                            seed=seed)  # fmt: skip
+    ci = stats.bootstrap_ci(
+        success, clusters_N=[r.cluster_id or r.task_id for r in records], seed=seed
+    )
     names = sorted({n for r in records for n in r.compliance})
     return {
         "episodes": len(records),
@@ -176,7 +188,7 @@ def summarize(records: Sequence[EpisodeRecord], seed: int = 0) -> dict[str, Any]
         "task_success_ci": [ci.low, ci.high],
         "compliance": {
             n: float(np.mean([r.compliance.get(n, False) for r in records])) for n in names
-        },  # fmt: skip
+        },
         "ran_tests": float(np.mean([r.actions.get("run_tests", 0) > 0 for r in records])),
         "malformed_per_episode": float(np.mean([r.actions.get("malformed", 0) for r in records])),
     }
@@ -206,24 +218,37 @@ def evaluate_prefill(
     forced = PrefillSampler(sampler, renderer, prefill, after_thinking=after_thinking)
     for name, s in (("plain", sampler), ("prefilled", forced)):
         records = heldout.evaluate_heldout(
-            config, params, tasks, conditions=("plain",), samples_per_task=samples_per_task,
-            sampler=s, renderer=renderer,
-        )  # fmt: skip
+            config,
+            params,
+            tasks,
+            conditions=("plain",),
+            samples_per_task=samples_per_task,
+            sampler=s,
+            renderer=renderer,
+        )
         out[name] = summarize(records)
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True,
-                        help="config file (its env and eval), FILE or FILE:ARG")  # fmt: skip
+    parser.add_argument(
+        "--config", required=True, help="config file (its env and eval), FILE or FILE:ARG"
+    )
     parser.add_argument("--workdir", required=True, help="workdir holding the tfds/ task sets")
     parser.add_argument("--model_dir", required=True, help="checkpoint directory to evaluate")
-    parser.add_argument("--prefill", required=True, help="text opening the first answer "
-                        "(backslash escapes such as \\n are decoded)")  # fmt: skip
-    parser.add_argument("--after_thinking", action="store_true", help="open the format after "
-                        "the first turn's thinking block (else at the turn's start, in its "
-                        "place)")  # fmt: skip
+    parser.add_argument(
+        "--prefill",
+        required=True,
+        help="text opening the first answer (backslash escapes such as \\n are decoded)",
+    )
+    parser.add_argument(
+        "--after_thinking",
+        action="store_true",
+        help="open the format after "
+        "the first turn's thinking block (else at the turn's start, in its "
+        "place)",
+    )
     parser.add_argument("--num_tasks", type=int, default=0, help="0 = config.eval.num_tasks")
     parser.add_argument("--samples", type=int, default=0, help="0 = config.eval.samples_per_task")
     heldout_reads.add_split_flags(parser)
@@ -250,20 +275,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except heldout_reads.HeldoutReadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = evaluate_prefill(config, params, tasks, md.renderer, prefill,
-                              samples_per_task=args.samples or None,
-                              after_thinking=args.after_thinking)  # fmt: skip
+    result = evaluate_prefill(
+        config,
+        params,
+        tasks,
+        md.renderer,
+        prefill,
+        samples_per_task=args.samples or None,
+        after_thinking=args.after_thinking,
+    )
     where = "after the first thinking block" if args.after_thinking else "at the first answer"
     print(f"prefill {prefill!r} {where}, {len(tasks)} {args.split} tasks, model {args.model_dir}")
     for name, s in result.items():
         comp = " ".join(f"{n} {v:.2f}" for n, v in s["compliance"].items())
         lo, hi = s["task_success_ci"]
-        print(f"  {name:9s} task_success {s['task_success']:.3f} [{lo:.3f}, {hi:.3f}]  "
-              f"compliance {comp}  ran tests {s['ran_tests']:.2f}  "
-              f"malformed/episode {s['malformed_per_episode']:.2f}")  # fmt: skip
+        print(
+            f"  {name:9s} task_success {s['task_success']:.3f} [{lo:.3f}, {hi:.3f}]  "
+            f"compliance {comp}  ran tests {s['ran_tests']:.2f}  "
+            f"malformed/episode {s['malformed_per_episode']:.2f}"
+        )
     if args.out:  # a local path or gs://
-        out = {"prefill": prefill, "after_thinking": args.after_thinking,
-               "model_dir": args.model_dir, **result}  # fmt: skip
+        out = {
+            "prefill": prefill,
+            "after_thinking": args.after_thinking,
+            "model_dir": args.model_dir,
+            **result,
+        }
         paths.write_json_atomic(args.out, out, indent=2)
     return 0
 

@@ -39,8 +39,16 @@ from tg_jax.evaluation import ledger, registry
 PREREGISTRATION_FILE = "preregistration.json"
 # The fields compared between the file and the config (besides the arms' configs).
 # (eval.earlier is the registry's to know: a claim's attempts are found by its derived key.)
-EVAL_FIELDS = ("margin", "floor", "collapse_drop", "baseline", "candidate", "level", "hypothesis",
-               "references")  # fmt: skip
+EVAL_FIELDS = (
+    "margin",
+    "floor",
+    "collapse_drop",
+    "baseline",
+    "candidate",
+    "level",
+    "hypothesis",
+    "references",
+)
 ATTEMPT_FILE = "attempt.json"
 BASE_WEIGHTS_FILE = "base_weights.json"
 # The metric every verdict compares (a part of the claim's key).
@@ -51,8 +59,7 @@ ATTEMPTS_PER_POOL = 4
 # Fields of the arms' configs that are no part of the protocol: asking to read the held-out
 # tasks again (the read is recorded and the report lists it) changes no setting of a run, nor
 # does writing its rollouts to disk (rl_loop.dump_rollouts).
-NOT_REGISTERED = (("eval", "reread_heldout"), ("pipeline", "sitting"),
-                  ("rl_loop", "dump_rollouts"))  # fmt: skip
+NOT_REGISTERED = (("eval", "reread_heldout"), ("pipeline", "sitting"), ("rl_loop", "dump_rollouts"))
 
 
 class PreregistrationMismatch(ConfigError):
@@ -103,8 +110,11 @@ def preregister(config: Any, workdir: str, arms_configs: Mapping[str, Any]) -> d
         paths.write_json_atomic(path, record, indent=1, sort_keys=True)
     out = check_preregistration(config, workdir, arms_configs)
     if ev.get("hypothesis"):
-        record = {**{k: ev.get(k) for k in EVAL_FIELDS}, "seeds": list(ev.get("train_seeds", ())),
-                  "machine": machine_info()["cpu_model"]}  # fmt: skip
+        record = {
+            **{k: ev.get(k) for k in EVAL_FIELDS},
+            "seeds": list(ev.get("train_seeds", ())),
+            "machine": machine_info()["cpu_model"],
+        }
         attempt = register_attempt(config, workdir, record, out["sha256"])
         out["registry_id"], out["earlier"] = attempt["id"], list(attempt["earlier"])
         out["level"] = attempt["level"]
@@ -189,9 +199,25 @@ def register_attempt(
                 f"attempt {entry['id']}: the held-out draw from seed {seed} differs from the "
                 f"registered one in {ev.registry} (the task generator changed since)"
             )
-    out = {k: entry[k] for k in ("id", "claim", "attempt", "parts", "hypothesis", "config",
-                                 "candidate", "baseline", "seeds", "margin", "level", "spend",
-                                 "heldout", "earlier")}  # fmt: skip
+    out = {
+        k: entry[k]
+        for k in (
+            "id",
+            "claim",
+            "attempt",
+            "parts",
+            "hypothesis",
+            "config",
+            "candidate",
+            "baseline",
+            "seeds",
+            "margin",
+            "level",
+            "spend",
+            "heldout",
+            "earlier",
+        )
+    }
     out["registry"] = os.fspath(ev.registry)
     out["floor"], out["collapse_drop"] = ev.get("floor"), ev.get("collapse_drop")
     out["tasks"] = [_record(t) for t in drawn[seed]]
@@ -211,10 +237,13 @@ def claim_parts_without_base(config: Any) -> dict[str, Any]:
     if kind == "coding":
         env += ":" + "-".join(task_data.task_settings(config).families)
     return {
-        "env": env, "requirements": list(requirement_names(config.env)), "metric": METRIC,
-        "margin": float(config.eval.margin), "candidate": str(config.eval.candidate),
+        "env": env,
+        "requirements": list(requirement_names(config.env)),
+        "metric": METRIC,
+        "margin": float(config.eval.margin),
+        "candidate": str(config.eval.candidate),
         "baseline": str(config.eval.baseline),
-    }  # fmt: skip
+    }
 
 
 def unit_of(task: Any) -> str:
@@ -273,9 +302,12 @@ def draw_tasks(config: Any, seed: int, exclude: list[str]) -> list[Any]:
         pool = tasks.heldout_functions(t.families)
         try:
             return tasks.draw_heldout(
-                n, seed, max(1, len(pool) // ATTEMPTS_PER_POOL), families=t.families,
+                n,
+                seed,
+                max(1, len(pool) // ATTEMPTS_PER_POOL),
+                families=t.families,
                 exclude=sorted(gone),
-            )  # fmt: skip
+            )
         except ValueError as e:
             raise registry.RegistryError(f"the claim's held-out functions are spent: {e}") from e
     if kind == "swe":
@@ -287,8 +319,10 @@ def draw_tasks(config: Any, seed: int, exclude: list[str]) -> list[Any]:
         cls = environment_class(kind)
 
         def generate(m: int) -> list[Any]:
-            return [decode_task({**r, "kind": PLUGIN_TASK_KIND, "split": "heldout"})
-                    for r in cls.generate_tasks("heldout", m, seed)]  # fmt: skip
+            return [
+                decode_task({**r, "kind": PLUGIN_TASK_KIND, "split": "heldout"})
+                for r in cls.generate_tasks("heldout", m, seed)
+            ]
 
     m = n
     while True:  # more tasks generated until n are fresh (and distinct)
@@ -341,8 +375,11 @@ def check_preregistration(
     raw = path.read_bytes()
     stored, now = json.loads(raw), preregistration(config, arms_configs)
     # A field added after the file was written is absent there: equal when empty.
-    diffs = [f"eval.{k}: file {stored.get(k)!r}, config {now[k]!r}" for k in EVAL_FIELDS
-             if stored.get(k) != now[k] and (k in stored or now[k] not in (None, []))]  # fmt: skip
+    diffs = [
+        f"eval.{k}: file {stored.get(k)!r}, config {now[k]!r}"
+        for k in EVAL_FIELDS
+        if stored.get(k) != now[k] and (k in stored or now[k] not in (None, []))
+    ]
     old_arms, new_arms = stored.get("arms", {}), now["arms"]
     if sorted(old_arms) != sorted(new_arms):  # the file's keys are sorted; order is no setting
         diffs.append(f"arms: file {sorted(old_arms)}, config {sorted(new_arms)}")
@@ -350,10 +387,11 @@ def check_preregistration(
         diffs += [f"arm {a!r}: its config differs" for a in new_arms if old_arms[a] != new_arms[a]]
     if diffs:
         raise PreregistrationMismatch(
-            f"the config differs from the pre-registration {path}:\n  " + "\n  ".join(diffs)
+            f"the config differs from the pre-registration {path}:\n  "
+            + "\n  ".join(diffs)
             + "\nRun with the registered settings, or use a new workdir for a new protocol "
             "(deleting the file after seeing results defeats its purpose)."
-        )  # fmt: skip
+        )
     return {"path": os.fspath(path), "sha256": hashlib.sha256(raw).hexdigest()}
 
 
@@ -408,16 +446,21 @@ def describe_draw(config: Any, workdir: str) -> str:
     )
 
 
-def record_run(cfg: Any, workdir: str, arm: str, seed: int | None, records: Sequence[Any],
-               policy_dir: str) -> str | None:  # fmt: skip
+def record_run(
+    cfg: Any, workdir: str, arm: str, seed: int | None, records: Sequence[Any], policy_dir: str
+) -> str | None:
     """The pipeline's hook after a run's final evaluation: its ledger file when the workdir's
     runs belong to a registered attempt (`attempt_of`), else nothing (None)."""
     attempt = attempt_of(workdir)
     if attempt is None or not multihost.is_primary():
         return None
     return ledger.write_run(
-        attempt, arm, seed, ledger.outcomes(records),
-        policy_sha256=weights_sha256(policy_dir), commit=ledger.git_commit(),
+        attempt,
+        arm,
+        seed,
+        ledger.outcomes(records),
+        policy_sha256=weights_sha256(policy_dir),
+        commit=ledger.git_commit(),
         config=json.loads(json.dumps(cfg.to_dict(), default=str)),
         machine=machine_info(),
-    )  # fmt: skip
+    )

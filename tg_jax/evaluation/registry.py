@@ -162,30 +162,48 @@ def budget(entries: dict[str, dict[str, Any]], claim: str) -> dict[str, Any]:
         share, used = RULES[rule](alpha, k), spent(e)
         total += used
         outcome = e.get("outcome") or {}
-        rows.append({
-            "id": key, "attempt": k, "share": share, "spent": used,
-            "level": None if outcome.get("verdict") == "abandoned"
-            else outcome.get("level") or e.get("decided_level") or e.get("level"),
-            "verdict": outcome.get("verdict"),
-            "superseded": used > share * (1 + 1e-9) and outcome.get("verdict") is not None,
-        })  # fmt: skip
-    return {"claim": claim, "alpha": alpha, "rule": rule, "attempts": rows, "spent": total,
-            "left": alpha - total}  # fmt: skip
+        rows.append(
+            {
+                "id": key,
+                "attempt": k,
+                "share": share,
+                "spent": used,
+                "level": None
+                if outcome.get("verdict") == "abandoned"
+                else outcome.get("level") or e.get("decided_level") or e.get("level"),
+                "verdict": outcome.get("verdict"),
+                "superseded": used > share * (1 + 1e-9) and outcome.get("verdict") is not None,
+            }
+        )
+    return {
+        "claim": claim,
+        "alpha": alpha,
+        "rule": rule,
+        "attempts": rows,
+        "spent": total,
+        "left": alpha - total,
+    }
 
 
 def describe_budget(b: dict[str, Any], label: str = "") -> list[str]:
     """Lines for a terminal: the claim, each attempt's share, spend and verdict, what is left."""
-    head = f"claim {b['claim']}{' (' + label + ')' if label else ''}: one-sided alpha " \
-           f"{b['alpha']:g} by {b['rule']}"  # fmt: skip
+    head = (
+        f"claim {b['claim']}{' (' + label + ')' if label else ''}: one-sided alpha "
+        f"{b['alpha']:g} by {b['rule']}"
+    )
     lines = [head]
     for r in b["attempts"]:
         level = f" at {r['level']:.4g}" if r["level"] else ""
         mark = "  SUPERSEDED (decided at more than its share)" if r["superseded"] else ""
-        lines.append(f"  {r['id']}: share {r['share']:.5f}, spent {r['spent']:.5f}, "
-                     f"{r['verdict'] or 'no verdict yet'}{level}{mark}")  # fmt: skip
+        lines.append(
+            f"  {r['id']}: share {r['share']:.5f}, spent {r['spent']:.5f}, "
+            f"{r['verdict'] or 'no verdict yet'}{level}{mark}"
+        )
     left = b["left"]
-    lines.append(f"  spent {b['spent']:.5f}, left {max(left, 0.0):.5f}"
-                 + (f" (overspent by {-left:.5f})" if left < 0 else ""))  # fmt: skip
+    lines.append(
+        f"  spent {b['spent']:.5f}, left {max(left, 0.0):.5f}"
+        + (f" (overspent by {-left:.5f})" if left < 0 else "")
+    )
     return lines
 
 
@@ -279,16 +297,26 @@ def register(
     seed = draw_seed(claim, k)
     units, n_tasks = draw(seed, read_units(entries, known))
     entry = {
-        "id": f"{claim}#{k}", "claim": claim, "attempt": k, "parts": parts,
-        "hypothesis": ev.hypothesis, "date": datetime.date.today().isoformat(),
-        "config": prereg_sha256, "candidate": record.get("candidate"),
-        "baseline": record.get("baseline"), "seeds": list(record.get("seeds") or []),
-        "margin": record.get("margin"), "level": 1.0 - 2.0 * share,
+        "id": f"{claim}#{k}",
+        "claim": claim,
+        "attempt": k,
+        "parts": parts,
+        "hypothesis": ev.hypothesis,
+        "date": datetime.date.today().isoformat(),
+        "config": prereg_sha256,
+        "candidate": record.get("candidate"),
+        "baseline": record.get("baseline"),
+        "seeds": list(record.get("seeds") or []),
+        "margin": record.get("margin"),
+        "level": 1.0 - 2.0 * share,
         "spend": {"alpha": alpha, "rule": rule, "share": share},
         "heldout": {"seed": seed, "units": list(units), "tasks": int(n_tasks)},
-        "interval": record.get("ni_interval"), "machine": record.get("machine", ""),
-        "earlier": known, "workdir": os.fspath(workdir), "outcome": None,
-    }  # fmt: skip
+        "interval": record.get("ni_interval"),
+        "machine": record.get("machine", ""),
+        "earlier": known,
+        "workdir": os.fspath(workdir),
+        "outcome": None,
+    }
     _append(ev.registry, entry)
     for line in describe_budget(budget(read(ev.registry), claim), str(ev.hypothesis)):
         print(f"registry: {line}")
@@ -297,8 +325,12 @@ def register(
 
 def record_outcome(registry: str, key: str, ni: dict[str, Any]) -> None:
     """Appends the verdict of attempt `key` (the report's noninferiority dict)."""
-    outcome = {"verdict": ni.get("verdict"), "difference": ni.get("mean"),
-               "low": ni.get("lower"), "level": ni.get("level")}  # fmt: skip
+    outcome = {
+        "verdict": ni.get("verdict"),
+        "difference": ni.get("mean"),
+        "low": ni.get("lower"),
+        "level": ni.get("level"),
+    }
     _append(registry, {"id": key, "date": datetime.date.today().isoformat(), "outcome": outcome})
 
 

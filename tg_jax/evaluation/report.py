@@ -131,9 +131,16 @@ def compute_time(
     evals = [float(r.costs["eval_wall_time_s"]) for r in runs if "eval_wall_time_s" in r.costs]
     total = rl_s + sum(evals) + (sft_wall_s or 0.0) + (tune_wall_s or 0.0)
     complete = len(evals) == len(runs) and sft_wall_s is not None
-    return {"sft_s": sft_wall_s, "tune_s": tune_wall_s, "rl_s": rl_s, "eval_s": sum(evals),
-            "runs": len(runs), "eval_runs": len(evals), "total_s": total,
-            "complete": complete}  # fmt: skip
+    return {
+        "sft_s": sft_wall_s,
+        "tune_s": tune_wall_s,
+        "rl_s": rl_s,
+        "eval_s": sum(evals),
+        "runs": len(runs),
+        "eval_runs": len(evals),
+        "total_s": total,
+        "complete": complete,
+    }
 
 
 def compute_results(

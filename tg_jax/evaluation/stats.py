@@ -544,12 +544,17 @@ def compare_arms(
     )
     ni["seeds"] = {"candidate": sorted(candidate), "baseline": sorted(baseline)}
     _decide(ni, b_means, len(common), floor, base_success, collapse_drop)
-    return {"difference": diff, "per_seed": per_seed, "paired_seeds": common,
-            "noninferiority": ni}  # fmt: skip
+    return {"difference": diff, "per_seed": per_seed, "paired_seeds": common, "noninferiority": ni}
 
 
-def _decide(ni: dict, b_means: Mapping[int, float], seeds: int, floor: float,
-            base_success: float | None, collapse_drop: float) -> None:  # fmt: skip
+def _decide(
+    ni: dict,
+    b_means: Mapping[int, float],
+    seeds: int,
+    floor: float,
+    base_success: float | None,
+    collapse_drop: float,
+) -> None:
     """Sets ni's "not meaningful" (a baseline seed under the floor, or more than
     `collapse_drop` under the base model's own task success) or "exploratory" (under MIN_SEEDS
     seeds), with "why" and "collapsed_baseline_seeds"."""

@@ -84,8 +84,13 @@ NO_ARMS = tuple(f"no_{name}" for name in (*REQUIREMENT_NAMES, JUDGED))
 ARMS = ("expert", *NO_ARMS, "weak", "ask_then_stop", "ask_when_approved", "explain_then_stop")
 REASONED = agents.Style(report_reason=True)  # the expert's style: every requirement met
 _REASON = re.compile(r"\b(because|since|so that|which restores)\b", re.IGNORECASE)
-SIDE_EFFECTS = ("ask_user", "overwrite", "stopped_after_ask", "asked_when_approved",
-                "stopped_after_explain")  # fmt: skip
+SIDE_EFFECTS = (
+    "ask_user",
+    "overwrite",
+    "stopped_after_ask",
+    "asked_when_approved",
+    "stopped_after_explain",
+)
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hf_swe.py")
 ROLLOUT = rollout.RolloutConfig(max_new_tokens=1 << 16, max_total_tokens=1 << 20)
 JSON_FILE, MD_FILE = "swe_protocol.json", "swe_protocol.md"
@@ -162,8 +167,13 @@ def judged_requirement(args: argparse.Namespace) -> Any:
 
         fn: Any = ModelJudge(args.judge_model, RUBRIC)
     else:
-        fn = judge.ScriptedJudge(gives_reason, name=JUDGED, false_positive=args.judge_fp,
-                                 false_negative=args.judge_fn, seed=args.seed)  # fmt: skip
+        fn = judge.ScriptedJudge(
+            gives_reason,
+            name=JUDGED,
+            false_positive=args.judge_fp,
+            false_negative=args.judge_fn,
+            seed=args.seed,
+        )
     return judge.judged_requirement(
         JUDGED, fn, "Reminder: say in the report why your change fixes the bug.", applies=is_report
     )
@@ -185,9 +195,13 @@ def judge_figures(req: Any, turns: Sequence[str]) -> dict[str, Any]:
     (`judge_agreement.agreement` with the rule as the labels; its cached verdicts: the ones the
     environments recorded)."""
     got = agreement(req, [(t, gives_reason(t)) for t in turns])
-    return {"judge/turns": got["num_judged"], "judge/unjudged": got["unjudged"],
-            "judge/accuracy": got["accuracy"], "judge/false_positive": got["false_positive_rate"],
-            "judge/false_negative": got["false_negative_rate"]}  # fmt: skip
+    return {
+        "judge/turns": got["num_judged"],
+        "judge/unjudged": got["unjudged"],
+        "judge/accuracy": got["accuracy"],
+        "judge/false_positive": got["false_positive_rate"],
+        "judge/false_negative": got["false_negative_rate"],
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,8 +386,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 done += 1
                 bar.update(done)
 
-            episodes = play_arm(arm, tasks, make_env, seed=args.seed, renderer=renderer,
-                                on_episode=tick)  # fmt: skip
+            episodes = play_arm(
+                arm, tasks, make_env, seed=args.seed, renderer=renderer, on_episode=tick
+            )
             figures[arm] = arm_figures(episodes, n_boot=args.n_boot, seed=args.seed)
             turns = [t for task in tasks for t in arm_turns(arm, arm_task(arm, task), args.seed)]
             figures[arm].update(judge_figures(judged, turns))

@@ -90,11 +90,16 @@ def format_profile(rows: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True,
-                        help="config file (its env and eval), FILE or FILE:ARG")  # fmt: skip
+    parser.add_argument(
+        "--config", required=True, help="config file (its env and eval), FILE or FILE:ARG"
+    )
     parser.add_argument("--workdir", required=True, help="workdir holding the tfds/ task sets")
-    parser.add_argument("--model_dir", required=True, action="append",
-                        help="checkpoint directory to profile (repeat for several)")  # fmt: skip
+    parser.add_argument(
+        "--model_dir",
+        required=True,
+        action="append",
+        help="checkpoint directory to profile (repeat for several)",
+    )
     parser.add_argument("--num_tasks", type=int, default=0, help="0 = config.eval.num_tasks")
     parser.add_argument("--samples", type=int, default=0, help="0 = config.eval.samples_per_task")
     heldout_reads.add_split_flags(parser)
@@ -119,9 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = hf_dir.resolve_config(base, md)
         params = md.load_params(ModelConfig.from_config(config.model))
         records, trajs = heldout.heldout_episodes(
-            config, params, tasks, conditions=("plain",), samples_per_task=args.samples or None,
-            sampler=heldout.make_sampler(config, md.renderer), renderer=md.renderer,
-        )  # fmt: skip
+            config,
+            params,
+            tasks,
+            conditions=("plain",),
+            samples_per_task=args.samples or None,
+            sampler=heldout.make_sampler(config, md.renderer),
+            renderer=md.renderer,
+        )
         rows = turn_profile(trajs, md.renderer)
         success = float(np.mean([r.task_success for r in records])) if records else 0.0
         result[model_dir] = {"episodes": len(records), "task_success": success, "turns": rows}

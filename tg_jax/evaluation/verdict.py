@@ -37,13 +37,16 @@ def compute(directory: str) -> dict[str, Any]:
 
     attempt, runs = ledger.read_attempt(directory)
     out: dict[str, Any] = {
-        "attempt": attempt["id"], "hypothesis": attempt.get("hypothesis"),
-        "candidate": attempt["candidate"], "baseline": attempt["baseline"],
-        "margin": float(attempt["margin"]), "level": float(attempt["level"]),
+        "attempt": attempt["id"],
+        "hypothesis": attempt.get("hypothesis"),
+        "candidate": attempt["candidate"],
+        "baseline": attempt["baseline"],
+        "margin": float(attempt["margin"]),
+        "level": float(attempt["level"]),
         "spent": (attempt.get("spend") or {}).get("share"),
         "missing": [f"{a}_seed{s}" for a, s in ledger.missing(attempt, runs)],
         "verdict": None,
-    }  # fmt: skip
+    }
     if out["missing"]:
         return out
     seeds = [int(s) for s in attempt["seeds"]]
@@ -57,21 +60,31 @@ def compute(directory: str) -> dict[str, Any]:
         base_success = float(table["task_success"].mean())
     try:
         res = stats.compare_arms(
-            cand, base, margin=out["margin"], floor=float(attempt.get("floor") or 0.0),
+            cand,
+            base,
+            margin=out["margin"],
+            floor=float(attempt.get("floor") or 0.0),
             base_success=base_success,
             collapse_drop=float(drop) if drop is not None else ReportSettings.collapse_drop,
             level=out["level"],
-        )  # fmt: skip
+        )
     except ValueError as e:
         raise ledger.LedgerError(f"{directory}: {e}") from e
     ni, diff = res["noninferiority"], res["difference"]["task_success"]
-    out.update({
-        "verdict": ni["verdict"], "difference": diff["mean"], "low": diff["low"],
-        "high": diff["high"], "seeds": len(seeds), "clusters": diff["clusters"],
-        "tasks": len(runs[(attempt["candidate"], seeds[0])]["outcomes"]),
-        "why": ni.get("why"), "per_seed": res["per_seed"].get("task_success"),
-        "base_success": base_success,
-    })  # fmt: skip
+    out.update(
+        {
+            "verdict": ni["verdict"],
+            "difference": diff["mean"],
+            "low": diff["low"],
+            "high": diff["high"],
+            "seeds": len(seeds),
+            "clusters": diff["clusters"],
+            "tasks": len(runs[(attempt["candidate"], seeds[0])]["outcomes"]),
+            "why": ni.get("why"),
+            "per_seed": res["per_seed"].get("task_success"),
+            "base_success": base_success,
+        }
+    )
     return out
 
 
@@ -98,8 +111,11 @@ def describe(v: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--attempt", required=True, help="the attempt id, <claim>#<k>")
-    parser.add_argument("--registry", default=registry.DEFAULT_REGISTRY,
-                        help="the registry beside which the ledger lies")  # fmt: skip
+    parser.add_argument(
+        "--registry",
+        default=registry.DEFAULT_REGISTRY,
+        help="the registry beside which the ledger lies",
+    )
     parser.add_argument("--json", action="store_true", help="print the verdict as JSON")
     args = parser.parse_args(argv)
     try:

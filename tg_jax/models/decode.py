@@ -185,9 +185,16 @@ def prefill(
         if i < len(weights.layers) - 1 or routes:
             # Causal attention of the prompt block over its own keys, in causal query blocks
             # (the masked upper triangle beyond a block is never computed).
-            out_BxPxNxH = attend(q_BxPxNxH, k_BxKxHxP, v_BxKxPxH, causal_1xPxP, dtype=dt,
-                                 slot_minor=True, query_block=_PREFILL_QUERY_BLOCK,
-                                 causal_keys=0)  # fmt: skip
+            out_BxPxNxH = attend(
+                q_BxPxNxH,
+                k_BxKxHxP,
+                v_BxKxPxH,
+                causal_1xPxP,
+                dtype=dt,
+                slot_minor=True,
+                query_block=_PREFILL_QUERY_BLOCK,
+                causal_keys=0,
+            )
             x_BxPxD = _ffn_recording(cfg, w, x_BxPxD, out_BxPxNxH, ids if routes else None)
         else:
             # Past the last layer's keys and values only each row's last prompt token is
@@ -195,17 +202,23 @@ def prefill(
             # step would (about half the prefill FLOPs of a 2-layer model).
             q_Bx1xNxH = jnp.take_along_axis(q_BxPxNxH, last_Bx1x1[..., None], axis=1)
             visible_Bx1xP = (t_P[None, :] <= last_Bx1x1[:, 0])[:, None, :]
-            out_Bx1xNxH = attend(q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt,
-                                 slot_minor=True)  # fmt: skip
+            out_Bx1xNxH = attend(
+                q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt, slot_minor=True
+            )
             x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
             x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
 
     if routes:  # every layer ran for every token: the last prompt token's outputs
         x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
     cache = DecodeCache(
-        tuple(ks), tuple(vs), prompt_lengths_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0],
-        prompt_slots=p, routes=jnp.stack(ids, axis=2).astype(jnp.int16) if routes else None,
-    )  # fmt: skip
+        tuple(ks),
+        tuple(vs),
+        prompt_lengths_B,
+        cos_1xSx1xH2[0, :, 0],
+        sin_1xSx1xH2[0, :, 0],
+        prompt_slots=p,
+        routes=jnp.stack(ids, axis=2).astype(jnp.int16) if routes else None,
+    )
     return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(cache, slots)
 
 
@@ -268,9 +281,12 @@ def keep_context(
     if cache.routes is not None:
         routes = _context(cache.routes[rows_B], src_BxS, lengths_B + generated_B)
     return cache.replace(
-        k=k, v=v, prompt_lengths_B=lengths_B + generated_B, prompt_slots=prompt_slots,
+        k=k,
+        v=v,
+        prompt_lengths_B=lengths_B + generated_B,
+        prompt_slots=prompt_slots,
         routes=routes,
-    )  # fmt: skip
+    )
 
 
 def _context(routes_BxSxLxJ: Array, src_BxS: Array, context_B: Array) -> Array:
@@ -286,8 +302,9 @@ def context_routes(cache: DecodeCache, fed_B: Array) -> Array:
     total = cache.routes.shape[1]
     slot_1xS = jnp.arange(total, dtype=jnp.int32)[None, :]
     lengths_B = cache.prompt_lengths_B
-    src_BxS = jnp.where(slot_1xS < lengths_B[:, None], slot_1xS,
-                        cache.prompt_slots + slot_1xS - lengths_B[:, None])  # fmt: skip
+    src_BxS = jnp.where(
+        slot_1xS < lengths_B[:, None], slot_1xS, cache.prompt_slots + slot_1xS - lengths_B[:, None]
+    )
     return _context(cache.routes, jnp.clip(src_BxS, 0, total - 1), lengths_B + fed_B)
 
 
@@ -371,24 +388,40 @@ def prefill_append(
         ks.append(k_BxKxHxP := _place(k_BxKxHxA, j_BxP, is_new_BxP, cache.k[i], axis=3))
         vs.append(v_BxKxPxH := _place(v_BxKxAxH, j_BxP, is_new_BxP, cache.v[i], axis=2))
         if i < len(weights.layers) - 1 or record:
-            out_BxAxNxH = attend(q_BxAxNxH, k_BxKxHxP, v_BxKxPxH, visible_BxAxP, dtype=dt,
-                                 slot_minor=True, query_block=_PREFILL_QUERY_BLOCK)  # fmt: skip
+            out_BxAxNxH = attend(
+                q_BxAxNxH,
+                k_BxKxHxP,
+                v_BxKxPxH,
+                visible_BxAxP,
+                dtype=dt,
+                slot_minor=True,
+                query_block=_PREFILL_QUERY_BLOCK,
+            )
             x_BxAxD = _ffn_recording(cfg, w, x_BxAxD, out_BxAxNxH, ids if record else None)
         else:
             q_Bx1xNxH = jnp.take_along_axis(q_BxAxNxH, last_Bx1x1[..., None], axis=1)
             visible_Bx1xP = (slot_P[None, :] < end_B[:, None])[:, None, :]
-            out_Bx1xNxH = attend(q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt,
-                                 slot_minor=True)  # fmt: skip
+            out_Bx1xNxH = attend(
+                q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt, slot_minor=True
+            )
             x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
             x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
 
     if record:  # every layer ran for every token: the last new token's outputs
         x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
     out = DecodeCache(
-        tuple(ks), tuple(vs), end_B, cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0], prompt_slots=p,
-        routes=_place(jnp.stack(ids, axis=2).astype(jnp.int16), j_BxP, is_new_BxP, cache.routes,
-                      axis=1) if record else None,  # the new tokens' routing at their slots
-    )  # fmt: skip
+        tuple(ks),
+        tuple(vs),
+        end_B,
+        cos_1xSx1xH2[0, :, 0],
+        sin_1xSx1xH2[0, :, 0],
+        prompt_slots=p,
+        routes=_place(
+            jnp.stack(ids, axis=2).astype(jnp.int16), j_BxP, is_new_BxP, cache.routes, axis=1
+        )
+        if record
+        else None,  # the new tokens' routing at their slots
+    )
     return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(out, slots)
 
 
@@ -420,8 +453,14 @@ def _attention_inputs(cfg, w: dict[str, Any], x_BxTxD: Array, cos: Array, sin: A
     return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
 
 
-def _attention_output_and_ffn(cfg, w: dict[str, Any], x_BxTxD: Array, attn_BxTxNxH: Array,
-                              replay_BxTxJ: Array | None = None, routes: bool = False):  # fmt: skip
+def _attention_output_and_ffn(
+    cfg,
+    w: dict[str, Any],
+    x_BxTxD: Array,
+    attn_BxTxNxH: Array,
+    replay_BxTxJ: Array | None = None,
+    routes: bool = False,
+):
     """The rest of one layer: output projection and residual, pre-norm feed-forward and
     residual (SwiGLU with fused gate/up, or the MoE block, routed by `replay_BxTxJ` where
     given: `tg_jax.models.moe.replay`). routes (MoE): (x, the experts each token was routed to
@@ -485,8 +524,9 @@ def decode_one(
         q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         new_k[i] = _write(new_k[i], jnp.transpose(k_Bx1xKxH, (0, 2, 3, 1)), col, slot_axis=3)
         new_v[i] = _write(new_v[i], jnp.transpose(v_Bx1xKxH, (0, 2, 1, 3)), col, slot_axis=2)
-        out_Bx1xNxH = attend(q_Bx1xNxH, new_k[i], new_v[i], visible_Bx1xS, dtype=dt,
-                             slot_minor=True)  # fmt: skip
+        out_Bx1xNxH = attend(
+            q_Bx1xNxH, new_k[i], new_v[i], visible_Bx1xS, dtype=dt, slot_minor=True
+        )
         x_Bx1xD = _ffn_recording(cfg, w, x_Bx1xD, out_Bx1xNxH, ids if record else None)
     routes = _write(cache.routes, jnp.stack(ids, axis=2), col, slot_axis=1) if record else None
     new = cache.replace(k=tuple(new_k), v=tuple(new_v), routes=routes)
@@ -543,9 +583,14 @@ def forward_from_prefix(
             cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
         )
         out_BxTxNxH = _prefix_block_attention(
-            cfg, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, prefix_k_BxSxKxH, prefix_v_BxSxKxH,
+            cfg,
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            prefix_k_BxSxKxH,
+            prefix_v_BxSxKxH,
             visible_BxTxS,
-        )  # fmt: skip
+        )
         return _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH, replay_BxTxJ), None
 
     if replay_BxTxLxJ is not None and not cfg.is_moe:
@@ -573,8 +618,16 @@ def _prefix_block_attention(
     k_BxKxHxS = jnp.transpose(k_all, (0, 2, 3, 1))
     v_BxKxSxH = jnp.transpose(v_all, (0, 2, 1, 3))
     s = prefix_k_BxSxKxH.shape[1]
-    return attend(q_BxTxNxH, k_BxKxHxS, v_BxKxSxH, visible_BxTxS, dtype=dt, slot_minor=True,
-                  query_block=_PREFIX_QUERY_BLOCK, causal_keys=s)  # fmt: skip
+    return attend(
+        q_BxTxNxH,
+        k_BxKxHxS,
+        v_BxKxSxH,
+        visible_BxTxS,
+        dtype=dt,
+        slot_minor=True,
+        query_block=_PREFIX_QUERY_BLOCK,
+        causal_keys=s,
+    )
 
 
 __all__ = [

@@ -51,16 +51,30 @@ TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # Copied next to exported weights (when the source has them).
 TOKENIZER_FILES = (
-    TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, TEMPLATE_FILE, GENERATION_CONFIG_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TEMPLATE_FILE,
+    GENERATION_CONFIG_FILE,
     "special_tokens_map.json",
-)  # fmt: skip
+)
 # ModelConfig fields that come from config.json; the rest (dtypes, remat, context length,
 # attention blocking, router loss weight) are run settings taken from the tg_jax config.
 ARCHITECTURE_FIELDS = (
-    "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-    "rope_theta", "rms_norm_eps", "tie_embeddings", "num_experts", "experts_per_token",
-    "moe_mlp_dim", "norm_topk_prob",
-)  # fmt: skip
+    "vocab_size",
+    "d_model",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mlp_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_embeddings",
+    "num_experts",
+    "experts_per_token",
+    "moe_mlp_dim",
+    "norm_topk_prob",
+)
 
 
 class ModelDirError(ValueError):
@@ -172,8 +186,11 @@ def open_model_dir(
     except (KeyError, ValueError) as e:
         raise ModelDirError(f"{local}/{TOKENIZER_FILE} / {TOKENIZER_CONFIG_FILE}: {e}") from e
     template = tokenizer.chat_template
-    where = TEMPLATE_FILE if os.path.exists(os.path.join(local, TEMPLATE_FILE)) else (
-        f"{TOKENIZER_CONFIG_FILE}:chat_template")  # fmt: skip
+    where = (
+        TEMPLATE_FILE
+        if os.path.exists(os.path.join(local, TEMPLATE_FILE))
+        else (f"{TOKENIZER_CONFIG_FILE}:chat_template")
+    )
     if not template:
         raise ModelDirError(
             f"{local}: no chat template ({TEMPLATE_FILE}, or `chat_template` in "
@@ -188,9 +205,12 @@ def open_model_dir(
         )
     try:
         renderer = ChatRenderer(
-            tokenizer, template, hint_role=hint_role, tool_format=tool_format or None,
+            tokenizer,
+            template,
+            hint_role=hint_role,
+            tool_format=tool_format or None,
             stop_ids=stop_ids,
-        )  # fmt: skip
+        )
         if check_template:
             check_chat_template(renderer)
     except TemplateError as e:
@@ -272,9 +292,13 @@ def copy_dir(src: str, dst: str) -> None:
 
 
 def export_model_dir(
-    out_dir: str, params: Any, cfg: ModelConfig, source: ModelDir | None = None, *,
+    out_dir: str,
+    params: Any,
+    cfg: ModelConfig,
+    source: ModelDir | None = None,
+    *,
     dtype: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Writes `params` as a checkpoint directory at `out_dir` (local or URL), with the
     tokenizer, template and generation files of `source` copied; config.json is written last
     (its presence marks a complete export). Every process calls it (params may span hosts);

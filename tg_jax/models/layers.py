@@ -118,13 +118,23 @@ class Attention(nn.Module):
 
         def visible(lo: int, hi: int, s: int) -> Array:  # queries [lo, hi), keys [0, s)
             seg = segment_ids_BxT
-            return attention_mask(positions_BxT[:, lo:hi], positions_BxT[:, :s],
-                                  None if seg is None else seg[:, lo:hi],
-                                  None if seg is None else seg[:, :s])  # fmt: skip
+            return attention_mask(
+                positions_BxT[:, lo:hi],
+                positions_BxT[:, :s],
+                None if seg is None else seg[:, lo:hi],
+                None if seg is None else seg[:, :s],
+            )
 
         # Causal query blocks (cfg.attn_query_block): block [lo, hi) scores keys [0, hi) only.
-        out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, visible, dtype=dt,
-                             query_block=cfg.attn_query_block, causal_keys=0)  # fmt: skip
+        out_BxTxNxH = attend(
+            q_BxTxNxH,
+            k_BxTxKxH,
+            v_BxTxKxH,
+            visible,
+            dtype=dt,
+            query_block=cfg.attn_query_block,
+            causal_keys=0,
+        )
         return jnp.einsum("btnh,nhd->btd", out_BxTxNxH, wo.astype(dt))
 
 

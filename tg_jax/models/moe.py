@@ -81,8 +81,9 @@ def _gate_weights(top_XxJ: Array, norm_topk_prob: bool, dtype: Any) -> Array:
     return top_XxJ.astype(dtype)
 
 
-def replay(probs_XxE: Array, replay_XxJ: Array, own_XxJ: Array, cfg: ModelConfig,
-           dtype: Any) -> tuple[Array, Array]:  # fmt: skip
+def replay(
+    probs_XxE: Array, replay_XxJ: Array, own_XxJ: Array, cfg: ModelConfig, dtype: Any
+) -> tuple[Array, Array]:
     """(weights, ids) routing each token to its replayed experts (a row with any -1: its own
     top-k `own_XxJ`); the weights are the router's probabilities there, weighted as the
     router's own (`_gate_weights`: the gradient reaches the router through them)."""
@@ -185,9 +186,15 @@ def _sharded_experts(x_BxTxD, ids_BxTxJ, w_BxTxJ, gate, up, down, dispatch) -> A
         b, t, dim = x.shape
         first = jax.lax.axis_index(expert) * g.shape[0] if expert else 0
         y = experts(
-            x.reshape(b * t, dim), ids.reshape(b * t, -1), w.reshape(b * t, -1), g, u, d,
-            first, dispatch,
-        )  # fmt: skip
+            x.reshape(b * t, dim),
+            ids.reshape(b * t, -1),
+            w.reshape(b * t, -1),
+            g,
+            u,
+            d,
+            first,
+            dispatch,
+        )
         y = y.astype(x.dtype).reshape(b, t, dim)
         if summed:
             y = jax.lax.psum(y, summed)

@@ -145,22 +145,41 @@ class Transformer(nn.Module):
         return x if return_hidden else self.unembed(x)
 
 
-def forward(model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None,
-            replay_BxTxLxJ=None):  # fmt: skip
+def forward(
+    model: Transformer,
+    params: Any,
+    tokens_BxT,
+    positions_BxT=None,
+    segment_ids_BxT=None,
+    replay_BxTxLxJ=None,
+):
     """Full-sequence logits [B, T, V] (fp32); replay_BxTxLxJ: MoE router replay."""
-    return model.apply({"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT,
-                       replay_BxTxLxJ=replay_BxTxLxJ)  # fmt: skip
+    return model.apply(
+        {"params": params},
+        tokens_BxT,
+        positions_BxT,
+        segment_ids_BxT,
+        replay_BxTxLxJ=replay_BxTxLxJ,
+    )
 
 
 def hidden_states(
-    model: Transformer, params: Any, tokens_BxT, positions_BxT=None, segment_ids_BxT=None,
+    model: Transformer,
+    params: Any,
+    tokens_BxT,
+    positions_BxT=None,
+    segment_ids_BxT=None,
     replay_BxTxLxJ=None,
-):  # fmt: skip
+):
     """Final-norm hidden states [B, T, D]; pair with `unembed` to get logits chunk by chunk."""
     return model.apply(
-        {"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT, return_hidden=True,
+        {"params": params},
+        tokens_BxT,
+        positions_BxT,
+        segment_ids_BxT,
+        return_hidden=True,
         replay_BxTxLxJ=replay_BxTxLxJ,
-    )  # fmt: skip
+    )
 
 
 def unembed(model: Transformer, params: Any, hidden_BxTxD):

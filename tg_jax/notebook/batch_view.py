@@ -42,12 +42,16 @@ def failed_turns(traj: Trajectory) -> list[int]:
 
 @functools.partial(tracing.jit, static_argnames="model")
 def _both_logits(model: Transformer, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    student_BxTxV = forward(model, params, batch.tokens_BxT, batch.positions_BxT,
-                            batch.segment_ids_BxT)  # fmt: skip
+    student_BxTxV = forward(
+        model, params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT
+    )
     teacher_BtxTtxV = forward(
-        model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
+        model,
+        params,
+        batch.teacher_tokens_BtxTt,
+        batch.teacher_positions_BtxTt,
         batch.teacher_segment_ids_BtxTt,
-    )  # fmt: skip
+    )
     teacher_BxTxV = teacher_BtxTtxV[batch.teacher_row_BxT, batch.teacher_pos_BxT]
     return student_BxTxV, jax.lax.stop_gradient(teacher_BxTxV)
 
@@ -96,9 +100,13 @@ def divergences(
         out[kind] = np.asarray(d)
         if targets_BxT is not None:
             s = _token_divergence(
-                student_logits_BxTxV, teacher_logits_BxTxV, kind=kind, beta=beta,
-                estimator="sampled", sampled_token=jnp.asarray(targets_BxT),
-            )  # fmt: skip
+                student_logits_BxTxV,
+                teacher_logits_BxTxV,
+                kind=kind,
+                beta=beta,
+                estimator="sampled",
+                sampled_token=jnp.asarray(targets_BxT),
+            )
             out[f"{kind}/sampled"] = np.asarray(s)
     return out
 

@@ -146,11 +146,15 @@ def make_demo_workdir(
             }
             runs.append(
                 report.RunResult(
-                    arm=arm.name, seed=s, heldout=_episodes(arm, num_tasks, rng, difficulty),
-                    train_records=last_per_step(read_metrics(run_dir)), costs=costs,
-                    group=arm.group, description=arm.description,
+                    arm=arm.name,
+                    seed=s,
+                    heldout=_episodes(arm, num_tasks, rng, difficulty),
+                    train_records=last_per_step(read_metrics(run_dir)),
+                    costs=costs,
+                    group=arm.group,
+                    description=arm.description,
                 )
-            )  # fmt: skip
+            )
     settings = report.ReportSettings(
         baseline=arms[0].name,
         candidate=arms[1].name if len(arms) > 1 else arms[0].name,

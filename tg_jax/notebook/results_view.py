@@ -96,14 +96,19 @@ def arm_curves(
     key = f"{source}:{tmpl.format(metric)}"
     out = {}
     for arm in results["arms"]:
-        curves = [dict(map(tuple, r["curves"].get(key, []))) for r in results["runs"]
-                  if r["arm"] == arm]  # fmt: skip
+        curves = [
+            dict(map(tuple, r["curves"].get(key, []))) for r in results["runs"] if r["arm"] == arm
+        ]
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         if not steps:
             continue
         vals = np.array([[c[s] for s in steps] for c in curves], np.float64)
-        out[arm] = {"steps": np.array(steps), "mean": vals.mean(0), "std": vals.std(0),
-                    "n": len(curves)}  # fmt: skip
+        out[arm] = {
+            "steps": np.array(steps),
+            "mean": vals.mean(0),
+            "std": vals.std(0),
+            "n": len(curves),
+        }
     return out
 
 
@@ -125,8 +130,13 @@ def plot_arm_curves(
             for arm, c in arm_curves(results, metric, source).items():
                 (line,) = ax.plot(c["steps"], c["mean"], label=f"{arm} (n={c['n']})")
                 if c["n"] > 1:
-                    ax.fill_between(c["steps"], c["mean"] - c["std"], c["mean"] + c["std"],
-                                    color=line.get_color(), alpha=0.2)  # fmt: skip
+                    ax.fill_between(
+                        c["steps"],
+                        c["mean"] - c["std"],
+                        c["mean"] + c["std"],
+                        color=line.get_color(),
+                        alpha=0.2,
+                    )
             ax.set_title(f"{metric.replace('_', ' ')}: {SOURCES[source][1]}", fontsize=10)
             ax.set_xlabel("training step")
             ax.set_ylim(-0.02, 1.02)
@@ -198,21 +208,30 @@ def plot_heldout(
 
     level = results.get("settings", {}).get("level", 0.95)
     conditions = [c for c in conditions if heldout_rows(results, c)]
-    fig, axes = plt.subplots(1, max(1, len(conditions)), figsize=(5 * max(1, len(conditions)), 3.4),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        1, max(1, len(conditions)), figsize=(5 * max(1, len(conditions)), 3.4), squeeze=False
+    )
     for ax, cond in zip(axes[0], conditions, strict=False):
         rows = heldout_rows(results, cond)
         width = 0.8 / max(1, len(rows))
         x = np.arange(len(metrics))
         for k, row in enumerate(rows):
             mean = np.array([np.nan if row[m] is None else row[m] for m in metrics], float)
-            low = np.array([np.nan if row[f"{m}_low"] is None else row[f"{m}_low"]
-                            for m in metrics], float)  # fmt: skip
-            high = np.array([np.nan if row[f"{m}_high"] is None else row[f"{m}_high"]
-                             for m in metrics], float)  # fmt: skip
+            low = np.array(
+                [np.nan if row[f"{m}_low"] is None else row[f"{m}_low"] for m in metrics], float
+            )
+            high = np.array(
+                [np.nan if row[f"{m}_high"] is None else row[f"{m}_high"] for m in metrics], float
+            )
             err = np.stack([mean - low, high - mean])
-            ax.bar(x + (k - (len(rows) - 1) / 2) * width, mean, width, yerr=err, capsize=3,
-                   label=f"{row['arm']} (seeds {row['seeds']})")  # fmt: skip
+            ax.bar(
+                x + (k - (len(rows) - 1) / 2) * width,
+                mean,
+                width,
+                yerr=err,
+                capsize=3,
+                label=f"{row['arm']} (seeds {row['seeds']})",
+            )
         ax.set_xticks(x, [m.replace("_", " ") for m in metrics])
         ax.set_ylim(0, 1.05)
         ax.set_title(

@@ -71,8 +71,14 @@ def _hint(traj: Trajectory, names: Sequence[str], turn: int) -> np.ndarray:
     return traj.hint_ids(turn, names)  # the hints picked for that turn (Trajectory)
 
 
-def _fill_row(dst: dict[str, np.ndarray], row: int, seq: np.ndarray, length: int,
-              src: np.ndarray | None = None, b: int = 0) -> None:  # fmt: skip
+def _fill_row(
+    dst: dict[str, np.ndarray],
+    row: int,
+    seq: np.ndarray,
+    length: int,
+    src: np.ndarray | None = None,
+    b: int = 0,
+) -> None:
     n = len(seq)  # a teacher row: its sources (`compact.hinted`) and student row b too
     dst["tokens"][row, :n] = seq
     dst["positions"][row] = np.arange(length, dtype=np.int32)
@@ -92,8 +98,9 @@ def _empty_seqs(rows: int, length: int) -> dict[str, np.ndarray]:
     }
 
 
-def _fill_student_targets(per_token: dict[str, np.ndarray], b: int, traj: Trajectory, gate: str,
-                          req_index: dict[str, int]) -> dict[int, np.ndarray]:  # fmt: skip
+def _fill_student_targets(
+    per_token: dict[str, np.ndarray], b: int, traj: Trajectory, gate: str, req_index: dict[str, int]
+) -> dict[int, np.ndarray]:
     """Fills row b of the target-aligned arrays; returns the hint of each targeted turn with a
     non-empty hint."""
     tokens = np.asarray(traj.tokens, np.int32)
@@ -289,8 +296,9 @@ def _per_turn_teacher(
     if dropped:
         logging.warning(
             "build_batch: %d targeted turns exceed max_teacher_rows=%d and are not distilled",
-            dropped, max_teacher_rows,
-        )  # fmt: skip
+            dropped,
+            max_teacher_rows,
+        )
     longest = max((len(q) for q, _ in seqs), default=1)
     t_len = bucket_length(longest, teacher_max_len, pad_multiple)
     teacher = _empty_seqs(max_teacher_rows, t_len)
@@ -312,10 +320,14 @@ def _compact_rows(
     saved = {k: per_token[k].copy() for k in ("hinted", "t_row", "t_pos")}
     teacher, prefix_len = compact_teacher(per_token, trajectories, hints, _turn_mask, **kwargs)
     full_slots = full_teacher_slots(
-        trajectories, hints, mode=kwargs["mode"], rows=kwargs["rows"],
-        max_teacher_rows=kwargs["max_teacher_rows"], teacher_max_len=kwargs["teacher_max_len"],
+        trajectories,
+        hints,
+        mode=kwargs["mode"],
+        rows=kwargs["rows"],
+        max_teacher_rows=kwargs["max_teacher_rows"],
+        teacher_max_len=kwargs["teacher_max_len"],
         pad_multiple=kwargs["pad_multiple"],
-    )  # fmt: skip
+    )
     if compaction_pays(teacher["tokens"].size, full_slots, min_saving):
         return teacher, prefix_len
     per_token.update(saved)
@@ -345,14 +357,24 @@ def _row_fields(
 
 
 def build_batch(
-    trajectories: Sequence[Trajectory], *, max_len: int, teacher_max_len: int,
-    mode: TeacherMode = "per_trajectory", gate: str = "failed_turns",
-    include_thinking: bool = False, max_teacher_rows: int = 0,
-    requirement_names: Sequence[str] | None = None, pad_to_multiple: int = 64,
-    teacher_pad_to_multiple: int | None = None, batch_multiple: int = 1, micro_batches: int = 1,
-    compact: bool = False, min_compact_saving: float = 0.0, heads: Sequence[bool] | None = None,
+    trajectories: Sequence[Trajectory],
+    *,
+    max_len: int,
+    teacher_max_len: int,
+    mode: TeacherMode = "per_trajectory",
+    gate: str = "failed_turns",
+    include_thinking: bool = False,
+    max_teacher_rows: int = 0,
+    requirement_names: Sequence[str] | None = None,
+    pad_to_multiple: int = 64,
+    teacher_pad_to_multiple: int | None = None,
+    batch_multiple: int = 1,
+    micro_batches: int = 1,
+    compact: bool = False,
+    min_compact_saving: float = 0.0,
+    heads: Sequence[bool] | None = None,
     min_rows: int = 0,
-) -> Batch:  # fmt: skip
+) -> Batch:
     """Pads trajectories into a `Batch` (see the module docstring for conventions).
 
     Args:
@@ -397,8 +419,11 @@ def build_batch(
         requirement_names = sorted({r for t in trajectories for v in t.turn_verdicts for r in v})
     req_index = {name: i for i, name in enumerate(requirement_names)}
     length = bucket_length(max(len(t.tokens) for t in trajectories), max_len, pad_to_multiple)
-    per_micro = (_teacher_rows_per_micro(max_teacher_rows, micro_batches, batch_multiple)
-                 if mode == "per_turn" else 0)  # fmt: skip
+    per_micro = (
+        _teacher_rows_per_micro(max_teacher_rows, micro_batches, batch_multiple)
+        if mode == "per_turn"
+        else 0
+    )
 
     student, per_token = _empty_seqs(rows, length), _empty_per_token(rows, length)
     hints = []  # per row: targeted turn -> its (non-empty) hint
@@ -407,23 +432,44 @@ def build_batch(
         hints.append(_fill_student_targets(per_token, b, traj, gate, req_index))
 
     t_multiple = pad_to_multiple if teacher_pad_to_multiple is None else teacher_pad_to_multiple
-    shared = {"micro_batches": micro_batches, "teacher_max_len": teacher_max_len,
-              "pad_multiple": t_multiple}  # fmt: skip
+    shared = {
+        "micro_batches": micro_batches,
+        "teacher_max_len": teacher_max_len,
+        "pad_multiple": t_multiple,
+    }
     teacher, prefix_len = None, 0
     if compact and mode != "none":
         teacher, prefix_len = _compact_rows(
-            per_token, trajectories, hints, min_saving=min_compact_saving, mode=mode,
-            rows=rows, student_len=length, batch_multiple=batch_multiple,
-            max_teacher_rows=max_teacher_rows, **shared,
-        )  # fmt: skip
+            per_token,
+            trajectories,
+            hints,
+            min_saving=min_compact_saving,
+            mode=mode,
+            rows=rows,
+            student_len=length,
+            batch_multiple=batch_multiple,
+            max_teacher_rows=max_teacher_rows,
+            **shared,
+        )
     compact = teacher is not None
     if not compact:
         teacher = _full_teacher(
             per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro, shared
         )
     per_token["tg"] = _tg_mask(per_token, gate, include_thinking)
-    return _assemble(student, per_token, teacher, trajectories, rows, reward_names,
-                     requirement_names, mode, compact, prefix_len, heads)  # fmt: skip
+    return _assemble(
+        student,
+        per_token,
+        teacher,
+        trajectories,
+        rows,
+        reward_names,
+        requirement_names,
+        mode,
+        compact,
+        prefix_len,
+        heads,
+    )
 
 
 def _tg_mask(per_token: dict[str, np.ndarray], gate: str, include_thinking: bool) -> np.ndarray:
@@ -433,24 +479,41 @@ def _tg_mask(per_token: dict[str, np.ndarray], gate: str, include_thinking: bool
     return tg_mask(hinted, thinking, failed, produced, include_thinking=include_thinking, gate=gate)
 
 
-def _full_teacher(per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro,
-                  shared) -> dict[str, np.ndarray]:  # fmt: skip
+def _full_teacher(
+    per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro, shared
+) -> dict[str, np.ndarray]:
     """The teacher rows of `mode` without compaction (per_trajectory / per_turn / none)."""
     if mode == "per_trajectory":
         return _per_trajectory_teacher(per_token, trajectories, hints, rows=rows, **shared)
     if mode == "per_turn":
         return _per_turn_teacher(
-            per_token, trajectories, hints, max_teacher_rows=max_teacher_rows,
-            per_micro=per_micro, **shared,
-        )  # fmt: skip
+            per_token,
+            trajectories,
+            hints,
+            max_teacher_rows=max_teacher_rows,
+            per_micro=per_micro,
+            **shared,
+        )
     return _empty_seqs(rows, 1)
 
 
-def _assemble(student, per_token, teacher, trajectories, rows, reward_names, requirement_names,
-              mode, compact, prefix_len, heads) -> Batch:  # fmt: skip
+def _assemble(
+    student,
+    per_token,
+    teacher,
+    trajectories,
+    rows,
+    reward_names,
+    requirement_names,
+    mode,
+    compact,
+    prefix_len,
+    heads,
+) -> Batch:
     """The `Batch` of the filled arrays (compact: the teacher rows were compacted)."""
-    routes, teacher_routes = batch_routes(trajectories, rows, student["tokens"].shape[1],
-                                          None if mode == "none" else teacher)  # fmt: skip
+    routes, teacher_routes = batch_routes(
+        trajectories, rows, student["tokens"].shape[1], None if mode == "none" else teacher
+    )
     return Batch(
         tokens_BxT=student["tokens"],
         positions_BxT=student["positions"],

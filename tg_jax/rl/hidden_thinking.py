@@ -34,8 +34,13 @@ import numpy as np
 from tg_jax.sampling.trajectory import Role, Trajectory, visible_context
 
 __all__ = [
-    "check_config", "enabled", "rollout_settings", "rows_per_episode", "segment", "segments",
-]  # fmt: skip
+    "check_config",
+    "enabled",
+    "rollout_settings",
+    "rows_per_episode",
+    "segment",
+    "segments",
+]
 
 
 def enabled(config) -> bool:

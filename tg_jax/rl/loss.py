@@ -118,9 +118,12 @@ def token_stats(
     cfg = model.config
     with_router = bool(cfg.is_moe and cfg.router_aux_loss_coef > 0)
     hidden_BxTxD, prefix, router = student_forward(
-        model, params, batch, keep_prefix=run_teacher and batch.teacher_compact,
+        model,
+        params,
+        batch,
+        keep_prefix=run_teacher and batch.teacher_compact,
         router_loss=with_router,
-    )  # fmt: skip
+    )
     if run_teacher:
         # The teacher forward sees stop-gradiented params (and prefix): no backward pass.
         teacher_BtxTtxD = teacher_rows_hidden(model, teacher_params, teacher_batch, prefix)
@@ -136,11 +139,17 @@ def token_stats(
         **teacher_term_options(tg_cfg),
     )
     if run_teacher and divergence_at_slots(batch):
-        stats = stats._replace(divergence_BxT=slot_divergence(
-            hidden_BxTxD, teacher_BtxTtxD, batch, _unembed_fn(model, params, rl_cfg.temperature),
-            batch.tg_mask_BxT, chunk_size=tg_cfg.chunk_size,
-            **teacher_term_options(tg_cfg),
-        ))  # fmt: skip
+        stats = stats._replace(
+            divergence_BxT=slot_divergence(
+                hidden_BxTxD,
+                teacher_BtxTtxD,
+                batch,
+                _unembed_fn(model, params, rl_cfg.temperature),
+                batch.tg_mask_BxT,
+                chunk_size=tg_cfg.chunk_size,
+                **teacher_term_options(tg_cfg),
+            )
+        )
     return stats, router if router is not None else jnp.zeros((), jnp.float32)
 
 
@@ -312,9 +321,14 @@ def loss_fn(
             raise ValueError("tg.teacher_params='reference' needs ref_params")
         teacher_params = ref_params
     stats, router = token_stats(
-        params, batch, model=model, rl_cfg=rl_cfg, tg_cfg=tg_cfg,
-        teacher_hidden_BxTxD=teacher_hidden_BxTxD, teacher_params=teacher_params,
-    )  # fmt: skip
+        params,
+        batch,
+        model=model,
+        rl_cfg=rl_cfg,
+        tg_cfg=tg_cfg,
+        teacher_hidden_BxTxD=teacher_hidden_BxTxD,
+        teacher_params=teacher_params,
+    )
 
     advantages_B, peer_metrics = peer_advantages(advantages_B, stats, batch, tg_cfg, norms)
     policy, pm = policy_term(
@@ -322,9 +336,14 @@ def loss_fn(
     )
     tg = tg_term(stats.divergence_BxT, batch, distill_weight(step, tg_cfg), tg_cfg, norms)
     reference, ref_kl = reference_term(
-        stats.logprob_BxT, batch, model=model, ref_params=ref_params, rl_cfg=rl_cfg,
-        tg_cfg=tg_cfg, share=share,
-    )  # fmt: skip
+        stats.logprob_BxT,
+        batch,
+        model=model,
+        ref_params=ref_params,
+        rl_cfg=rl_cfg,
+        tg_cfg=tg_cfg,
+        share=share,
+    )
     # The router loss is a mean over this batch's tokens: weighted like the other token means.
     router = router * share.tokens
     loss = policy_and_distill(policy, tg, tg_cfg) + reference + router
@@ -377,16 +396,24 @@ def batch_advantages(
     weights = dict(rl_cfg.reward_weights)
     kw = dict(mode=rl_cfg.advantage_mode, eps=rl_cfg.adv_eps, valid_B=batch.valid_B)
     adv_B, rewards_B, metrics = compute_advantages(
-        dict(batch.rewards), weights, batch.group_ids_B, reward_norm=rl_cfg.reward_norm,
-        stats_B=batch.head_B, **kw,
-    )  # fmt: skip
+        dict(batch.rewards),
+        weights,
+        batch.group_ids_B,
+        reward_norm=rl_cfg.reward_norm,
+        stats_B=batch.head_B,
+        **kw,
+    )
     if rl_cfg.requirement_credit == "episode":
         return adv_B, rewards_B, metrics
     req, episode = rl_cfg.credit_split(batch.requirement_names)
     adv_B, _, _ = compute_advantages(
-        dict(batch.rewards), episode, batch.group_ids_B, reward_norm=rl_cfg.reward_norm,
-        stats_B=batch.head_B, **kw,
-    )  # fmt: skip
+        dict(batch.rewards),
+        episode,
+        batch.group_ids_B,
+        reward_norm=rl_cfg.reward_norm,
+        stats_B=batch.head_B,
+        **kw,
+    )
     mask_BxT = batch.loss_mask_BxT
     unmet = batch.unmet_turn_mask_BxT  # failed or rejected (met on a refused turn earns nothing)
     unmet = batch.failed_turn_mask_BxT if unmet is None else unmet

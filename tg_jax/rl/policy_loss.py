@@ -190,13 +190,22 @@ def reference_kl(
 
 
 def ppo_loss(
-    logp_BxT: jax.Array, logp_behaviour_BxT: jax.Array, advantages: jax.Array,
-    mask_BxT: jax.Array, *, logp_proximal_BxT: jax.Array | None = None,
-    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-    tis_cap: float | None = None, agg_mode: AggMode = "token_mean",
-    norm_length: int | None = None, logp_ref_BxT: jax.Array | None = None,
-    kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3",
-) -> tuple[jax.Array, PolicyLossMetrics]:  # fmt: skip
+    logp_BxT: jax.Array,
+    logp_behaviour_BxT: jax.Array,
+    advantages: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    logp_proximal_BxT: jax.Array | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    tis_cap: float | None = None,
+    agg_mode: AggMode = "token_mean",
+    norm_length: int | None = None,
+    logp_ref_BxT: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+) -> tuple[jax.Array, PolicyLossMetrics]:
     """Clipped-surrogate policy loss (steps 1-5 of the module docstring).
 
     Args:
@@ -250,17 +259,28 @@ def ppo_loss(
     pg_loss = aggregate(loss_BxT, mask_BxT, agg_mode, norm_length=norm_length)
     if logp_ref_BxT is not None:
         kl_loss = reference_kl(
-            logp_BxT, logp_ref_BxT, mask_BxT, agg_mode, norm_length=norm_length,
+            logp_BxT,
+            logp_ref_BxT,
+            mask_BxT,
+            agg_mode,
+            norm_length=norm_length,
             estimator=kl_estimator,
-        )  # fmt: skip
+        )
     else:
         kl_loss = jnp.zeros((), jnp.float32)
     loss = pg_loss + kl_coef * kl_loss
 
     metrics = _ppo_metrics(
-        pg_loss, kl_loss, log_ratio_BxT, adv_BxT, mask_BxT, dual_active_BxT, tis_w_BxT,
-        clip_low, clip_high,
-    )  # fmt: skip
+        pg_loss,
+        kl_loss,
+        log_ratio_BxT,
+        adv_BxT,
+        mask_BxT,
+        dual_active_BxT,
+        tis_w_BxT,
+        clip_low,
+        clip_high,
+    )
     return loss, metrics
 
 
@@ -296,9 +316,16 @@ def _tis_weight(proximal_BxT, behaviour_BxT, mask_BxT, tis_cap: float | None) ->
 
 
 def _ppo_metrics(
-    pg_loss, kl_loss, log_ratio_BxT, adv_BxT, mask_BxT, dual_active_BxT, tis_w_BxT,
-    clip_low: float, clip_high: float,
-) -> PolicyLossMetrics:  # fmt: skip
+    pg_loss,
+    kl_loss,
+    log_ratio_BxT,
+    adv_BxT,
+    mask_BxT,
+    dual_active_BxT,
+    tis_w_BxT,
+    clip_low: float,
+    clip_high: float,
+) -> PolicyLossMetrics:
     """The step's `PolicyLossMetrics` (ratios without gradient)."""
     log_ratio_sg_BxT = jax.lax.stop_gradient(log_ratio_BxT)
     ratio_sg_BxT = jnp.exp(log_ratio_sg_BxT)

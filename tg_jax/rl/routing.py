@@ -19,8 +19,12 @@ import numpy as np
 from tg_jax.sampling.trajectory import Trajectory
 
 
-def batch_routes(trajectories: Sequence[Trajectory], rows: int, length: int,
-                 teacher: dict[str, np.ndarray] | None) -> tuple[Any, Any]:  # fmt: skip
+def batch_routes(
+    trajectories: Sequence[Trajectory],
+    rows: int,
+    length: int,
+    teacher: dict[str, np.ndarray] | None,
+) -> tuple[Any, Any]:
     """(student [rows, length, L, J], teacher [B_t, T_t, L, J]) replayed routing (`Batch`), or
     (None, None) when no trajectory has a routing record."""
     recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]

@@ -79,11 +79,26 @@ from tg_jax.rl.train_state import (
 # The loss lives in tg_jax.rl.loss (its core in tg_jax.rl.core, the TG term in tg_jax.rl.tg.loss);
 # these names stay importable from here.
 __all__ = [
-    "Normalizers", "Shares", "TGTerm", "batch_advantages", "gather_teacher",
-    "loss_fn", "loss_metrics", "make_train_step", "normalizers", "optimizer_update",
-    "policy_term", "reference_term", "shares", "single_update", "teacher_metrics", "tg_term",
-    "token_stats", "train_step", "update_phase",
-]  # fmt: skip
+    "Normalizers",
+    "Shares",
+    "TGTerm",
+    "batch_advantages",
+    "gather_teacher",
+    "loss_fn",
+    "loss_metrics",
+    "make_train_step",
+    "normalizers",
+    "optimizer_update",
+    "policy_term",
+    "reference_term",
+    "shares",
+    "single_update",
+    "teacher_metrics",
+    "tg_term",
+    "token_stats",
+    "train_step",
+    "update_phase",
+]
 
 Metrics = dict[str, jax.Array]
 
@@ -120,9 +135,14 @@ def optimizer_update(
 def _loss(config: StepConfig, model: nn.Module, step: jax.Array, ref_params: Any, norms):
     """`loss_fn` with the step's static parts and normalisers bound."""
     return functools.partial(
-        loss_fn, model=model, rl_cfg=config.rl, tg_cfg=config.tg, step=step,
-        ref_params=ref_params, norms=norms,
-    )  # fmt: skip
+        loss_fn,
+        model=model,
+        rl_cfg=config.rl,
+        tg_cfg=config.tg,
+        step=step,
+        ref_params=ref_params,
+        norms=norms,
+    )
 
 
 def single_update(
@@ -212,9 +232,13 @@ def update_phase(
         return (params, opt_state), {**sums, **maxes, **extra}
 
     (params, opt_state), stacked = updates.update_phase(
-        update_fn, (state.params, state.opt_state), (*chunks, prox), key,
-        num_updates=rl_cfg.num_updates, num_minibatches=rl_cfg.num_minibatches,
-    )  # fmt: skip
+        update_fn,
+        (state.params, state.opt_state),
+        (*chunks, prox),
+        key,
+        num_updates=rl_cfg.num_updates,
+        num_minibatches=rl_cfg.num_minibatches,
+    )
     return params, opt_state, stacked
 
 

@@ -75,11 +75,23 @@ class EngineRunner:
     it from its callers instead of importing it (no package import cycle, tests/test_layout).
     """
 
-    def __init__(self, engine_api: Any, model: Any, *, slots: int, max_total_tokens: int,
-                 page_size: int = 16, pad_id: int = 0, prefill_chunk: int = 64,
-                 prefill_rows: int = 4, decode_steps: int = 1,
-                 record_routes: bool = False, mesh: Any = None,
-                 kv_tokens: int = 0, min_bucket: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        engine_api: Any,
+        model: Any,
+        *,
+        slots: int,
+        max_total_tokens: int,
+        page_size: int = 16,
+        pad_id: int = 0,
+        prefill_chunk: int = 64,
+        prefill_rows: int = 4,
+        decode_steps: int = 1,
+        record_routes: bool = False,
+        mesh: Any = None,
+        kv_tokens: int = 0,
+        min_bucket: int = 0,
+    ):
         self.api = engine_api
         self.record_routes = bool(record_routes)  # MoE router replay: Engine(record_routes)
         self.mesh = mesh  # the sampler's devices: Engine(mesh)
@@ -110,13 +122,22 @@ class EngineRunner:
         t0, synced = time.perf_counter(), self.engine is not None and params is not self._params
         if self.engine is None:
             self.engine = self.api.Engine(
-                self.model, params, max_slots=self.slots, page_size=self.page_size,
-                max_pages_per_seq=self.max_pages, prefill_chunk=self.prefill_chunk,
-                prefill_rows=self.prefill_rows, pad_id=self.pad_id, decode_steps=self.decode_steps,
-                max_kept=max(1024, 2 * self.slots), version=0 if version is None else version,
-                record_routes=self.record_routes, mesh=self.mesh, num_pages=self.num_pages,
+                self.model,
+                params,
+                max_slots=self.slots,
+                page_size=self.page_size,
+                max_pages_per_seq=self.max_pages,
+                prefill_chunk=self.prefill_chunk,
+                prefill_rows=self.prefill_rows,
+                pad_id=self.pad_id,
+                decode_steps=self.decode_steps,
+                max_kept=max(1024, 2 * self.slots),
+                version=0 if version is None else version,
+                record_routes=self.record_routes,
+                mesh=self.mesh,
+                num_pages=self.num_pages,
                 **({"min_bucket": self.min_bucket} if self.min_bucket else {}),
-            )  # fmt: skip
+            )
         elif params is not self._params:
             new = self.engine.version + 1 if version is None else version
             self.engine.update_weights(params, new)
@@ -159,8 +180,16 @@ def router_replay(config: Any) -> bool:
     return replay
 
 
-def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: int,
-                       max_total_tokens: int, pad_id: int, mesh: Any = None) -> Any:  # fmt: skip
+def runner_from_config(
+    config: Any,
+    engine_api: Any,
+    model: Any,
+    *,
+    episodes: int,
+    max_total_tokens: int,
+    pad_id: int,
+    mesh: Any = None,
+) -> Any:
     """The engine of `rl_loop.rollout_engine`: an `EngineRunner` ("builtin"), a
     `tg_jax.engine.VllmRunner` ("vllm"), or None for the lock-step path.
 
@@ -188,12 +217,18 @@ def runner_from_config(config: Any, engine_api: Any, model: Any, *, episodes: in
         )
     slots = int(lc.get("engine_slots", 0)) or max(1, int(episodes))
     return EngineRunner(
-        engine_api, model, slots=slots, max_total_tokens=max_total_tokens,
-        page_size=int(lc.get("engine_page_size", 16)), pad_id=pad_id,
-        decode_steps=int(lc.get("engine_decode_steps", 1)), record_routes=replay, mesh=mesh,
+        engine_api,
+        model,
+        slots=slots,
+        max_total_tokens=max_total_tokens,
+        page_size=int(lc.get("engine_page_size", 16)),
+        pad_id=pad_id,
+        decode_steps=int(lc.get("engine_decode_steps", 1)),
+        record_routes=replay,
+        mesh=mesh,
         kv_tokens=int(lc.get("engine_kv_tokens", 0)),
         min_bucket=int(lc.get("engine_min_bucket", 0)),
-    )  # fmt: skip
+    )
 
 
 def _vllm_runner(config: Any, engine_api: Any, lc: Any) -> Any:
@@ -207,9 +242,13 @@ def _vllm_runner(config: Any, engine_api: Any, lc: Any) -> Any:
         )
     slots = int(lc.get("engine_slots", 0)) or int(lc.groups_per_step * lc.rollouts_per_group)
     return engine_api.VllmRunner(
-        engine_api, model_dir, ModelConfig.from_config(config.model), slots=slots,
-        max_model_len=int(config.model.max_seq_len), seed=int(config.get("seed", 0)),
-    )  # fmt: skip
+        engine_api,
+        model_dir,
+        ModelConfig.from_config(config.model),
+        slots=slots,
+        max_model_len=int(config.model.max_seq_len),
+        seed=int(config.get("seed", 0)),
+    )
 
 
 def request_seed(rng: jax.Array, stream_id: int, turn: int) -> int:
@@ -281,12 +320,20 @@ class _Loop:
         if self.config.think_budget:  # the first part: at most think_budget tokens
             self.partial[i] = _TurnSoFar(budget)
             budget = min(budget, self.config.think_budget)
-        self.runner.engine.submit(self.runner.api.Request(
-            rid, list(prompt), budget, temperature=self.config.temperature,
-            top_k=self.config.top_k, top_p=self.config.top_p,
-            stop_ids=tuple(self.renderer.end_of_turn_ids), continue_from=parent,
-            seed=_seed(self.salt, ep.stream_id, turn), routes_from=self.windows[rid],
-        ))  # fmt: skip
+        self.runner.engine.submit(
+            self.runner.api.Request(
+                rid,
+                list(prompt),
+                budget,
+                temperature=self.config.temperature,
+                top_k=self.config.top_k,
+                top_p=self.config.top_p,
+                stop_ids=tuple(self.renderer.end_of_turn_ids),
+                continue_from=parent,
+                seed=_seed(self.salt, ep.stream_id, turn),
+                routes_from=self.windows[rid],
+            )
+        )
         self.known[i] = len(ep.tokens)  # the context; + the generated tokens once done
         self.pending[rid] = i
 
@@ -315,14 +362,30 @@ class _Loop:
             if first and self._go_on(i, ep, part, tokens, logprobs, prefill, done.request_id):
                 return CONTINUED
         at = len(ep.tokens)
-        text = rollout.record_tokens(ep, self.renderer, tokens, logprobs, stopped, prefill,
-                                     done.routed_experts, routes_from=start)  # fmt: skip
+        text = rollout.record_tokens(
+            ep,
+            self.renderer,
+            tokens,
+            logprobs,
+            stopped,
+            prefill,
+            done.routed_experts,
+            routes_from=start,
+        )
         for j in part.forced if part is not None else ():  # not sampled: never trained on
             ep.roles[at + j], ep.turn_ids[at + j], ep.logprobs[at + j] = int(Role.PROMPT), -1, 0.0
         return text
 
-    def _go_on(self, i: int, ep: Episode, part: _TurnSoFar, tokens: list[int],
-               logprobs: list[float], prefill: float, parent: Hashable) -> bool:  # fmt: skip
+    def _go_on(
+        self,
+        i: int,
+        ep: Episode,
+        part: _TurnSoFar,
+        tokens: list[int],
+        logprobs: list[float],
+        prefill: float,
+        parent: Hashable,
+    ) -> bool:
         """After a turn's first part ran out of its think_budget tokens: closes a <think>
         block still open and submits the rest of the turn, if its budget leaves room."""
         header, end = self.renderer.assistant_header(), self.renderer.think_end_id
@@ -335,12 +398,19 @@ class _Loop:
         part.prefill = prefill
         turn = len(ep.turn_starts) - 1
         rid = (self.call, i, turn, 1)
-        self.runner.engine.submit(self.runner.api.Request(
-            rid, forced, part.budget - len(part.tokens), temperature=self.config.temperature,
-            top_k=self.config.top_k, top_p=self.config.top_p,
-            stop_ids=tuple(self.renderer.end_of_turn_ids), continue_from=parent,
-            seed=_seed(self.salt, ep.stream_id, turn, 1),
-        ))  # fmt: skip
+        self.runner.engine.submit(
+            self.runner.api.Request(
+                rid,
+                forced,
+                part.budget - len(part.tokens),
+                temperature=self.config.temperature,
+                top_k=self.config.top_k,
+                top_p=self.config.top_p,
+                stop_ids=tuple(self.renderer.end_of_turn_ids),
+                continue_from=parent,
+                seed=_seed(self.salt, ep.stream_id, turn, 1),
+            )
+        )
         self.known[i] += len(forced)
         self.partial[i], self.pending[rid] = part, i
         return True
@@ -375,12 +445,32 @@ def play_episodes(
       The finished episodes, in the order of `tasks`.
     """
     with sampler.lock:  # the engine is this call's until its last turn
-        return _play(sampler, params, renderer, env_factory, tasks, config, rng, group_ids,
-                     hint_before_every_turn, stream_ids)  # fmt: skip
+        return _play(
+            sampler,
+            params,
+            renderer,
+            env_factory,
+            tasks,
+            config,
+            rng,
+            group_ids,
+            hint_before_every_turn,
+            stream_ids,
+        )
 
 
-def _play(sampler, params, renderer, env_factory, tasks, config, rng, group_ids,
-          hint_before_every_turn, stream_ids) -> list[Episode]:  # fmt: skip
+def _play(
+    sampler,
+    params,
+    renderer,
+    env_factory,
+    tasks,
+    config,
+    rng,
+    group_ids,
+    hint_before_every_turn,
+    stream_ids,
+) -> list[Episode]:
     sampler.load(params)
     episodes = rollout._start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     for ep in episodes:
@@ -416,8 +506,9 @@ def _engine_failed(ep: Episode, message: str, hint_len: int) -> None:
     ep.termination = "engine_error"
 
 
-def _drive(loop: _Loop, episodes: list[Episode],
-           pool: concurrent.futures.ThreadPoolExecutor) -> None:  # fmt: skip
+def _drive(
+    loop: _Loop, episodes: list[Episode], pool: concurrent.futures.ThreadPoolExecutor
+) -> None:
     """Steps the engine until every episode is done: a finished turn's environment step goes
     to the pool; a returned one is recorded and the episode's next turn submitted at once."""
     engine, steps = loop.runner.engine, {}  # future -> (episode, text)
@@ -440,8 +531,9 @@ def _drive(loop: _Loop, episodes: list[Episode],
         for future in [f for f in steps if f.done()]:
             i, text = steps.pop(future)
             ep = episodes[i]
-            if rollout._after_turn(ep, text, future.result(), loop.renderer, loop.config,
-                                   loop.room):  # fmt: skip
+            if rollout._after_turn(
+                ep, text, future.result(), loop.renderer, loop.config, loop.room
+            ):
                 loop.submit_turn(i, ep)
             else:
                 loop.end(i)

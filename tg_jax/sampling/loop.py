@@ -230,8 +230,11 @@ class SamplingLoop:
                 self._dropped += 1
                 logging.info(
                     "dropped rollout group %d of version %d (staleness %d > %d)",
-                    item.batch_index, item.policy_version, staleness, max_staleness,
-                )  # fmt: skip
+                    item.batch_index,
+                    item.policy_version,
+                    staleness,
+                    max_staleness,
+                )
                 continue
             item.staleness = staleness
             self._delivered += 1

@@ -205,9 +205,12 @@ class HostTransfer(HostReplicas):
     """
 
     def __init__(
-        self, model: nn.Module, sampler_mesh_cfg: Any, trainer_devices: Sequence[Any],
+        self,
+        model: nn.Module,
+        sampler_mesh_cfg: Any,
+        trainer_devices: Sequence[Any],
         samplers: Sequence[Sequence[Any]],
-    ):  # fmt: skip
+    ):
         """Args:
         model: the policy (its config gives the compute dtype).
         sampler_mesh_cfg: `config.sampler_mesh` (each sampler process's mesh).
@@ -278,8 +281,9 @@ def own_mesh_sampler(
     publisher = WeightPublisher(shardings, trainer_devices)
     sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
     divisor = sharding.batch_divisor(mesh, rules)
-    sampler = Sampler(model, pad_id=pad_id, batch_divisor=divisor, record_routes=record_routes,
-                      **sampler_kw)  # fmt: skip
+    sampler = Sampler(
+        model, pad_id=pad_id, batch_divisor=divisor, record_routes=record_routes, **sampler_kw
+    )
     return sampler, publisher
 
 
@@ -324,18 +328,29 @@ def rollout_sampler(
         # A trainer process holds a sampler it never calls (its mesh: the first sampler's).
         local = transfer.meshes[transfer.processes.index(me) if me in transfer.processes else 0]
         divisor = sharding.batch_divisor(local, transfer.rules)
-        return Sampler(model, pad_id=pad_id, batch_divisor=divisor, mesh=local,
-                       rules=transfer.rules, **kw), transfer  # fmt: skip
+        return Sampler(
+            model, pad_id=pad_id, batch_divisor=divisor, mesh=local, rules=transfer.rules, **kw
+        ), transfer
     replicas = HostReplicas(
-        model, sampler_mesh_cfg, devices_by_process(list(mesh.devices.flat)),
+        model,
+        sampler_mesh_cfg,
+        devices_by_process(list(mesh.devices.flat)),
         devices_by_process(sampler_devices) if sampler_devices else None,
-    )  # fmt: skip
+    )
     local = replicas.meshes[jax.process_index()]
     divisor = sharding.batch_divisor(local, replicas.rules)
-    sampler = Sampler(model, pad_id=pad_id, batch_divisor=divisor, mesh=local, rules=replicas.rules,
-                      **kw)  # fmt: skip
+    sampler = Sampler(
+        model, pad_id=pad_id, batch_divisor=divisor, mesh=local, rules=replicas.rules, **kw
+    )
     return sampler, replicas
 
 
-__all__ = ["HostReplicas", "HostTransfer", "WeightPublisher", "devices_by_process",
-           "own_mesh_sampler", "published_dtype", "rollout_sampler"]  # fmt: skip
+__all__ = [
+    "HostReplicas",
+    "HostTransfer",
+    "WeightPublisher",
+    "devices_by_process",
+    "own_mesh_sampler",
+    "published_dtype",
+    "rollout_sampler",
+]

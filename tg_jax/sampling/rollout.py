@@ -147,8 +147,13 @@ def _final_rewards(env: Environment) -> dict[str, float]:
     """Rewards of an episode the rollout cut short: task 0, requirement rewards so far."""
     mode = getattr(getattr(env, "config", None), "requirement_reward", "fraction")
     summary = env.summary()
-    return {"task": 0.0, **{r.name: summary.requirement_reward(r.name, mode, r.conditional)
-                            for r in env.requirements}}  # fmt: skip
+    return {
+        "task": 0.0,
+        **{
+            r.name: summary.requirement_reward(r.name, mode, r.conditional)
+            for r in env.requirements
+        },
+    }
 
 
 def _termination(env: Environment) -> str:
@@ -181,9 +186,13 @@ def _fail(ep: Episode, text: str, error: Exception) -> None:
     ep.termination = "env_error"
 
 
-def _start_episodes(renderer: ChatRenderer, env_factory: Callable[[], Environment],
-                    tasks: Sequence[Any], group_ids: Sequence[int] | None,
-                    stream_ids: Sequence[int] | None) -> list[Episode]:  # fmt: skip
+def _start_episodes(
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    group_ids: Sequence[int] | None,
+    stream_ids: Sequence[int] | None,
+) -> list[Episode]:
     """One fresh episode per task: a new environment, the rendered user prompt."""
     episodes = []
     for i, task in enumerate(tasks):
@@ -198,9 +207,16 @@ def _start_episodes(renderer: ChatRenderer, env_factory: Callable[[], Environmen
     return episodes
 
 
-def record_tokens(ep: Episode, renderer: ChatRenderer, tokens, logprobs, stopped: bool,
-                  prefill_tokens: float | None = None, routes=None,
-                  routes_from: int = 0) -> str:  # fmt: skip
+def record_tokens(
+    ep: Episode,
+    renderer: ChatRenderer,
+    tokens,
+    logprobs,
+    stopped: bool,
+    prefill_tokens: float | None = None,
+    routes=None,
+    routes_from: int = 0,
+) -> str:
     """Appends a sampled turn to `ep` (its stop token last if `stopped`; a turn cut at its
     budget is closed by an `<|im_end|>` the policy did not sample); returns its text. routes:
     the routing record of the context and turn from position `routes_from` on."""
@@ -237,11 +253,19 @@ def break_tokens(ep: Episode, tokenizer: Any, turn: int, offsets: dict[str, int]
     return out
 
 
-def play_episodes(sampler: Sampler, params: Any, renderer: ChatRenderer,
-                  env_factory: Callable[[], Environment], tasks: Sequence[Any], *,
-                  config: RolloutConfig, rng: jax.Array, group_ids: Sequence[int] | None = None,
-                  hint_before_every_turn: bool = False,
-                  stream_ids: Sequence[int] | None = None) -> list[Episode]:  # fmt: skip
+def play_episodes(
+    sampler: Sampler,
+    params: Any,
+    renderer: ChatRenderer,
+    env_factory: Callable[[], Environment],
+    tasks: Sequence[Any],
+    *,
+    config: RolloutConfig,
+    rng: jax.Array,
+    group_ids: Sequence[int] | None = None,
+    hint_before_every_turn: bool = False,
+    stream_ids: Sequence[int] | None = None,
+) -> list[Episode]:
     """Plays one episode per entry of `tasks`, all live episodes batched turn by turn.
 
     Args:
@@ -266,10 +290,17 @@ def play_episodes(sampler: Sampler, params: Any, renderer: ChatRenderer,
         raise ValueError("rl_loop.think_budget needs rl_loop.rollout_engine 'builtin' or 'vllm'")
     if config.max_rows and len(tasks) > config.max_rows:
         return _play_in_chunks(
-            sampler, params, renderer, env_factory, tasks, config=config, rng=rng,
-            group_ids=group_ids, hint_before_every_turn=hint_before_every_turn,
+            sampler,
+            params,
+            renderer,
+            env_factory,
+            tasks,
+            config=config,
+            rng=rng,
+            group_ids=group_ids,
+            hint_before_every_turn=hint_before_every_turn,
             stream_ids=stream_ids,
-        )  # fmt: skip
+        )
     header = renderer.assistant_header()
     episodes = _start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     hint_ids: list[int] = []
@@ -296,21 +327,40 @@ def play_episodes(sampler: Sampler, params: Any, renderer: ChatRenderer,
                 ep.append(header, Role.PROMPT)
             hide = config.hide_thinking  # each turn's visible context, prefilled afresh
             out = sampler.sample(
-                params, [visible(ep) if hide else ep.tokens for ep in live],
-                max_new_tokens=budgets, stop_ids=renderer.end_of_turn_ids,
+                params,
+                [visible(ep) if hide else ep.tokens for ep in live],
+                max_new_tokens=budgets,
+                stop_ids=renderer.end_of_turn_ids,
                 temperature=config.temperature,
-                top_k=config.top_k, top_p=config.top_p, rng=jax.random.fold_in(rng, turn),
+                top_k=config.top_k,
+                top_p=config.top_p,
+                rng=jax.random.fold_in(rng, turn),
                 row_ids=None if stream_ids is None else [ep.stream_id for ep in live],
-                cache=None if hide else cache, keys=[id(ep) for ep in live], routes_from=starts,
-            )  # fmt: skip
+                cache=None if hide else cache,
+                keys=[id(ep) for ep in live],
+                routes_from=starts,
+            )
             pre = [None] * len(live) if out.prefill_tokens is None else out.prefill_tokens
             routes = [None] * len(live) if out.routes is None else out.routes
-            texts = [record_tokens(ep, renderer, out.tokens[k], out.logprobs[k], out.stopped[k],
-                                   pre[k], routes[k], starts[k])
-                     for k, ep in enumerate(live)]  # fmt: skip
+            texts = [
+                record_tokens(
+                    ep,
+                    renderer,
+                    out.tokens[k],
+                    out.logprobs[k],
+                    out.stopped[k],
+                    pre[k],
+                    routes[k],
+                    starts[k],
+                )
+                for k, ep in enumerate(live)
+            ]
             results = list(pool.map(_step, live, texts))
-            live = [ep for ep, text, res in zip(live, texts, results, strict=True)
-                    if _after_turn(ep, text, res, renderer, config, room)]  # fmt: skip
+            live = [
+                ep
+                for ep, text, res in zip(live, texts, results, strict=True)
+                if _after_turn(ep, text, res, renderer, config, room)
+            ]
             turn += 1
     return episodes
 
@@ -322,8 +372,9 @@ def visible(ep: Episode) -> list[int]:
     return [t for t, k in zip(ep.tokens, keep, strict=True) if k]
 
 
-def _check_room(episodes: Sequence[Episode], room: Callable[[Episode], int],
-                config: RolloutConfig) -> None:  # fmt: skip
+def _check_room(
+    episodes: Sequence[Episode], room: Callable[[Episode], int], config: RolloutConfig
+) -> None:
     """Raises unless every prompt leaves room for a turn of config.min_turn_tokens."""
     for ep in episodes:
         if room(ep) < config.min_turn_tokens:
@@ -334,8 +385,19 @@ def _check_room(episodes: Sequence[Episode], room: Callable[[Episode], int],
             )
 
 
-def _play_in_chunks(sampler, params, renderer, env_factory, tasks, *, config, rng, group_ids,
-                    hint_before_every_turn, stream_ids) -> list[Episode]:  # fmt: skip
+def _play_in_chunks(
+    sampler,
+    params,
+    renderer,
+    env_factory,
+    tasks,
+    *,
+    config,
+    rng,
+    group_ids,
+    hint_before_every_turn,
+    stream_ids,
+) -> list[Episode]:
     """`play_episodes` in chunks of `config.max_rows` episodes, one after the other; turn t of
     every chunk draws with fold_in(rng, t), stream ids by position in `tasks` by default."""
     rows, n = config.max_rows, len(tasks)
@@ -345,15 +407,28 @@ def _play_in_chunks(sampler, params, renderer, env_factory, tasks, *, config, rn
     chunks = []
     for lo in range(0, n, rows):
         chunks += play_episodes(
-            sampler, params, renderer, env_factory, tasks[lo : lo + rows], config=one,
-            rng=rng, group_ids=gids[lo : lo + rows],
-            hint_before_every_turn=hint_before_every_turn, stream_ids=streams[lo : lo + rows],
-        )  # fmt: skip
+            sampler,
+            params,
+            renderer,
+            env_factory,
+            tasks[lo : lo + rows],
+            config=one,
+            rng=rng,
+            group_ids=gids[lo : lo + rows],
+            hint_before_every_turn=hint_before_every_turn,
+            stream_ids=streams[lo : lo + rows],
+        )
     return chunks
 
 
-def _after_turn(ep: Episode, text: str, res: Any, renderer: ChatRenderer,
-                config: RolloutConfig, room: Callable[[Episode], int]) -> bool:  # fmt: skip
+def _after_turn(
+    ep: Episode,
+    text: str,
+    res: Any,
+    renderer: ChatRenderer,
+    config: RolloutConfig,
+    room: Callable[[Episode], int],
+) -> bool:
     """Records the environment's step of one episode's turn (verdicts, breaks, info; the end
     and its rewards, or the observation appended); True while the episode goes on."""
     if isinstance(res, BaseException):
@@ -440,10 +515,13 @@ def _summary(ep: Episode) -> EpisodeSummary:
         return EpisodeSummary(verdicts={}, actions={}, turns=len(ep.turn_starts), end_reason="")
 
 
-def to_trajectory(ep: Episode, hint_tokens: dict[str, list[int]], policy_version: int,
-                  extra_info: dict[str, Any] | None = None,
-                  turn_hint_tokens: list[dict[str, list[int]]] | None = None,
-                  ) -> Trajectory:  # fmt: skip
+def to_trajectory(
+    ep: Episode,
+    hint_tokens: dict[str, list[int]],
+    policy_version: int,
+    extra_info: dict[str, Any] | None = None,
+    turn_hint_tokens: list[dict[str, list[int]]] | None = None,
+) -> Trajectory:
     """The Trajectory record of a finished episode (`turn_hint_tokens`: see Trajectory)."""
     summary = _summary(ep)
     info = {
@@ -521,9 +599,16 @@ def rollout_groups(
     gids = [first_group_id + n for n in range(len(tasks)) for _ in range(g)]
     streams = [k * g + r % g for r, k in enumerate(gids)]
     episodes = (play or play_episodes)(
-        sampler, params, renderer, env_factory, flat, config=config, rng=rng, group_ids=gids,
+        sampler,
+        params,
+        renderer,
+        env_factory,
+        flat,
+        config=config,
+        rng=rng,
+        group_ids=gids,
         stream_ids=streams,
-    )  # fmt: skip
+    )
     out = []
     default_hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
     cache: dict[str, list[int]] = {}
@@ -575,10 +660,16 @@ def evaluate(
     records, trajectories = [], []
     for s in range(samples_per_task):
         episodes = (play or play_episodes)(
-            sampler, params, renderer, env_factory, tasks, config=config,
-            rng=jax.random.fold_in(rng, s), hint_before_every_turn=condition == "hinted",
+            sampler,
+            params,
+            renderer,
+            env_factory,
+            tasks,
+            config=config,
+            rng=jax.random.fold_in(rng, s),
+            hint_before_every_turn=condition == "hinted",
             stream_ids=range(first_stream, first_stream + len(tasks)),
-        )  # fmt: skip
+        )
         hints = requirement_hint_tokens(renderer, episodes[0].env) if episodes else {}
         for ep in episodes:
             names = [r.name for r in ep.env.requirements]

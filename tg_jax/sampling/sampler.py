@@ -174,30 +174,47 @@ def sample_tokens(
     r = u_BxR.shape[1]
     weights = decode.decode_weights(model, params)
     logits_BxV, cache = decode.prefill(
-        model, params, prompt_BxP, prompt_lengths_B, r, slots=segment_ends(r, segment)[0],
-        weights=weights, routes=routes,
-    )  # fmt: skip
+        model,
+        params,
+        prompt_BxP,
+        prompt_lengths_B,
+        r,
+        slots=segment_ends(r, segment)[0],
+        weights=weights,
+        routes=routes,
+    )
     settings = (max_new_B, stop_ids_BxW, temperature_B, top_k_B, top_p_B, u_BxR)
-    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id,
-                       segment=segment)[0]  # fmt: skip
+    return decode_loop(
+        model, weights, logits_BxV, cache, *settings, pad_id=pad_id, segment=segment
+    )[0]
 
 
 def sample_prefilled(
-    model: Transformer, params: Any, logits_BxV: Array, cache: decode.DecodeCache, *settings,
-    pad_id: int, segment: int = 0,
-) -> tuple[SampleOutput, decode.DecodeCache]:  # fmt: skip
+    model: Transformer,
+    params: Any,
+    logits_BxV: Array,
+    cache: decode.DecodeCache,
+    *settings,
+    pad_id: int,
+    segment: int = 0,
+) -> tuple[SampleOutput, decode.DecodeCache]:
     """`sample_tokens` from an already prefilled cache (`prefill`'s logits and cache, with
     `segment_ends(R, segment)[0]` generated slots); `settings` are `sample_tokens`' arguments
     from `max_new_B` on. Returns the output and the cache after the loop."""
     weights = decode.decode_weights(model, params)
-    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id,
-                       segment=segment)  # fmt: skip
+    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id, segment=segment)
 
 
 def sample_appended(
-    model: Transformer, params: Any, cache: decode.DecodeCache, new_BxA: Array,
-    new_lengths_B: Array, *settings, pad_id: int, segment: int = 0,
-) -> tuple[SampleOutput, decode.DecodeCache]:  # fmt: skip
+    model: Transformer,
+    params: Any,
+    cache: decode.DecodeCache,
+    new_BxA: Array,
+    new_lengths_B: Array,
+    *settings,
+    pad_id: int,
+    segment: int = 0,
+) -> tuple[SampleOutput, decode.DecodeCache]:
     """`sample_tokens` of contexts kept in `cache` (`decode.keep_context`) followed by
     new_BxA[b, :new_lengths_B[b]] (`decode.prefill_append` prefills only those); `settings`
     as in `sample_prefilled`. Returns the output and the cache after the loop."""
@@ -206,8 +223,7 @@ def sample_appended(
     logits_BxV, cache = decode.prefill_append(
         model, weights, cache, new_BxA, new_lengths_B, r, slots=segment_ends(r, segment)[0]
     )
-    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id,
-                       segment=segment)  # fmt: skip
+    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id, segment=segment)
 
 
 def decode_loop(
@@ -274,9 +290,10 @@ def decode_loop(
         raw_logprobs_BxR=state.raw_logprobs_BxR,
         lengths_B=state.lengths_B,
         stopped_B=state.stopped_B,
-        routes_BxSxLxJ=None if cache.routes is None else decode.context_routes(
-            state.cache, jnp.maximum(state.lengths_B - 1, 0)),
-    )  # fmt: skip
+        routes_BxSxLxJ=None
+        if cache.routes is None
+        else decode.context_routes(state.cache, jnp.maximum(state.lengths_B - 1, 0)),
+    )
     return out, state.cache
 
 
@@ -458,9 +475,13 @@ class Sampler:
         b = batch_bucket(n_rows, self.batch_divisor)
         n = length_bucket(max(int(max_new.max()), 1), self.length_multiple)
         settings = padded_settings(
-            b, max_new, stop_block(stop_ids, n_rows, b, self.stop_width),
-            temperature, top_k, top_p,
-        )  # fmt: skip
+            b,
+            max_new,
+            stop_block(stop_ids, n_rows, b, self.stop_width),
+            temperature,
+            top_k,
+            top_p,
+        )
         row_ids_B = None if row_ids is None else padded_row_ids(row_ids, n_rows, b)
         if cache is None:
             prompt_BxP, _ = self.pad_block(prompts, b)
@@ -482,9 +503,10 @@ class Sampler:
             raw_logprobs=[out.raw_logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
             stopped=np.asarray(out.stopped_B[:n_rows]),
             prefill_tokens=prefilled,
-            routes=None if routes is None else [
-                np.asarray(routes[i, : lengths[i] + ln[i] - start[i]]) for i in range(n_rows)],
-        )  # fmt: skip
+            routes=None
+            if routes is None
+            else [np.asarray(routes[i, : lengths[i] + ln[i] - start[i]]) for i in range(n_rows)],
+        )
         if cache is not None:
             cache.record(prompts, keys, result.tokens)
         return result
@@ -493,8 +515,9 @@ class Sampler:
         """([b, length bucket] right-padded token block, [b] lengths (padding rows: 1))."""
         lengths = np.ones((b,), np.int32)
         lengths[: len(rows)] = [len(r) for r in rows]
-        block = np.full((b, length_bucket(int(lengths.max()), self.length_multiple)), self.pad_id,
-                        np.int32)  # fmt: skip
+        block = np.full(
+            (b, length_bucket(int(lengths.max()), self.length_multiple)), self.pad_id, np.int32
+        )
         for i, ids in enumerate(rows):
             block[i, : len(ids)] = ids
         return block, lengths
@@ -521,14 +544,20 @@ class Sampler:
 
         return [
             jax.device_put(a, sharding.data_sharding(self.mesh, self.rules, a.ndim))
-            if isinstance(a, np.ndarray) else a
+            if isinstance(a, np.ndarray)
+            else a
             for a in args
-        ]  # fmt: skip
+        ]
 
     def run(
-        self, kind: str, params: Any, args: Sequence[Any], rng: Array, n: int,
+        self,
+        kind: str,
+        params: Any,
+        args: Sequence[Any],
+        rng: Array,
+        n: int,
         row_ids_B: np.ndarray | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """The jitted `_KINDS[kind]` on `args` (its arguments between params and the uniform
         numbers) with R = n output columns: a SampleOutput, and for the cached kinds the cache
         after the loop too. With `row_ids_B`, row b draws from its own stream (`row_uniforms`)."""
@@ -537,9 +566,14 @@ class Sampler:
         args = (*args, row_ids_B) if per_row else tuple(args)
         with context:
             return self._jitted(
-                params, *self.place(args), rng, kind=kind, max_new_bucket=n, per_shard=per_shard,
+                params,
+                *self.place(args),
+                rng,
+                kind=kind,
+                max_new_bucket=n,
+                per_shard=per_shard,
                 per_row=per_row,
-            )  # fmt: skip
+            )
 
 
 def _row_specs(x: Any, spec: Any) -> Any:
@@ -547,9 +581,13 @@ def _row_specs(x: Any, spec: Any) -> Any:
     per-row arrays split like rows (its RoPE tables replicated)."""
     if isinstance(x, decode.DecodeCache):
         return x.replace(
-            k=(spec,) * len(x.k), v=(spec,) * len(x.v), prompt_lengths_B=spec,
-            rope_cos=jax.P(), rope_sin=jax.P(), routes=None if x.routes is None else spec,
-        )  # fmt: skip
+            k=(spec,) * len(x.k),
+            v=(spec,) * len(x.v),
+            prompt_lengths_B=spec,
+            rope_cos=jax.P(),
+            rope_sin=jax.P(),
+            routes=None if x.routes is None else spec,
+        )
     return spec
 
 

@@ -75,8 +75,14 @@ def scripted_rollout(
     config = config or rollout.RolloutConfig(max_new_tokens=256, max_total_tokens=1024)
     sampler = ScriptedSampler(renderer, turns)
     (episode,) = rollout.play_episodes(
-        sampler, None, renderer, env_factory, [task], config=config, rng=jax.random.key(0),
+        sampler,
+        None,
+        renderer,
+        env_factory,
+        [task],
+        config=config,
+        rng=jax.random.key(0),
         group_ids=[group_id],
-    )  # fmt: skip
+    )
     hints = rollout.requirement_hint_tokens(renderer, episode.env)
     return rollout.to_trajectory(episode, hints, policy_version)

@@ -41,18 +41,18 @@ if TYPE_CHECKING:
 
 @functools.partial(tracing.jit, static_argnums=0, static_argnames=("max_new", "slots", "routes"))
 def _prefill(model, params, prompt_UxP, lengths_U, *, max_new: int, slots: int, routes: bool):
-    return decode.prefill(model, params, prompt_UxP, lengths_U, max_new, slots=slots,
-                          routes=routes)  # fmt: skip
+    return decode.prefill(model, params, prompt_UxP, lengths_U, max_new, slots=slots, routes=routes)
 
 
 @tracing.jit
 def _take_rows(logits_UxV, cache: decode.DecodeCache, rows_B):
     """Rows `rows_B` of a prefill's logits and cache (repeats allowed)."""
     cache = cache.replace(
-        k=tuple(x[rows_B] for x in cache.k), v=tuple(x[rows_B] for x in cache.v),
+        k=tuple(x[rows_B] for x in cache.k),
+        v=tuple(x[rows_B] for x in cache.v),
         prompt_lengths_B=cache.prompt_lengths_B[rows_B],
         routes=None if cache.routes is None else cache.routes[rows_B],
-    )  # fmt: skip
+    )
     return logits_UxV[rows_B], cache
 
 
@@ -121,8 +121,15 @@ class TurnCache:
         _, context = sampler.in_mesh(params)
         with context:
             block_UxP, lengths_U = sampler.place([block_UxP, lengths_U])
-            logits, kv = _prefill(sampler.model, params, block_UxP, lengths_U, max_new=n,
-                                  slots=slots, routes=sampler.record_routes)  # fmt: skip
+            logits, kv = _prefill(
+                sampler.model,
+                params,
+                block_UxP,
+                lengths_U,
+                max_new=n,
+                slots=slots,
+                routes=sampler.record_routes,
+            )
             logits, kv = _take_rows(logits, kv, rows_B)
         out, kv = sampler.run("prefilled", params, (logits, kv, *settings), rng, n, row_ids_B)
         shared = np.bincount(rows, minlength=len(unique))[rows]
@@ -150,8 +157,9 @@ class TurnCache:
         _, context = sampler.in_mesh(params)
         with context:
             kept = _keep_context(self.kv, *sampler.place([rows_B, generated_B]), prompt_slots=p)
-        out, kv = sampler.run("appended", params, (kept, block_BxA, new_lengths_B, *settings),
-                              rng, n, row_ids_B)  # fmt: skip
+        out, kv = sampler.run(
+            "appended", params, (kept, block_BxA, new_lengths_B, *settings), rng, n, row_ids_B
+        )
         return out, kv, np.array([len(x) for x in new], np.float32)
 
     def record(

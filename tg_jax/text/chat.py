@@ -467,9 +467,7 @@ class ChatRenderer:
         None means a rollout that appended these messages one by one holds exactly the tokens
         the chat template gives the whole conversation.
         """
-        ids, _, owners = self.render_with_owners(
-            messages, add_generation_prompt, tools=tools
-        )  # fmt: skip
+        ids, _, owners = self.render_with_owners(messages, add_generation_prompt, tools=tools)
         ref = self.render_prompt(messages, add_generation_prompt, tools=tools)
         t = first_difference(ids, ref)
         if t is None:

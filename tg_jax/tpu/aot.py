@@ -112,9 +112,15 @@ class TrainShapes:
 
 
 def abstract_tg_batch(
-    shapes: TrainShapes, mesh: Mesh, rules: sharding.Rules, reqs=("req",), *,
-    compact: bool = False, mode: str = "per_trajectory", routes: tuple[int, int] | None = None,
-) -> Any:  # fmt: skip
+    shapes: TrainShapes,
+    mesh: Mesh,
+    rules: sharding.Rules,
+    reqs=("req",),
+    *,
+    compact: bool = False,
+    mode: str = "per_trajectory",
+    routes: tuple[int, int] | None = None,
+) -> Any:
     """An abstract `tg_jax.rl.batch.Batch` of `shapes`; compact: with the compact teacher
     rows' source rows, starts and prefix slots (`tg_jax.rl.tg.compact`); routes: (layers,
     experts per token) of the router-replay records (`model.router_replay`), int16 per student
@@ -132,26 +138,41 @@ def abstract_tg_batch(
         extra = dict(
             teacher_src_row_Bt=a((shapes.teacher_rows,), jnp.int32),
             teacher_start_Bt=a((shapes.teacher_rows,), jnp.int32),
-            teacher_compact=True, teacher_prefix_len=shapes.prefix_len,
-        )  # fmt: skip
+            teacher_compact=True,
+            teacher_prefix_len=shapes.prefix_len,
+        )
     if routes is not None:  # teacher rows' only with a teacher (`build_batch`, mode "none")
         extra["routes_BxTxLxJ"] = a((shapes.rows, shapes.seq_len, *routes), jnp.int16)
         teacher = (shapes.teacher_rows, shapes.teacher_len, *routes)
         if mode != "none":
             extra["teacher_routes_BtxTtxLxJ"] = a(teacher, jnp.int16)
     return Batch(
-        tokens_BxT=s(jnp.int32), positions_BxT=s(jnp.int32), segment_ids_BxT=s(jnp.int32),
-        targets_BxT=s(jnp.int32), loss_mask_BxT=s(jnp.bool_), answer_mask_BxT=s(jnp.bool_),
-        thinking_mask_BxT=s(jnp.bool_), failed_turn_mask_BxT=s(jnp.bool_),
-        unmet_turn_mask_BxT=s(jnp.bool_), tg_mask_BxT=s(jnp.bool_),
-        requirement_ids_BxT=s(jnp.int32), turn_ids_BxT=s(jnp.int32),
-        behaviour_logprobs_BxT=s(jnp.float32), teacher_row_BxT=s(jnp.int32),
-        teacher_pos_BxT=s(jnp.int32), teacher_tokens_BtxTt=t(jnp.int32),
-        teacher_positions_BtxTt=t(jnp.int32), teacher_segment_ids_BtxTt=t(jnp.int32),
+        tokens_BxT=s(jnp.int32),
+        positions_BxT=s(jnp.int32),
+        segment_ids_BxT=s(jnp.int32),
+        targets_BxT=s(jnp.int32),
+        loss_mask_BxT=s(jnp.bool_),
+        answer_mask_BxT=s(jnp.bool_),
+        thinking_mask_BxT=s(jnp.bool_),
+        failed_turn_mask_BxT=s(jnp.bool_),
+        unmet_turn_mask_BxT=s(jnp.bool_),
+        tg_mask_BxT=s(jnp.bool_),
+        requirement_ids_BxT=s(jnp.int32),
+        turn_ids_BxT=s(jnp.int32),
+        behaviour_logprobs_BxT=s(jnp.float32),
+        teacher_row_BxT=s(jnp.int32),
+        teacher_pos_BxT=s(jnp.int32),
+        teacher_tokens_BtxTt=t(jnp.int32),
+        teacher_positions_BtxTt=t(jnp.int32),
+        teacher_segment_ids_BtxTt=t(jnp.int32),
         rewards={name: rows(jnp.float32) for name in ("task", *reqs)},
-        group_ids_B=rows(jnp.int32), policy_version_B=rows(jnp.int32), valid_B=rows(jnp.bool_),
-        requirement_names=tuple(reqs), teacher_mode=mode, **extra,
-    )  # fmt: skip
+        group_ids_B=rows(jnp.int32),
+        policy_version_B=rows(jnp.int32),
+        valid_B=rows(jnp.bool_),
+        requirement_names=tuple(reqs),
+        teacher_mode=mode,
+        **extra,
+    )
 
 
 def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
@@ -186,10 +207,14 @@ def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
         shapes = dataclasses.replace(shapes, teacher_rows=shapes.rows, teacher_len=1)
     reqs = tuple(config.env.requirements) if "env" in config else ("req",)
     batch = abstract_tg_batch(
-        shapes, mesh, rules, reqs, compact=typed.tg.compact_rows,
+        shapes,
+        mesh,
+        rules,
+        reqs,
+        compact=typed.tg.compact_rows,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
         routes=(cfg.num_layers, cfg.experts_per_token) if cfg.router_replay else None,
-    )  # fmt: skip
+    )
     args = (state, batch)
     if typed.needs_reference:
         args += (state.params,)
@@ -252,9 +277,14 @@ def _in_dtype(tree: Any, dtype: str) -> Any:
 
 
 def compile_sample_step(
-    config: Any, mesh: Mesh, rules, rows: int, cache_len: int, max_new: int,
+    config: Any,
+    mesh: Mesh,
+    rules,
+    rows: int,
+    cache_len: int,
+    max_new: int,
     weights_dtype: str | None = None,
-):  # fmt: skip
+):
     """One step of the sampler's decode loop (`tg_jax.models.decode.decode_one`): one
     token for each of `rows` rows against a KV cache of `cache_len` slots, the last `max_new`
     of them for generated tokens; the cache is donated (updated in place). The step's weights
@@ -283,19 +313,24 @@ def compile_sample_step(
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
     _, shapes = tracing.eval_shape(
         lambda p, t, n: decode.prefill(model, p, t, n, max_new, routes=cfg.router_replay),
-        abstract_params(model, mesh, rules), prompt, lengths,
-    )  # fmt: skip
+        abstract_params(model, mesh, rules),
+        prompt,
+        lengths,
+    )
     spec = nn.logical_to_mesh_axes(("batch", "kv_heads"), rules)
     cache = jax.tree.map(
         lambda x: _abstract(x.shape, x.dtype, mesh, PartitionSpec(*spec[: x.ndim])), shapes
     )
-    cache = cache.replace(**{  # the RoPE tables are by position (no row axis): replicated
-        name: _abstract(getattr(shapes, name).shape, jnp.float32, mesh, PartitionSpec())
-        for name in ("rope_cos", "rope_sin")
-    })  # fmt: skip
+    cache = cache.replace(
+        **{  # the RoPE tables are by position (no row axis): replicated
+            name: _abstract(getattr(shapes, name).shape, jnp.float32, mesh, PartitionSpec())
+            for name in ("rope_cos", "rope_sin")
+        }
+    )
     if shapes.routes is not None:  # by row only (no KV-head axis)
-        cache = cache.replace(routes=_abstract(
-            shapes.routes.shape, shapes.routes.dtype, mesh, PartitionSpec(spec[0])))  # fmt: skip
+        cache = cache.replace(
+            routes=_abstract(shapes.routes.shape, shapes.routes.dtype, mesh, PartitionSpec(spec[0]))
+        )
     tokens = _abstract((rows,), jnp.int32, mesh, rows_spec)
     index = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
@@ -397,9 +432,12 @@ def train_shapes(config: Any, divisor: int, **given: int) -> TrainShapes:
         int(config.tg.max_teacher_rows) if per_turn else rows
     )
     return TrainShapes(
-        rows, seq_len, teacher_rows, given.get("teacher_len") or int(config.model.max_seq_len),
+        rows,
+        seq_len,
+        teacher_rows,
+        given.get("teacher_len") or int(config.model.max_seq_len),
         given.get("prefix_len") or seq_len,
-    )  # fmt: skip
+    )
 
 
 def _config_rows(config: Any) -> int:
@@ -433,10 +471,17 @@ def _config_max_new(config: Any) -> int:
 
 
 def compile_programs(
-    config: Any, devices: Sequence[Any], what: Sequence[str], *, step: str = "tg",
-    chunk: int = 512, decode_rows: int = 0, cache_len: int = 0,
-    hosts: Sequence[Sequence[Any]] | None = None, **given: int,
-) -> Iterator[Program]:  # fmt: skip
+    config: Any,
+    devices: Sequence[Any],
+    what: Sequence[str],
+    *,
+    step: str = "tg",
+    chunk: int = 512,
+    decode_rows: int = 0,
+    cache_len: int = 0,
+    hosts: Sequence[Sequence[Any]] | None = None,
+    **given: int,
+) -> Iterator[Program]:
     """The `Program` of each of `what` ("train", "sample", "engine") for `config` on
     `devices`: the train step on the trainer's mesh, the sample step on the sampler's
     (`make_meshes`; with several hosts, one host's share of the rows with its bf16 copy of
@@ -461,17 +506,26 @@ def compile_programs(
             cache = cache_len or shapes.seq_len
             max_new = min(_config_max_new(config), cache // 2)
             compiled = compile_sample_step(
-                config, meshes.sampler, meshes.sampler_rules, drows, cache, max_new,
+                config,
+                meshes.sampler,
+                meshes.sampler_rules,
+                drows,
+                cache,
+                max_new,
                 weights_dtype=config.model.dtype if meshes.per_host else None,
-            )  # fmt: skip
+            )
             label = f"sample step ({drows} rows, cache {cache})"
         elif name == "engine":
             yield _engine_program(config, meshes, shapes)
             continue
         else:
             raise ValueError(f"unknown program {name!r} (train, sample, engine)")
-        yield Program(label, compiled, meshes.trainer if name == "train" else meshes.sampler,
-                      _resident(config, meshes, name))  # fmt: skip
+        yield Program(
+            label,
+            compiled,
+            meshes.trainer if name == "train" else meshes.sampler,
+            _resident(config, meshes, name),
+        )
 
 
 def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program:
@@ -496,8 +550,10 @@ def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program
     else:  # colocated: the trainer's params (published as they are) and AdamW moments
         trainer_params = abstract_params(model, meshes.trainer, meshes.trainer_rules)
         resident = 3 * bytes_per_device(trainer_params)
-    label = (f"engine decode call ({g.slots} slots, {g.num_pages - 1} pages of {g.page_size} "
-             f"tokens, tables {g.width} pages, {g.steps} token(s) a call)")  # fmt: skip
+    label = (
+        f"engine decode call ({g.slots} slots, {g.num_pages - 1} pages of {g.page_size} "
+        f"tokens, tables {g.width} pages, {g.steps} token(s) a call)"
+    )
     return Program(label, compiled, mesh, resident)
 
 
@@ -584,11 +640,19 @@ def main(argv: Sequence[str]) -> None:
     hbm = hbm_bytes_per_device(topology, len(devices))
     print(f"topology {topology}: {len(devices)} devices {devices[0].device_kind}", flush=True)
     programs = compile_programs(
-        f["config"], devices, f["what"], step=f["step"], chunk=f["chunk"],
-        decode_rows=f["decode_rows"], cache_len=f["cache_len"], rows=f["rows"],
-        seq_len=f["seq_len"], teacher_rows=f["teacher_rows"], teacher_len=f["teacher_len"],
+        f["config"],
+        devices,
+        f["what"],
+        step=f["step"],
+        chunk=f["chunk"],
+        decode_rows=f["decode_rows"],
+        cache_len=f["cache_len"],
+        rows=f["rows"],
+        seq_len=f["seq_len"],
+        teacher_rows=f["teacher_rows"],
+        teacher_len=f["teacher_len"],
         prefix_len=f["prefix_len"],
-    )  # fmt: skip
+    )
     for p in programs:
         print(f"{p.name} on mesh {dict(p.mesh.shape)}", flush=True)
         print(memory_report(p.compiled, p.name, hbm, p.resident).format(), flush=True)

@@ -52,8 +52,9 @@ def engine_shape(config: Any, rows: int, hosts: int, context: int) -> EngineShap
     runner = agent_loop.runner_from_config(
         config, None, model, episodes=-(-rows // hosts), max_total_tokens=context, pad_id=0
     )
-    return EngineShape(runner.slots, runner.page_size, runner.num_pages, runner.max_pages,
-                       runner.decode_steps)  # fmt: skip
+    return EngineShape(
+        runner.slots, runner.page_size, runner.num_pages, runner.max_pages, runner.decode_steps
+    )
 
 
 def engine_mesh(config: Any, sampler_mesh: Any) -> Any:
@@ -76,14 +77,16 @@ def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: A
         prepared = tracing.jit(prepare).lower(params).compile()
     weights = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        tracing.eval_shape(prepare, params), prepared.output_shardings,
-    )  # fmt: skip
+        tracing.eval_shape(prepare, params),
+        prepared.output_shardings,
+    )
     weights = paged.with_params(model, weights, params)  # by reference, as `Engine` holds them
     g = geometry
     kv = jax.ShapeDtypeStruct(
-        (g.num_pages, g.page_size, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype,
+        (g.num_pages, g.page_size, cfg.num_kv_heads, cfg.head_dim),
+        cfg.jnp_dtype,
         sharding=place.kv,
-    )  # fmt: skip
+    )
     routes = None
     if cfg.router_replay:
         shape = (g.num_pages, g.page_size, cfg.num_layers, cfg.experts_per_token)
@@ -95,17 +98,23 @@ def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: A
     def a(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
 
-    batch = {name: a((b,), jnp.int32) for name in ("tokens", "pos", "seed", "index", "top_k",
-                                                    "steps")}  # fmt: skip
-    batch.update(active=a((b,), jnp.bool_), temperature=a((b,), jnp.float32),
-                 top_p=a((b,), jnp.float32), stop=a((b, 4), jnp.int32),
-                 table=a((b, g.width), jnp.int32))  # fmt: skip
+    batch = {
+        name: a((b,), jnp.int32) for name in ("tokens", "pos", "seed", "index", "top_k", "steps")
+    }
+    batch.update(
+        active=a((b,), jnp.bool_),
+        temperature=a((b,), jnp.float32),
+        top_p=a((b,), jnp.float32),
+        stop=a((b, 4), jnp.int32),
+        table=a((b, g.width), jnp.int32),
+    )
     key = jax.random.key(0)
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=place.replicated)
     # `paged.decode_jit`'s function and arguments, keeping the arguments it does not read: the
     # engine holds all of its weights while the call runs.
-    jitted = tracing.jit(paged.sample_steps, static_argnums=(0, 5), donate_argnums=(2,),
-                         keep_unused=True)  # fmt: skip
+    jitted = tracing.jit(
+        paged.sample_steps, static_argnums=(0, 5), donate_argnums=(2,), keep_unused=True
+    )
     with jax.set_mesh(mesh):
         return jitted.lower(model, weights, pool, rng, batch, g.steps).compile()
 

@@ -68,9 +68,12 @@ def shared_bytes(config: Any, meshes: aot.Meshes, program: str) -> int:
     return hbm.bytes_per_device(published)
 
 
-def check(config: Any, devices: Sequence[Any] | None = None,
-          hosts: Sequence[Sequence[Any]] | None = None, hbm_bytes: float | None = None,
-          ) -> list[str]:  # fmt: skip
+def check(
+    config: Any,
+    devices: Sequence[Any] | None = None,
+    hosts: Sequence[Sequence[Any]] | None = None,
+    hbm_bytes: float | None = None,
+) -> list[str]:
     """The fit report's lines; FitError (with them) when the config does not fit (module
     docstring). hbm_bytes: per device (default: the first device's `device_hbm`)."""
     devices = list(devices or jax.devices())

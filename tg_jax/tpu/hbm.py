@@ -80,5 +80,11 @@ def bytes_per_device(tree: Any) -> int:
     )
 
 
-__all__ = ["GIB", "HBM_GIB_PER_CHIP", "MemoryReport", "bytes_per_device", "hbm_bytes_per_device",
-           "memory_report"]  # fmt: skip
+__all__ = [
+    "GIB",
+    "HBM_GIB_PER_CHIP",
+    "MemoryReport",
+    "bytes_per_device",
+    "hbm_bytes_per_device",
+    "memory_report",
+]

@@ -69,8 +69,12 @@ RUNTIME_VERSIONS = {
 # Accelerator types count TensorCores on v4 / v5p (two per chip) and chips on v5e / v6e.
 _CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v5litepod": 1, "v6e": 1}
 _TYPE_PREFIX = {
-    "v4": "v4", "v5p": "v5p", "v5e": "v5litepod", "v5litepod": "v5litepod", "v6e": "v6e",
-}  # fmt: skip
+    "v4": "v4",
+    "v5p": "v5p",
+    "v5e": "v5litepod",
+    "v5litepod": "v5litepod",
+    "v6e": "v6e",
+}
 READY_STATES = {"READY", "ACTIVE"}
 WAIT_STATES = {"CREATING", "STARTING", "PROVISIONING", "WAITING_FOR_RESOURCES", "ACCEPTED"}
 REMOTE_DIR = "~/tg_jax"
@@ -137,25 +141,70 @@ def create_command(job: Job) -> list[str]:
     acc = f"--accelerator-type={accelerator_type(job.topology)}"
     spot = ["--spot"] if job.spot else []
     if job.queued:
-        return ["gcloud", "compute", "tpus", "queued-resources", "create", job.name,
-                f"--node-id={job.name}", *job.where(), acc, f"--runtime-version={version}",
-                *spot]  # fmt: skip
-    return ["gcloud", "compute", "tpus", "tpu-vm", "create", job.name, *job.where(), acc,
-            f"--version={version}", *spot]  # fmt: skip
+        return [
+            "gcloud",
+            "compute",
+            "tpus",
+            "queued-resources",
+            "create",
+            job.name,
+            f"--node-id={job.name}",
+            *job.where(),
+            acc,
+            f"--runtime-version={version}",
+            *spot,
+        ]
+    return [
+        "gcloud",
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "create",
+        job.name,
+        *job.where(),
+        acc,
+        f"--version={version}",
+        *spot,
+    ]
 
 
 def describe_command(job: Job) -> list[str]:
     if job.queued:
-        return ["gcloud", "compute", "tpus", "queued-resources", "describe", job.name,
-                *job.where(), "--format=value(state.state)"]  # fmt: skip
-    return ["gcloud", "compute", "tpus", "tpu-vm", "describe", job.name, *job.where(),
-            "--format=value(state)"]  # fmt: skip
+        return [
+            "gcloud",
+            "compute",
+            "tpus",
+            "queued-resources",
+            "describe",
+            job.name,
+            *job.where(),
+            "--format=value(state.state)",
+        ]
+    return [
+        "gcloud",
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "describe",
+        job.name,
+        *job.where(),
+        "--format=value(state)",
+    ]
 
 
 def delete_command(job: Job) -> list[str]:
     if job.queued:
-        return ["gcloud", "compute", "tpus", "queued-resources", "delete", job.name,
-                *job.where(), "--force", "--quiet"]  # fmt: skip
+        return [
+            "gcloud",
+            "compute",
+            "tpus",
+            "queued-resources",
+            "delete",
+            job.name,
+            *job.where(),
+            "--force",
+            "--quiet",
+        ]
     return ["gcloud", "compute", "tpus", "tpu-vm", "delete", job.name, *job.where(), "--quiet"]
 
 
@@ -167,8 +216,17 @@ def ssh_command(job: Job, remote: str, step: str = "") -> list[str]:
     status behind EXIT_MARK (gcloud's own exit status does not always carry the workers')."""
     if step:
         remote = f'bash -c {shlex.quote(remote)}; echo "{EXIT_MARK} {step} $? $(hostname)"'
-    return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", job.name, *job.where(),
-            "--worker=all", f"--command={remote}"]  # fmt: skip
+    return [
+        "gcloud",
+        "compute",
+        "tpus",
+        "tpu-vm",
+        "ssh",
+        job.name,
+        *job.where(),
+        "--worker=all",
+        f"--command={remote}",
+    ]
 
 
 def install_script(job: Job) -> str:
@@ -185,10 +243,22 @@ def install_steps(job: Job) -> list[tuple[str, list[str]]]:
     checkpoint): "archive" runs here, "copy" through gcloud, the others on the workers."""
     steps = [
         ("archive", ["git", "archive", "--format=tar.gz", f"--output={job.tarball}", job.code]),
-        ("copy", ["gcloud", "compute", "tpus", "tpu-vm", "scp", job.tarball,
-                  f"{job.name}:{os.path.basename(job.tarball)}", *job.where(), "--worker=all"]),
+        (
+            "copy",
+            [
+                "gcloud",
+                "compute",
+                "tpus",
+                "tpu-vm",
+                "scp",
+                job.tarball,
+                f"{job.name}:{os.path.basename(job.tarball)}",
+                *job.where(),
+                "--worker=all",
+            ],
+        ),
         ("install", ssh_command(job, install_script(job), "install")),
-    ]  # fmt: skip
+    ]
     if job.hf_checkpoint:
         copy = f"rm -rf {REMOTE_CKPT} && gcloud storage cp -r {job.hf_checkpoint} {REMOTE_CKPT}"
         steps.append(("checkpoint", ssh_command(job, copy, "checkpoint")))
@@ -375,15 +445,23 @@ def install(job: Job, runner: Runner) -> Outcome:
 
 
 def _stop(job: Job, o: Outcome) -> int:
-    print(f"[launch] {job.name}: stopping, {o.why}" + (f"\n[launch] {o.error}" if o.error
-          else ""), flush=True)  # fmt: skip
+    print(
+        f"[launch] {job.name}: stopping, {o.why}" + (f"\n[launch] {o.error}" if o.error else ""),
+        flush=True,
+    )
     return o.code or 1
 
 
 def launch(
-    job: Job, runner: Runner, *, max_restarts: int = 20, max_quick_failures: int = 3,
-    poll_s: float = 60.0, sleep=time.sleep, clock=time.monotonic,
-) -> int:  # fmt: skip
+    job: Job,
+    runner: Runner,
+    *,
+    max_restarts: int = 20,
+    max_quick_failures: int = 3,
+    poll_s: float = 60.0,
+    sleep=time.sleep,
+    clock=time.monotonic,
+) -> int:
     """Create (or reuse), install, run; retry what `outcome` retries (module docstring);
     returns the exit code: 0 when the job finished, else the status it stopped on."""
     installed, quick = False, 0
@@ -420,8 +498,11 @@ def launch(
         if quick >= max_quick_failures:
             loop = f"{quick} failures in a row, each within {QUICK_S / 60:.0f} min of its start"
             return _stop(job, dataclasses.replace(o, why=f"{o.why}; {loop} (a crash loop)"))
-        print(f"[launch] {o.why} (attempt {attempt + 1}); checking the slice, then again "
-              f"in {poll_s:.0f}s", flush=True)  # fmt: skip
+        print(
+            f"[launch] {o.why} (attempt {attempt + 1}); checking the slice, then again "
+            f"in {poll_s:.0f}s",
+            flush=True,
+        )
         sleep(poll_s)
     print(f"[launch] giving up after {max_restarts} restarts", flush=True)
     return 1
@@ -445,11 +526,19 @@ def parse_args(argv: Sequence[str]) -> tuple[Job, argparse.Namespace]:
     p.add_argument("--vllm", action="store_true", help="also install vllm-tpu on the workers")
     p.add_argument("--python", default="", help="the workers' Python 3.12 (default: uv's)")
     p.add_argument("--allow-dirty", action="store_true", help="ship uncommitted changes too")
-    p.add_argument("--transfer-port", type=int, default=TRANSFER_PORT,
-                   help="each worker's TG_JAX_TRANSFER_ADDRESS port")  # fmt: skip
+    p.add_argument(
+        "--transfer-port",
+        type=int,
+        default=TRANSFER_PORT,
+        help="each worker's TG_JAX_TRANSFER_ADDRESS port",
+    )
     p.add_argument("--max-restarts", type=int, default=20)
-    p.add_argument("--max-quick-failures", type=int, default=3,
-                   help=f"failures in a row within {QUICK_S:.0f}s of start: stop")  # fmt: skip
+    p.add_argument(
+        "--max-quick-failures",
+        type=int,
+        default=3,
+        help=f"failures in a row within {QUICK_S:.0f}s of start: stop",
+    )
     p.add_argument("--poll-seconds", type=float, default=60.0)
     p.add_argument("--allow-local-workdir", action="store_true", help="workdir not on GCS")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -465,12 +554,21 @@ def parse_args(argv: Sequence[str]) -> tuple[Job, argparse.Namespace]:
         except ValueError as e:
             p.error(f"--topology: {e}")
     job = Job(
-        name=args.name, zone=args.zone, project=args.project, topology=args.topology,
-        runtime_version=args.runtime_version, config=args.config, workdir=args.workdir,
-        spot=args.spot, queued=args.queued, hf_checkpoint=args.hf_checkpoint,
-        extra_args=tuple(args.extra), vllm=args.vllm, python=args.python,
+        name=args.name,
+        zone=args.zone,
+        project=args.project,
+        topology=args.topology,
+        runtime_version=args.runtime_version,
+        config=args.config,
+        workdir=args.workdir,
+        spot=args.spot,
+        queued=args.queued,
+        hf_checkpoint=args.hf_checkpoint,
+        extra_args=tuple(args.extra),
+        vllm=args.vllm,
+        python=args.python,
         transfer_port=args.transfer_port,
-    )  # fmt: skip
+    )
     return job, args
 
 
@@ -492,8 +590,11 @@ def shipped_code(job: Job, allow_dirty: bool, dry_run: bool, git=None) -> Job | 
         print(f"[launch] code: commit {head}", flush=True)
         return dataclasses.replace(job, code=head)
     tree = git.working_tree()
-    print(f"[launch] code: the working tree (git tree {tree}): commit {head} and "
-          f"{len(paths)} uncommitted paths: {', '.join(paths)}", flush=True)  # fmt: skip
+    print(
+        f"[launch] code: the working tree (git tree {tree}): commit {head} and "
+        f"{len(paths)} uncommitted paths: {', '.join(paths)}",
+        flush=True,
+    )
     return dataclasses.replace(job, code=tree)
 
 
@@ -511,8 +612,7 @@ def main(argv: Sequence[str] | None = None, git=None) -> int:
     job = shipped
     if args.dry_run:
         n = worker_count(job.topology)
-        print(f"# dry run: {job.name} ({accelerator_type(job.topology)}, {n} workers), first "
-              "start")  # fmt: skip
+        print(f"# dry run: {job.name} ({accelerator_type(job.topology)}, {n} workers), first start")
         rc = launch(job, DryRun(n), max_restarts=0, poll_s=0, sleep=lambda _: None)
         print("# the install script each worker runs (bash -c, in the install step above):")
         print(install_script(job))
@@ -520,8 +620,13 @@ def main(argv: Sequence[str] | None = None, git=None) -> int:
         print(shlex.join(delete_command(job)))
         print("# ... then create, install and run again (resuming from the workdir)")
         return rc
-    return launch(job, subprocess_runner, max_restarts=args.max_restarts,
-                  max_quick_failures=args.max_quick_failures, poll_s=args.poll_seconds)  # fmt: skip
+    return launch(
+        job,
+        subprocess_runner,
+        max_restarts=args.max_restarts,
+        max_quick_failures=args.max_quick_failures,
+        poll_s=args.poll_seconds,
+    )
 
 
 if __name__ == "__main__":

@@ -27,13 +27,19 @@ from typing import Any
 
 
 def local_worker_env(
-    base: dict[str, str], i: int, processes: int, devices_per_process: int,
-    coordinator_port: int, transfer_port: int,
-) -> dict[str, str]:  # fmt: skip
+    base: dict[str, str],
+    i: int,
+    processes: int,
+    devices_per_process: int,
+    coordinator_port: int,
+    transfer_port: int,
+) -> dict[str, str]:
     """Worker i's environment in a local pod: `base` (the launcher's) plus the pod's
     variables, on localhost, and `devices_per_process` CPU devices."""
-    flags = [base.get("XLA_FLAGS", ""),
-             f"--xla_force_host_platform_device_count={devices_per_process}"]  # fmt: skip
+    flags = [
+        base.get("XLA_FLAGS", ""),
+        f"--xla_force_host_platform_device_count={devices_per_process}",
+    ]
     return {
         **base,
         "TG_JAX_DISTRIBUTED": "1",
@@ -99,16 +105,19 @@ def run(
             ckpt = os.path.join(root, f"worker{i}", "hf_checkpoint")
             os.makedirs(os.path.dirname(ckpt), exist_ok=True)
             _stage_checkpoint(job.hf_checkpoint, ckpt)
-        env = local_worker_env(dict(os.environ), i, processes, devices_per_process, port,
-                               transfer_ports[i])  # fmt: skip
+        env = local_worker_env(
+            dict(os.environ), i, processes, devices_per_process, port, transfer_ports[i]
+        )
         cmd = [sys.executable, "-m", module, *args_of(ckpt)]
         print(f"[local pod] worker {i}: {shlex.join(cmd)}", flush=True)
-        workers.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE))  # fmt: skip
-    copiers = [threading.Thread(target=_copy_lines, args=(pipe, stream, f"[w{i}] ".encode()),
-                                daemon=True)
-               for i, w in enumerate(workers)
-               for pipe, stream in ((w.stdout, sys.stdout), (w.stderr, sys.stderr))]  # fmt: skip
+        workers.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        )
+    copiers = [
+        threading.Thread(target=_copy_lines, args=(pipe, stream, f"[w{i}] ".encode()), daemon=True)
+        for i, w in enumerate(workers)
+        for pipe, stream in ((w.stdout, sys.stdout), (w.stderr, sys.stderr))
+    ]
     for t in copiers:
         t.start()
 

@@ -122,6 +122,13 @@ def install_script(remote_dir: str, tarball: str, *, vllm: bool = False, python:
 
 
 __all__ = [
-    "PYTHON", "UV", "TPU_PINS", "VLLM_PIN", "dirty_paths", "dirty_refusal", "git_status",
-    "install_script", "working_tree",
-]  # fmt: skip
+    "PYTHON",
+    "UV",
+    "TPU_PINS",
+    "VLLM_PIN",
+    "dirty_paths",
+    "dirty_refusal",
+    "git_status",
+    "install_script",
+    "working_tree",
+]

@@ -62,7 +62,7 @@ ARMS: dict[str, Arm] = {
             "tg.include_thinking": True,
             "tg.distill_budget": "answer_tokens",
             "rl_loop.hide_thinking": True,
-        },  # fmt: skip
+        },
         "ablation",
         "tg_think_budget with hidden planning text: no turn sees an earlier turn's <think> "
         "block, in training and evaluation (tg_jax.rl.hidden_thinking)",
@@ -73,7 +73,7 @@ ARMS: dict[str, Arm] = {
             "tg.include_thinking": True,
             "tg.distill_budget": "answer_tokens",
             "rl_loop.think_budget": 2,
-        },  # fmt: skip
+        },
         "ablation",
         "tg_think_budget with a reasoning-length budget of 2 tokens per <think> block (its tag "
         "and one token; the rollout closes it), in training and evaluation",

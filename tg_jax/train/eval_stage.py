@@ -94,10 +94,16 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     print(f"eval: {md.path} as {f'arm {arm!r}' if arm else 'no arm'} on {len(tasks)} tasks")
     params = _load_params(cfg, md)
     records = heldout_reads.final_evaluation(
-        cfg, workdir, name, os.fspath(out), params, tasks, md.renderer,
+        cfg,
+        workdir,
+        name,
+        os.fspath(out),
+        params,
+        tasks,
+        md.renderer,
         purpose=heldout_reads.EVAL_ONLY,
         traces=lambda recs, trajs: write_traces(out / TRACES_FILE, recs, trajs, md.renderer),
-    )  # fmt: skip
+    )
     if not multihost.is_primary():
         return {}
     res = write_report(cfg, workdir, os.fspath(out), arm or name, seed, records, md.path)
@@ -142,14 +148,19 @@ def episode_trace(record: Any, traj: Any, renderer: Any) -> dict[str, Any]:
         nxt = starts[k + 1] if k + 1 < len(starts) else len(tokens)
         said = decode([int(t) for t in tokens[idx]])
         calls = fmt.calls(said) if fmt is not None else []
-        turns.append({
-            "turn": k, "text": said, "tokens": int(idx.size),
-            "logprob": float(logprobs[idx].sum()),
-            "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in calls],
-            "verdicts": dict(traj.turn_verdicts[k]), "failed": traj.failed_requirements(k),
-            "hint": text(starts[k - 1] if k else 0, starts[k], Role.HINT),
-            "observation": text(end, nxt, Role.ENV),
-        })  # fmt: skip
+        turns.append(
+            {
+                "turn": k,
+                "text": said,
+                "tokens": int(idx.size),
+                "logprob": float(logprobs[idx].sum()),
+                "tool_calls": [{"name": c.name, "arguments": c.arguments} for c in calls],
+                "verdicts": dict(traj.turn_verdicts[k]),
+                "failed": traj.failed_requirements(k),
+                "hint": text(starts[k - 1] if k else 0, starts[k], Role.HINT),
+                "observation": text(end, nxt, Role.ENV),
+            }
+        )
     return {
         **record.to_dict(),
         "rewards": {k: float(v) for k, v in traj.rewards.items()},
@@ -164,8 +175,10 @@ def write_traces(path: Any, records: Sequence[Any], trajs: Sequence[Any], render
         raise ValueError(f"{len(records)} records but {len(trajs)} trajectories")
     path = paths.as_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(episode_trace(r, t, renderer), default=str) + "\n"
-             for r, t in zip(records, trajs, strict=True)]  # fmt: skip
+    lines = [
+        json.dumps(episode_trace(r, t, renderer), default=str) + "\n"
+        for r, t in zip(records, trajs, strict=True)
+    ]
     tmp = path.parent / f"{path.name}.tmp"
     tmp.write_text("".join(lines))
     tmp.replace(path)
@@ -187,17 +200,22 @@ def write_report(config, workdir, out_dir, arm, seed, records, checkpoint) -> di
         "checkpoint": checkpoint,
     }
     res = report._json_safe(res)
-    paths.write_json_atomic(paths.as_path(out_dir) / report.RESULTS_FILE, res, indent=1,
-                            allow_nan=False)  # fmt: skip
+    paths.write_json_atomic(
+        paths.as_path(out_dir) / report.RESULTS_FILE, res, indent=1, allow_nan=False
+    )
     lines = [
         f"# Evaluation of `{checkpoint}`",
         "",
         f"Evaluation only (`--config.stage=eval`), no training; traces: {TRACES_FILE}.",
         "",
     ]
-    for section in (markdown._context_section, markdown._heldout_section,
-                    markdown._requirements_section, markdown._diagnostic_section,
-                    markdown._side_effects_section):  # fmt: skip
+    for section in (
+        markdown._context_section,
+        markdown._heldout_section,
+        markdown._requirements_section,
+        markdown._diagnostic_section,
+        markdown._side_effects_section,
+    ):
         lines += section(res)
     (paths.as_path(out_dir) / report.REPORT_FILE).write_text("\n".join(lines))
     return res

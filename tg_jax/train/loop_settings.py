@@ -139,13 +139,32 @@ class LoopConfig(Section):
     """Imperfect feedback for the teacher's hints."""
 
     def __post_init__(self):
-        _at_least(self.section, self, dict(
-            steps=1, groups_per_step=1, rollouts_per_group=1, max_new_tokens=1, seq_len=0,
-            length_multiple=0, env_workers=1, queue_size=0, engine_slots=0, engine_page_size=1,
-            engine_decode_steps=1, engine_kv_tokens=0, engine_min_bucket=0, eval_every=0,
-            eval_tasks=0, checkpoint_every=0, keep_checkpoints=1, export_every=0, log_every=1,
-            think_budget=0,
-        ))  # fmt: skip
+        _at_least(
+            self.section,
+            self,
+            dict(
+                steps=1,
+                groups_per_step=1,
+                rollouts_per_group=1,
+                max_new_tokens=1,
+                seq_len=0,
+                length_multiple=0,
+                env_workers=1,
+                queue_size=0,
+                engine_slots=0,
+                engine_page_size=1,
+                engine_decode_steps=1,
+                engine_kv_tokens=0,
+                engine_min_bucket=0,
+                eval_every=0,
+                eval_tasks=0,
+                checkpoint_every=0,
+                keep_checkpoints=1,
+                export_every=0,
+                log_every=1,
+                think_budget=0,
+            ),
+        )
         if self.epochs < 0:
             raise ValueError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {self.epochs}")
         check_engine(self.rollout_engine)

@@ -136,11 +136,17 @@ def run_base_model(config: Any, workdir: str) -> tuple[Any, dict[str, Any], list
         result = _read_json(os.path.join(sft_dir, sft_eval.EVAL_FILE))
         failures = sft_gates.check_base_model(config, result)
         verdict = "accepted" if not failures else "rejected (" + "; ".join(failures) + ")"
-        attempts.append({
-            "attempt": k, "seed": int(cfg.seed), "data_seed": int(cfg.sft.data_seed),
-            "workdir": sft_dir, "figures": sft_gates.gate_figures(config, result),
-            "failures": failures, "verdict": verdict,
-        })  # fmt: skip
+        attempts.append(
+            {
+                "attempt": k,
+                "seed": int(cfg.seed),
+                "data_seed": int(cfg.sft.data_seed),
+                "workdir": sft_dir,
+                "figures": sft_gates.gate_figures(config, result),
+                "failures": failures,
+                "verdict": verdict,
+            }
+        )
         print(f"sft: attempt {k} (seed {cfg.seed}, data_seed {cfg.sft.data_seed}): {verdict}")
         if not failures:
             return params, result, attempts
@@ -148,9 +154,12 @@ def run_base_model(config: Any, workdir: str) -> tuple[Any, dict[str, Any], list
 
 
 def _base_figures(result: dict[str, Any]) -> dict[str, float]:
-    return {k: v for k, v in result.items()
-            if isinstance(v, int | float)
-            and ("pass_rate" in k or "compliance" in k or "format_cost" in k)}  # fmt: skip
+    return {
+        k: v
+        for k, v in result.items()
+        if isinstance(v, int | float)
+        and ("pass_rate" in k or "compliance" in k or "format_cost" in k)
+    }
 
 
 def base_model_dir(config: Any, workdir: str) -> tuple[Any, dict, list]:
@@ -186,15 +195,25 @@ def _shipped_base(config: Any, workdir: str) -> tuple[Any, dict, list]:
     the gates of `sft.require` apply to its recorded figures."""
     out = str(paths.as_path(workdir) / BASE_MODEL_DIR)
     prov = multihost.primary_first("base_model", lambda: shipped_base.install(config, workdir, out))
-    result = {**prov["sft_eval"], "shipped": {
-        k: prov.get(k) for k in ("name", "sha256", "commit", "command", "machine")
-    }}  # fmt: skip
+    result = {
+        **prov["sft_eval"],
+        "shipped": {k: prov.get(k) for k in ("name", "sha256", "commit", "command", "machine")},
+    }
     failures = sft_gates.check_base_model(config, result)
     if failures:
-        raise sft_gates.gate_error(config, [{
-            "attempt": "shipped", "seed": "-", "data_seed": "-", "workdir": out,
-            "figures": sft_gates.gate_figures(config, result), "failures": failures,
-        }])  # fmt: skip
+        raise sft_gates.gate_error(
+            config,
+            [
+                {
+                    "attempt": "shipped",
+                    "seed": "-",
+                    "data_seed": "-",
+                    "workdir": out,
+                    "figures": sft_gates.gate_figures(config, result),
+                    "failures": failures,
+                }
+            ],
+        )
     return hf_dir.open_model_dir(out), result, []
 
 
@@ -220,13 +239,21 @@ def remeasure_shipped_base(
             path.write_text(json.dumps(result, indent=2))
     comparison = result["comparison"]
     beyond = [k for k, c in comparison.items() if c["beyond"]]
-    print("base: re-measured here (" + ", ".join(
-        f"{k} {c['measured']:.3f} vs {c['recorded']:.3f}" for k, c in comparison.items()
-        if "greedy" not in k) + ")")  # fmt: skip
+    print(
+        "base: re-measured here ("
+        + ", ".join(
+            f"{k} {c['measured']:.3f} vs {c['recorded']:.3f}"
+            for k, c in comparison.items()
+            if "greedy" not in k
+        )
+        + ")"
+    )
     if beyond:
-        print(f"warning: the shipped base measures differently here beyond the 95% sampling "
-              f"interval on {', '.join(beyond)} ({path}); the recorded figures gate the run",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: the shipped base measures differently here beyond the 95% sampling "
+            f"interval on {', '.join(beyond)} ({path}); the recorded figures gate the run",
+            file=sys.stderr,
+        )
     return comparison
 
 
@@ -271,12 +298,17 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
                 continue  # another sitting's run (pipeline.sitting)
             run_dir = os.path.join(workdir, RUNS_DIR, run_name)
             result = rl.run_rl(
-                cfg, run_dir, base_params, arm_name=arm, seed=int(seed), sources=sources,
+                cfg,
+                run_dir,
+                base_params,
+                arm_name=arm,
+                seed=int(seed),
+                sources=sources,
                 renderer=md.renderer,
                 exporter=lambda p, out, c=cfg: hf_dir.export_model_dir(
                     out, p, ModelConfig.from_config(c.model), md
                 ),
-            )  # fmt: skip
+            )
             if checkpointing.preemption_requested() or not result.finished:
                 raise _preempted(f"RL run {arm} seed {int(seed)}", run_dir)
             _export(cfg, workdir, run_name, result.state.params, md)
@@ -291,7 +323,7 @@ def _run_arms(config, workdir, arms_cfgs, md, sources, base_params) -> list[Any]
                     records,
                     group=get_arm(arm).group,
                     description=get_arm(arm).description,
-                )  # fmt: skip
+                )
             )
     return runs
 
@@ -393,17 +425,21 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
         "base_tasks": base_result.get("tasks"),
         "shipped_base": base_result.get("shipped"),
         "base_remeasured": remeasured,
-        "sft_attempts": [{k: a[k] for k in ("attempt", "seed", "data_seed", "workdir",
-                                            "verdict")} for a in attempts],
+        "sft_attempts": [
+            {k: a[k] for k in ("attempt", "seed", "data_seed", "workdir", "verdict")}
+            for a in attempts
+        ],
         "budget": stability.tuning_budget(config),
-        "budget_equal": len({json.dumps(stability.tuning_budget(c), sort_keys=True)
-                             for c in arms_cfgs.values()}) <= 1,
+        "budget_equal": len(
+            {json.dumps(stability.tuning_budget(c), sort_keys=True) for c in arms_cfgs.values()}
+        )
+        <= 1,
         "tuning": tuned,
         "registry": _registry_context(config, prereg.get("registry_id")),
         "heldout_reads": heldout_reads.summary(workdir),
         "heldout_draw": protocol.describe_draw(config, workdir),
         "env_kind": env_kind(config.env),  # what a bootstrap cluster is
-    }  # fmt: skip
+    }
     if not multihost.is_primary():  # process 0 writes the report; the others are done
         return {}
     walls = [sft.read_sft_wall_s(sft_attempt(config, workdir, a["attempt"])[1]) for a in attempts]
@@ -420,8 +456,10 @@ def run_pipeline(config: Any, workdir: str) -> dict[str, Any]:
     print(f"report: {os.path.join(workdir, REPORT_DIR, report.REPORT_FILE)}")
     if prereg.get("registry_id") and res.get("noninferiority"):
         registry.record_outcome(config.eval.registry, prereg["registry_id"], res["noninferiority"])
-        print(f"registry: {prereg['registry_id']} {res['noninferiority']['verdict']} "
-              f"({config.eval.registry})")  # fmt: skip
+        print(
+            f"registry: {prereg['registry_id']} {res['noninferiority']['verdict']} "
+            f"({config.eval.registry})"
+        )
     return res
 
 
@@ -431,11 +469,18 @@ def _registry_context(config: Any, key: str | None) -> dict[str, Any] | None:
     if not key:
         return None
     entries = registry.read(config.eval.registry)
-    earlier = [{"id": k, "verdict": (entries.get(k, {}).get("outcome") or {}).get("verdict")}
-               for k in config.eval.earlier]  # fmt: skip
+    earlier = [
+        {"id": k, "verdict": (entries.get(k, {}).get("outcome") or {}).get("verdict")}
+        for k in config.eval.earlier
+    ]
     level = ReportSettings.from_config(config.eval).verdict_level()
-    return {"id": key, "hypothesis": config.eval.hypothesis, "registry": config.eval.registry,
-            "earlier": earlier, "level": level}  # fmt: skip
+    return {
+        "id": key,
+        "hypothesis": config.eval.hypothesis,
+        "registry": config.eval.registry,
+        "earlier": earlier,
+        "level": level,
+    }
 
 
 def headline(res: dict[str, Any]) -> str:

@@ -168,27 +168,48 @@ def _build(
         shardings = sharding.param_partition_specs(model, mesh, rules)
         init_params = jax.device_put(init_params, shardings)
     state = create_train_state(
-        model, make_optimizer(config.optim), mesh, rules, jax.random.fold_in(key, 0),
+        model,
+        make_optimizer(config.optim),
+        mesh,
+        rules,
+        jax.random.fold_in(key, 0),
         params=init_params,
-    )  # fmt: skip
+    )
     # Frozen: the starting policy (init_params), also when a checkpoint is restored over state.
     ref_params = None
     if StepConfig.from_config(config).needs_reference:
         ref_params = jax.tree.map(jnp.copy, state.params)
     divisor = sharding.batch_divisor(mesh, rules)
     sampler, to_sampler = placement.rollout_sampler(
-        model, renderer.tokenizer.pad_id, mesh, rules, divisor,
-        sampler_mesh_cfg=config.get("sampler_mesh"), sampler_devices=sampler_devices,
+        model,
+        renderer.tokenizer.pad_id,
+        mesh,
+        rules,
+        divisor,
+        sampler_mesh_cfg=config.get("sampler_mesh"),
+        sampler_devices=sampler_devices,
         record_routes=agent_loop.router_replay(config),
-    )  # fmt: skip
+    )
     return _Parts(
-        config=config, workdir=workdir, arm_name=arm_name, seed=seed, model_cfg=model_cfg,
-        divisor=divisor, student_max=student_max, teacher_max=teacher_max, state=state,
-        ref_params=ref_params, step_fn=make_train_step(config, model, mesh, rules),
-        sampler=sampler, renderer=renderer, key=key, to_sampler=to_sampler,
+        config=config,
+        workdir=workdir,
+        arm_name=arm_name,
+        seed=seed,
+        model_cfg=model_cfg,
+        divisor=divisor,
+        student_max=student_max,
+        teacher_max=teacher_max,
+        state=state,
+        ref_params=ref_params,
+        step_fn=make_train_step(config, model, mesh, rules),
+        sampler=sampler,
+        renderer=renderer,
+        key=key,
+        to_sampler=to_sampler,
         batch_sharding=sharding.data_sharding(mesh, rules, ndim=1),
-        requirement_names=tuple(r.name for r in requirements), roles=roles,
-    )  # fmt: skip
+        requirement_names=tuple(r.name for r in requirements),
+        roles=roles,
+    )
 
 
 def _tasks(
@@ -214,10 +235,12 @@ def _tasks(
     # Every process iterates the same batches (one process's settings, so checkpoints of
     # either kind resume the other); each rolls out its own share of a batch's groups.
     tasks = TaskIterator(
-        sources["train"], group_size=int(lc.groups_per_step),
-        seed=int(lc.data_seed) * 100_003 + seed, decode_fn=decode_task,
+        sources["train"],
+        group_size=int(lc.groups_per_step),
+        seed=int(lc.data_seed) * 100_003 + seed,
+        decode_fn=decode_task,
         shard=grain.sharding.ShardOptions(0, 1, drop_remainder=True),
-    )  # fmt: skip
+    )
     if data_state is not None:
         tasks.set_state(data_state)
     return tasks, eval_tasks
@@ -239,32 +262,45 @@ def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any
     if not parts.roles.samples:  # a trainer process of the whole-host split: plays nothing
         return rl_rollouts.ProcessGather(rl_rollouts.NoRollouts(), parts.to_sampler, whole=True)
     rollout_fn = rl_rollouts.BatchRollout(
-        parts.sampler, parts.renderer,
+        parts.sampler,
+        parts.renderer,
         noisy_judge(  # the training judge (a wrong one with rl_loop.feedback's error rates)
             env_factory(config.env, parts.renderer.tool_format),
-            rl_rollouts.verdict_noise(lc.feedback), seed=parts.seed,
+            rl_rollouts.verdict_noise(lc.feedback),
+            seed=parts.seed,
         ),
         rollouts_per_group=int(lc.rollouts_per_group),
         config=rollout.RolloutConfig(
-            max_new_tokens=int(lc.max_new_tokens), max_total_tokens=parts.student_max,
-            temperature=float(config.rl.temperature), env_workers=int(lc.env_workers),
+            max_new_tokens=int(lc.max_new_tokens),
+            max_total_tokens=parts.student_max,
+            temperature=float(config.rl.temperature),
+            env_workers=int(lc.env_workers),
             max_rows=int(config.sampler_mesh.max_rows),
             **hidden_thinking.rollout_settings(config),
         ),
-        sampling_key=jax.random.fold_in(parts.key, 1), seed=parts.seed,
+        sampling_key=jax.random.fold_in(parts.key, 1),
+        seed=parts.seed,
         rates=rl_rollouts.feedback_rates(lc.feedback),
         engine=agent_loop.runner_from_config(  # rl_loop.rollout_engine "builtin"
-            config, engine_api, parts.sampler.model,
+            config,
+            engine_api,
+            parts.sampler.model,
             episodes=_process_episodes(lc, parts.roles.samplers),
-            max_total_tokens=parts.student_max, pad_id=parts.renderer.tokenizer.pad_id,
+            max_total_tokens=parts.student_max,
+            pad_id=parts.renderer.tokenizer.pad_id,
             mesh=getattr(parts.sampler, "mesh", None),
         ),
         processes=parts.roles.samplers,
-    )  # fmt: skip
+    )
     return rl_rollouts.rollout_source(
-        rollout_fn, tasks, first_index=first_index, async_sampling=bool(lc.async_sampling),
-        queue_size=int(lc.queue_size), to_sampler=parts.to_sampler, whole=parts.roles.whole,
-    )  # fmt: skip
+        rollout_fn,
+        tasks,
+        first_index=first_index,
+        async_sampling=bool(lc.async_sampling),
+        queue_size=int(lc.queue_size),
+        to_sampler=parts.to_sampler,
+        whole=parts.roles.whole,
+    )
 
 
 def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str, float]:
@@ -275,10 +311,15 @@ def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str
     figures = None
     if parts.roles.samples:  # the rollout sampler (jit is thread-safe): its buckets reused
         recs = heldout.evaluate_heldout(
-            parts.config, params, eval_tasks, conditions=("plain",), samples_per_task=1,
-            max_new_tokens=int(parts.config.rl_loop.max_new_tokens), sampler=parts.sampler,
+            parts.config,
+            params,
+            eval_tasks,
+            conditions=("plain",),
+            samples_per_task=1,
+            max_new_tokens=int(parts.config.rl_loop.max_new_tokens),
+            sampler=parts.sampler,
             renderer=parts.renderer,
-        )  # fmt: skip
+        )
         figures = heldout.heldout_metrics(recs)
     return rl_hosts.from_samplers(parts.roles, figures)
 
@@ -296,16 +337,21 @@ def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch
         min_rows = len(trajectories) * hidden_thinking.rows_per_episode(config)
         trajectories, heads = hidden_thinking.segments(trajectories)
     batch = build_batch(
-        trajectories, max_len=parts.student_max, teacher_max_len=parts.teacher_max,
-        heads=heads, min_rows=min_rows,
+        trajectories,
+        max_len=parts.student_max,
+        teacher_max_len=parts.teacher_max,
+        heads=heads,
+        min_rows=min_rows,
         mode=str(config.tg.teacher_mode) if tg_on else "none",
-        gate=str(config.tg.gate), include_thinking=bool(config.tg.include_thinking),
+        gate=str(config.tg.gate),
+        include_thinking=bool(config.tg.include_thinking),
         max_teacher_rows=int(config.tg.max_teacher_rows),
         requirement_names=parts.requirement_names,
-        pad_to_multiple=int(config.rl_loop.length_multiple), batch_multiple=parts.divisor,
+        pad_to_multiple=int(config.rl_loop.length_multiple),
+        batch_multiple=parts.divisor,
         micro_batches=RLConfig.from_config(config.rl).num_chunks,  # the train step's chunks
         compact=TGConfig.from_config(config.tg).compact_rows,  # full rows: reference teacher
-    )  # fmt: skip
+    )
     if tg_on and str(config.tg.span) == "to_break":
         batch, _ = break_span.cut_after_breaks(batch, trajectories, str(config.tg.gate))
     if tg_on and bool(config.tg.mask_hint_copies):
@@ -342,12 +388,19 @@ def _summarize(parts: _Parts, session: Session, done: int) -> None:
     write_summary(
         parts.workdir,
         {
-            "arm": parts.arm_name, "seed": parts.seed, "step": done, "finished": finished,
-            "costs": session.costs.as_dict(), "tg_enabled": bool(parts.config.tg.enabled),
-            "session": {"start_step": session.start_step, "end_step": done,
-                        "seconds": time.time() - session.started},
+            "arm": parts.arm_name,
+            "seed": parts.seed,
+            "step": done,
+            "finished": finished,
+            "costs": session.costs.as_dict(),
+            "tg_enabled": bool(parts.config.tg.enabled),
+            "session": {
+                "start_step": session.start_step,
+                "end_step": done,
+                "seconds": time.time() - session.started,
+            },
         },
-    )  # fmt: skip
+    )
 
 
 def run_rl(
@@ -442,10 +495,13 @@ def _train(
         writer = MetricsWriter(parts.workdir, use_tensorboard=bool(lc.use_tensorboard))
         lagged = LaggedMetrics(writer, stage="train")
         bar = ProgressBar(
-            num_steps, initial=start, keys=PROGRESS_KEYS,
-            desc=f"rl {parts.arm_name}/{parts.seed}", log_every=int(lc.log_every),
+            num_steps,
+            initial=start,
+            keys=PROGRESS_KEYS,
+            desc=f"rl {parts.arm_name}/{parts.seed}",
+            log_every=int(lc.log_every),
             enabled=multihost.is_primary(),
-        )  # fmt: skip
+        )
 
         def _eval(step: int) -> None:
             writer.write(step, _evaluate(parts, state.params, eval_tasks), stage="eval")
@@ -457,9 +513,12 @@ def _train(
         def _checkpoint(done: int) -> None:
             lagged.flush()  # every step <= a checkpoint is in metrics.jsonl
             meta = {
-                "arm": parts.arm_name, "seed": parts.seed, "data": data_state,
-                "policy_version": done, "costs": session.stamp(),
-            }  # fmt: skip
+                "arm": parts.arm_name,
+                "seed": parts.seed,
+                "data": data_state,
+                "policy_version": done,
+                "costs": session.stamp(),
+            }
             ckpt.save(done, state, metadata=meta, force=True)
 
         done, session.started = start, time.time()  # the setup above is not counted
@@ -521,12 +580,17 @@ class _NonFinite:
         self.in_a_row, self.total = self.in_a_row + 1, self.total + 1
         logging.warning(
             "rl step %d: non-finite loss or gradient, update skipped (params kept; %d in a "
-            "row, %d this session)", step, self.in_a_row, self.total,
-        )  # fmt: skip
+            "row, %d this session)",
+            step,
+            self.in_a_row,
+            self.total,
+        )
         if self.rl.nonfinite == "stop" or self.in_a_row >= self.rl.nonfinite_limit:
-            why = "rl.nonfinite=stop" if self.rl.nonfinite == "stop" else (
-                f"{self.in_a_row} in a row, rl.nonfinite_limit={self.rl.nonfinite_limit}"
-            )  # fmt: skip
+            why = (
+                "rl.nonfinite=stop"
+                if self.rl.nonfinite == "stop"
+                else (f"{self.in_a_row} in a row, rl.nonfinite_limit={self.rl.nonfinite_limit}")
+            )
             raise RunError(
                 f"rl step {step}: non-finite loss or gradient ({why}); no update was applied, "
                 f"the params and checkpoints hold no NaN or inf. Latest checkpoint: step "

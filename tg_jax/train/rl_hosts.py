@@ -131,9 +131,11 @@ def checkpointer(
     if not r.trains:
         return Follower(directory, save_interval_steps)
     return checkpointing.TrainingCheckpointer(
-        directory, max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
+        directory,
+        max_to_keep=max_to_keep,
+        save_interval_steps=save_interval_steps,
         processes=r.trainers,
-    )  # fmt: skip
+    )
 
 
 def _check_resume(meta: Mapping[str, Any], arm_name: str, seed: int, directory: str) -> None:
@@ -154,9 +156,12 @@ def _restore(
     costs = Costs(**restored.metadata.get("costs", {}))
     logging.info("rl %s seed %d: resumed at step %d", arm_name, seed, restored.step)
     session = Session(
-        restored.step, costs, costs.wall_time_s, costs.dropped_groups,
+        restored.step,
+        costs,
+        costs.wall_time_s,
+        costs.dropped_groups,
         peak0=(costs.peak_memory_bytes, costs.peak_memory_above_start_bytes),
-    )  # fmt: skip
+    )
     return restored.state, session, restored.metadata["data"]
 
 
@@ -193,5 +198,13 @@ def full_state(config: Any, directory: str, state: TrainState) -> TrainState:
         reader.close()
 
 
-__all__ = ["Follower", "Roles", "checkpointer", "follow", "from_samplers", "full_state",
-           "resume", "roles"]  # fmt: skip
+__all__ = [
+    "Follower",
+    "Roles",
+    "checkpointer",
+    "follow",
+    "from_samplers",
+    "full_state",
+    "resume",
+    "roles",
+]

@@ -134,11 +134,19 @@ class BatchRollout:
             self.engine.load(params, version)
             sampler, play = self.engine, agent_loop.play_episodes
         trajectories = rollout.rollout_groups(
-            sampler, params, self.renderer, self.env_factory, tasks[share],
-            rollouts_per_task=self.rollouts_per_group, config=self.config,
-            rng=jax.random.fold_in(self.sampling_key, index), policy_version=version,
-            first_group_id=index * len(tasks) + share.start, hint_picker=picker, play=play,
-        )  # fmt: skip
+            sampler,
+            params,
+            self.renderer,
+            self.env_factory,
+            tasks[share],
+            rollouts_per_task=self.rollouts_per_group,
+            config=self.config,
+            rng=jax.random.fold_in(self.sampling_key, index),
+            policy_version=version,
+            first_group_id=index * len(tasks) + share.start,
+            hint_picker=picker,
+            play=play,
+        )
         if any(t.routed_experts is not None for t in trajectories):  # router replay
             check_routes(trajectories, self.sampler.model.config)
         trajectories = drop_engine_errors(trajectories)
@@ -262,9 +270,13 @@ def rollout_source(
     place = None if gather else to_sampler
     if async_sampling:
         loop = SamplingLoop(
-            rollout_fn, task_batches, first_index=first_index, queue_size=queue_size,
-            devices=devices, place=place,
-        )  # fmt: skip
+            rollout_fn,
+            task_batches,
+            first_index=first_index,
+            queue_size=queue_size,
+            devices=devices,
+            place=place,
+        )
     else:
         loop = InlineLoop(rollout_fn, task_batches, first_index=first_index, place=place)
     return ProcessGather(loop, to_sampler, whole) if gather else loop
@@ -319,8 +331,11 @@ def _routed_share(trajectories: Sequence[Any]) -> float:
     """Share of the tokens with the rollout's routing recorded (`model.router_replay`: every
     token the sampler or engine fed; 0 without replay)."""
     total = sum(len(t.tokens) for t in trajectories)
-    routed = sum(int((t.routed_experts[:, 0, 0] >= 0).sum()) for t in trajectories
-                 if t.routed_experts is not None)  # fmt: skip
+    routed = sum(
+        int((t.routed_experts[:, 0, 0] >= 0).sum())
+        for t in trajectories
+        if t.routed_experts is not None
+    )
     return routed / max(total, 1)
 
 
@@ -374,7 +389,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             # The rollout engine's weight sync before the step's calls ("builtin", "vllm").
             "time/weight_sync_s": max(
                 [t.info.get("weight_sync_s", 0.0) for t in trajectories] or [0.0]
-            ),  # fmt: skip
+            ),
             "rollout/prefill_tokens": float(
                 np.mean([t.info.get("prefill_tokens", 0.0) for t in trajectories] or [0])
             ),

@@ -64,36 +64,51 @@ def step_records(
     adv, reward_B, _ = batch_advantages(batch, RLConfig.from_config(config.rl))
     adv, reward_B = np.asarray(adv, np.float32), np.asarray(reward_B, np.float32)
     names = tuple(batch.requirement_names)
-    host = {k: np.asarray(getattr(batch, k)) for k in (
-        "tokens_BxT", "segment_ids_BxT", "behaviour_logprobs_BxT", "loss_mask_BxT",
-        "tg_mask_BxT", "requirement_ids_BxT", "valid_B", "group_ids_B", "policy_version_B",
-    )}  # fmt: skip
+    host = {
+        k: np.asarray(getattr(batch, k))
+        for k in (
+            "tokens_BxT",
+            "segment_ids_BxT",
+            "behaviour_logprobs_BxT",
+            "loss_mask_BxT",
+            "tg_mask_BxT",
+            "requirement_ids_BxT",
+            "valid_B",
+            "group_ids_B",
+            "policy_version_B",
+        )
+    }
     out = []
     for b, traj in enumerate(trajectories):
         if not host["valid_B"][b]:
             continue
         n = int((host["segment_ids_BxT"][b] > 0).sum())
-        verdicts = [[-1 if v.get(r) is None else int(bool(v[r])) for r in names]
-                    for v in traj.turn_verdicts]  # fmt: skip
+        verdicts = [
+            [-1 if v.get(r) is None else int(bool(v[r])) for r in names] for v in traj.turn_verdicts
+        ]
         row_adv = adv[b, :n] if adv.ndim == 2 else np.where(host["loss_mask_BxT"][b, :n], adv[b], 0)
-        out.append({
-            "step": int(step), "row": b, "task_id": str(traj.task_id),
-            "group_id": int(host["group_ids_B"][b]),
-            "policy_version": int(host["policy_version_B"][b]),
-            "tokens_T": host["tokens_BxT"][b, :n].astype(np.int32),
-            "roles_T": np.asarray(traj.roles, np.int8)[:n],
-            "turn_ids_T": np.asarray(traj.turn_ids, np.int32)[:n],
-            "behaviour_logprobs_T": host["behaviour_logprobs_BxT"][b, :n].astype(np.float32),
-            "loss_mask_T": host["loss_mask_BxT"][b, :n].astype(np.int8),
-            "tg_mask_T": host["tg_mask_BxT"][b, :n].astype(np.int8),
-            "requirement_ids_T": host["requirement_ids_BxT"][b, :n].astype(np.int32),
-            "advantages_T": np.asarray(row_adv, np.float32),
-            "verdicts_KxR": np.asarray(verdicts, np.int8).reshape(len(verdicts), len(names)),
-            "requirement_names": list(names),
-            "hints": {k: np.asarray(v, np.int32) for k, v in traj.hint_tokens.items()},
-            "rewards": {k: float(v[b]) for k, v in batch.rewards.items()},
-            "reward": float(reward_B[b]),
-        })  # fmt: skip
+        out.append(
+            {
+                "step": int(step),
+                "row": b,
+                "task_id": str(traj.task_id),
+                "group_id": int(host["group_ids_B"][b]),
+                "policy_version": int(host["policy_version_B"][b]),
+                "tokens_T": host["tokens_BxT"][b, :n].astype(np.int32),
+                "roles_T": np.asarray(traj.roles, np.int8)[:n],
+                "turn_ids_T": np.asarray(traj.turn_ids, np.int32)[:n],
+                "behaviour_logprobs_T": host["behaviour_logprobs_BxT"][b, :n].astype(np.float32),
+                "loss_mask_T": host["loss_mask_BxT"][b, :n].astype(np.int8),
+                "tg_mask_T": host["tg_mask_BxT"][b, :n].astype(np.int8),
+                "requirement_ids_T": host["requirement_ids_BxT"][b, :n].astype(np.int32),
+                "advantages_T": np.asarray(row_adv, np.float32),
+                "verdicts_KxR": np.asarray(verdicts, np.int8).reshape(len(verdicts), len(names)),
+                "requirement_names": list(names),
+                "hints": {k: np.asarray(v, np.int32) for k, v in traj.hint_tokens.items()},
+                "rewards": {k: float(v[b]) for k, v in batch.rewards.items()},
+                "reward": float(reward_B[b]),
+            }
+        )
     return out
 
 

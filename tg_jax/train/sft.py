@@ -218,9 +218,11 @@ def prepare_tokenizer(config: Any, workdir: str) -> tuple[Tokenizer, list | None
         texts = transcript_texts(transcripts, ChatRenderer(ByteTokenizer()))
         with tempfile.TemporaryDirectory(prefix="tg_bpe_") as tmp:
             bpe.write_bpe_tokenizer(
-                tmp, texts, int(config.sft.bpe_vocab_size),
+                tmp,
+                texts,
+                int(config.sft.bpe_vocab_size),
                 model_max_length=int(config.model.max_seq_len),
-            )  # fmt: skip
+            )
             hf_dir.copy_dir(tmp, tokenizer_dir(workdir))
     return sft_tokenizer(config, workdir), transcripts
 
@@ -364,9 +366,12 @@ def _sft_loop(config, state, start, stop_after, train, selector, ckpt, writer):
 
     lagged = LaggedMetrics(writer, stage="sft")
     bar = ProgressBar(
-        selector.final_step, initial=start, keys=("loss", "accuracy"), desc="sft",
+        selector.final_step,
+        initial=start,
+        keys=("loss", "accuracy"),
+        desc="sft",
         log_every=int(config.sft.log_every),
-    )  # fmt: skip
+    )
     done = start
 
     def decide(step):

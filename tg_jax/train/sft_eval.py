@@ -59,8 +59,11 @@ def summarize(
     }
     for name in requirements:
         turns = [v[name] for t in trajectories for v in t.turn_verdicts if v.get(name) is not None]
-        judged = [r.compliance[name] for r, t in zip(records, trajectories, strict=True)
-                  if any(v.get(name) is not None for v in t.turn_verdicts)]  # fmt: skip
+        judged = [
+            r.compliance[name]
+            for r, t in zip(records, trajectories, strict=True)
+            if any(v.get(name) is not None for v in t.turn_verdicts)
+        ]
         out[f"compliance/{name}"] = float(np.mean(turns)) if turns else 0.0
         out[f"episode_compliance/{name}"] = float(np.mean(judged)) if judged else 0.0
     return out
@@ -102,9 +105,15 @@ def evaluate_base_model(
         )
         for ci, condition in enumerate(("plain", "hinted")):
             records, trajectories = rollout.evaluate(
-                sampler, params, renderer, env_factory, tasks,
-                config=cfg, rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
-            )  # fmt: skip
+                sampler,
+                params,
+                renderer,
+                env_factory,
+                tasks,
+                config=cfg,
+                rng=jax.random.fold_in(rng, 2 * ti + ci),
+                condition=condition,
+            )
             modes[f"t{float(temp)}/{condition}"] = summarize(records, trajectories, names)
             if not (forced and condition == "plain" and float(temp) == 1.0):
                 continue
@@ -114,10 +123,14 @@ def evaluate_base_model(
                 # The plain mode's sampling key: the two differ by the opening only.
                 records, trajectories = rollout.evaluate(
                     PrefillSampler(sampler, renderer, req.opening, after_thinking=True),
-                    params, renderer,
-                    env_factory, tasks, config=cfg,
-                    rng=jax.random.fold_in(rng, 2 * ti + ci), condition=condition,
-                )  # fmt: skip
+                    params,
+                    renderer,
+                    env_factory,
+                    tasks,
+                    config=cfg,
+                    rng=jax.random.fold_in(rng, 2 * ti + ci),
+                    condition=condition,
+                )
                 modes[f"t1.0/forced_{req.name}"] = summarize(records, trajectories, names)
     out: dict[str, Any] = {"modes": modes, "num_tasks": len(tasks)}
     for temp, suffix in ((1.0, ""), (0.0, "_greedy")):
@@ -160,10 +173,15 @@ def measure(
     tasks = base_eval_tasks(config)
     t0 = time.time()
     result = evaluate_base_model(
-        Transformer(model_cfg), params, renderer, tasks,
+        Transformer(model_cfg),
+        params,
+        renderer,
+        tasks,
         env_factory(config.env, renderer.tool_format),
-        config.sft.eval, max_len=model_cfg.max_seq_len, forced=True,
-    )  # fmt: skip
+        config.sft.eval,
+        max_len=model_cfg.max_seq_len,
+        forced=True,
+    )
     result["eval_s"] = time.time() - t0
     result["tasks"] = {"split": "dev", "seed": _task_seed(config)}
     result["requirements"] = list(requirement_names(config.env))

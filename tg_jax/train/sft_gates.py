@@ -53,11 +53,12 @@ def _gated_kinds(config: Any) -> dict[str, tuple[str, ...]]:
     gate_on = _format_cost_bound(config.sft.require) is not None
     hinted = set(config.sft.get("hint_requirements", ()) or ())
     return {
-        r.name: (*REQUIREMENT_KINDS, FORMAT_COST) if gate_on and r.opening is not None
+        r.name: (*REQUIREMENT_KINDS, FORMAT_COST)
+        if gate_on and r.opening is not None
         else REQUIREMENT_KINDS
         for r in make_env(config.env).requirements
         if not hinted or r.name in hinted
-    }  # fmt: skip
+    }
 
 
 def gate_figures(config: Any, result: dict[str, Any]) -> dict[str, float | None]:
@@ -74,9 +75,10 @@ def unmeasured_requirements(config: Any, result: dict[str, Any]) -> list[str]:
     result lacks (a base model evaluated for other requirements, e.g. the demo's base copied
     into a fence workdir)."""
     return [
-        r for r, kinds in _gated_kinds(config).items()
+        r
+        for r, kinds in _gated_kinds(config).items()
         if any(result.get(f"{kind}/{r}") is None for kind in kinds)
-    ]  # fmt: skip
+    ]
 
 
 def check_require_config(config: Any) -> None:

@@ -63,10 +63,13 @@ def decide_extension(entries: list[dict[str, Any]], base_steps: int, ext: Extend
     best = max((e["figures"]["pass_rate"] for e in eligible), default=None)
     extended = bool(evaluated) and (best is None or best < ext.min_pass_rate)
     return {
-        "at_step": base_steps, "best_eligible_pass_rate": best,
-        "evaluations": len(evaluated), "min_pass_rate": ext.min_pass_rate, "extended": extended,
+        "at_step": base_steps,
+        "best_eligible_pass_rate": best,
+        "evaluations": len(evaluated),
+        "min_pass_rate": ext.min_pass_rate,
+        "extended": extended,
         "steps": ext.steps if extended else 0,
-    }  # fmt: skip
+    }
 
 
 def final_step(config: Any, sft_dir: str) -> int | None:
@@ -165,9 +168,11 @@ class DevSelector:
     def tasks(self):
         if self._tasks is None:
             self._tasks = generate_tasks(
-                "dev", self.cfg.num_tasks, seed=self.cfg.seed,
+                "dev",
+                self.cfg.num_tasks,
+                seed=self.cfg.seed,
                 families=self.config.tasks.families,
-            )  # fmt: skip
+            )
         return self._tasks
 
     def maybe_evaluate(self, step: int, state) -> dict[str, Any] | None:
@@ -176,16 +181,28 @@ class DevSelector:
         if not due or any(e["step"] == step for e in self.entries):
             return None
         env_cfg = coding_env_config(self.config.env)
-        eval_cfg = {"seed": self.cfg.seed, "temperatures": (1.0,),
-                    "max_new_tokens": self.cfg.max_new_tokens}  # fmt: skip
+        eval_cfg = {
+            "seed": self.cfg.seed,
+            "temperatures": (1.0,),
+            "max_new_tokens": self.cfg.max_new_tokens,
+        }
         result = sft_eval.evaluate_base_model(
-            self.model, state.params, self.renderer, self.tasks(), lambda: CodingEnv(env_cfg),
-            ml_collections.ConfigDict(eval_cfg), max_len=self.model.config.max_seq_len,
-        )  # fmt: skip
+            self.model,
+            state.params,
+            self.renderer,
+            self.tasks(),
+            lambda: CodingEnv(env_cfg),
+            ml_collections.ConfigDict(eval_cfg),
+            max_len=self.model.config.max_seq_len,
+        )
         figures = dev_figures(result, requirement_names(self.config.env))
         ok = compliant(figures, self.cfg)
-        entry = {"step": step, "figures": figures, "compliant": ok,
-                 "eligible": ok and figures["pass_rate"] <= self.cfg.pass_rate_max}  # fmt: skip
+        entry = {
+            "step": step,
+            "figures": figures,
+            "compliant": ok,
+            "eligible": ok and figures["pass_rate"] <= self.cfg.pass_rate_max,
+        }
         self.entries.append(entry)
         if choose(self.entries) is entry:  # a new best: keep its checkpoint
             with checkpointing.TrainingCheckpointer(self.best_dir, max_to_keep=1) as ckpt:

@@ -138,9 +138,13 @@ class SftEvalConfig(Section):
 
 
 _SFT_OPTIM = OptimConfig(
-    lr=5e-3, weight_decay=0.01, schedule="warmup_cosine", warmup_steps=50, end_lr_fraction=0.05,
+    lr=5e-3,
+    weight_decay=0.01,
+    schedule="warmup_cosine",
+    warmup_steps=50,
+    end_lr_fraction=0.05,
     total_steps=3000,
-)  # fmt: skip
+)
 
 
 TOKENIZERS = ("byte", "bpe")  # sft.tokenizer's choices
@@ -215,8 +219,14 @@ class SftConfig(Section):
     """The shipped base: a name under tg_jax/bases, or a directory."""
 
     def __post_init__(self):
-        positive = ("batch_size", "seq_len", "num_transcripts", "log_every", "checkpoint_every",
-                    "bpe_vocab_size")  # fmt: skip
+        positive = (
+            "batch_size",
+            "seq_len",
+            "num_transcripts",
+            "log_every",
+            "checkpoint_every",
+            "bpe_vocab_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"sft.{name} must be >= 1, got {getattr(self, name)}")

@@ -176,8 +176,13 @@ def compare(recorded: dict[str, Any], measured: dict[str, Any]) -> dict[str, dic
             continue
         half = 1.96 * math.sqrt(p1 * (1 - p1) / n1 + p2 * (1 - p2) / n2)
         diff = float(p2) - float(p1)
-        out[key] = {"recorded": float(p1), "measured": float(p2), "difference": diff,
-                    "interval": half, "beyond": abs(diff) > half + 1e-12}  # fmt: skip
+        out[key] = {
+            "recorded": float(p1),
+            "measured": float(p2),
+            "difference": diff,
+            "interval": half,
+            "beyond": abs(diff) > half + 1e-12,
+        }
     return out
 
 
@@ -204,9 +209,14 @@ def remeasure(config: Any, name: str, command: str, commit: str) -> dict[str, An
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     prov["sft_eval_history"] = [
         *prov.get("sft_eval_history", []),
-        {"sft_eval": prov["sft_eval"], "replaced": when, "by": command, "commit": commit,
-         "machine": protocol.machine_info()},
-    ]  # fmt: skip
+        {
+            "sft_eval": prov["sft_eval"],
+            "replaced": when,
+            "by": command,
+            "commit": commit,
+            "machine": protocol.machine_info(),
+        },
+    ]
     prov["sft_eval"] = result
     with open(os.path.join(directory, PROVENANCE_FILE), "w", encoding="utf-8") as f:
         json.dump(prov, f, indent=1, sort_keys=True)

@@ -121,10 +121,16 @@ def trial_dir(workdir: str, arm: str, k: int) -> str:
 def _validate(config: Any, run_dir: str, params: Any, val: Sequence[Any], renderer: Any) -> dict:
     """The trial's validation records and wall time, cached in its directory."""
     records = heldout.evaluate_run(
-        config, run_dir, params, val, records_file=VALIDATION_FILE,
-        summary_file=VALIDATION_SUMMARY_FILE, conditions=("plain",),
-        samples_per_task=int(config.pipeline.tune.samples_per_task), renderer=renderer,
-    )  # fmt: skip
+        config,
+        run_dir,
+        params,
+        val,
+        records_file=VALIDATION_FILE,
+        summary_file=VALIDATION_SUMMARY_FILE,
+        conditions=("plain",),
+        samples_per_task=int(config.pipeline.tune.samples_per_task),
+        renderer=renderer,
+    )
     summary = paths.read_json(paths.as_path(run_dir) / VALIDATION_SUMMARY_FILE)
     return {"records": records, "wall_s": float(summary["wall_s"])}
 
@@ -153,14 +159,17 @@ def tune_arms(
     trial_sources, val = split_train(sources, int(tune.val_tasks))
     eval_tasks = val[: int(config.rl_loop.eval_tasks)]
     out = {
-        "lrs": lrs, "seed": int(tune.seed), "val_tasks": len(val),
+        "lrs": lrs,
+        "seed": int(tune.seed),
+        "val_tasks": len(val),
         "samples_per_task": int(tune.samples_per_task),
-        "score": "mean of " + " + ".join(
+        "score": "mean of "
+        + " + ".join(
             f"{float(w):g} x {'task success' if k == 'task' else k + ' compliance'}"
             for k, w in config.rl.reward_weights.items()
         ),
         "arms": {},
-    }  # fmt: skip
+    }
     wall = 0.0
     for arm, arm_cfg in arms_cfgs.items():
         trials = []
@@ -169,9 +178,15 @@ def tune_arms(
             run_dir = trial_dir(workdir, arm, k)
             print(f"tune: {arm} lr {lr:g} (trial {k + 1} of {len(lrs)}, seed {int(tune.seed)})")
             result = rl.run_rl(
-                cfg, run_dir, base_params, arm_name=arm, seed=int(tune.seed),
-                sources=trial_sources, eval_tasks=eval_tasks, renderer=renderer,
-            )  # fmt: skip
+                cfg,
+                run_dir,
+                base_params,
+                arm_name=arm,
+                seed=int(tune.seed),
+                sources=trial_sources,
+                eval_tasks=eval_tasks,
+                renderer=renderer,
+            )
             if checkpointing.preemption_requested() or not result.finished:
                 err = checkpointing.Preempted(f"tuning trial {arm} lr {lr:g}", run_dir)
                 print(err.message)
@@ -181,12 +196,16 @@ def tune_arms(
             # The run's summary (as the report reads the runs'): a resumed run's costs too.
             summary = paths.read_json(paths.as_path(run_dir) / RL_SUMMARY_FILE)
             rl_s = float(summary["costs"].get("wall_time_s", 0.0))
-            trials.append({
-                "lr": lr, "score": score(config, recs),
-                "task_success": sum(r.values()["task_success"] for r in recs) / len(recs),
-                "compliance": sum(r.values()["compliance"] for r in recs) / len(recs),
-                "rl_wall_s": rl_s, "eval_wall_s": v["wall_s"],
-            })  # fmt: skip
+            trials.append(
+                {
+                    "lr": lr,
+                    "score": score(config, recs),
+                    "task_success": sum(r.values()["task_success"] for r in recs) / len(recs),
+                    "compliance": sum(r.values()["compliance"] for r in recs) / len(recs),
+                    "rl_wall_s": rl_s,
+                    "eval_wall_s": v["wall_s"],
+                }
+            )
             wall += rl_s + v["wall_s"]
             print(f"tune: {arm} lr {lr:g}: validation score {trials[-1]['score']:.3f}")
         best = max(range(len(trials)), key=lambda i: (trials[i]["score"], -i))

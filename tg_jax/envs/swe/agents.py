@@ -49,11 +49,12 @@ def unified_diff(original: dict[str, str], files: dict[str, str]) -> str:
             continue
         out.extend(
             difflib.unified_diff(
-                (a or "").splitlines(keepends=True), (b or "").splitlines(keepends=True),
+                (a or "").splitlines(keepends=True),
+                (b or "").splitlines(keepends=True),
                 fromfile=f"a/{path}" if a is not None else "/dev/null",
                 tofile=f"b/{path}" if b is not None else "/dev/null",
             )
-        )  # fmt: skip
+        )
     return "".join(ln if ln.endswith("\n") else ln + "\n" for ln in out).rstrip("\n")
 
 
@@ -214,9 +215,12 @@ def make_swe_sft_transcripts(
         on = {n: hinted if n in targets else n in enabled or n == "tool_protocol" for n in known}
         turns = expert_turns(task, Style(**on))
         hints = [
-            [n for n in env_config.requirements
-             if hinted and ((n in targets and _meets_at(n, text)) or rng.random() < p_other_hint)]
+            [
+                n
+                for n in env_config.requirements
+                if hinted and ((n in targets and _meets_at(n, text)) or rng.random() < p_other_hint)
+            ]
             for text in turns
-        ]  # fmt: skip
+        ]
         out.append(play(env, task, turns, hints))
     return out

@@ -62,8 +62,15 @@ _TOKEN = re.compile(r"\w+|[^\w\s]")
 # replaced), "stopped_after_ask" (asked the user, then no edit), "asked_when_approved" (asked
 # on a task whose instruction says the change is approved, `SweTask.approved`),
 # "stopped_after_explain" (a turn explained a change without making it, and no edit followed).
-ACTIONS = (*TOOLS, "malformed", "tool_error", "overwrite", "stopped_after_ask",
-           "asked_when_approved", "stopped_after_explain")  # fmt: skip
+ACTIONS = (
+    *TOOLS,
+    "malformed",
+    "tool_error",
+    "overwrite",
+    "stopped_after_ask",
+    "asked_when_approved",
+    "stopped_after_explain",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,9 +283,11 @@ class SweEnv(Environment):
         info["tool_output"] = obs
         if not done:
             return StepResult(
-                truncate(obs, cfg.max_observation_chars), False,
-                dict.fromkeys(self.reward_keys, 0.0), info,
-            )  # fmt: skip
+                truncate(obs, cfg.max_observation_chars),
+                False,
+                dict.fromkeys(self.reward_keys, 0.0),
+                info,
+            )
         self._done = True
         summ.actions["stopped_after_ask"] = int(self._edited_after_ask is False)
         summ.actions["stopped_after_explain"] = int(self._edited_after_explain is False)

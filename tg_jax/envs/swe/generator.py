@@ -160,15 +160,43 @@ def make_task(task_id: str, split: str, rng: random.Random) -> SweTask:
     f2p = [f"{hidden_path}::test_{n}" for n in names if n in broken]
     p2p = [f"{hidden_path}::test_{n}" for n in names if n not in broken]
     return _assemble(
-        task_id, split, files, test_path, hidden_tests, f2p, p2p, bug, fns, pkg, mod1, mod2,
-        wrap_src, swapped, args, tpls[0].name,
-    )  # fmt: skip
+        task_id,
+        split,
+        files,
+        test_path,
+        hidden_tests,
+        f2p,
+        p2p,
+        bug,
+        fns,
+        pkg,
+        mod1,
+        mod2,
+        wrap_src,
+        swapped,
+        args,
+        tpls[0].name,
+    )
 
 
 def _assemble(
-    task_id, split, files, test_path, hidden_tests, f2p, p2p, bug, fns, pkg, mod1, mod2,
-    wrap_src, swapped, args, template,
-) -> SweTask:  # fmt: skip
+    task_id,
+    split,
+    files,
+    test_path,
+    hidden_tests,
+    f2p,
+    p2p,
+    bug,
+    fns,
+    pkg,
+    mod1,
+    mod2,
+    wrap_src,
+    swapped,
+    args,
+    template,
+) -> SweTask:
     """Applies the bug to the files and writes the instruction and the expert's solution."""
     family, main = bug[0], fns[0]
     path1, path2 = f"{pkg}/{mod1}.py", f"{pkg}/{mod2}.py"

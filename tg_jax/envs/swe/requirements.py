@@ -32,8 +32,13 @@ REQUIREMENT_NAMES = ("tool_protocol", "markdown_report", "files_named", "ask_fir
 # (the side-effect scenario of an explanation that replaces the edit, "stopped_after_explain").
 OPTIONAL_NAMES = ("explain_change",)
 KNOWN_NAMES = (*REQUIREMENT_NAMES, *OPTIONAL_NAMES)
-TIERS = {"tool_protocol": 1, "markdown_report": 1, "files_named": 2, "ask_first": 3,
-         "explain_change": 3}  # fmt: skip
+TIERS = {
+    "tool_protocol": 1,
+    "markdown_report": 1,
+    "files_named": 2,
+    "ask_first": 3,
+    "explain_change": 3,
+}
 EXPLAIN_MIN_WORDS = 5  # an explanation: this many words of prose beside the call
 # Met by an episode where it never applied (`Requirement.conditional`): no overwrite, no
 # question owed. (files_named is not: a report that changes and names nothing does not earn it.)
@@ -62,9 +67,11 @@ WRONG_HINTS = {
     "markdown_report": ("Reminder: submit with no report.", "Reminder: no code blocks."),
     "files_named": ("Reminder: list every file of the repository.", "Reminder: name no files."),
     "ask_first": ("Reminder: never ask the user.", "Reminder: ask before reading a file."),
-    "explain_change": ("Reminder: explain the change instead of making it.",
-                       "Reminder: never write prose."),
-}  # fmt: skip
+    "explain_change": (
+        "Reminder: explain the change instead of making it.",
+        "Reminder: never write prose.",
+    ),
+}
 
 _FENCE = re.compile(r"^```[ \t]*([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _HEADING = re.compile(r"^#{1,6} +\S", re.M)

@@ -274,9 +274,14 @@ class SandboxRunner:
             f"FILES = {read_repo(repo_dir)!r}\nARGS = {args!r}\nMARK = {mark!r}\n" + _LIGHT_RUNNER
         )
         res = run_python(
-            script, timeout_s=timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
-            max_output_bytes=self.max_output_bytes, max_file_mb=4, max_open_files=64,
-        )  # fmt: skip
+            script,
+            timeout_s=timeout_s,
+            cpu_s=self.cpu_s,
+            memory_mb=self.memory_mb,
+            max_output_bytes=self.max_output_bytes,
+            max_file_mb=4,
+            max_open_files=64,
+        )
         lines = [ln[len(mark) + 1 :] for ln in res.stdout.splitlines() if ln.startswith(mark)]
         output = "\n".join(lines)
         if res.status != "ok" or not lines:
@@ -305,8 +310,10 @@ class NamespaceRunner:
         limits = self._ns.Limits(timeout_s=timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb)
         res = self._ns.run_command(
             ["python", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args],
-            repo=repo_dir, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, limits=limits,
-        )  # fmt: skip
+            repo=repo_dir,
+            env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+            limits=limits,
+        )
         outcomes = parse_pytest_summary(res.stdout)
         if res.status not in ("ok", "error") or not outcomes:  # exit 1 = some tests failed
             return TestRun(

@@ -54,16 +54,20 @@ TEMPLATES: dict[str, Template] = {
     t.name: t
     for t in (
         Template(
-            "sum_upto", 1,
+            "sum_upto",
+            1,
             "def {fn}({a}):\n    {acc} = 0\n    for i in range({a} + 1):\n"
             "        {acc} += i\n    return {acc}\n",
             "Sum of the integers 0..{a}, inclusive.",
             lambda r: (r.randint(1, 30),),
-            (("off_by_one", "range({a} + 1)", "range({a})"),
-             ("operator", "{acc} += i", "{acc} -= i")),
+            (
+                ("off_by_one", "range({a} + 1)", "range({a})"),
+                ("operator", "{acc} += i", "{acc} -= i"),
+            ),
         ),
         Template(
-            "count_over", 2,
+            "count_over",
+            2,
             "def {fn}({a}, {b}):\n    {acc} = 0\n    for v in {a}:\n        if v > {b}:\n"
             "            {acc} += 1\n    return {acc}\n",
             "How many items of {a} are greater than {b}.",
@@ -71,73 +75,96 @@ TEMPLATES: dict[str, Template] = {
             (("comparison", "v > {b}", "v >= {b}"), ("constant", "{acc} += 1", "{acc} += 2")),
         ),
         Template(
-            "clamp", 3,
+            "clamp",
+            3,
             "def {fn}({a}, {b}, {c}):\n    if {a} < {b}:\n        return {b}\n"
             "    if {a} > {c}:\n        return {c}\n    return {a}\n",
             "{a} limited to the range {b}..{c}.",
             lambda r: (r.randint(-10, 20), r.randint(0, 5), r.randint(6, 12)),
-            (("wrong_value", "        return {c}\n", "        return {b}\n"),
-             ("comparison", "if {a} < {b}:", "if {a} > {b}:")),
+            (
+                ("wrong_value", "        return {c}\n", "        return {b}\n"),
+                ("comparison", "if {a} < {b}:", "if {a} > {b}:"),
+            ),
         ),
         Template(
-            "mean_of", 1,
+            "mean_of",
+            1,
             "def {fn}({a}):\n    if not {a}:\n        return 0\n    return sum({a}) / len({a})\n",
             "Arithmetic mean of {a} (0 for an empty list).",
             lambda r: (_ints(r, n=(1, 5)),),
-            (("off_by_one", "/ len({a})", "/ (len({a}) + 1)"),
-             ("operator", "sum({a}) / len", "sum({a}) // len")),
+            (
+                ("off_by_one", "/ len({a})", "/ (len({a}) + 1)"),
+                ("operator", "sum({a}) / len", "sum({a}) // len"),
+            ),
         ),
         Template(
-            "scale_all", 2,
+            "scale_all",
+            2,
             "def {fn}({a}, {b}):\n    return [v * {b} for v in {a}]\n",
             "Every item of {a} multiplied by {b}.",
             lambda r: (_ints(r), r.randint(3, 9)),
             (("operator", "v * {b}", "v + {b}"),),
         ),
         Template(
-            "last_items", 2,
+            "last_items",
+            2,
             "def {fn}({a}, {b}):\n    if {b} <= 0:\n        return []\n    return {a}[-{b}:]\n",
             "The last {b} items of {a}.",
             lambda r: (_ints(r, n=(3, 7)), r.randint(1, 3)),
-            (("off_by_one", "{a}[-{b}:]", "{a}[-{b} + 1:]"),
-             ("comparison", "if {b} <= 0:", "if {b} <= 1:")),
+            (
+                ("off_by_one", "{a}[-{b}:]", "{a}[-{b} + 1:]"),
+                ("comparison", "if {b} <= 0:", "if {b} <= 1:"),
+            ),
         ),
         Template(
-            "max_gap", 1,
+            "max_gap",
+            1,
             "def {fn}({a}):\n    {acc} = 0\n    for i in range(1, len({a})):\n"
             "        {acc} = max({acc}, {a}[i] - {a}[i - 1])\n    return {acc}\n",
             "Largest increase between neighbouring items of {a}.",
             lambda r: (_ints(r, n=(3, 7)),),
-            (("off_by_one", "range(1, len({a}))", "range(2, len({a}))"),
-             ("operator", "{a}[i] - {a}[i - 1]", "{a}[i - 1] - {a}[i]")),
+            (
+                ("off_by_one", "range(1, len({a}))", "range(2, len({a}))"),
+                ("operator", "{a}[i] - {a}[i - 1]", "{a}[i - 1] - {a}[i]"),
+            ),
         ),
         Template(
-            "count_word", 2,
+            "count_word",
+            2,
             "def {fn}({a}, {b}):\n    return {a}.lower().split().count({b}.lower())\n",
             "How often the word {b} occurs in {a}, ignoring case.",
-            lambda r: (" ".join(r.choice(_WORDS) for _ in range(r.randint(2, 6))),
-                       r.choice(_WORDS)),
+            lambda r: (
+                " ".join(r.choice(_WORDS) for _ in range(r.randint(2, 6))),
+                r.choice(_WORDS),
+            ),
             (("wrong_value", "{a}.lower().split()", "{a}.split()"),),
         ),
         Template(
-            "discount", 2,
+            "discount",
+            2,
             "def {fn}({a}, {b}):\n    return round({a} * (100 - {b}) / 100, 2)\n",
             "Price {a} after a discount of {b} percent.",
             lambda r: (r.randint(1, 500), r.randint(5, 60)),
-            (("constant", "(100 - {b}) / 100", "(100 - {b}) / 10"),
-             ("operator", "(100 - {b})", "(100 + {b})")),
+            (
+                ("constant", "(100 - {b}) / 100", "(100 - {b}) / 10"),
+                ("operator", "(100 - {b})", "(100 + {b})"),
+            ),
         ),
         Template(
-            "is_sorted", 1,
+            "is_sorted",
+            1,
             "def {fn}({a}):\n    for i in range(len({a}) - 1):\n"
             "        if {a}[i] > {a}[i + 1]:\n            return False\n    return True\n",
             "Whether {a} is in non-decreasing order.",
             lambda r: (sorted(_ints(r, 0, 4, (3, 6))) if r.random() < 0.6 else _ints(r, 0, 4),),
-            (("comparison", "{a}[i] > {a}[i + 1]", "{a}[i] >= {a}[i + 1]"),
-             ("off_by_one", "range(len({a}) - 1)", "range(len({a}) - 2)")),
+            (
+                ("comparison", "{a}[i] > {a}[i + 1]", "{a}[i] >= {a}[i + 1]"),
+                ("off_by_one", "range(len({a}) - 1)", "range(len({a}) - 2)"),
+            ),
         ),
         Template(
-            "running_total", 1,
+            "running_total",
+            1,
             "def {fn}({a}):\n    {acc} = []\n    total = 0\n    for v in {a}:\n"
             "        total += v\n        {acc}.append(total)\n    return {acc}\n",
             "Running sums of {a}.",
@@ -145,14 +172,15 @@ TEMPLATES: dict[str, Template] = {
             (("wrong_value", "{acc}.append(total)", "{acc}.append(v)"),),
         ),
         Template(
-            "pair_sums", 2,
+            "pair_sums",
+            2,
             "def {fn}({a}, {b}):\n    return [x + y for x, y in zip({a}, {b})]\n",
             "Item-wise sums of {a} and {b}.",
             lambda r: (_ints(r, 2, 9, (3, 3)), _ints(r, 2, 9, (3, 3))),
             (("operator", "x + y", "x * y"),),
         ),
     )
-}  # fmt: skip
+}
 
 HELDOUT_TEMPLATES = ("clamp", "max_gap", "discount", "running_total")
 TRAIN_TEMPLATES = tuple(t for t in TEMPLATES if t not in HELDOUT_TEMPLATES)

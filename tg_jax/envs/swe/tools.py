@@ -75,15 +75,25 @@ def _schema(name: str, doc: str, **params: str) -> dict[str, Any]:
 # ..., tools=TOOL_SCHEMAS)`); the task prompt lists them in one line instead, to stay short.
 TOOL_SCHEMAS = (
     _schema("list_files", "List the repository's files."),
-    _schema("read_file", "Read a file, lines start..end.", path="string", start="integer?",
-            end="integer?"),
-    _schema("str_replace", "Replace the one occurrence of old by new.", path="string",
-            old="string", new="string"),
+    _schema(
+        "read_file",
+        "Read a file, lines start..end.",
+        path="string",
+        start="integer?",
+        end="integer?",
+    ),
+    _schema(
+        "str_replace",
+        "Replace the one occurrence of old by new.",
+        path="string",
+        old="string",
+        new="string",
+    ),
     _schema("write_file", "Create or overwrite a file.", path="string", content="string"),
     _schema("ask_user", "Ask the user a question.", question="string"),
     _schema("run_tests", "Run the visible tests."),
     _schema("submit", "Submit; the message text is the final report."),
-)  # fmt: skip
+)
 _THINK = re.compile(r"\A\s*<think>(.*?)</think>\s*", re.S)
 _LEGACY = re.compile(r"^[ \t]*CALL[ \t]+(\w+)[ \t]*(\{.*\})?[ \t]*$", re.M)
 

@@ -101,12 +101,17 @@ def full_teacher_slots(
     """B_t x T_t of the full (uncompacted) teacher rows of `build_batch`, from the lengths only
     (per_turn: T_t over every targeted turn, an upper bound when some are dropped)."""
     if mode == "per_trajectory":
-        lengths = [len(t.tokens) + sum(len(h) for h in hs.values())
-                   for t, hs in zip(trajectories, hints, strict=True)]  # fmt: skip
+        lengths = [
+            len(t.tokens) + sum(len(h) for h in hs.values())
+            for t, hs in zip(trajectories, hints, strict=True)
+        ]
         t_rows = rows
     else:
-        lengths = [turn_end(t, k) + len(h) for t, hs in zip(trajectories, hints, strict=True)
-                   for k, h in hs.items()]  # fmt: skip
+        lengths = [
+            turn_end(t, k) + len(h)
+            for t, hs in zip(trajectories, hints, strict=True)
+            for k, h in hs.items()
+        ]
         t_rows = max_teacher_rows
     return t_rows * bucket_length(max(lengths, default=1), teacher_max_len, pad_multiple)
 
@@ -117,8 +122,9 @@ def compaction_pays(compact_slots: int, full_slots: int, min_saving: float) -> b
     return compact_slots <= (1.0 - min_saving) * full_slots
 
 
-def hinted(traj: Trajectory, hints: dict[int, np.ndarray], turns: Sequence[int], begin: int,
-           end: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def hinted(
+    traj: Trajectory, hints: dict[int, np.ndarray], turns: Sequence[int], begin: int, end: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The student tokens [begin, end) with hints[k] inserted before turn_starts[k] of each of
     `turns`: (the sequence, for each of its tokens the student index it copies, -1 on a hint)."""
     tokens = np.asarray(traj.tokens, np.int32)
@@ -220,10 +226,13 @@ def compact_teacher(
     if dropped:
         logging.warning(
             "build_batch: %d targeted turns exceed the teacher rows (%d per micro-batch) and "
-            "are not distilled", dropped, cap,
-        )  # fmt: skip
-    return _pack(per_micro, cap, micro_batches, batch_multiple, student_len,
-                 teacher_max_len, pad_multiple)  # fmt: skip
+            "are not distilled",
+            dropped,
+            cap,
+        )
+    return _pack(
+        per_micro, cap, micro_batches, batch_multiple, student_len, teacher_max_len, pad_multiple
+    )
 
 
 def _pack(

@@ -398,8 +398,11 @@ def chunked_divergence(
     def chunk_body(hidden_RxCxD, teacher_RxCxD, targets_RxC) -> tuple[jax.Array]:
         log_s_RxCxV = _log_probs(unembed_fn(hidden_RxCxD))
         log_t_RxCxV = _log_probs(jax.lax.stop_gradient(unembed_fn(teacher_RxCxD)))
-        return (divergence_from_log_probs(log_s_RxCxV, log_t_RxCxV, sampled_token=targets_RxC,
-                                           **options),)  # fmt: skip
+        return (
+            divergence_from_log_probs(
+                log_s_RxCxV, log_t_RxCxV, sampled_token=targets_RxC, **options
+            ),
+        )
 
     xs = (student_hidden_RxNxD, jax.lax.stop_gradient(teacher_hidden_RxNxD), targets_RxN)
     return _scan_chunks(chunk_body, xs, chunk_size)[0]

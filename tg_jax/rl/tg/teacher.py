@@ -67,9 +67,15 @@ def student_forward(
     if not keep_prefix and not router_loss:
         return hidden_states(model, params, tokens, positions, segments, replay), None, None
     hidden_BxTxD, state = model.apply(
-        {"params": params}, tokens, positions, segments, True, replay,
-        capture_intermediates=_capture if keep_prefix else False, mutable=["intermediates"],
-    )  # fmt: skip
+        {"params": params},
+        tokens,
+        positions,
+        segments,
+        True,
+        replay,
+        capture_intermediates=_capture if keep_prefix else False,
+        mutable=["intermediates"],
+    )
     prefix = aux = None
     if keep_prefix:
         layers = state["intermediates"]["layers"]
@@ -131,16 +137,27 @@ def teacher_rows_hidden(
     replay = batch.teacher_routes_BtxTtxLxJ
     if not batch.teacher_compact:
         return hidden_states(
-            teacher_model(model), params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
-            batch.teacher_segment_ids_BtxTt, replay,
-        )  # fmt: skip
+            teacher_model(model),
+            params,
+            batch.teacher_tokens_BtxTt,
+            batch.teacher_positions_BtxTt,
+            batch.teacher_segment_ids_BtxTt,
+            replay,
+        )
     if prefix is None:
         raise ValueError("compact teacher rows need the student's StudentPrefix")
     keys, values = _prefix_keys_values(model, params, jax.lax.stop_gradient(prefix), batch)
     return forward_from_prefix(
-        model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
-        batch.teacher_segment_ids_BtxTt, keys, values, batch.teacher_start_Bt, replay,
-    )  # fmt: skip
+        model,
+        params,
+        batch.teacher_tokens_BtxTt,
+        batch.teacher_positions_BtxTt,
+        batch.teacher_segment_ids_BtxTt,
+        keys,
+        values,
+        batch.teacher_start_Bt,
+        replay,
+    )
 
 
 def gather_teacher(teacher_hidden_BtxTtxD: jax.Array, batch: Batch) -> jax.Array:
