@@ -51,6 +51,7 @@ import jax
 import numpy as np
 
 from tg_jax.engine import paged
+from tg_jax.engine.batches import decode_arrays, prefill_arrays, take_draws
 from tg_jax.engine.paged import TRACES, copy_jit, decode_jit, prefill_jit, routes_jit, weights_jit
 from tg_jax.engine.pages import PageAllocator, PageTable, PrefixIndex
 from tg_jax.engine.placement import Placement, for_sampler
@@ -498,11 +499,7 @@ class Engine:
         if not rows:
             return
         b = self.prefill_rows
-        tokens = np.full((b, self.chunk), self.pad_id, np.int32)
-        start, lengths = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
-        for i, (seq, n) in enumerate(rows):
-            tokens[i, :n] = seq.tokens[seq.cached : seq.cached + n]
-            start[i], lengths[i] = seq.cached, n
+        tokens, start, lengths = prefill_arrays(rows, b, self.chunk, self.pad_id)
         table = self._table([s for s, _ in rows] + [None] * (b - len(rows)))
         self.pool = self._call(prefill_jit, self._weights, self.pool, tokens, start, lengths, table)
         self._counts["prefill_calls"] += 1
@@ -523,26 +520,10 @@ class Engine:
         """The decode call's arrays: row i is rows[i], padded to a `slot_buckets` size (or
         to `size` rows)."""
         b = size or next(n for n in self.slot_buckets() if n >= max(len(rows), 1))
-        pad, w, reqs = b - len(rows), self.stop_width, [s.request for s in rows]
-
-        def col(values, fill, dtype):
-            return np.asarray([*values, *[fill] * pad], dtype)
-
-        stop = [(list(r.stop_ids)[:w] + [-1] * w)[:w] for r in reqs] + [[-1] * w] * pad
         steps = [self._draws(s) for s in rows]
-        return {
-            "tokens": col([s.tokens[-1] for s in rows], self.pad_id, np.int32),
-            "pos": col([s.cached for s in rows], 0, np.int32),
-            "active": col([True] * len(rows), False, bool),
-            "seed": col([r.stream() for r in reqs], 0, np.int32),
-            "index": col([s.generated for s in rows], 0, np.int32),
-            "temperature": col([r.temperature for r in reqs], 1.0, np.float32),
-            "top_k": col([r.top_k for r in reqs], 0, np.int32),
-            "top_p": col([r.top_p for r in reqs], 1.0, np.float32),
-            "steps": col(steps, 0, np.int32),
-            "stop": np.asarray(stop, np.int32).reshape(b, w),
-            "table": self._table(rows + [None] * pad),
-        }
+        batch = decode_arrays(rows, b, steps, self.stop_width, self.pad_id)
+        batch["table"] = self._table(rows + [None] * (b - len(rows)))
+        return batch
 
     def _run_decode(self, finished: list[Completion]) -> None:
         """One decode call (<= decode_steps tokens a row) of every sequence in its decode phase;
@@ -560,20 +541,10 @@ class Engine:
         tok, lp, raw, drawn = jax.device_get(outs)
         self._counts["decode_steps"] += int(batch["steps"].max())
         for i, seq in enumerate(rows):
-            n, reason = 0, None
             first = int(seq.generated == 0 and drawn[i, 0])  # the context's last token fed
             self._counts["prefill_tokens"] += first
             seq.prefill_tokens += first
-            while reason is None and n < self.decode_steps and drawn[i, n]:
-                seq.tokens.append(int(tok[i, n]))
-                seq.logprobs.append(float(lp[i, n]))
-                seq.raw_logprobs.append(float(raw[i, n]))
-                seq.versions.append(self.version)
-                n += 1
-                if seq.tokens[-1] in seq.request.stop_ids:
-                    reason = "stop"
-                elif seq.generated >= seq.request.max_new_tokens:
-                    reason = "length"
+            n, reason = take_draws(seq, tok[i], lp[i], raw[i], drawn[i], self.version)
             self.pages.record_write(seq, n)  # the n tokens fed (the last drawn: by the next call)
             self._counts["decode_tokens"] += n
             if reason is not None:

@@ -9,9 +9,10 @@ gathers a row's M pages into [S = M * page_size, K, H] keys and masks slot s > t
 position, so stale slots (of a page shared copy-on-write, or past a sequence's length) are
 never seen.
 
-The layer math is the decode path's (`tg_jax.models.decode`: `_attention_inputs` with q/k
-RMSNorm and RoPE, `_attention_output_and_ffn`, `_logits`, the fused `DecodeWeights`) and the
-attention is the model's one core (`tg_jax.models.attention.attend`); only the cache differs.
+The layer math is the decode path's (`tg_jax.models.fused_layers`: `attention_inputs` with q/k
+RMSNorm and RoPE, `attention_output_and_ffn`, `output_logits`, the fused `DecodeWeights`) and
+the attention is the model's one core (`tg_jax.models.attention.attend`); only the cache
+differs.
 Both entry points write the new keys and values with one scatter per layer and return the
 updated pool (jit them with the pool donated, so the writes are in place):
 
@@ -49,15 +50,16 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax import tracing
-from tg_jax.models import decode
 from tg_jax.models.attention import attend
-from tg_jax.models.decode import (
-    _attention_inputs,
-    _embed,
-    _ffn_recording,
-    _logits,
-    rope_tables,
+from tg_jax.models.fused_layers import (
+    DecodeWeights,
+    attention_inputs,
+    decode_weights,
+    embed,
+    ffn_recording,
+    output_logits,
 )
+from tg_jax.models.layers import rope_tables
 from tg_jax.models.qwen3 import Transformer
 from tg_jax.sampling.methods import draw_with_uniforms, uniforms
 
@@ -153,7 +155,7 @@ def _slots(table_BxM: Array, pos_BxT: Array, valid_BxT: Array, page_size: int):
 
 def prefill_chunk(
     model: Transformer,
-    weights: decode.DecodeWeights,
+    weights: DecodeWeights,
     pool: PagedPool,
     tokens_BxC: Array,
     start_B: Array,
@@ -172,18 +174,18 @@ def prefill_chunk(
     valid_BxC = jnp.arange(c, dtype=jnp.int32)[None, :] < lengths_B[:, None]
     page_BxC, offset_BxC = _slots(table_BxM, pos_BxC, valid_BxC, pool.page_size)
     cos, sin = rope_tables(pos_BxC, cfg.head_dim, cfg.rope_theta)
-    x_BxCxD = _embed(model, weights, tokens_BxC)
+    x_BxCxD = embed(model, weights, tokens_BxC)
     ks, vs, ids = list(pool.k), list(pool.v), []
     record = pool.routes is not None
     last = len(weights.layers) - 1
     for i in range(len(weights.layers)):
         w, x_BxCxD = _layer(cfg, weights, i, x_BxCxD)
-        q_BxCxNxH, k_BxCxKxH, v_BxCxKxH = _attention_inputs(cfg, w, x_BxCxD, cos, sin)
+        q_BxCxNxH, k_BxCxKxH, v_BxCxKxH = attention_inputs(cfg, w, x_BxCxD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_BxCxKxH, page_BxC, offset_BxC, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_BxCxKxH, page_BxC, offset_BxC, table_BxM)
         if i < last or record:  # the last layer's outputs: only its routing is read
             out = _paged_attention(cfg, q_BxCxNxH, keys, vals, pos_BxC)
-            x_BxCxD = _ffn_recording(cfg, w, x_BxCxD, out, ids if record else None)
+            x_BxCxD = ffn_recording(cfg, w, x_BxCxD, out, ids if record else None)
     return PagedPool(tuple(ks), tuple(vs), _write_routes(pool.routes, ids, page_BxC, offset_BxC))
 
 
@@ -197,7 +199,7 @@ def _write_routes(routes: Array | None, ids: list, page_BxT: Array, offset_BxT: 
 
 def decode_step(
     model: Transformer,
-    weights: decode.DecodeWeights,
+    weights: DecodeWeights,
     pool: PagedPool,
     tokens_B: Array,
     pos_B: Array,
@@ -211,17 +213,17 @@ def decode_step(
     pos_Bx1 = pos_B[:, None]
     page_Bx1, offset_Bx1 = _slots(table_BxM, pos_Bx1, active_B[:, None], pool.page_size)
     cos, sin = rope_tables(pos_Bx1, cfg.head_dim, cfg.rope_theta)
-    x_Bx1xD = _embed(model, weights, tokens_B[:, None])
+    x_Bx1xD = embed(model, weights, tokens_B[:, None])
     ks, vs, ids = list(pool.k), list(pool.v), []
     for i in range(len(weights.layers)):
         w, x_Bx1xD = _layer(cfg, weights, i, x_Bx1xD)
-        q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
+        q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         ks[i], keys = _write_and_gather(ks[i], k_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
         vs[i], vals = _write_and_gather(vs[i], v_Bx1xKxH, page_Bx1, offset_Bx1, table_BxM)
         out = _paged_attention(cfg, q_Bx1xNxH, keys, vals, pos_Bx1)
-        x_Bx1xD = _ffn_recording(cfg, w, x_Bx1xD, out, ids if pool.routes is not None else None)
+        x_Bx1xD = ffn_recording(cfg, w, x_Bx1xD, out, ids if pool.routes is not None else None)
     routes = _write_routes(pool.routes, ids, page_Bx1, offset_Bx1)
-    return _logits(cfg, weights, x_Bx1xD[:, 0]), PagedPool(tuple(ks), tuple(vs), routes)
+    return output_logits(cfg, weights, x_Bx1xD[:, 0]), PagedPool(tuple(ks), tuple(vs), routes)
 
 
 def request_uniforms(rng: Array, seed_B: Array, index_B: Array) -> Array:
@@ -262,7 +264,7 @@ def page_routes(routes: Array, table_M: Array) -> Array:
 
 def sample_step(
     model: Transformer,
-    weights: decode.DecodeWeights,
+    weights: DecodeWeights,
     pool: PagedPool,
     rng: Array,
     batch: dict[str, Any],
@@ -277,7 +279,7 @@ def sample_step(
 
 def sample_steps(
     model: Transformer,
-    weights: decode.DecodeWeights,
+    weights: DecodeWeights,
     pool: PagedPool,
     rng: Array,
     batch: dict[str, Any],
@@ -317,11 +319,11 @@ def sample_steps(
     return tuple(x.T for x in outs), pool
 
 
-def engine_weights(model: Transformer, params: Any) -> decode.DecodeWeights:
-    """The engine's own copies (jitted: `weights_jit`): `decode.decode_weights`' fused
+def engine_weights(model: Transformer, params: Any) -> DecodeWeights:
+    """The engine's own copies (jitted: `weights_jit`): `fused_layers.decode_weights`' fused
     per-layer weights and unembedding, without a mixture-of-experts layer's experts and
     without `params` (`with_params` attaches those by reference, no copy)."""
-    w = decode.decode_weights(model, params)
+    w = decode_weights(model, params)
     layers = w.layers
     if model.config.is_moe:
         layers = tuple({k: v for k, v in layer.items() if k != "mlp"} for layer in layers)
@@ -338,12 +340,12 @@ def kept_params(model: Transformer, params: Any) -> dict[str, Any]:
     return kept
 
 
-def with_params(model: Transformer, weights: decode.DecodeWeights, params: Any) -> Any:
+def with_params(model: Transformer, weights: DecodeWeights, params: Any) -> Any:
     """`weights` (`engine_weights`) holding `kept_params(params)` by reference (no copy)."""
     return weights.replace(params=kept_params(model, params))
 
 
-def _layer(cfg, weights: decode.DecodeWeights, i: int, x: Array) -> tuple[dict[str, Any], Array]:
+def _layer(cfg, weights: DecodeWeights, i: int, x: Array) -> tuple[dict[str, Any], Array]:
     """(layer i's weights as the decode path takes them, x): a MoE layer's experts sliced from
     the stacked params inside the call, once x (the layer's input) exists: the index passes a
     barrier with x, so no slice is made before its layer and one layer's are live at a time."""

@@ -1,7 +1,9 @@
 """Models: the Qwen3-family transformer, its configuration and its decode path.
 
 qwen3.py is the full-sequence model (`forward`, `hidden_states`, `unembed`); decode.py is its
-one KV-cache path (`prefill`, then `decode_one` per token), which the sampler drives.
+one KV-cache path (`prefill`, then `decode_one` per token), which the sampler drives;
+fused_layers.py is the per-layer math on fused weights that it and the engine's paged calls
+share.
 
 Shape suffixes (`logits_BxTxV`: dimensions joined by "x"), one meaning per letter:
 

@@ -1,11 +1,11 @@
 """The model's decode path: prefill of a prompt block, then one token per row per step.
 
-This is the one KV-cache implementation (the sampler's loop drives it): the model's layers (its
-`RMSNorm`, RoPE tables, feed-forward and embedding modules, applied to the model's params) with
-q/k/v and gate/up fused into single matmuls by `decode_weights`, and the model's one attention
-core (`tg_jax.models.attention.attend`, on the cache's slot-minor layout). `models.forward` is
-the cache-free full-sequence path; tests check this one against it and against Hugging Face
-`generate`. Shape letters: the legend in `tg_jax.models`.
+This is the one KV-cache implementation (the sampler's loop drives it): the layer math of
+`tg_jax.models.fused_layers` (the model's layers on its params, q/k/v and gate/up fused into
+single matmuls by `decode_weights`; shared with the engine's paged calls) and the model's one
+attention core (`tg_jax.models.attention.attend`, on the cache's slot-minor layout).
+`models.forward` is the cache-free full-sequence path; tests check this one against it and
+against Hugging Face `generate`. Shape letters: the legend in `tg_jax.models`.
 
 Keys and values are produced directly in the layout of the decode loop:
 
@@ -43,8 +43,19 @@ import jax
 import jax.numpy as jnp
 
 from tg_jax.models.attention import attend
-from tg_jax.models.layers import RMSNorm, apply_rope, rope_tables
-from tg_jax.models.qwen3 import Transformer, make_ffn
+from tg_jax.models.fused_layers import (
+    DecodeWeights,
+    attention_inputs,
+    attention_output_and_ffn,
+    decode_weights,
+    embed,
+    ffn_recording,
+    output_logits,
+    rms_norm,
+    stacked_layer_weights,
+)
+from tg_jax.models.layers import apply_rope, rope_tables
+from tg_jax.models.qwen3 import Transformer
 
 Array = jax.Array
 _PREFILL_QUERY_BLOCK = 128  # prefill attention in causal query blocks of this many tokens
@@ -73,64 +84,6 @@ class DecodeCache:
     rope_sin: Array
     prompt_slots: int = flax.struct.field(pytree_node=False)
     routes: Array | None = None
-
-
-@flax.struct.dataclass
-class DecodeWeights:
-    """The model's params rearranged once per sampling call for the decode loop.
-
-    Attributes:
-      layers: per layer, {"attn_norm", "q_norm", "k_norm", "mlp_norm": RMSNorm params,
-        "qkv": [D, Q] fused q/k/v projection, "o": [N * H, D], and for a dense
-        model "gate_up": [D, 2F] fused and "down": [F, D]; for MoE "mlp": the layer's params}.
-      unembed: [D, V] output projection (the embedding transposed when tied).
-      params: the full params (embedding, final norm).
-    """
-
-    layers: tuple[dict[str, Any], ...]
-    unembed: Array
-    params: Any
-
-
-def stacked_layer_weights(model: Transformer, params: Any) -> dict[str, Any]:
-    """The layers' weights in `DecodeWeights.layers`' per-layer form, stacked [L, ...] (q/k/v
-    and gate/up fused): what a `lax.scan` over the layers takes."""
-    cfg = model.config
-    dt = cfg.jnp_dtype
-    d, n_layers = cfg.d_model, cfg.num_layers
-    lp = params["layers"]
-    ap = lp["attn"]
-    qkv = [ap[name].reshape(n_layers, d, -1) for name in ("q_proj", "k_proj", "v_proj")]
-    w = {
-        "attn_norm": lp["attn_norm"],
-        "mlp_norm": lp["mlp_norm"],
-        "q_norm": ap["q_norm"],
-        "k_norm": ap["k_norm"],
-        "qkv": jnp.concatenate(qkv, axis=2).astype(dt),
-        "o": ap["o_proj"].reshape(n_layers, -1, d).astype(dt),
-    }
-    if cfg.is_moe:
-        w["mlp"] = lp["mlp"]
-    else:
-        mp = lp["mlp"]
-        w["gate_up"] = jnp.concatenate([mp["gate_proj"], mp["up_proj"]], axis=2).astype(dt)
-        w["down"] = mp["down_proj"].astype(dt)
-    return w
-
-
-def decode_weights(model: Transformer, params: Any) -> DecodeWeights:
-    """Slices the stacked layer params and fuses q/k/v and gate/up into single matmuls.
-
-    Fewer, larger matmuls per step: the decode step is latency-bound on CPU. Called inside the
-    jitted sampler, before the loop, so it costs one copy of the weights per call.
-    """
-    cfg = model.config
-    stacked = stacked_layer_weights(model, params)
-    layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.num_layers)]
-    # [D, V] for `hidden @ unembed`: with the tied [V, D] embedding used transposed, XLA:CPU
-    # repacked it every step.
-    unembed = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return DecodeWeights(tuple(layers), unembed.astype(cfg.jnp_dtype), params)
 
 
 def prefill(
@@ -162,73 +115,102 @@ def prefill(
       (fp32 logits [B, V] at each row's last prompt token, DecodeCache with P + slots slots).
     """
     cfg = model.config
-    dt = cfg.jnp_dtype
-    h = cfg.head_dim
-    b, p = prompt_BxP.shape
+    p = prompt_BxP.shape[1]
     slots = max_new if slots is None else slots
     weights = decode_weights(model, params) if weights is None else weights
-    all_positions_1xS = jnp.arange(p + max_new, dtype=jnp.int32)[None, :]
-    cos_1xSx1xH2, sin_1xSx1xH2 = rope_tables(all_positions_1xS, h, cfg.rope_theta)
-    rope_P = (cos_1xSx1xH2[:, :p], sin_1xSx1xH2[:, :p])
+    cos_SxH2, sin_SxH2 = _rope_by_position(cfg, p + max_new)
     t_P = jnp.arange(p)
     causal_1xPxP = (t_P[None, :] <= t_P[:, None])[None]  # [query, key]: key at or before it
-
-    x_BxPxD = _embed(model, weights, prompt_BxP)
     last_Bx1x1 = (prompt_lengths_B - 1)[:, None, None]
-    ks, vs, ids = [], [], []
-    for i, w in enumerate(weights.layers):
-        q_BxPxNxH, k_BxPxKxH, v_BxPxKxH = _attention_inputs(cfg, w, x_BxPxD, *rope_P)
-        k_BxKxHxP = jnp.transpose(k_BxPxKxH, (0, 2, 3, 1)).astype(dt)
-        v_BxKxPxH = jnp.transpose(v_BxPxKxH, (0, 2, 1, 3)).astype(dt)
-        ks.append(k_BxKxHxP)
-        vs.append(v_BxKxPxH)
-        if i < len(weights.layers) - 1 or routes:
-            # Causal attention of the prompt block over its own keys, in causal query blocks
-            # (the masked upper triangle beyond a block is never computed).
-            out_BxPxNxH = attend(
-                q_BxPxNxH,
-                k_BxKxHxP,
-                v_BxKxPxH,
-                causal_1xPxP,
-                dtype=dt,
-                slot_minor=True,
-                query_block=_PREFILL_QUERY_BLOCK,
-                causal_keys=0,
-            )
-            x_BxPxD = _ffn_recording(cfg, w, x_BxPxD, out_BxPxNxH, ids if routes else None)
-        else:
-            # Past the last layer's keys and values only each row's last prompt token is
-            # used (its logits): the rest of the layer runs for that token alone, as a decode
-            # step would (about half the prefill FLOPs of a 2-layer model).
-            q_Bx1xNxH = jnp.take_along_axis(q_BxPxNxH, last_Bx1x1[..., None], axis=1)
-            visible_Bx1xP = (t_P[None, :] <= last_Bx1x1[:, 0])[:, None, :]
-            out_Bx1xNxH = attend(
-                q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt, slot_minor=True
-            )
-            x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
-            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
-
-    if routes:  # every layer ran for every token: the last prompt token's outputs
-        x_Bx1xD = jnp.take_along_axis(x_BxPxD, last_Bx1x1, axis=1)
+    x_Bx1xD, ks, vs, ids = _prefill_layers(
+        cfg,
+        weights,
+        embed(model, weights, prompt_BxP),
+        (cos_SxH2[None, :p, None, :], sin_SxH2[None, :p, None, :]),
+        lambda i, k_BxKxHxP, v_BxKxPxH: (k_BxKxHxP, v_BxKxPxH),  # the block is the cache
+        causal_1xPxP,
+        (t_P[None, :] <= last_Bx1x1[:, 0])[:, None, :],
+        last_Bx1x1,
+        record=routes,
+        causal_keys=0,  # the masked upper triangle beyond a query block is never computed
+    )
     cache = DecodeCache(
         tuple(ks),
         tuple(vs),
         prompt_lengths_B,
-        cos_1xSx1xH2[0, :, 0],
-        sin_1xSx1xH2[0, :, 0],
+        cos_SxH2,
+        sin_SxH2,
         prompt_slots=p,
         routes=jnp.stack(ids, axis=2).astype(jnp.int16) if routes else None,
     )
-    return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(cache, slots)
+    return output_logits(cfg, weights, x_Bx1xD[:, 0]), extend(cache, slots)
 
 
-def _ffn_recording(cfg, w, x_BxTxD: Array, out_BxTxNxH: Array, ids: list | None) -> Array:
-    """`_attention_output_and_ffn`; with a list `ids`, the layer's routing [B, T, J] appended."""
-    if ids is None:
-        return _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH)
-    x_BxTxD, ids_BxTxJ = _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH, routes=True)
-    ids.append(ids_BxTxJ)
-    return x_BxTxD
+def _rope_by_position(cfg, n: int) -> tuple[Array, Array]:
+    """RoPE cos, sin [n, H / 2] of positions 0..n-1 (`DecodeCache.rope_cos`, `rope_sin`)."""
+    cos_1xSx1xH2, sin_1xSx1xH2 = rope_tables(
+        jnp.arange(n, dtype=jnp.int32)[None, :], cfg.head_dim, cfg.rope_theta
+    )
+    return cos_1xSx1xH2[0, :, 0], sin_1xSx1xH2[0, :, 0]
+
+
+def _prefill_layers(
+    cfg,
+    weights: DecodeWeights,
+    x_BxTxD: Array,
+    rope: tuple[Array, Array],
+    store,
+    visible_BxTxS: Array,
+    visible_last_Bx1xS: Array,
+    last_Bx1x1: Array,
+    record: bool,
+    causal_keys: int | None = None,
+) -> tuple[Array, list[Array], list[Array], list[Array] | None]:
+    """A block of T tokens a row through the layers (`prefill`, `prefill_append`).
+
+    Per layer: the block's keys and values in the cache's layout ([B, K, H, T], [B, K, T, H]),
+    `store(i, k, v)` makes the layer's cache entries of S slots from them, then the block
+    attends over those (`visible_BxTxS`, in causal query blocks) and runs the rest of the layer.
+    The last layer, past its keys and values, runs for each row's last token (`last_Bx1x1`, the
+    only output used; it sees `visible_last_Bx1xS`) alone, as a decode step would (about half
+    the prefill FLOPs of a 2-layer model), unless `record` keeps the routing (MoE: every layer
+    then runs for every token).
+
+    Returns:
+      (hidden state [B, 1, D] at each row's last token, per-layer keys and values, the
+      layers' routing [B, T, J] when recorded, else None).
+    """
+    dt = cfg.jnp_dtype
+    ks, vs, ids = [], [], [] if record else None
+    for i, w in enumerate(weights.layers):
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = attention_inputs(cfg, w, x_BxTxD, *rope)
+        k_BxKxHxT = jnp.transpose(k_BxTxKxH, (0, 2, 3, 1)).astype(dt)
+        v_BxKxTxH = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3)).astype(dt)
+        k_BxKxHxS, v_BxKxSxH = store(i, k_BxKxHxT, v_BxKxTxH)
+        ks.append(k_BxKxHxS)
+        vs.append(v_BxKxSxH)
+        if i < len(weights.layers) - 1 or record:
+            out_BxTxNxH = attend(
+                q_BxTxNxH,
+                k_BxKxHxS,
+                v_BxKxSxH,
+                visible_BxTxS,
+                dtype=dt,
+                slot_minor=True,
+                query_block=_PREFILL_QUERY_BLOCK,
+                causal_keys=causal_keys,
+            )
+            x_BxTxD = ffn_recording(cfg, w, x_BxTxD, out_BxTxNxH, ids)
+        else:
+            q_Bx1xNxH = jnp.take_along_axis(q_BxTxNxH, last_Bx1x1[..., None], axis=1)
+            out_Bx1xNxH = attend(
+                q_Bx1xNxH, k_BxKxHxS, v_BxKxSxH, visible_last_Bx1xS, dtype=dt, slot_minor=True
+            )
+            x_Bx1xD = jnp.take_along_axis(x_BxTxD, last_Bx1x1, axis=1)
+            x_Bx1xD = attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
+    if record:  # every layer ran for every token: the last token's outputs
+        x_Bx1xD = jnp.take_along_axis(x_BxTxD, last_Bx1x1, axis=1)
+    return x_Bx1xD, ks, vs, ids
 
 
 def extend(cache: DecodeCache, slots: int) -> DecodeCache:
@@ -354,138 +336,50 @@ def prefill_append(
       C_b + A_b and P + slots slots).
     """
     cfg = model.config
-    dt = cfg.jnp_dtype
-    h = cfg.head_dim
-    b, a = tokens_BxA.shape
+    a = tokens_BxA.shape[1]
     p = cache.prompt_slots
     if cache.v[0].shape[2] != p:
         raise ValueError("prefill_append needs a cache without generated slots (keep_context)")
     slots = max_new if slots is None else slots
     start_B = cache.prompt_lengths_B
-    cos_1xSx1xH2, sin_1xSx1xH2 = rope_tables(
-        jnp.arange(p + max_new, dtype=jnp.int32)[None, :], h, cfg.rope_theta
-    )
+    cos_SxH2, sin_SxH2 = _rope_by_position(cfg, p + max_new)
     # Padding tokens past the block take any position in it: nothing reads their outputs.
     positions_BxA = jnp.minimum(start_B[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :], p - 1)
-    cos = cos_1xSx1xH2[0, :, 0][positions_BxA][:, :, None, :]  # [B, A, 1, H / 2]
-    sin = sin_1xSx1xH2[0, :, 0][positions_BxA][:, :, None, :]
     slot_P = jnp.arange(p, dtype=jnp.int32)
     # Cache slot s of row b takes new token s - C_b when that is one of the row's A_b tokens.
     j_BxP = slot_P[None, :] - start_B[:, None]
     is_new_BxP = (j_BxP >= 0) & (j_BxP < lengths_B[:, None])
     j_BxP = jnp.clip(j_BxP, 0, a - 1)
-    visible_BxAxP = slot_P[None, None, :] <= positions_BxA[:, :, None]  # causal by position
     end_B = start_B + lengths_B
-    last_Bx1x1 = (lengths_B - 1)[:, None, None]
-
-    x_BxAxD = _embed(model, weights, tokens_BxA)
-    ks, vs, ids = [], [], []
     record = cache.routes is not None
-    for i, w in enumerate(weights.layers):
-        q_BxAxNxH, k_BxAxKxH, v_BxAxKxH = _attention_inputs(cfg, w, x_BxAxD, cos, sin)
-        k_BxKxHxA = jnp.transpose(k_BxAxKxH, (0, 2, 3, 1)).astype(dt)
-        v_BxKxAxH = jnp.transpose(v_BxAxKxH, (0, 2, 1, 3)).astype(dt)
-        ks.append(k_BxKxHxP := _place(k_BxKxHxA, j_BxP, is_new_BxP, cache.k[i], axis=3))
-        vs.append(v_BxKxPxH := _place(v_BxKxAxH, j_BxP, is_new_BxP, cache.v[i], axis=2))
-        if i < len(weights.layers) - 1 or record:
-            out_BxAxNxH = attend(
-                q_BxAxNxH,
-                k_BxKxHxP,
-                v_BxKxPxH,
-                visible_BxAxP,
-                dtype=dt,
-                slot_minor=True,
-                query_block=_PREFILL_QUERY_BLOCK,
-            )
-            x_BxAxD = _ffn_recording(cfg, w, x_BxAxD, out_BxAxNxH, ids if record else None)
-        else:
-            q_Bx1xNxH = jnp.take_along_axis(q_BxAxNxH, last_Bx1x1[..., None], axis=1)
-            visible_Bx1xP = (slot_P[None, :] < end_B[:, None])[:, None, :]
-            out_Bx1xNxH = attend(
-                q_Bx1xNxH, k_BxKxHxP, v_BxKxPxH, visible_Bx1xP, dtype=dt, slot_minor=True
-            )
-            x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
-            x_Bx1xD = _attention_output_and_ffn(cfg, w, x_Bx1xD, out_Bx1xNxH)
-
-    if record:  # every layer ran for every token: the last new token's outputs
-        x_Bx1xD = jnp.take_along_axis(x_BxAxD, last_Bx1x1, axis=1)
-    out = DecodeCache(
-        tuple(ks),
-        tuple(vs),
-        end_B,
-        cos_1xSx1xH2[0, :, 0],
-        sin_1xSx1xH2[0, :, 0],
-        prompt_slots=p,
-        routes=_place(
-            jnp.stack(ids, axis=2).astype(jnp.int16), j_BxP, is_new_BxP, cache.routes, axis=1
-        )
-        if record
-        else None,  # the new tokens' routing at their slots
+    x_Bx1xD, ks, vs, ids = _prefill_layers(
+        cfg,
+        weights,
+        embed(model, weights, tokens_BxA),
+        (cos_SxH2[positions_BxA][:, :, None, :], sin_SxH2[positions_BxA][:, :, None, :]),
+        lambda i, k_BxKxHxA, v_BxKxAxH: (
+            _place(k_BxKxHxA, j_BxP, is_new_BxP, cache.k[i], axis=3),
+            _place(v_BxKxAxH, j_BxP, is_new_BxP, cache.v[i], axis=2),
+        ),
+        slot_P[None, None, :] <= positions_BxA[:, :, None],  # causal by position
+        (slot_P[None, :] < end_B[:, None])[:, None, :],
+        (lengths_B - 1)[:, None, None],
+        record=record,
     )
-    return _logits(cfg, weights, x_Bx1xD[:, 0]), extend(out, slots)
+    routes = None
+    if record:  # the new tokens' routing at their slots
+        ids_BxAxLxJ = jnp.stack(ids, axis=2).astype(jnp.int16)
+        routes = _place(ids_BxAxLxJ, j_BxP, is_new_BxP, cache.routes, axis=1)
+    out = DecodeCache(
+        tuple(ks), tuple(vs), end_B, cos_SxH2, sin_SxH2, prompt_slots=p, routes=routes
+    )
+    return output_logits(cfg, weights, x_Bx1xD[:, 0]), extend(out, slots)
 
 
 def _write(cache: Array, new: Array, col: Array, slot_axis: int) -> Array:
     """Writes one shared column in place (a dynamic_update_slice, not a scatter)."""
     start = tuple(col if a == slot_axis else 0 for a in range(cache.ndim))
     return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
-
-
-def _norm(cfg, x: Array, norm_params: Any) -> Array:
-    return RMSNorm(cfg.rms_norm_eps, cfg.jnp_param_dtype).apply({"params": norm_params}, x)
-
-
-def _embed(model: Transformer, weights: DecodeWeights, tokens_BxT: Array) -> Array:
-    return model.apply({"params": weights.params}, tokens_BxT, method=Transformer.embed_tokens)
-
-
-def _attention_inputs(cfg, w: dict[str, Any], x_BxTxD: Array, cos: Array, sin: Array):
-    """Pre-norm, fused q/k/v projection, q/k RMSNorm and RoPE of one layer:
-    (q [B, T, N, H], k [B, T, K, H], v [B, T, K, H])."""
-    n, n_kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b, t = x_BxTxD.shape[:2]
-    qkv_BxTxQ = _norm(cfg, x_BxTxD, w["attn_norm"]).astype(cfg.jnp_dtype) @ w["qkv"]
-    q_BxTxNxH = qkv_BxTxQ[..., : n * h].reshape(b, t, n, h)
-    k_BxTxKxH = qkv_BxTxQ[..., n * h : (n + n_kv) * h].reshape(b, t, n_kv, h)
-    v_BxTxKxH = qkv_BxTxQ[..., (n + n_kv) * h :].reshape(b, t, n_kv, h)
-    q_BxTxNxH = apply_rope(_norm(cfg, q_BxTxNxH, w["q_norm"]), cos, sin)
-    k_BxTxKxH = apply_rope(_norm(cfg, k_BxTxKxH, w["k_norm"]), cos, sin)
-    return q_BxTxNxH, k_BxTxKxH, v_BxTxKxH
-
-
-def _attention_output_and_ffn(
-    cfg,
-    w: dict[str, Any],
-    x_BxTxD: Array,
-    attn_BxTxNxH: Array,
-    replay_BxTxJ: Array | None = None,
-    routes: bool = False,
-):
-    """The rest of one layer: output projection and residual, pre-norm feed-forward and
-    residual (SwiGLU with fused gate/up, or the MoE block, routed by `replay_BxTxJ` where
-    given: `tg_jax.models.moe.replay`). routes (MoE): (x, the experts each token was routed to
-    [B, T, J] int32) instead of x."""
-    dt = cfg.jnp_dtype
-    b, t = attn_BxTxNxH.shape[:2]
-    x_BxTxD = x_BxTxD + attn_BxTxNxH.reshape(b, t, -1) @ w["o"]
-    hid_BxTxD = _norm(cfg, x_BxTxD, w["mlp_norm"])
-    if cfg.is_moe and routes:  # the router's choices are sown only where they are asked for
-        ffn, state = make_ffn(cfg, "mlp").apply(
-            {"params": w["mlp"]}, hid_BxTxD, replay_BxTxJ, mutable=["intermediates"]
-        )
-        return x_BxTxD + ffn, state["intermediates"]["router_ids"][0]
-    if cfg.is_moe:
-        ffn = make_ffn(cfg, "mlp").apply({"params": w["mlp"]}, hid_BxTxD, replay_BxTxJ)
-    else:
-        gate_BxTxF, up_BxTxF = jnp.split(hid_BxTxD.astype(dt) @ w["gate_up"], 2, axis=-1)
-        ffn = (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ w["down"]
-    return x_BxTxD + ffn
-
-
-def _logits(cfg, weights: DecodeWeights, x_BxD: Array) -> Array:
-    """Final norm and unembedding: fp32 logits [B, V]."""
-    x_BxD = _norm(cfg, x_BxD, weights.params["final_norm"]).astype(cfg.jnp_dtype)
-    return (x_BxD @ weights.unembed).astype(jnp.float32)
 
 
 def decode_one(
@@ -517,20 +411,20 @@ def decode_one(
     cos = cache.rope_cos[positions_Bx1][:, :, None, :]  # [B, 1, 1, H / 2]
     sin = cache.rope_sin[positions_Bx1][:, :, None, :]
 
-    x_Bx1xD = _embed(model, weights, tokens_B[:, None])
+    x_Bx1xD = embed(model, weights, tokens_B[:, None])
     new_k, new_v, ids = list(cache.k), list(cache.v), []
     record = cache.routes is not None
     for i, w in enumerate(weights.layers):
-        q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = _attention_inputs(cfg, w, x_Bx1xD, cos, sin)
+        q_Bx1xNxH, k_Bx1xKxH, v_Bx1xKxH = attention_inputs(cfg, w, x_Bx1xD, cos, sin)
         new_k[i] = _write(new_k[i], jnp.transpose(k_Bx1xKxH, (0, 2, 3, 1)), col, slot_axis=3)
         new_v[i] = _write(new_v[i], jnp.transpose(v_Bx1xKxH, (0, 2, 1, 3)), col, slot_axis=2)
         out_Bx1xNxH = attend(
             q_Bx1xNxH, new_k[i], new_v[i], visible_Bx1xS, dtype=dt, slot_minor=True
         )
-        x_Bx1xD = _ffn_recording(cfg, w, x_Bx1xD, out_Bx1xNxH, ids if record else None)
+        x_Bx1xD = ffn_recording(cfg, w, x_Bx1xD, out_Bx1xNxH, ids if record else None)
     routes = _write(cache.routes, jnp.stack(ids, axis=2), col, slot_axis=1) if record else None
     new = cache.replace(k=tuple(new_k), v=tuple(new_v), routes=routes)
-    return _logits(cfg, weights, x_Bx1xD[:, 0]), new
+    return output_logits(cfg, weights, x_Bx1xD[:, 0]), new
 
 
 def forward_from_prefix(
@@ -579,7 +473,7 @@ def forward_from_prefix(
 
     def layer(x_BxTxD, xs):
         w, prefix_k_BxSxKxH, prefix_v_BxSxKxH, replay_BxTxJ = xs
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = _attention_inputs(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxH = attention_inputs(
             cfg, w, x_BxTxD, cos_BxTx1xH2, sin_BxTx1xH2
         )
         out_BxTxNxH = _prefix_block_attention(
@@ -591,7 +485,7 @@ def forward_from_prefix(
             prefix_v_BxSxKxH,
             visible_BxTxS,
         )
-        return _attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH, replay_BxTxJ), None
+        return attention_output_and_ffn(cfg, w, x_BxTxD, out_BxTxNxH, replay_BxTxJ), None
 
     if replay_BxTxLxJ is not None and not cfg.is_moe:
         raise ValueError("router replay (replay_BxTxLxJ) needs a mixture-of-experts model")
@@ -603,7 +497,7 @@ def forward_from_prefix(
             x_BxTxD, _ = layer(x_BxTxD, jax.tree.map(lambda a, i=i: a[i], xs))
     else:
         x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, xs, unroll=cfg.scan_unroll)
-    return _norm(cfg, x_BxTxD, params["final_norm"])
+    return rms_norm(cfg, x_BxTxD, params["final_norm"])
 
 
 def _prefix_block_attention(
