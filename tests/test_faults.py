@@ -214,7 +214,7 @@ def test_slow_tools_sleep_heavy_tailed_times_seeded_per_process(monkeypatch):
     the process's draws: at least SLOW_SCALE_S, at most SLOW_MAX_S, a Pareto(1.5) tail (about
     1 in 100 over 1.1 s), another sequence on another process."""
     from tg_jax import faults
-    from tg_jax.sampling import rollout
+    from tg_jax.sampling import env_step
 
     draws = faults.slow_seconds("env.slow", 0, 4000)
     assert min(draws) >= faults.SLOW_SCALE_S and max(draws) <= faults.SLOW_MAX_S
@@ -233,7 +233,7 @@ def test_slow_tools_sleep_heavy_tailed_times_seeded_per_process(monkeypatch):
             return f"ran {text}"
 
     ep = type("Ep", (), {"env": Env()})()
-    assert [rollout._step(ep, str(i)) for i in range(4)] == [f"ran {i}" for i in range(4)]
+    assert [env_step._step(ep, str(i)) for i in range(4)] == [f"ran {i}" for i in range(4)]
     assert slept == faults.slow_seconds("env.slow", 1, 3)  # calls 2, 3 and 4
     faults.reset()
     monkeypatch.delenv(faults.ENV_VAR)

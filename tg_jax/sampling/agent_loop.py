@@ -4,9 +4,10 @@
 (the lock-step path), with an `EngineRunner` (a `tg_jax.engine.Engine` and its weights) in
 place of the sampler; `rollout.rollout_groups` and `rollout.evaluate` take it as their `play`
 (config `rl_loop.rollout_engine = "builtin"`, or `"vllm"`: the same loops on vLLM,
-`tg_jax.engine.vllm_engine`). The episodes' bookkeeping is rollout.py's
-(`_start_episodes`, `record_tokens`, `_after_turn`, `to_trajectory`), so the trajectories have
-the same tokens, roles, turn ids, behaviour log-probs, verdicts, breaks, hints and info.
+`tg_jax.engine.vllm_engine`). The episodes' bookkeeping is the lock-step path's
+(bookkeeping.py: `_start_episodes`, `record_tokens`; env_step.py: `_step`, `_after_turn`;
+records.py: `to_trajectory`), so the trajectories have the same tokens, roles, turn ids,
+behaviour log-probs, verdicts, breaks, hints and info.
 
 An episode flows through the engine as:
 
@@ -54,8 +55,8 @@ import numpy as np
 
 from tg_jax.envs.base import Environment
 from tg_jax.errors import ConfigError
-from tg_jax.sampling import rollout
-from tg_jax.sampling.rollout import Episode, RolloutConfig
+from tg_jax.sampling import bookkeeping, env_step
+from tg_jax.sampling.bookkeeping import Episode, RolloutConfig
 from tg_jax.sampling.trajectory import Role
 from tg_jax.text import ChatRenderer, hint_message
 
@@ -315,7 +316,7 @@ class _Loop:
         if self.config.hide_thinking:  # a fresh, visible context; the last turn's pages stay
             parent = None  # until this one is done (finish_turn), for prefix sharing
         prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]
-        prompt = rollout.visible(ep) if self.config.hide_thinking else prompt
+        prompt = bookkeeping.visible(ep) if self.config.hide_thinking else prompt
         self.windows[rid] = max(len(ep.routes) - 1, 0) if ep.routes is not None else 0
         if self.config.think_budget:  # the first part: at most think_budget tokens
             self.partial[i] = _TurnSoFar(budget)
@@ -362,7 +363,7 @@ class _Loop:
             if first and self._go_on(i, ep, part, tokens, logprobs, prefill, done.request_id):
                 return CONTINUED
         at = len(ep.tokens)
-        text = rollout.record_tokens(
+        text = bookkeeping.record_tokens(
             ep,
             self.renderer,
             tokens,
@@ -472,7 +473,7 @@ def _play(
     stream_ids,
 ) -> list[Episode]:
     sampler.load(params)
-    episodes = rollout._start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
+    episodes = bookkeeping._start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
     for ep in episodes:
         ep.weight_sync_s = sampler.last_sync_s
     hint_ids: list[int] = []
@@ -484,7 +485,7 @@ def _play(
     def room(ep: Episode) -> int:
         return config.max_total_tokens - len(ep.tokens) - extra
 
-    rollout._check_room(episodes, room, config)
+    bookkeeping._check_room(episodes, room, config)
     loop = _Loop(sampler, renderer, config, hint_ids, room, _key_hash(rng), next(_CALLS))
     for i, ep in enumerate(episodes):
         loop.submit_turn(i, ep)
@@ -523,7 +524,7 @@ def _drive(
                     continue
                 if text is CONTINUED:  # the rest of the turn is in the engine
                     continue
-                steps[pool.submit(rollout._step, episodes[i], text)] = (i, text)
+                steps[pool.submit(env_step._step, episodes[i], text)] = (i, text)
         elif loop.pending and not steps:
             raise RuntimeError("the engine holds turns it cannot run (no admissible work)")
         elif steps:
@@ -531,7 +532,7 @@ def _drive(
         for future in [f for f in steps if f.done()]:
             i, text = steps.pop(future)
             ep = episodes[i]
-            if rollout._after_turn(
+            if env_step._after_turn(
                 ep, text, future.result(), loop.renderer, loop.config, loop.room
             ):
                 loop.submit_turn(i, ep)

@@ -1,6 +1,6 @@
 """Sampling methods: pure functions from logits (and uniform numbers) to drawn tokens.
 
-The decode loop (`tg_jax.sampling.sampler`) calls `draw_with_uniforms` once per step with
+The decode loop (`tg_jax.sampling.decoding`) calls `draw_with_uniforms` once per step with
 per-row settings, all arrays (so changing them does not recompile). Which distribution a
 token is drawn from (and which log-prob is recorded as the sampler's `logprobs`):
 

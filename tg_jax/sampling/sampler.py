@@ -1,22 +1,15 @@
-"""Batched autoregressive sampling: the model's prefill, then a `lax.while_loop` of its steps.
-
-Shapes (legend in `tg_jax.models`): B rows, a right-padded prompt block of P tokens (row b's
-prompt is `prompt[b, :L_b]`), R new-token slots, V vocabulary, W stop ids per row.
-
-Row b's prompt fills positions 0..L_b-1 (`tg_jax.models.decode.prefill` runs the whole block;
-padding slots are never attended to). Its first new token is drawn from the logits at position
-L_b - 1; generated token i is then fed back at position L_b + i (`decode_one`, cache slot
-P + i, shared by all rows) and yields the logits of token i + 1. All rows draw their i-th
-token in loop iteration i, so the output column is shared; the loop exits early once every row
-has hit a stop id or its own budget. The draw itself (temperature, top-k, top-p, and which
-log-prob is recorded) is `tg_jax.sampling.methods`; the trainer's importance ratio should use
-`logprobs` (the behaviour policy that actually drew the token).
+"""The host side of batched sampling: `Sampler` pads a batch of prompts to the buckets, runs the
+jitted prefill and decode loop (`tg_jax.sampling.decoding`) and returns each row's tokens and
+log-probs (`SampleResult`).
 
 Everything that varies between calls within a bucket (prompt lengths, stop ids, max new tokens,
 temperature, top-k, top-p, rng) is an array, so only the bucketed shapes (B, P, R, W) trigger
 compilation. Multi-turn rollouts pass a `TurnCache` (tg_jax.sampling.turn_cache): the rows'
 keys and values stay on the device between calls and a call prefills only the appended tokens
-(`sample_appended`), or each distinct prompt once (`sample_prefilled`).
+(`decoding.sample_appended`), or each distinct prompt once (`decoding.sample_prefilled`).
+
+Also here: the sampler's log-probs against the trainer's (`sequence_logprobs`,
+`logprob_mismatch`).
 """
 
 from __future__ import annotations
@@ -27,14 +20,21 @@ import functools
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tg_jax import tracing
 from tg_jax.models import Transformer, decode, forward
-from tg_jax.sampling.methods import draw_with_uniforms, row_uniforms, step_uniforms
+from tg_jax.sampling.decoding import (
+    SampleOutput,
+    SamplingState,
+    decode_loop,
+    sample_appended,
+    sample_prefilled,
+    sample_tokens,
+)
+from tg_jax.sampling.methods import row_uniforms, step_uniforms
 from tg_jax.sampling.rows import (
     batch_bucket,
     length_bucket,
@@ -75,228 +75,6 @@ class PromptCache(Protocol):
         """After a call: caches each row's prompt and its sampled tokens."""
 
 
-@flax.struct.dataclass
-class SamplingState:
-    """Carry of the decode loop.
-
-    Attributes:
-      step: [] int32, tokens drawn so far by every live row (= next output column).
-      tokens_BxR: [B, R] int32 drawn tokens, `pad_id` past a row's end.
-      logprobs_BxR: [B, R] f32 log-probs under the sampling distribution (module docstring).
-      raw_logprobs_BxR: [B, R] f32 temperature-1 log-probs of the same tokens.
-      lengths_B: [B] int32 tokens generated per row (stop token included).
-      stopped_B: [B] bool, the row ended on one of its stop ids.
-      done_B: [B] bool, the row draws no more tokens.
-      last_token_B: [B] int32, the token to feed at the next decode step.
-      cache: the model's decode cache (`tg_jax.models.decode`), P + R slots.
-    """
-
-    step: Array
-    tokens_BxR: Array
-    logprobs_BxR: Array
-    raw_logprobs_BxR: Array
-    lengths_B: Array
-    stopped_B: Array
-    done_B: Array
-    last_token_B: Array
-    cache: decode.DecodeCache
-
-
-@flax.struct.dataclass
-class SampleOutput:
-    """What `sample_tokens` returns (device arrays, padded to the buckets)."""
-
-    tokens_BxR: Array
-    logprobs_BxR: Array
-    raw_logprobs_BxR: Array
-    lengths_B: Array
-    stopped_B: Array
-    routes_BxSxLxJ: Array | None = None  # with a routing record: `decode.context_routes`
-
-
-def _record(state: SamplingState, tokens_B, lp_B, raw_B, stop_ids_BxW, max_new_B, pad_id):
-    """Writes the tokens drawn at column `state.step` and updates the per-row stop flags."""
-    live_B = ~state.done_B
-    tokens_B = jnp.where(live_B, tokens_B, pad_id)
-    col = state.step
-
-    def put(buf_BxR, val_B):
-        return jax.lax.dynamic_update_slice(buf_BxR, val_B[:, None].astype(buf_BxR.dtype), (0, col))
-
-    is_stop_B = jnp.any(tokens_B[:, None] == stop_ids_BxW, axis=-1) & live_B
-    lengths_B = state.lengths_B + live_B.astype(jnp.int32)
-    return state.replace(
-        step=col + 1,
-        tokens_BxR=put(state.tokens_BxR, tokens_B),
-        logprobs_BxR=put(state.logprobs_BxR, jnp.where(live_B, lp_B, 0.0)),
-        raw_logprobs_BxR=put(state.raw_logprobs_BxR, jnp.where(live_B, raw_B, 0.0)),
-        lengths_B=lengths_B,
-        stopped_B=state.stopped_B | is_stop_B,
-        done_B=state.done_B | is_stop_B | (lengths_B >= max_new_B),
-        last_token_B=tokens_B,
-    )
-
-
-def sample_tokens(
-    model: Transformer,
-    params: Any,
-    prompt_BxP: Array,
-    prompt_lengths_B: Array,
-    max_new_B: Array,
-    stop_ids_BxW: Array,
-    temperature_B: Array,
-    top_k_B: Array,
-    top_p_B: Array,
-    u_BxR: Array,
-    *,
-    pad_id: int,
-    segment: int = 0,
-    routes: bool = False,
-) -> SampleOutput:
-    """Prefill + decode loop (pure; jit it with `pad_id`, `segment` and `routes` static).
-
-    Rows are independent, so a shard of rows (with its rows of every argument) samples exactly
-    what the whole batch samples for them.
-
-    Args:
-      prompt_BxP: [B, P] int32 right-padded prompts.
-      prompt_lengths_B: [B] int32, 1 <= L_b <= P.
-      max_new_B: [B] int32, at most R; 0 makes the row a no-op (batch padding).
-      stop_ids_BxW: [B, W] int32 stop ids per row, padded with -1.
-      temperature_B, top_k_B, top_p_B: [B] sampling settings (module docstring).
-      u_BxR: [B, R] uniform numbers in (0, 1), column i for the i-th token of every row
-        (`step_uniforms(rng, B, R)`); R is the number of output columns.
-      segment: decode-loop segment length (`segment_ends`; 0 = one loop over all R slots).
-      routes: MoE: with the routing record (`decode.prefill(routes=True)`).
-    Returns:
-      SampleOutput with [B, R] tokens / log-probs and [B] lengths / stopped flags.
-    """
-    r = u_BxR.shape[1]
-    weights = decode.decode_weights(model, params)
-    logits_BxV, cache = decode.prefill(
-        model,
-        params,
-        prompt_BxP,
-        prompt_lengths_B,
-        r,
-        slots=segment_ends(r, segment)[0],
-        weights=weights,
-        routes=routes,
-    )
-    settings = (max_new_B, stop_ids_BxW, temperature_B, top_k_B, top_p_B, u_BxR)
-    return decode_loop(
-        model, weights, logits_BxV, cache, *settings, pad_id=pad_id, segment=segment
-    )[0]
-
-
-def sample_prefilled(
-    model: Transformer,
-    params: Any,
-    logits_BxV: Array,
-    cache: decode.DecodeCache,
-    *settings,
-    pad_id: int,
-    segment: int = 0,
-) -> tuple[SampleOutput, decode.DecodeCache]:
-    """`sample_tokens` from an already prefilled cache (`prefill`'s logits and cache, with
-    `segment_ends(R, segment)[0]` generated slots); `settings` are `sample_tokens`' arguments
-    from `max_new_B` on. Returns the output and the cache after the loop."""
-    weights = decode.decode_weights(model, params)
-    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id, segment=segment)
-
-
-def sample_appended(
-    model: Transformer,
-    params: Any,
-    cache: decode.DecodeCache,
-    new_BxA: Array,
-    new_lengths_B: Array,
-    *settings,
-    pad_id: int,
-    segment: int = 0,
-) -> tuple[SampleOutput, decode.DecodeCache]:
-    """`sample_tokens` of contexts kept in `cache` (`decode.keep_context`) followed by
-    new_BxA[b, :new_lengths_B[b]] (`decode.prefill_append` prefills only those); `settings`
-    as in `sample_prefilled`. Returns the output and the cache after the loop."""
-    r = settings[-1].shape[1]
-    weights = decode.decode_weights(model, params)
-    logits_BxV, cache = decode.prefill_append(
-        model, weights, cache, new_BxA, new_lengths_B, r, slots=segment_ends(r, segment)[0]
-    )
-    return decode_loop(model, weights, logits_BxV, cache, *settings, pad_id=pad_id, segment=segment)
-
-
-def decode_loop(
-    model: Transformer,
-    weights: decode.DecodeWeights,
-    logits_BxV: Array,
-    cache: decode.DecodeCache,
-    max_new_B: Array,
-    stop_ids_BxW: Array,
-    temperature_B: Array,
-    top_k_B: Array,
-    top_p_B: Array,
-    u_BxR: Array,
-    *,
-    pad_id: int,
-    segment: int = 0,
-) -> tuple[SampleOutput, decode.DecodeCache]:
-    """The decode loop after a prefill: draws token 0 from `logits_BxV` (the logits at each
-    row's last prompt token), then token i + 1 after feeding token i (`decode_one`). With the
-    cache's routing record, the output has each row's by position (prompt and generated
-    tokens but the last, which counts as not fed: `decode.context_routes`).
-
-    Args:
-      cache: the prefilled cache with `segment_ends(R, segment)[0]` generated slots.
-      (others: see `sample_tokens`.)
-    Returns:
-      (SampleOutput, the cache after the loop: P + R slots, generated token i of row b at
-      slot P + i for i < lengths_B[b] - 1; the last drawn token is never fed).
-    """
-    b, r = u_BxR.shape
-    ends = segment_ends(r, segment)
-    state = SamplingState(
-        step=jnp.zeros((), jnp.int32),
-        tokens_BxR=jnp.full((b, r), pad_id, jnp.int32),
-        logprobs_BxR=jnp.zeros((b, r), jnp.float32),
-        raw_logprobs_BxR=jnp.zeros((b, r), jnp.float32),
-        lengths_B=jnp.zeros((b,), jnp.int32),
-        stopped_B=jnp.zeros((b,), bool),
-        done_B=max_new_B <= 0,
-        last_token_B=jnp.full((b,), pad_id, jnp.int32),
-        cache=cache,
-    )
-    settings = (temperature_B, top_k_B, top_p_B)
-    first = draw_with_uniforms(u_BxR[:, 0], logits_BxV, *settings)
-    state = _record(state, *first, stop_ids_BxW, max_new_B, pad_id)
-
-    def body(s: SamplingState):
-        # Feeds the token drawn last (generated token step - 1) and draws the next one.
-        logits_BxV, cache = decode.decode_one(model, weights, s.last_token_B, s.step - 1, s.cache)
-        u_B = jax.lax.dynamic_slice_in_dim(u_BxR, s.step, 1, axis=1)[:, 0]
-        drawn = draw_with_uniforms(u_B, logits_BxV, *settings)
-        return _record(s.replace(cache=cache), *drawn, stop_ids_BxW, max_new_B, pad_id)
-
-    for i, end in enumerate(ends):
-        # Steps up to `end` write generated slots < end: the cache holds exactly those.
-        if i:
-            state = state.replace(cache=decode.extend(state.cache, end))
-        state = jax.lax.while_loop(
-            lambda s, end=end: (s.step < end) & ~jnp.all(s.done_B), body, state
-        )
-    out = SampleOutput(
-        tokens_BxR=state.tokens_BxR,
-        logprobs_BxR=state.logprobs_BxR,
-        raw_logprobs_BxR=state.raw_logprobs_BxR,
-        lengths_B=state.lengths_B,
-        stopped_B=state.stopped_B,
-        routes_BxSxLxJ=None
-        if cache.routes is None
-        else decode.context_routes(state.cache, jnp.maximum(state.lengths_B - 1, 0)),
-    )
-    return out, state.cache
-
-
 @dataclasses.dataclass
 class SampleResult:
     """Host-side (numpy) result of `Sampler.sample`, one entry per requested row.
@@ -332,6 +110,41 @@ def _from_start(out: SampleOutput, lengths, start, n: int, multiple: int) -> Sam
     routes = out.routes_BxSxLxJ
     w = min(length_bucket(int((lengths - start).max()) + n, multiple), routes.shape[1])
     return out.replace(routes_BxSxLxJ=_routes_window(routes, pad_to(start, routes.shape[0], 0), w))
+
+
+def _checked_rows(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """([B] prompt lengths, [B] max new tokens) of a `Sampler.sample` call: raises ValueError
+    unless there is a row, every prompt is non-empty and max_new_tokens is shared or per row."""
+    n_rows = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if n_rows == 0 or lengths.min() < 1:
+        raise ValueError("sample() needs at least one row and non-empty prompts")
+    max_new = per_row(max_new_tokens, n_rows, np.int32)
+    if max_new.shape != (n_rows,):
+        raise ValueError(f"max_new_tokens has shape {max_new.shape}, expected ({n_rows},)")
+    return lengths, max_new
+
+
+def _host_result(
+    out: SampleOutput, lengths: np.ndarray, start: np.ndarray, prefilled: np.ndarray
+) -> SampleResult:
+    """The requested rows of a host copy of the output (`jax.device_get`): each cut to its
+    length, its routing record (if any) to its positions from `start` on."""
+    n_rows = len(lengths)
+    ln = out.lengths_B
+    routes = out.routes_BxSxLxJ
+    return SampleResult(
+        tokens=[out.tokens_BxR[i, : ln[i]] for i in range(n_rows)],
+        logprobs=[out.logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
+        raw_logprobs=[out.raw_logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
+        stopped=np.asarray(out.stopped_B[:n_rows]),
+        prefill_tokens=prefilled,
+        routes=None
+        if routes is None
+        else [np.asarray(routes[i, : lengths[i] + ln[i] - start[i]]) for i in range(n_rows)],
+    )
 
 
 # The jitted entry points by kind: what precedes the shared sampling settings in their arguments.
@@ -466,50 +279,42 @@ class Sampler:
           SampleResult with B rows.
         """
         n_rows = len(prompts)
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        if n_rows == 0 or lengths.min() < 1:
-            raise ValueError("sample() needs at least one row and non-empty prompts")
-        max_new = per_row(max_new_tokens, n_rows, np.int32)
-        if max_new.shape != (n_rows,):
-            raise ValueError(f"max_new_tokens has shape {max_new.shape}, expected ({n_rows},)")
+        lengths, max_new = _checked_rows(prompts, max_new_tokens)
         b = batch_bucket(n_rows, self.batch_divisor)
         n = length_bucket(max(int(max_new.max()), 1), self.length_multiple)
-        settings = padded_settings(
-            b,
-            max_new,
-            stop_block(stop_ids, n_rows, b, self.stop_width),
-            temperature,
-            top_k,
-            top_p,
-        )
+        stops = stop_block(stop_ids, n_rows, b, self.stop_width)
+        settings = padded_settings(b, max_new, stops, temperature, top_k, top_p)
         row_ids_B = None if row_ids is None else padded_row_ids(row_ids, n_rows, b)
         if cache is None:
-            prompt_BxP, _ = self.pad_block(prompts, b)
-            args = (prompt_BxP, pad_to(lengths, b, 1), *settings)
-            out = self.run("prompt", params, args, rng, n, row_ids_B=row_ids_B)
-            prefilled = lengths.astype(np.float32)
+            out, prefilled = self._sample_uncached(params, prompts, settings, rng, n, row_ids_B)
         else:
             out, prefilled = cache.run(
                 self, params, prompts, keys, settings, rng, n, row_ids_B=row_ids_B
             )
         start = np.zeros((n_rows,), np.int32) if routes_from is None else np.asarray(routes_from)
         out = _from_start(out, lengths, start, n, self.length_multiple)
-        out = jax.device_get(out)
-        ln = out.lengths_B
-        routes = out.routes_BxSxLxJ
-        result = SampleResult(
-            tokens=[out.tokens_BxR[i, : ln[i]] for i in range(n_rows)],
-            logprobs=[out.logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
-            raw_logprobs=[out.raw_logprobs_BxR[i, : ln[i]] for i in range(n_rows)],
-            stopped=np.asarray(out.stopped_B[:n_rows]),
-            prefill_tokens=prefilled,
-            routes=None
-            if routes is None
-            else [np.asarray(routes[i, : lengths[i] + ln[i] - start[i]]) for i in range(n_rows)],
-        )
+        result = _host_result(jax.device_get(out), lengths, start, prefilled)
         if cache is not None:
             cache.record(prompts, keys, result.tokens)
         return result
+
+    def _sample_uncached(
+        self,
+        params: Any,
+        prompts: Sequence[Sequence[int]],
+        settings: Sequence[np.ndarray],
+        rng: Array,
+        n: int,
+        row_ids_B: np.ndarray | None,
+    ) -> tuple[SampleOutput, np.ndarray]:
+        """A `sample` call without a cache: every prompt prefilled whole (`sample_tokens`);
+        (SampleOutput, [B] prefilled tokens), as `PromptCache.run`."""
+        b = settings[0].shape[0]
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        prompt_BxP, _ = self.pad_block(prompts, b)
+        args = (prompt_BxP, pad_to(lengths, b, 1), *settings)
+        out = self.run("prompt", params, args, rng, n, row_ids_B=row_ids_B)
+        return out, lengths.astype(np.float32)
 
     def pad_block(self, rows: Sequence[Sequence[int]], b: int) -> tuple[np.ndarray, np.ndarray]:
         """([b, length bucket] right-padded token block, [b] lengths (padding rows: 1))."""

@@ -6,7 +6,7 @@ hint, assistant header). With a `TurnCache` each call prefills only that tail:
 
   first call   the distinct prompts are prefilled once (`decode.prefill`; the G rollouts of a
                GRPO group share one row) and the cache rows are repeated for the rows that
-               share them; then the decode loop (`sampler.sample_prefilled`).
+               share them; then the decode loop (`decoding.sample_prefilled`).
   later calls  `decode.keep_context` gathers the rows still sampled (episodes that ended are
                dropped), each row's prompt and generated tokens made contiguous again in a
                prompt block of the call's prompt bucket P; `decode.prefill_append` prefills the
