@@ -53,7 +53,8 @@ def get_config(arg=None):
     )
     # Context: RL reserves room for the hints of every requirement before every turn of a
     # teacher row (8 turns x 4 hints, ~2.3k byte tokens) on top of the student's rows; with
-    # 2560 the students would get 264 tokens (tg_jax.train.rl._lengths). SFT rows stay 2048.
+    # 2560 the students would get 264 tokens (tg_jax.train.rl_setup.max_lengths). SFT rows
+    # stay 2048.
     c.model.max_seq_len = 4608
     c.sft.source = "train"
     c.sft.init = "default"  # continues the shipped default base (the chat format, tool calls)

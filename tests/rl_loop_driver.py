@@ -50,7 +50,7 @@ def make_sources(n: int = 16) -> dict[str, list[dict]]:
 
 
 def batch_parts(config, student_max: int, teacher_max: int) -> types.SimpleNamespace:
-    """What `rl._build_batch` reads of a run's parts (`rl._Parts`), for a batch of `config`
+    """What `rl._build_batch` reads of a run's parts (`rl_setup.Parts`), for a batch of `config`
     at these lengths on one device."""
     return types.SimpleNamespace(
         config=config, student_max=student_max, teacher_max=teacher_max, divisor=1,

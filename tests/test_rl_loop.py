@@ -24,7 +24,7 @@ from tests import rl_loop_driver as driver
 from tg_jax import checkpointing, metrics
 from tg_jax.metrics import last_per_step, read_metrics
 from tg_jax.tpu.distributed import cpu_devices_env
-from tg_jax.train import rl
+from tg_jax.train import rl, rl_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -208,8 +208,8 @@ def test_sigterm_then_failed_save_then_resume(full_run, tmp_path, monkeypatch):
 
 
 def test_the_train_task_order_follows_the_run_seed_with_a_periodic_evaluation(tmp_path):
-    """rl._tasks: the train iterator's seed is rl_loop.data_seed * 100003 + the run's seed,
-    whatever the periodic evaluation's dev tasks use (rl_loop.eval_task_seed)."""
+    """rl_setup.train_tasks: the train iterator's seed is rl_loop.data_seed * 100003 + the
+    run's seed, whatever the periodic evaluation's dev tasks use (rl_loop.eval_task_seed)."""
     from tg_jax import config_files
     from tg_jax.data import task_data
 
@@ -217,7 +217,7 @@ def test_the_train_task_order_follows_the_run_seed_with_a_periodic_evaluation(tm
     assert int(config.rl_loop.eval_every) > 0
     sources = task_data.prepare_tasks(config, str(tmp_path))
     for seed in (0, 3):
-        tasks, dev = rl._tasks(config, str(tmp_path), seed, sources, None, None)
+        tasks, dev = rl_setup.train_tasks(config, str(tmp_path), seed, sources, None, None)
         want = int(config.rl_loop.data_seed) * 100_003 + seed
         assert tasks.get_state()["settings"]["seed"] == want
         assert len(dev) == int(config.rl_loop.eval_tasks)

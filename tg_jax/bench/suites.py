@@ -167,6 +167,19 @@ def _hf_kwargs(suite: Suite) -> dict[str, Any]:
     return {"threads": threads, "policies": suite.hf_policies, "in_process": in_process}
 
 
+def _generate_job(cfg: ModelConfig, prompts: Any, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """The reference's job for one sampler batch: HF generate with the same weights (seed 0)
+    and prompts ([B, P] ids, `throughput.sampler_prompts`; `hf_reference.run_reference`)."""
+    return {
+        "kind": "generate",
+        "model": dataclasses.asdict(cfg),
+        "seed": 0,
+        "prompts": prompts.tolist(),
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+    }
+
+
 def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
     """Sampler tokens/s vs HF generate (same weights and prompts) and decode FLOP/s.
 
@@ -192,16 +205,7 @@ def sampler_section(suite: Suite, config: Any, peak: Peak) -> dict[str, Any]:
         if ndev > 1 and b % ndev == 0:
             t = throughput.sampler_timing_devices(cfg, prompts[b], n, suite.sampler_repeats, ndev)
             ours[b] = min(ours[b], (ndev, t), key=lambda dt: dt[1].median)
-        jobs.append(
-            {
-                "kind": "generate",
-                "model": dataclasses.asdict(cfg),
-                "seed": 0,
-                "prompts": prompts[b].tolist(),
-                "new_tokens": n,
-                "repeats": suite.sampler_repeats,
-            }
-        )
+        jobs.append(_generate_job(cfg, prompts[b], n, suite.sampler_repeats))
     refs = hf_reference.run_reference(jobs, **_hf_kwargs(suite))
     for b, ref, job in zip(suite.sampler_batches, refs, jobs, strict=True):
         devices, t = ours[b]

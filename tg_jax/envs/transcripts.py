@@ -192,13 +192,28 @@ def make_transcript(
     raise ValueError(f"no transcript of task {task.task_id} fits max_chars={config.max_chars}")
 
 
-def _draw(
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The expert's draws for one transcript, made before it plays a turn."""
+
+    truth: Guess  # the task's function
+    final: Guess  # the submitted function (the truth with probability p_correct)
+    first: Guess  # multi-turn: the first attempt (a failing guess with probability p_fix)
+    hinted: bool
+    forced: bool  # meets the forced requirements unhinted (p_forced)
+    think: bool
+    multi: bool  # run_tests -> observation -> revise/submit
+
+
+def _plan(
     task: Task,
     rng: random.Random,
     config: TranscriptConfig,
-    env: CodingEnv,
+    max_turns: int,
     families: Sequence[str] | None,
-) -> Transcript:
+) -> _Plan:
+    """The draws of `_draw`, in the order that keeps transcripts a deterministic function of
+    the rng's state."""
     truth: Guess = (task.family, task.params)
     wrong = wrong_guesses(task, families)
     correct = rng.random() < config.p_correct
@@ -212,18 +227,29 @@ def _draw(
     # Drawn only when on, so that transcripts without it are unchanged.
     forced = config.p_forced > 0 and not hinted and rng.random() < config.p_forced
     think = rng.random() < config.p_think
-    max_turns = env.config.max_turns
     multi = max_turns >= 2 and rng.random() < config.p_multi_turn
     failing = [g for g in wrong if not _fits(g, task.visible) and g != final]
     first = rng.choice(failing) if multi and failing and rng.random() < config.p_fix else final
+    return _Plan(truth, final, first, hinted, forced, think, multi)
 
+
+def _draw(
+    task: Task,
+    rng: random.Random,
+    config: TranscriptConfig,
+    env: CodingEnv,
+    families: Sequence[str] | None,
+) -> Transcript:
+    """One transcript: the expert's plan (`_plan`), then its turns played in `env`."""
+    max_turns = env.config.max_turns
+    plan = _plan(task, rng, config, max_turns, families)
     messages = [{"role": "user", "content": env.reset(task)}]
     any_hint = False
 
     def play(guess: Guess | None, tool: str) -> StepResult:
         nonlocal any_hint
         code = None if guess is None else guess_code(guess)
-        names = _hint_names(env, code, tool, rng, config) if hinted else []
+        names = _hint_names(env, code, tool, rng, config) if plan.hinted else []
         if names:
             messages.append({"role": HINT_ROLE, "content": env.hint(names)})
             any_hint = True
@@ -231,12 +257,12 @@ def _draw(
         followed = names
         if config.p_ignore_hint > 0:
             followed = [n for n in names if rng.random() >= config.p_ignore_hint]
-        think_text = guess[0] if think and guess is not None else None
+        think_text = guess[0] if plan.think and guess is not None else None
         write = lambda names: format_turn(  # noqa: E731
             code, tool, fence="fence" in names, tool_json="tool_json" in names, think=think_text
         )
         message = {"role": "assistant", "content": write(followed)}
-        if forced:
+        if plan.forced:
             probe = write([])
             names = [
                 r.name
@@ -259,10 +285,11 @@ def _draw(
             messages.append({"role": "tool", "content": res.observation})
         return res
 
-    if not multi:
+    final = plan.final
+    if not plan.multi:
         res = play(final, "submit")
     else:
-        res = play(first, "run_tests")
+        res = play(plan.first, "run_tests")
         if res.info.get("passed") == len(task.visible):
             res = play(None, "submit")
         elif max_turns >= 3 and _fits(final, task.visible) and rng.random() < config.p_retest:
@@ -273,7 +300,7 @@ def _draw(
     if not res.done:
         raise AssertionError("expert transcript did not end with a submission")
     return Transcript(
-        task.task_id, messages, res.rewards, final == truth, any_hint, env.summary().to_dict()
+        task.task_id, messages, res.rewards, final == plan.truth, any_hint, env.summary().to_dict()
     )
 
 

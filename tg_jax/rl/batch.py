@@ -40,6 +40,7 @@ here once by `tg_jax.rl.tg.mask.tg_mask`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -210,15 +211,30 @@ def _check_trajectories(trajectories: Sequence[Trajectory], max_len: int) -> lis
     return reward_names
 
 
-def _teacher_rows_per_micro(max_teacher_rows: int, micro_batches: int, batch_multiple: int) -> int:
-    """per_turn: teacher rows per micro-batch; raises unless B_t splits evenly."""
-    per_micro, rem = divmod(max_teacher_rows, micro_batches)
-    if max_teacher_rows <= 0 or rem or per_micro % batch_multiple:
-        raise ValueError(
-            f"max_teacher_rows={max_teacher_rows} must be a positive multiple of "
-            f"micro_batches * batch_multiple = {batch_multiple * micro_batches}"
-        )
-    return per_micro
+@dataclasses.dataclass
+class _Layout:
+    """A batch's static shape: B rows of T student tokens, and how its teacher rows are laid out
+    (the keyword arguments of `compact.compact_teacher`, and per_turn's rows per micro-batch)."""
+
+    mode: TeacherMode
+    rows: int  # B
+    student_len: int  # T
+    micro_batches: int
+    batch_multiple: int
+    max_teacher_rows: int  # B_t in per_turn mode
+    teacher_max_len: int
+    pad_multiple: int  # T_t is rounded up to a multiple of this
+    per_micro: int = dataclasses.field(init=False)  # per_turn: teacher rows per micro-batch
+
+    def __post_init__(self):
+        self.per_micro = 0
+        if self.mode == "per_turn":  # raises unless B_t splits evenly
+            self.per_micro, rem = divmod(self.max_teacher_rows, self.micro_batches)
+            if self.max_teacher_rows <= 0 or rem or self.per_micro % self.batch_multiple:
+                raise ValueError(
+                    f"max_teacher_rows={self.max_teacher_rows} must be a positive multiple of "
+                    f"micro_batches * batch_multiple = {self.batch_multiple * self.micro_batches}"
+                )
 
 
 def _empty_per_token(rows: int, length: int) -> dict[str, np.ndarray]:
@@ -243,23 +259,20 @@ def _per_trajectory_teacher(
     per_token: dict[str, np.ndarray],
     trajectories: Sequence[Trajectory],
     hints: Sequence[dict[int, np.ndarray]],
-    *,
-    rows: int,
-    micro_batches: int,
-    teacher_max_len: int,
-    pad_multiple: int,
+    layout: _Layout,
 ) -> dict[str, np.ndarray]:
     """per_trajectory mode: one hinted sequence per trajectory (teacher row b = student row b)."""
+    micro_batches, teacher_max_len = layout.micro_batches, layout.teacher_max_len
     seqs = [
         _fill_per_trajectory_teacher(per_token, b, b // micro_batches, traj, h, teacher_max_len)
         for b, (traj, h) in enumerate(zip(trajectories, hints, strict=True))
     ]
-    t_len = bucket_length(max(len(q) for q, _ in seqs), teacher_max_len, pad_multiple)
-    teacher = _empty_seqs(rows, t_len)
+    t_len = bucket_length(max(len(q) for q, _ in seqs), teacher_max_len, layout.pad_multiple)
+    teacher = _empty_seqs(layout.rows, t_len)
     for b, (seq, src) in enumerate(seqs):
         _fill_row(teacher, b, seq, t_len, src, b)
     # Padding rows point at their own (empty) teacher row.
-    for b in range(len(trajectories), rows):
+    for b in range(len(trajectories), layout.rows):
         per_token["t_row"][b] = b // micro_batches
     return teacher
 
@@ -268,22 +281,18 @@ def _per_turn_teacher(
     per_token: dict[str, np.ndarray],
     trajectories: Sequence[Trajectory],
     hints: Sequence[dict[int, np.ndarray]],
-    *,
-    max_teacher_rows: int,
-    per_micro: int,
-    micro_batches: int,
-    teacher_max_len: int,
-    pad_multiple: int,
+    layout: _Layout,
 ) -> dict[str, np.ndarray]:
-    """per_turn mode: one exact hinted context per targeted turn, up to `per_micro` teacher
-    rows per micro-batch (the turns beyond are not distilled, with a warning)."""
+    """per_turn mode: one exact hinted context per targeted turn, up to `layout.per_micro`
+    teacher rows per micro-batch (the turns beyond are not distilled, with a warning)."""
+    micro_batches, teacher_max_len = layout.micro_batches, layout.teacher_max_len
     seqs, global_rows = [], []  # each appended sequence and its global teacher row
     used = [0] * micro_batches
     dropped = 0
     for b, (traj, turn_hints) in enumerate(zip(trajectories, hints, strict=True)):
         m = b % micro_batches
         for k in sorted(turn_hints):
-            if used[m] == per_micro:
+            if used[m] == layout.per_micro:
                 dropped += 1
                 continue
             seqs.append(
@@ -297,11 +306,11 @@ def _per_turn_teacher(
         logging.warning(
             "build_batch: %d targeted turns exceed max_teacher_rows=%d and are not distilled",
             dropped,
-            max_teacher_rows,
+            layout.max_teacher_rows,
         )
     longest = max((len(q) for q, _ in seqs), default=1)
-    t_len = bucket_length(longest, teacher_max_len, pad_multiple)
-    teacher = _empty_seqs(max_teacher_rows, t_len)
+    t_len = bucket_length(longest, teacher_max_len, layout.pad_multiple)
+    teacher = _empty_seqs(layout.max_teacher_rows, t_len)
     for (row, b), (seq, src) in zip(global_rows, seqs, strict=True):
         _fill_row(teacher, row, seq, t_len, src, b)
     return teacher
@@ -311,22 +320,22 @@ def _compact_rows(
     per_token: dict[str, np.ndarray],
     trajectories: Sequence[Trajectory],
     hints: Sequence[dict[int, np.ndarray]],
-    *,
+    layout: _Layout,
     min_saving: float,
-    **kwargs: Any,
 ) -> tuple[dict[str, np.ndarray] | None, int]:
     """`compact_teacher`'s (teacher arrays, prefix slots) when compaction saves at least
     `min_saving` of the full rows' token slots; (None, 0), per_token as it was, otherwise."""
     saved = {k: per_token[k].copy() for k in ("hinted", "t_row", "t_pos")}
+    kwargs = {k: v for k, v in dataclasses.asdict(layout).items() if k != "per_micro"}
     teacher, prefix_len = compact_teacher(per_token, trajectories, hints, _turn_mask, **kwargs)
     full_slots = full_teacher_slots(
         trajectories,
         hints,
-        mode=kwargs["mode"],
-        rows=kwargs["rows"],
-        max_teacher_rows=kwargs["max_teacher_rows"],
-        teacher_max_len=kwargs["teacher_max_len"],
-        pad_multiple=kwargs["pad_multiple"],
+        mode=layout.mode,
+        rows=layout.rows,
+        max_teacher_rows=layout.max_teacher_rows,
+        teacher_max_len=layout.teacher_max_len,
+        pad_multiple=layout.pad_multiple,
     )
     if compaction_pays(teacher["tokens"].size, full_slots, min_saving):
         return teacher, prefix_len
@@ -414,62 +423,70 @@ def build_batch(
     if mode not in ("per_trajectory", "per_turn", "none"):
         raise ValueError(f"unknown teacher mode {mode!r}")
     reward_names = _check_trajectories(trajectories, max_len)  # at least one
-    rows = num_rows(max(len(trajectories), min_rows), batch_multiple, micro_batches)
     if requirement_names is None:
         requirement_names = sorted({r for t in trajectories for v in t.turn_verdicts for r in v})
-    req_index = {name: i for i, name in enumerate(requirement_names)}
     length = bucket_length(max(len(t.tokens) for t in trajectories), max_len, pad_to_multiple)
-    per_micro = (
-        _teacher_rows_per_micro(max_teacher_rows, micro_batches, batch_multiple)
-        if mode == "per_turn"
-        else 0
-    )
-
-    student, per_token = _empty_seqs(rows, length), _empty_per_token(rows, length)
-    hints = []  # per row: targeted turn -> its (non-empty) hint
-    for b, traj in enumerate(trajectories):
-        _fill_row(student, b, np.asarray(traj.tokens, np.int32), length)
-        hints.append(_fill_student_targets(per_token, b, traj, gate, req_index))
-
     t_multiple = pad_to_multiple if teacher_pad_to_multiple is None else teacher_pad_to_multiple
-    shared = {
-        "micro_batches": micro_batches,
-        "teacher_max_len": teacher_max_len,
-        "pad_multiple": t_multiple,
-    }
-    teacher, prefix_len = None, 0
-    if compact and mode != "none":
-        teacher, prefix_len = _compact_rows(
-            per_token,
-            trajectories,
-            hints,
-            min_saving=min_compact_saving,
-            mode=mode,
-            rows=rows,
-            student_len=length,
-            batch_multiple=batch_multiple,
-            max_teacher_rows=max_teacher_rows,
-            **shared,
-        )
-    compact = teacher is not None
-    if not compact:
-        teacher = _full_teacher(
-            per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro, shared
-        )
-    per_token["tg"] = _tg_mask(per_token, gate, include_thinking)
-    return _assemble(
-        student,
-        per_token,
-        teacher,
-        trajectories,
-        rows,
-        reward_names,
-        requirement_names,
-        mode,
-        compact,
-        prefix_len,
-        heads,
+    layout = _Layout(
+        mode=mode,
+        rows=num_rows(max(len(trajectories), min_rows), batch_multiple, micro_batches),
+        student_len=length,
+        micro_batches=micro_batches,
+        batch_multiple=batch_multiple,
+        max_teacher_rows=max_teacher_rows,
+        teacher_max_len=teacher_max_len,
+        pad_multiple=t_multiple,
     )
+    student, per_token, hints = _fill_students(trajectories, layout, gate, requirement_names)
+    teacher = _teacher_rows(per_token, trajectories, hints, layout, compact, min_compact_saving)
+    per_token["tg"] = _tg_mask(per_token, gate, include_thinking)
+    per_row = _row_fields(trajectories, layout.rows, reward_names, heads)
+    return _assemble(trajectories, layout, student, per_token, teacher, per_row, requirement_names)
+
+
+def _fill_students(
+    trajectories: Sequence[Trajectory], layout: _Layout, gate: str, requirement_names: Sequence[str]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[dict[int, np.ndarray]]]:
+    """(the student token rows, the target-aligned arrays, per row: targeted turn -> its
+    non-empty hint), every trajectory filled in."""
+    req_index = {name: i for i, name in enumerate(requirement_names)}
+    student = _empty_seqs(layout.rows, layout.student_len)
+    per_token = _empty_per_token(layout.rows, layout.student_len)
+    hints = []
+    for b, traj in enumerate(trajectories):
+        _fill_row(student, b, np.asarray(traj.tokens, np.int32), layout.student_len)
+        hints.append(_fill_student_targets(per_token, b, traj, gate, req_index))
+    return student, per_token, hints
+
+
+@dataclasses.dataclass
+class _TeacherRows:
+    """A batch's teacher arrays; compact: compacted, continuing `prefix_len` prefix slots."""
+
+    arrays: dict[str, np.ndarray]
+    compact: bool = False
+    prefix_len: int = 0
+
+
+def _teacher_rows(
+    per_token: dict[str, np.ndarray],
+    trajectories: Sequence[Trajectory],
+    hints: Sequence[dict[int, np.ndarray]],
+    layout: _Layout,
+    compact: bool,
+    min_saving: float,
+) -> _TeacherRows:
+    """Compact teacher rows where asked and paying (`_compact_rows`), else the mode's full rows
+    (per_trajectory / per_turn / none); fills the teacher index map of per_token."""
+    if compact and layout.mode != "none":
+        teacher, prefix_len = _compact_rows(per_token, trajectories, hints, layout, min_saving)
+        if teacher is not None:
+            return _TeacherRows(teacher, True, prefix_len)
+    if layout.mode == "per_trajectory":
+        return _TeacherRows(_per_trajectory_teacher(per_token, trajectories, hints, layout))
+    if layout.mode == "per_turn":
+        return _TeacherRows(_per_turn_teacher(per_token, trajectories, hints, layout))
+    return _TeacherRows(_empty_seqs(layout.rows, 1))
 
 
 def _tg_mask(per_token: dict[str, np.ndarray], gate: str, include_thinking: bool) -> np.ndarray:
@@ -479,40 +496,19 @@ def _tg_mask(per_token: dict[str, np.ndarray], gate: str, include_thinking: bool
     return tg_mask(hinted, thinking, failed, produced, include_thinking=include_thinking, gate=gate)
 
 
-def _full_teacher(
-    per_token, trajectories, hints, mode, rows, max_teacher_rows, per_micro, shared
-) -> dict[str, np.ndarray]:
-    """The teacher rows of `mode` without compaction (per_trajectory / per_turn / none)."""
-    if mode == "per_trajectory":
-        return _per_trajectory_teacher(per_token, trajectories, hints, rows=rows, **shared)
-    if mode == "per_turn":
-        return _per_turn_teacher(
-            per_token,
-            trajectories,
-            hints,
-            max_teacher_rows=max_teacher_rows,
-            per_micro=per_micro,
-            **shared,
-        )
-    return _empty_seqs(rows, 1)
-
-
 def _assemble(
-    student,
-    per_token,
-    teacher,
-    trajectories,
-    rows,
-    reward_names,
-    requirement_names,
-    mode,
-    compact,
-    prefix_len,
-    heads,
+    trajectories: Sequence[Trajectory],
+    layout: _Layout,
+    student: dict[str, np.ndarray],
+    per_token: dict[str, np.ndarray],
+    teacher_rows: _TeacherRows,
+    per_row: dict[str, Any],
+    requirement_names: Sequence[str],
 ) -> Batch:
-    """The `Batch` of the filled arrays (compact: the teacher rows were compacted)."""
+    """The `Batch` of the filled arrays (`per_row`: `_row_fields`)."""
+    teacher, mode = teacher_rows.arrays, layout.mode
     routes, teacher_routes = batch_routes(
-        trajectories, rows, student["tokens"].shape[1], None if mode == "none" else teacher
+        trajectories, layout.rows, student["tokens"].shape[1], None if mode == "none" else teacher
     )
     return Batch(
         tokens_BxT=student["tokens"],
@@ -533,15 +529,15 @@ def _assemble(
         teacher_tokens_BtxTt=teacher["tokens"],
         teacher_positions_BtxTt=teacher["positions"],
         teacher_segment_ids_BtxTt=teacher["segments"],
-        **_row_fields(trajectories, rows, reward_names, heads),
+        **per_row,
         teacher_src_row_Bt=teacher.get("src_row"),
         teacher_start_Bt=teacher.get("start"),
         routes_BxTxLxJ=routes,
         teacher_routes_BtxTtxLxJ=teacher_routes,
         requirement_names=tuple(requirement_names),
         teacher_mode=mode,
-        teacher_compact=compact,
-        teacher_prefix_len=prefix_len,
+        teacher_compact=teacher_rows.compact,
+        teacher_prefix_len=teacher_rows.prefix_len,
     )
 
 

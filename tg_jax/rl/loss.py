@@ -315,11 +315,6 @@ def loss_fn(
     if norms is None:
         norms = normalizers(batch, tg_cfg)
     share = shares(batch, norms, rl_cfg)
-    teacher_params = None
-    if tg_cfg.reference_teacher:
-        if ref_params is None:
-            raise ValueError("tg.teacher_params='reference' needs ref_params")
-        teacher_params = ref_params
     stats, router = token_stats(
         params,
         batch,
@@ -327,7 +322,7 @@ def loss_fn(
         rl_cfg=rl_cfg,
         tg_cfg=tg_cfg,
         teacher_hidden_BxTxD=teacher_hidden_BxTxD,
-        teacher_params=teacher_params,
+        teacher_params=reference_teacher_params(tg_cfg, ref_params),
     )
 
     advantages_B, peer_metrics = peer_advantages(advantages_B, stats, batch, tg_cfg, norms)
@@ -351,6 +346,16 @@ def loss_fn(
     sums, maxes = loss_metrics(loss, policy, pm, tg, ref_kl, stats, batch, norms, share)
     sums = {**sums, "router_aux_loss": jax.lax.stop_gradient(router), **peer_metrics}
     return loss, (sums, maxes)
+
+
+def reference_teacher_params(tg_cfg: TGConfig, ref_params: Any) -> Any:
+    """The teacher's own params: the frozen reference with tg.teacher_params "reference", else
+    None (the teacher is the policy itself, under stop_gradient)."""
+    if not tg_cfg.reference_teacher:
+        return None
+    if ref_params is None:
+        raise ValueError("tg.teacher_params='reference' needs ref_params")
+    return ref_params
 
 
 def peer_advantages(

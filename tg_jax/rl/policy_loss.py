@@ -227,13 +227,7 @@ def ppo_loss(
     Returns:
       (scalar float32 loss, `PolicyLossMetrics`).
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if tis_cap is not None and logp_proximal_BxT is None:
-        raise ValueError(
-            "tis_cap needs logp_proximal_BxT: without proximal log-probs the PPO ratio is "
-            "already taken against the behaviour policy"
-        )
+    _check_ppo_options(dual_clip, tis_cap, has_proximal=logp_proximal_BxT is not None)
     mask_BxT, adv_BxT, logp_BxT, behaviour_BxT, proximal_BxT = _ppo_inputs(
         mask_BxT, advantages, logp_BxT, logp_behaviour_BxT, logp_proximal_BxT
     )
@@ -270,18 +264,19 @@ def ppo_loss(
         kl_loss = jnp.zeros((), jnp.float32)
     loss = pg_loss + kl_coef * kl_loss
 
-    metrics = _ppo_metrics(
-        pg_loss,
-        kl_loss,
-        log_ratio_BxT,
-        adv_BxT,
-        mask_BxT,
-        dual_active_BxT,
-        tis_w_BxT,
-        clip_low,
-        clip_high,
-    )
-    return loss, metrics
+    tokens = _TokenTerms(mask_BxT, adv_BxT, log_ratio_BxT, dual_active_BxT, tis_w_BxT)
+    return loss, _ppo_metrics(pg_loss, kl_loss, tokens, clip_low, clip_high)
+
+
+def _check_ppo_options(dual_clip: float | None, tis_cap: float | None, has_proximal: bool) -> None:
+    """Raises ValueError on a dual clip or TIS setting that cannot run."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if tis_cap is not None and not has_proximal:
+        raise ValueError(
+            "tis_cap needs logp_proximal_BxT: without proximal log-probs the PPO ratio is "
+            "already taken against the behaviour policy"
+        )
 
 
 def _ppo_inputs(mask_BxT, advantages, logp_BxT, logp_behaviour_BxT, logp_proximal_BxT):
@@ -315,18 +310,25 @@ def _tis_weight(proximal_BxT, behaviour_BxT, mask_BxT, tis_cap: float | None) ->
     return jnp.minimum(jnp.exp(jnp.minimum(log_w_BxT, _MAX_LOG_RATIO)), tis_cap)
 
 
+class _TokenTerms(NamedTuple):
+    """The per-token [B, T] terms of steps 1-4 that the metrics read."""
+
+    mask_BxT: jax.Array  # bool: the assistant tokens
+    adv_BxT: jax.Array
+    log_ratio_BxT: jax.Array  # log r, clamped, 0 at masked-out tokens
+    dual_active_BxT: jax.Array  # where the dual clip bound was taken
+    tis_w_BxT: jax.Array  # the TIS weight (ones without TIS)
+
+
 def _ppo_metrics(
-    pg_loss,
-    kl_loss,
-    log_ratio_BxT,
-    adv_BxT,
-    mask_BxT,
-    dual_active_BxT,
-    tis_w_BxT,
+    pg_loss: jax.Array,
+    kl_loss: jax.Array,
+    tokens: _TokenTerms,
     clip_low: float,
     clip_high: float,
 ) -> PolicyLossMetrics:
     """The step's `PolicyLossMetrics` (ratios without gradient)."""
+    mask_BxT, adv_BxT, log_ratio_BxT, dual_active_BxT, tis_w_BxT = tokens
     log_ratio_sg_BxT = jax.lax.stop_gradient(log_ratio_BxT)
     ratio_sg_BxT = jnp.exp(log_ratio_sg_BxT)
     return PolicyLossMetrics(

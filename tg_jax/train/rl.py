@@ -2,6 +2,10 @@
 
     run_rl(config, workdir, init_params, arm_name="tg", seed=0)
 
+What a run is made of (model, meshes, initial state, jitted step, sampler, train tasks and the
+sampling loop) is built once by tg_jax.train.rl_setup; this module resumes the run, steps it,
+evaluates, checkpoints, exports and writes its summary.
+
 One step:
   1. a rollout group: `rollouts_per_group` rollouts of each of `groups_per_step` train tasks,
      sampled by the newest published policy (the sampling thread, or inline in the
@@ -55,32 +59,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from tg_jax import checkpointing, faults, multihost, paths, sharding
-from tg_jax import engine as engine_api
+from tg_jax import checkpointing, faults, multihost, paths
 from tg_jax.data.pipeline import TaskIterator
-from tg_jax.envs import Requirement, decode_task, env_factory, make_env
-from tg_jax.envs.hints import noisy_judge
 from tg_jax.errors import RunError
 from tg_jax.evaluation import heldout
 from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
-from tg_jax.models import ModelConfig, Transformer
 from tg_jax.progress import ProgressBar
 from tg_jax.rl import hidden_thinking
 from tg_jax.rl.batch import Batch, build_batch
-from tg_jax.rl.step_config import RLConfig, StepConfig, TGConfig
+from tg_jax.rl.step_config import RLConfig, TGConfig
 from tg_jax.rl.tg import break_span, distill_budget, hint_copies
-from tg_jax.rl.train_state import TrainState, create_train_state, make_optimizer
-from tg_jax.rl.train_step import make_train_step
-from tg_jax.sampling import agent_loop, placement, rollout
-from tg_jax.sampling.sampler import Sampler
+from tg_jax.rl.train_state import TrainState
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train import memory, reward_weights, rl_hosts, rl_rollouts, rollout_dump
+from tg_jax.train import memory, rl_hosts, rl_rollouts, rl_setup, rollout_dump
 from tg_jax.train.rl_costs import Session, host_metrics, write_summary
+from tg_jax.train.rl_setup import Parts
 
 CHECKPOINT_DIR = "checkpoints"
 SUMMARY_FILE = RL_SUMMARY_FILE
@@ -106,204 +102,7 @@ class RLResult:
     workdir: str
 
 
-@dataclasses.dataclass
-class _Parts:
-    """What a run's steps are made of (fixed over the run)."""
-
-    config: Any
-    workdir: str
-    arm_name: str
-    seed: int
-    model_cfg: ModelConfig
-    divisor: int  # the mesh's batch divisor
-    student_max: int
-    teacher_max: int
-    state: TrainState  # the initial state (restored over when resuming)
-    ref_params: Any  # the frozen starting policy (KL term, reference teacher), None without
-    step_fn: Any
-    sampler: Sampler
-    renderer: ChatRenderer
-    key: jax.Array  # the run's key: fold_in 0 = state init, 1 = rollout sampling
-    batch_sharding: Any  # of the train batch's leading axis on the trainer's mesh
-    to_sampler: Callable[[Any], Any] | None  # params -> the sampler's (None: the same)
-    roles: rl_hosts.Roles  # which processes sample and train
-    requirement_names: tuple[str, ...]  # the environment's (plug-ins by their own names)
-
-
-def _lengths(
-    config: Any, renderer: ChatRenderer, requirements: Sequence[Requirement]
-) -> tuple[int, int]:
-    """(student max length, teacher max length) for the environment's `requirements`. Both
-    arms get the same student budget: the teacher's hints must fit on top of it within the
-    model's context."""
-    teacher_max = int(config.model.max_seq_len)
-    reserve = rl_rollouts.hint_reserve(renderer, requirements, int(config.env.max_turns))
-    student_max = int(config.rl_loop.seq_len) or teacher_max - reserve
-    if student_max + reserve > teacher_max:
-        raise ValueError(
-            f"rl_loop.seq_len {student_max} + hint reserve {reserve} > model.max_seq_len "
-            f"{teacher_max}: the hinted teacher sequences would not fit"
-        )
-    return student_max, teacher_max
-
-
-def _build(
-    config: Any, workdir: str, init_params: Any, arm_name: str, seed: int, renderer: ChatRenderer
-) -> _Parts:
-    """Model, mesh, initial train state, jitted step and sampler of a run."""
-    model_cfg = ModelConfig.from_config(config.model)
-    model = Transformer(model_cfg)
-    trainer_devices, sampler_devices = sharding.split_devices(config)  # config.sampler_mesh
-    roles = rl_hosts.roles(config)  # before the trainer's first collective
-    mesh = sharding.make_mesh(config.mesh, trainer_devices)
-    rules = sharding.logical_rules(config.mesh)
-    # The environment's requirements, read once (a plug-in's are built by its import path).
-    env = make_env(config.env, renderer.tool_format)
-    requirements = env.requirements
-    # A requirement named in env.requirements without a reward weight gets its own.
-    config = reward_weights.with_reward_weights(config, env)
-    student_max, teacher_max = _lengths(config, renderer, requirements)
-    key = jax.random.key(seed)
-    if sampler_devices is not None and init_params is not None:  # e.g. SFT's, on every device
-        shardings = sharding.param_partition_specs(model, mesh, rules)
-        init_params = jax.device_put(init_params, shardings)
-    state = create_train_state(
-        model,
-        make_optimizer(config.optim),
-        mesh,
-        rules,
-        jax.random.fold_in(key, 0),
-        params=init_params,
-    )
-    # Frozen: the starting policy (init_params), also when a checkpoint is restored over state.
-    ref_params = None
-    if StepConfig.from_config(config).needs_reference:
-        ref_params = jax.tree.map(jnp.copy, state.params)
-    divisor = sharding.batch_divisor(mesh, rules)
-    sampler, to_sampler = placement.rollout_sampler(
-        model,
-        renderer.tokenizer.pad_id,
-        mesh,
-        rules,
-        divisor,
-        sampler_mesh_cfg=config.get("sampler_mesh"),
-        sampler_devices=sampler_devices,
-        record_routes=agent_loop.router_replay(config),
-    )
-    return _Parts(
-        config=config,
-        workdir=workdir,
-        arm_name=arm_name,
-        seed=seed,
-        model_cfg=model_cfg,
-        divisor=divisor,
-        student_max=student_max,
-        teacher_max=teacher_max,
-        state=state,
-        ref_params=ref_params,
-        step_fn=make_train_step(config, model, mesh, rules),
-        sampler=sampler,
-        renderer=renderer,
-        key=key,
-        to_sampler=to_sampler,
-        batch_sharding=sharding.data_sharding(mesh, rules, ndim=1),
-        requirement_names=tuple(r.name for r in requirements),
-        roles=roles,
-    )
-
-
-def _tasks(
-    config: Any,
-    workdir: str,
-    seed: int,
-    sources: Mapping[str, Sequence[Any]] | None,
-    eval_tasks: Sequence[Any] | None,
-    data_state: dict[str, Any] | None,
-) -> tuple[TaskIterator, Sequence[Any] | None]:
-    """(train task iterator at its restored position, periodic evaluation tasks: the dev
-    split's unless given; the held-out split is the final evaluation's alone)."""
-    from tg_jax.data import task_data
-
-    lc = config.rl_loop
-    if sources is None:
-        sources = task_data.prepare_tasks(config, workdir)
-    if eval_tasks is None and int(lc.eval_every) > 0:
-        dev_seed = int(lc.get("eval_task_seed", 9))  # not `seed`: the run's, used below
-        eval_tasks = task_data.dev_tasks(config, int(lc.eval_tasks), seed=dev_seed)
-    samplers = len(sharding.sampler_processes(config))  # fails early unless groups split evenly
-    multihost.process_slice(int(lc.groups_per_step), 0, samplers)
-    # Every process iterates the same batches (one process's settings, so checkpoints of
-    # either kind resume the other); each rolls out its own share of a batch's groups.
-    tasks = TaskIterator(
-        sources["train"],
-        group_size=int(lc.groups_per_step),
-        seed=int(lc.data_seed) * 100_003 + seed,
-        decode_fn=decode_task,
-        shard=grain.sharding.ShardOptions(0, 1, drop_remainder=True),
-    )
-    if data_state is not None:
-        tasks.set_state(data_state)
-    return tasks, eval_tasks
-
-
-def _process_episodes(lc: Any, samplers: Sequence[int]) -> int:
-    """Episodes this process plays a step: its share of the groups (`multihost.process_slice`
-    over the sampler processes, as `rl_rollouts` splits them) x the rollouts per group (its
-    engine's default slots)."""
-    share = multihost.process_slice(
-        int(lc.groups_per_step), samplers.index(jax.process_index()), len(samplers)
-    )
-    return (share.stop - share.start) * int(lc.rollouts_per_group)
-
-
-def _rollout_source(parts: _Parts, tasks: TaskIterator, first_index: int) -> Any:
-    """The sampling loop (inline or threaded, `rl_loop.async_sampling`) over the train tasks."""
-    config, lc = parts.config, parts.config.rl_loop
-    if not parts.roles.samples:  # a trainer process of the whole-host split: plays nothing
-        return rl_rollouts.ProcessGather(rl_rollouts.NoRollouts(), parts.to_sampler, whole=True)
-    rollout_fn = rl_rollouts.BatchRollout(
-        parts.sampler,
-        parts.renderer,
-        noisy_judge(  # the training judge (a wrong one with rl_loop.feedback's error rates)
-            env_factory(config.env, parts.renderer.tool_format),
-            rl_rollouts.verdict_noise(lc.feedback),
-            seed=parts.seed,
-        ),
-        rollouts_per_group=int(lc.rollouts_per_group),
-        config=rollout.RolloutConfig(
-            max_new_tokens=int(lc.max_new_tokens),
-            max_total_tokens=parts.student_max,
-            temperature=float(config.rl.temperature),
-            env_workers=int(lc.env_workers),
-            max_rows=int(config.sampler_mesh.max_rows),
-            **hidden_thinking.rollout_settings(config),
-        ),
-        sampling_key=jax.random.fold_in(parts.key, 1),
-        seed=parts.seed,
-        rates=rl_rollouts.feedback_rates(lc.feedback),
-        engine=agent_loop.runner_from_config(  # rl_loop.rollout_engine "builtin"
-            config,
-            engine_api,
-            parts.sampler.model,
-            episodes=_process_episodes(lc, parts.roles.samplers),
-            max_total_tokens=parts.student_max,
-            pad_id=parts.renderer.tokenizer.pad_id,
-            mesh=getattr(parts.sampler, "mesh", None),
-        ),
-        processes=parts.roles.samplers,
-    )
-    return rl_rollouts.rollout_source(
-        rollout_fn,
-        tasks,
-        first_index=first_index,
-        async_sampling=bool(lc.async_sampling),
-        queue_size=int(lc.queue_size),
-        to_sampler=parts.to_sampler,
-        whole=parts.roles.whole,
-    )
-
-
-def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str, float]:
+def _evaluate(parts: Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str, float]:
     """Held-out evaluation metrics (stage "eval") of `params` (every sampling process plays them
     all; under the whole-host split the first one's figures reach the others)."""
     if parts.to_sampler is not None:
@@ -324,7 +123,7 @@ def _evaluate(parts: _Parts, params: Any, eval_tasks: Sequence[Any]) -> dict[str
     return rl_hosts.from_samplers(parts.roles, figures)
 
 
-def _build_batch(parts: _Parts, trajectories: Sequence[Any], step: int) -> Batch:
+def _build_batch(parts: Parts, trajectories: Sequence[Any], step: int) -> Batch:
     """Step `step`'s batch; with `tg.span` "to_break" a targeted turn's targets after the token
     that breaks its requirement are left out of the TG KL (tg_jax.rl.tg.break_span), with
     `tg.mask_hint_copies` the hint-copying targets are left out of
@@ -367,7 +166,7 @@ def distilled_tokens(tg: Any, batch: Batch) -> int:
     return int(np.sum(batch.tg_mask_BxT)) if TGConfig.from_config(tg).distils else 0
 
 
-def _add_costs(parts: _Parts, session: Session, group: Any, batch: Batch, dropped: float) -> None:
+def _add_costs(parts: Parts, session: Session, group: Any, batch: Batch, dropped: float) -> None:
     costs = session.costs
     costs.sampled_tokens += rl_rollouts.sampled_tokens(group.trajectories)
     if bool(parts.config.tg.enabled):
@@ -379,7 +178,7 @@ def _add_costs(parts: _Parts, session: Session, group: Any, batch: Batch, droppe
     costs.dropped_groups = session.dropped0 + int(dropped)
 
 
-def _summarize(parts: _Parts, session: Session, done: int) -> None:
+def _summarize(parts: Parts, session: Session, done: int) -> None:
     """Appends this session to rl_summary.json (run costs so far and the session's span);
     process 0 writes it."""
     if not multihost.is_primary():
@@ -444,7 +243,7 @@ def run_rl(
     num_steps = int(lc.steps)
     end = num_steps if stop_after is None else min(num_steps, int(stop_after))
     renderer = renderer or ChatRenderer(ByteTokenizer())
-    parts = _build(config, workdir, init_params, arm_name, seed, renderer)
+    parts = rl_setup.build_parts(config, workdir, init_params, arm_name, seed, renderer)
     # Minibatches of static shape: fail before the first rollout, not at the first step.
     rows = int(lc.groups_per_step) * int(lc.rollouts_per_group)
     rows *= hidden_thinking.rows_per_episode(config)  # one row per turn with hidden thinking
@@ -465,7 +264,9 @@ def run_rl(
         else:
             if threading.current_thread() is threading.main_thread():
                 checkpointing.install_sigterm_handler()
-            tasks, eval_tasks = _tasks(config, workdir, seed, sources, eval_tasks, data_state)
+            tasks, eval_tasks = rl_setup.train_tasks(
+                config, workdir, seed, sources, eval_tasks, data_state
+            )
             result = _train(parts, ckpt, tasks, eval_tasks, state, session, end, exporter)
     finally:
         ckpt.close()
@@ -475,7 +276,7 @@ def run_rl(
 
 
 def _train(
-    parts: _Parts,
+    parts: Parts,
     ckpt: checkpointing.TrainingCheckpointer | rl_hosts.Follower,
     tasks: TaskIterator,
     eval_tasks: Sequence[Any] | None,
@@ -489,7 +290,7 @@ def _train(
     num_steps, eval_every, start = int(lc.steps), int(lc.eval_every), session.start_step
     export_every = int(lc.export_every) if exporter is not None else 0
     data_state = tasks.get_state()
-    source = _rollout_source(parts, tasks, data_state["next_index"])
+    source = rl_setup.rollout_source(parts, tasks, data_state["next_index"])
     try:
         source.publish(state.params, start)
         writer = MetricsWriter(parts.workdir, use_tensorboard=bool(lc.use_tensorboard))
@@ -599,7 +400,7 @@ class _NonFinite:
             )
 
 
-def _export(parts: _Parts, exporter: Callable[[Any, str], None], params: Any, done: int) -> None:
+def _export(parts: Parts, exporter: Callable[[Any, str], None], params: Any, done: int) -> None:
     """workdir/export/step_<done>, written by process 0 (after all gathered the params). Under
     the whole-host split the trainer processes call `exporter` with the trainer's params."""
     path = os.path.join(parts.workdir, "export", f"step_{done}")
@@ -614,7 +415,7 @@ def _export(parts: _Parts, exporter: Callable[[Any, str], None], params: Any, do
 
 
 def _train_step(
-    parts: _Parts, session: Session, source: Any, state: TrainState, done: int
+    parts: Parts, session: Session, source: Any, state: TrainState, done: int
 ) -> tuple[TrainState, Any, dict[str, Any]]:
     """One RL step: a rollout group -> a batch -> the train step -> the new params published
     as policy version `done`; adds the step's costs to the session's.

@@ -25,6 +25,7 @@ unfinished one resumes from its checkpoint, so a preempted tuning stage loses no
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -135,6 +136,22 @@ def _validate(config: Any, run_dir: str, params: Any, val: Sequence[Any], render
     return {"records": records, "wall_s": float(summary["wall_s"])}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Trials:
+    """What every arm's trials share: the base config (its score), the rates, the seed, the
+    trial split and its validation tasks, the starting params."""
+
+    config: Any
+    workdir: str
+    lrs: list[float]
+    seed: int
+    sources: Mapping[str, Any]  # the train split minus the validation tasks
+    val: list[Any]  # the validation tasks
+    eval_tasks: list[Any]  # the periodic evaluation's: the first of `val`
+    base_params: Any
+    renderer: Any
+
+
 def tune_arms(
     config: Any,
     workdir: str,
@@ -155,12 +172,21 @@ def tune_arms(
         a rerun resumes it).
     """
     tune = config.pipeline.tune
-    lrs = [float(x) for x in tune.lrs]
     trial_sources, val = split_train(sources, int(tune.val_tasks))
-    eval_tasks = val[: int(config.rl_loop.eval_tasks)]
+    setup = _Trials(
+        config=config,
+        workdir=workdir,
+        lrs=[float(x) for x in tune.lrs],
+        seed=int(tune.seed),
+        sources=trial_sources,
+        val=val,
+        eval_tasks=val[: int(config.rl_loop.eval_tasks)],
+        base_params=base_params,
+        renderer=renderer,
+    )
     out = {
-        "lrs": lrs,
-        "seed": int(tune.seed),
+        "lrs": setup.lrs,
+        "seed": setup.seed,
         "val_tasks": len(val),
         "samples_per_task": int(tune.samples_per_task),
         "score": "mean of "
@@ -173,41 +199,9 @@ def tune_arms(
     wall = 0.0
     for arm, arm_cfg in arms_cfgs.items():
         trials = []
-        for k, lr in enumerate(lrs):
-            cfg = config_files.apply_overrides(arm_cfg, {"optim.lr": lr})
-            run_dir = trial_dir(workdir, arm, k)
-            print(f"tune: {arm} lr {lr:g} (trial {k + 1} of {len(lrs)}, seed {int(tune.seed)})")
-            result = rl.run_rl(
-                cfg,
-                run_dir,
-                base_params,
-                arm_name=arm,
-                seed=int(tune.seed),
-                sources=trial_sources,
-                eval_tasks=eval_tasks,
-                renderer=renderer,
-            )
-            if checkpointing.preemption_requested() or not result.finished:
-                err = checkpointing.Preempted(f"tuning trial {arm} lr {lr:g}", run_dir)
-                print(err.message)
-                raise err
-            v = _validate(cfg, run_dir, result.state.params, val, renderer)
-            recs = v["records"]
-            # The run's summary (as the report reads the runs'): a resumed run's costs too.
-            summary = paths.read_json(paths.as_path(run_dir) / RL_SUMMARY_FILE)
-            rl_s = float(summary["costs"].get("wall_time_s", 0.0))
-            trials.append(
-                {
-                    "lr": lr,
-                    "score": score(config, recs),
-                    "task_success": sum(r.values()["task_success"] for r in recs) / len(recs),
-                    "compliance": sum(r.values()["compliance"] for r in recs) / len(recs),
-                    "rl_wall_s": rl_s,
-                    "eval_wall_s": v["wall_s"],
-                }
-            )
-            wall += rl_s + v["wall_s"]
-            print(f"tune: {arm} lr {lr:g}: validation score {trials[-1]['score']:.3f}")
+        for k in range(len(setup.lrs)):
+            trials.append(_trial(setup, arm, arm_cfg, k))
+            wall += trials[-1]["rl_wall_s"] + trials[-1]["eval_wall_s"]
         best = max(range(len(trials)), key=lambda i: (trials[i]["score"], -i))
         out["arms"][arm] = {"trials": trials, "chosen_lr": trials[best]["lr"]}
         print(f"tune: {arm} keeps lr {trials[best]['lr']:g}")
@@ -216,6 +210,44 @@ def tune_arms(
         paths.as_path(workdir) / TUNE_DIR / TUNING_FILE, out, indent=1, sort_keys=True
     )
     return out
+
+
+def _trial(setup: _Trials, arm: str, arm_cfg: Any, k: int) -> dict[str, Any]:
+    """Trial k of `arm`: its RL run at rate k (run, resumed or read back), validated; returns
+    its row of tuning.json. Raises checkpointing.Preempted when the run stopped early."""
+    lr = setup.lrs[k]
+    cfg = config_files.apply_overrides(arm_cfg, {"optim.lr": lr})
+    run_dir = trial_dir(setup.workdir, arm, k)
+    print(f"tune: {arm} lr {lr:g} (trial {k + 1} of {len(setup.lrs)}, seed {setup.seed})")
+    result = rl.run_rl(
+        cfg,
+        run_dir,
+        setup.base_params,
+        arm_name=arm,
+        seed=setup.seed,
+        sources=setup.sources,
+        eval_tasks=setup.eval_tasks,
+        renderer=setup.renderer,
+    )
+    if checkpointing.preemption_requested() or not result.finished:
+        err = checkpointing.Preempted(f"tuning trial {arm} lr {lr:g}", run_dir)
+        print(err.message)
+        raise err
+    v = _validate(cfg, run_dir, result.state.params, setup.val, setup.renderer)
+    recs = v["records"]
+    # The run's summary (as the report reads the runs'): a resumed run's costs too.
+    summary = paths.read_json(paths.as_path(run_dir) / RL_SUMMARY_FILE)
+    rl_s = float(summary["costs"].get("wall_time_s", 0.0))
+    trial = {
+        "lr": lr,
+        "score": score(setup.config, recs),
+        "task_success": sum(r.values()["task_success"] for r in recs) / len(recs),
+        "compliance": sum(r.values()["compliance"] for r in recs) / len(recs),
+        "rl_wall_s": rl_s,
+        "eval_wall_s": v["wall_s"],
+    }
+    print(f"tune: {arm} lr {lr:g}: validation score {trial['score']:.3f}")
+    return trial
 
 
 def tuned_configs(arms_cfgs: Mapping[str, Any], tuning: Mapping[str, Any] | None) -> dict:
