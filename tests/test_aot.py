@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from tg_jax import config_files, sharding
 from tg_jax.models import ModelConfig, Transformer, hf_dir
 from tg_jax.sampling import placement
-from tg_jax.tpu import aot, hbm
+from tg_jax.tpu import aot, aot_steps, hbm
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -53,9 +53,9 @@ def test_memory_report_total_counts_donated_buffers_once():
 
 def test_fit_drops_axes_that_do_not_divide():
     mesh = jax.make_mesh((2, 4), ("a", "b"))
-    assert aot._fit(P(None, "b"), (3, 4), mesh) == P(None, "b")
-    assert aot._fit(P(None, "b"), (3, 6), mesh) == P(None, None)  # 4 does not divide 6
-    assert aot._fit(P(("a", "b")), (6,), mesh) == P("a")  # keep what divides, in order
+    assert aot_steps._fit(P(None, "b"), (3, 4), mesh) == P(None, "b")
+    assert aot_steps._fit(P(None, "b"), (3, 6), mesh) == P(None, None)  # 4 does not divide 6
+    assert aot_steps._fit(P(("a", "b")), (6,), mesh) == P("a")  # keep what divides, in order
 
 
 @pytest.mark.slow
@@ -65,8 +65,8 @@ def test_compiles_on_cpu_devices():
     dense = _tiny_config((1, 8, 1, 1), moe=False)
     compiled = []
     for cfg, fn in (
-        (dense, functools.partial(aot.compile_lm_train_step, rows=8, seq_len=32, chunk=16)),
-        (moe, functools.partial(aot.compile_sample_step, rows=8, cache_len=32, max_new=8)),
+        (dense, functools.partial(aot_steps.compile_lm_train_step, rows=8, seq_len=32, chunk=16)),
+        (moe, functools.partial(aot_steps.compile_sample_step, rows=8, cache_len=32, max_new=8)),
     ):
         mesh = sharding.make_mesh(cfg.mesh)
         compiled.append(fn(cfg, mesh, sharding.logical_rules(cfg.mesh)))
@@ -85,8 +85,10 @@ def test_tiny_moe_compiles_for_a_tpu_topology():
     chip = hbm.hbm_bytes_per_device("v5e:2x2", len(devices))
     # The real TG train step with the MoE's shard_map (ragged_dot / one-hot experts) on TPU;
     # the sample step's lowering is covered on CPU above (it compiles for TPU the same way).
-    shapes = aot.TrainShapes(rows=8, seq_len=64, teacher_rows=8, teacher_len=64, prefix_len=64)
-    train = aot.compile_tg_train_step(cfg, mesh, rules, shapes)
+    shapes = aot_steps.TrainShapes(
+        rows=8, seq_len=64, teacher_rows=8, teacher_len=64, prefix_len=64
+    )
+    train = aot_steps.compile_tg_train_step(cfg, mesh, rules, shapes)
     report = hbm.memory_report(train, "train", chip)
     assert 0 < report.total < chip  # a tiny model: far below a v5e chip's 16 GiB
     assert report.arguments > 0
@@ -144,7 +146,7 @@ def test_train_shapes_are_the_largest_batch_of_the_config():
         {"rl_loop.groups_per_step": 3, "rl_loop.rollouts_per_group": 3, "rl_loop.seq_len": 32},
     )
     shapes = aot.train_shapes(cfg, divisor=4)  # 9 rows padded to 4 x 2 micro-batches
-    assert shapes == aot.TrainShapes(16, 32, 16, 64, 32)
+    assert shapes == aot_steps.TrainShapes(16, 32, 16, 64, 32)
     per_turn = config_files.apply_overrides(cfg, {"tg.teacher_mode": "per_turn"})
     assert aot.train_shapes(per_turn, divisor=4).teacher_rows == per_turn.tg.max_teacher_rows
     assert aot.train_shapes(cfg, divisor=4, rows=8, teacher_len=40).teacher_len == 40
@@ -251,7 +253,9 @@ def test_compile_programs_per_host_samplers_on_cpu():
     assert set(train.mesh.devices.flat) == set(meshes.trainer.devices.flat)
     model = Transformer(ModelConfig.from_config(aot.resolve_architecture(split).model))
     bf16 = hbm.bytes_per_device(
-        aot._in_dtype(aot.abstract_params(model, meshes.sampler, meshes.sampler_rules), "bfloat16")
+        aot_steps.in_dtype(
+            aot_steps.abstract_params(model, meshes.sampler, meshes.sampler_rules), "bfloat16"
+        )
     )
     assert train.resident == sample.resident == bf16 > 0
 
@@ -264,12 +268,14 @@ def test_router_replay_adds_its_routing_arrays_to_both_programs():
     cfg = _tiny_config((1, 2, 2, 2))  # 2 layers, 2 experts per token
     mesh, rules = sharding.make_mesh(cfg.mesh), sharding.logical_rules(cfg.mesh)
     ways = sharding.batch_divisor(mesh, rules)
-    shapes = aot.TrainShapes(rows=8, seq_len=32, teacher_rows=8, teacher_len=40, prefix_len=32)
+    shapes = aot_steps.TrainShapes(
+        rows=8, seq_len=32, teacher_rows=8, teacher_len=40, prefix_len=32
+    )
     sizes = {}
     for replay in (False, True):
         c = config_files.apply_overrides(cfg, {"model.router_replay": replay})
-        train = aot.compile_tg_train_step(c, mesh, rules, shapes)
-        sample = aot.compile_sample_step(c, mesh, rules, rows=8, cache_len=32, max_new=8)
+        train = aot_steps.compile_tg_train_step(c, mesh, rules, shapes)
+        sample = aot_steps.compile_sample_step(c, mesh, rules, rows=8, cache_len=32, max_new=8)
         sizes[replay] = [hbm.memory_report(p, "cpu", hbm=2.0**30).arguments
                          for p in (train, sample)]  # fmt: skip
     per_token = 2 * 2 * 2  # layers x experts per token x int16 bytes

@@ -119,18 +119,18 @@ def test_the_budget_arm_is_a_thinking_arm_of_the_protocol():
 
 
 def test_report_compares_each_thinking_arm_with_tg_at_its_distilled_tokens():
-    from tg_jax.evaluation import markdown
+    from tg_jax.evaluation import md_costs
 
     def arm(tokens):
         return {"costs": {"distilled_tokens": {"mean": tokens, "std": 0.0, "n": 3}}}
 
     res = {"arms": {"tg": arm(1000.0), "tg_think": arm(2500.0), "tg_think_budget": arm(980.0)}}
-    text = "\n".join(markdown._thinking_control(res))
+    text = "\n".join(md_costs.thinking_control(res))
     assert "`tg_think` distilled 2.5k tokens" in text and "(ratio 2.50): NOT an equal" in text
     assert "`tg_think_budget` distilled 980 tokens" in text
     assert "(ratio 0.98): an equal distilled-token budget" in text
     del res["arms"]["tg_think"]
-    assert "tg_think`" not in "\n".join(markdown._thinking_control(res))
+    assert "tg_think`" not in "\n".join(md_costs.thinking_control(res))
 
 
 @pytest.mark.e2e

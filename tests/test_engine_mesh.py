@@ -15,7 +15,7 @@ from tg_jax import config_files, sharding
 from tg_jax.engine import Engine, Request, paged
 from tg_jax.engine.placement import engine_mesh, for_sampler
 from tg_jax.models import ModelConfig, Transformer, init_params
-from tg_jax.tpu import aot, hbm
+from tg_jax.tpu import aot, aot_steps, hbm
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -127,7 +127,7 @@ def test_aot_engine_program_has_the_configs_geometry():
     assert report.aliased == pool_bytes // 2  # the pool, donated: half of it per device
     model = Transformer(ModelConfig.from_config(aot.resolve_architecture(cfg).model))
     trainer = aot.make_meshes(cfg, devices).trainer
-    params = aot.abstract_params(model, trainer, sharding.logical_rules(cfg.mesh))
+    params = aot_steps.abstract_params(model, trainer, sharding.logical_rules(cfg.mesh))
     assert prog.resident == 3 * hbm.bytes_per_device(params)
     # Per host: half the episodes each, 0 = every slot at its whole context (4 pages each).
     hosts = [devices[:4], devices[4:]]
@@ -137,9 +137,10 @@ def test_aot_engine_program_has_the_configs_geometry():
     weights = jax.tree.leaves(prog.compiled.args_info[0][0])  # the call's first argument
     assert {a.dtype for a in weights if len(a.shape) >= 2} == {jnp.dtype("bfloat16")}
     meshes = aot.make_meshes(_config(), devices, hosts)
-    host_copy = aot._in_dtype(aot.abstract_params(model, prog.mesh, sharding.SAMPLER_RULES),
-                              "bfloat16")  # fmt: skip
-    trainer = aot.abstract_params(model, meshes.trainer, meshes.trainer_rules)
+    host_copy = aot_steps.in_dtype(
+        aot_steps.abstract_params(model, prog.mesh, sharding.SAMPLER_RULES), "bfloat16"
+    )
+    trainer = aot_steps.abstract_params(model, meshes.trainer, meshes.trainer_rules)
     outside = hbm.bytes_per_device(host_copy) - hbm.bytes_per_device(
         {k: v for k, v in host_copy.items() if k != "layers"}  # held by the engine's weights
     )

@@ -9,7 +9,7 @@ import pytest
 from tg_jax import cli, config_files, config_lib
 from tg_jax.engine import paged
 from tg_jax.models import ModelConfig, Transformer
-from tg_jax.tpu import aot, fit, hbm
+from tg_jax.tpu import aot, aot_steps, fit, hbm
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 BIG = 2.0**40
@@ -48,11 +48,11 @@ def test_async_sum_is_the_train_step_plus_the_sampler_call_s_own_bytes(engine):
         train, call = _reports(cfg, ["train", name], hosts)
         meshes = aot.make_meshes(cfg, devices, hosts)
         if hosts is None:  # the trainer's fp32 params: the lock-step step's weights
-            published = aot.abstract_params(model, meshes.trainer, meshes.trainer_rules)
+            published = aot_steps.abstract_params(model, meshes.trainer, meshes.trainer_rules)
             shared = 0 if engine == "builtin" else hbm.bytes_per_device(published)
         else:  # the host's bf16 copy: all of the lock-step step's weights, part of the engine's
-            published = aot._in_dtype(
-                aot.abstract_params(model, meshes.sampler, meshes.sampler_rules), "bfloat16"
+            published = aot_steps.in_dtype(
+                aot_steps.abstract_params(model, meshes.sampler, meshes.sampler_rules), "bfloat16"
             )
             held = paged.kept_params(model, published) if engine == "builtin" else published
             shared = hbm.bytes_per_device(held)

@@ -277,12 +277,14 @@ def test_aot_train_step_lowers_with_either_teacher(teacher):
     """tg_jax.tpu.aot lowers the step as train/rl.py runs it: the reference teacher takes the
     reference params and full teacher rows."""
     from tests.test_aot import _tiny_config
-    from tg_jax.tpu import aot, hbm
+    from tg_jax.tpu import aot_steps, hbm
 
     cfg = config_files.apply_overrides(
         _tiny_config((1, 2, 1, 1), moe=False), {"tg.teacher_params": teacher}
     )
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:2])
-    shapes = aot.TrainShapes(rows=4, seq_len=32, teacher_rows=4, teacher_len=32, prefix_len=32)
-    compiled = aot.compile_tg_train_step(cfg, mesh, sharding.logical_rules(cfg.mesh), shapes)
+    shapes = aot_steps.TrainShapes(
+        rows=4, seq_len=32, teacher_rows=4, teacher_len=32, prefix_len=32
+    )
+    compiled = aot_steps.compile_tg_train_step(cfg, mesh, sharding.logical_rules(cfg.mesh), shapes)
     assert hbm.memory_report(compiled, "train", hbm=2.0**30).arguments > 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests import compile_settings
-from tg_jax.tpu import distributed, launch
+from tg_jax.tpu import distributed, launch, pod_commands
 
 
 def test_distributed_env():
@@ -31,7 +31,7 @@ def test_local_pod_arguments_need_no_cloud():
          "--workdir=/tmp/w", "--", "--config.rl_loop.steps=2"]
     )  # fmt: skip
     assert args.local and (args.processes, args.devices_per_process) == (3, 2)
-    assert launch.worker_args(job, "/c") == [
+    assert pod_commands.worker_args(job, "/c") == [
         "--config=configs/tiny.py", "--workdir=/tmp/w", "--config.rl_loop.steps=2",
         "--config.model.hf_checkpoint=/c",
     ]  # fmt: skip

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from tg_jax.tpu import launch, local_pod, pod_setup
+from tg_jax.tpu import launch, local_pod, pod_commands, pod_outcome, pod_setup, pod_slice
 
 ARGS = [
     "--name=tg-30b", "--zone=us-east5-a", "--project=proj", "--topology=v5p:2x4x4",
@@ -25,63 +25,65 @@ def _marks(step: str, *codes: int) -> str:
 
 
 def test_accelerator_types_and_workers():
-    assert launch.accelerator_type("v5p:2x4x4") == "v5p-64"  # 32 chips, 2 cores each
-    assert launch.accelerator_type("v5p:2x2x1") == "v5p-8"
-    assert launch.accelerator_type("v4:2x2x4") == "v4-32"
-    assert launch.accelerator_type("v5e:4x4") == "v5litepod-16"
-    assert launch.accelerator_type("v6e:2x2") == "v6e-4"
+    assert pod_slice.accelerator_type("v5p:2x4x4") == "v5p-64"  # 32 chips, 2 cores each
+    assert pod_slice.accelerator_type("v5p:2x2x1") == "v5p-8"
+    assert pod_slice.accelerator_type("v4:2x2x4") == "v4-32"
+    assert pod_slice.accelerator_type("v5e:4x4") == "v5litepod-16"
+    assert pod_slice.accelerator_type("v6e:2x2") == "v6e-4"
     with pytest.raises(ValueError, match="v5p:2x4x4"):
-        launch.accelerator_type("tpu:8")
+        pod_slice.accelerator_type("tpu:8")
     # 4 chips per host; v5e / v6e slices of up to 8 chips are one host.
-    assert launch.worker_count("v5p:2x4x4") == 8
-    assert launch.worker_count("v5p:4x4x4") == 16
-    assert launch.worker_count("v5p:2x2x1") == 1
-    assert launch.worker_count("v4:2x2x4") == 4
-    assert launch.worker_count("v5e:4x4") == 4
-    assert launch.worker_count("v6e:2x4") == 1
+    assert pod_slice.worker_count("v5p:2x4x4") == 8
+    assert pod_slice.worker_count("v5p:4x4x4") == 16
+    assert pod_slice.worker_count("v5p:2x2x1") == 1
+    assert pod_slice.worker_count("v4:2x2x4") == 4
+    assert pod_slice.worker_count("v5e:4x4") == 4
+    assert pod_slice.worker_count("v6e:2x4") == 1
 
 
 def test_exit_statuses_match_the_trainer_and_what_each_means():
     from tg_jax import checkpointing, cli
 
-    assert launch.EXIT_RULES[cli.USAGE_ERROR][0] == "stop"
-    assert launch.EXIT_RULES[cli.GATE_ERROR][0] == "stop"
-    assert launch.EXIT_RULES[cli.RUN_ERROR][0] == "stop"
-    assert launch.PREEMPTED == checkpointing.PREEMPTED_EXIT_CODE == 143
-    actions = {c: launch.exit_rule(c)[0] for c in (0, 1, 2, 3, 4, 137, 143, 255, -9)}
+    assert pod_outcome.EXIT_RULES[cli.USAGE_ERROR][0] == "stop"
+    assert pod_outcome.EXIT_RULES[cli.GATE_ERROR][0] == "stop"
+    assert pod_outcome.EXIT_RULES[cli.RUN_ERROR][0] == "stop"
+    assert pod_outcome.PREEMPTED == checkpointing.PREEMPTED_EXIT_CODE == 143
+    actions = {c: pod_outcome.exit_rule(c)[0] for c in (0, 1, 2, 3, 4, 137, 143, 255, -9)}
     assert actions == {0: "done", 1: "retry", 2: "stop", 3: "stop", 4: "stop", 137: "retry",
                        143: "retry", 255: "retry", -9: "retry"}  # fmt: skip
-    assert "signal 9" in launch.exit_rule(137)[1] and "signal 9" in launch.exit_rule(-9)[1]
-    assert "preempted" in launch.exit_rule(143)[1]
+    assert (
+        "signal 9" in pod_outcome.exit_rule(137)[1] and "signal 9" in pod_outcome.exit_rule(-9)[1]
+    )
+    assert "preempted" in pod_outcome.exit_rule(143)[1]
 
 
 def test_outcome_reads_every_workers_status_not_gclouds():
     # Every worker printed 0: done, whatever gcloud's own status.
-    assert launch.outcome(0, _marks("run", 0, 0, 0, 0), 4, "run").action == "done"
+    assert pod_outcome.outcome(0, _marks("run", 0, 0, 0, 0), 4, "run").action == "done"
     # gcloud can exit 0 when a worker failed (older releases ignore the workers' statuses):
     # the marks decide. Worker 2 preempted, worker 3 crashed as its peer left: a preemption.
-    o = launch.outcome(0, _marks("run", 0, 0, 143, 1), 4, "run")
+    o = pod_outcome.outcome(0, _marks("run", 0, 0, 143, 1), 4, "run")
     assert (o.action, o.code) == ("retry", 143)
     # A worker that printed nothing (its ssh dropped, its VM vanished): retried.
-    o = launch.outcome(0, _marks("run", 0, 0, 0), 4, "run")
+    o = pod_outcome.outcome(0, _marks("run", 0, 0, 0), 4, "run")
     assert (o.action, o.why) == ("retry", "3 of 4 workers reported an exit status (ssh lost?)")
-    assert launch.outcome(255, "", 4, "run").code == 255
+    assert pod_outcome.outcome(255, "", 4, "run").code == 255
     # Another step's marks do not count for this one.
-    assert launch.outcome(0, _marks("install", 0, 0, 0, 0), 4, "run").action == "retry"
+    assert pod_outcome.outcome(0, _marks("install", 0, 0, 0, 0), 4, "run").action == "retry"
 
 
 def test_outcome_stops_on_a_config_error_a_gate_and_a_fit_failure_with_the_error_line():
     out = "step 1\nerror: invalid config: rl_loop.epochs=0 must be >= 1\n" + _marks("run", 2, 2)
-    o = launch.outcome(2, out, 2, "run")
+    o = pod_outcome.outcome(2, out, 2, "run")
     assert (o.action, o.code) == ("stop", 2)
     assert o.error == "error: invalid config: rl_loop.epochs=0 must be >= 1"
     gate = "error: the base model failed its gates: pass@1 0.10 < 0.30\n" + _marks("run", 3, 143)
-    assert (launch.outcome(3, gate, 2, "run").action, launch.outcome(3, gate, 2, "run").code) == (
-        "stop", 3)  # fmt: skip
+    o = pod_outcome.outcome(3, gate, 2, "run")
+    assert (o.action, o.code) == ("stop", 3)
     # The fit check refuses with exit 2 through tg_jax.main; a traceback (exit 1) also stops.
     fit = ("tg_jax.tpu.fit.FitError: the config does not fit its devices' memory: train\n"
            + _marks("run", 1, 1))  # fmt: skip
-    o = launch.outcome(1, fit, 2, "run")
+    o = pod_outcome.outcome(1, fit, 2, "run")
     assert (o.action, o.code) == ("stop", 2) and "fit check" in o.why
 
 
@@ -232,7 +234,7 @@ def test_working_tree_holds_uncommitted_and_untracked_files_and_leaves_the_repo(
 
 def test_each_pod_worker_gets_its_own_transfer_address():
     job, _ = launch.parse_args([*ARGS, "--transfer-port=9001"])
-    env = launch.pod_worker_env(job)
+    env = pod_commands.pod_worker_env(job)
     assert env["TG_JAX_DISTRIBUTED"] == "1"
     # Evaluated by bash on a worker whose addresses are 10.1.2.3 and 10.9.9.9.
     fake = 'hostname() { echo "10.1.2.3 10.9.9.9 "; }; '
@@ -241,7 +243,7 @@ def test_each_pod_worker_gets_its_own_transfer_address():
     assert got == "10.1.2.3:9001\n"
     exports = " ".join(f"{k}={v}" for k, v in env.items())
     assert f"export {exports} && .venv/bin/python -m tg_jax.main" in _remote(
-        launch.run_command(job))[2]  # fmt: skip
+        pod_commands.run_command(job))[2]  # fmt: skip
 
 
 def test_local_pod_workers_environments():

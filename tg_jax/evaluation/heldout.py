@@ -109,25 +109,9 @@ def heldout_episodes(
     renderer = renderer or ChatRenderer(ByteTokenizer())
     sampler = sampler or make_sampler(config, renderer)
     make_env = env_factory(config.env, renderer.tool_format)
-    rollout_cfg = rollout.RolloutConfig(
-        max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
-        max_total_tokens=int(config.model.max_seq_len),
-        temperature=eval_temperature(config) if temperature is None else float(temperature),
-        env_workers=int(ev.env_workers),
-        max_rows=int(config.sampler_mesh.max_rows),
-        **hidden_thinking.rollout_settings(config),  # as the policy was trained
-    )
+    rollout_cfg = _rollout_config(config, max_new_tokens, temperature)
     seed = int(ev.sampling_seed if sampling_seed is None else sampling_seed)
-    # rl_loop.rollout_engine "builtin": the episodes' agent loops on the engine.
-    runner = agent_loop.runner_from_config(
-        config,
-        engine_api,
-        getattr(sampler, "model", None),
-        episodes=len(tasks),
-        max_total_tokens=rollout_cfg.max_total_tokens,
-        pad_id=renderer.tokenizer.pad_id,
-        mesh=getattr(sampler, "mesh", None),
-    )
+    runner = _engine_runner(config, sampler, renderer, len(tasks), rollout_cfg)
     records: list[EpisodeRecord] = []
     trajectories: list[Any] = []
     for i, condition in enumerate(conditions):
@@ -148,11 +132,50 @@ def heldout_episodes(
         )
         records.extend(recs)
         trajectories.extend(trajs)
+    return _with_clusters(records, tasks), trajectories
+
+
+def _rollout_config(
+    config: Any, max_new_tokens: int | None, temperature: float | None
+) -> rollout.RolloutConfig:
+    """The held-out episodes' rollout settings: `config.eval`'s decode budget and temperature
+    where `heldout_episodes` was given none, the hidden thinking the policy was trained with."""
+    ev = config.eval
+    return rollout.RolloutConfig(
+        max_new_tokens=int(ev.max_new_tokens if max_new_tokens is None else max_new_tokens),
+        max_total_tokens=int(config.model.max_seq_len),
+        temperature=eval_temperature(config) if temperature is None else float(temperature),
+        env_workers=int(ev.env_workers),
+        max_rows=int(config.sampler_mesh.max_rows),
+        **hidden_thinking.rollout_settings(config),  # as the policy was trained
+    )
+
+
+def _engine_runner(
+    config: Any,
+    sampler: Sampler,
+    renderer: ChatRenderer,
+    episodes: int,
+    rollout_cfg: rollout.RolloutConfig,
+) -> Any:
+    """The engine of `rl_loop.rollout_engine` that plays the episodes' agent loops
+    (`agent_loop.runner_from_config`); None: the sampler plays them lock-step."""
+    return agent_loop.runner_from_config(
+        config,
+        engine_api,
+        getattr(sampler, "model", None),
+        episodes=episodes,
+        max_total_tokens=rollout_cfg.max_total_tokens,
+        pad_id=renderer.tokenizer.pad_id,
+        mesh=getattr(sampler, "mesh", None),
+    )
+
+
+def _with_clusters(records: Sequence[EpisodeRecord], tasks: Sequence[Any]) -> list[EpisodeRecord]:
+    """`records` with each one's task's bootstrap cluster (`_cluster_of`) as its `cluster_id`
+    (its task id for a task not in `tasks`)."""
     clusters = {rollout.task_id_of(t): _cluster_of(t) for t in tasks}
-    records = [
-        dataclasses.replace(r, cluster_id=clusters.get(r.task_id, r.task_id)) for r in records
-    ]
-    return records, trajectories
+    return [dataclasses.replace(r, cluster_id=clusters.get(r.task_id, r.task_id)) for r in records]
 
 
 def process_sampler(

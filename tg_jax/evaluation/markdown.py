@@ -1,13 +1,27 @@
-"""report.md from `tg_jax.evaluation.report.compute_results` output, one helper per section."""
+"""report.md from `tg_jax.evaluation.report.compute_results` output, one helper per section.
+
+`render_markdown` puts the sections in order. Here: the non-inferiority verdict and what it
+is compared against (the references, the differences vs the baseline, the stress and
+ablation rows), the training-time table, stability, the hint-leakage guard and the plots.
+Elsewhere: the setting (`md_setting`), the held-out tables (`md_heldout`), the costs
+(`md_costs`), the tuning budget (`md_budget`); cells and tables: `md_cells`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from tg_jax.evaluation import heldout_reads, stats
+from tg_jax.evaluation import stats
 from tg_jax.evaluation.md_budget import budget_section
-from tg_jax.evaluation.md_cells import big, ci, minutes, num, pm, table
+from tg_jax.evaluation.md_cells import arm_rows, ci, num, pm, table
+from tg_jax.evaluation.md_costs import costs_section
+from tg_jax.evaluation.md_heldout import (
+    diagnostic_section,
+    heldout_section,
+    requirements_section,
+    side_effects_section,
+)
+from tg_jax.evaluation.md_setting import context_section
 from tg_jax.evaluation.plots import (
     ACTIONS_FIGURE,
     CURVE_METRICS,
@@ -16,43 +30,6 @@ from tg_jax.evaluation.plots import (
     curve_file,
     curve_groups,
 )
-
-# Cost columns of the report, in this order (RunResult.costs keys).
-COST_KEYS = (
-    "wall_time_s",
-    "eval_wall_time_s",
-    "sampled_tokens",
-    "teacher_forward_flops",
-    "distilled_tokens",
-    "peak_memory_bytes",
-    "peak_memory_above_start_bytes",
-)
-# The thinking-token controls: each of THINKING_ARMS is compared with THINKING_BASE at their
-# distilled-token costs (tg_think_budget, _hidden, _short: at most tg's budget per step).
-THINKING_BASE = "tg"
-THINKING_ARMS = ("tg_think", "tg_think_budget", "tg_think_hidden", "tg_think_short")
-
-
-def _arm_rows(res: dict[str, Any], group: str) -> list[str]:
-    return [a for a, v in res["arms"].items() if v["group"] == group]
-
-
-def _heldout_rows(res: dict[str, Any], arms: Sequence[str], pct: int) -> list[list[str]]:
-    rows = []
-    for arm in arms:
-        h = res["arms"][arm]["heldout"].get("plain")
-        if not h:
-            continue
-        b, s = h["bootstrap"], h["seeds"]
-        rows.append(
-            [arm, str(len(res["arms"][arm]["seeds"])), str(h["num_tasks"])]
-            + [ci(b.get(m)) for m in stats.RATE_METRICS]
-            + [
-                f"{pm(s.get(m))} (t {pct}%: [{num(s[m]['low'])}, {num(s[m]['high'])}])"
-                for m in ("compliance", "task_success")
-            ]
-        )
-    return rows
 
 
 def _verdict_section(res: dict[str, Any]) -> list[str]:
@@ -127,210 +104,6 @@ def _behaviour_cost(res: dict[str, Any]) -> list[str]:
     ]
 
 
-def _context_section(res: dict[str, Any]) -> list[str]:
-    """Machine, pre-registration, base model and SFT attempts (what the numbers stand on)."""
-    ctx = res.get("context") or {}
-    lines = ["## Setting", ""]
-    m = ctx.get("machine")
-    if m:
-        family = (
-            f" (family {m['cpu_family']} model {m.get('cpu_model_number', 'n/a')})"
-            if m.get("cpu_family") not in (None, "unknown")
-            else ""
-        )
-        lines.append(
-            f"* Machine: {m.get('cpu_model', 'n/a')}{family}, {m.get('cpu_count', 'n/a')} cores; "
-            f"jax {m.get('jax', 'n/a')}, jaxlib {m.get('jaxlib', 'n/a')}; XLA_FLAGS "
-            f"`{m.get('xla_flags') or '(unset)'}`."
-        )
-    pre = ctx.get("preregistration")
-    if pre:
-        lines.append(
-            f"* Pre-registration: `{pre['path']}`, sha256 `{pre['sha256']}` (margin, floor, "
-            "arms and their full configs, written before the first RL step)."
-        )
-    reg = ctx.get("registry")
-    if reg:
-        earlier = "; ".join(f"{e['id']} {e['verdict'] or 'no verdict'}" for e in reg["earlier"])
-        lines.append(
-            f"* Registered as `{reg['id']}` in `{reg['registry']}`; earlier attempts of "
-            f"`{reg['hypothesis']}`: {earlier or 'none'}. The verdict's interval is two-sided "
-            f"{num(100 * reg['level'], 2)}% (this attempt's share of the claim's error "
-            "budget)."
-        )
-    if ctx.get("heldout_draw"):
-        lines.append(f"* {ctx['heldout_draw']}")
-    base = ctx.get("base_model")
-    shipped = ctx.get("shipped_base")
-    if shipped:
-        machine = (shipped.get("machine") or {}).get("cpu_model", "n/a")
-        lines.append(
-            f"* Base model: shipped `{shipped.get('name')}`, weights sha256 "
-            f"`{shipped.get('sha256')}`, made by `{shipped.get('command')}` at commit "
-            f"{shipped.get('commit')} on {machine} (tg_jax/bases/{shipped.get('name')}/"
-            "provenance.json)."
-        )
-    if base:
-        figures = ", ".join(f"{k} {num(v)}" for k, v in base.items())
-        where = "recorded when it was made" if shipped else "SFT, sft_eval.json"
-        tasks = ctx.get("base_tasks") or {}  # older sft_eval.json files: held-out tasks
-        where += (
-            f", dev tasks of seed {tasks.get('seed')}"
-            if tasks.get("split") == "dev"
-            else ", held-out tasks"
-        )
-        lines.append(f"* Base model ({where}): {figures}.")
-    remeasured = ctx.get("base_remeasured")
-    if remeasured:
-        beyond = [k for k, c in remeasured.items() if c["beyond"]]
-        figures = ", ".join(
-            f"{k} {num(c['measured'])} (recorded {num(c['recorded'])}, 95% interval of the "
-            f"difference +-{num(c['interval'])})"
-            for k, c in remeasured.items()
-            if "greedy" not in k
-        )
-        verdict = (
-            ("differences beyond the sampling interval: " + ", ".join(beyond))
-            if beyond
-            else "every difference within the sampling interval"
-        )
-        lines.append(
-            f"* Base model (re-measured on this machine, sft_eval.json): {figures}; {verdict}."
-        )
-    if ctx.get("heldout_reads"):
-        lines.append(f"* {heldout_reads.describe(ctx['heldout_reads'])}")
-    for a in ctx.get("sft_attempts") or []:
-        lines.append(
-            f"* SFT attempt {a['attempt']} (seed {a['seed']}, data_seed {a['data_seed']}, "
-            f"`{a['workdir']}`): {a['verdict']}."
-        )
-    return lines + [""] if len(lines) > 2 else []
-
-
-def _train_section(res: dict[str, Any]) -> list[str]:
-    k = res["settings"]["last_k"]
-    lines = [
-        f"## Training-time results (Table 1 style, last {k} steps)",
-        "",
-        f"Mean +- std over the last {k} training steps of the training rollouts "
-        "(seeds pooled). **The +- is step-to-step spread, not a confidence interval.**",
-        "",
-    ]
-    rows = []
-    for arm in _arm_rows(res, "main"):
-        t = res["arms"][arm]["train_last_k"]
-        rows.append([arm] + [pm(t[m]) for m in stats.RATE_METRICS])
-    return lines + table(["arm", "compliance", "task success", "joint"], rows) + [""]
-
-
-MIN_CLUSTERS = 20  # under this many resampled units a percentile bootstrap is unreliable
-# What a cluster is, by environment kind (the tasks' `function_id` / a record's cluster_id).
-CLUSTER_UNITS = {
-    "coding": "tasks sharing a hidden function",
-    "swe": "tasks sharing a code template",
-}
-
-
-def bootstrap_unit(res: dict[str, Any]) -> str:
-    """What the held-out bootstrap resamples, e.g. '104 clusters (tasks sharing a hidden
-    function) of 128 tasks', with a warning under MIN_CLUSTERS units."""
-    sizes = {
-        (h["plain"]["num_tasks"], h["plain"].get("num_clusters"))
-        for h in (a["heldout"] for a in res["arms"].values())
-        if "plain" in h
-    }
-    if not sizes:
-        return "n/a"
-    tasks, clusters = max(sizes, key=lambda s: s[0])
-    units = tasks if clusters is None else clusters
-    warn = (
-        (
-            f" (**warning: {units} resampled units, under {MIN_CLUSTERS}: the intervals are "
-            "unreliable**)"
-        )
-        if units < MIN_CLUSTERS
-        else ""
-    )
-    if clusters is None or clusters == tasks:
-        return f"{tasks} tasks (one cluster each){warn}"
-    kind = (res.get("context") or {}).get("env_kind", "coding")
-    what = CLUSTER_UNITS.get(kind, "tasks of one record cluster_id")
-    return f"{clusters} clusters ({what}) of {tasks} tasks{warn}"
-
-
-def _heldout_section(res: dict[str, Any]) -> list[str]:
-    st = res["settings"]
-    pct = round(100 * st["level"])
-    lines = [
-        "## Held-out results",
-        "",
-        f"Held-out tasks never used in training, plain prompts. Rates with {pct}% percentile "
-        f"cluster bootstrap CIs; the resampled unit: {bootstrap_unit(res)} ({st['n_boot']} "
-        f"replicates, seed {st['bootstrap_seed']}; each task's episodes averaged over samples "
-        "and training seeds first). Separately: mean +- std over training seeds with the "
-        f"Student-t {pct}% interval.",
-        "",
-    ]
-    header = [
-        "arm",
-        "seeds",
-        "tasks",
-        "compliance",
-        "task success",
-        "joint (both)",
-        "compliance over seeds",
-        "task success over seeds",
-    ]
-    return lines + table(header, _heldout_rows(res, _arm_rows(res, "main"), pct)) + [""]
-
-
-def _plain_boots(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """{arm: its held-out plain-prompt bootstrap intervals} ({} for an arm without them)."""
-    return {
-        arm: a["heldout"].get("plain", {}).get("bootstrap", {}) for arm, a in res["arms"].items()
-    }
-
-
-def _suffixes(boots: dict[str, dict[str, Any]], prefix: str) -> list[str]:
-    """The sorted names after `prefix` of the metrics any arm has ("compliance/fence" ->
-    "fence")."""
-    return sorted(
-        {k.removeprefix(prefix) for b in boots.values() for k in b if k.startswith(prefix)}
-    )
-
-
-def _requirements_section(res: dict[str, Any]) -> list[str]:
-    """Held-out compliance per requirement (plug-ins under their own names), and the turns a
-    plug-in's checker could not judge (`tg_jax.envs.plugins`), per arm."""
-    boots = _plain_boots(res)
-    names, unjudged = _suffixes(boots, "compliance/"), _suffixes(boots, "unjudged/")
-    if not names:
-        return []
-    pct = round(100 * res["settings"]["level"])
-    lines = [
-        "## Compliance per requirement",
-        "",
-        f"Held-out, plain prompts: the share of episodes that met each requirement ({pct}% "
-        "cluster bootstrap CIs)."
-        + (
-            " Unjudged: turns per episode whose plug-in checker raised or timed out (neither "
-            "met nor failed)."
-            if unjudged
-            else ""
-        ),
-        "",
-    ]
-    rows = [
-        [arm]
-        + [ci(b.get(f"compliance/{n}")) for n in names]
-        + [ci(b.get(f"unjudged/{n}")) for n in unjudged]
-        for arm, b in boots.items()
-        if b
-    ]
-    header = ["arm", *names, *(f"unjudged {n}" for n in unjudged)]
-    return lines + table(header, rows) + [""]
-
-
 def _references_section(res: dict[str, Any]) -> list[str]:
     """The candidate's verdict against each pre-registered reference (`eval.references`)."""
     refs, st = res.get("references") or {}, res["settings"]
@@ -390,132 +163,52 @@ def _differences_section(res: dict[str, Any]) -> list[str]:
     return lines + table(header, rows) + [""]
 
 
-def _diagnostic_section(res: dict[str, Any]) -> list[str]:
-    rows = []
-    for arm, a in res["arms"].items():
-        h = a["heldout"]
-        if "diagnostic" not in h:
+def _group_sections(res: dict[str, Any]) -> list[str]:
+    st, lines = res["settings"], []
+    sections = (("stress", "Stress tests (imperfect feedback)"), ("ablation", "Ablations"))
+    for group, title in sections:
+        arms = arm_rows(res, group)
+        if not arms:
             continue
-        rows.append(
-            [arm]
-            + [ci(h[c]["bootstrap"]["compliance"]) for c in ("plain", "hinted")]
-            + [ci(h["diagnostic"]["compliance"])]
-            + [ci(h[c]["bootstrap"]["task_success"]) for c in ("plain", "hinted")]
-        )
-    if not rows:
-        return []
-    lines = [
-        "## Diagnostic: plain vs hinted prompts",
-        "",
-        "Hinted = the hint shown before every assistant turn. High hinted but low plain "
-        "compliance means 'can do when reminded', not 'does by default'.",
-        "",
-    ]
-    header = [
-        "arm",
-        "compliance plain",
-        "compliance hinted",
-        "hinted - plain",
-        "task success plain",
-        "task success hinted",
-    ]
-    return lines + table(header, rows) + [""]
-
-
-def _side_effects_section(res: dict[str, Any]) -> list[str]:
-    boots = _plain_boots(res)
-    # The common actions, then every other action the environment counts (its side effects:
-    # the SWE environment's overwrite, stopped_after_ask, asked_when_approved, ...).
-    others = [a for a in _suffixes(boots, "actions/") if a not in stats.ACTION_METRICS]
-    keys = [f"actions/{k}" for k in (*stats.ACTION_METRICS, *others)] + ["turns"]
-    rows = [[arm] + [ci(b.get(k)) for k in keys] for arm, b in boots.items() if b]
-    if not rows:
-        return []
-    pct = round(100 * res["settings"]["level"])
-    lines = [
-        "## Side effects: actions per held-out episode",
-        "",
-        f"Counted actions, not phrases ({pct}% cluster bootstrap CIs).",
-        "",
-    ]
-    header = ["arm", "run_tests", "submissions", "malformed turns", *others, "turns"]
-    return lines + table(header, rows) + [""]
-
-
-def _costs_section(res: dict[str, Any]) -> list[str]:
-    rows = []
-    for arm, a in res["arms"].items():
-        c = a["costs"]
-        cells = []
-        for k in COST_KEYS:
-            if k not in c:
-                cells.append("n/a")
-            elif k.endswith("wall_time_s"):
-                cells.append(f"{c[k]['mean']:.1f}")
-            else:
-                cells.append(big(c[k]["mean"]))
-        rows.append([arm] + cells)
-    lines = ["## Costs per arm (mean over seeds)", ""]
-    header = [
-        "arm",
-        "RL wall time (s)",
-        "held-out eval (s)",
-        "sampled tokens",
-        "teacher forward FLOPs",
-        "distilled tokens",
-        "peak memory (B, this run)",
-        "above the run's start (B)",
-    ]
-    lines += table(header, rows) + [""]
-    lines += [
-        "Distilled tokens: student tokens under the TG KL mask, summed over the run. Peak "
-        "memory: measured per run from its first step (device memory where the backend "
-        "reports it, else host RSS), not the process's lifetime peak; what earlier runs of "
-        "the same process left allocated is in it, and the last column is the run's own "
-        "addition (peak minus the memory in use when it started).",
-        "",
-    ] + _thinking_control(res)
-    ct = res.get("compute_time") or {}
-    if ct:
-        eval_s = ct["eval_s"] if ct["eval_runs"] else None
-        parts = [f"SFT {minutes(ct.get('sft_s'))}"]
-        if ct.get("tune_s") is not None:
-            parts.append(f"learning-rate trials {minutes(ct['tune_s'])}")
-        parts += [f"RL {minutes(ct['rl_s'])}", f"held-out evaluation {minutes(eval_s)}"]
-        timed = f"{ct['eval_runs']} of {ct['runs']} runs timed"
-        lines += [
-            "Compute time of the protocol (sum of the stages' wall times; a resumed stage sums "
-            f"its sessions; start-up and data not counted): {' + '.join(parts)} = "
-            f"**{'' if ct['complete'] else 'at least '}{minutes(ct['total_s'])}** (held-out "
-            f"evaluation: {timed}).",
-            "",
+        lines += [f"## {title}", ""]
+        rows = []
+        for arm in arms:
+            a = res["arms"][arm]
+            b = a["heldout"].get("plain", {}).get("bootstrap", {})
+            c = res["comparisons"].get(arm)
+            rows.append(
+                [arm, a["description"] or "-", pm(a["train_last_k"]["compliance"])]
+                + [ci(b.get(m)) for m in ("compliance", "task_success")]
+                + [ci(c["difference"].get("task_success"), 3) if c else "n/a"]
+                + [c["noninferiority"]["verdict"] if c else "n/a"]
+            )
+        header = [
+            "arm",
+            "what changes",
+            "train compliance (last K, not a CI)",
+            "held-out compliance",
+            "held-out task success",
+            f"d task success vs {st['baseline']}",
+            "non-inferior",
         ]
+        lines += table(header, rows) + [""]
     return lines
 
 
-def _thinking_control(res: dict[str, Any]) -> list[str]:
-    """Whether each thinking-token arm was compared with TG at an equal distilled budget."""
-    lines = []
-    base = res["arms"].get(THINKING_BASE, {}).get("costs", {}).get("distilled_tokens")
-    for arm in THINKING_ARMS:
-        think = res["arms"].get(arm, {}).get("costs", {}).get("distilled_tokens")
-        if not base or not think:
-            continue
-        ratio = think["mean"] / base["mean"] if base["mean"] else float("nan")
-        equal = abs(ratio - 1.0) <= 0.1
-        lines += [
-            f"Thinking-token control: `{arm}` distilled {big(think['mean'])} tokens, "
-            f"`{THINKING_BASE}` {big(base['mean'])} (ratio {num(ratio)}): "
-            + (
-                "an equal distilled-token budget (within 10%), so their difference is the "
-                "thinking tokens' effect."
-                if equal
-                else "NOT an equal distilled-token budget (more than 10% apart): part of their "
-                "difference may be the amount of distillation, not the thinking tokens."
-            ),
-            "",
-        ]
-    return lines
+def _train_section(res: dict[str, Any]) -> list[str]:
+    k = res["settings"]["last_k"]
+    lines = [
+        f"## Training-time results (Table 1 style, last {k} steps)",
+        "",
+        f"Mean +- std over the last {k} training steps of the training rollouts "
+        "(seeds pooled). **The +- is step-to-step spread, not a confidence interval.**",
+        "",
+    ]
+    rows = []
+    for arm in arm_rows(res, "main"):
+        t = res["arms"][arm]["train_last_k"]
+        rows.append([arm] + [pm(t[m]) for m in stats.RATE_METRICS])
+    return lines + table(["arm", "compliance", "task success", "joint"], rows) + [""]
 
 
 def _stability_section(res: dict[str, Any]) -> list[str]:
@@ -575,38 +268,6 @@ def _leakage_section(res: dict[str, Any]) -> list[str]:
     return lines + table(header, rows) + [""]
 
 
-def _group_sections(res: dict[str, Any]) -> list[str]:
-    st, lines = res["settings"], []
-    sections = (("stress", "Stress tests (imperfect feedback)"), ("ablation", "Ablations"))
-    for group, title in sections:
-        arms = _arm_rows(res, group)
-        if not arms:
-            continue
-        lines += [f"## {title}", ""]
-        rows = []
-        for arm in arms:
-            a = res["arms"][arm]
-            b = a["heldout"].get("plain", {}).get("bootstrap", {})
-            c = res["comparisons"].get(arm)
-            rows.append(
-                [arm, a["description"] or "-", pm(a["train_last_k"]["compliance"])]
-                + [ci(b.get(m)) for m in ("compliance", "task_success")]
-                + [ci(c["difference"].get("task_success"), 3) if c else "n/a"]
-                + [c["noninferiority"]["verdict"] if c else "n/a"]
-            )
-        header = [
-            "arm",
-            "what changes",
-            "train compliance (last K, not a CI)",
-            "held-out compliance",
-            "held-out task success",
-            f"d task success vs {st['baseline']}",
-            "non-inferior",
-        ]
-        lines += table(header, rows) + [""]
-    return lines
-
-
 def _plots_section(res: dict[str, Any]) -> list[str]:
     lines = []
     if res.get("comparisons"):
@@ -632,14 +293,14 @@ def render_markdown(res: dict[str, Any]) -> str:
     sections = (
         _verdict_section,
         _references_section,
-        _context_section,
+        context_section,
         _train_section,
-        _heldout_section,
-        _requirements_section,
+        heldout_section,
+        requirements_section,
         _differences_section,
-        _diagnostic_section,
-        _side_effects_section,
-        _costs_section,
+        diagnostic_section,
+        side_effects_section,
+        costs_section,
         _stability_section,
         _leakage_section,
         budget_section,

@@ -1,4 +1,4 @@
-"""Cells and tables of report.md (`tg_jax.evaluation.markdown`): numbers, intervals, sizes."""
+"""Cells, rows and tables of report.md (`tg_jax.evaluation.markdown`): numbers, intervals, sizes."""
 
 from __future__ import annotations
 
@@ -39,3 +39,8 @@ def big(x: float) -> str:
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def arm_rows(res: Mapping[str, Any], group: str) -> list[str]:
+    """The arms of `group` ("main", "stress", "ablation"), in their order: a table's rows."""
+    return [a for a, v in res["arms"].items() if v["group"] == group]

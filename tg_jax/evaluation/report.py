@@ -35,8 +35,9 @@ import numpy as np
 
 from tg_jax import paths
 from tg_jax.evaluation import stability, stats
-from tg_jax.evaluation.markdown import COST_KEYS, render_markdown
+from tg_jax.evaluation.markdown import render_markdown
 from tg_jax.evaluation.md_budget import budget_check
+from tg_jax.evaluation.md_costs import COST_KEYS
 from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups, action_names: public here too)
     ACTIONS_PREFIX,
     CURVE_METRICS,

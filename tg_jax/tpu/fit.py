@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from tg_jax.tpu import aot, hbm
+from tg_jax.tpu import aot, aot_steps, hbm
 
 
 class FitError(ValueError):
@@ -58,11 +58,12 @@ def shared_bytes(config: Any, meshes: aot.Meshes, program: str) -> int:
 
     model = Transformer(ModelConfig.from_config(config.model))
     if meshes.per_host:
-        published = aot._in_dtype(
-            aot.abstract_params(model, meshes.sampler, meshes.sampler_rules), config.model.dtype
+        published = aot_steps.in_dtype(
+            aot_steps.abstract_params(model, meshes.sampler, meshes.sampler_rules),
+            config.model.dtype,
         )
     else:
-        published = aot.abstract_params(model, meshes.trainer, meshes.trainer_rules)
+        published = aot_steps.abstract_params(model, meshes.trainer, meshes.trainer_rules)
     if program == "engine":
         return hbm.bytes_per_device(paged.kept_params(model, published)) if meshes.per_host else 0
     return hbm.bytes_per_device(published)

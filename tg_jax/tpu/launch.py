@@ -39,6 +39,10 @@ commands of a first start, the install script included, without running anything
 
 A local pod (`--local`) rehearses a pod run on one machine: `tg_jax.tpu.local_pod`.
 
+Here: the retry loop (`launch`), the runners of its commands and the command line. The
+slice's commands: `tg_jax.tpu.pod_slice`; the workers' (install, run):
+`tg_jax.tpu.pod_commands`; what their exit statuses mean: `tg_jax.tpu.pod_outcome`.
+
 Only the Python standard library is used here, so the launcher runs from any machine with
 gcloud, without JAX installed.
 """
@@ -49,8 +53,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import math
-import os
 import re
 import shlex
 import subprocess
@@ -59,323 +61,30 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-RUNTIME_VERSIONS = {
-    "v4": "tpu-ubuntu2204-base",
-    "v5e": "v2-alpha-tpuv5-lite",
-    "v5litepod": "v2-alpha-tpuv5-lite",
-    "v5p": "v2-alpha-tpuv5",
-    "v6e": "v2-alpha-tpuv6e",
-}
-# Accelerator types count TensorCores on v4 / v5p (two per chip) and chips on v5e / v6e.
-_CORES_PER_CHIP = {"v4": 2, "v5p": 2, "v5e": 1, "v5litepod": 1, "v6e": 1}
-_TYPE_PREFIX = {
-    "v4": "v4",
-    "v5p": "v5p",
-    "v5e": "v5litepod",
-    "v5litepod": "v5litepod",
-    "v6e": "v6e",
-}
-READY_STATES = {"READY", "ACTIVE"}
-WAIT_STATES = {"CREATING", "STARTING", "PROVISIONING", "WAITING_FOR_RESOURCES", "ACCEPTED"}
-REMOTE_DIR = "~/tg_jax"
-REMOTE_CKPT = "~/hf_checkpoint"
-TRANSFER_PORT = 8482  # each pod worker's TG_JAX_TRANSFER_ADDRESS port (JAX's own: 8470-8479)
-# Chips per host of a multi-host slice; v5e / v6e slices of up to 8 chips are one host.
-_CHIPS_PER_HOST = {"v4": 4, "v5p": 4, "v5e": 4, "v5litepod": 4, "v6e": 4}
-_SINGLE_HOST_CHIPS = {"v5e": 8, "v5litepod": 8, "v6e": 8}
-
-
-def _chips(topology: str) -> tuple[str, int]:
-    m = re.fullmatch(r"(v\w+?):(\d+(?:x\d+)*)", topology)
-    if not m or m.group(1) not in _CORES_PER_CHIP:
-        raise ValueError(f"Topology must look like v5p:2x4x4 (kinds {sorted(_CORES_PER_CHIP)})")
-    kind, dims = m.groups()
-    return kind, math.prod(int(d) for d in dims.split("x"))
-
-
-def accelerator_type(topology: str) -> str:
-    """ "v5p:2x4x4" -> "v5p-64"; "v5e:4x4" -> "v5litepod-16"; "v6e:2x2" -> "v6e-4"."""
-    kind, chips = _chips(topology)
-    return f"{_TYPE_PREFIX[kind]}-{chips * _CORES_PER_CHIP[kind]}"
-
-
-def worker_count(topology: str) -> int:
-    """The slice's hosts (TPU VM workers): "v5p:2x4x4" -> 8; "v6e:2x4" -> 1; "v5e:4x4" -> 4."""
-    kind, chips = _chips(topology)
-    if chips <= _SINGLE_HOST_CHIPS.get(kind, 0):
-        return 1
-    return max(1, chips // _CHIPS_PER_HOST[kind])
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """Everything the gcloud commands need."""
-
-    name: str
-    zone: str
-    topology: str
-    config: str
-    workdir: str
-    project: str = ""
-    runtime_version: str = ""
-    spot: bool = False
-    queued: bool = False
-    hf_checkpoint: str = ""
-    extra_args: tuple[str, ...] = ()
-    tarball: str = "/tmp/tg_jax_code.tar.gz"
-    code: str = "HEAD"  # the commit (or, --allow-dirty, the tree) shipped to the workers
-    vllm: bool = False  # also install vllm-tpu (rollout_engine="vllm")
-    python: str = ""  # an interpreter the workers have (default: uv installs pod_setup.PYTHON)
-    transfer_port: int = TRANSFER_PORT
-
-    @property
-    def kind(self) -> str:
-        return self.topology.split(":")[0]
-
-    def where(self) -> list[str]:
-        return [f"--zone={self.zone}"] + ([f"--project={self.project}"] if self.project else [])
-
-
-def create_command(job: Job) -> list[str]:
-    version = job.runtime_version or RUNTIME_VERSIONS[job.kind]
-    acc = f"--accelerator-type={accelerator_type(job.topology)}"
-    spot = ["--spot"] if job.spot else []
-    if job.queued:
-        return [
-            "gcloud",
-            "compute",
-            "tpus",
-            "queued-resources",
-            "create",
-            job.name,
-            f"--node-id={job.name}",
-            *job.where(),
-            acc,
-            f"--runtime-version={version}",
-            *spot,
-        ]
-    return [
-        "gcloud",
-        "compute",
-        "tpus",
-        "tpu-vm",
-        "create",
-        job.name,
-        *job.where(),
-        acc,
-        f"--version={version}",
-        *spot,
-    ]
-
-
-def describe_command(job: Job) -> list[str]:
-    if job.queued:
-        return [
-            "gcloud",
-            "compute",
-            "tpus",
-            "queued-resources",
-            "describe",
-            job.name,
-            *job.where(),
-            "--format=value(state.state)",
-        ]
-    return [
-        "gcloud",
-        "compute",
-        "tpus",
-        "tpu-vm",
-        "describe",
-        job.name,
-        *job.where(),
-        "--format=value(state)",
-    ]
-
-
-def delete_command(job: Job) -> list[str]:
-    if job.queued:
-        return [
-            "gcloud",
-            "compute",
-            "tpus",
-            "queued-resources",
-            "delete",
-            job.name,
-            *job.where(),
-            "--force",
-            "--quiet",
-        ]
-    return ["gcloud", "compute", "tpus", "tpu-vm", "delete", job.name, *job.where(), "--quiet"]
-
-
-EXIT_MARK = "[tg_jax-exit]"  # what each worker prints last: "[tg_jax-exit] STEP CODE HOST"
-
-
-def ssh_command(job: Job, remote: str, step: str = "") -> list[str]:
-    """`remote` on every worker; with `step`, run by bash, then each worker prints its exit
-    status behind EXIT_MARK (gcloud's own exit status does not always carry the workers')."""
-    if step:
-        remote = f'bash -c {shlex.quote(remote)}; echo "{EXIT_MARK} {step} $? $(hostname)"'
-    return [
-        "gcloud",
-        "compute",
-        "tpus",
-        "tpu-vm",
-        "ssh",
-        job.name,
-        *job.where(),
-        "--worker=all",
-        f"--command={remote}",
-    ]
-
-
-def install_script(job: Job) -> str:
-    """What every worker runs to install the shipped code (`pod_setup.install_script`)."""
-    from tg_jax.tpu import pod_setup  # noqa: PLC0415 (stdlib only, like this module)
-
-    return pod_setup.install_script(
-        REMOTE_DIR, os.path.basename(job.tarball), vllm=job.vllm, python=job.python
-    )
-
-
-def install_steps(job: Job) -> list[tuple[str, list[str]]]:
-    """(step, command) pairs that ship the code to every worker and install it (plus the HF
-    checkpoint): "archive" runs here, "copy" through gcloud, the others on the workers."""
-    steps = [
-        ("archive", ["git", "archive", "--format=tar.gz", f"--output={job.tarball}", job.code]),
-        (
-            "copy",
-            [
-                "gcloud",
-                "compute",
-                "tpus",
-                "tpu-vm",
-                "scp",
-                job.tarball,
-                f"{job.name}:{os.path.basename(job.tarball)}",
-                *job.where(),
-                "--worker=all",
-            ],
-        ),
-        ("install", ssh_command(job, install_script(job), "install")),
-    ]
-    if job.hf_checkpoint:
-        copy = f"rm -rf {REMOTE_CKPT} && gcloud storage cp -r {job.hf_checkpoint} {REMOTE_CKPT}"
-        steps.append(("checkpoint", ssh_command(job, copy, "checkpoint")))
-    return steps
-
-
-def install_commands(job: Job) -> list[list[str]]:
-    return [cmd for _, cmd in install_steps(job)]
-
-
-def worker_args(job: Job, checkpoint: str | None) -> list[str]:
-    """The arguments of `python -m tg_jax.main` on every worker (pod or local pod);
-    `checkpoint` is the worker's copy of the Hugging Face checkpoint."""
-    args = [f"--config={job.config}", f"--workdir={job.workdir}", *job.extra_args]
-    # The checkpoint copied to every worker by the set-up is the run's model.
-    return args + ([f"--config.model.hf_checkpoint={checkpoint}"] if checkpoint else [])
-
-
-def pod_worker_env(job: Job) -> dict[str, str]:
-    """The environment of `tg_jax.main` on every pod worker, as bash text evaluated there:
-    each worker's transfer address is its own first address (`hostname -I`) and the port."""
-    return {
-        "TG_JAX_DISTRIBUTED": "1",
-        "TG_JAX_TRANSFER_ADDRESS": f'"$(hostname -I | cut -d" " -f1):{job.transfer_port}"',
-    }
-
-
-def local_pod(job: Job, processes: int, devices_per_process: int, **kw: Any) -> int:
-    """Runs the job as a local pod (`tg_jax.tpu.local_pod.run`, its keywords)."""
-    from tg_jax.tpu import local_pod as pod  # noqa: PLC0415
-
-    args_of = functools.partial(worker_args, job)
-    return pod.run(job, processes, devices_per_process, args_of=args_of, **kw)
-
-
-def run_command(job: Job) -> list[str]:
-    """The job on all workers at once; each joins the others through tg_jax.tpu.distributed."""
-    args = shlex.join(worker_args(job, None))
-    if job.hf_checkpoint:  # the copy the set-up made on each worker
-        args += ' --config.model.hf_checkpoint="$HOME/hf_checkpoint"'
-    env = " ".join(f"{k}={v}" for k, v in pod_worker_env(job).items())
-    remote = (
-        f"set -o pipefail; cd {REMOTE_DIR} && export {env} && "
-        f".venv/bin/python -m tg_jax.main {args} 2>&1 | tee -a ~/tg_jax_run.log"
-    )
-    return ssh_command(job, remote, "run")
-
-
-# -- what to retry ---------------------------------------------------------------------------
-
-# The exit statuses of `tg_jax.main` (tg_jax.cli's USAGE_ERROR, GATE_ERROR, RUN_ERROR;
-# tg_jax.checkpointing.PREEMPTED_EXIT_CODE) and of ssh: (action, meaning).
-EXIT_RULES = {
-    0: ("done", "finished"),
-    2: ("stop", "a config error (exit 2): change the config and launch again"),
-    3: ("stop", "the base model failed its gates (exit 3)"),
-    4: ("stop", "a fault the run cannot go past (exit 4); the error line says what was kept"),
-    143: ("retry", "preempted (exit 143); the rerun resumes from the last checkpoint"),
-    255: ("retry", "ssh failed (exit 255)"),
-}
-PREEMPTED = 143
-# The start-up fit check's refusal (tg_jax.tpu.fit.FitError), whatever the exit status.
-_FIT_FAILURE = re.compile(r"does not fit its devices' memory|FitError")
-QUICK_S = 1800.0  # a failure this soon after its start counts toward --max-quick-failures
-
-
-def exit_rule(code: int) -> tuple[str, str]:
-    """("done" | "stop" | "retry", what the exit status means) for one worker's status."""
-    if code in EXIT_RULES:
-        return EXIT_RULES[code]
-    if code > 128 or code < 0:  # a shell's 128 + N, or Popen's -N
-        return "retry", f"killed by signal {code - 128 if code > 0 else -code} (exit {code})"
-    return "retry", f"crashed (exit {code})"
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What a step on the workers came to, and what the launcher does next."""
-
-    action: str  # "done", "retry" or "stop"
-    code: int  # the failing workers' status (the launcher's own when it stops here)
-    why: str
-    error: str = ""  # the last `error: ...` line the workers printed
-
-
-def worker_codes(output: str, step: str) -> list[int]:
-    """The exit statuses the workers printed behind EXIT_MARK for `step`."""
-    pattern = re.compile(rf"{re.escape(EXIT_MARK)} {re.escape(step)} (-?\d+)\b")
-    return [int(m.group(1)) for m in pattern.finditer(output)]
-
-
-def error_line(output: str) -> str:
-    lines = [ln.strip() for ln in output.splitlines() if re.search(r"\berror: ", ln)]
-    return lines[-1] if lines else ""
-
-
-def outcome(rc: int, output: str, n_workers: int, step: str) -> Outcome:
-    """The step's outcome from gcloud's exit status `rc` and the workers' output: done when
-    all `n_workers` printed 0; stop on a status `exit_rule` stops on (or the fit check's
-    refusal); else retry, a preemption first among the failures."""
-    codes, error = worker_codes(output, step), error_line(output)
-    if fit := [ln.strip() for ln in output.splitlines() if _FIT_FAILURE.search(ln)]:
-        return Outcome("stop", 2, "the config does not fit the chips' memory (fit check)", fit[-1])
-    if len(codes) >= n_workers and not any(codes):
-        return Outcome("done", 0, "finished")
-    failed = [c for c in codes if c] or ([rc] if rc else [])
-    if not failed:
-        why = f"{len(codes)} of {n_workers} workers reported an exit status (ssh lost?)"
-        return Outcome("retry", 1, why, error)
-    stops = [c for c in failed if exit_rule(c)[0] == "stop"]
-    code = stops[0] if stops else PREEMPTED if PREEMPTED in failed else failed[0]
-    action, why = exit_rule(code)
-    return Outcome(action, code, why, error)
-
+from tg_jax.tpu.pod_commands import (
+    EXIT_MARK,
+    REMOTE_CKPT,
+    install_script,
+    install_steps,
+    run_command,
+    worker_args,
+)
+from tg_jax.tpu.pod_outcome import PREEMPTED, Outcome, outcome
+from tg_jax.tpu.pod_slice import (
+    READY_STATES,
+    TRANSFER_PORT,
+    WAIT_STATES,
+    Job,
+    accelerator_type,
+    create_command,
+    delete_command,
+    describe_command,
+    worker_count,
+)
 
 Runner = Callable[[list[str]], tuple[int, str]]
 TAIL_LINES = 200  # of a command's output kept for its outcome, beside its marks and errors
+QUICK_S = 1800.0  # a failure this soon after its start counts toward --max-quick-failures
 
 
 def subprocess_runner(cmd: list[str]) -> tuple[int, str]:
@@ -506,6 +215,14 @@ def launch(
         sleep(poll_s)
     print(f"[launch] giving up after {max_restarts} restarts", flush=True)
     return 1
+
+
+def local_pod(job: Job, processes: int, devices_per_process: int, **kw: Any) -> int:
+    """Runs the job as a local pod (`tg_jax.tpu.local_pod.run`, its keywords)."""
+    from tg_jax.tpu import local_pod as pod  # noqa: PLC0415
+
+    args_of = functools.partial(worker_args, job)
+    return pod.run(job, processes, devices_per_process, args_of=args_of, **kw)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[Job, argparse.Namespace]:

@@ -89,9 +89,9 @@ def run(
     stage_dir: str | None = None,
     module: str = "tg_jax.main",
 ) -> int:
-    """Runs `job` (a `launch.Job`) as `processes` local workers of `devices_per_process` CPU
+    """Runs `job` (a `pod_slice.Job`) as `processes` local workers of `devices_per_process` CPU
     devices each (see the module docstring); returns the exit status. `module` is what each
-    worker runs (`python -m`), with `args_of(its checkpoint copy)` (`launch.worker_args`)."""
+    worker runs (`python -m`), with `args_of(its checkpoint copy)` (`pod_commands.worker_args`)."""
     if processes < 1 or devices_per_process < 1:
         raise ValueError("--processes and --devices-per-process must be >= 1")
     port, *transfer_ports = _free_ports(processes + 1)

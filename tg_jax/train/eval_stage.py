@@ -188,7 +188,7 @@ def write_report(config, workdir, out_dir, arm, seed, records, checkpoint) -> di
     """results.json and report.md in `out_dir`: the report's held-out sections (no training,
     no comparison) for one set of episodes."""
     from tg_jax.envs import env_kind  # noqa: PLC0415
-    from tg_jax.evaluation import heldout_reads, markdown, protocol, report  # noqa: PLC0415
+    from tg_jax.evaluation import heldout_reads, md_heldout, md_setting, protocol, report  # noqa: PLC0415
     from tg_jax.evaluation.report_settings import ReportSettings  # noqa: PLC0415
 
     run = report.RunResult(arm=arm, seed=seed, heldout=list(records), train_records=[], costs={})
@@ -210,11 +210,11 @@ def write_report(config, workdir, out_dir, arm, seed, records, checkpoint) -> di
         "",
     ]
     for section in (
-        markdown._context_section,
-        markdown._heldout_section,
-        markdown._requirements_section,
-        markdown._diagnostic_section,
-        markdown._side_effects_section,
+        md_setting.context_section,
+        md_heldout.heldout_section,
+        md_heldout.requirements_section,
+        md_heldout.diagnostic_section,
+        md_heldout.side_effects_section,
     ):
         lines += section(res)
     (paths.as_path(out_dir) / report.REPORT_FILE).write_text("\n".join(lines))
