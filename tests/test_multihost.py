@@ -43,12 +43,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(workdir, devices: int, log: str, env=None, async_steps: int = 0) -> subprocess.Popen:
+def _start(
+    workdir, devices: int, log: str, env=None, async_steps: int = 0, split: int = 0
+) -> subprocess.Popen:
     env = dict(os.environ, **(env or {}))
     env.pop("XLA_FLAGS", None)  # the driver sets its own device count
     cmd = [sys.executable, "-m", "tests.multihost_driver", str(workdir), "--devices",
            str(devices), "--steps", str(STEPS), "--async-steps", str(async_steps),
-           "--split", str(SPLIT), "--engine"]  # fmt: skip
+           "--split", str(split), "--engine"]  # fmt: skip
     with open(log, "w") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -94,7 +96,7 @@ def runs(tmp_path_factory):
     logs = {"ref": f"{ref}.log", "p0": f"{mh}.0.log", "p1": f"{mh}.1.log"}
     procs = {}
     try:
-        procs["ref"] = _start(ref, 8, logs["ref"])
+        procs["ref"] = _start(ref, 8, logs["ref"], split=SPLIT)
         for i in range(2):
             env = {
                 "TG_JAX_DISTRIBUTED": "1", "TG_JAX_COORDINATOR": f"localhost:{port}",
@@ -147,22 +149,19 @@ def test_two_processes_equal_one(runs):
 
 
 @pytest.mark.multiprocess
-def test_a_sampler_on_its_own_devices_of_each_process_equals_one_process(runs):
-    """sampler_mesh.num_devices 4: 2 processes each sample on their last 2 devices and train
-    on their first 2 (one trainer mesh of 4); the single process samples on its last 4. Same
-    final params, and the same as the colocated run; every step logged its weight sync."""
-    ref, mh = runs["ref"], runs["mh"]
-    a = np.load(ref / "split" / "final_params.npz")
-    for other in (mh / "split", ref / "det"):
-        b = np.load(other / "final_params.npz")
-        assert sorted(a.files) == sorted(b.files)
-        for k in a.files:
-            np.testing.assert_allclose(b[k], a[k], rtol=TOL, atol=TOL, err_msg=f"{other}: {k}")
-    train = [r for r in read_metrics(mh / "split") if r["stage"] == "train"]
+def test_a_sampler_on_its_own_devices_equals_the_colocated_run(runs):
+    """sampler_mesh.num_devices 4: one process samples on its last 4 devices and trains on its
+    first 4, and ends with the colocated run's params; it publishes no weights to itself. The
+    same layout on 2 processes x 4 (each samples on its last 2) equals 1 x 8 in
+    tests/test_gcs.py's pod, through the launcher, every weight sync logged."""
+    ref = runs["ref"]
+    a, b = np.load(ref / "split" / "final_params.npz"), np.load(ref / "det" / "final_params.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        np.testing.assert_allclose(b[k], a[k], rtol=TOL, atol=TOL, err_msg=k)
+    train = [r for r in read_metrics(ref / "split") if r["stage"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    assert all(r["time/publish_s"] > 0 for r in train)
-    assert not any("time/publish_s" in r for r in read_metrics(ref / "split"))  # one process
-    assert f"split process 1/2 step {STEPS} finished True" in _tail(runs["logs"]["p1"])
+    assert not any("time/publish_s" in r for r in train)  # one process
 
 
 @pytest.mark.multiprocess
