@@ -14,13 +14,19 @@ import jax
 import numpy as np
 import pytest
 
-from tests.test_train_step import _config, _loss_and_grad, _model_and_params, _tree_close
+from tests.test_train_step import (
+    _config,
+    _forward,
+    _loss_and_grad,
+    _model_and_params,
+    _tree_close,
+)
 from tg_jax import config_files
 from tg_jax import engine as engine_api
 from tg_jax.envs import env_factory
 from tg_jax.envs.tasks import generate_tasks
 from tg_jax.metrics import read_metrics
-from tg_jax.models import ModelConfig, Transformer, forward, hf_dir
+from tg_jax.models import ModelConfig, Transformer, hf_dir
 from tg_jax.rl import hidden_thinking
 from tg_jax.rl.advantages import group_advantages
 from tg_jax.rl.batch import build_batch
@@ -122,9 +128,7 @@ def test_turn_rows_without_thinking_give_the_loss_and_gradient_of_whole_episodes
     assert parts.tokens_BxT.shape[0] == 24 and int(parts.head_B.sum()) == 8
     batches = []
     for b in (whole, parts):  # on-policy behaviour log-probs (each row's own forward)
-        logits = jax.jit(functools.partial(forward, model))(
-            params, b.tokens_BxT, b.positions_BxT, b.segment_ids_BxT
-        )
+        logits = _forward()(params, b.tokens_BxT, b.positions_BxT, b.segment_ids_BxT)
         logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)),
                                   b.targets_BxT[..., None], -1)[..., 0]  # fmt: skip
         batches.append(dataclasses.replace(
@@ -196,10 +200,11 @@ def test_sampled_turns_carry_the_log_probs_of_their_visible_context(path):
     """Temperature 1: each later turn's behaviour log-probs are the model's on its segment
     (its earlier thinking removed), not on the whole episode, where they differ."""
     model, params, *_ = _shipped()
-    trajs = _play(path, 1.0, tasks=6, g=2, seed=5)
+    # 4 tasks x 2: the batch shapes of the greedy test's episodes (compiled programs shared).
+    trajs = _play(path, 1.0, tasks=4, g=2, seed=5)
     hidden = _hidden_turns(trajs)
     assert len(hidden) >= 2, "too few multi-turn episodes with thinking to check"
-    logp = jax.jit(sequence_logprobs, static_argnums=0)
+    logp = _logprobs
     worst_full = 0.0
     for seg, traj, k in hidden:
         mine = seg.turn_ids == 0
@@ -214,15 +219,18 @@ def test_sampled_turns_carry_the_log_probs_of_their_visible_context(path):
         worst_full = max(worst_full, float(np.abs(got_full[own] - traj.behaviour_logprobs[own])
                                            .max()))  # fmt: skip
     assert worst_full > 1e-2  # the whole episode is not the context the turns were drawn in
-    shown = _play(path, 1.0, hide=False, tasks=6, g=2, seed=5)  # the default: all visible
+    shown = _play(path, 1.0, hide=False, tasks=4, g=2, seed=5)  # the default: all visible
     assert not any((t.roles == T).any() and t.num_turns > 1
                    and _differs_from_whole(model, params, t) for t in shown)  # fmt: skip
+
+
+_logprobs = jax.jit(sequence_logprobs, static_argnums=0)  # one program for every 512-token row
 
 
 def _differs_from_whole(model, params, traj) -> bool:
     row = np.zeros((1, 512), np.int32)
     row[0, : len(traj.tokens)] = traj.tokens
-    got = np.asarray(jax.jit(sequence_logprobs, static_argnums=0)(model, params, row))[0]
+    got = np.asarray(_logprobs(model, params, row))[0]
     mine = traj.turn_ids >= 0
     return bool(np.abs(got[: len(traj.tokens)][mine] - traj.behaviour_logprobs[mine]).max() > 2e-4)
 

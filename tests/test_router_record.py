@@ -4,6 +4,8 @@ of its tokens to, which equals the trainer forward's own routing of the same seq
 prefix-shared, copied-on-write, continued and re-prefilled (preempted) pages carry it like
 their keys and values, and so does the sampler's turn cache across turns."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -31,12 +33,27 @@ def setup():
     return model, params
 
 
+@functools.cache
+def _routing_fn(model):
+    """The trainer forward's routing of token rows [B, T] -> [L, B, T, J], compiled once."""
+
+    def fn(params, tokens_BxT):
+        _, state = model.apply({"params": params}, tokens_BxT, mutable=["intermediates"])
+        (ids,) = [v for p, v in jax.tree_util.tree_leaves_with_path(state)
+                  if "router_ids" in jax.tree_util.keystr(p)]  # fmt: skip
+        return ids
+
+    return jax.jit(fn)
+
+
 def _own_routing(model, params, tokens):
-    """The trainer forward's routing of one sequence: [n, L, J]."""
-    _, state = model.apply({"params": params}, np.asarray([tokens]), mutable=["intermediates"])
-    (ids,) = [v for p, v in jax.tree_util.tree_leaves_with_path(state)
-              if "router_ids" in jax.tree_util.keystr(p)]  # fmt: skip
-    return np.moveaxis(np.asarray(ids), 0, 2)[0]  # [L, 1, n, J] -> [n, L, J]
+    """The trainer forward's routing of one sequence: [n, L, J]. The forward is causal, so the
+    sequence's routing is that of its row padded to max_seq_len (one compiled program for
+    every length)."""
+    row = np.zeros((1, CFG.max_seq_len), np.int32)
+    row[0, : len(tokens)] = tokens
+    ids = np.asarray(_routing_fn(model)(params, row))
+    return np.moveaxis(ids, 0, 2)[0, : len(tokens)]  # [L, 1, T, J] -> [n, L, J]
 
 
 def _check(model, params, completion, context, start=0):

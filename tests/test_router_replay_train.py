@@ -175,12 +175,28 @@ def moe():
     return model, jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, params)
 
 
+@functools.cache
+def _routing_fn(model):
+    """The model's own routing of token rows [B, T] -> [L, B, T, J], compiled once a shape."""
+
+    def fn(params, tokens_BxT):
+        _, state = model.apply({"params": params}, tokens_BxT, mutable=["intermediates"])
+        (ids,) = [v for p, v in jax.tree_util.tree_leaves_with_path(state)
+                  if "router_ids" in jax.tree_util.keystr(p)]  # fmt: skip
+        return ids
+
+    return jax.jit(fn)
+
+
 def _own_routing(model, params, tokens_BxT):
-    """The model's own routing of token rows: [B, T, L, J]."""
-    _, state = model.apply({"params": params}, jnp.asarray(tokens_BxT), mutable=["intermediates"])
-    (ids,) = [v for p, v in jax.tree_util.tree_leaves_with_path(state)
-              if "router_ids" in jax.tree_util.keystr(p)]  # fmt: skip
-    return np.moveaxis(np.asarray(ids), 0, 2).astype(np.int16)
+    """The model's own routing of token rows: [B, T, L, J]. The forward is causal, so a row's
+    routing is that of the row padded to max_seq_len (one compiled program a row count)."""
+    tokens_BxT = np.asarray(tokens_BxT)
+    b, t = tokens_BxT.shape
+    rows = np.zeros((b, MOE["max_seq_len"]), np.int32)
+    rows[:, :t] = tokens_BxT
+    ids = np.asarray(_routing_fn(model)(params, rows))[:, :, :t]
+    return np.moveaxis(ids, 0, 2).astype(np.int16)
 
 
 def _with_routes(trajs, model, params, shuffle=False):
@@ -204,23 +220,35 @@ def _step_config(**tg):
     return StepConfig.from_config(cfg)
 
 
-def _loss(model, params, batch, **tg):
-    typed = _step_config(**tg)
+@functools.cache
+def _loss_fn(model, tg):
+    """The loss and its gradients, jitted once per model and tg settings (batches of one
+    layout and shape share the compiled program, across tests too)."""
+    typed = _step_config(**dict(tg))
     fn = functools.partial(train_step.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg)
-    (loss, (sums, _)), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
+    return jax.jit(jax.value_and_grad(fn, has_aux=True))
+
+
+def _loss(model, params, batch, **tg):
+    (loss, (sums, _)), grads = _loss_fn(model, tuple(sorted(tg.items())))(
         params, jax.tree.map(jnp.asarray, batch)
     )
     return float(loss), sums, grads
 
 
-def _teacher_hidden(model, params, batch):
+@functools.cache
+def _teacher_hidden_fn(model):
     def fn(params, batch):
         _, prefix, _ = teacher.student_forward(model, params, batch, keep_prefix=True)
         return teacher.gather_teacher(
             teacher.teacher_rows_hidden(model, params, batch, prefix), batch
         )
 
-    return np.asarray(jax.jit(fn)(params, jax.tree.map(jnp.asarray, batch)))
+    return jax.jit(fn)
+
+
+def _teacher_hidden(model, params, batch):
+    return np.asarray(_teacher_hidden_fn(model)(params, jax.tree.map(jnp.asarray, batch)))
 
 
 @pytest.mark.slow

@@ -28,19 +28,39 @@ MOE = dict(TINY, mlp_dim=0, num_experts=4, experts_per_token=2, moe_mlp_dim=16)
 
 
 def _model(**overrides):
-    model = Transformer(ModelConfig.from_config(config_lib.model_config(**overrides)))
+    """(model, params), made once per model config for the whole module."""
+    return _cached_model(tuple(sorted(overrides.items())))
+
+
+@functools.cache
+def _cached_model(items):
+    model = Transformer(ModelConfig.from_config(config_lib.model_config(**dict(items))))
     return model, init_params(model, jax.random.key(0))
+
+
+_JITTED = {}
+
+
+def _jitted(key, make):
+    """One jitted function per key (a model's id, a step config): traced once per shape."""
+    if key not in _JITTED:
+        _JITTED[key] = jax.jit(make())
+    return _JITTED[key]
 
 
 def _teacher_at_students(model, params, batch):
     """Teacher hidden states gathered to student positions (the student pass included)."""
 
-    def fn(params, batch):
-        _, prefix, _ = teacher.student_forward(model, params, batch, keep_prefix=True)
-        rows = teacher.teacher_rows_hidden(model, params, batch, prefix)
-        return teacher.gather_teacher(rows, batch)
+    def make():
+        def fn(params, batch):
+            _, prefix, _ = teacher.student_forward(model, params, batch, keep_prefix=True)
+            rows = teacher.teacher_rows_hidden(model, params, batch, prefix)
+            return teacher.gather_teacher(rows, batch)
 
-    return jax.jit(fn)(params, jax.tree.map(jnp.asarray, batch))
+        return fn
+
+    fn = _jitted(("teacher_at_students", id(model)), make)
+    return fn(params, jax.tree.map(jnp.asarray, batch))
 
 
 @pytest.mark.slow
@@ -215,19 +235,21 @@ def test_slot_divergence_equals_divergence_at_student_positions(kind, estimator,
 
 def _loss_and_grads(cfg, batch, model, params):
     typed = StepConfig.from_config(cfg)
-    fn = functools.partial(train_step.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg)
-    (loss, (sums, _)), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
-        params, jax.tree.map(jnp.asarray, batch)
-    )
+
+    def make():
+        fn = functools.partial(train_step.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg)
+        return jax.value_and_grad(fn, has_aux=True)
+
+    fn = _jitted(("loss", typed, id(model)), make)
+    (loss, (sums, _)), grads = fn(params, jax.tree.map(jnp.asarray, batch))
     return loss, sums, grads
 
 
 def _on_policy(batch, model, params):
     """The batch with behaviour log-probs = the model's own (ratios 1: the PG term's gradient
     is not clipped away)."""
-    logits = jax.jit(functools.partial(forward, model))(
-        params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT
-    )
+    fwd = _jitted(("forward", id(model)), lambda: functools.partial(forward, model))
+    logits = fwd(params, batch.tokens_BxT, batch.positions_BxT, batch.segment_ids_BxT)
     logp = np.asarray(jax.nn.log_softmax(logits, -1))
     logp = np.take_along_axis(logp, batch.targets_BxT[..., None], -1)[..., 0]
     return dataclasses.replace(batch, behaviour_logprobs_BxT=np.where(

@@ -67,13 +67,19 @@ def _batch(trajs, mode="per_trajectory", micro_batches=1, on_policy_noise=0.1, *
     return dataclasses.replace(batch, behaviour_logprobs_BxT=behaviour)
 
 
+@functools.cache
+def _loss_and_grad_fn(typed: StepConfig):
+    """One jitted (loss, grads) per step config, shared by the module's tests (a program is
+    traced and compiled once however many tests run it)."""
+    model, _ = _model_and_params()
+    fn = functools.partial(ts.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg)
+    return jax.jit(jax.value_and_grad(fn, has_aux=True))
+
+
 def _loss_and_grad(cfg, batch, params=None, **kw):
-    model, default_params = _model_and_params()
-    typed = StepConfig.from_config(cfg)
-    fn = functools.partial(ts.loss_fn, model=model, rl_cfg=typed.rl, tg_cfg=typed.tg, **kw)
-    (loss, (sums, maxes)), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
-        default_params if params is None else params, batch
-    )
+    _, default_params = _model_and_params()
+    fn = _loss_and_grad_fn(StepConfig.from_config(cfg))
+    (loss, (sums, maxes)), grads = fn(default_params if params is None else params, batch, **kw)
     return loss, sums, grads
 
 
@@ -94,12 +100,17 @@ def test_teacher_branch_gets_no_gradient_and_tg_matches_direct_kl():
     batch = _batch(_trajectories())
     model, params = _model_and_params()
     loss, sums, grads = _loss_and_grad(cfg, batch)
+
     # The teacher's hidden states supplied as constants: same loss, same gradient.
-    teacher = hidden_states(
-        model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
-        batch.teacher_segment_ids_BtxTt,
-    )  # fmt: skip
-    gathered = ts.gather_teacher(teacher, jax.tree.map(jnp.asarray, batch))
+    @jax.jit  # one program, not an op-by-op eager forward
+    def teacher_at_students(params, batch):
+        teacher = hidden_states(
+            model, params, batch.teacher_tokens_BtxTt, batch.teacher_positions_BtxTt,
+            batch.teacher_segment_ids_BtxTt,
+        )  # fmt: skip
+        return ts.gather_teacher(teacher, batch)
+
+    gathered = teacher_at_students(params, jax.tree.map(jnp.asarray, batch))
     loss_c, _, grads_c = _loss_and_grad(cfg, batch, teacher_hidden_BxTxD=gathered)
     np.testing.assert_allclose(loss, loss_c, rtol=1e-6)
     _tree_close(grads, grads_c, atol=1e-7, rtol=1e-5)
@@ -245,6 +256,18 @@ def _assert_same_run(run_a, run_b, atol=1e-5):
 
 
 STEP_OVERRIDES = {"tg.include_thinking": True, "rl.dual_clip": 3.0}
+_RUNS = {}
+
+
+def _one_step(overrides, mode="per_trajectory", micro_batches=1, compact=False, ref=False):
+    """`_run_steps` of one step on one device, on `_batch(_trajectories(), ...)`: memoized by
+    the typed step config and the batch layout, so tests that run the same step share it."""
+    cfg = _config(**overrides, **({"rl.micro_batches": micro_batches} if micro_batches > 1 else {}))
+    key = (StepConfig.from_config(cfg), mode, micro_batches, compact, ref)
+    if key not in _RUNS:
+        batch = _batch(_trajectories(), mode, micro_batches=micro_batches, compact=compact)
+        _RUNS[key] = _run_steps(cfg, [batch], _single_mesh(), ref=ref)
+    return _RUNS[key]
 
 
 @pytest.mark.slow
@@ -293,15 +316,12 @@ def test_sharded_compact_step_equals_single_device():
     ],
 )
 def test_micro_batches_equal_one_big_batch(agg, mode, kl, compact):
-    trajs = _trajectories()
-    overrides = {"rl.agg_mode": agg, "tg.teacher_mode": mode, "rl.kl_coef": kl, **STEP_OVERRIDES}
-    big = _run_steps(
-        _config(**overrides), [_batch(trajs, mode, compact=compact)], _single_mesh(), ref=kl > 0
-    )
-    micro = _run_steps(
-        _config(**overrides, **{"rl.micro_batches": 4}),
-        [_batch(trajs, mode, micro_batches=4, compact=compact)], _single_mesh(), ref=kl > 0,
-    )  # fmt: skip
+    # tg.norm_length 8 (not 50): the TG term weighs more; the first case's runs are then
+    # test_token_sum_micro_batches_equal_one_big_batch's (`_one_step` runs them once).
+    overrides = {"rl.agg_mode": agg, "tg.teacher_mode": mode, "rl.kl_coef": kl,
+                 "tg.norm_length": 8.0, **STEP_OVERRIDES}  # fmt: skip
+    big = _one_step(overrides, mode, compact=compact, ref=kl > 0)
+    micro = _one_step(overrides, mode, micro_batches=4, compact=compact, ref=kl > 0)
     _assert_same_run(big, micro)
     assert big[1][0]["tg_loss"] > 0 and (kl == 0 or big[1][0]["ref_kl"] > 0)
 
@@ -310,14 +330,10 @@ def test_micro_batches_equal_one_big_batch(agg, mode, kl, compact):
 def test_token_sum_micro_batches_equal_one_big_batch():
     trajs = _trajectories()
     overrides = {"tg.normalize": "token_sum", "tg.norm_length": 8.0, **STEP_OVERRIDES}
-    big = _run_steps(_config(**overrides), [_batch(trajs)], _single_mesh())
-    micro = _run_steps(
-        _config(**overrides, **{"rl.micro_batches": 4}), [_batch(trajs, micro_batches=4)],
-        _single_mesh(),
-    )  # fmt: skip
+    big = _one_step(overrides)
+    micro = _one_step(overrides, micro_batches=4)
     _assert_same_run(big, micro)
-    mean = _run_steps(_config(**{"tg.normalize": "token_mean", **STEP_OVERRIDES}),
-                      [_batch(trajs)], _single_mesh())  # fmt: skip
+    mean = _one_step({"tg.normalize": "token_mean", **STEP_OVERRIDES})
     # Same divergences; the loss is sum / (8 trajectories x 8) instead of sum / |M|.
     m0, s0 = mean[1][0], big[1][0]
     np.testing.assert_allclose(s0["tg_kl"], m0["tg_kl"], rtol=1e-5)
