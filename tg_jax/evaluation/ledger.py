@@ -32,8 +32,8 @@ from tg_jax.errors import ConfigError
 LEDGER_DIR = "ledger"
 ATTEMPT_FILE = "attempt.json"
 BASE_FILE = "base.json"
-# The attempt fields attempt.json keeps (the task records stay in the workdir's attempt.json).
-ATTEMPT_FIELDS = (
+# An attempt's fields as registered (tg_jax.evaluation.protocol copies them from its entry).
+REGISTERED_FIELDS = (
     "id",
     "claim",
     "attempt",
@@ -48,10 +48,9 @@ ATTEMPT_FIELDS = (
     "spend",
     "heldout",
     "earlier",
-    "floor",
-    "collapse_drop",
-    "registry",
 )
+# The attempt fields attempt.json keeps (the task records stay in the workdir's attempt.json).
+ATTEMPT_FIELDS = (*REGISTERED_FIELDS, "floor", "collapse_drop", "registry")
 
 
 class LedgerError(ConfigError):

@@ -199,25 +199,7 @@ def register_attempt(
                 f"attempt {entry['id']}: the held-out draw from seed {seed} differs from the "
                 f"registered one in {ev.registry} (the task generator changed since)"
             )
-    out = {
-        k: entry[k]
-        for k in (
-            "id",
-            "claim",
-            "attempt",
-            "parts",
-            "hypothesis",
-            "config",
-            "candidate",
-            "baseline",
-            "seeds",
-            "margin",
-            "level",
-            "spend",
-            "heldout",
-            "earlier",
-        )
-    }
+    out = {k: entry[k] for k in ledger.REGISTERED_FIELDS}
     out["registry"] = os.fspath(ev.registry)
     out["floor"], out["collapse_drop"] = ev.get("floor"), ev.get("collapse_drop")
     out["tasks"] = [_record(t) for t in drawn[seed]]
