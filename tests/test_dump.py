@@ -1,18 +1,25 @@
 """`rl_loop.dump_rollouts`: each RL step's batch in <run>/rollouts/step_<N>.array_record."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from tests import rl_loop_driver as driver
-from tg_jax import config_files
+from tg_jax import config_files, replay
+from tg_jax.models import ModelConfig, hf_dir
+from tg_jax.notebook import dump_view
 from tg_jax.rl.batch import build_batch
 from tg_jax.sampling.trajectory import Trajectory
+from tg_jax.text import ByteTokenizer
 from tg_jax.text.chat import Role
 from tg_jax.train import rl, rollout_dump
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py")
+REPO = os.path.join(os.path.dirname(__file__), "..")
+CONFIG = os.path.join(REPO, "configs", "tiny.py")
 
 
 def _traj(task_reward: float, fence: bool, group: int) -> Trajectory:
@@ -63,12 +70,26 @@ def test_dump_of_a_step_reads_back(tmp_path):
     assert not os.path.exists(tmp_path / "off")
 
 
+# The figures a replay must give as the trainer logged them (fp32: relative 1e-5, absolute
+# 1e-6); `lr` counts optimizer updates, which a params directory does not carry.
+REPLAYED = ("loss", "pg_loss", "tg_loss", "tg_kl", "entropy", "logprob_mismatch_mean",
+            "logprob_mismatch_max", "reward", "advantage_abs_mean", "lambda_tg",
+            "tg_num_distilled", "num_tokens")  # fmt: skip
+
+
+def _same_figures(out, names):
+    for k in names:
+        np.testing.assert_allclose(out["metrics"][k], out["logged"][k], rtol=1e-5, atol=1e-6,
+                                   err_msg=k)  # fmt: skip
+
+
 @pytest.mark.slow
-def test_a_run_dumps_every_step(tmp_path):
+def test_a_run_dumps_every_step_and_each_step_replays(tmp_path):
     config = config_files.apply_overrides(
         driver.make_config(steps=2), {"rl_loop.dump_rollouts": True, "rl_loop.eval_every": 0}
     )
-    rl.run_rl(config, str(tmp_path), driver.initial_params(config), arm_name="tg", seed=0,
+    params = driver.initial_params(config)
+    rl.run_rl(config, str(tmp_path), params, arm_name="tg", seed=0,
               sources=driver.make_sources())  # fmt: skip
     rows = int(config.rl_loop.groups_per_step) * int(config.rl_loop.rollouts_per_group)
     for step in (1, 2):
@@ -78,3 +99,44 @@ def test_a_run_dumps_every_step(tmp_path):
             sampled = r["behaviour_logprobs_T"] != 0
             assert sampled.any() and not (sampled & (r["loss_mask_T"] == 0)).any()
             assert r["policy_version"] == step - 1  # synchronous sampling: the last update
+    # Step 2 replayed under the run's checkpoints (the state saved after step 1): the trainer's
+    # own step, update figures included.
+    dump2 = rollout_dump.dump_path(str(tmp_path), 2)
+    out = replay.replay(dump2, str(tmp_path / "checkpoints"))
+    assert out["state"] == "training state of step 1" and out["logged"]["tg_num_distilled"] > 0
+    _same_figures(out, (*REPLAYED, "grad_norm", "lr"))
+    # Step 1 under a params directory of the starting policy (as W/base_model is).
+    base = str(tmp_path / "base_model")
+    hf_dir.export_model_dir(base, params, ModelConfig.from_config(config.model))
+    out = replay.replay(rollout_dump.dump_path(str(tmp_path), 1), base)
+    _same_figures(out, REPLAYED)
+    tok = np.load(out["npz"])
+    sampled = tok["loss_mask_BxT"] & tok["valid_B"][:, None]
+    gap = np.abs(tok["logprob_BxT"] - tok["behaviour_logprobs_BxT"])[sampled]
+    # Per token: the replayed log-probs are the trainer's (its logged mismatch to the sampler).
+    np.testing.assert_allclose(gap.mean(), out["logged"]["logprob_mismatch_mean"], atol=1e-6)
+    assert (tok["divergence_BxT"][tok["tg_mask_BxT"]] > 0).all()
+    with open(out["json"]) as f:
+        assert json.load(f)["metrics"] == out["metrics"]
+    # The notebooks' view of the dump: a failed row's turns and its tokens by replayed D_t.
+    step = dump_view.load_step(rollout_dump.dump_path(str(tmp_path), 1))
+    row = dump_view.failed_rows(step)[0]
+    html = dump_view.row_html(ByteTokenizer(), step, row)
+    assert "BROKEN" in html and html.count("D_t (replay)") == step.records[row]["tg_mask_T"].sum()
+    # The command: step 2 again; a checkpoints directory without the step before is refused.
+    cmd = [sys.executable, "-m", "tg_jax.replay", f"--dump={dump2}"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run([*cmd, f"--checkpoint={tmp_path / 'checkpoints'}"], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["loss"]]
+    assert "logged" in line and "|diff|" in line
+    with open(
+        rollout_dump.dump_path(str(tmp_path), 2).replace(".array_record", ".replay.json")
+    ) as f:
+        written = json.load(f)  # by the command, on one CPU device (the run had 8)
+    _same_figures(written, REPLAYED)
+    bad = subprocess.run([*cmd[:-1], f"--dump={rollout_dump.dump_path(str(tmp_path), 1)}",
+                          f"--checkpoint={tmp_path / 'checkpoints'}"], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert bad.returncode == 2 and "no checkpoint of step 0" in bad.stderr, bad.stderr[-2000:]

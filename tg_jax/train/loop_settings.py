@@ -130,7 +130,8 @@ class LoopConfig(Section):
     <run>/export/step_<N> (0 = off; the main job always exports the final policy)."""
     dump_rollouts: bool = False
     """Write every step's batch (tokens, behaviour log-probs, verdicts, hints, the TG mask,
-    rewards, advantages) to <run>/rollouts/step_<N>.array_record (tg_jax.train.rollout_dump)."""
+    rewards, advantages) to <run>/rollouts/step_<N>.array_record (tg_jax.train.rollout_dump);
+    `python -m tg_jax.replay` re-scores a step under a checkpoint."""
     log_every: int = 10
     """Progress-line interval when stdout is not a TTY."""
     use_tensorboard: bool = True

@@ -19,20 +19,32 @@ before its train step (process 0 writes): one record per real batch row (an epis
   requirement_names, hints                       the names; {requirement: hint message ids}
   rewards, reward                                {component: reward}, their weighted sum
 
-`read_dump(path)` returns a file's records in row order.
+Beside each file, step_<N>.batch.msgpack holds the whole `Batch` the train step read (padding
+rows, teacher rows and all), and rollouts/run_config.py the run's config as a Python literal
+(written with the first dump): with a checkpoint, `python -m tg_jax.replay` re-scores the step
+from these alone.
+
+`read_dump(path)` returns a file's records in row order, `read_batch(path)` the step's
+`Batch`, `read_run_config(path)` the run's config.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
+import pprint
 from collections.abc import Sequence
 from typing import Any
 
+import ml_collections
 import numpy as np
 
 from tg_jax import multihost, paths
 
 DUMP_DIR = "rollouts"
+BATCH_SUFFIX = ".batch.msgpack"
+CONFIG_FILE = "run_config.py"
 
 
 def dump_path(workdir: str, step: int) -> str:
@@ -51,7 +63,55 @@ def dump_step(
     if hidden_thinking.enabled(config):  # the batch's rows are the turns' segments
         trajectories, _ = hidden_thinking.segments(trajectories)
     records = step_records(config, step, trajectories, batch)
-    write_records(dump_path(workdir, step), records)
+    path = dump_path(workdir, step)
+    config_path = paths.as_path(path).parent / CONFIG_FILE
+    if not config_path.exists():  # the run's config: the same for every step of a run
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = config_path.parent / f"{CONFIG_FILE}.tmp"
+        tmp.write_text(pprint.pformat(config.to_dict()) + "\n")
+        tmp.replace(config_path)
+    write_batch(batch_path(path), batch)
+    write_records(path, records)
+
+
+def batch_path(dump: str) -> str:
+    """The whole-batch file beside a step's dump file."""
+    return os.fspath(dump).removesuffix(".array_record") + BATCH_SUFFIX
+
+
+def write_batch(path: str, batch: Any) -> None:
+    """`batch` (a `tg_jax.rl.core.Batch` of host arrays) as one msgpack file (tmp, renamed)."""
+    from flax import serialization  # noqa: PLC0415
+
+    fields = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, tuple):  # requirement_names
+            value = list(value)
+        elif value is not None and not isinstance(value, str | bool | int | dict):
+            value = np.asarray(value)
+        fields[f.name] = value
+    p = paths.as_path(path)
+    tmp = p.parent / f"{p.name}.tmp"
+    tmp.write_bytes(serialization.msgpack_serialize(fields))
+    tmp.replace(p)
+
+
+def read_batch(dump: str) -> Any:
+    """The `Batch` of the step whose dump file is `dump` (numpy arrays)."""
+    from flax import serialization  # noqa: PLC0415
+
+    from tg_jax.rl.core import Batch  # noqa: PLC0415
+
+    fields = serialization.msgpack_restore(paths.as_path(batch_path(dump)).read_bytes())
+    fields["requirement_names"] = tuple(fields["requirement_names"])
+    return Batch(**fields)
+
+
+def read_run_config(dump: str) -> ml_collections.ConfigDict:
+    """The config of the run whose dump file is `dump` (run_config.py beside it)."""
+    text = (paths.as_path(dump).parent / CONFIG_FILE).read_text()
+    return ml_collections.ConfigDict(ast.literal_eval(text))
 
 
 def step_records(
