@@ -1,5 +1,7 @@
-"""`rl_loop.dump_rollouts`: each RL step's batch in <run>/rollouts/step_<N>.array_record."""
+"""`rl_loop.dump_rollouts` (each RL step's batch in <run>/rollouts/step_<N>.array_record) and its
+replay (`python -m tg_jax.replay`); `rl_loop.profile_steps`."""
 
+import glob
 import json
 import os
 import subprocess
@@ -85,9 +87,9 @@ def _same_figures(out, names):
 
 @pytest.mark.slow
 def test_a_run_dumps_every_step_and_each_step_replays(tmp_path):
-    config = config_files.apply_overrides(
-        driver.make_config(steps=2), {"rl_loop.dump_rollouts": True, "rl_loop.eval_every": 0}
-    )
+    overrides = {"rl_loop.dump_rollouts": True, "rl_loop.eval_every": 0,
+                 "rl_loop.profile_steps": (2, 2)}  # fmt: skip
+    config = config_files.apply_overrides(driver.make_config(steps=2), overrides)
     params = driver.initial_params(config)
     rl.run_rl(config, str(tmp_path), params, arm_name="tg", seed=0,
               sources=driver.make_sources())  # fmt: skip
@@ -99,6 +101,12 @@ def test_a_run_dumps_every_step_and_each_step_replays(tmp_path):
             sampled = r["behaviour_logprobs_T"] != 0
             assert sampled.any() and not (sampled & (r["loss_mask_T"] == 0)).any()
             assert r["policy_version"] == step - 1  # synchronous sampling: the last update
+    # rl_loop.profile_steps: step 2's trace, the train step's program and the step's marker in
+    # it (the plugin's layout: <run>/profile/plugins/profile/<time>/<host>.xplane.pb).
+    (trace,) = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    with open(trace, "rb") as f:
+        data = f.read()
+    assert b"rl_train_step" in data and b"rl_step" in data
     # Step 2 replayed under the run's checkpoints (the state saved after step 1): the trainer's
     # own step, update figures included.
     dump2 = rollout_dump.dump_path(str(tmp_path), 2)
@@ -140,3 +148,12 @@ def test_a_run_dumps_every_step_and_each_step_replays(tmp_path):
                           f"--checkpoint={tmp_path / 'checkpoints'}"], env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert bad.returncode == 2 and "no checkpoint of step 0" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("steps", [(3, 2), (0, 1), (1,), (1, 2, 3)])
+def test_profile_steps_other_than_first_and_last_are_refused(steps):
+    from tg_jax.train.loop_settings import LoopConfig
+
+    with pytest.raises(ValueError, match=r"rl_loop.profile_steps must be \(\) or \(first, last\)"):
+        LoopConfig(profile_steps=steps)
+    assert LoopConfig(profile_steps=(2, 2)).profile_steps == (2, 2)

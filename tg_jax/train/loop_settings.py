@@ -132,6 +132,10 @@ class LoopConfig(Section):
     """Write every step's batch (tokens, behaviour log-probs, verdicts, hints, the TG mask,
     rewards, advantages) to <run>/rollouts/step_<N>.array_record (tg_jax.train.rollout_dump);
     `python -m tg_jax.replay` re-scores a step under a checkpoint."""
+    profile_steps: tuple[int, ...] = ()
+    """(first, last): RL steps (1-based, inclusive) traced with the JAX profiler to
+    <run>/profile, for TensorBoard's profile plugin or Perfetto: device time per program, each
+    step marked ("rl_step"); () = off. A few steps: a trace holds every op."""
     log_every: int = 10
     """Progress-line interval when stdout is not a TTY."""
     use_tensorboard: bool = True
@@ -168,6 +172,12 @@ class LoopConfig(Section):
         )
         if self.epochs < 0:
             raise ValueError(f"rl_loop.epochs must be >= 0 (0 = not checked), got {self.epochs}")
+        p = self.profile_steps
+        if p and not (len(p) == 2 and 1 <= p[0] <= p[1]):
+            raise ValueError(
+                f"rl_loop.profile_steps must be () or (first, last) with 1 <= first <= last, "
+                f"got {p}"
+            )
         check_engine(self.rollout_engine)
         if self.think_budget and self.rollout_engine == "lockstep":
             raise ValueError(

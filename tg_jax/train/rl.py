@@ -75,6 +75,7 @@ from tg_jax.rl.tg import break_span, distill_budget, hint_copies
 from tg_jax.rl.train_state import TrainState
 from tg_jax.text import ByteTokenizer, ChatRenderer
 from tg_jax.train import memory, rl_hosts, rl_rollouts, rl_setup, rollout_dump
+from tg_jax.train.profile import StepProfile
 from tg_jax.train.rl_costs import Session, host_metrics, write_summary
 from tg_jax.train.rl_setup import Parts
 
@@ -326,13 +327,14 @@ def _train(
         session.memory = memory.PeakMemory()
         guard = _NonFinite(RLConfig.from_config(parts.config.rl), ckpt)
         identity = paths.dir_identity(parts.workdir)
-        with writer, bar, session.memory:
+        with writer, bar, session.memory, StepProfile(lc, parts.workdir) as profile:
             if start == 0 and eval_every > 0:
                 _eval(0)
             for step in range(start, end):
                 done = step + 1
                 _check_workdir(parts.workdir, identity, done)
-                state, group, metrics = _train_step(parts, session, source, state, done)
+                with profile.step(done):
+                    state, group, metrics = _train_step(parts, session, source, state, done)
                 guard.update(done, metrics)
                 data_state = {**data_state, "next_index": group.batch_index + 1}
                 _process_metrics(done, metrics)
