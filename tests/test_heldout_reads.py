@@ -105,3 +105,58 @@ def test_the_report_line_names_the_draw_and_the_alpha(tmp_path):
         "4 tasks); it spends a one-sided alpha of 0.0125 of the claim's 0.05 (alpha/2^k; "
         "two-sided level 0.975)."
     )
+
+
+def _config(path="configs/tiny.py", **overrides):
+    from tg_jax import config_files
+
+    return config_files.apply_overrides(config_files.load_config_file(path), overrides)
+
+
+def _attempts(config, seeds):
+    """The draws of successive attempts of one claim, each excluding the earlier ones' units."""
+    seen, draws = [], []
+    for seed in seeds:
+        drawn = protocol.draw_tasks(config, seed, sorted(seen))
+        units = protocol.units_of(drawn)
+        assert not set(units) & set(seen)
+        seen += units
+        draws.append(drawn)
+    return draws, seen
+
+
+def test_an_swe_attempt_draws_repositories_no_earlier_attempt_read():
+    config = _config("configs/swe.py", **{"eval.num_tasks": 6})
+    (first, second), _ = _attempts(config, (3, 4))
+    assert len(first) == len(second) == 6 and {t.split for t in first} == {"heldout"}
+    again = protocol.draw_tasks(config, 3, [])
+    assert protocol.units_of(again) == protocol.units_of(first)  # the seed reproduces it
+
+
+def test_a_plugin_attempt_draws_records_no_earlier_attempt_read_until_none_are_left():
+    from tests import plugin_example
+
+    kind, req = "tests.plugin_example:WordEnv", "tests.plugin_example:short_turns"
+    config = _config(**{"env.kind": kind, "env.requirements": (req,), "eval.num_tasks": 2})
+    draws, seen = _attempts(config, (1, 2, 3, 4))
+    words = [t["word"] for d in draws for t in d]
+    assert sorted(words) == sorted(plugin_example.WordEnv.WORDS)  # 8 words, 2 per attempt
+    with pytest.raises(registry.RegistryError, match="hold only 0 that no earlier attempt"):
+        protocol.draw_tasks(config, 5, sorted(seen))
+
+
+def test_a_task_file_attempt_draws_a_quarter_of_its_tasks_no_earlier_attempt_read(tmp_path):
+    # 16 tasks of 16 hidden functions (a unit is a task's function: two tasks of one function
+    # go to the same attempt or neither).
+    by_function = {t.function_id: t for t in tasks.generate_tasks("heldout", 200, seed=5)}
+    path = tmp_path / "heldout.jsonl"
+    with path.open("w") as f:
+        for i, t in enumerate(list(by_function.values())[:16]):
+            f.write(json.dumps({**t.to_record(), "task_id": f"mine-{i}"}) + "\n")
+    config = _config(**{"tasks.heldout_source": str(path), "eval.num_tasks": 8})
+    draws, seen = _attempts(config, (1, 2, 3, 4))
+    assert [len(d) for d in draws] == [4] * 4  # a quarter of 16 each (eval.num_tasks 8)
+    assert sorted(t.task_id for d in draws for t in d) == sorted(f"mine-{i}" for i in range(16))
+    assert protocol.units_of(protocol.draw_tasks(config, 1, [])) == protocol.units_of(draws[0])
+    with pytest.raises(registry.RegistryError, match="0 task\\(s\\) are left"):
+        protocol.draw_tasks(config, 5, sorted(seen))
