@@ -446,53 +446,27 @@ def play_episodes(
       The finished episodes, in the order of `tasks`.
     """
     with sampler.lock:  # the engine is this call's until its last turn
-        return _play(
-            sampler,
-            params,
-            renderer,
-            env_factory,
-            tasks,
-            config,
-            rng,
-            group_ids,
-            hint_before_every_turn,
-            stream_ids,
-        )
+        sampler.load(params)
+        episodes = bookkeeping._start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
+        for ep in episodes:
+            ep.weight_sync_s = sampler.last_sync_s
+        hint_ids: list[int] = []
+        if hint_before_every_turn and episodes:  # as rollout.play_episodes
+            every = [r.name for r in episodes[0].env.requirements]
+            hint_ids = renderer.render_message(hint_message(episodes[0].env.hint(every)))
+        extra = len(hint_ids) + len(renderer.assistant_header()) + 1  # + a cut turn's close
 
+        def room(ep: Episode) -> int:
+            return config.max_total_tokens - len(ep.tokens) - extra
 
-def _play(
-    sampler,
-    params,
-    renderer,
-    env_factory,
-    tasks,
-    config,
-    rng,
-    group_ids,
-    hint_before_every_turn,
-    stream_ids,
-) -> list[Episode]:
-    sampler.load(params)
-    episodes = bookkeeping._start_episodes(renderer, env_factory, tasks, group_ids, stream_ids)
-    for ep in episodes:
-        ep.weight_sync_s = sampler.last_sync_s
-    hint_ids: list[int] = []
-    if hint_before_every_turn and episodes:  # as rollout.play_episodes
-        every = [r.name for r in episodes[0].env.requirements]
-        hint_ids = renderer.render_message(hint_message(episodes[0].env.hint(every)))
-    extra = len(hint_ids) + len(renderer.assistant_header()) + 1  # + the slot to close a cut turn
-
-    def room(ep: Episode) -> int:
-        return config.max_total_tokens - len(ep.tokens) - extra
-
-    bookkeeping._check_room(episodes, room, config)
-    loop = _Loop(sampler, renderer, config, hint_ids, room, _key_hash(rng), next(_CALLS))
-    for i, ep in enumerate(episodes):
-        loop.submit_turn(i, ep)
-    workers = max(1, config.env_workers)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        _drive(loop, episodes, pool)
-    return episodes
+        bookkeeping._check_room(episodes, room, config)
+        loop = _Loop(sampler, renderer, config, hint_ids, room, _key_hash(rng), next(_CALLS))
+        for i, ep in enumerate(episodes):
+            loop.submit_turn(i, ep)
+        workers = max(1, config.env_workers)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            _drive(loop, episodes, pool)
+        return episodes
 
 
 def _engine_failed(ep: Episode, message: str, hint_len: int) -> None:
