@@ -30,6 +30,7 @@ from tg_jax.evaluation.plots import (
     curve_file,
     curve_groups,
 )
+from tg_jax.evaluation.step_phases import phases_section
 
 
 def _verdict_section(res: dict[str, Any]) -> list[str]:
@@ -301,6 +302,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         diagnostic_section,
         side_effects_section,
         costs_section,
+        phases_section,
         _stability_section,
         _leakage_section,
         budget_section,

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from tg_jax import paths
-from tg_jax.evaluation import stability, stats
+from tg_jax.evaluation import stability, stats, step_phases
 from tg_jax.evaluation.markdown import render_markdown
 from tg_jax.evaluation.md_budget import budget_check
 from tg_jax.evaluation.md_costs import COST_KEYS
@@ -195,6 +195,7 @@ def compute_results(
                 for k in COST_KEYS
                 if all(k in r.costs for r in rs)
             },
+            "step_phases": step_phases.phase_shares(train),
         }
     refs = reference_runs or {}
     compare = functools.partial(
@@ -312,6 +313,7 @@ def write_report(
     plot_curves(res, out_dir)
     plot_differences(res, out_dir)
     plot_tuning(res, out_dir)
+    step_phases.plot_phases(res, out_dir)
     (paths.as_path(out_dir) / REPORT_FILE).write_text(render_markdown(res))
     return res
 
