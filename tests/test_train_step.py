@@ -154,7 +154,9 @@ def test_no_failed_turn_or_empty_hint_gives_exactly_zero_tg():
         loss_off, _, grads_off = _loss_and_grad(cfg_off, batch)
         assert float(sums["tg_loss"]) == 0.0 and float(sums["tg_kl"]) == 0.0
         assert float(loss) == float(loss_off)
-        _tree_close(grads, grads_off, atol=0.0)
+        # Two programs (the TG term compiled in or not): equal to float32 rounding, as the
+        # compiler orders their sums (tests/compile_settings.py).
+        _tree_close(grads, grads_off, atol=1e-8, rtol=1e-6)
 
 
 @pytest.mark.slow
