@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from tests import rl_loop_driver as driver
-from tg_jax import config_files, replay
+from tg_jax import config_files, replay, tracing
 from tg_jax.models import ModelConfig, hf_dir
 from tg_jax.notebook import dump_view
 from tg_jax.rl.batch import build_batch
@@ -91,8 +92,13 @@ def test_a_run_dumps_every_step_and_each_step_replays(tmp_path):
                  "rl_loop.profile_steps": (2, 2)}  # fmt: skip
     config = config_files.apply_overrides(driver.make_config(steps=2), overrides)
     params = driver.initial_params(config)
+    traced = tracing.trace_count("rl_train_step")
     rl.run_rl(config, str(tmp_path), params, arm_name="tg", seed=0,
               sources=driver.make_sources())  # fmt: skip
+    # The step was traced (and compiled) once per batch shape the steps had, no more.
+    shapes = {tuple(np.shape(x) for x in jax.tree.leaves(rollout_dump.read_batch(
+        rollout_dump.dump_path(str(tmp_path), step)))) for step in (1, 2)}  # fmt: skip
+    assert tracing.trace_count("rl_train_step") - traced == len(shapes)
     rows = int(config.rl_loop.groups_per_step) * int(config.rl_loop.rollouts_per_group)
     for step in (1, 2):
         recs = rollout_dump.read_dump(rollout_dump.dump_path(str(tmp_path), step))

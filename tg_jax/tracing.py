@@ -34,6 +34,7 @@ docs/design.md (section "Threads") lists every object the threads share and how 
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from collections.abc import Callable
@@ -53,12 +54,32 @@ def serial_execution() -> bool:
     return _serial
 
 
+# Traces per jitted function's name, since the process started (every trace holds
+# TRACE_LOCK): a test asserts that a loop of steps traced (so compiled) its step as often as
+# its inputs' shapes changed, and no more.
+TRACES: collections.Counter[str] = collections.Counter()
+
+
+def trace_count(name: str) -> int:
+    """How many times functions named `name` were traced by `jit` in this process."""
+    with TRACE_LOCK:
+        return TRACES[name]
+
+
 class Jitted:
     """`jax.jit(fn, **kwargs)` whose calls (and `lower`, `trace`, `eval_shape`) hold
-    TRACE_LOCK; every other attribute is the jitted function's (e.g. `_cache_size`)."""
+    TRACE_LOCK; every other attribute is the jitted function's (e.g. `_cache_size`). Each
+    trace of `fn` counts in `TRACES` under its name."""
 
     def __init__(self, fn: Callable[..., Any], **jit_kwargs: Any):
-        self._jitted = jax.jit(fn, **jit_kwargs)
+        name = getattr(fn, "__name__", repr(fn))
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            TRACES[name] += 1
+            return fn(*args, **kwargs)
+
+        self._jitted = jax.jit(counted, **jit_kwargs)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
