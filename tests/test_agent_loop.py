@@ -329,6 +329,16 @@ def test_unusable_engine_output_ends_the_episode_and_drops_its_group(setup):
         np.testing.assert_array_equal(got[i].tokens, want[i].tokens)
     kept = drop_engine_errors(got)
     assert [t.group_id for t in kept] == [0, 0] and kept[0].info["engine_error_groups"] == 1
+    (dropped,) = kept[0].info["dropped_groups"]  # lineage: the group and why
+    assert dropped["group_id"] == 1 and dropped["task_ids"] == sorted(
+        {got[2].task_id, got[3].task_id}
+    )
+    assert dropped["why"].startswith("engine_error: ") and "non-finite" in dropped["why"]
+    # Each turn's engine request (the failed episode's too: its taken-back turn's request last),
+    # and the process that sampled it.
+    assert [len(t.info["request_ids"]) for t in got] == [2, 2, 2, 2]
+    assert [t.num_turns for t in got] == [2, 2, 1, 2]
+    assert {t.info["sampler_process"] for t in got} == {0}
     assert rollout_metrics(kept)["rollout/engine_error_groups"] == 1.0
     assert rollout_metrics(kept)["rollout/end/engine_error"] == 0.0
     with pytest.raises(RuntimeError, match="every rollout group"):

@@ -46,9 +46,14 @@ def test_dump_of_a_step_reads_back(tmp_path):
                         requirement_names=("fence",),
                         pad_to_multiple=8, batch_multiple=4, max_teacher_rows=4)  # fmt: skip
     assert batch.valid_B.tolist() == [True, True, False, False]  # two padding rows
+    dropped = {"group_id": 9, "task_ids": ["t9"], "why": "engine_error: non-finite logits"}
+    trajs[0].info["dropped_groups"] = [dropped]  # as drop_engine_errors leaves it
     rollout_dump.dump_step(config, str(tmp_path), 7, trajs, batch)
     recs = rollout_dump.read_dump(rollout_dump.dump_path(str(tmp_path), 7))
     assert [r["row"] for r in recs] == [0, 1]  # the padding rows are not written
+    with open(tmp_path / rollout_dump.DUMP_DIR / "step_7.dropped.json") as f:
+        assert json.load(f) == [dropped]
+    assert (recs[0]["sampler_process"], recs[0]["request_ids"]) == (0, [])  # none recorded
     a, b = recs
     assert (a["step"], a["task_id"], a["group_id"], a["policy_version"]) == (7, "t5", 5, 3)
     np.testing.assert_array_equal(a["tokens_T"], np.arange(10, 17))
@@ -106,6 +111,8 @@ def test_a_run_dumps_every_step_and_each_step_replays(tmp_path):
         for r in recs:  # the sampled tokens carry their log-probs, and only they
             sampled = r["behaviour_logprobs_T"] != 0
             assert sampled.any() and not (sampled & (r["loss_mask_T"] == 0)).any()
+            # Lineage: the sampling process and one engine request per turn.
+            assert r["sampler_process"] == 0 and len(r["request_ids"]) == len(r["verdicts_KxR"])
             assert r["policy_version"] == step - 1  # synchronous sampling: the last update
     # rl_loop.profile_steps: step 2's trace, the train step's program and the step's marker in
     # it (the plugin's layout: <run>/profile/plugins/profile/<time>/<host>.xplane.pb).

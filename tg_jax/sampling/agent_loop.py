@@ -313,6 +313,7 @@ class _Loop:
         ep.append(self.renderer.assistant_header(), Role.PROMPT)
         turn = len(ep.turn_starts) - 1
         rid, parent = (self.call, i, turn), self.last.get(i)
+        ep.request_ids.append(str(rid))  # lineage: the engine request of each turn
         if self.config.hide_thinking:  # a fresh, visible context; the last turn's pages stay
             parent = None  # until this one is done (finish_turn), for prefix sharing
         prompt = ep.tokens if parent is None else ep.tokens[self.known[i] :]

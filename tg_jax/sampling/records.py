@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from tg_jax.envs import leakage
@@ -112,6 +113,10 @@ def to_trajectory(
         "sampled_tokens": int(sum(t >= 0 for t in ep.turn_ids)),
         "prefill_tokens": ep.prefill_tokens,
         "weight_sync_s": ep.weight_sync_s,
+        # Lineage: the process that sampled it and the engine requests of its turns
+        # (`rl_loop.dump_rollouts` keeps them; none from the lock-step sampler).
+        "sampler_process": jax.process_index(),
+        "request_ids": list(ep.request_ids),
         "steps": ep.step_infos,
         # Requirements met where they never applied (`Requirement.conditional`).
         "conditional_requirements": conditional_names(ep.env),

@@ -298,6 +298,15 @@ def drop_engine_errors(trajectories: list[Trajectory]) -> list[Trajectory]:
             f"{next(t.info.get('env_error') for t in trajectories if t.group_id in bad)}"
         )
     kept[0].info["engine_error_groups"] = len(bad)
+    kept[0].info["dropped_groups"] = [  # lineage: what was dropped, and why
+        {
+            "group_id": int(g),
+            "task_ids": sorted({str(t.task_id) for t in trajectories if t.group_id == g}),
+            "why": "engine_error: "
+            + next(str(t.info.get("env_error", "")) for t in trajectories if t.group_id == g),
+        }
+        for g in sorted(bad)
+    ]
     return kept
 
 

@@ -4,7 +4,11 @@ With `rl_loop.dump_rollouts`, step N's batch goes to <run>/rollouts/step_<N>.arr
 before its train step (process 0 writes): one record per real batch row (an episode; with
 `rl_loop.hide_thinking`, one turn's segment), a msgpack dict (`flax.serialization`):
 
-  step, row, task_id, group_id, policy_version   where the row came from
+  step, row, task_id, group_id, policy_version   where the row came from: the batch of step N
+  sampler_process, request_ids                   trains policy version N-1 into version N; the
+                                                 process that sampled the row and the engine
+                                                 request of each of its turns (lineage; none
+                                                 from the lock-step sampler)
   tokens_T, roles_T, turn_ids_T                  the row's tokens (T: its length, no padding)
   behaviour_logprobs_T, loss_mask_T, tg_mask_T,  per target, at the position that predicts it
   requirement_ids_T, advantages_T                (the batch's convention: position t predicts
@@ -19,6 +23,7 @@ before its train step (process 0 writes): one record per real batch row (an epis
   requirement_names, hints                       the names; {requirement: hint message ids}
   rewards, reward                                {component: reward}, their weighted sum
 
+Groups the step dropped (unusable engine output) are listed with why in step_<N>.dropped.json.
 Beside each file, step_<N>.batch.msgpack holds the whole `Batch` the train step read (padding
 rows, teacher rows and all), and rollouts/run_config.py the run's config as a Python literal
 (written with the first dump): with a checkpoint, `python -m tg_jax.replay` re-scores the step
@@ -71,6 +76,9 @@ def dump_step(
         tmp.write_text(pprint.pformat(config.to_dict()) + "\n")
         tmp.replace(config_path)
     write_batch(batch_path(path), batch)
+    dropped = [d for t in trajectories for d in t.info.get("dropped_groups", ())]
+    if dropped:
+        paths.write_json_atomic(path.removesuffix(".array_record") + ".dropped.json", dropped)
     write_records(path, records)
 
 
@@ -154,6 +162,8 @@ def step_records(
                 "task_id": str(traj.task_id),
                 "group_id": int(host["group_ids_B"][b]),
                 "policy_version": int(host["policy_version_B"][b]),
+                "sampler_process": int(traj.info.get("sampler_process", 0)),
+                "request_ids": [str(r) for r in traj.info.get("request_ids", ())],
                 "tokens_T": host["tokens_BxT"][b, :n].astype(np.int32),
                 "roles_T": np.asarray(traj.roles, np.int8)[:n],
                 "turn_ids_T": np.asarray(traj.turn_ids, np.int32)[:n],
