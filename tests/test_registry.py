@@ -239,3 +239,28 @@ def test_the_projects_registry_reads_with_what_each_attempt_spent():
     for key, e in entries.items():  # the migration recorded what each spent
         assert "spent" in e, key
         assert e["spent"] == pytest.approx(registry.spent(e), abs=1e-6), key
+
+
+def test_a_claim_with_attempts_from_before_derived_keys_is_not_restarted(tmp_path):
+    """Attempts registered before derived keys read a fixed held-out set: a first derived
+    attempt under their label, candidate and baseline would restart their spent alpha on
+    tasks they read. Refused; another candidate (another claim) registers."""
+    reg = tmp_path / "preregistrations.jsonl"
+    legacy = {"id": "h#1", "hypothesis": "h", "candidate": "tg", "baseline": "grpo",
+              "margin": -0.05, "level": 0.95,
+              "outcome": {"verdict": "fail", "level": 0.95}}  # fmt: skip
+    reg.write_text(json.dumps(legacy) + "\n")
+    with pytest.raises(registry.RegistryError, match=r"1 attempt\(s\) of 'legacy:h' from before "
+                       r"derived claim keys \(h#1; one-sided alpha spent 0.02500\)"):  # fmt: skip
+        _register(reg, "sha", PARTS)
+    assert len(_lines(reg)) == 1  # nothing appended
+    other = {**PARTS, "candidate": "tg_think"}
+    ev = _Ev(hypothesis="h", registry=str(reg), earlier=())
+    record = {"candidate": "tg_think", "baseline": "grpo", "margin": -0.05, "level": 0.95}
+    entry = registry.register(ev, record, "sha", "w", other, lambda seed, ex: ([f"u{seed}"], 4))
+    assert entry["attempt"] == 1 and len(_lines(reg)) == 2
+    # The project's registry: the default claim's two attempts from before derived keys.
+    entries = registry.read(os.path.join(REPO, "docs", "preregistrations.jsonl"))
+    record = {"candidate": "tg", "baseline": "grpo"}
+    with pytest.raises(registry.RegistryError, match=r"2 attempt\(s\) of 'legacy:default/tg-vs"):
+        registry._check_no_legacy(entries, "c", "default/tg-vs-grpo", record)

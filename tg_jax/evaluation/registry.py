@@ -241,6 +241,35 @@ def check(ev: Any, workdir: str) -> None:
         )
 
 
+def _check_no_legacy(
+    entries: dict[str, dict[str, Any]], claim: str, label: str, record: dict[str, Any]
+) -> None:
+    """A first attempt of a derived claim whose label, candidate and baseline name attempts
+    registered before derived keys (keyed "legacy:<label>"): refused. Those attempts read a
+    fixed held-out set (the first eval.num_tasks tasks of the split), not a recorded draw, so
+    neither the alpha they spent nor the held-out tasks they read would carry over: the claim
+    would start afresh on tasks it has already seen."""
+    old = f"legacy:{label}"
+    ids = [
+        k
+        for k in claim_attempts(entries, old)
+        if (entries[k].get("candidate"), entries[k].get("baseline"))
+        in ((record.get("candidate"), record.get("baseline")), (None, None))
+    ]
+    if not ids:
+        return
+    spent_alpha = budget(entries, old)["spent"]
+    raise RegistryError(
+        f"claim {claim} ({label}): the registry holds {len(ids)} attempt(s) of {old!r} from "
+        f"before derived claim keys ({', '.join(ids)}; one-sided alpha spent "
+        f"{spent_alpha:.5f}). They read a fixed held-out set, not a recorded draw: their "
+        "spend and the tasks they read cannot be carried into this claim, so it would start "
+        "afresh on held-out tasks it has seen. A new claim needs held-out tasks no attempt "
+        "read (other tasks.families, or a task file) and a label of its own; else run it "
+        "unregistered (no eval.hypothesis: exploratory)"
+    )
+
+
 def register(
     ev: Any,
     record: dict[str, Any],
@@ -267,6 +296,8 @@ def register(
     for key in known:
         if entries[key].get("config") == prereg_sha256:
             return entries[key]
+    if not known:
+        _check_no_legacy(entries, claim, str(ev.hypothesis), record)
     k = len(known) + 1
     level = float(record.get("level") if record.get("level") is not None else 0.95)
     if known:
