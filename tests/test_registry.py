@@ -263,4 +263,4 @@ def test_a_claim_with_attempts_from_before_derived_keys_is_not_restarted(tmp_pat
     entries = registry.read(os.path.join(REPO, "docs", "preregistrations.jsonl"))
     record = {"candidate": "tg", "baseline": "grpo"}
     with pytest.raises(registry.RegistryError, match=r"2 attempt\(s\) of 'legacy:default/tg-vs"):
-        registry._check_no_legacy(entries, "c", "default/tg-vs-grpo", record)
+        registry._check_no_legacy(entries, [], "c", "default/tg-vs-grpo", record)

@@ -242,7 +242,11 @@ def check(ev: Any, workdir: str) -> None:
 
 
 def _check_no_legacy(
-    entries: dict[str, dict[str, Any]], claim: str, label: str, record: dict[str, Any]
+    entries: dict[str, dict[str, Any]],
+    known: list[str],
+    claim: str,
+    label: str,
+    record: dict[str, Any],
 ) -> None:
     """A first attempt of a derived claim whose label, candidate and baseline name attempts
     registered before derived keys (keyed "legacy:<label>"): refused. Those attempts read a
@@ -250,6 +254,8 @@ def _check_no_legacy(
     neither the alpha they spent nor the held-out tasks they read would carry over: the claim
     would start afresh on tasks it has already seen."""
     old = f"legacy:{label}"
+    if known:  # the claim has derived attempts already: it was checked at its first
+        return
     ids = [
         k
         for k in claim_attempts(entries, old)
@@ -279,16 +285,15 @@ def register(
     draw: Callable[[int, list[str]], tuple[list[str], int]],
 ) -> dict[str, Any]:
     """Appends this run's registration to `ev.registry` once and returns its entry (a resumed
-    run, or a later sitting of the same attempt, finds its entry by the claim and the
-    pre-registration's sha256).
-
-    `draw(seed, exclude)` draws the attempt's held-out tasks: (their units, their count), none
-    of `exclude` (the units of the claim's earlier attempts).
+    run or a later sitting of the attempt finds its entry by the claim and the pre-registration's
+    sha256). `draw(seed, exclude)` draws the attempt's held-out tasks: (their units, their
+    count), none of `exclude` (the units of the claim's earlier attempts).
 
     Raises:
       RegistryError: the claim's alpha is spent (its share exceeds what is left), eval.level
-        differs from the alpha fixed at the first registration, or `ev.earlier` is given and
-        is not the claim's earlier attempts.
+        differs from the alpha fixed at the first registration, `ev.earlier` is given and is
+        not the claim's earlier attempts, or the label names attempts registered before derived
+        keys (`_check_no_legacy`).
     """
     claim = claim_key(parts)
     entries = read(ev.registry)
@@ -296,8 +301,7 @@ def register(
     for key in known:
         if entries[key].get("config") == prereg_sha256:
             return entries[key]
-    if not known:
-        _check_no_legacy(entries, claim, str(ev.hypothesis), record)
+    _check_no_legacy(entries, known, claim, str(ev.hypothesis), record)
     k = len(known) + 1
     level = float(record.get("level") if record.get("level") is not None else 0.95)
     if known:
