@@ -26,7 +26,9 @@ it from --reference (default: W/base_model of the run's workdir, its starting po
 
 Prints one line per figure; writes <dump stem>.replay.json (figures, logged figures,
 differences) beside the npz. A dump or checkpoint that cannot be read is one `error:` line,
-exit 2.
+exit 2. One process, local paths (copy a gs:// run's rollouts/ and checkpoints/ first); the
+run's mesh is made on this machine's devices, so another device count gives the same figures
+to fp32 rounding.
 """
 
 from __future__ import annotations
