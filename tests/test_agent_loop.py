@@ -138,6 +138,36 @@ def test_an_environment_that_raises_ends_only_its_episode(setup):
     assert fine.info["termination"] == "max_tokens" and fine.num_turns == 2
 
 
+class _SlowTools(CodingEnv):
+    """Each tool call takes 0.25 s (the engine has nothing else to run meanwhile)."""
+
+    def step(self, text):
+        time.sleep(0.25)
+        return super().step(text)
+
+
+def test_an_engine_call_splits_its_time_into_engine_work_and_waiting_on_tools(setup):
+    from tg_jax.train.rl_rollouts import rollout_metrics
+
+    _, params, _, runner = setup
+    config = RolloutConfig(max_new_tokens=12, max_total_tokens=MAX_TOTAL, temperature=0.0)
+    t0 = time.perf_counter()
+    slow = lambda: _SlowTools(CodingEnvConfig(max_turns=2))  # noqa: E731
+    trajs = rollout_groups(runner, params, RENDERER, slow, TASKS[:1], rollouts_per_task=2,
+                           config=config, rng=jax.random.key(1), policy_version=0,
+                           play=agent_loop.play_episodes)  # fmt: skip
+    wall = time.perf_counter() - t0
+    (call,) = {json.dumps(t.info["rollout_call"], sort_keys=True) for t in trajs}  # one call
+    call = json.loads(call)
+    # Two episodes of two 0.25 s tool calls each: the last round at least with the engine idle;
+    # engine work and tool waits never overlap, so they fit in the wall.
+    assert wall >= 0.5 and 0.25 <= call["tool_wait_s"] and 0 < call["engine_s"]
+    assert call["engine_s"] + call["tool_wait_s"] <= wall
+    m = rollout_metrics(trajs)
+    assert (m["time/rollout_engine_s"], m["time/rollout_tool_wait_s"]) == (
+        call["engine_s"], call["tool_wait_s"])  # fmt: skip
+
+
 def test_sampled_turns_carry_the_policy_s_logprobs_and_hinted_evaluation_runs(setup):
     """Temperature 1: the behaviour log-probs are the model's (a full forward recomputes
     them), an episode samples the same whatever shares its call (its stream ids), and the

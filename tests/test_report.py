@@ -302,17 +302,21 @@ def test_step_phases_are_the_timed_shares_of_every_step_in_the_report(tmp_path):
     def timed(wait, build, train, step, rollout):
         return {"stage": "train", "time/sample_wait_s": wait, "time/build_batch_s": build,
                 "time/train_s": train, "time/step_s": step, "time/rollout_s": rollout,
+                "time/rollout_engine_s": rollout / 2, "time/rollout_tool_wait_s": rollout / 4,
                 "time/weight_sync_s": 0.1}  # fmt: skip
 
     # Two seeds, three steps in all: step time 4 + 4 + 2 = 10 s; waits 2 + 3 + 1 = 6 s, batches
-    # 1 s, train steps 2 s, so "other" is 1 s; rollouts 6 s, syncs 0.3 s.
+    # 1 s, train steps 2 s, so "other" is 1 s; rollouts 6 s (engine 3, idle on tools 1.5),
+    # syncs 0.3 s.
     seed0 = [timed(2.0, 0.5, 1.0, 4.0, 2.0), timed(3.0, 0.25, 0.5, 4.0, 3.0), {"stage": "eval"}]
     seed1 = [timed(1.0, 0.25, 0.5, 2.0, 1.0)]
     p = step_phases.phase_shares([seed0, seed1])
     assert (p["steps"], p["step_s"]) == (3, pytest.approx(10.0 / 3))
     assert p["shares"] == pytest.approx({"waiting for rollouts": 0.6, "building the batch": 0.1,
                                          "train step": 0.2, "other": 0.1})  # fmt: skip
-    assert p["aside"] == pytest.approx({"rollout wall time": 0.6, "engine weight sync": 0.03})
+    assert p["aside"] == pytest.approx({"rollout wall time": 0.6, "engine prefill + decode": 0.3,
+                                        "engine idle on tools": 0.15,
+                                        "engine weight sync": 0.03})  # fmt: skip
     assert step_phases.phase_shares([[{"stage": "train", "step": 1}]]) == {}  # not timed
     runs = _runs()
     for r in runs:
@@ -321,5 +325,5 @@ def test_step_phases_are_the_timed_shares_of_every_step_in_the_report(tmp_path):
     assert res["arms"]["tg"]["step_phases"]["shares"]["waiting for rollouts"] == pytest.approx(0.6)
     md = (tmp_path / report.REPORT_FILE).read_text()
     (row,) = [ln for ln in md.splitlines() if ln.startswith("| tg |") and "3.33" in ln]
-    assert "| 60% | 10% | 20% | 10% | 60% | 3% |" in row
+    assert "| 60% | 10% | 20% | 10% | 60% | 30% | 15% | 3% |" in row
     assert (tmp_path / step_phases.PHASES_FILE).stat().st_size > 1000

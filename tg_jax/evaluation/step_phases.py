@@ -7,8 +7,10 @@ the trainer waits), time/build_batch_s, time/train_s (the jitted step and the we
 publication to the sampler) and time/step_s (the whole step). A phase's share is its sum over
 every step of every seed divided by the sum of time/step_s; "other" is the rest (metrics,
 costs). The rollout's own wall time (time/rollout_s, overlapping training when sampling is
-async) and the engine's weight sync (time/weight_sync_s, inside the rollout) are given as
-shares of the step time beside them. Checkpoints and periodic evaluations fall between steps
+async) and, with the built-in or vLLM engine, its split (time/rollout_engine_s in the engine's
+prefill and decode; time/rollout_tool_wait_s with no engine work while the environments run
+their tools) and the engine's weight sync (time/weight_sync_s) are given as shares of the
+step time beside them. Checkpoints and periodic evaluations fall between steps
 and are in none of them.
 """
 
@@ -27,7 +29,12 @@ PHASES = (
     ("building the batch", "time/build_batch_s"),
     ("train step", "time/train_s"),
 )
-ASIDE = (("rollout wall time", "time/rollout_s"), ("engine weight sync", "time/weight_sync_s"))
+ASIDE = (
+    ("rollout wall time", "time/rollout_s"),
+    ("engine prefill + decode", "time/rollout_engine_s"),
+    ("engine idle on tools", "time/rollout_tool_wait_s"),
+    ("engine weight sync", "time/weight_sync_s"),
+)
 PHASES_FILE = "step_phases.png"
 
 

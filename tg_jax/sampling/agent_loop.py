@@ -296,6 +296,8 @@ class _Loop:
     room: Callable[[Episode], int]
     salt: int  # _key_hash of the call's key
     call: int
+    engine_s: float = 0.0  # wall time in engine.step() (prefill and decode)
+    tool_wait_s: float = 0.0  # wall time the engine had no work, waiting on the environments
     last: dict[int, Hashable] = dataclasses.field(default_factory=dict)  # episode -> last turn
     known: dict[int, int] = dataclasses.field(default_factory=dict)  # its tokens in the engine
     pending: dict[Hashable, int] = dataclasses.field(default_factory=dict)  # request -> episode
@@ -467,6 +469,12 @@ def play_episodes(
         workers = max(1, config.env_workers)
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
             _drive(loop, episodes, pool)
+        for ep in episodes:  # the call's split of its wall time (rollout_metrics sums calls)
+            ep.call_times = {
+                "call": loop.call,
+                "engine_s": loop.engine_s,
+                "tool_wait_s": loop.tool_wait_s,
+            }
         return episodes
 
 
@@ -490,7 +498,10 @@ def _drive(
     engine, steps = loop.runner.engine, {}  # future -> (episode, text)
     while loop.pending or steps:
         if engine.has_work():
-            for done in engine.step():
+            t0 = time.perf_counter()
+            finished = list(engine.step())
+            loop.engine_s += time.perf_counter() - t0
+            for done in finished:
                 engine.result(done.request_id, 0)  # taken from step(): result() lets go
                 i = loop.pending[done.request_id]
                 text = loop.finish_turn(episodes[i], done)
@@ -503,7 +514,9 @@ def _drive(
         elif loop.pending and not steps:
             raise RuntimeError("the engine holds turns it cannot run (no admissible work)")
         elif steps:
+            t0 = time.perf_counter()
             concurrent.futures.wait(steps, return_when=concurrent.futures.FIRST_COMPLETED)
+            loop.tool_wait_s += time.perf_counter() - t0
         for future in [f for f in steps if f.done()]:
             i, text = steps.pop(future)
             ep = episodes[i]

@@ -95,6 +95,7 @@ class Episode:
     error: str = ""  # the environment error that ended it (termination "env_error")
     weight_sync_s: float = 0.0  # the rollout engine's weight sync before its call (seconds)
     request_ids: list[str] = dataclasses.field(default_factory=list)  # engine requests, per turn
+    call_times: dict[str, Any] | None = None  # the engine call's engine and tool-wait seconds
     routes: Any = None  # the rollout's routing record of its tokens (Trajectory.routed_experts)
 
     def append(self, ids: Sequence[int], role: Role, turn: int = -1, logprobs=None) -> None:

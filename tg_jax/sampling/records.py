@@ -117,6 +117,7 @@ def to_trajectory(
         # (`rl_loop.dump_rollouts` keeps them; none from the lock-step sampler).
         "sampler_process": jax.process_index(),
         "request_ids": list(ep.request_ids),
+        **({"rollout_call": dict(ep.call_times)} if ep.call_times else {}),
         "steps": ep.step_infos,
         # Requirements met where they never applied (`Requirement.conditional`).
         "conditional_requirements": conditional_names(ep.env),

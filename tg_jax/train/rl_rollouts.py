@@ -348,6 +348,22 @@ def _routed_share(trajectories: Sequence[Any]) -> float:
     return routed / max(total, 1)
 
 
+def _call_times(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """time/rollout_engine_s and time/rollout_tool_wait_s summed over the step's engine calls
+    ({} from the lock-step sampler)."""
+    calls = {}
+    for t in trajectories:
+        c = t.info.get("rollout_call")
+        if c is not None:
+            calls[(t.info.get("sampler_process", 0), c["call"])] = c
+    if not calls:
+        return {}
+    return {
+        "time/rollout_engine_s": float(sum(c["engine_s"] for c in calls.values())),
+        "time/rollout_tool_wait_s": float(sum(c["tool_wait_s"] for c in calls.values())),
+    }
+
+
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Training-time rollout statistics (host numbers, no device sync): rates per episode,
     per-requirement compliance, actions, terminations (`rollout/end/env_error`: episodes an
@@ -395,6 +411,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             "rollout/engine_error_groups": float(
                 sum(t.info.get("engine_error_groups", 0) for t in trajectories)
             ),
+            **_call_times(trajectories),  # the engine calls' engine and tool-wait seconds
             # The rollout engine's weight sync before the step's calls ("builtin", "vllm").
             "time/weight_sync_s": max(
                 [t.info.get("weight_sync_s", 0.0) for t in trajectories] or [0.0]
