@@ -131,14 +131,11 @@ class _Setup:
 
     def restore(self, directory: str, step: int) -> Any:
         """The training state saved after `step` in a run's checkpoints directory."""
-        import jax  # noqa: PLC0415
-
         from tg_jax import checkpointing  # noqa: PLC0415
+        from tg_jax.rl.train_state import abstract_train_state, make_optimizer  # noqa: PLC0415
 
-        state = self.fresh_state(None, 0)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-        )
+        optimizer = make_optimizer(self.config.optim)
+        abstract = abstract_train_state(self.model, optimizer, self.mesh, self.rules)
         reader = checkpointing.TrainingCheckpointer(directory, read_only=True, async_save=False)
         try:
             kept = sorted(reader.all_steps())

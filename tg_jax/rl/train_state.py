@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tg_jax import multihost, sharding, tracing
+from tg_jax.models import init_params
 from tg_jax.rl.step_config import OptimConfig
 
 
@@ -117,6 +118,25 @@ def train_state_shardings(
         rng=tracing.eval_shape(lambda: jax.random.key(0)),
     )
     return sharding.logical_to_shardings(abstract, mesh, rules)
+
+
+def abstract_train_state(
+    model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh, rules: sharding.Rules
+) -> TrainState:
+    """A `TrainState` of ShapeDtypeStructs with their shardings, nothing allocated: the target
+    a checkpoint is restored into."""
+    params = tracing.eval_shape(lambda k: init_params(model, k), jax.random.key(0))
+    abstract = TrainState(
+        params=params,
+        opt_state=tracing.eval_shape(optimizer.init, params),
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        rng=tracing.eval_shape(lambda: jax.random.key(0)),
+    )
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract,
+        train_state_shardings(model, optimizer, mesh, rules),
+    )
 
 
 def create_train_state(

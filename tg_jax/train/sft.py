@@ -36,10 +36,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tg_jax import checkpointing, config_files, paths, sharding, tracing
 from tg_jax.metrics import LaggedMetrics, MetricsWriter
-from tg_jax.models import ModelConfig, Transformer, forward, hf_dir, init_params
+from tg_jax.models import ModelConfig, Transformer, forward, hf_dir
 from tg_jax.progress import ProgressBar
 from tg_jax.rl.train_state import (
     TrainState,
+    abstract_train_state,
     create_train_state,
     make_lr_schedule,
     make_optimizer,
@@ -484,17 +485,7 @@ def load_sft_state(config: Any, workdir: str, model: Transformer, mesh, rules) -
       CheckpointError: no finished SFT checkpoint there (run the `sft` stage first).
     """
     optimizer = make_optimizer(sft_optimizer_config(config))
-    shardings = train_state_shardings(model, optimizer, mesh, rules)
-    params = tracing.eval_shape(lambda k: init_params(model, k), jax.random.key(0))
-    abstract = TrainState(
-        params=params,
-        opt_state=tracing.eval_shape(optimizer.init, params),
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-        rng=tracing.eval_shape(lambda: jax.random.key(0)),
-    )
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
+    abstract = abstract_train_state(model, optimizer, mesh, rules)
     step = selected_step(config, workdir)
     restored = checkpointing.restore_checkpoint(
         _checkpoint_of(config, workdir, step), abstract, step=step
