@@ -297,7 +297,7 @@ def test_the_candidate_is_tested_against_each_registered_reference(tmp_path):
 
 
 def test_step_phases_are_the_timed_shares_of_every_step_in_the_report(tmp_path):
-    from tg_jax.evaluation import step_phases
+    from tg_jax.evaluation import plots, step_phases
 
     def timed(wait, build, train, step, rollout):
         return {"stage": "train", "time/sample_wait_s": wait, "time/build_batch_s": build,
@@ -326,4 +326,4 @@ def test_step_phases_are_the_timed_shares_of_every_step_in_the_report(tmp_path):
     md = (tmp_path / report.REPORT_FILE).read_text()
     (row,) = [ln for ln in md.splitlines() if ln.startswith("| tg |") and "3.33" in ln]
     assert "| 60% | 10% | 20% | 10% | 60% | 30% | 15% | 3% |" in row
-    assert (tmp_path / step_phases.PHASES_FILE).stat().st_size > 1000
+    assert (tmp_path / plots.PHASES_FILE).stat().st_size > 1000

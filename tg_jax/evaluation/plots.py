@@ -1,4 +1,5 @@
-"""Report figures: training curves per arm group and the held-out differences forest plot.
+"""Report figures: training curves per arm group, the held-out differences forest plot, the
+learning-rate trials and where an RL step's time goes.
 
 Inputs are `tg_jax.evaluation.report.compute_results` dicts (or their results.json).
 """
@@ -197,6 +198,40 @@ def plot_tuning(res: dict[str, Any], out_dir: str) -> str | None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = os.fspath(as_path(out_dir) / TUNING_FILE)
+    _save_png(fig, path)
+    plt.close(fig)
+    return path
+
+
+PHASES_FILE = "step_phases.png"
+
+
+def plot_phases(res: dict[str, Any], out_dir: str) -> str | None:
+    """step_phases.png: one stacked bar per arm, its step's phase shares
+    (`tg_jax.evaluation.step_phases`, in the order a step runs them). None without timed
+    steps."""
+    arms = {a: v["step_phases"] for a, v in res["arms"].items() if v.get("step_phases")}
+    if not arms:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(next(iter(arms.values()))["shares"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(arms) + 1.4))
+    y, left = np.arange(len(arms))[::-1], np.zeros(len(arms))
+    for i, name in enumerate(names):
+        widths = np.asarray([100 * p["shares"][name] for p in arms.values()])
+        ax.barh(y, widths, left=left, color=f"C{i}", label=name)
+        left += widths
+    ax.set_yticks(y, [f"{a} ({p['step_s']:.2f} s)" for a, p in arms.items()])
+    ax.set_xlabel("% of an RL step")
+    ax.set_xlim(0, 100)
+    ax.legend(fontsize=8, ncol=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.set_title("Where an RL step's time goes")
+    fig.tight_layout()
+    path = os.fspath(as_path(out_dir) / PHASES_FILE)
     _save_png(fig, path)
     plt.close(fig)
     return path

@@ -46,6 +46,7 @@ from tg_jax.evaluation.plots import (  # noqa: F401 (CURVE_METRICS, curve_groups
     curve_groups,
     plot_curves,
     plot_differences,
+    plot_phases,
     plot_tuning,
 )
 from tg_jax.evaluation.report_settings import ReportSettings
@@ -313,7 +314,7 @@ def write_report(
     plot_curves(res, out_dir)
     plot_differences(res, out_dir)
     plot_tuning(res, out_dir)
-    step_phases.plot_phases(res, out_dir)
+    plot_phases(res, out_dir)
     (paths.as_path(out_dir) / REPORT_FILE).write_text(render_markdown(res))
     return res
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from tg_jax.evaluation.md_cells import table
+from tg_jax.evaluation.plots import PHASES_FILE
 
 # (name in results and plots, metric summed), in the order a step runs them.
 PHASES = (
@@ -35,7 +34,6 @@ ASIDE = (
     ("engine idle on tools", "time/rollout_tool_wait_s"),
     ("engine weight sync", "time/weight_sync_s"),
 )
-PHASES_FILE = "step_phases.png"
 
 
 def phase_shares(train_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
@@ -61,7 +59,7 @@ def phase_shares(train_records: Sequence[Sequence[dict[str, Any]]]) -> dict[str,
 
 
 def phases_section(res: dict[str, Any]) -> list[str]:
-    """report.md's table of each arm's phase shares (and the plot, when written)."""
+    """report.md's table of each arm's phase shares, and the plot (`plots.plot_phases`)."""
     arms = {a: v["step_phases"] for a, v in res["arms"].items() if v.get("step_phases")}
     if not arms:
         return []
@@ -87,36 +85,3 @@ def phases_section(res: dict[str, Any]) -> list[str]:
             "",
         ]
     )
-
-
-def plot_phases(res: dict[str, Any], out_dir: str) -> str | None:
-    """step_phases.png: one stacked bar per arm, its step's phase shares."""
-    arms = {a: v["step_phases"] for a, v in res["arms"].items() if v.get("step_phases")}
-    if not arms:
-        return None
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    from tg_jax.evaluation.plots import _save_png  # noqa: PLC0415
-    from tg_jax.paths import as_path  # noqa: PLC0415
-
-    names = [n for n, _ in PHASES] + ["other"]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(arms) + 1.4))
-    y, left = np.arange(len(arms))[::-1], np.zeros(len(arms))
-    for i, name in enumerate(names):
-        widths = np.asarray([100 * p["shares"][name] for p in arms.values()])
-        ax.barh(y, widths, left=left, color=f"C{i}", label=name)
-        left += widths
-    labels = [f"{a} ({p['step_s']:.2f} s)" for a, p in arms.items()]
-    ax.set_yticks(y, labels)
-    ax.set_xlabel("% of an RL step")
-    ax.set_xlim(0, 100)
-    ax.legend(fontsize=8, ncol=len(names), loc="upper center", bbox_to_anchor=(0.5, -0.35))
-    ax.set_title("Where an RL step's time goes")
-    fig.tight_layout()
-    path = str(as_path(out_dir) / PHASES_FILE)
-    _save_png(fig, path)
-    plt.close(fig)
-    return path
