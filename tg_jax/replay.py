@@ -8,8 +8,8 @@ A run with `rl_loop.dump_rollouts` writes each step's batch and its config
 params the checkpoint gives for the policy before the step, and reads:
   * the step's metrics as the trainer computes them (loss, pg_loss, tg_kl, grad_norm,
     logprob_mismatch_mean, ...): the same jitted train step (`make_train_step`), its update
-    thrown away; beside them the metrics the run logged for that step (metrics.jsonl), and
-    the largest difference;
+    thrown away; beside them the metrics the run logged for that step (metrics.jsonl), each
+    with its absolute difference;
   * per token: the student's log-prob of each target, its entropy, the divergence D_t to the
     hinted teacher on the TG mask M (0 elsewhere, and without TG), with the dump's tokens,
     behaviour log-probs and masks, in
@@ -57,7 +57,7 @@ flags.mark_flags_as_required(["dump", "checkpoint"])
 BATCH_ARRAYS = ("tokens_BxT", "behaviour_logprobs_BxT", "loss_mask_BxT", "tg_mask_BxT", "valid_B")
 
 
-def dump_step(dump: str) -> int:
+def step_of(dump: str) -> int:
     """N of a dump file step_<N>.array_record."""
     m = re.fullmatch(r"step_(\d+)\.array_record", os.path.basename(os.fspath(dump)))
     if m is None:
@@ -206,15 +206,15 @@ def token_arrays(setup: _Setup, params: Any, batch: Any, teacher_params: Any) ->
 
 
 def replay(dump: str, checkpoint: str, reference: str | None = None) -> dict[str, Any]:
-    """The module docstring's replay; returns {"step", "state", "metrics", "logged",
-    "max_abs_diff", "npz", "json"} and writes the npz and JSON beside the dump."""
+    """The module docstring's replay; returns {"step", "checkpoint", "state", "metrics",
+    "logged", "abs_diff", "npz", "json"} and writes the npz and JSON beside the dump."""
     import jax  # noqa: PLC0415
 
     from tg_jax import multihost, sharding  # noqa: PLC0415
     from tg_jax.rl.loss import reference_teacher_params  # noqa: PLC0415
     from tg_jax.train import rollout_dump  # noqa: PLC0415
 
-    step = dump_step(dump)
+    step = step_of(dump)
     try:
         config = rollout_dump.read_run_config(dump)
         batch = rollout_dump.read_batch(dump)
@@ -228,8 +228,8 @@ def replay(dump: str, checkpoint: str, reference: str | None = None) -> dict[str
     state, source = _initial_state(setup, checkpoint, step - 1)
     ref_params = None
     if setup.step_config.needs_reference:
-        reference = reference or os.path.join(os.path.dirname(_run_dir(dump)), "..", "base_model")
-        ref_params = setup.load_params(os.path.normpath(reference))
+        workdir = os.path.dirname(os.path.dirname(_run_dir(dump)))  # W of W/runs/<run>
+        ref_params = setup.load_params(reference or os.path.join(workdir, "base_model"))
     params = jax.tree.map(lambda x: x.copy(), state.params)  # the step donates the state
     tokens = token_arrays(
         setup, params, batch, reference_teacher_params(setup.step_config.tg, ref_params)
@@ -240,7 +240,6 @@ def replay(dump: str, checkpoint: str, reference: str | None = None) -> dict[str
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     logged = logged_metrics(dump, step)
     diffs = {k: abs(metrics[k] - float(logged[k])) for k in metrics if k in logged}
-    stem = os.fspath(dump).removesuffix(".array_record")
     out = {
         "step": step,
         "checkpoint": checkpoint,
@@ -248,8 +247,8 @@ def replay(dump: str, checkpoint: str, reference: str | None = None) -> dict[str
         "metrics": metrics,
         "logged": {k: logged[k] for k in diffs},
         "abs_diff": diffs,
-        "npz": f"{stem}.replay.npz",
-        "json": f"{stem}.replay.json",
+        "npz": rollout_dump.beside(dump, rollout_dump.REPLAY_SUFFIXES[0]),
+        "json": rollout_dump.beside(dump, rollout_dump.REPLAY_SUFFIXES[1]),
     }
     if multihost.is_primary():
         host = {k: np.asarray(getattr(batch, k)) for k in BATCH_ARRAYS}

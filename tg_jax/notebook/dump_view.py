@@ -40,7 +40,7 @@ def find_dumps(workdir: str) -> list[str]:
 
 def load_step(path: str) -> DumpedStep:
     """The records of a dump file and its replay's arrays where there is one."""
-    npz = os.fspath(path).removesuffix(".array_record") + ".replay.npz"
+    npz = rollout_dump.beside(path, rollout_dump.REPLAY_SUFFIXES[0])
     replay = dict(np.load(npz)) if os.path.exists(npz) else None
     return DumpedStep(path, rollout_dump.read_dump(path), replay)
 

@@ -49,6 +49,8 @@ from tg_jax import multihost, paths
 
 DUMP_DIR = "rollouts"
 BATCH_SUFFIX = ".batch.msgpack"
+DROPPED_SUFFIX = ".dropped.json"
+REPLAY_SUFFIXES = (".replay.npz", ".replay.json")  # written by `python -m tg_jax.replay`
 CONFIG_FILE = "run_config.py"
 
 
@@ -78,13 +80,18 @@ def dump_step(
     write_batch(batch_path(path), batch)
     dropped = [d for t in trajectories for d in t.info.get("dropped_groups", ())]
     if dropped:
-        paths.write_json_atomic(path.removesuffix(".array_record") + ".dropped.json", dropped)
+        paths.write_json_atomic(beside(path, DROPPED_SUFFIX), dropped)
     write_records(path, records)
+
+
+def beside(dump: str, suffix: str) -> str:
+    """The file `suffix` names beside a step's dump file: step_<N><suffix>."""
+    return os.fspath(dump).removesuffix(".array_record") + suffix
 
 
 def batch_path(dump: str) -> str:
     """The whole-batch file beside a step's dump file."""
-    return os.fspath(dump).removesuffix(".array_record") + BATCH_SUFFIX
+    return beside(dump, BATCH_SUFFIX)
 
 
 def write_batch(path: str, batch: Any) -> None:
