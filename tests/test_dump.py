@@ -170,3 +170,15 @@ def test_profile_steps_other_than_first_and_last_are_refused(steps):
     with pytest.raises(ValueError, match=r"rl_loop.profile_steps must be \(\) or \(first, last\)"):
         LoopConfig(profile_steps=steps)
     assert LoopConfig(profile_steps=(2, 2)).profile_steps == (2, 2)
+
+
+def test_a_dump_the_replay_cannot_use_is_one_usage_error_before_any_work(tmp_path):
+    from tg_jax.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--dump .*notes.txt: not a step's dump file"):
+        replay.replay(str(tmp_path / "notes.txt"), str(tmp_path))
+    # A step's records without the batch and config the replay reads (an older dump).
+    dump = rollout_dump.dump_path(str(tmp_path), 3)
+    rollout_dump.write_records(dump, [])
+    with pytest.raises(UsageError, match=r"cannot read the step's batch or the run's config"):
+        replay.replay(dump, str(tmp_path))
