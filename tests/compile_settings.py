@@ -31,7 +31,7 @@ import os
 IN_PROCESS_CACHE = "pytest_processes"
 
 
-def _jaxlib_minor() -> tuple[int, int]:
+def _jaxlib_version() -> tuple[int, int]:
     major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
     return int(major), int(minor)
 
@@ -40,7 +40,7 @@ QUICK_XLA_FLAGS = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
     "--xla_cpu_parallel_codegen_split_count=1",
-    *(("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_minor() < (0, 11) else ()),
+    *(("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_version() < (0, 11) else ()),
 )
 
 

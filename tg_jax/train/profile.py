@@ -36,7 +36,7 @@ class StepProfile(contextlib.AbstractContextManager):
     @contextlib.contextmanager
     def step(self, done: int) -> Iterator[None]:
         """Step `done` (1-based); the trace starts before the first and stops after the last."""
-        if done == self.first or (self.first < done <= self.last and not self.tracing):
+        if self.first <= done <= self.last and not self.tracing:
             jax.profiler.start_trace(self.directory)
             self.tracing = True
         with jax.profiler.StepTraceAnnotation("rl_step", step_num=done):
