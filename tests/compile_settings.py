@@ -17,8 +17,8 @@ tg_jax.tpu.distributed.no_persistent_cache_on_cpu). The settings:
     jaxlib 0.11 (the py312 lane) has no such flag.
 A user's run keeps XLA's defaults: it trains for minutes or hours, where optimized code pays.
 Two different programs that compute the same sum may round differently under either
-setting (fusion decides the order of a reduction): the tests compare such programs to float32
-rounding, and the same program bit for bit.
+setting (fusion decides the order of a reduction): the two tests that compared such programs
+bit for bit (the TG term compiled in or not) compare them to float32 rounding.
 
 JAX keys its persistent cache on XLA_FLAGS, so the subprocesses' entries never mix with a
 user's; the pytest processes (8 devices) keep theirs in a directory of their own
