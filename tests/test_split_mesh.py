@@ -179,8 +179,8 @@ def test_sampler_axes_are_checked():
         sharding.make_sampler_mesh(cfg, jax.devices()[4:8])
 
 
-def _model_and_trainer_params():
-    config = _config(shape=(-1, 2))
+def _model_and_trainer_params(**overrides):
+    config = _config(shape=(-1, 2), **overrides)
     model = Transformer(ModelConfig.from_config(config.model))
     trainer, sampler_devices = sharding.split_devices(config, jax.devices()[:8])
     mesh = sharding.make_mesh(config.mesh, trainer)
@@ -224,6 +224,43 @@ def test_publisher_reshards_device_to_device_into_new_buffers():
         assert set(leaf.sharding.device_set) == set(sampler_devices)
     jax.tree.map(lambda x: x.delete(), params)
     for a, b in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_publisher_gives_the_sampler_a_bf16_copy_that_samples_as_fp32_does():
+    """With a bf16 compute dtype the own-mesh sampler's copy (and the staged one) holds the
+    weight matrices in bf16, norm scales in fp32: per sampler device at most half the fp32
+    copy's bytes; and a sampler samples from that copy exactly what it samples from the fp32
+    params (its matmuls cast them to bf16 anyway): same tokens, same log-probs."""
+    _needs_8_devices()
+    config, model, mesh, rules, params, sampler_devices = _model_and_trainer_params(
+        **{"model.dtype": "bfloat16"}
+    )
+    _, publish = placement.own_mesh_sampler(
+        model, 0, config.sampler_mesh, sampler_devices, list(mesh.devices.flat)
+    )
+    staged = publish.stage(params)
+    got = publish.copy(staged)
+    want = jax.device_get(params)
+    for g, s, w in zip(jax.tree.leaves(got), jax.tree.leaves(staged), jax.tree.leaves(want),
+                       strict=True):  # fmt: skip
+        assert g.dtype == s.dtype == (jnp.bfloat16 if w.ndim >= 2 else w.dtype)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w.astype(g.dtype)))
+
+    def per_device(tree):
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+                   if s.device == sampler_devices[0])  # fmt: skip
+
+    fp32 = jax.device_put(want, publish.shardings)
+    assert per_device(got) <= per_device(fp32) / 2 + 4096
+    one = Sampler(model, pad_id=0)
+    prompts = [[1, 5, 9, 13], [2, 4], [7, 7, 7], [3]]
+    kw = dict(max_new_tokens=6, temperature=1.0, rng=jax.random.key(1), row_ids=[0, 1, 2, 3])
+    ref = one.sample(want, prompts, **kw)
+    out = one.sample(jax.device_get(got), prompts, **kw)
+    for a, b in zip(ref.tokens, out.tokens, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(ref.logprobs, out.logprobs, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -7,7 +7,8 @@ Four placements (`rollout_sampler` picks one):
   own mesh      one process, num_devices N > 0: the sampler has the last N devices, on a
                 ("data", "tensor") mesh (`sharding.make_sampler_mesh`), and the trainer's mesh
                 covers the rest. Each published policy is resharded onto the sampler's
-                shardings by a `WeightPublisher`, device to device.
+                shardings by a `WeightPublisher`, device to device, its weight matrices in
+                the compute dtype (bf16 on TPU), as every placement's sampler copy.
   per process   several processes (`jax.distributed`): each samples its own share of the
                 groups on its own devices, on `config.sampler_mesh`'s ("data", "tensor")
                 mesh of them. A `HostReplicas` gives every process its copy of each
@@ -55,15 +56,20 @@ from tg_jax.sampling.sampler import Sampler
 
 
 class WeightPublisher:
-    """Trainer params -> the same params on the sampler's mesh (new buffers, device to device).
+    """Trainer params -> the same params on the sampler's mesh (new buffers, device to device),
+    the weight matrices in the model's compute dtype (`published_dtype`: bf16 on TPU), as
+    every other placement publishes them: the staged and the sampler's copies are half the
+    fp32 params' bytes, and the sampler computes exactly what it would from fp32 weights
+    (its matmuls cast them to the compute dtype anyway).
 
     Attributes:
       shardings: the sampler's NamedShardings of the params (a pytree like the params).
       staging: the same PartitionSpecs on a mesh of the trainer's devices.
     """
 
-    def __init__(self, shardings: Any, trainer_devices: Sequence[jax.Device]):
+    def __init__(self, model: nn.Module, shardings: Any, trainer_devices: Sequence[jax.Device]):
         """Args:
+        model: the policy (its compute dtype).
         shardings: the params' NamedShardings on the sampler's ("data", "tensor") mesh.
         trainer_devices: the devices the trainer's params live on.
         """
@@ -77,7 +83,7 @@ class WeightPublisher:
         staging_mesh = Mesh(devices.reshape(-1, tensor), ("data", "tensor"))
         self.staging = jax.tree.map(lambda s: NamedSharding(staging_mesh, s.spec), shardings)
         # A copy, never the input buffer itself: the train step donates the params it is given.
-        self._stage = tracing.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.staging)
+        self._stage = _published_copy(model, self.staging)
 
     def stage(self, params: Any) -> Any:
         """Step 1, in the trainer's thread: new buffers in the staging layout (dispatched)."""
@@ -94,14 +100,14 @@ class WeightPublisher:
 
 
 def published_dtype(shape: Sequence[int], dtype: Any, compute: Any) -> Any:
-    """The dtype `HostReplicas` publishes a param leaf in: weight matrices (2+ dims, floating)
-    in the compute dtype, the rest (norm scales) as they are."""
+    """The dtype a sampler's own copy holds a param leaf in: weight matrices (2+ dims,
+    floating) in the compute dtype, the rest (norm scales) as they are."""
     return compute if len(shape) >= 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 def _published_copy(model: nn.Module, out_shardings: Any) -> Callable[[Any], Any]:
     """A jitted copy of the params onto `out_shardings`, weight matrices cast to the model's
-    compute dtype on the way (`published_dtype`): `HostReplicas`' and `HostTransfer`'s."""
+    compute dtype on the way (`published_dtype`): every publisher's."""
     compute = model.config.jnp_dtype
 
     def cast(x):
@@ -278,7 +284,7 @@ def own_mesh_sampler(
     """(a sampler on its own devices' mesh, the publisher of the trainer's params onto it)."""
     mesh, rules = sharding.make_sampler_mesh(sampler_mesh_cfg, sampler_devices)
     shardings = sharding.param_partition_specs(model, mesh, rules)
-    publisher = WeightPublisher(shardings, trainer_devices)
+    publisher = WeightPublisher(model, shardings, trainer_devices)
     sampler_kw = {"mesh": mesh, "rules": rules} if mesh.devices.size > 1 else {}
     divisor = sharding.batch_divisor(mesh, rules)
     sampler = Sampler(

@@ -240,7 +240,7 @@ def compile_programs(
                 drows,
                 cache,
                 max_new,
-                weights_dtype=config.model.dtype if meshes.per_host else None,
+                weights_dtype=config.model.dtype if meshes.per_host or meshes.split else None,
             )
             label = f"sample step ({drows} rows, cache {cache})"
         elif name == "engine":
@@ -268,7 +268,7 @@ def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program
     g = engine_fit.engine_shape(config, shapes.rows, meshes.samplers, shapes.seq_len)
     mesh = engine_fit.engine_mesh(config, meshes.sampler)
     params = abstract_params(model, mesh, sharding.SAMPLER_RULES)
-    if meshes.per_host:  # a host's bf16 copy (colocated on one host: the trainer's params)
+    if meshes.per_host or meshes.split:  # its own bf16 copy (colocated: the trainer's params)
         params = in_dtype(params, config.model.dtype)
     compiled = engine_fit.compile_engine_step(config, mesh, g, params)
     if meshes.per_host or meshes.split:
@@ -295,12 +295,12 @@ def _sampler_call_rows(config: Any, rows: int, hosts: int) -> int:
 
 def _resident(config: Any, meshes: Meshes, program: str) -> int:
     """Bytes per device that stay beside a program outside it. Split layout
-    (`tg_jax.sampling.placement.WeightPublisher`): the published params (param_dtype), the
-    sampler's own copy beside the decode step, the staged copy (the sampler's specs on the
-    trainer's devices) beside the next train step. Per-host samplers (`HostReplicas`): the
-    host's bf16 copy (staged on its trainer chips) beside the train step; beside the decode
-    step the trainer's params and AdamW moments (colocated) or the next bf16 copy arriving (on
-    chips of its own). 0 when colocated on one host."""
+    (`tg_jax.sampling.placement.WeightPublisher`): the published params (weight matrices in
+    the compute dtype), the sampler's own copy beside the decode step, the staged copy (the
+    sampler's specs on the trainer's devices) beside the next train step. Per-host samplers
+    (`HostReplicas`): the host's bf16 copy (staged on its trainer chips) beside the train
+    step; beside the decode step the trainer's params and AdamW moments (colocated) or the
+    next bf16 copy arriving (on chips of its own). 0 when colocated on one host."""
     model = Transformer(ModelConfig.from_config(config.model))
     if not meshes.per_host and not meshes.split:
         return 0
@@ -312,7 +312,7 @@ def _resident(config: Any, meshes: Meshes, program: str) -> int:
     if meshes.per_host and program != "train" and not meshes.own:
         return 3 * bytes_per_device(abstract_params(model, meshes.trainer, meshes.trainer_rules))
     params = abstract_params(model, mesh, meshes.sampler_rules)
-    return bytes_per_device(in_dtype(params, config.model.dtype) if meshes.per_host else params)
+    return bytes_per_device(in_dtype(params, config.model.dtype))
 
 
 class Program(NamedTuple):
