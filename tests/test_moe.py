@@ -125,6 +125,75 @@ def test_sharded_values_and_grads_equal_single_device():
     assert float(jnp.abs(g["layers"]["mlp"]["router"]).max()) > 0  # router gets gradients
 
 
+# (config changes, mesh (data, fsdp, tensor, expert), the experts' [E, D, F] mesh axes as
+# placed): what does not divide is replicated (`sharding.fit_spec`) and the experts' shard_map
+# takes the weights as placed. The batch is split over (data, fsdp, expert) in both.
+UNEVEN = {
+    # E 6 over "expert" 4: whole experts on every device, each running its 2 rows through all
+    # of them; F split over "tensor" 2 and psum'd.
+    "6 experts over expert 4": (dict(num_experts=6), (1, 1, 2, 4), ((), ("fsdp",), ("tensor",))),
+    # D 33 over "fsdp" 2 and F 15 over "tensor" 2 whole (no all-gather, no psum over tensor);
+    # E 6 over "expert" 2 split, tokens all-gathered over it and the sum reduce-scattered.
+    "d_model 33 over fsdp 2, moe_mlp_dim 15 over tensor 2": (
+        dict(num_experts=6, d_model=33, moe_mlp_dim=15),
+        (1, 2, 2, 2),
+        (("expert",), (), ()),
+    ),
+}
+
+
+def _shard_map_in_specs(jaxpr, out):
+    """The in_specs of every shard_map in `jaxpr` and the jaxprs inside it (scan, remat)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            out.append(eqn.params["in_specs"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _shard_map_in_specs(sub, out)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(UNEVEN))
+def test_experts_that_do_not_divide_the_mesh_run_as_on_one_device(case):
+    """Issue 70: a MoE whose E, D or F does not divide its mesh axis runs (no preflight
+    refusal): logits, loss and every gradient on 8 devices equal one device's, and the
+    experts' shard_map takes the weights in the shardings they were placed with (no
+    reshard)."""
+    changes, shape, want = UNEVEN[case]
+    cfg = ModelConfig(**{**CFG, **changes}, router_aux_loss_coef=0.1, remat_policy="full")
+    model = Transformer(cfg)
+    params = init_params(model, jax.random.key(3))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (8, 9)), jnp.int32)
+    mesh_cfg = config_lib.mesh_config(shape)
+    batch_rule = ("data", "fsdp", "expert")
+    rules = tuple((n, batch_rule if n == "batch" else t) for n, t in mesh_cfg.rules)
+    mesh = sharding.make_mesh(mesh_cfg)
+    shardings = sharding.param_partition_specs(model, mesh, rules)
+    placed = {k: v.spec[1:] for k, v in shardings["layers"]["mlp"].items()}  # [L, ...] stacked
+    assert [moe_lib._entry_axes(a) for a in placed["gate_proj"]] == list(want)
+    sharded = jax.device_put(params, shardings)
+    with sharding.activation_sharding(mesh, rules):
+        jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(sharded)
+    specs = _shard_map_in_specs(jaxpr.jaxpr, [])
+    assert len(specs) == 1, specs  # the scanned layers' one MoE block
+    got = [[moe_lib._entry_axes(a) for a in s] for s in specs[0][3:]]
+    names = ("gate_proj", "up_proj", "down_proj")  # shard_map's weight arguments, in order
+    assert got == [[moe_lib._entry_axes(a) for a in placed[k]] for k in names]
+
+    ref_logits = jax.jit(lambda p: model.apply({"params": p}, tokens))(params)
+    ref_v, ref_g = _grads(cfg, params, tokens)
+    with sharding.activation_sharding(mesh, rules):
+        logits = jax.jit(lambda p: model.apply({"params": p}, tokens))(sharded)
+    v, g = _grads(cfg, sharded, tokens, mesh, rules)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(float(v), float(ref_v), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), g, ref_g)
+    assert float(jnp.abs(g["layers"]["mlp"]["gate_proj"]).max()) > 0
+
+
 @pytest.mark.slow
 def test_router_aux_loss_enters_the_rl_loss_with_its_coefficient():
     """model.router_aux_loss_coef > 0: the RL loss gains coef x the load-balancing loss of the

@@ -7,6 +7,7 @@ of 373 over "tensor" 2 (IndivisibleError before), a head_dim of 16 for vLLM's CP
 attention, a weight for a requirement the user replaced (KeyError in the first step before).
 """
 
+import dataclasses
 import types
 
 import jax
@@ -74,14 +75,29 @@ def test_every_program_replicates_what_does_not_divide(name):
     assert sum(n.startswith("the sampler:") for n in notes) == sampler, notes
 
 
-def test_moe_experts_that_do_not_divide_the_expert_axis_are_refused():
-    """6 experts over "expert" 4: the experts' shard_map takes even slices only."""
-    errors, _ = preflight.sharding_problems(
-        _cfg(experts=6), _programs(trainer={"data": 1, "fsdp": 1, "tensor": 1, "expert": 4})
-    )
-    assert len(errors) == 3  # gate, up and down projections
-    assert errors[0].startswith("model.num_experts 6 does not divide mesh axis 'expert' (4)")
-    assert "set mesh.shape" in errors[0]
+def test_moe_experts_that_do_not_divide_the_expert_axis_are_replicated_with_a_note():
+    """6 experts over "expert" 4: accepted (issue 70; refused before, when the experts'
+    shard_map took even slices only); the weights are whole over "expert", a note each."""
+    trainer = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 4}
+    errors, notes = preflight.sharding_problems(_cfg(experts=6), _programs(trainer=trainer))
+    assert errors == []
+    trainer_notes = [n for n in notes if n.startswith("the trainer:")]
+    assert len(trainer_notes) == 3, notes  # gate, up and down projections
+    for name in ("down_proj", "gate_proj", "up_proj"):
+        assert (
+            f"the trainer: ['layers']['mlp']['{name}'] dimension 1 (6) does not divide mesh "
+            "axis 'expert' (4): replicated over it (model.num_experts 6: the MoE experts' "
+            "weights)"
+        ) in trainer_notes
+    # The sampler's rules leave the experts whole and split moe_mlp 32 over "tensor" 2.
+    assert not any(n.startswith("the sampler:") for n in notes), notes
+    # d_model 66 over "fsdp" 4 and moe_mlp_dim 30 over "tensor" 4: a note naming each field.
+    cfg = dataclasses.replace(_cfg(experts=4), d_model=66, moe_mlp_dim=30)
+    trainer = {"data": 1, "fsdp": 4, "tensor": 4, "expert": 1}
+    errors, notes = preflight.sharding_problems(cfg, _programs(trainer=trainer)[:1])
+    assert errors == []
+    assert sum("(model.d_model 66: the MoE experts' weights)" in n for n in notes) == 3, notes
+    assert sum("(model.moe_mlp_dim 30: the MoE experts' weights)" in n for n in notes) == 3, notes
 
 
 def test_a_large_trainer_param_left_whole_is_refused():

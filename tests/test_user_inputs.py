@@ -1,7 +1,8 @@
 """Issue 70's three failures as a new user met them, from the same kinds of input: small
 transformers Qwen3 / Qwen3-MoE checkpoints saved by `save_pretrained` with a tokenizer trained
-here (its vocabulary not rounded: 373 tokens) and public chat templates. Each now runs, or is
-refused at start-up: exit 2, one `error:` line, well under a minute, nothing in the workdir.
+here (its vocabulary not rounded: 373 tokens; 5 experts) and public chat templates. Each now
+runs, or is refused at start-up: exit 2, one `error:` line, well under a minute, nothing in the
+workdir.
 
 The shapes across many checkpoints, without training: tests/test_preflight.py.
 """
@@ -24,8 +25,8 @@ DENSE = ModelConfig(
     mlp_dim=64, max_seq_len=512, tie_embeddings=False,
 )  # fmt: skip
 MOE = dataclasses.replace(
-    DENSE, d_model=64, num_experts=4, experts_per_token=2, moe_mlp_dim=32
-)  # Qwen3-MoE, the Qwen3-Coder format
+    DENSE, d_model=64, num_experts=5, experts_per_token=2, moe_mlp_dim=32
+)  # Qwen3-MoE, the Qwen3-Coder format; 5 experts divide no expert axis
 
 
 def model_dir(path, cfg: ModelConfig, template: str, vocab: int = 373) -> ModelConfig:
@@ -99,15 +100,25 @@ def test_head_dim_16_on_vllm_is_refused_naming_the_engine(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_a_vocabulary_of_373_runs_the_split_layout_to_its_export(tmp_path):
-    """A Qwen3-MoE checkpoint (Qwen3-Coder template) with 373 tokens through
-    `:runlocal_split` (trainer 4 + sampler 4 devices, the sampler's "tensor" 2): the
-    sampler's copy of the [373, 64] embedding raised IndivisibleError; the vocabulary is now
-    replicated over "tensor" and the run reaches its export (22 s here)."""
+def test_a_vocabulary_of_373_and_5_experts_run_the_split_layout_to_its_export(tmp_path):
+    """A Qwen3-MoE checkpoint (Qwen3-Coder template) with 373 tokens and 5 experts through
+    `:runlocal_split` (trainer 4 + sampler 4 devices, the sampler's "tensor" 2), the trainer's
+    mesh fsdp 2 x expert 2: the sampler's copy of the [373, 64] embedding raised
+    IndivisibleError, and 5 experts over "expert" 2 were refused at start-up (the experts'
+    shard_map took even slices only); the vocabulary is now replicated over "tensor", the
+    experts over "expert", and the run reaches its export (26 s here, 2 cores; 47-55 s while
+    they were shared, as long as the 4-expert, default-mesh run it replaced then)."""
     ckpt, work = tmp_path / "ckpt", tmp_path / "work"
     assert model_dir(ckpt, MOE, "qwen3_coder").vocab_size == 373
-    proc, _ = _main("configs/qwen3_coder_30b_a3b_tg.py:runlocal_split", work, ckpt, devices=8)
+    proc, _ = _main(
+        "configs/qwen3_coder_30b_a3b_tg.py:runlocal_split", work, ckpt,
+        "--config.mesh.shape=(1, 2, 1, 2)", devices=8,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "does not divide mesh axis 'tensor' (2): replicated over it" in proc.stderr
+    assert (
+        "the trainer: ['layers']['mlp']['gate_proj'] dimension 1 (5) does not divide mesh axis "
+        "'expert' (2): replicated over it (model.num_experts 5"
+    ) in proc.stderr
     assert (work / "export" / "tg_seed0" / "model.safetensors").exists()
     assert (work / "report" / "report.md").exists()

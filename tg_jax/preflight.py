@@ -8,10 +8,10 @@ config:` line, exit 2) naming the field to change:
   shardings  every program's params (the trainer's mesh, the sampler's copy, the engine's
              mesh) against the model's real shapes (`model.hf_checkpoint`'s config.json):
              a dimension that does not divide its mesh axis is replicated over it
-             (`sharding.fit_spec`, what every program does); refused are the MoE experts'
-             [E, D, F] weights that do not divide (they run under `shard_map`, which takes
-             even slices only) and, on the trainer, a large param left whole on every device
-             (as `sharding.check_params_sharded`). docs/tpu.md.
+             (`sharding.fit_spec`, what every program does; the MoE experts' [E, D, F]
+             weights too: their `shard_map` takes them as placed), a note; refused is a
+             large param the trainer would hold whole on every device (as
+             `sharding.check_params_sharded`). docs/tpu.md.
   engine     "vllm": the head dims and dtypes vLLM's attention runs on this platform
              (`vllm_engine.platform_limits`, read from the installed vllm); "builtin": a KV
              page no longer than the context, a pool that holds one whole context.
@@ -35,8 +35,8 @@ from tg_jax.errors import ConfigError
 # A trainer param of at least this many elements may not end up whole on every device
 # (`sharding.check_params_sharded`'s threshold).
 MIN_SPLIT_SIZE = 2**20
-# The MoE experts' weights run under shard_map (tg_jax.models.moe): their dims must divide.
-EXPERT_AXES = ("expert", "embed", "moe_mlp")
+# The model field of each dimension of the MoE experts' [E, D, F] weights, named in their
+# notes (replicated like any other dimension: tg_jax.models.moe takes them as placed).
 _FIELDS = {"expert": "num_experts", "embed": "d_model", "moe_mlp": "moe_mlp_dim"}
 
 
@@ -67,9 +67,9 @@ def abstract_params(model_cfg: Any) -> Any:
 def sharding_problems(
     model_cfg: Any, programs: Sequence[Program], abstract: Any = None
 ) -> tuple[list[str], list[str]]:
-    """(errors, notes) of `programs`' params for `model_cfg`: an error for each MoE expert
-    dimension and large trainer param the mesh cannot split (`check`), a note for each other
-    dimension replicated because it does not divide its mesh axis."""
+    """(errors, notes) of `programs`' params for `model_cfg`: an error for each large trainer
+    param the mesh cannot split (`check`), a note for each dimension replicated because it
+    does not divide its mesh axis (an MoE expert weight's naming its model field)."""
     from tg_jax import sharding
 
     abstract = abstract_params(model_cfg) if abstract is None else abstract
@@ -78,21 +78,14 @@ def sharding_problems(
         unfit = sharding.unfit_dims(abstract, p.axes, p.rules)
         for path, dim, size, want, kept in unfit:
             lost = [a for a in want if a not in kept]
-            where = f"{p.name}'s mesh ({p.section}.shape)"
             axis = "/".join(f"{a!r} ({p.axes[a]})" for a in lost)
             names = _logical_names(abstract, path)
-            if "expert" in names and names[dim] in EXPERT_AXES:
-                field = _FIELDS[names[dim]]
-                errors.append(
-                    f"model.{field} {size} does not divide mesh axis {axis} of {where}: the MoE "
-                    f"experts run under shard_map, which splits {path} dimension {dim} evenly "
-                    f"only; set {p.section}.shape so that axis divides {size}"
-                )
-            else:
-                notes.append(
-                    f"{p.name}: {path} dimension {dim} ({size}) does not divide mesh axis "
-                    f"{axis}: replicated over it"
-                )
+            field = _FIELDS.get(names[dim]) if "expert" in names else None
+            why = f" (model.{field} {size}: the MoE experts' weights)" if field else ""
+            notes.append(
+                f"{p.name}: {path} dimension {dim} ({size}) does not divide mesh axis {axis}: "
+                f"replicated over it{why}"
+            )
         if p.section == "mesh":
             errors += _whole_params(abstract, p, unfit)
     return errors, notes

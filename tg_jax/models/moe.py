@@ -31,9 +31,13 @@ experts (and its slice of the expert hidden size) for its batch shard, all-gathe
 "embed" (FSDP) slice of the weights, and the partial outputs are summed over the mesh
 axes that split experts and hidden units. Where those axes also split the batch, tokens
 are all-gathered over them first and the sum is a reduce-scatter back (expert parallelism
-by all-gather, no all-to-all). The router runs outside, under the compiler's automatic
-partitioning; its [D, E] weight is tiny and is replicated along E so that the softmax over
-experts needs no communication.
+by all-gather, no all-to-all). A dimension that does not divide its mesh axes (6 experts
+over "expert" 4) is split only over the axes `sharding.fit_spec` keeps, as the params were
+placed: the weights are whole over the others, which are neither gathered nor summed over
+(tokens split over such an axis stay split, each device running them through all of its
+experts). The router runs outside, under the compiler's automatic partitioning; its [D, E]
+weight is tiny and is replicated along E so that the softmax over experts needs no
+communication.
 
 Auxiliary load-balancing loss: each layer sows `router_aux_loss` (HF's Switch-style loss of
 that layer alone) and `router_load` ([2, E]: fraction of top-k assignments and mean router
@@ -50,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from tg_jax import sharding
 from tg_jax.models.config import ModelConfig
 from tg_jax.models.layers import _param
 
@@ -156,19 +161,34 @@ def experts(
 
 def _mesh_axes(logical: str) -> tuple[str, ...]:
     """Mesh axes that the active logical rules map `logical` to (empty when replicated)."""
-    spec = nn.logical_to_mesh_axes((logical,))[0]
-    if spec is None:
-        return ()
-    return (spec,) if isinstance(spec, str) else tuple(spec)
+    return _entry_axes(nn.logical_to_mesh_axes((logical,))[0])
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _weight_axes(shape_ExDxF: tuple[int, ...], mesh: Any) -> list[tuple[str, ...]]:
+    """[expert, embed, moe_mlp]: the mesh axes each dimension of the experts' [E, D, F]
+    weights is split over, as the params were placed (`sharding.logical_to_shardings`): the
+    axes the active rules give it, less those `sharding.fit_spec` replicates it over because
+    they do not divide it (6 experts over "expert" 4). Down [E, F, D] gets the same per
+    dimension (the rules are resolved in their own order, whatever the dimensions')."""
+    spec = nn.logical_to_mesh_axes(("expert", "embed", "moe_mlp"))
+    fitted = sharding.fit_spec(spec, shape_ExDxF, dict(mesh.shape))
+    return [_entry_axes(entry) for entry in fitted]
 
 
 def _sharded_experts(x_BxTxD, ids_BxTxJ, w_BxTxJ, gate, up, down, dispatch) -> Array:
-    """`experts` under shard_map on the active mesh (see the module docstring)."""
+    """`experts` under shard_map on the active mesh (see the module docstring). The weights'
+    in_specs are their real shardings (`_weight_axes`): over a mesh axis that does not divide
+    its dimension they are whole, and that axis is neither gathered nor summed over."""
     mesh = jax.sharding.get_abstract_mesh()
     batch = _mesh_axes("batch")
     if x_BxTxD.shape[0] % max(1, _size(mesh, batch)):
         batch = ()  # e.g. a single sampling row: every device takes all tokens
-    expert, embed, mlp = _mesh_axes("expert"), _mesh_axes("embed"), _mesh_axes("moe_mlp")
+    expert, embed, mlp = _weight_axes(tuple(gate.shape), mesh)
     split = expert + mlp  # axes whose devices hold different slices of the expert weights
     shared = tuple(a for a in batch if a in split)  # tokens must meet every expert slice
     summed = tuple(a for a in split if a not in shared)
