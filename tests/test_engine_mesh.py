@@ -15,7 +15,7 @@ from tg_jax import config_files, sharding
 from tg_jax.engine import Engine, Request, paged
 from tg_jax.engine.placement import engine_mesh, for_sampler
 from tg_jax.models import ModelConfig, Transformer, init_params
-from tg_jax.tpu import aot, aot_steps, hbm
+from tg_jax.tpu import aot, aot_steps, engine_fit, hbm
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -119,20 +119,25 @@ def test_aot_engine_program_has_the_configs_geometry():
     (prog,) = aot.compile_programs(cfg, devices, ["engine"], rows=8)
     # 8 episodes (rows); 100 tokens in pages of 8 -> 13 pages + the scratch page; a context
     # of 32 tokens -> tables of 4 pages.
-    assert prog.name.startswith("engine decode call (8 slots, 13 pages of 8 tokens, tables 4")
+    assert prog.name.startswith("engine decode call (8 slots, 1 token(s) a call, 13 pages of 8 ")
+    assert prog.name.endswith("tokens, tables 4 pages)")
     assert dict(prog.mesh.shape) == {"data": 4, "tensor": 2}
     pool_bytes = 14 * 8 * 2 * 2 * 2 * 16 * 2  # pages x slots x layers x (k, v) x K x H x bf16
     assert pool_bytes == paged.pool_bytes(Transformer(ModelConfig.from_config(cfg.model)), 14, 8)
     report = hbm.memory_report(prog.compiled, "engine", 2.0**30, prog.resident)
     assert report.aliased == pool_bytes // 2  # the pool, donated: half of it per device
+    geometry = engine_fit.engine_shape(aot.resolve_architecture(cfg), 8, 1, 32)
+    assert engine_fit.pool_bytes_per_device(cfg, prog.mesh, geometry) == pool_bytes // 2
     model = Transformer(ModelConfig.from_config(aot.resolve_architecture(cfg).model))
     trainer = aot.make_meshes(cfg, devices).trainer
     params = aot_steps.abstract_params(model, trainer, sharding.logical_rules(cfg.mesh))
-    assert prog.resident == 3 * hbm.bytes_per_device(params)
+    state = aot_steps.state_bytes(cfg, trainer, sharding.logical_rules(cfg.mesh))
+    assert 0 <= state - 3 * hbm.bytes_per_device(params) < 64  # params, moments, counters
+    assert prog.resident == state
     # Per host: half the episodes each, 0 = every slot at its whole context (4 pages each).
     hosts = [devices[:4], devices[4:]]
     (prog,) = aot.compile_programs(_config(), devices, ["engine"], rows=8, hosts=hosts)
-    assert prog.name.startswith("engine decode call (4 slots, 8 pages of 16 tokens, tables 2")
+    assert prog.name.startswith("engine decode call (4 slots, 1 token(s) a call, 8 pages of 16")
     assert set(prog.mesh.devices.flat) == set(devices[:4])
     weights = jax.tree.leaves(prog.compiled.args_info[0][0])  # the call's first argument
     assert {a.dtype for a in weights if len(a.shape) >= 2} == {jnp.dtype("bfloat16")}
@@ -144,4 +149,6 @@ def test_aot_engine_program_has_the_configs_geometry():
     outside = hbm.bytes_per_device(host_copy) - hbm.bytes_per_device(
         {k: v for k, v in host_copy.items() if k != "layers"}  # held by the engine's weights
     )
-    assert prog.resident == 3 * hbm.bytes_per_device(trainer) + outside > 0
+    state = aot_steps.state_bytes(_config(), meshes.trainer, meshes.trainer_rules)
+    assert 0 <= state - 3 * hbm.bytes_per_device(trainer) < 64
+    assert prog.resident == state + outside > 0

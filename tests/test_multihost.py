@@ -433,6 +433,48 @@ def test_primary_first_writes_once_and_agreed_is_process_0_s(tmp_path):
     assert (tmp_path / "shared.txt").read_text() == "0\n"
 
 
+_GATHER = """
+import numpy as np
+from tg_jax.tpu import distributed
+distributed.initialize_from_env()
+import jax
+from jax.experimental import multihost_utils
+from tg_jax import multihost
+widths = []
+real = multihost_utils.process_allgather
+def recording(x, *a, **k):
+    out = real(x, *a, **k)
+    widths.append(tuple(np.asarray(out).shape))
+    return out
+multihost_utils.process_allgather = recording
+me = jax.process_index()
+rng = np.random.default_rng(me)
+# process 0: 5 KiB; process 1: 300 KiB, over 64 KiB chunks: five gathers of [2, 65536].
+obj = {"me": me, "data": rng.integers(0, 255, 5_000 if me == 0 else 300_000, np.uint8)}
+got = multihost.allgather_objects(obj, chunk_bytes=1 << 16)
+want = [np.random.default_rng(p).integers(0, 255, n, np.uint8)
+        for p, n in ((0, 5_000), (1, 300_000))]
+assert [g["me"] for g in got] == [0, 1], got
+assert all(np.array_equal(g["data"], w) for g, w in zip(got, want)), "data differ"
+small = multihost.allgather_objects(("tiny", me), chunk_bytes=1 << 16)
+assert small == [("tiny", 0), ("tiny", 1)], small
+print("widths", widths, flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_objects_cross_hosts_a_chunk_at_a_time():
+    """`allgather_objects` between 2 processes: objects of 5 KiB and 300 KiB come back whole
+    in process order through gathers of [2, 64 KiB] (chunk_bytes 64 KiB: five of them, not
+    one [2, 512 KiB] power-of-two buffer); a small object in one [2, 4 KiB] gather."""
+    procs = _two_processes(_GATHER)
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        sizes = [(2, 1)] + [(2, 1 << 16)] * 5 + [(2, 1), (2, 4096)]  # (2, 1): the sizes
+        assert f"widths {sizes}" in out, out
+
+
 _ROLES = """
 from tg_jax.tpu import distributed
 distributed.initialize_from_env()

@@ -12,7 +12,7 @@ therefore differ from a single process:
   (a collective) and re-wrapped as arrays on the process's own mesh
   (`tg_jax.sampling.placement.HostReplicas`);
 * Python objects (rollout trajectories, the final evaluation's episodes) travel with
-  `allgather_objects`, in process order;
+  `allgather_objects`, in process order, at most `GATHER_CHUNK_BYTES` per process at a time;
 * a file every process needs is written once: `primary_first(name, fn)` runs `fn` (which
   writes the file or reuses it) on process 0, waits for it (`barrier`), then runs it on the
   others, which find the file and read it.
@@ -130,9 +130,23 @@ def process_share(n: int, index: int, count: int) -> slice:
     return slice(start, start + per + (index < extra))
 
 
-def allgather_objects(obj: Any) -> list[Any]:
+# Bytes of one process's slice of a gather: each chip holds processes x this while it runs.
+GATHER_CHUNK_BYTES = 64 << 20
+
+
+def gather_buffer(nbytes: int, chunk_bytes: int = GATHER_CHUNK_BYTES) -> int:
+    """The bytes of one process's slice of `allgather_objects`' device buffer when the
+    longest pickle is `nbytes`: a power of two from 4 KiB up to `chunk_bytes` (few compiled
+    shapes for small objects), never more (a large one goes in several gathers)."""
+    return min(int(chunk_bytes), 1 << max(12, (max(int(nbytes), 1) - 1).bit_length()))
+
+
+def allgather_objects(obj: Any, chunk_bytes: int = GATHER_CHUNK_BYTES) -> list[Any]:
     """Every process's `obj` (picklable), in process order; [obj] with one process.
 
+    The pickles cross in gathers of [processes, `gather_buffer`] bytes on every chip (a step's
+    trajectories with their routing records can be GiBs a process: they go `chunk_bytes` at a
+    time, so a chip holds processes x chunk_bytes at most, 1 GiB for 16 processes).
     A collective: every process must call it at the same point of the program.
     """
     if jax.process_count() == 1:
@@ -143,11 +157,16 @@ def allgather_objects(obj: Any) -> list[Any]:
     with tracing.TRACE_LOCK:  # collectives: one multi-device computation at a time
         sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
         sizes = sizes.reshape(-1)
-        # Power-of-two buffers: the gather compiles once per size bucket, not once per call.
-        buf = np.zeros(1 << max(12, (int(sizes.max()) - 1).bit_length()), np.uint8)
-        buf[: data.size] = data
-        rows = np.asarray(multihost_utils.process_allgather(buf))
-    return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(len(sizes))]
+        width = gather_buffer(int(sizes.max()), chunk_bytes)  # the same on every process
+        parts: list[list[np.ndarray]] = [[] for _ in sizes]
+        for start in range(0, int(sizes.max()), width):
+            buf = np.zeros(width, np.uint8)
+            piece = data[start : start + width]
+            buf[: piece.size] = piece
+            rows = np.asarray(multihost_utils.process_allgather(buf))
+            for i, size in enumerate(sizes):
+                parts[i].append(rows[i, : max(0, min(width, int(size) - start))])
+    return [pickle.loads(np.concatenate(p).tobytes()) for p in parts]
 
 
 def host_to_global(tree: Any, sharding: NamedSharding) -> Any:

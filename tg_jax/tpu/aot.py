@@ -51,6 +51,7 @@ from tg_jax import config_files, paths, sharding
 from tg_jax.models import ModelConfig, Transformer, hf_dir
 from tg_jax.models.hf_io import model_config_from_hf
 from tg_jax.sampling import placement
+from tg_jax.tpu import aot_sampling
 from tg_jax.tpu.aot_steps import (
     TrainShapes,
     abstract_params,
@@ -58,6 +59,7 @@ from tg_jax.tpu.aot_steps import (
     compile_sample_step,
     compile_tg_train_step,
     in_dtype,
+    state_bytes,
 )
 from tg_jax.tpu.hbm import bytes_per_device, hbm_bytes_per_device, memory_report
 
@@ -240,49 +242,114 @@ def compile_programs(
                 drows,
                 cache,
                 max_new,
-                weights_dtype=config.model.dtype if meshes.per_host or meshes.split else None,
+                weights_dtype=_sampler_dtype(config, meshes),
             )
             label = f"sample step ({drows} rows, cache {cache})"
-        elif name == "engine":
-            yield _engine_program(config, meshes, shapes)
+        elif name == "prompt":
+            drows = decode_rows or _sampler_call_rows(config, shapes.rows, meshes.samplers)
+            max_new = min(_config_max_new(config), shapes.seq_len // 2)
+            compiled = aot_sampling.compile_sampler_call(
+                config,
+                meshes.sampler,
+                meshes.sampler_rules,
+                drows,
+                shapes.seq_len,
+                max_new,
+                weights_dtype=_sampler_dtype(config, meshes),
+            )
+            label = f"sampler call ({drows} rows, prompts {shapes.seq_len - max_new} + {max_new})"
+        elif name in ("engine", "engine_prefill"):
+            yield _engine_program(config, meshes, shapes, prefill=name == "engine_prefill")
+            continue
+        elif name == "eval":
+            yield _eval_program(config, meshes, shapes)
             continue
         else:
-            raise ValueError(f"unknown program {name!r} (train, sample, engine)")
+            raise ValueError(f"unknown program {name!r} (one of {PROGRAMS})")
         yield Program(
             label,
             compiled,
             meshes.trainer if name == "train" else meshes.sampler,
-            _resident(config, meshes, name),
+            resident_of(config, meshes, name),
         )
 
 
-def _engine_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program:
-    """The built-in engine's decode call (`tg_jax.tpu.engine_fit`) on a host's sampler
-    devices; beside it: the trainer's params and AdamW moments where the engine shares the
-    trainer's chips on one host, else what `_resident` puts beside a sampler and the published
-    copy its weights were made from."""
+def _sampler_dtype(config: Any, meshes: Meshes) -> str | None:
+    """The dtype of the sampler's weight matrices: its own copy's compute dtype (per host, or
+    on its own devices), None where it reads the trainer's params (colocated on one host)."""
+    return config.model.dtype if meshes.per_host or meshes.split else None
+
+
+def _engine_program(
+    config: Any,
+    meshes: Meshes,
+    shapes: TrainShapes,
+    prefill: bool = False,
+    geometry: Any = None,
+    beside: int = 0,
+) -> Program:
+    """The built-in engine's decode call (prefill: its prefill call; `tg_jax.tpu.engine_fit`)
+    on a host's sampler devices, for the rollouts' geometry (or `geometry`); beside it: the
+    trainer's params and AdamW moments where the engine shares the trainer's chips on one
+    host, else what `resident_of` puts beside a sampler and the published copy its weights were
+    made from; and `beside` bytes more."""
     from tg_jax.engine import paged  # noqa: PLC0415
     from tg_jax.tpu import engine_fit  # noqa: PLC0415
 
     model = Transformer(ModelConfig.from_config(config.model))
-    g = engine_fit.engine_shape(config, shapes.rows, meshes.samplers, shapes.seq_len)
+    g = geometry or engine_fit.engine_shape(config, shapes.rows, meshes.samplers, shapes.seq_len)
     mesh = engine_fit.engine_mesh(config, meshes.sampler)
     params = abstract_params(model, mesh, sharding.SAMPLER_RULES)
-    if meshes.per_host or meshes.split:  # its own bf16 copy (colocated: the trainer's params)
+    if _sampler_dtype(config, meshes):  # its own bf16 copy (colocated: the trainer's params)
         params = in_dtype(params, config.model.dtype)
-    compiled = engine_fit.compile_engine_step(config, mesh, g, params)
+    compile_call = engine_fit.compile_engine_prefill if prefill else engine_fit.compile_engine_step
+    compiled = compile_call(config, mesh, g, params)
     if meshes.per_host or meshes.split:
         # + the published copy the engine's weights come from, less what they hold of it.
         outside = bytes_per_device(params) - bytes_per_device(paged.kept_params(model, params))
-        resident = _resident(config, meshes, "sample") + outside
+        resident = resident_of(config, meshes, "sample") + outside
     else:  # colocated: the trainer's params (published as they are) and AdamW moments
-        trainer_params = abstract_params(model, meshes.trainer, meshes.trainer_rules)
-        resident = 3 * bytes_per_device(trainer_params)
-    label = (
-        f"engine decode call ({g.slots} slots, {g.num_pages - 1} pages of {g.page_size} "
-        f"tokens, tables {g.width} pages, {g.steps} token(s) a call)"
+        resident = state_bytes(config, meshes.trainer, meshes.trainer_rules)
+    call = (
+        f"prefill call ({g.prefill_rows} rows of {g.prefill_chunk} tokens"
+        if prefill
+        else f"decode call ({g.slots} slots, {g.steps} token(s) a call"
     )
-    return Program(label, compiled, mesh, resident)
+    label = (
+        f"engine {call}, {g.num_pages - 1} pages of {g.page_size} tokens, tables {g.width} pages)"
+    )
+    return Program(label, compiled, mesh, resident + beside)
+
+
+def _eval_program(config: Any, meshes: Meshes, shapes: TrainShapes) -> Program:
+    """The evaluation's sampler call (`tg_jax.tpu.aot_sampling`): the built-in engine's decode
+    call with the evaluation's own engine, the rollouts' pool beside it; or the lock-step
+    call for the evaluation's episodes and contexts."""
+    from tg_jax.sampling import agent_loop  # noqa: PLC0415
+    from tg_jax.tpu import engine_fit  # noqa: PLC0415
+
+    rows = aot_sampling.eval_rows(config, meshes.samplers)
+    context = int(config.model.max_seq_len)
+    max_new = min(aot_sampling.eval_max_new(config), context // 2)
+    what = "periodic and final evaluation"
+    if agent_loop.engine_kind(config.rl_loop) == "builtin":
+        rollouts = engine_fit.engine_shape(config, shapes.rows, meshes.samplers, shapes.seq_len)
+        mesh = engine_fit.engine_mesh(config, meshes.sampler)
+        pool = engine_fit.pool_bytes_per_device(config, mesh, rollouts)
+        g = engine_fit.engine_shape(config, rows, 1, context)
+        p = _engine_program(config, meshes, shapes, geometry=g, beside=pool)
+        return p._replace(name=f"{what}: {p.name}, + the rollouts' pool")
+    compiled = aot_sampling.compile_sampler_call(
+        config,
+        meshes.sampler,
+        meshes.sampler_rules,
+        rows,
+        context,
+        max_new,
+        weights_dtype=_sampler_dtype(config, meshes),
+    )
+    label = f"{what}: sampler call ({rows} rows, prompts {context - max_new} + {max_new})"
+    return Program(label, compiled, meshes.sampler, resident_of(config, meshes, "sample"))
 
 
 def _sampler_call_rows(config: Any, rows: int, hosts: int) -> int:
@@ -293,26 +360,35 @@ def _sampler_call_rows(config: Any, rows: int, hosts: int) -> int:
     return min(share, cap) if cap else share
 
 
-def _resident(config: Any, meshes: Meshes, program: str) -> int:
+def resident_of(config: Any, meshes: Meshes, program: str) -> int:
     """Bytes per device that stay beside a program outside it. Split layout
     (`tg_jax.sampling.placement.WeightPublisher`): the published params (weight matrices in
     the compute dtype), the sampler's own copy beside the decode step, the staged copy (the
     sampler's specs on the trainer's devices) beside the next train step. Per-host samplers
     (`HostReplicas`): the host's bf16 copy (staged on its trainer chips) beside the train
     step; beside the decode step the trainer's params and AdamW moments (colocated) or the
-    next bf16 copy arriving (on chips of its own). 0 when colocated on one host."""
+    next bf16 copy arriving (on chips of its own). Colocated on one host: nothing beside the
+    train step; beside a sampler call the trainer's state less the params it reads."""
     model = Transformer(ModelConfig.from_config(config.model))
-    if not meshes.per_host and not meshes.split:
-        return 0
+    if not meshes.per_host and not meshes.split:  # the sampler reads the trainer's params
+        if program == "train":
+            return 0
+        trainer_params = abstract_params(model, meshes.trainer, meshes.trainer_rules)
+        return state_bytes(config, meshes.trainer, meshes.trainer_rules) - bytes_per_device(
+            trainer_params
+        )
     mesh = meshes.sampler
     if program == "train" and meshes.own:  # the staged copy: sampler specs on trainer chips
         tensor = int(meshes.sampler.shape.get("tensor", 1))
         devices = np.asarray(list(meshes.trainer.devices.flat)).reshape(-1, tensor)
         mesh = Mesh(devices, ("data", "tensor"))
     if meshes.per_host and program != "train" and not meshes.own:
-        return 3 * bytes_per_device(abstract_params(model, meshes.trainer, meshes.trainer_rules))
+        return state_bytes(config, meshes.trainer, meshes.trainer_rules)
     params = abstract_params(model, mesh, meshes.sampler_rules)
     return bytes_per_device(in_dtype(params, config.model.dtype))
+
+
+PROGRAMS = ("train", "sample", "prompt", "engine", "engine_prefill", "eval")
 
 
 class Program(NamedTuple):
@@ -333,7 +409,7 @@ def _define_flags() -> dict[str, Any]:
             "topology", "v5p:2x2x2", "TPU topology, e.g. v5p:2x4x4, v5e:4x4."
         ),
         "what": flags.DEFINE_list(
-            "what", ["train", "sample"], "Programs to compile: train, sample, engine."
+            "what", ["train", "sample"], f"Programs to compile, of {', '.join(PROGRAMS)}."
         ),
         "step": flags.DEFINE_enum(
             "step", "tg", ["tg", "lm"], "Train step: the real TG step or the LM baseline."

@@ -132,6 +132,28 @@ def abstract_tg_batch(
     )
 
 
+def state_bytes(config: Any, mesh: Mesh, rules) -> int:
+    """Bytes per device of what the trainer keeps on its chips between steps: the params and
+    the optimizer's state (`TrainState` as `train_state_shardings` places it), and the frozen
+    reference params where the step reads them (rl.kl_coef > 0, the reference teacher)."""
+    from tg_jax.rl import train_state as tst  # noqa: PLC0415
+    from tg_jax.rl.step_config import StepConfig  # noqa: PLC0415
+    from tg_jax.tpu.hbm import bytes_per_device  # noqa: PLC0415
+
+    model = Transformer(ModelConfig.from_config(config.model))
+    optimizer = tst.make_optimizer(config.optim)
+    shardings = tst.train_state_shardings(model, optimizer, mesh, rules)
+    boxed = tracing.eval_shape(
+        lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0)
+    )
+    held = (nn.unbox(boxed), nn.unbox(tracing.eval_shape(optimizer.init, boxed)))
+    held = _with_shardings(held, (shardings.params, shardings.opt_state))
+    total = bytes_per_device(held)
+    if StepConfig.from_config(config).needs_reference:
+        total += bytes_per_device(held[0])
+    return total
+
+
 def compile_tg_train_step(config: Any, mesh: Mesh, rules, shapes: TrainShapes):
     """The real RL train step as `tg_jax.train.rl` builds it (`make_train_step` on the
     trainer's mesh, the frozen reference params when rl.kl_coef > 0 or for the reference

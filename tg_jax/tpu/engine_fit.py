@@ -29,17 +29,20 @@ from tg_jax.engine import paged
 from tg_jax.engine.placement import Placement, for_sampler
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling import agent_loop
+from tg_jax.tpu import hbm
 
 
 class EngineShape(NamedTuple):
     """The compiled geometry: decode rows, tokens a page, pages in the pool (+ the scratch
-    page), page-table width, tokens a call."""
+    page), page-table width, tokens a call; a prefill call's rows and tokens a row."""
 
     slots: int
     page_size: int
     num_pages: int
     width: int
     steps: int
+    prefill_rows: int = 4
+    prefill_chunk: int = 64
 
 
 def engine_shape(config: Any, rows: int, hosts: int, context: int) -> EngineShape:
@@ -53,7 +56,13 @@ def engine_shape(config: Any, rows: int, hosts: int, context: int) -> EngineShap
         config, None, model, episodes=-(-rows // hosts), max_total_tokens=context, pad_id=0
     )
     return EngineShape(
-        runner.slots, runner.page_size, runner.num_pages, runner.max_pages, runner.decode_steps
+        runner.slots,
+        runner.page_size,
+        runner.num_pages,
+        runner.max_pages,
+        runner.decode_steps,
+        runner.prefill_rows,
+        runner.prefill_chunk,
     )
 
 
@@ -62,9 +71,9 @@ def engine_mesh(config: Any, sampler_mesh: Any) -> Any:
     return for_sampler(sampler_mesh, ModelConfig.from_config(config.model).num_kv_heads)
 
 
-def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: Any) -> Any:
-    """The compiled decode call for `geometry` on the engine's `mesh` (`engine_mesh`), its
-    params abstract arrays placed as `Placement.params` places them (module docstring)."""
+def _engine_inputs(config: Any, mesh: Any, geometry: EngineShape, params: Any):
+    """(model, the engine's weights as `Engine` holds them, its pool, its `Placement`) as
+    abstract arrays on the engine's `mesh` for `geometry`."""
     cfg = ModelConfig.from_config(config.model)
     model = Transformer(cfg)
     place = Placement(model, mesh)
@@ -92,6 +101,32 @@ def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: A
         shape = (g.num_pages, g.page_size, cfg.num_layers, cfg.experts_per_token)
         routes = jax.ShapeDtypeStruct(shape, jnp.int16, sharding=place.replicated)
     pool = paged.PagedPool((kv,) * cfg.num_layers, (kv,) * cfg.num_layers, routes)
+    return model, weights, pool, place
+
+
+def pool_bytes_per_device(config: Any, mesh: Any, geometry: EngineShape) -> int:
+    """Bytes per device of an engine's KV pool (and routing record) for `geometry`: what an
+    engine keeps on its chips between calls."""
+    cfg = ModelConfig.from_config(config.model)
+    place = Placement(Transformer(cfg), mesh)
+    g = geometry
+    kv = jax.ShapeDtypeStruct(
+        (g.num_pages, g.page_size, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype, sharding=place.kv
+    )
+    total = 2 * cfg.num_layers * hbm.bytes_per_device([kv])
+    if cfg.router_replay:
+        shape = (g.num_pages, g.page_size, cfg.num_layers, cfg.experts_per_token)
+        total += hbm.bytes_per_device(
+            [jax.ShapeDtypeStruct(shape, jnp.int16, sharding=place.replicated)]
+        )
+    return total
+
+
+def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: Any) -> Any:
+    """The compiled decode call for `geometry` on the engine's `mesh` (`engine_mesh`), its
+    params abstract arrays placed as `Placement.params` places them (module docstring)."""
+    model, weights, pool, place = _engine_inputs(config, mesh, geometry, params)
+    g = geometry
     b = g.slots
     rows = NamedSharding(mesh, PartitionSpec("data" if b % place.data == 0 else None))
 
@@ -119,4 +154,32 @@ def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: A
         return jitted.lower(model, weights, pool, rng, batch, g.steps).compile()
 
 
-__all__ = ["EngineShape", "compile_engine_step", "engine_mesh", "engine_shape"]
+def compile_engine_prefill(config: Any, mesh: Any, geometry: EngineShape, params: Any) -> Any:
+    """The compiled prefill call (`paged.prefill_chunk` as `prefill_jit` jits it, what
+    `Engine` runs for up to `prefill_rows` sequences a call, `prefill_chunk` tokens each)
+    against the widest page table, on the engine's `mesh`."""
+    model, weights, pool, place = _engine_inputs(config, mesh, geometry, params)
+    g = geometry
+    b, c = g.prefill_rows, g.prefill_chunk
+
+    def a(shape):  # host arrays as `Placement.host` places them: rows over "data"
+        rows = PartitionSpec("data" if shape[0] % place.data == 0 else None)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, rows))
+
+    jitted = tracing.jit(
+        paged.prefill_chunk, static_argnums=(0,), donate_argnums=(2,), keep_unused=True
+    )
+    with jax.set_mesh(mesh):
+        return jitted.lower(
+            model, weights, pool, a((b, c)), a((b,)), a((b,)), a((b, g.width))
+        ).compile()
+
+
+__all__ = [
+    "EngineShape",
+    "compile_engine_prefill",
+    "compile_engine_step",
+    "engine_mesh",
+    "engine_shape",
+    "pool_bytes_per_device",
+]

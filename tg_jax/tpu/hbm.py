@@ -39,6 +39,7 @@ class MemoryReport:
     code: int
     hbm: float
     resident: int = 0  # buffers the program does not see that stay on its devices meanwhile
+    estimated: bool = False  # sized from shapes, not compiled (vLLM, the trajectory gather)
 
     @property
     def total(self) -> int:
@@ -49,12 +50,16 @@ class MemoryReport:
             return f"{x / GIB:7.2f} GiB"
 
         fits = "fits" if self.total <= self.hbm else "DOES NOT FIT"
-        return (
+        head = (
             f"{self.name}: per device {g(self.total)} of {g(self.hbm)} HBM ({fits}; "
             f"{100 * self.total / self.hbm:.0f}%)\n"
-            f"  arguments {g(self.arguments)}  outputs {g(self.outputs)}  "
-            f"aliased {g(self.aliased)}  temps {g(self.temps)}  code {g(self.code)}"
-            + (f"  + resident {g(self.resident)}" if self.resident else "")
+        )
+        resident = f"  + resident {g(self.resident)}" if self.resident else ""
+        if self.estimated:
+            return f"{head}  estimated from shapes {g(self.arguments + self.temps)}{resident}"
+        return (
+            f"{head}  arguments {g(self.arguments)}  outputs {g(self.outputs)}  "
+            f"aliased {g(self.aliased)}  temps {g(self.temps)}  code {g(self.code)}{resident}"
         )
 
 
@@ -72,6 +77,11 @@ def memory_report(compiled: Any, name: str, hbm: float, resident: int = 0) -> Me
     )
 
 
+def estimate(name: str, nbytes: int, hbm: float, resident: int = 0) -> MemoryReport:
+    """The report of buffers sized from shapes (`nbytes` per device), not of a program."""
+    return MemoryReport(name, int(nbytes), 0, 0, 0, 0, hbm, resident, estimated=True)
+
+
 def bytes_per_device(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded abstract arrays (its shard of each)."""
     return sum(
@@ -85,6 +95,7 @@ __all__ = [
     "HBM_GIB_PER_CHIP",
     "MemoryReport",
     "bytes_per_device",
+    "estimate",
     "hbm_bytes_per_device",
     "memory_report",
 ]
