@@ -109,6 +109,12 @@ class LoopConfig(Section):
     `MIN_BUCKET`, 16; 1 = every power of two). Each bucket pair compiles the whole model and
     a smaller call is padded: on a CPU a model of some size decodes faster from 1
     (docs/benchmarks.md), at the price of more compilations (docs/results.md, 2026-12-05)."""
+    self_tests: bool = True
+    """Before a fresh run's first step, check on its first rollout group that the trainer's
+    log-probs do not move with the batch around a row, that the teacher sees a hint where the
+    chat template places it, and that the sampler's behaviour log-probs match the trainer's
+    (`tg_jax.train.self_tests`; ~1 s on configs/tiny.py); a drift beyond tolerance stops the
+    run with one `error:` line."""
     check_fit: bool = True
     """On a TPU backend, compile the train step and the sampler's call at start-up and refuse a
     config whose per-chip memory exceeds the chips' (`tg_jax.tpu.fit`; costs the compiles)."""

@@ -70,11 +70,12 @@ from tg_jax.metrics import RL_SUMMARY_FILE, LaggedMetrics, MetricsWriter
 from tg_jax.progress import ProgressBar
 from tg_jax.rl import hidden_thinking
 from tg_jax.rl.batch import Batch, build_batch
+from tg_jax.rl.loss import reference_teacher_params
 from tg_jax.rl.step_config import RLConfig, TGConfig
 from tg_jax.rl.tg import break_span, distill_budget, hint_copies
 from tg_jax.rl.train_state import TrainState
 from tg_jax.text import ByteTokenizer, ChatRenderer
-from tg_jax.train import memory, rl_hosts, rl_rollouts, rl_setup, rollout_dump
+from tg_jax.train import memory, rl_hosts, rl_rollouts, rl_setup, rollout_dump, self_tests
 from tg_jax.train.profile import StepProfile
 from tg_jax.train.rl_costs import Session, host_metrics, write_summary
 from tg_jax.train.rl_setup import Parts
@@ -294,7 +295,9 @@ def _train(
     source = rl_setup.rollout_source(parts, tasks, data_state["next_index"])
     try:
         source.publish(state.params, start)
-        writer = MetricsWriter(parts.workdir, use_tensorboard=bool(lc.use_tensorboard))
+        done, session.started = start, time.time()  # the setup above is not counted
+        first = _first_group(parts, source, state, start)  # self-tested: nothing written yet
+        writer = _metrics_writer(parts, first)
         lagged = LaggedMetrics(writer, stage="train")
         bar = ProgressBar(
             num_steps,
@@ -323,7 +326,6 @@ def _train(
             }
             ckpt.save(done, state, metadata=meta, force=True)
 
-        done, session.started = start, time.time()  # the setup above is not counted
         session.memory = memory.PeakMemory()
         guard = _NonFinite(RLConfig.from_config(parts.config.rl), ckpt)
         identity = paths.dir_identity(parts.workdir)
@@ -334,7 +336,8 @@ def _train(
                 done = step + 1
                 _check_workdir(parts.workdir, identity, done)
                 with profile.step(done):
-                    state, group, metrics = _train_step(parts, session, source, state, done)
+                    state, group, metrics = _train_step(parts, session, source, state, done, first)
+                first = None
                 guard.update(done, metrics)
                 data_state = {**data_state, "next_index": group.batch_index + 1}
                 _process_metrics(done, metrics)
@@ -416,21 +419,74 @@ def _export(parts: Parts, exporter: Callable[[Any, str], None], params: Any, don
         exporter(params, path)
 
 
+@dataclasses.dataclass
+class _First:
+    """A session's first rollout group and batch, fetched before its first step to run the
+    self-tests on (`tg_jax.train.self_tests`), with the seconds its step would have timed."""
+
+    group: Any
+    batch: Batch
+    wait_s: float
+    build_s: float
+    figures: dict[str, float]
+
+
+def _metrics_writer(parts: Parts, first: _First | None) -> MetricsWriter:
+    """The run's metrics.jsonl (and TensorBoard) writer; the self-tests' figures go first, at
+    step 0 (stage `self_tests.STAGE`)."""
+    lc = parts.config.rl_loop
+    writer = MetricsWriter(parts.workdir, use_tensorboard=bool(lc.use_tensorboard))
+    if first is not None:
+        writer.write(0, first.figures, stage=self_tests.STAGE)
+    return writer
+
+
+def _get_group(parts: Parts, source: Any) -> Any:
+    group = source.get(int(parts.config.rl.max_staleness))
+    if group is None:
+        raise RuntimeError("the train task iterator ended before the last step")
+    return group
+
+
+def _first_group(parts: Parts, source: Any, state: TrainState, start: int) -> _First | None:
+    """With `rl_loop.self_tests` on a fresh run: step 1's rollout group and batch, checked under
+    the initial params before any update (`self_tests.run`: a `SelfTestError` stops the run
+    before metrics or checkpoints are written); None otherwise (a resumed session, or the
+    whole-host split, where only the trainer processes hold the params)."""
+    if start != 0 or not self_tests.enabled(parts.config) or parts.roles.whole:
+        return None
+    t0 = time.perf_counter()
+    group = _get_group(parts, source)
+    t1 = time.perf_counter()
+    batch = _build_batch(parts, group.trajectories, start + 1)
+    t2 = time.perf_counter()
+    teacher = reference_teacher_params(TGConfig.from_config(parts.config.tg), parts.ref_params)
+    figures = self_tests.run(parts, state.params, group.trajectories, batch, teacher)
+    return _First(group, batch, t1 - t0, t2 - t1, figures)
+
+
 def _train_step(
-    parts: Parts, session: Session, source: Any, state: TrainState, done: int
+    parts: Parts,
+    session: Session,
+    source: Any,
+    state: TrainState,
+    done: int,
+    first: _First | None = None,
 ) -> tuple[TrainState, Any, dict[str, Any]]:
-    """One RL step: a rollout group -> a batch -> the train step -> the new params published
-    as policy version `done`; adds the step's costs to the session's.
+    """One RL step: a rollout group (`first`'s when given) -> a batch -> the train step -> the
+    new params published as policy version `done`; adds the step's costs to the session's.
 
     Returns:
       (new state, the rollout group, the step's metrics: device ones and host ones).
     """
     t0 = time.perf_counter()
-    group = source.get(int(parts.config.rl.max_staleness))
-    if group is None:
-        raise RuntimeError("the train task iterator ended before the last step")
-    t1 = time.perf_counter()
-    batch = _build_batch(parts, group.trajectories, done)
+    if first is None:
+        group = _get_group(parts, source)
+        t1 = time.perf_counter()
+        batch = _build_batch(parts, group.trajectories, done)
+    else:  # timed as if fetched and built now
+        group, batch = first.group, first.batch
+        t0, t1 = t0 - first.wait_s - first.build_s, t0 - first.build_s
     rollout_dump.dump_step(parts.config, parts.workdir, done, group.trajectories, batch)
     if faults.hit("step.nan"):  # a numerically broken step (tg_jax.faults)
         batch = batch.replace(
