@@ -73,9 +73,11 @@ def get_config(arg=None):
     c.rl_loop.seq_len = SEQ_LEN  # padded student length of a batch
     c.rl_loop.async_sampling = True  # published: async RL (sampler runs ahead, staleness <= 1)
     c.rl_loop.max_new_tokens = 2048  # decode budget per assistant turn
-    # A step's 1024 rows x 8192 slots in one sampler call need 226 GiB per chip (tg_jax.tpu.aot);
-    # 256 rows need 57.7 of v5p's 95: rollouts are sampled 256 episodes at a time.
-    c.sampler_mesh.max_rows = 256
+    # The lock-step sampler's whole call (prefill and decode loop) at 256 rows x 8192 slots
+    # needs 98 GiB per chip, the evaluation's at 128 rows 112 GiB; at 64 rows 50.7 and 29.6
+    # GiB, beside the train step 80.8 of v5p's 95 (python -m tg_jax.tpu.fit; docs/tpu.md):
+    # rollouts and evaluations are sampled 64 episodes at a time.
+    c.sampler_mesh.max_rows = 64
     # Lock-step rollouts: the engine has not run on a TPU yet (its fit is compiled, below;
     # on an H200 its paged decode step was slower than the lock-step sampler's, docs/benchmarks.md).
     c.rl_loop.rollout_engine = "lockstep"
