@@ -57,9 +57,16 @@ def test_version_tags_and_staleness_filter():
         assert group.policy_version == 3 and group.staleness == 0 and group.batch_index == 4
         stats = loop.stats()
         assert stats["groups_dropped_stale"] == 3 and stats["groups_delivered"] == 2
+        # Lineage: the next delivered group lists them (the step's step_<N>.dropped.json).
+        why = "stale: sampled by policy version 0, 3 behind the trainer (rl.max_staleness 1)"
+        assert group.trajectories[0].info["dropped_groups"] == [
+            {"batch_index": i, "group_ids": [0], "task_ids": [str(i)], "why": why}
+            for i in (1, 2, 3)
+        ]
         loop.publish({"w": jnp.ones(2)}, version=4)
         group = loop.get(max_staleness=1, timeout=10)  # sampled at 3 or 4: kept
         assert group.policy_version >= 3 and group.staleness == 4 - group.policy_version
+        assert "dropped_groups" not in group.trajectories[0].info  # listed once
         with pytest.raises(ValueError, match="went back"):
             loop.publish({"w": jnp.ones(2)}, version=2)
     assert not loop.running

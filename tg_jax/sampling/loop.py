@@ -167,6 +167,7 @@ class SamplingLoop:
         self._error: BaseException | None = None
         self._exhausted = False
         self._dropped = 0
+        self._stale: list[dict[str, Any]] = []  # dropped as stale since the last delivery
         self._delivered = 0
         self._staleness: list[int] = []
         self._thread = threading.Thread(target=self._run, name="tg_jax-sampling-loop", daemon=True)
@@ -228,6 +229,7 @@ class SamplingLoop:
             staleness = self.version - item.policy_version
             if staleness > max_staleness:
                 self._dropped += 1
+                self._stale.append(stale_entry(item, staleness, max_staleness))
                 logging.info(
                     "dropped rollout group %d of version %d (staleness %d > %d)",
                     item.batch_index,
@@ -239,6 +241,10 @@ class SamplingLoop:
             item.staleness = staleness
             self._delivered += 1
             self._staleness.append(staleness)
+            if self._stale and item.trajectories:  # lineage: listed with the next step's dump
+                info = item.trajectories[0].info
+                info["dropped_groups"] = [*info.get("dropped_groups", ()), *self._stale]
+                self._stale = []
             return item
 
     def stats(self) -> dict[str, float]:
@@ -330,6 +336,20 @@ class SamplingLoop:
         except BaseException as e:  # noqa: BLE001 (handed to the trainer by get())
             logging.exception("sampling loop failed")
             self._error = e
+
+
+def stale_entry(group: RolloutGroup, staleness: int, max_staleness: int) -> dict[str, Any]:
+    """The lineage entry of a rollout batch dropped as stale (`Trajectory.info`'s
+    "dropped_groups", written to step_<N>.dropped.json with the step that follows)."""
+    return {
+        "batch_index": int(group.batch_index),
+        "group_ids": sorted({int(t.group_id) for t in group.trajectories}),
+        "task_ids": sorted({str(t.task_id) for t in group.trajectories}),
+        "why": (
+            f"stale: sampled by policy version {group.policy_version}, {staleness} behind the "
+            f"trainer (rl.max_staleness {max_staleness})"
+        ),
+    }
 
 
 class InlineLoop:

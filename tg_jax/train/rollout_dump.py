@@ -23,7 +23,8 @@ before its train step (process 0 writes): one record per real batch row (an epis
   requirement_names, hints                       the names; {requirement: hint message ids}
   rewards, reward                                {component: reward}, their weighted sum
 
-Groups the step dropped (unusable engine output) are listed with why in step_<N>.dropped.json.
+Groups the step dropped (unusable engine output) and rollout batches the sampling loop dropped
+as stale before it are listed with why in step_<N>.dropped.json.
 Beside each file, step_<N>.batch.msgpack holds the whole `Batch` the train step read (padding
 rows, teacher rows and all), and rollouts/run_config.py the run's config as a Python literal
 (written with the first dump): with a checkpoint, `python -m tg_jax.replay` re-scores the step
