@@ -2,6 +2,8 @@
 
 import dataclasses
 import glob
+import importlib.machinery
+import importlib.util
 import io
 import json
 import os
@@ -177,3 +179,47 @@ def test_progress_disabled_and_tqdm_modes():
 
 def test_format_duration():
     assert [format_duration(s) for s in (5, 185, 7620)] == ["5s", "3m05s", "2h07m"]
+
+
+def test_rl_runs_log_to_the_wandb_project_the_config_names(tmp_path, monkeypatch):
+    """rl_loop.wandb_project: the RL stage's writer opens one wandb run per arm and seed (the
+    config attached; its id from the workdir, so a resumed run continues it) and logs there
+    what metrics.jsonl gets; "" opens none; set without wandb installed, the config is
+    refused at start-up."""
+    from tg_jax import config_files
+    from tg_jax.train import rl
+    from tg_jax.train.loop_settings import LoopConfig
+
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = config_files.apply_overrides(
+        config_files.load_config_file("configs/default.py"), {"rl_loop.wandb_project": "tg-runs"}
+    )
+    LoopConfig.from_config(cfg.rl_loop)  # the start-up check passes: wandb is there
+    parts = types.SimpleNamespace(config=cfg, workdir=str(tmp_path), arm_name="tg", seed=3)
+    first = types.SimpleNamespace(figures={"student_max": 1e-7})  # self_tests.run figures
+    with rl._metrics_writer(parts, first):
+        pass
+    (_, kw), log, finish = calls
+    assert kw["project"] == "tg-runs" and kw["name"] == "tg_seed3" and kw["resume"] == "allow"
+    assert kw["config"]["rl_loop"]["wandb_project"] == "tg-runs"
+    assert kw["id"] == rl.wandb_settings(cfg, str(tmp_path), "tg", 3)["id"]  # resumes it
+    assert kw["id"] != rl.wandb_settings(cfg, str(tmp_path / "other"), "tg", 3)["id"]
+    assert log == ("log", {"selftest/student_max": 1e-7}, 0) and finish == ("finish",)
+    off = config_files.apply_overrides(cfg, {"rl_loop.wandb_project": ""})
+    assert rl.wandb_settings(off, str(tmp_path), "tg", 3) is None
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match=r"rl_loop.wandb_project 'tg-runs' needs wandb"):
+        LoopConfig.from_config(cfg.rl_loop)

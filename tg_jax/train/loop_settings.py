@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import ClassVar
 
 from tg_jax.config_schema import Section
@@ -146,6 +147,10 @@ class LoopConfig(Section):
     """Progress-line interval when stdout is not a TTY."""
     use_tensorboard: bool = True
     """TensorBoard event files next to metrics.jsonl."""
+    wandb_project: str = ""
+    """A Weights & Biases project the RL metrics also go to ("" = none; the `wandb` extra):
+    one wandb run per arm and seed, named <arm>_seed<seed>, with the run's config; a resumed
+    run continues the same wandb run (its id derives from the workdir)."""
     feedback: FeedbackConfig = FeedbackConfig()
     """Imperfect feedback for the teacher's hints."""
 
@@ -185,6 +190,11 @@ class LoopConfig(Section):
                 f"got {p}"
             )
         check_engine(self.rollout_engine)
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ValueError(
+                f"rl_loop.wandb_project {self.wandb_project!r} needs wandb: pip install "
+                "'tg_jax[wandb]', or set rl_loop.wandb_project=''"
+            )
         if self.think_budget and self.rollout_engine == "lockstep":
             raise ValueError(
                 "rl_loop.think_budget needs rl_loop.rollout_engine 'builtin' or 'vllm' (a turn "

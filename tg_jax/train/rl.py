@@ -52,6 +52,7 @@ step, the max over sessions; not the process's lifetime peak, which grows across
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -435,10 +436,31 @@ def _metrics_writer(parts: Parts, first: _First | None) -> MetricsWriter:
     """The run's metrics.jsonl (and TensorBoard) writer; the self-tests' figures go first, at
     step 0 (stage `self_tests.STAGE`)."""
     lc = parts.config.rl_loop
-    writer = MetricsWriter(parts.workdir, use_tensorboard=bool(lc.use_tensorboard))
+    writer = MetricsWriter(
+        parts.workdir,
+        use_tensorboard=bool(lc.use_tensorboard),
+        wandb_config=wandb_settings(parts.config, parts.workdir, parts.arm_name, parts.seed),
+    )
     if first is not None:
         writer.write(0, first.figures, stage=self_tests.STAGE)
     return writer
+
+
+def wandb_settings(config: Any, workdir: str, arm: str, seed: int) -> dict[str, Any] | None:
+    """`wandb.init`'s arguments for `rl_loop.wandb_project` (None when unset): the run named
+    <arm>_seed<seed>, its id from the workdir (a resumed run continues it), the config."""
+    project = str(config.rl_loop.get("wandb_project", "") or "")
+    if not project:
+        return None
+    digest = hashlib.sha256(os.fspath(workdir).encode()).hexdigest()[:12]
+    name = f"{arm}_seed{seed}"
+    return {
+        "project": project,
+        "name": name,
+        "id": f"{name}-{digest}",
+        "resume": "allow",
+        "config": config.to_dict(),
+    }
 
 
 def _get_group(parts: Parts, source: Any) -> Any:
