@@ -100,7 +100,9 @@ def test_disabled_writer_writes_nothing(tmp_path):
     assert not os.path.exists(tmp_path / "w")
 
 
-def test_wandb_only_when_configured(tmp_path, monkeypatch):
+@pytest.fixture
+def wandb_calls(monkeypatch):
+    """A fake `wandb` module in sys.modules; the list of its init / log / finish calls."""
     calls = []
 
     class Run:
@@ -112,7 +114,13 @@ def test_wandb_only_when_configured(tmp_path, monkeypatch):
 
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: calls.append(("init", kw)) or Run()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
+    return calls
+
+
+def test_wandb_only_when_configured(tmp_path, monkeypatch, wandb_calls):
+    calls = wandb_calls
     with MetricsWriter(tmp_path, use_tensorboard=False):
         pass
     assert calls == []
@@ -181,7 +189,7 @@ def test_format_duration():
     assert [format_duration(s) for s in (5, 185, 7620)] == ["5s", "3m05s", "2h07m"]
 
 
-def test_rl_runs_log_to_the_wandb_project_the_config_names(tmp_path, monkeypatch):
+def test_rl_runs_log_to_the_wandb_project_the_config_names(tmp_path, monkeypatch, wandb_calls):
     """rl_loop.wandb_project: the RL stage's writer opens one wandb run per arm and seed (the
     config attached; its id from the workdir, so a resumed run continues it) and logs there
     what metrics.jsonl gets; "" opens none; set without wandb installed, the config is
@@ -190,19 +198,7 @@ def test_rl_runs_log_to_the_wandb_project_the_config_names(tmp_path, monkeypatch
     from tg_jax.train import rl
     from tg_jax.train.loop_settings import LoopConfig
 
-    calls = []
-
-    class Run:
-        def log(self, data, step):
-            calls.append(("log", data, step))
-
-        def finish(self):
-            calls.append(("finish",))
-
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kw: calls.append(("init", kw)) or Run()
-    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    monkeypatch.setitem(sys.modules, "wandb", fake)
+    calls = wandb_calls
     cfg = config_files.apply_overrides(
         config_files.load_config_file("configs/default.py"), {"rl_loop.wandb_project": "tg-runs"}
     )
