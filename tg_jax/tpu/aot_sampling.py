@@ -26,7 +26,6 @@ lists them. What each one is:
 
 from __future__ import annotations
 
-import math
 import pickle
 from typing import Any
 
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tg_jax import multihost, sharding, tracing
+from tg_jax import multihost, sharding
 from tg_jax.models import ModelConfig, Transformer
 from tg_jax.sampling.rows import batch_bucket, length_bucket
 from tg_jax.sampling.sampler import Sampler
@@ -119,12 +118,7 @@ def vllm_bytes(config: Any) -> tuple[int, int]:
     from tg_jax.engine.vllm_engine import kv_cache_bytes  # noqa: PLC0415
 
     cfg = ModelConfig.from_config(config.model)
-    shapes = tracing.eval_shape(
-        lambda k: Transformer(cfg).init(k, jnp.zeros((1, 8), jnp.int32))["params"],
-        jax.random.key(0),
-    )
-    weights = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-    weights *= np.dtype(cfg.jnp_dtype).itemsize
+    weights = cfg.num_params() * np.dtype(cfg.jnp_dtype).itemsize
     lc = config.rl_loop
     slots = int(lc.get("engine_slots", 0)) or int(lc.groups_per_step) * int(lc.rollouts_per_group)
     return int(weights), kv_cache_bytes(cfg, slots, int(cfg.max_seq_len))

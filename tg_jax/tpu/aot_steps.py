@@ -141,16 +141,10 @@ def state_bytes(config: Any, mesh: Mesh, rules) -> int:
     from tg_jax.tpu.hbm import bytes_per_device  # noqa: PLC0415
 
     model = Transformer(ModelConfig.from_config(config.model))
-    optimizer = tst.make_optimizer(config.optim)
-    shardings = tst.train_state_shardings(model, optimizer, mesh, rules)
-    boxed = tracing.eval_shape(
-        lambda k: model.init(k, jnp.zeros((1, 8), jnp.int32))["params"], jax.random.key(0)
-    )
-    held = (nn.unbox(boxed), nn.unbox(tracing.eval_shape(optimizer.init, boxed)))
-    held = _with_shardings(held, (shardings.params, shardings.opt_state))
-    total = bytes_per_device(held)
+    state = tst.abstract_train_state(model, tst.make_optimizer(config.optim), mesh, rules)
+    total = bytes_per_device((state.params, state.opt_state))
     if StepConfig.from_config(config).needs_reference:
-        total += bytes_per_device(held[0])
+        total += bytes_per_device(state.params)
     return total
 
 

@@ -90,7 +90,12 @@ def _engine_inputs(config: Any, mesh: Any, geometry: EngineShape, params: Any):
         prepared.output_shardings,
     )
     weights = paged.with_params(model, weights, params)  # by reference, as `Engine` holds them
-    g = geometry
+    return model, weights, _abstract_pool(cfg, place, geometry), place
+
+
+def _abstract_pool(cfg: ModelConfig, place: Placement, g: EngineShape) -> paged.PagedPool:
+    """The engine's KV pool (and routing record) for `g` as abstract arrays placed as
+    `Placement` places them: KV heads over "tensor", the routing record replicated."""
     kv = jax.ShapeDtypeStruct(
         (g.num_pages, g.page_size, cfg.num_kv_heads, cfg.head_dim),
         cfg.jnp_dtype,
@@ -100,26 +105,14 @@ def _engine_inputs(config: Any, mesh: Any, geometry: EngineShape, params: Any):
     if cfg.router_replay:
         shape = (g.num_pages, g.page_size, cfg.num_layers, cfg.experts_per_token)
         routes = jax.ShapeDtypeStruct(shape, jnp.int16, sharding=place.replicated)
-    pool = paged.PagedPool((kv,) * cfg.num_layers, (kv,) * cfg.num_layers, routes)
-    return model, weights, pool, place
+    return paged.PagedPool((kv,) * cfg.num_layers, (kv,) * cfg.num_layers, routes)
 
 
 def pool_bytes_per_device(config: Any, mesh: Any, geometry: EngineShape) -> int:
     """Bytes per device of an engine's KV pool (and routing record) for `geometry`: what an
     engine keeps on its chips between calls."""
     cfg = ModelConfig.from_config(config.model)
-    place = Placement(Transformer(cfg), mesh)
-    g = geometry
-    kv = jax.ShapeDtypeStruct(
-        (g.num_pages, g.page_size, cfg.num_kv_heads, cfg.head_dim), cfg.jnp_dtype, sharding=place.kv
-    )
-    total = 2 * cfg.num_layers * hbm.bytes_per_device([kv])
-    if cfg.router_replay:
-        shape = (g.num_pages, g.page_size, cfg.num_layers, cfg.experts_per_token)
-        total += hbm.bytes_per_device(
-            [jax.ShapeDtypeStruct(shape, jnp.int16, sharding=place.replicated)]
-        )
-    return total
+    return hbm.bytes_per_device(_abstract_pool(cfg, Placement(Transformer(cfg), mesh), geometry))
 
 
 def compile_engine_step(config: Any, mesh: Any, geometry: EngineShape, params: Any) -> Any:

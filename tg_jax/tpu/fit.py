@@ -53,8 +53,6 @@ def sampler_programs(config: Any) -> list[str]:
     """The `compile_programs` names of the config's rollout sampler calls: the lock-step
     sampler's whole call ("prompt"), the built-in engine's prefill and decode calls; none for
     vLLM (its reservation is sized, `aot_sampling.vllm_bytes`)."""
-    from tg_jax.sampling.agent_loop import engine_kind  # noqa: PLC0415
-
     kind = engine_kind(config.rl_loop) if "rl_loop" in config else "lockstep"
     return {"lockstep": ["prompt"], "builtin": ["engine_prefill", "engine"]}.get(kind, [])
 

@@ -56,7 +56,7 @@ class MemoryReport:
         )
         resident = f"  + resident {g(self.resident)}" if self.resident else ""
         if self.estimated:
-            return f"{head}  estimated from shapes {g(self.arguments + self.temps)}{resident}"
+            return f"{head}  estimated from shapes {g(self.arguments)}{resident}"
         return (
             f"{head}  arguments {g(self.arguments)}  outputs {g(self.outputs)}  "
             f"aliased {g(self.aliased)}  temps {g(self.temps)}  code {g(self.code)}{resident}"
