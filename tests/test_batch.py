@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from tg_jax.rl.batch import bucket_length, build_batch, split_batch, split_microbatches
+from tg_jax.rl.batch import (
+    bucket_length,
+    build_batch,
+    join_rows,
+    split_batch,
+    split_microbatches,
+)
 from tg_jax.rl.tg.compact import row_bucket
 from tg_jax.sampling.trajectory import Role, Trajectory
 
@@ -140,6 +146,8 @@ def test_per_turn_rows_and_micro_batches():
     assert stacked.tokens_BxT.shape == (2, 2, 24)
     assert stacked.teacher_tokens_BtxTt.shape[:2] == (2, 4)
     np.testing.assert_array_equal(stacked.tokens_BxT[1, 0], b.tokens_BxT[1])
+    micro = [mb.tokens_BxT for mb in split_batch(b, 2)]  # join_rows: split_batch's inverse
+    np.testing.assert_array_equal(join_rows(micro), b.tokens_BxT)
 
 
 def test_per_turn_overflow_is_dropped_and_per_trajectory_micro_rows():

@@ -169,7 +169,7 @@ def token_arrays(setup: _Setup, params: Any, batch: Any, teacher_params: Any) ->
     import jax  # noqa: PLC0415
 
     from tg_jax import multihost, sharding, tracing  # noqa: PLC0415
-    from tg_jax.rl.batch import split_batch  # noqa: PLC0415
+    from tg_jax.rl.batch import join_rows, split_batch  # noqa: PLC0415
     from tg_jax.rl.loss import token_stats  # noqa: PLC0415
 
     rl_cfg, tg_cfg = setup.step_config.rl, setup.step_config.tg
@@ -194,12 +194,8 @@ def token_arrays(setup: _Setup, params: Any, batch: Any, teacher_params: Any) ->
                     for x in jitted(params, multihost.host_to_global(micro, data), teacher_params)
                 ]
             )
-    # Micro-batch i holds rows i, i + num, ...: interleave them back.
     names = ("logprob_BxT", "entropy_BxT", "divergence_BxT")
-    out = {
-        name: np.stack([o[k] for o in outs], axis=1).reshape(-1, outs[0][k].shape[-1])
-        for k, name in enumerate(names)
-    }
+    out = {name: join_rows([o[k] for o in outs]) for k, name in enumerate(names)}
     # D_t where the TG term reads it (M), 0 elsewhere (computed there, but in no loss).
     out["divergence_BxT"] = np.where(np.asarray(batch.tg_mask_BxT), out["divergence_BxT"], 0.0)
     return out

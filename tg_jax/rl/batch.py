@@ -63,7 +63,15 @@ from tg_jax.rl.tg.compact import (
 from tg_jax.rl.tg.mask import failed_requirements, targeted_requirements, tg_mask
 from tg_jax.sampling.trajectory import Role, Trajectory
 
-__all__ = ["Batch", "bucket_length", "build_batch", "num_rows", "split_batch", "split_microbatches"]
+__all__ = [
+    "Batch",
+    "bucket_length",
+    "build_batch",
+    "join_rows",
+    "num_rows",
+    "split_batch",
+    "split_microbatches",
+]
 
 TeacherMode = Literal["per_trajectory", "per_turn", "none"]
 
@@ -568,6 +576,12 @@ def split_batch(batch: Batch, num: int) -> list[Batch]:
     """Host-side list of the `num` micro-batches of `split_microbatches`."""
     stacked = split_microbatches(batch, num)
     return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num)]
+
+
+def join_rows(micro: Sequence[np.ndarray]) -> np.ndarray:
+    """The inverse of `split_batch` for one per-row array: the `num` micro-batches' [B / num,
+    ...] arrays back to [B, ...], row b from micro-batch b % num at local index b // num."""
+    return np.stack(micro, axis=1).reshape(-1, *micro[0].shape[1:])
 
 
 def num_rows(num_trajectories: int, batch_multiple: int, micro_batches: int) -> int:

@@ -59,7 +59,7 @@ from tg_jax import multihost, sharding, tracing
 from tg_jax.errors import SelfTestError
 from tg_jax.models import Transformer
 from tg_jax.rl import hidden_thinking
-from tg_jax.rl.batch import Batch, build_batch, split_batch
+from tg_jax.rl.batch import Batch, build_batch, join_rows, split_batch
 from tg_jax.rl.loss import _unembed_fn
 from tg_jax.rl.step_config import RLConfig, TGConfig
 from tg_jax.rl.tg.divergence import chunked_token_stats
@@ -196,10 +196,7 @@ def _batch_logprobs(
         for micro in split_batch(batch, num):
             placed = multihost.host_to_global(micro, placement)
             outs.append([_host(x) for x in setup.fn(params, teacher_params, placed, teacher)])
-    # Micro-batch i holds rows i, i + num, ...: interleave them back.
-    return tuple(
-        np.stack([o[k] for o in outs], axis=1).reshape(-1, outs[0][k].shape[-1]) for k in (0, 1)
-    )
+    return tuple(join_rows([o[k] for o in outs]) for k in (0, 1))
 
 
 def _rows(parts: Any, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
