@@ -54,7 +54,7 @@ from tg_jax.rl.tg.teacher import (
 Metrics = dict[str, jax.Array]
 
 
-def _unembed_fn(model: nn.Module, params: Any, temperature: float) -> Callable:
+def unembed_fn(model: nn.Module, params: Any, temperature: float) -> Callable:
     """h [B, C, D] -> logits [B, C, V] / temperature (the sampler's distribution)."""
 
     def fn(h_BxCxD: jax.Array) -> jax.Array:
@@ -113,7 +113,7 @@ def token_stats(
     if teacher_params is None:
         teacher_params = params
     else:  # other weights than the rollouts' route by their own routers (no replay)
-        teacher_unembed_fn = _unembed_fn(model, teacher_params, rl_cfg.temperature)
+        teacher_unembed_fn = unembed_fn(model, teacher_params, rl_cfg.temperature)
         teacher_batch = batch.replace(teacher_routes_BtxTtxLxJ=None)
     cfg = model.config
     with_router = bool(cfg.is_moe and cfg.router_aux_loss_coef > 0)
@@ -132,7 +132,7 @@ def token_stats(
     stats = chunked_token_stats(
         hidden_BxTxD,
         batch.targets_BxT,
-        _unembed_fn(model, params, rl_cfg.temperature),
+        unembed_fn(model, params, rl_cfg.temperature),
         teacher_hidden_BxTxD=teacher_hidden_BxTxD if tg_cfg.enabled else None,
         teacher_unembed_fn=teacher_unembed_fn,
         chunk_size=tg_cfg.chunk_size,
@@ -144,7 +144,7 @@ def token_stats(
                 hidden_BxTxD,
                 teacher_BtxTtxD,
                 batch,
-                _unembed_fn(model, params, rl_cfg.temperature),
+                unembed_fn(model, params, rl_cfg.temperature),
                 batch.tg_mask_BxT,
                 chunk_size=tg_cfg.chunk_size,
                 **teacher_term_options(tg_cfg),
@@ -213,7 +213,7 @@ def reference_term(
     ref_stats = chunked_token_stats(
         jax.lax.stop_gradient(ref_hidden_BxTxD),
         batch.targets_BxT,
-        _unembed_fn(model, ref_params, rl_cfg.temperature),
+        unembed_fn(model, ref_params, rl_cfg.temperature),
         chunk_size=tg_cfg.chunk_size,
     )
     kl = reference_kl(

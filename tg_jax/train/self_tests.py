@@ -60,7 +60,7 @@ from tg_jax.errors import SelfTestError
 from tg_jax.models import Transformer
 from tg_jax.rl import hidden_thinking
 from tg_jax.rl.batch import Batch, build_batch, join_rows, split_batch
-from tg_jax.rl.loss import _unembed_fn
+from tg_jax.rl.loss import unembed_fn
 from tg_jax.rl.step_config import RLConfig, TGConfig
 from tg_jax.rl.tg.divergence import chunked_token_stats
 from tg_jax.rl.tg.teacher import gather_teacher, student_forward, teacher_rows_hidden
@@ -156,7 +156,7 @@ def _logprob_fn(model_cfg: Any, rules: Any, rl_cfg: RLConfig, tg_cfg: TGConfig) 
     model = Transformer(model_cfg)
 
     def logprobs(p: Any, hidden_BxTxD: jax.Array, batch: Batch) -> jax.Array:
-        unembed = _unembed_fn(model, p, rl_cfg.temperature)
+        unembed = unembed_fn(model, p, rl_cfg.temperature)
         stats = chunked_token_stats(
             hidden_BxTxD, batch.targets_BxT, unembed, chunk_size=tg_cfg.chunk_size
         )
